@@ -1,0 +1,166 @@
+//! `StepPlan`: everything a backend needs for one forward step, as plain data.
+//!
+//! The scheduler builds one per step; backends execute it. Nothing here refers to devices,
+//! strings or HTTP, so both sides can be tested alone.
+
+use crate::sampling::SamplingParams;
+
+/// Which attention formulation the step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// Normal (decompressed MHA) path for every sequence: prompt chunks, possibly continuing a
+    /// cached prefix. A one-token entry is allowed and is simply a chunk of length one.
+    Prefill,
+    /// Absorbed (MQA over the latent cache) path; every sequence feeds exactly one token.
+    Decode,
+}
+
+/// Which logits a sequence wants back (tests and scoring; serving normally asks for none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitsRequest {
+    #[default]
+    None,
+    /// Logits of the last fed token only.
+    Last,
+    /// Logits of every fed token, in order.
+    All,
+}
+
+/// Token history a sampler needs for presence / frequency / repetition penalties.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PenaltyTokens {
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+}
+
+/// Ask the backend to draw the next token from the last fed position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleRequest {
+    pub params: SamplingParams,
+    /// Seed for this draw alone; the engine derives it from the request seed and the output
+    /// index, so the same seed gives the same tokens whatever the batch looks like.
+    pub seed: u64,
+    /// `Some(k)`: return the chosen token's log-probability and the `k` most likely alternatives.
+    pub top_logprobs: Option<usize>,
+    /// Filled only when a penalty is active.
+    pub penalty: Option<PenaltyTokens>,
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqStep {
+    pub seq_id: u64,
+    /// Tokens fed this step: a prompt chunk, or the one token sampled last step.
+    pub tokens: Vec<u32>,
+    /// Tokens of this sequence already in the KV cache; `tokens[0]` sits at this position.
+    pub context_len: usize,
+    /// Physical cache blocks holding positions `0 .. context_len + tokens.len()`, in order.
+    pub block_table: Vec<u32>,
+    pub logits: LogitsRequest,
+    pub sample: Option<SampleRequest>,
+}
+
+impl SeqStep {
+    /// Position one past the last fed token.
+    pub fn end_pos(&self) -> usize {
+        self.context_len + self.tokens.len()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPlan {
+    pub kind: StepKind,
+    pub seqs: Vec<SeqStep>,
+}
+
+/// A plan that does not fit the backend's cache or violates the step kind.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("sequence {seq_id}: feeds no tokens")]
+    EmptySequence { seq_id: u64 },
+    #[error("sequence {seq_id}: a decode step feeds exactly one token, found {found}")]
+    DecodeNeedsOneToken { seq_id: u64, found: usize },
+    #[error("sequence {seq_id}: block table has {have} blocks of {block_size} tokens, {need} positions need {need_blocks}")]
+    BlockTableTooShort { seq_id: u64, have: usize, block_size: usize, need: usize, need_blocks: usize },
+    #[error("sequence {seq_id}: block {block} is outside the cache (0..{num_blocks})")]
+    BlockOutOfRange { seq_id: u64, block: u32, num_blocks: usize },
+    #[error("sequence {seq_id}: token {token} is outside the vocabulary (0..{vocab_size})")]
+    TokenOutOfRange { seq_id: u64, token: u32, vocab_size: usize },
+    #[error("sequence {seq_id}: position {end} exceeds the model's maximum of {max}")]
+    TooLong { seq_id: u64, end: usize, max: usize },
+}
+
+impl StepPlan {
+    /// Checks the plan against a cache of `num_blocks` blocks of `block_size` tokens, a
+    /// vocabulary and a maximum length. Every backend calls this before touching memory.
+    pub fn validate(
+        &self,
+        block_size: usize,
+        num_blocks: usize,
+        vocab_size: usize,
+        max_len: usize,
+    ) -> Result<(), PlanError> {
+        for s in &self.seqs {
+            if s.tokens.is_empty() {
+                return Err(PlanError::EmptySequence { seq_id: s.seq_id });
+            }
+            if self.kind == StepKind::Decode && s.tokens.len() != 1 {
+                return Err(PlanError::DecodeNeedsOneToken { seq_id: s.seq_id, found: s.tokens.len() });
+            }
+            let need = s.end_pos();
+            if need > max_len {
+                return Err(PlanError::TooLong { seq_id: s.seq_id, end: need, max: max_len });
+            }
+            let need_blocks = need.div_ceil(block_size);
+            if s.block_table.len() < need_blocks {
+                return Err(PlanError::BlockTableTooShort {
+                    seq_id: s.seq_id,
+                    have: s.block_table.len(),
+                    block_size,
+                    need,
+                    need_blocks,
+                });
+            }
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
+                return Err(PlanError::BlockOutOfRange { seq_id: s.seq_id, block: b, num_blocks });
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+                return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
+            }
+        }
+        Ok(())
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// Physical cache slot (block * block_size + offset) of logical position `pos`.
+pub fn slot_of(block_table: &[u32], block_size: usize, pos: usize) -> usize {
+    block_table[pos / block_size] as usize * block_size + pos % block_size
+}
+
+/// The token a backend drew, with log-probabilities of the unmodified model distribution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    pub token: u32,
+    /// Log-probability of `token`; filled when `top_logprobs` was asked for, else 0.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// One sequence's result, in the order of `StepPlan::seqs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqResult {
+    pub seq_id: u64,
+    /// Rows of `vocab_size` logits as asked by `LogitsRequest` (empty for `None`).
+    pub logits: Vec<Vec<f32>>,
+    pub sampled: Option<SampledToken>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepOutput {
+    pub seqs: Vec<SeqResult>,
+}

@@ -1,0 +1,271 @@
+//! Sampling parameters (plain data carried by `StepPlan`) and the host reference sampler.
+//!
+//! Order of operations follows vLLM: penalties, then temperature (0 means greedy), then top-k,
+//! top-p and min-p filtering, then one draw from the renormalised distribution. Log-probabilities
+//! returned to users are of the unmodified model distribution.
+
+use crate::plan::{PenaltyTokens, SampleRequest, SampledToken};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 selects greedy decoding.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; `None` disables.
+    pub top_k: Option<usize>,
+    /// Drop tokens whose probability is below `min_p` times the best one; 0 disables.
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Multiplicative penalty on tokens seen in the prompt or output; 1 disables.
+    pub repetition_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < 1e-5
+    }
+
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+}
+
+/// Small, fast, reproducible generator (SplitMix64); one instance per draw.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1) with 53 bits of precision.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Log-softmax in f64 for stability, returned as f32.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
+}
+
+/// Index of the largest value; the lowest index wins a tie (as `torch.argmax`).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `k` largest entries as (index, value), best first, ties broken by lower index.
+pub fn top_k_entries(values: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(values.len());
+    if k == 0 {
+        return vec![];
+    }
+    let mut idx: Vec<u32> = (0..values.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| {
+        values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b))
+    };
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| (i, values[i as usize])).collect()
+}
+
+/// Applies presence, frequency and repetition penalties in place.
+pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &PenaltyTokens) {
+    if params.repetition_penalty != 1.0 {
+        let mut seen = vec![false; logits.len()];
+        for &t in history.prompt.iter().chain(&history.output) {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        for (l, s) in logits.iter_mut().zip(seen) {
+            if s {
+                *l = if *l > 0.0 { *l / params.repetition_penalty } else { *l * params.repetition_penalty };
+            }
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in &history.output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.frequency_penalty * c as f32 + params.presence_penalty;
+            }
+        }
+    }
+}
+
+/// Draws one token from `logits` (one row of `vocab_size`) as `req` asks.
+pub fn sample(logits: &[f32], req: &SampleRequest) -> SampledToken {
+    let (logprob, top_logprobs, raw_lp) = match req.top_logprobs {
+        Some(k) => {
+            let lp = log_softmax(logits);
+            let top = top_k_entries(&lp, k);
+            (0.0, top, Some(lp))
+        }
+        None => (0.0, vec![], None),
+    };
+    let p = &req.params;
+    let mut work = logits.to_vec();
+    if let Some(h) = &req.penalty {
+        apply_penalties(&mut work, p, h);
+    }
+    let token = if p.is_greedy() {
+        argmax(&work)
+    } else {
+        draw(&work, p, req.seed)
+    };
+    let logprob = raw_lp.map_or(logprob, |lp| lp[token as usize]);
+    SampledToken { token, logprob, top_logprobs }
+}
+
+fn draw(logits: &[f32], p: &SamplingParams, seed: u64) -> u32 {
+    // Candidates sorted by descending logit; filtering only ever keeps a prefix of this order.
+    let k = p.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
+    let mut cand = top_k_entries(logits, k);
+    let inv_t = 1.0 / p.temperature as f64;
+    let max = cand[0].1 as f64 * inv_t;
+    let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| (l as f64 * inv_t - max).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= total);
+    let mut keep = probs.len();
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        for (i, &q) in probs.iter().enumerate() {
+            acc += q;
+            if acc >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        let floor = probs[0] * p.min_p as f64;
+        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+    }
+    cand.truncate(keep);
+    probs.truncate(keep);
+    let total: f64 = probs.iter().sum();
+    let u = SplitMix64::new(seed).next_f64() * total;
+    let mut acc = 0.0;
+    for (&(tok, _), q) in cand.iter().zip(&probs) {
+        acc += q;
+        if u < acc {
+            return tok;
+        }
+    }
+    cand[keep - 1].0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(params: SamplingParams, seed: u64) -> SampleRequest {
+        SampleRequest { params, seed, top_logprobs: None, penalty: None }
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_and_reports_logprobs() {
+        let logits = [0.5, 2.0, -1.0, 2.0];
+        let mut r = req(SamplingParams::greedy(), 0);
+        r.top_logprobs = Some(2);
+        let s = sample(&logits, &r);
+        assert_eq!(s.token, 1);
+        // Hand-computed: log(e^2 / (e^0.5 + 2e^2 + e^-1)).
+        let z = 0.5f64.exp() + 2.0 * 2f64.exp() + (-1f64).exp();
+        assert!((s.logprob as f64 - (2f64.exp() / z).ln()).abs() < 1e-6);
+        assert_eq!(s.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_seeds_reproduce() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let p = SamplingParams { top_k: Some(1), ..Default::default() };
+        assert_eq!(sample(&logits, &req(p, 9)).token, argmax(&logits));
+        let p = SamplingParams::default();
+        let a: Vec<u32> = (0..20).map(|s| sample(&logits, &req(p.clone(), s)).token).collect();
+        let b: Vec<u32> = (0..20).map(|s| sample(&logits, &req(p.clone(), s)).token).collect();
+        assert_eq!(a, b);
+        assert!(a.iter().any(|&t| t != a[0]), "different seeds should give different draws");
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_the_distribution() {
+        // p = softmax([ln 1, ln 3]) = [0.25, 0.75].
+        let logits = [0.0f32, 3f32.ln()];
+        let n = 20_000;
+        let ones = (0..n).filter(|&s| sample(&logits, &req(SamplingParams::default(), s)).token == 1).count();
+        let frac = ones as f64 / n as f64;
+        assert!((frac - 0.75).abs() < 0.015, "{frac}");
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        // probs 0.5, 0.3, 0.2 (temperature 1).
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let p = SamplingParams { top_p: 0.6, ..Default::default() };
+        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).token <= 1));
+        let p = SamplingParams { min_p: 0.5, ..Default::default() };
+        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).token <= 1));
+        let p = SamplingParams { min_p: 0.7, ..Default::default() };
+        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).token == 0));
+    }
+
+    #[test]
+    fn penalties_follow_vllm_definitions() {
+        let mut logits = vec![2.0f32, -2.0, 1.0, 0.0];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..Default::default()
+        };
+        let h = PenaltyTokens { prompt: vec![0], output: vec![1, 2, 2] };
+        apply_penalties(&mut logits, &p, &h);
+        assert_eq!(logits, vec![1.0, -4.0 - 0.75, 0.5 - 1.25, 0.0]);
+    }
+}
