@@ -1,0 +1,49 @@
+//! Where weights come from: a checkpoint on disk or deterministic dummy weights. Backends build
+//! themselves from a `WeightSource` and a `ModelSpec` and never care which one it is.
+
+use crate::checkpoint::CheckpointError;
+use crate::weights::TensorSpec;
+use std::io::IsTerminal;
+
+/// A block-FP8 weight as stored: E4M3 bytes `[rows, cols]` and fp32 scales over `block` tiles.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8Tensor {
+    pub data: Vec<u8>,
+    pub rows: usize,
+    pub cols: usize,
+    /// `[ceil(rows / block[0]), ceil(cols / block[1])]`, row-major.
+    pub scale_inv: Vec<f32>,
+    pub block: [usize; 2],
+}
+
+/// Read access to the tensors of one model. Every read checks the stored shape against the spec.
+pub trait WeightSource: Sync {
+    /// Short description for logs, e.g. the checkpoint directory or "dummy (seed 0)".
+    fn describe(&self) -> String;
+
+    /// The tensor in f32, converted from BF16 / F16 / F32 and dequantized from block FP8.
+    fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError>;
+
+    /// The tensor as bf16 bits: copied when stored as BF16, rounded to nearest-even otherwise.
+    fn read_bf16_bits(&self, spec: &TensorSpec) -> Result<Vec<u16>, CheckpointError> {
+        Ok(self.read_f32(spec)?.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect())
+    }
+
+    /// The stored FP8 bytes and scales when the tensor is block-FP8 in this source, else `None`
+    /// (for backends that compute in FP8 instead of dequantizing).
+    fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError>;
+}
+
+/// Progress bar for loading `total` tensors; drawn only when stderr is a terminal so logs and
+/// test output stay clean.
+pub fn load_progress(total: usize, what: &str) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors ({elapsed})") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(what.to_string());
+    bar
+}
