@@ -1,0 +1,5 @@
+pub mod error;
+pub mod generation_config;
+pub mod protocol;
+pub mod sse;
+pub mod validate;

@@ -1,0 +1,112 @@
+//! `/v1/chat/completions`: request fields, the response and its stream chunks.
+
+use super::common::{Usage, UsageField};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Chat-only request fields (the shared ones are in `SamplingWire`).
+#[derive(Debug, Deserialize)]
+pub struct ChatWire {
+    pub messages: Vec<MessageWire>,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct MessageWire {
+    pub role: String,
+    pub content: Option<ContentWire>,
+    pub name: Option<String>,
+    /// Passed to the template as sent (the DeepSeek templates render assistant tool calls).
+    pub tool_calls: Option<Value>,
+    pub tool_call_id: Option<String>,
+}
+
+/// `content`: a string, or a list of parts of which only text parts are supported.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum ContentWire {
+    Text(String),
+    Parts(Vec<ContentPartWire>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPartWire {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    /// Present (as `null` until the last chunk) only when `stream_options.include_usage` is set,
+    /// as OpenAI does.
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    pub usage: UsageField,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}

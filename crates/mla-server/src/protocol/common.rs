@@ -1,0 +1,99 @@
+//! Fields shared by `/v1/chat/completions` and `/v1/completions`, and the `usage` object.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Sampling and control fields both endpoints accept. `None` means "not sent".
+#[derive(Debug, Default, Deserialize)]
+pub struct SamplingWire {
+    pub model: Option<String>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub max_tokens: Option<i64>,
+    pub n: Option<i64>,
+    pub stop: Option<StopWire>,
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub seed: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptionsWire>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub ignore_eos: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopWire {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopWire {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopWire::One(s) => vec![s],
+            StopWire::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptionsWire {
+    pub include_usage: Option<bool>,
+}
+
+/// OpenAI fields that change what is generated but that this server does not implement.
+/// They are read only to refuse them: silently ignoring them would return something other than
+/// what the client asked for. (Fields that do not change the output, like `user`, are ignored.)
+#[derive(Debug, Default, Deserialize)]
+pub struct UnsupportedWire {
+    pub logit_bias: Option<Value>,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Vec<Value>>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+/// The three states of a chunk's `usage`: absent, `null`, or the counts.
+#[derive(Debug, Clone, Copy, Default)]
+pub enum UsageField {
+    #[default]
+    Absent,
+    Null,
+    Counts(Usage),
+}
+
+impl UsageField {
+    pub fn is_absent(&self) -> bool {
+        matches!(self, UsageField::Absent)
+    }
+}
+
+impl Serialize for UsageField {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            UsageField::Counts(u) => u.serialize(s),
+            _ => s.serialize_none(),
+        }
+    }
+}

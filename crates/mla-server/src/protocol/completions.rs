@@ -1,0 +1,63 @@
+//! `/v1/completions`: request fields, the response and its stream chunks.
+
+use super::common::{Usage, UsageField};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Completions-only request fields (the shared ones are in `SamplingWire`).
+#[derive(Debug, Deserialize)]
+pub struct CompletionWire {
+    pub prompt: PromptWire,
+    /// Number of alternatives to report per token (OpenAI's completions form: an integer).
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+}
+
+/// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists.
+/// Token ids are signed so that a negative id is reported as an invalid value, not a type error.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptWire {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<i64>),
+    TokenLists(Vec<Vec<i64>>),
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The legacy logprobs object: parallel lists, one entry per generated token.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    pub usage: UsageField,
+}

@@ -1,0 +1,19 @@
+//! `/v1/models`.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    /// vLLM reports the context limit here; clients use it to size prompts.
+    pub max_model_len: usize,
+}

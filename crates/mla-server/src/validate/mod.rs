@@ -1,0 +1,184 @@
+//! Wire fields -> validated parameters (the split TGI's router makes): every range check lives
+//! here and every error names the offending field. What needs the prompt length (the context
+//! check, the default `max_tokens`) happens later in `limits`, after tokenization.
+
+mod limits;
+#[cfg(test)]
+mod tests;
+
+pub use limits::{MaxTokensDefault, ModelLimits};
+
+use crate::error::ApiError;
+use crate::generation_config::GenerationDefaults;
+use crate::protocol::common::{SamplingWire, UnsupportedWire};
+use mla_core::SamplingParams;
+
+/// OpenAI caps `n` at 128; more would only be a way to exhaust the cache with one request.
+pub const MAX_N: i64 = 128;
+/// Most logprob alternatives per token (vLLM's default `max_logprobs`).
+pub const MAX_LOGPROBS: i64 = 20;
+
+/// A request's parameters after validation, independent of the endpoint's wire shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedParams {
+    pub sampling: SamplingParams,
+    pub seed: Option<u64>,
+    /// As sent; `None` falls back to the endpoint's default in `ModelLimits::engine_request`.
+    pub max_tokens: Option<usize>,
+    pub n: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// `Some(k)`: report each token's logprob with `k` alternatives.
+    pub logprobs: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Validates the shared fields. `max_tokens` is the endpoint's effective field (chat prefers
+/// `max_completion_tokens`), passed with its name for error messages.
+pub fn validate_params(
+    w: SamplingWire,
+    max_tokens: (&str, Option<i64>),
+    logprobs: Option<usize>,
+    defaults: &GenerationDefaults,
+    vocab_size: usize,
+) -> Result<ValidatedParams, ApiError> {
+    let temperature = w.temperature.or(defaults.temperature).unwrap_or(1.0);
+    check_range("temperature", temperature, 0.0, 2.0)?;
+    let top_p = w.top_p.or(defaults.top_p).unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+    }
+    let top_k = match w.top_k.or(defaults.top_k).unwrap_or(0) {
+        // -1 is vLLM's spelling of "disabled", 0 OpenAI-style clients'.
+        -1 | 0 => None,
+        k if k > 0 => Some(k as usize),
+        k => return Err(ApiError::invalid("top_k", format!("top_k must be -1 (disabled) or at least 1, got {k}"))),
+    };
+    let min_p = w.min_p.or(defaults.min_p).unwrap_or(0.0);
+    check_range("min_p", min_p, 0.0, 1.0)?;
+    let presence_penalty = w.presence_penalty.unwrap_or(0.0);
+    check_range("presence_penalty", presence_penalty, -2.0, 2.0)?;
+    let frequency_penalty = w.frequency_penalty.unwrap_or(0.0);
+    check_range("frequency_penalty", frequency_penalty, -2.0, 2.0)?;
+    let repetition_penalty = w.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0);
+    if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("repetition_penalty must be greater than 0, got {repetition_penalty}"),
+        ));
+    }
+
+    let (max_name, max_value) = max_tokens;
+    let max_tokens = match max_value {
+        None => None,
+        Some(m) if m >= 1 => Some(m as usize),
+        Some(m) => return Err(ApiError::invalid(max_name, format!("{max_name} must be at least 1, got {m}"))),
+    };
+    let n = w.n.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::invalid("n", format!("n must be between 1 and {MAX_N}, got {n}")));
+    }
+    let stop = w.stop.map(|s| s.into_vec()).unwrap_or_default();
+    if stop.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    let stop_token_ids = w
+        .stop_token_ids
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| token_id("stop_token_ids", t, vocab_size))
+        .collect::<Result<Vec<_>, _>>()?;
+    let stream = w.stream.unwrap_or(false);
+    if w.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
+    }
+
+    Ok(ValidatedParams {
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            min_p: min_p as f32,
+            presence_penalty: presence_penalty as f32,
+            frequency_penalty: frequency_penalty as f32,
+            repetition_penalty: repetition_penalty as f32,
+        },
+        // OpenAI seeds are signed 64-bit; reinterpreting keeps every value distinct.
+        seed: w.seed.map(|s| s as u64),
+        max_tokens,
+        n: n as usize,
+        stop,
+        stop_token_ids,
+        ignore_eos: w.ignore_eos.unwrap_or(false),
+        skip_special_tokens: w.skip_special_tokens.unwrap_or(true),
+        logprobs,
+        stream,
+        include_usage: w.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+    })
+}
+
+/// Chat's `logprobs: bool` + `top_logprobs: int` -> alternatives per token.
+pub fn chat_logprobs(logprobs: Option<bool>, top_logprobs: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match (logprobs.unwrap_or(false), top_logprobs) {
+        (false, Some(_)) => Err(ApiError::invalid("top_logprobs", "top_logprobs requires logprobs to be true")),
+        (false, None) => Ok(None),
+        (true, k) => logprob_count("top_logprobs", k.unwrap_or(0)).map(Some),
+    }
+}
+
+/// Completions' `logprobs: int` -> alternatives per token.
+pub fn completion_logprobs(logprobs: Option<i64>) -> Result<Option<usize>, ApiError> {
+    logprobs.map(|k| logprob_count("logprobs", k)).transpose()
+}
+
+fn logprob_count(field: &str, k: i64) -> Result<usize, ApiError> {
+    if (0..=MAX_LOGPROBS).contains(&k) {
+        Ok(k as usize)
+    } else {
+        Err(ApiError::invalid(field, format!("{field} must be between 0 and {MAX_LOGPROBS}, got {k}")))
+    }
+}
+
+/// A token id sent by the client, checked against the vocabulary.
+pub fn token_id(field: &str, t: i64, vocab_size: usize) -> Result<u32, ApiError> {
+    if t >= 0 && (t as u64) < vocab_size as u64 {
+        Ok(t as u32)
+    } else {
+        Err(ApiError::invalid(field, format!("token id {t} in {field} is outside the vocabulary (0..{vocab_size})")))
+    }
+}
+
+fn check_range(field: &str, v: f64, lo: f64, hi: f64) -> Result<(), ApiError> {
+    if v.is_finite() && v >= lo && v <= hi {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(field, format!("{field} must be in [{lo}, {hi}], got {v}")))
+    }
+}
+
+/// Refuses OpenAI features that would change the output but are not implemented.
+pub fn refuse_unsupported(u: &UnsupportedWire) -> Result<(), ApiError> {
+    let unsupported = |field: &str| Err(ApiError::invalid(field, format!("{field} is not supported by this server")));
+    if u.logit_bias.as_ref().is_some_and(|b| b.as_object().is_none_or(|m| !m.is_empty())) {
+        return unsupported("logit_bias");
+    }
+    if u.best_of.is_some_and(|b| b != 1) {
+        return unsupported("best_of");
+    }
+    if u.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return unsupported("suffix");
+    }
+    if u.response_format.as_ref().is_some_and(|f| f.get("type").and_then(|t| t.as_str()) != Some("text")) {
+        return unsupported("response_format");
+    }
+    if u.tools.as_ref().is_some_and(|t| !t.is_empty()) || u.functions.as_ref().is_some_and(|f| !f.is_empty()) {
+        return unsupported("tools");
+    }
+    if u.tool_choice.as_ref().is_some_and(|c| c.as_str() != Some("none")) {
+        return unsupported("tool_choice");
+    }
+    Ok(())
+}
