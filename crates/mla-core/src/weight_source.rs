@@ -34,16 +34,30 @@ pub trait WeightSource: Sync {
     fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError>;
 }
 
-/// Progress bar for loading `total` tensors; drawn only when stderr is a terminal so logs and
-/// test output stay clean.
-pub fn load_progress(total: usize, what: &str) -> indicatif::ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
+/// Progress of loading `total` tensors; drawn (indicatif) only when stderr is a terminal so logs
+/// and test output stay clean.
+pub struct LoadProgress(indicatif::ProgressBar);
+
+impl LoadProgress {
+    pub fn new(total: usize, what: &str) -> Self {
+        if !std::io::stderr().is_terminal() {
+            return LoadProgress(indicatif::ProgressBar::hidden());
+        }
+        let bar = indicatif::ProgressBar::new(total as u64);
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors ({elapsed})") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message(what.to_string());
+        LoadProgress(bar)
     }
-    let bar = indicatif::ProgressBar::new(total as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors ({elapsed})") {
-        bar.set_style(style.progress_chars("=> "));
+
+    /// One more tensor loaded.
+    pub fn inc(&self) {
+        self.0.inc(1);
     }
-    bar.set_message(what.to_string());
-    bar
+
+    /// Removes the bar once loading is done.
+    pub fn finish(&self) {
+        self.0.finish_and_clear();
+    }
 }

@@ -1,0 +1,125 @@
+//! The model's tensors in f32, built from any `WeightSource` through mla-core's `ModelSpec`
+//! (so names, shapes and FP8 handling are the shared ones).
+
+use crate::linear::Matrix;
+use crate::mlp::SiluMlp;
+use crate::moe::MoeBlock;
+use mla_core::weight_source::LoadProgress;
+use mla_core::weights::{AttentionSpec, FfnSpec, MlpSpec, QuerySpec};
+use mla_core::{CheckpointError, ModelConfig, ModelSpec, TensorSpec, WeightSource};
+
+#[derive(Debug, Clone)]
+pub enum QueryWeights {
+    Direct { q_proj: Matrix },
+    LowRank { q_a_proj: Matrix, q_a_layernorm: Vec<f32>, q_b_proj: Matrix },
+}
+
+#[derive(Debug, Clone)]
+pub struct MlaWeights {
+    pub query: QueryWeights,
+    pub kv_a_proj_with_mqa: Matrix,
+    pub kv_a_layernorm: Vec<f32>,
+    pub kv_b_proj: Matrix,
+    pub o_proj: Matrix,
+}
+
+#[derive(Debug, Clone)]
+pub enum FfnWeights {
+    Dense(SiluMlp),
+    Moe(MoeBlock),
+}
+
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub input_layernorm: Vec<f32>,
+    pub self_attn: MlaWeights,
+    pub post_attention_layernorm: Vec<f32>,
+    pub mlp: FfnWeights,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    pub embed_tokens: Matrix,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vec<f32>,
+    /// `None` when the embedding is tied to the output projection.
+    pub lm_head: Option<Matrix>,
+}
+
+impl ModelWeights {
+    pub fn load(cfg: &ModelConfig, src: &dyn WeightSource) -> Result<Self, CheckpointError> {
+        let spec = ModelSpec::new(cfg);
+        let loader = Loader { src, bar: LoadProgress::new(spec.tensors().len(), "loading weights (cpu)") };
+        let weights = ModelWeights {
+            embed_tokens: loader.matrix(&spec.embed_tokens)?,
+            layers: spec
+                .layers
+                .iter()
+                .map(|l| {
+                    Ok(LayerWeights {
+                        input_layernorm: loader.vector(&l.input_layernorm)?,
+                        self_attn: loader.attention(&l.self_attn)?,
+                        post_attention_layernorm: loader.vector(&l.post_attention_layernorm)?,
+                        mlp: match &l.mlp {
+                            FfnSpec::Dense(m) => FfnWeights::Dense(loader.mlp(m)?),
+                            FfnSpec::Moe(moe) => FfnWeights::Moe(MoeBlock {
+                                gate: loader.matrix(&moe.gate)?,
+                                correction_bias: moe.e_score_correction_bias.as_ref().map(|b| loader.vector(b)).transpose()?,
+                                experts: moe.experts.iter().map(|e| loader.mlp(e)).collect::<Result<_, _>>()?,
+                                shared_experts: moe.shared_experts.as_ref().map(|s| loader.mlp(s)).transpose()?,
+                            }),
+                        },
+                    })
+                })
+                .collect::<Result<_, CheckpointError>>()?,
+            norm: loader.vector(&spec.norm)?,
+            lm_head: spec.lm_head.as_ref().map(|h| loader.matrix(h)).transpose()?,
+        };
+        loader.bar.finish();
+        Ok(weights)
+    }
+
+    /// The output projection `[vocab, hidden]`.
+    pub fn output_projection(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+}
+
+struct Loader<'a> {
+    src: &'a dyn WeightSource,
+    bar: LoadProgress,
+}
+
+impl Loader<'_> {
+    fn vector(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
+        let v = self.src.read_f32(spec)?;
+        self.bar.inc();
+        Ok(v)
+    }
+
+    fn matrix(&self, spec: &TensorSpec) -> Result<Matrix, CheckpointError> {
+        let v = self.vector(spec)?;
+        Ok(Matrix::new(spec.shape[0], spec.shape[1], v))
+    }
+
+    fn mlp(&self, m: &MlpSpec) -> Result<SiluMlp, CheckpointError> {
+        Ok(SiluMlp { gate_proj: self.matrix(&m.gate_proj)?, up_proj: self.matrix(&m.up_proj)?, down_proj: self.matrix(&m.down_proj)? })
+    }
+
+    fn attention(&self, a: &AttentionSpec) -> Result<MlaWeights, CheckpointError> {
+        Ok(MlaWeights {
+            query: match &a.query {
+                QuerySpec::Direct { q_proj } => QueryWeights::Direct { q_proj: self.matrix(q_proj)? },
+                QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj } => QueryWeights::LowRank {
+                    q_a_proj: self.matrix(q_a_proj)?,
+                    q_a_layernorm: self.vector(q_a_layernorm)?,
+                    q_b_proj: self.matrix(q_b_proj)?,
+                },
+            },
+            kv_a_proj_with_mqa: self.matrix(&a.kv_a_proj_with_mqa)?,
+            kv_a_layernorm: self.vector(&a.kv_a_layernorm)?,
+            kv_b_proj: self.matrix(&a.kv_b_proj)?,
+            o_proj: self.matrix(&a.o_proj)?,
+        })
+    }
+}
