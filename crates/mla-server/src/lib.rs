@@ -3,3 +3,4 @@ pub mod generation_config;
 pub mod protocol;
 pub mod sse;
 pub mod validate;
+pub mod metrics;
