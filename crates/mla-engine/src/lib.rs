@@ -14,5 +14,6 @@
 //!   `abort(&self)`; dropping the stream aborts the request within one engine step.
 
 pub mod api;
+pub mod block_manager;
 
 pub use api::*;
