@@ -15,5 +15,7 @@
 
 pub mod api;
 pub mod block_manager;
+pub mod scheduler;
+mod sequence;
 
 pub use api::*;

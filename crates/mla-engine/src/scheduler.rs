@@ -1,0 +1,203 @@
+//! Continuous batching: requests join and leave at every step. Each step is either a prefill
+//! batch or a decode batch (`StepKind`), built from the sequences resident in the cache plus
+//! whatever can be admitted.
+//!
+//! Policy:
+//! - Prefill steps carry prompt chunks, at most `max_num_batched_tokens` tokens in all. Resident
+//!   sequences that still need prefill go first (oldest first), then the admission queue:
+//!   preempted sequences before new requests, each in FIFO order, stopping at the first that
+//!   does not fit (so a large request is never overtaken forever).
+//! - Decode steps feed one token for every resident sequence that has sampled and is waiting.
+//! - Fairness: while both kinds of work exist, steps alternate prefill / decode. A decode's
+//!   inter-token latency therefore grows by at most one budget-bounded prefill step while a long
+//!   prompt is prefilled in chunks, and prompts still advance on every other step.
+//! - Admission reserves blocks for everything the sequence will feed before its first decode;
+//!   decode steps allocate one block when a sequence crosses a block boundary. When none is
+//!   free, the newest resident sequence is preempted: its blocks are freed and it is re-queued
+//!   to be recomputed (prompt + outputs so far prefilled again). Seeds depend only on
+//!   (request seed, completion, output index), so preemption never changes outputs.
+//! - `n > 1`: the prompt's full blocks before the block holding the last prompt token are
+//!   prefilled once as a shared prefix; every completion's table shares those blocks
+//!   (ref-counted) and prefills the rest of the prompt itself (1..=block_size tokens), so nobody
+//!   ever writes into a shared block and no block copy is needed.
+
+use crate::api::{FinishReason, GenerateRequest};
+use crate::block_manager::BlockManager;
+use crate::sequence::{Group, Seq, SeqKey, SeqState, Slot};
+use mla_core::plan::{SampledToken, StepOutput};
+use mla_core::{CacheLayout, StepKind, StepPlan};
+use std::collections::{HashMap, VecDeque};
+
+mod admission;
+mod steps;
+
+pub use admission::{blocks_to_admit, shared_prefix_len};
+
+/// The limits scheduling obeys (a subset of `EngineConfig`).
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    pub max_model_len: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+/// A token a completion produced in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOutcome {
+    pub request: u64,
+    pub index: usize,
+    pub token: SampledToken,
+    pub finish: Option<FinishReason>,
+}
+
+/// What applying one step's output changed.
+#[derive(Debug, Default)]
+pub struct Applied {
+    pub tokens: Vec<TokenOutcome>,
+    /// Requests whose completions have all finished; the scheduler has forgotten them.
+    pub finished_requests: Vec<u64>,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    blocks: BlockManager,
+    groups: HashMap<u64, Group>,
+    /// New requests in arrival order.
+    new_queue: VecDeque<u64>,
+    /// Preempted completions, admitted before any new request.
+    resume_queue: VecDeque<SeqKey>,
+    /// Resident sequences in admission order; the last one is preempted first.
+    running: Vec<SeqKey>,
+    last_kind: Option<StepKind>,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, layout: CacheLayout) -> Self {
+        Scheduler {
+            cfg,
+            blocks: BlockManager::new(layout),
+            groups: HashMap::new(),
+            new_queue: VecDeque::new(),
+            resume_queue: VecDeque::new(),
+            running: Vec::new(),
+            last_kind: None,
+            preemptions: 0,
+        }
+    }
+
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.groups.is_empty()
+    }
+
+    pub fn contains(&self, request: u64) -> bool {
+        self.groups.contains_key(&request)
+    }
+
+    /// Completions resident in the cache.
+    pub fn num_running(&self) -> usize {
+        self.running.iter().filter(|k| k.slot != Slot::Prefix).count()
+    }
+
+    /// Completions waiting for admission (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        let states = self.groups.values().flat_map(|g| g.completions.iter());
+        states.filter(|s| s.state == SeqState::Waiting).count()
+    }
+
+    /// Sequences preempted since start.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Queues a request; `seed` is the request's seed or one drawn for it.
+    pub fn add(&mut self, id: u64, req: GenerateRequest, seed: u64) {
+        assert!(!self.groups.contains_key(&id), "request {id} added twice");
+        // More completions than `max_num_seqs` could never be admitted; the engine refuses them.
+        assert!(req.n >= 1 && req.n <= self.cfg.max_num_seqs, "request {id}: n = {} outside 1..={}", req.n, self.cfg.max_num_seqs);
+        let completions = (0..req.n)
+            .map(|_| Seq {
+                tokens: req.prompt_tokens.clone(),
+                computed: 0,
+                table: self.blocks.new_table(),
+                state: SeqState::Waiting,
+            })
+            .collect();
+        self.groups.insert(id, Group { req, seed, prefix: None, completions });
+        self.new_queue.push_back(id);
+    }
+
+    /// Forgets a request (abort, failure, client gone), freeing its blocks. Returns the indices
+    /// of its completions that had not finished, or `None` for an unknown id.
+    pub fn remove_request(&mut self, id: u64) -> Option<Vec<usize>> {
+        let group = self.groups.remove(&id)?;
+        self.running.retain(|k| k.request != id);
+        self.resume_queue.retain(|k| k.request != id);
+        self.new_queue.retain(|&r| r != id);
+        Some(group.unfinished().collect())
+        // Dropping `group` drops every table: the blocks go back to the pool.
+    }
+
+    /// Builds the next step, or `None` when nothing can run.
+    pub fn schedule(&mut self) -> Option<StepPlan> {
+        let decodable = self.running.iter().any(|&k| self.is_decodable(k));
+        let prefill_first = !decodable || self.last_kind == Some(StepKind::Decode);
+        let order = if prefill_first {
+            [StepKind::Prefill, StepKind::Decode]
+        } else {
+            [StepKind::Decode, StepKind::Prefill]
+        };
+        for kind in order {
+            let seqs = match kind {
+                StepKind::Prefill => self.build_prefill(),
+                StepKind::Decode => self.build_decode(),
+            };
+            if !seqs.is_empty() {
+                self.last_kind = Some(kind);
+                return Some(StepPlan { kind, seqs });
+            }
+        }
+        None
+    }
+
+    /// Records a successful step. `out` must answer `plan` seq by seq (the engine checks).
+    pub fn apply(&mut self, plan: &StepPlan, out: &StepOutput) -> Applied {
+        let mut applied = Applied::default();
+        for (step, res) in plan.seqs.iter().zip(&out.seqs) {
+            let key = SeqKey::from_seq_id(step.seq_id);
+            let Some(g) = self.groups.get_mut(&key.request) else { continue };
+            let seq = g.seq_mut(key.slot).expect("scheduled sequence exists");
+            debug_assert_eq!(seq.computed, step.context_len, "plan applied out of order");
+            seq.computed += step.tokens.len();
+            let leaves = match (key.slot, &res.sampled) {
+                (Slot::Prefix, _) => {
+                    let computed = seq.uncomputed() == 0;
+                    if computed {
+                        // The completions' tables keep the shared blocks alive.
+                        g.prefix = None;
+                    }
+                    computed
+                }
+                (Slot::Completion(i), Some(tok)) => {
+                    let finish = g.push_token(i, tok.token, self.cfg.max_model_len);
+                    applied.tokens.push(TokenOutcome { request: key.request, index: i, token: tok.clone(), finish });
+                    finish.is_some()
+                }
+                (Slot::Completion(_), None) => false,
+            };
+            if !leaves {
+                continue;
+            }
+            self.running.retain(|&k| k != key);
+            if g.is_finished() {
+                self.remove_request(key.request);
+                applied.finished_requests.push(key.request);
+            }
+        }
+        applied
+    }
+}

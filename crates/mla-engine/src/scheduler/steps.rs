@@ -1,0 +1,121 @@
+//! Building the sequences of a prefill or a decode step.
+
+use super::Scheduler;
+use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
+use mla_core::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
+
+impl Scheduler {
+    /// A completion that has sampled a token and now only has to feed it.
+    pub(super) fn is_decodable(&self, key: SeqKey) -> bool {
+        let Slot::Completion(i) = key.slot else { return false };
+        let g = &self.groups[&key.request];
+        let s = &g.completions[i];
+        g.prefix.is_none() && s.state == SeqState::Running && s.computed > 0 && s.uncomputed() == 1
+    }
+
+    /// Resident and still short of its first (or, after preemption, next) sample. Completions
+    /// wait while their group's shared prefix is being computed, as they attend to it.
+    fn needs_prefill(&self, key: SeqKey) -> bool {
+        let g = &self.groups[&key.request];
+        match key.slot {
+            Slot::Prefix => g.prefix.as_ref().is_some_and(|p| p.uncomputed() > 0),
+            Slot::Completion(i) => {
+                let s = &g.completions[i];
+                g.prefix.is_none() && s.state == SeqState::Running && s.uncomputed() > 0 && !self.is_decodable(key)
+            }
+        }
+    }
+
+    /// Prompt chunks within `max_num_batched_tokens`: resident sequences first, then admissions.
+    pub(super) fn build_prefill(&mut self) -> Vec<SeqStep> {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut steps = Vec::new();
+        let mut add = |this: &Self, key: SeqKey, budget: &mut usize| {
+            if *budget > 0 && this.needs_prefill(key) {
+                let step = this.chunk(key, *budget);
+                *budget -= step.tokens.len();
+                steps.push(step);
+            }
+        };
+        for i in 0..self.running.len() {
+            add(self, self.running[i], &mut budget);
+        }
+        while budget > 0 {
+            let Some(keys) = self.admit_next() else { break };
+            for key in keys {
+                add(self, key, &mut budget);
+            }
+        }
+        steps
+    }
+
+    /// One token for every decodable sequence, oldest first, preempting the newest sequences
+    /// when a block boundary needs a block and none is free.
+    pub(super) fn build_decode(&mut self) -> Vec<SeqStep> {
+        let mut steps = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let key = self.running[i];
+            if self.is_decodable(key) {
+                if !self.make_room(key) {
+                    // `key` was the newest resident sequence, so nothing follows it.
+                    break;
+                }
+                steps.push(self.chunk(key, 1));
+            }
+            i += 1;
+        }
+        steps
+    }
+
+    /// Reserves the block `key`'s next token lands in. Victims are always newer than `key`
+    /// (`running` is in admission order), so none of them is in the step being built. Returns
+    /// false when `key` itself had to go.
+    fn make_room(&mut self, key: SeqKey) -> bool {
+        loop {
+            let g = self.groups.get_mut(&key.request).expect("running sequence exists");
+            let seq = g.seq_mut(key.slot).expect("running sequence exists");
+            if seq.table.reserve(seq.tokens.len()).is_ok() {
+                return true;
+            }
+            let victim = self.preempt_newest().expect("`key` itself is resident");
+            if victim == key {
+                return false;
+            }
+        }
+    }
+
+    /// The next `at_most` uncomputed tokens of `key`, sampling when they reach its end.
+    fn chunk(&self, key: SeqKey, at_most: usize) -> SeqStep {
+        let g = &self.groups[&key.request];
+        let seq = g.seq(key.slot).expect("resident sequence exists");
+        let end = seq.computed + seq.uncomputed().min(at_most);
+        let sample = match key.slot {
+            Slot::Completion(i) if end == seq.tokens.len() => Some(sample_request(g, i)),
+            _ => None,
+        };
+        SeqStep {
+            seq_id: key.seq_id(),
+            tokens: seq.tokens[seq.computed..end].to_vec(),
+            context_len: seq.computed,
+            block_table: seq.table.blocks().to_vec(),
+            logits: LogitsRequest::None,
+            sample,
+        }
+    }
+}
+
+fn sample_request(g: &Group, i: usize) -> SampleRequest {
+    let outputs = g.outputs(i);
+    let params = &g.req.sampling;
+    // Penalty history is copied only when a penalty needs it: it grows with every token.
+    let penalty = params
+        .has_penalties()
+        .then(|| PenaltyTokens { prompt: g.req.prompt_tokens.clone(), output: outputs.to_vec() });
+    SampleRequest {
+        params: params.clone(),
+        seed: draw_seed(g.seed, i, outputs.len()),
+        top_logprobs: g.req.logprobs,
+        penalty,
+    }
+}

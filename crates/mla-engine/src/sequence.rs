@@ -1,0 +1,146 @@
+//! Per-request generation state the scheduler keeps: the request's parameters, its optional
+//! shared prompt prefix and one `Seq` per completion.
+
+use crate::api::{FinishReason, GenerateRequest};
+use crate::block_manager::BlockTable;
+use mla_core::sampling::SplitMix64;
+
+/// Which sequence of a request: the shared prompt prefix (`n > 1` only) or completion `i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Slot {
+    Prefix,
+    Completion(usize),
+}
+
+/// Identifies one sequence across the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SeqKey {
+    pub request: u64,
+    pub slot: Slot,
+}
+
+/// Completions per request are capped so a sequence id fits `request << 16 | slot`.
+pub const MAX_COMPLETIONS: usize = (1 << 16) - 2;
+
+impl SeqKey {
+    /// The backend-visible id: stable across preemption, unique across the engine.
+    pub fn seq_id(&self) -> u64 {
+        let slot = match self.slot {
+            Slot::Prefix => 0,
+            Slot::Completion(i) => i as u64 + 1,
+        };
+        (self.request << 16) | slot
+    }
+
+    pub fn from_seq_id(id: u64) -> SeqKey {
+        let slot = match id & 0xFFFF {
+            0 => Slot::Prefix,
+            s => Slot::Completion(s as usize - 1),
+        };
+        SeqKey { request: id >> 16, slot }
+    }
+}
+
+/// Seed of one draw. It depends only on the request seed, the completion and the output index,
+/// so the tokens a seeded request gets do not depend on batching, step kinds or preemption.
+pub fn draw_seed(request_seed: u64, completion: usize, output_index: usize) -> u64 {
+    let per_completion = SplitMix64::new(request_seed ^ (completion as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64();
+    SplitMix64::new(per_completion ^ (output_index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+/// Where a sequence stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqState {
+    /// Not in the cache: waiting to be admitted (new, or preempted and to be recomputed).
+    Waiting,
+    /// Holds blocks and is being prefilled or decoded.
+    Running,
+    Finished(FinishReason),
+}
+
+/// One token stream through the cache.
+#[derive(Debug)]
+pub struct Seq {
+    /// Everything this sequence feeds: for a completion the prompt and its outputs so far, for a
+    /// prefix the shared part of the prompt.
+    pub tokens: Vec<u32>,
+    /// Tokens whose latent KV is in the cache (always a prefix of `tokens`).
+    pub computed: usize,
+    pub table: BlockTable,
+    pub state: SeqState,
+}
+
+impl Seq {
+    pub fn uncomputed(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Gives the blocks back and forgets the cache, so the sequence is recomputed from scratch.
+    pub fn evict(&mut self) {
+        self.table.release();
+        self.computed = 0;
+    }
+}
+
+/// A request as the scheduler tracks it.
+#[derive(Debug)]
+pub struct Group {
+    pub req: GenerateRequest,
+    /// The request seed, or one the engine drew for it.
+    pub seed: u64,
+    /// The prompt's leading full blocks, prefilled once and shared by all completions; `Some`
+    /// only until it has been computed (the completions' tables keep the blocks alive after).
+    pub prefix: Option<Seq>,
+    pub completions: Vec<Seq>,
+}
+
+impl Group {
+    pub fn prompt_len(&self) -> usize {
+        self.req.prompt_tokens.len()
+    }
+
+    pub fn seq(&self, slot: Slot) -> Option<&Seq> {
+        match slot {
+            Slot::Prefix => self.prefix.as_ref(),
+            Slot::Completion(i) => self.completions.get(i),
+        }
+    }
+
+    pub fn seq_mut(&mut self, slot: Slot) -> Option<&mut Seq> {
+        match slot {
+            Slot::Prefix => self.prefix.as_mut(),
+            Slot::Completion(i) => self.completions.get_mut(i),
+        }
+    }
+
+    pub fn unfinished(&self) -> impl Iterator<Item = usize> + '_ {
+        self.completions.iter().enumerate().filter(|(_, s)| !matches!(s.state, SeqState::Finished(_))).map(|(i, _)| i)
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.unfinished().next().is_none()
+    }
+
+    /// Appends completion `i`'s sampled token and decides whether it ends the completion; a
+    /// finished completion gives its blocks back at once.
+    pub fn push_token(&mut self, i: usize, token: u32, max_model_len: usize) -> Option<FinishReason> {
+        let (prompt_len, max_tokens) = (self.prompt_len(), self.req.max_tokens);
+        let seq = &mut self.completions[i];
+        seq.tokens.push(token);
+        let reason = if self.req.stop_token_ids.contains(&token) {
+            FinishReason::Stop
+        } else if seq.tokens.len() - prompt_len >= max_tokens || seq.tokens.len() >= max_model_len {
+            FinishReason::Length
+        } else {
+            return None;
+        };
+        seq.state = SeqState::Finished(reason);
+        seq.evict();
+        Some(reason)
+    }
+
+    /// Outputs completion `i` has produced so far.
+    pub fn outputs(&self, i: usize) -> &[u32] {
+        &self.completions[i].tokens[self.prompt_len()..]
+    }
+}

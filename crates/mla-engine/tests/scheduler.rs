@@ -1,0 +1,235 @@
+//! Scheduler policy: chunked prefill, fairness, limits, prefix sharing, preemption, finishing.
+//! Tokens are answered by a stand-in that derives them from the position, so a recompute can
+//! be checked against what was sampled before.
+
+use mla_core::plan::{SampledToken, SeqResult, StepOutput};
+use mla_core::{CacheLayout, SamplingParams, StepKind, StepPlan};
+use mla_engine::scheduler::{Applied, Scheduler, SchedulerConfig};
+use mla_engine::{FinishReason, GenerateRequest};
+use std::collections::HashMap;
+
+fn sched(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
+    let cfg = SchedulerConfig { max_model_len: 4096, max_num_seqs, max_num_batched_tokens: budget };
+    Scheduler::new(cfg, CacheLayout { block_size, num_blocks })
+}
+
+fn req(prompt_len: usize, n: usize, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: (0..prompt_len as u32).map(|i| i % 50 + 2).collect(),
+        n,
+        sampling: SamplingParams::greedy(),
+        seed: None,
+        max_tokens,
+        stop_token_ids: vec![],
+        logprobs: None,
+    }
+}
+
+/// Token "sampled" at the end of a chunk: a function of the position, never 0 or 1.
+fn token_at(end_pos: usize) -> u32 {
+    (end_pos % 40 + 3) as u32
+}
+
+fn step(s: &mut Scheduler) -> (StepPlan, Applied) {
+    let plan = s.schedule().expect("the scheduler has work");
+    assert!(plan.validate(s.block_manager().block_size(), s.block_manager().num_blocks(), 1000, 4096).is_ok());
+    let seqs = plan
+        .seqs
+        .iter()
+        .map(|q| SeqResult {
+            seq_id: q.seq_id,
+            logits: vec![],
+            sampled: q.sample.as_ref().map(|_| SampledToken { token: token_at(q.end_pos()), logprob: 0.0, top_logprobs: vec![] }),
+        })
+        .collect();
+    let applied = s.apply(&plan, &StepOutput { seqs });
+    (plan, applied)
+}
+
+fn run_to_end(s: &mut Scheduler) -> Vec<(StepPlan, Applied)> {
+    let mut log = vec![];
+    while s.has_work() {
+        log.push(step(s));
+        assert!(log.len() < 10_000, "no progress");
+    }
+    assert_eq!(s.block_manager().used_blocks(), 0, "blocks leaked");
+    log
+}
+
+#[test]
+fn long_prompt_is_prefilled_in_chunks_under_the_budget() {
+    let mut s = sched(4, 64, 8, 8);
+    s.add(1, req(20, 1, 2), 0);
+    let chunks: Vec<(usize, usize, bool)> = (0..3)
+        .map(|_| {
+            let (p, _) = step(&mut s);
+            assert_eq!(p.kind, StepKind::Prefill);
+            assert_eq!(p.seqs.len(), 1);
+            assert_eq!(p.seqs[0].block_table.len(), 5, "admission reserves the whole prompt");
+            (p.seqs[0].context_len, p.seqs[0].tokens.len(), p.seqs[0].sample.is_some())
+        })
+        .collect();
+    assert_eq!(chunks, vec![(0, 8, false), (8, 8, false), (16, 4, true)]);
+    let (p, _) = step(&mut s);
+    assert_eq!(p.kind, StepKind::Decode);
+    assert_eq!((p.seqs[0].context_len, p.seqs[0].tokens.clone()), (20, vec![token_at(20)]));
+}
+
+#[test]
+fn decodes_are_not_starved_while_a_long_prompt_prefills() {
+    let mut s = sched(4, 256, 8, 8);
+    s.add(1, req(3, 1, 1000), 0);
+    step(&mut s); // request 1's prompt
+    s.add(2, req(40, 1, 5), 0);
+    let mut kinds = vec![];
+    let mut decodes_of_1 = 0;
+    let mut prefill_of_2_done = false;
+    while !prefill_of_2_done {
+        let (p, a) = step(&mut s);
+        kinds.push(p.kind);
+        if p.kind == StepKind::Decode {
+            assert!(p.seqs.iter().any(|q| q.seq_id >> 16 == 1), "request 1 left out of a decode step");
+            decodes_of_1 += 1;
+        } else {
+            assert!(p.num_tokens() <= 8);
+        }
+        prefill_of_2_done = a.tokens.iter().any(|t| t.request == 2);
+    }
+    assert!(kinds.windows(2).all(|w| w != [StepKind::Prefill, StepKind::Prefill]), "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|&&k| k == StepKind::Prefill).count(), 5, "40 tokens in chunks of 8");
+    assert!(decodes_of_1 >= 4, "{kinds:?}");
+}
+
+#[test]
+fn running_sequences_never_exceed_max_num_seqs() {
+    let mut s = sched(4, 256, 2, 64);
+    for id in 1..=5 {
+        s.add(id, req(2 + id as usize, 1, 3), 0);
+    }
+    let mut finished = vec![];
+    while s.has_work() {
+        let (p, a) = step(&mut s);
+        assert!(s.num_running() <= 2 && p.seqs.len() <= 2, "{} running", s.num_running());
+        finished.extend(a.finished_requests);
+    }
+    assert_eq!(finished, vec![1, 2, 3, 4, 5], "first come, first served");
+}
+
+#[test]
+fn n_completions_share_the_prompts_full_blocks() {
+    let mut s = sched(4, 64, 8, 64);
+    s.add(7, req(10, 3, 4), 0);
+    let (p, _) = step(&mut s);
+    assert_eq!(p.seqs.len(), 1, "the shared prefix is prefilled once");
+    let prefix = &p.seqs[0];
+    assert_eq!((prefix.context_len, prefix.tokens.len(), prefix.block_table.len()), (0, 8, 2));
+    assert!(prefix.sample.is_none());
+    let shared = prefix.block_table.clone();
+    let (p, _) = step(&mut s);
+    assert_eq!(p.kind, StepKind::Prefill);
+    assert_eq!(p.seqs.len(), 3);
+    let prompt = req(10, 1, 1).prompt_tokens;
+    for q in &p.seqs {
+        assert_eq!((q.context_len, &q.tokens[..]), (8, &prompt[8..10]), "each completion recomputes the partial block");
+        assert_eq!(&q.block_table[..2], &shared[..]);
+        assert!(q.sample.is_some());
+    }
+    let tails: Vec<u32> = p.seqs.iter().map(|q| q.block_table[2]).collect();
+    assert!(tails[0] != tails[1] && tails[1] != tails[2] && tails[0] != tails[2]);
+    let m = s.block_manager();
+    assert_eq!(m.used_blocks(), 5, "2 shared + 3 private");
+    assert!(shared.iter().all(|&b| m.ref_count(b) == 3));
+    let seeds: Vec<u64> = p.seqs.iter().map(|q| q.sample.as_ref().unwrap().seed).collect();
+    assert!(seeds[0] != seeds[1] && seeds[1] != seeds[2], "completions draw differently");
+    run_to_end(&mut s);
+}
+
+#[test]
+fn the_newest_sequence_is_preempted_and_recomputed_when_blocks_run_out() {
+    let mut s = sched(4, 6, 8, 64);
+    s.add(1, req(4, 1, 16), 0);
+    s.add(2, req(4, 1, 16), 0);
+    let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut saw_recompute = false;
+    while s.has_work() {
+        let before = s.preemptions();
+        let used_before = s.block_manager().used_blocks();
+        let (p, a) = step(&mut s);
+        if s.preemptions() > before {
+            assert_eq!(p.kind, StepKind::Decode);
+            assert!(p.seqs.iter().all(|q| q.seq_id >> 16 == 1), "request 1 is older and keeps running");
+            assert!(s.block_manager().used_blocks() < used_before, "the victim's blocks were freed");
+        }
+        for q in &p.seqs {
+            let id = q.seq_id >> 16;
+            if p.kind == StepKind::Prefill && q.context_len == 0 && outputs.contains_key(&id) {
+                // Recompute: the prompt and every output so far, then the next sample.
+                let mut expect = req(4, 1, 1).prompt_tokens;
+                expect.extend(&outputs[&id]);
+                assert_eq!(q.tokens, expect);
+                assert!(q.sample.is_some());
+                saw_recompute = true;
+            }
+        }
+        for t in a.tokens {
+            outputs.entry(t.request).or_default().push(t.token.token);
+        }
+        assert!(s.block_manager().used_blocks() <= 6);
+    }
+    assert!(s.preemptions() >= 1 && saw_recompute);
+    // Outputs follow positions alone, so a correct recompute reproduces the unpreempted run.
+    let expect: Vec<u32> = (4..20).map(token_at).collect();
+    assert_eq!(outputs[&1], expect);
+    assert_eq!(outputs[&2], expect);
+    assert_eq!(s.block_manager().used_blocks(), 0);
+}
+
+#[test]
+fn admission_waits_for_free_blocks() {
+    let mut s = sched(4, 4, 8, 64);
+    s.add(1, req(12, 1, 2), 0); // 3 blocks, a 4th when it decodes
+    s.add(2, req(8, 1, 2), 0); // 2 blocks
+    let (p, _) = step(&mut s);
+    assert_eq!(p.seqs.len(), 1);
+    assert_eq!((s.num_running(), s.num_waiting()), (1, 1));
+    let log = run_to_end(&mut s);
+    let first_of_2 = log.iter().position(|(p, _)| p.seqs.iter().any(|q| q.seq_id >> 16 == 2)).unwrap();
+    let last_of_1 = log.iter().rposition(|(p, _)| p.seqs.iter().any(|q| q.seq_id >> 16 == 1)).unwrap();
+    assert!(first_of_2 > last_of_1, "request 2 admitted only after request 1 freed its blocks");
+    assert_eq!(s.preemptions(), 0);
+}
+
+#[test]
+fn finishing_rules_and_removal_free_blocks() {
+    let cfg = SchedulerConfig { max_model_len: 12, max_num_seqs: 8, max_num_batched_tokens: 64 };
+    let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 32 });
+    let mut stop = req(5, 1, 100);
+    stop.stop_token_ids = vec![token_at(7)];
+    s.add(1, stop, 0); // samples token_at(5), token_at(6), then the stop token
+    s.add(2, req(5, 1, 100), 0); // runs into the context limit of 12
+    s.add(3, req(5, 1, 2), 0); // max_tokens
+    s.add(4, req(5, 2, 100), 0); // removed while running
+    let mut finishes = HashMap::new();
+    let mut counts: HashMap<u64, usize> = HashMap::new();
+    for _ in 0..4 {
+        for t in step(&mut s).1.tokens {
+            *counts.entry(t.request).or_default() += 1;
+            if let Some(r) = t.finish {
+                finishes.insert(t.request, r);
+            }
+        }
+    }
+    assert!(s.block_manager().used_blocks() > 0);
+    assert_eq!(s.remove_request(4), Some(vec![0, 1]));
+    assert_eq!(s.remove_request(4), None);
+    run_to_end(&mut s).into_iter().flat_map(|(_, a)| a.tokens).for_each(|t| {
+        *counts.entry(t.request).or_default() += 1;
+        if let Some(r) = t.finish {
+            finishes.insert(t.request, r);
+        }
+    });
+    assert_eq!(finishes[&1], FinishReason::Stop);
+    assert_eq!(counts[&1], 3, "the stop token is reported");
+    assert_eq!((finishes[&2], counts[&2]), (FinishReason::Length, 7));
+    assert_eq!((finishes[&3], counts[&3]), (FinishReason::Length, 2));
+}
