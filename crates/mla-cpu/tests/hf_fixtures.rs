@@ -5,6 +5,7 @@
 //!   (absorbed path) reproduces the rows at those positions;
 //! - free-running greedy decoding reproduces HF's continuation up to the first step whose
 //!   top1-top2 gap is below 1e-3 (where f32 rounding may legitimately flip the choice).
+//!
 //! A variant whose fixture directory is absent is skipped with a message; the fixtures are
 //! expected to be present in the repository.
 
