@@ -158,3 +158,12 @@ fn invalid_plans_are_rejected_before_touching_the_cache() {
     let out_of_vocab = StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &[64], 0, &[0])] };
     assert!(b.step(&out_of_vocab).unwrap_err().to_string().contains("outside the vocabulary"));
 }
+
+#[test]
+fn empty_plan_is_a_no_op() {
+    // Data-parallel ranks step in lockstep and may have nothing to run.
+    let mut b = dummy_backend(V2_LITE_LIKE, 4, 4);
+    for kind in [StepKind::Prefill, StepKind::Decode] {
+        assert!(b.step(&StepPlan { kind, seqs: vec![] }).unwrap().seqs.is_empty());
+    }
+}
