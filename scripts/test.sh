@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: every Rust crate's tests (CPU reference, scheduler, server, kernels
+# compiled with nvcc), then the end-to-end suite that drives the real binary over HTTP with the
+# official OpenAI Python SDK. Installs what it needs (the CUDA compiler from PyPI, the Python test
+# dependencies) on first use, so it works on a fresh machine with Rust and Python 3.
+#
+# GPU tests are marked #[ignore] and run on a GPU machine (see docs/cuda-notes.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Kernels are compiled on every run so CI proves they build; nvcc comes from PyPI if absent.
+if [ -x scripts/install_nvcc.sh ]; then
+  nvcc_path="$(scripts/install_nvcc.sh)"
+  export NVCC="${nvcc_path}"
+  export MLA_REQUIRE_NVCC="${MLA_REQUIRE_NVCC:-1}"
+fi
+
+echo "== Python test dependencies"
+python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
+
+echo "== Rust tests"
+cargo test --workspace --locked 2>&1
+
+echo "== End-to-end tests (real binary, real HTTP, openai SDK)"
+cargo build --locked -p mla-serve 2>&1
+export MLA_SERVE_BIN="${MLA_SERVE_BIN:-$PWD/target/debug/mla-serve}"
+python3 -m pytest -q tests/e2e 2>&1
