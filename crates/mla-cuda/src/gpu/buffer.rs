@@ -1,0 +1,207 @@
+//! Device and pinned host buffers. Device memory is raw (`CUdeviceptr`) with a typed length so
+//! kernel wrappers can check sizes; it is allocated once and reused, never inside a step.
+
+use super::{Check, Result};
+use cudarc::driver::{result, sys};
+use std::marker::PhantomData;
+
+/// An owned device allocation of `len` elements of `T`.
+pub struct DeviceBuffer<T> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    _t: PhantomData<*mut T>,
+}
+
+/// A borrowed, typed window into device memory (pointer + length); what kernel wrappers take.
+pub struct DSlice<T> {
+    pub ptr: sys::CUdeviceptr,
+    pub len: usize,
+    _t: PhantomData<*const T>,
+}
+
+impl<T> Clone for DSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DSlice<T> {}
+
+impl<T> DSlice<T> {
+    /// # Safety
+    /// `ptr` must point to `len` valid elements for as long as the slice is used.
+    pub unsafe fn from_raw(ptr: sys::CUdeviceptr, len: usize) -> Self {
+        DSlice { ptr, len, _t: PhantomData }
+    }
+
+    /// Elements `start .. start + len`; panics when out of range (a programming error).
+    pub fn sub(&self, start: usize, len: usize) -> DSlice<T> {
+        assert!(start + len <= self.len, "device slice {start}..{} out of 0..{}", start + len, self.len);
+        DSlice { ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64, len, _t: PhantomData }
+    }
+
+    /// Elements from `start` to the end.
+    pub fn from(&self, start: usize) -> DSlice<T> {
+        self.sub(start, self.len - start)
+    }
+
+    /// Same memory seen as another element type of the same size (bf16 <-> u16).
+    pub fn cast<U>(&self) -> DSlice<U> {
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>());
+        DSlice { ptr: self.ptr, len: self.len, _t: PhantomData }
+    }
+}
+
+impl<T> DeviceBuffer<T> {
+    pub fn alloc(len: usize) -> Result<Self> {
+        let bytes = (len.max(1)) * std::mem::size_of::<T>();
+        // SAFETY: a plain allocation; contents are uninitialised until written.
+        let ptr = unsafe { result::malloc_sync(bytes) }.ctx(&format!("allocating {bytes} bytes"))?;
+        Ok(DeviceBuffer { ptr, len, _t: PhantomData })
+    }
+
+    pub fn alloc_zeroed(len: usize) -> Result<Self> {
+        let b = Self::alloc(len)?;
+        unsafe { result::memset_d8_sync(b.ptr, 0, len.max(1) * std::mem::size_of::<T>()) }.ctx("zeroing a buffer")?;
+        Ok(b)
+    }
+
+    pub fn from_host(data: &[T]) -> Result<Self> {
+        let b = Self::alloc(data.len())?;
+        b.upload(data)?;
+        Ok(b)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    pub fn slice(&self) -> DSlice<T> {
+        DSlice { ptr: self.ptr, len: self.len, _t: PhantomData }
+    }
+
+    pub fn sub(&self, start: usize, len: usize) -> DSlice<T> {
+        self.slice().sub(start, len)
+    }
+
+    /// Synchronous host -> device copy into the start of the buffer.
+    pub fn upload(&self, data: &[T]) -> Result<()> {
+        self.upload_at(0, data)
+    }
+
+    pub fn upload_at(&self, start: usize, data: &[T]) -> Result<()> {
+        assert!(start + data.len() <= self.len, "upload of {} at {start} into {}", data.len(), self.len);
+        if data.is_empty() {
+            return Ok(());
+        }
+        let dst = self.ptr + (start * std::mem::size_of::<T>()) as u64;
+        unsafe { result::memcpy_htod_sync(dst, data) }.ctx("copying host to device")
+    }
+
+    /// Synchronous device -> host copy of the whole buffer (tests and loading only).
+    pub fn download(&self) -> Result<Vec<T>>
+    where
+        T: Copy + Default,
+    {
+        download(self.slice())
+    }
+}
+
+/// Synchronous device -> host copy of a slice (after a stream sync; tests and loading only).
+pub fn download<T: Copy + Default>(s: DSlice<T>) -> Result<Vec<T>> {
+    let mut out = vec![T::default(); s.len];
+    if s.len > 0 {
+        unsafe { result::memcpy_dtoh_sync(&mut out, s.ptr) }.ctx("copying device to host")?;
+    }
+    Ok(out)
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_sync and freed once; the owning context is still alive
+        // because the backend drops its buffers before its Gpu.
+        unsafe {
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// Page-locked host memory: the source and target of asynchronous copies (and of copies inside
+/// captured graphs, which read it at replay time).
+pub struct PinnedBuffer<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T: Copy + Default> PinnedBuffer<T> {
+    pub fn alloc(len: usize) -> Result<Self> {
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        let ptr = unsafe { result::malloc_host(bytes, 0) }.ctx(&format!("allocating {bytes} pinned bytes"))? as *mut T;
+        let b = PinnedBuffer { ptr, len };
+        for i in 0..len {
+            unsafe { ptr.add(i).write(T::default()) };
+        }
+        Ok(b)
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Queues a copy of `count` elements from `start` to device memory at `dst` on `stream`.
+    pub fn copy_to_device(&self, start: usize, count: usize, dst: DSlice<T>, stream: sys::CUstream) -> Result<()> {
+        assert!(start + count <= self.len && count <= dst.len, "pinned copy out of range");
+        if count == 0 {
+            return Ok(());
+        }
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, self.ptr.add(start) as *const _, count * std::mem::size_of::<T>(), stream)
+                .result()
+        }
+        .ctx("queueing a host-to-device copy")
+    }
+
+    /// Queues a copy of `src` into this buffer at `start` on `stream`.
+    pub fn copy_from_device(&mut self, start: usize, src: DSlice<T>, stream: sys::CUstream) -> Result<()> {
+        assert!(start + src.len <= self.len, "pinned copy out of range");
+        if src.len == 0 {
+            return Ok(());
+        }
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(self.ptr.add(start) as *mut _, src.ptr, src.len * std::mem::size_of::<T>(), stream)
+                .result()
+        }
+        .ctx("queueing a device-to-host copy")
+    }
+}
+
+impl<T> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = result::free_host(self.ptr as *mut _);
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! CUDA graph capture of work queued on our stream, and replay.
+
+use super::{Check, Result};
+use cudarc::driver::{result, sys};
+
+pub struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl Graph {
+    /// Captures everything `record` queues on `stream` (nothing runs during capture), then
+    /// instantiates it. `record` must not synchronise or allocate.
+    pub fn capture<F>(stream: sys::CUstream, record: F) -> anyhow::Result<Self>
+    where
+        F: FnOnce() -> anyhow::Result<()>,
+    {
+        unsafe {
+            result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        }
+        .ctx("beginning graph capture")?;
+        let recorded = record();
+        // End the capture whatever happened, so the stream is usable again.
+        let graph = unsafe { result::stream::end_capture(stream) }.ctx("ending graph capture");
+        recorded?;
+        let graph = graph?;
+        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .ctx("instantiating the graph")?;
+        Ok(Graph { graph, exec })
+    }
+
+    pub fn launch(&self, stream: sys::CUstream) -> Result<()> {
+        unsafe { result::graph::launch(self.exec, stream) }.ctx("launching the graph")
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::graph::destroy(self.graph);
+        }
+    }
+}

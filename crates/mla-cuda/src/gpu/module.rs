@@ -1,0 +1,116 @@
+//! Loading the embedded kernel modules and launching their functions.
+
+use super::{Check, CudaError, Result};
+use crate::embedded::{EmbeddedModule, KERNELS_BUILT, MODULES, NVCC};
+use cudarc::driver::{result, sys};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+
+/// A kernel argument: every kernel parameter of ours is a pointer or a 4/8-byte scalar.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    I64(i64),
+    U64(u64),
+}
+
+impl Arg {
+    fn bits(self) -> u64 {
+        match self {
+            Arg::Ptr(p) | Arg::U64(p) => p,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+            Arg::I64(v) => v as u64,
+        }
+    }
+}
+
+/// A loaded kernel function.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    pub name: &'static str,
+    func: sys::CUfunction,
+}
+
+impl Kernel {
+    /// Queues the kernel on `stream`. Launch-configuration errors are reported here; faults
+    /// inside the kernel surface at the next synchronisation.
+    pub fn launch(&self, stream: sys::CUstream, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // Little-endian: a 4-byte parameter reads the low half of its 8-byte slot.
+        let mut store: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+        let mut ptrs: Vec<*mut c_void> = store.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        unsafe { result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs) }
+            .ctx(&format!("launching {}", self.name))
+    }
+
+    /// Allows `bytes` of dynamic shared memory (above the 48 KB default).
+    pub fn set_max_dynamic_smem(&self, bytes: usize) -> Result<()> {
+        unsafe {
+            result::function::set_function_attribute(
+                self.func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .ctx(&format!("raising the shared-memory limit of {}", self.name))
+    }
+}
+
+/// Every embedded module, loaded into the current context: machine code on sm_90, PTX otherwise.
+pub struct Modules {
+    modules: HashMap<&'static str, sys::CUmodule>,
+    pub used_ptx: bool,
+}
+
+impl Modules {
+    pub fn load(compute_capability: (i32, i32)) -> Result<Self> {
+        if !KERNELS_BUILT {
+            return Err(CudaError {
+                what: "loading kernels".into(),
+                detail: format!("built without CUDA kernels ({NVCC}); install nvcc (scripts/install_nvcc.sh) and rebuild"),
+            });
+        }
+        let use_cubin = compute_capability == (9, 0);
+        let mut modules = HashMap::new();
+        for m in MODULES {
+            modules.insert(m.name, load_one(m, use_cubin)?);
+        }
+        Ok(Modules { modules, used_ptx: !use_cubin })
+    }
+
+    pub fn kernel(&self, module: &str, name: &'static str) -> Result<Kernel> {
+        let m = self.modules.get(module).ok_or_else(|| CudaError {
+            what: format!("finding kernel {name}"),
+            detail: format!("no module {module} was embedded"),
+        })?;
+        let cname = CString::new(name).unwrap();
+        let func = unsafe { result::module::get_function(*m, cname) }.ctx(&format!("finding kernel {module}::{name}"))?;
+        Ok(Kernel { name, func })
+    }
+}
+
+fn load_one(m: &EmbeddedModule, use_cubin: bool) -> Result<sys::CUmodule> {
+    if use_cubin {
+        unsafe { result::module::load_data(m.cubin_sm90a.as_ptr() as *const c_void) }.ctx(&format!("loading {}.cubin", m.name))
+    } else {
+        // The driver JIT-compiles PTX; it needs a NUL-terminated image.
+        let mut ptx = m.ptx.to_vec();
+        ptx.push(0);
+        unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }.ctx(&format!("JIT-compiling {}.ptx", m.name))
+    }
+}
+
+impl Drop for Modules {
+    fn drop(&mut self) {
+        for (_, m) in self.modules.drain() {
+            unsafe {
+                let _ = result::module::unload(m);
+            }
+        }
+    }
+}

@@ -1,0 +1,238 @@
+// Decode attention on the absorbed MLA path: MQA with one shared 576-wide key (c_kv 512 | k_pe 64)
+// and 512-wide value (c_kv) read straight from the paged latent cache (page = 64 tokens).
+//
+// One block handles one request, one tile of 16 heads and one split of the request's pages, so
+// every page is read once per head tile (once per request for V2-Lite's 16 heads). Splitting the
+// KV length over blocks fills the GPU at small batch sizes; the splits are merged by a log-sum-exp
+// combine. Everything that varies between steps (lengths, block tables) is read from device
+// memory, so a captured CUDA graph stays valid for any contexts at the same batch size.
+#include "common.cuh"
+
+namespace {
+constexpr int DL = 512, DP = 64, D = DL + DP, PAGE = 64, HT = 16;
+constexpr int NWARPS = 4, NTHREADS = NWARPS * 32;
+constexpr int KV_STRIDE = D + 8;   // 1168 bytes per row: conflict-free fragment and ldmatrix loads
+constexpr int P_STRIDE = PAGE + 8;
+constexpr int KSTEPS = D / 16;     // 36
+constexpr int DIMS_PER_WARP = DL / NWARPS;  // 128
+constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
+}  // namespace
+
+// Q tile + two KV pages + P tile + reduction scratch.
+// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
+    const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
+    const bf16* __restrict__ cache,                 // [blocks * 64, 576]
+    const int* __restrict__ block_tables,           // [B, *bt_stride]
+    const int* __restrict__ bt_stride_ptr,          // row stride of block_tables (device scalar)
+    const int* __restrict__ seq_lens,               // [B] keys per request, the fed token included
+    int heads, float scale_log2, int num_splits,
+    bf16* __restrict__ out,                         // [B, H, 512] when num_splits == 1
+    float* __restrict__ part_o,                     // [B, num_splits, H, 512]
+    float* __restrict__ part_lse) {                 // [B, num_splits, H] (log2 units)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
+    bf16* KVs = Qs + HT * KV_STRIDE;
+    bf16* Ps = KVs + 2 * PAGE * KV_STRIDE;
+    float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);
+    float* red_sum = red_max + NWARPS * HT;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int split = blockIdx.x, h0 = blockIdx.y * HT, b = blockIdx.z;
+    const int len = seq_lens[b];
+    const int bt_stride = *bt_stride_ptr;
+    const int n_pages = (len + PAGE - 1) / PAGE;
+    const int per_split = (n_pages + num_splits - 1) / num_splits;
+    const int p_begin = min(n_pages, split * per_split), p_end = min(n_pages, p_begin + per_split);
+    const int* table = block_tables + (size_t)b * bt_stride;
+
+    for (int c = tid; c < HT * (D / 8); c += NTHREADS) {
+        const int r = c / (D / 8), d = (c % (D / 8)) * 8;
+        const bool ok = h0 + r < heads;
+        cp_async_16(Qs + r * KV_STRIDE + d, q + (size_t)b * q_stride + (size_t)(h0 + (ok ? r : 0)) * D + d, ok);
+    }
+    auto load_page = [&](int p, int stage) {
+        bf16* dst = KVs + stage * PAGE * KV_STRIDE;
+        const size_t base = (size_t)table[p] * PAGE;
+        const int valid = min(PAGE, len - p * PAGE);
+        for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
+            const int r = c / (D / 8), d = (c % (D / 8)) * 8;
+            const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
+            cp_async_16(dst + r * KV_STRIDE + d, cache + (base + (ok ? r : 0)) * D + d, ok);
+        }
+    };
+    if (p_begin < p_end) load_page(p_begin, 0);
+    cp_async_commit();
+
+    float o[O_NTILES][4];
+#pragma unroll
+    for (int n = 0; n < O_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const int mi = lane >> 3, ri = lane & 7;
+
+    for (int p = p_begin; p < p_end; ++p) {
+        const int stage = (p - p_begin) & 1;
+        if (p + 1 < p_end) {
+            load_page(p + 1, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16* KV = KVs + stage * PAGE * KV_STRIDE;
+
+        // S = Q K^T for this warp's 16 keys.
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll 4
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            uint32_t a[4];
+            const bf16* q_lo = Qs + g * KV_STRIDE + ks * 16 + 2 * t4;
+            const bf16* q_hi = q_lo + 8 * KV_STRIDE;
+            a[0] = lds32(q_lo);
+            a[1] = lds32(q_hi);
+            a[2] = lds32(q_lo + 8);
+            a[3] = lds32(q_hi + 8);
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                mma_bf16_16816(sc[n], a, lds32(kr), lds32(kr + 8));
+            }
+        }
+        float wmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = p * PAGE + warp * 16 + n * 8 + 2 * t4 + (e & 1);
+                sc[n][e] = key < len ? sc[n][e] * scale_log2 : -INFINITY;
+                wmax[e >> 1] = fmaxf(wmax[e >> 1], sc[n][e]);
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 1));
+            wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 2));
+        }
+        if (t4 == 0) {
+            red_max[warp * HT + g] = wmax[0];
+            red_max[warp * HT + g + 8] = wmax[1];
+        }
+        __syncthreads();
+        float m_use[2], alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = g + 8 * i;
+            float tm = red_max[row];
+#pragma unroll
+            for (int w = 1; w < NWARPS; ++w) tm = fmaxf(tm, red_max[w * HT + row]);
+            const float m_new = fmaxf(m[i], tm);
+            m_use[i] = m_new == -INFINITY ? 0.f : m_new;
+            alpha[i] = exp2f(m[i] - m_use[i]);
+            m[i] = m_new;
+        }
+        float wsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const float p0 = exp2f(sc[n][0] - m_use[0]), p1 = exp2f(sc[n][1] - m_use[0]);
+            const float p2 = exp2f(sc[n][2] - m_use[1]), p3 = exp2f(sc[n][3] - m_use[1]);
+            wsum[0] += p0 + p1;
+            wsum[1] += p2 + p3;
+            const int col = warp * 16 + n * 8 + 2 * t4;
+            *reinterpret_cast<uint32_t*>(Ps + g * P_STRIDE + col) = pack_bf16(p0, p1);
+            *reinterpret_cast<uint32_t*>(Ps + (g + 8) * P_STRIDE + col) = pack_bf16(p2, p3);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 1);
+            wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 2);
+        }
+        if (t4 == 0) {
+            red_sum[warp * HT + g] = wsum[0];
+            red_sum[warp * HT + g + 8] = wsum[1];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = g + 8 * i;
+            float ts = 0.f;
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) ts += red_sum[w * HT + row];
+            l[i] = l[i] * alpha[i] + ts;
+        }
+#pragma unroll
+        for (int n = 0; n < O_NTILES; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+
+        // O[:, warp's 128 dims] += P V, V = the c_kv part of the page.
+#pragma unroll
+        for (int kk = 0; kk < PAGE / 16; ++kk) {
+            uint32_t pa[4];
+            const bf16* p_lo = Ps + g * P_STRIDE + kk * 16 + 2 * t4;
+            pa[0] = lds32(p_lo);
+            pa[1] = lds32(p_lo + 8 * P_STRIDE);
+            pa[2] = lds32(p_lo + 8);
+            pa[3] = lds32(p_lo + 8 * P_STRIDE + 8);
+#pragma unroll
+            for (int vn = 0; vn < O_NTILES / 2; ++vn) {
+                uint32_t bv[4];
+                ldmatrix_x4_trans(bv, KV + (kk * 16 + ri + (mi & 1) * 8) * KV_STRIDE + warp * DIMS_PER_WARP + vn * 16 + (mi >> 1) * 8);
+                mma_bf16_16816(o[2 * vn], pa, bv[0], bv[1]);
+                mma_bf16_16816(o[2 * vn + 1], pa, bv[2], bv[3]);
+            }
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int hh = h0 + g + 8 * i;
+        if (hh >= heads) continue;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        if (num_splits == 1) {
+            bf16* dst = out + ((size_t)b * heads + hh) * DL + warp * DIMS_PER_WARP;
+#pragma unroll
+            for (int n = 0; n < O_NTILES; ++n)
+                *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) = pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+        } else {
+            const size_t row = ((size_t)b * num_splits + split) * heads + hh;
+            float* dst = part_o + row * DL + warp * DIMS_PER_WARP;
+#pragma unroll
+            for (int n = 0; n < O_NTILES; ++n) {
+                dst[n * 8 + 2 * t4] = o[n][2 * i] * inv;
+                dst[n * 8 + 2 * t4 + 1] = o[n][2 * i + 1] * inv;
+            }
+            if (warp == 0 && t4 == 0) part_lse[row] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
+        }
+    }
+}
+
+// out[b, h, :] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Grid (H, B), 128 threads.
+extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                                              int heads, int num_splits, bf16* __restrict__ out) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    float mx = -INFINITY;
+    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_lse[((size_t)b * num_splits + s) * heads + h]);
+    float acc[DL / NTHREADS] = {};
+    float wsum = 0.f;
+    if (mx != -INFINITY) {
+        for (int s = 0; s < num_splits; ++s) {
+            const size_t row = ((size_t)b * num_splits + s) * heads + h;
+            const float lse = part_lse[row];
+            if (lse == -INFINITY) continue;
+            const float w = exp2f(lse - mx);
+            wsum += w;
+#pragma unroll
+            for (int j = 0; j < DL / NTHREADS; ++j) acc[j] += w * part_o[row * DL + threadIdx.x + j * NTHREADS];
+        }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+    for (int j = 0; j < DL / NTHREADS; ++j)
+        out[((size_t)b * heads + h) * DL + threadIdx.x + j * NTHREADS] = to_bf16(acc[j] * inv);
+}

@@ -1,0 +1,112 @@
+// Small memory-bound kernels of the forward pass: embedding gather, RMSNorm variants, SiLU·mul,
+// bf16 -> f32 conversion and on-device random weights. One block per row where a row reduction
+// is needed; rounding mirrors HF transformers running in bf16 where it materialises bf16 values.
+#include "common.cuh"
+
+// residual[t, :] = table[ids[t], :] (f32 residual stream; bf16 values are exact in f32).
+extern "C" __global__ void embedding_gather(const bf16* __restrict__ table, const int* __restrict__ ids,
+                                            float* __restrict__ residual, int hidden) {
+    const int t = blockIdx.x;
+    const bf16* row = table + (size_t)ids[t] * hidden;
+    float* out = residual + (size_t)t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = to_f32(row[i]);
+}
+
+// HF DeepseekV2RMSNorm: x * rsqrt(mean(x²) + eps) rounded to bf16, times the bf16 gain, rounded.
+DEVICE_INLINE void rmsnorm_row(const float* x, const bf16* w, bf16* out, int n, float eps, float* scratch) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, scratch);
+    const float r = rsqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = to_bf16(to_f32(w[i]) * round_bf16(x[i] * r));
+}
+
+// out = rmsnorm(residual) (first layer: nothing to add yet).
+extern "C" __global__ void rmsnorm_f32(const float* __restrict__ residual, const bf16* __restrict__ w,
+                                       bf16* __restrict__ out, int hidden, float eps) {
+    __shared__ float scratch[32];
+    const size_t t = blockIdx.x;
+    rmsnorm_row(residual + t * hidden, w, out + t * hidden, hidden, eps, scratch);
+}
+
+// residual += delta; out = rmsnorm(residual). The f32 residual keeps the sum of many layers exact
+// to f32 instead of re-rounding it to bf16 after every block.
+extern "C" __global__ void add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
+                                       const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    __shared__ float scratch[32];
+    const size_t t = blockIdx.x;
+    float* x = residual + t * hidden;
+    const bf16* d = delta + t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[i] += to_f32(d[i]);
+    __syncthreads();
+    rmsnorm_row(x, w, out + t * hidden, hidden, eps, scratch);
+}
+
+// residual += delta (the last layer's output before the final norm when only some rows need it).
+extern "C" __global__ void add_residual(float* __restrict__ residual, const bf16* __restrict__ delta, int hidden) {
+    const size_t t = blockIdx.x;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) residual[t * hidden + i] += to_f32(delta[t * hidden + i]);
+}
+
+// RMSNorm of a strided bf16 input (q_a_layernorm of V2/V3 queries).
+extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, int x_stride, const bf16* __restrict__ w,
+                                        bf16* __restrict__ out, int out_stride, int n, float eps) {
+    __shared__ float scratch[32];
+    const size_t t = blockIdx.x;
+    const bf16* xr = x + t * x_stride;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = to_f32(xr[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float r = rsqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        out[t * out_stride + i] = to_bf16(to_f32(w[i]) * round_bf16(to_f32(xr[i]) * r));
+}
+
+// out[r, i] = silu(gate[r, i]) * up[r, i] with gate_up[r] = [gate (inter) | up (inter)].
+// HF rounds silu's output to bf16 before the product; so do we.
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __restrict__ out, int inter, long long total) {
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long r = idx / inter, i = idx - r * inter;
+        const float g = to_f32(gate_up[r * 2 * inter + i]);
+        const float u = to_f32(gate_up[r * 2 * inter + inter + i]);
+        const float s = round_bf16(g / (1.f + __expf(-g)));
+        out[idx] = to_bf16(s * u);
+    }
+}
+
+extern "C" __global__ void bf16_to_f32(const bf16* __restrict__ x, float* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = to_f32(x[i]);
+}
+
+// Random weights on the device (--load-format dummy): mean + std * N(0,1), counter-based so the
+// values depend only on (seed, index), never on the launch shape.
+extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ out, long long n, unsigned long long seed,
+                                            float mean, float std) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint64_t pair = (uint64_t)(i >> 1);
+        const double u1 = uniform_open(mix64(seed ^ mix64(2 * pair)));
+        const double u2 = uniform_open(mix64(seed ^ mix64(2 * pair + 1)));
+        const double r = sqrt(-2.0 * log(u1));
+        const double th = 6.283185307179586 * u2;
+        const double z = (i & 1) ? r * sin(th) : r * cos(th);
+        out[i] = to_bf16(mean + std * (float)z);
+    }
+}
+
+extern "C" __global__ void fill_normal_f32(float* __restrict__ out, long long n, unsigned long long seed,
+                                           float mean, float std) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint64_t pair = (uint64_t)(i >> 1);
+        const double u1 = uniform_open(mix64(seed ^ mix64(2 * pair)));
+        const double u2 = uniform_open(mix64(seed ^ mix64(2 * pair + 1)));
+        const double r = sqrt(-2.0 * log(u1));
+        const double th = 6.283185307179586 * u2;
+        const double z = (i & 1) ? r * sin(th) : r * cos(th);
+        out[i] = mean + std * (float)z;
+    }
+}

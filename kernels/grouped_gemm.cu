@@ -1,0 +1,97 @@
+// Grouped GEMM for MoE experts: C[rows of expert e] = A[rows] · W[e]ᵀ, where A holds the token rows
+// grouped by expert (moe_align) and W[e] is expert e's nn.Linear weight [N, K]. The tile map built
+// on the device says which expert and rows each 64-row tile covers, so the launch needs no host
+// knowledge of the routing: the grid covers the worst case and idle tiles exit at once.
+//
+// Tiles 64 x 128 x 32, 4 warps as 2 x 2 (32 x 64 each), bf16 mma.sync with f32 accumulation,
+// 3-stage cp.async pipeline. Needs N % 128 == 0 and K % 32 == 0 (checked by the Rust wrapper).
+#include "common.cuh"
+
+namespace {
+constexpr int BM = 64, BN = 128, BK = 32, STAGES = 3, NTHREADS = 128;
+constexpr int SSTRIDE = BK + 8;  // 80-byte rows: conflict-free 32-bit fragment loads
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
+    const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C, int N, int K,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
+    const int* __restrict__ num_tiles) {
+    const int tile = blockIdx.y;
+    if (tile >= num_tiles[0]) return;
+    __shared__ __align__(16) bf16 As[STAGES][BM * SSTRIDE];
+    __shared__ __align__(16) bf16 Bs[STAGES][BN * SSTRIDE];
+
+    const int e = tile_expert[tile], row0 = tile_row0[tile], rows = tile_rows[tile];
+    const int n0 = blockIdx.x * BN;
+    const bf16* Wt = W + (size_t)e * N * K + (size_t)n0 * K;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 64;
+
+    auto load = [&](int kt, int stage) {
+        const int k0 = kt * BK;
+        for (int c = tid; c < BM * (BK / 8); c += NTHREADS) {
+            const int r = c / (BK / 8), d = (c % (BK / 8)) * 8;
+            const bool ok = r < rows;
+            cp_async_16(&As[stage][r * SSTRIDE + d], A + (size_t)(row0 + (ok ? r : 0)) * K + k0 + d, ok);
+        }
+        for (int c = tid; c < BN * (BK / 8); c += NTHREADS) {
+            const int r = c / (BK / 8), d = (c % (BK / 8)) * 8;
+            cp_async_16(&Bs[stage][r * SSTRIDE + d], Wt + (size_t)r * K + k0 + d, true);
+        }
+    };
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+
+    const int KT = K / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int nk = kt + STAGES - 1;
+        if (nk < KT) load(nk, nk % STAGES);
+        cp_async_commit();
+        const bf16* a_s = As[kt % STAGES];
+        const bf16* b_s = Bs[kt % STAGES];
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const bf16* p = a_s + (wm + i * 16 + g) * SSTRIDE + ks * 16 + 2 * t4;
+                a[i][0] = lds32(p);
+                a[i][1] = lds32(p + 8 * SSTRIDE);
+                a[i][2] = lds32(p + 8);
+                a[i][3] = lds32(p + 8 * SSTRIDE + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const bf16* p = b_s + (wn + j * 8 + g) * SSTRIDE + ks * 16 + 2 * t4;
+                const uint32_t b0 = lds32(p), b1 = lds32(p + 8);
+                mma_bf16_16816(acc[0][j], a[0], b0, b1);
+                mma_bf16_16816(acc[1][j], a[1], b0, b1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = wm + i * 16 + g + half * 8;
+            if (r >= rows) continue;
+            bf16* dst = C + (size_t)(row0 + r) * N + n0 + wn;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * t4) = pack_bf16(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+        }
+    }
+}

@@ -1,0 +1,189 @@
+// Token sampling on the device, one block of 1024 threads per sequence.
+//
+// Semantics follow mla-core's reference sampler (vLLM order): penalties, then temperature (0 means
+// greedy), top-k, top-p and min-p filtering, then one seeded draw; log-probabilities are those of
+// the unmodified model distribution. The filters are computed as value thresholds instead of a
+// sort: top-k by radix selection of the k-th largest logit, top-p by bisection on the threshold
+// whose kept probability mass first reaches top_p, min-p in closed form. Ties at a threshold are
+// all kept. The draw is a Gumbel-max over the kept tokens with counter-based noise from
+// (seed, token id), so a seed gives the same token whatever the batch looks like.
+#include "common.cuh"
+
+constexpr int MAX_TOP_LOGPROBS = 20;
+
+struct __align__(8) SampleParams {
+    float temperature;  // < 1e-5: greedy
+    float top_p;        // 1: off
+    float min_p;        // 0: off
+    int top_k;          // 0: off
+    float repetition_penalty, frequency_penalty, presence_penalty;
+    int n_logprobs;     // top alternatives to report (0..=20); < 0: no log-probabilities
+    unsigned long long seed;
+    int pen_begin, pen_end;  // range of this row's penalty entries
+};
+
+struct BlockArgmax {
+    float v;
+    int i;
+};
+
+DEVICE_INLINE bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+DEVICE_INLINE BlockArgmax block_argmax(float v, int i, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    v = lane < nwarps ? sv[lane] : -INFINITY;
+    i = lane < nwarps ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    return {v, i};
+}
+
+extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
+    const float* __restrict__ logits, long long logits_stride, int vocab, const SampleParams* __restrict__ params,
+    const int* __restrict__ pen_token, const int* __restrict__ pen_count, const unsigned char* __restrict__ pen_seen,
+    float* __restrict__ work, int* __restrict__ out_token, float* __restrict__ out_logprob,
+    int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
+    __shared__ float sf[32];
+    __shared__ int si[32];
+    __shared__ double sd[32];
+    const int r = blockIdx.x;
+    const SampleParams p = params[r];
+    const float* raw = logits + r * logits_stride;
+
+    // Log-probabilities of the unmodified distribution.
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, raw[i]);
+    mx = block_max(mx, sf);
+    float se = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) se += expf(raw[i] - mx);
+    const float lse = mx + logf(block_sum(se, sf));
+    if (p.n_logprobs > 0) {
+        float pv = INFINITY;
+        int pi = -1;
+        for (int k = 0; k < p.n_logprobs; ++k) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float v = raw[i];
+                const bool after = v < pv || (v == pv && i > pi);  // strictly after the previous pick
+                if (after && better(v, i, bv, bi)) {
+                    bv = v;
+                    bi = i;
+                }
+            }
+            const BlockArgmax b = block_argmax(bv, bi, sf, si);
+            if (threadIdx.x == 0) {
+                out_top_ids[r * MAX_TOP_LOGPROBS + k] = b.i;
+                out_top_lps[r * MAX_TOP_LOGPROBS + k] = b.v - lse;
+            }
+            pv = b.v;
+            pi = b.i;
+        }
+    }
+
+    // Penalised working copy (only when a penalty is active).
+    const float* w = raw;
+    if (p.pen_end > p.pen_begin) {
+        float* wr = work + (size_t)r * vocab;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) wr[i] = raw[i];
+        __syncthreads();
+        for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
+            const int tok = pen_token[e];
+            float v = wr[tok];
+            if (pen_seen[e] && p.repetition_penalty != 1.f)
+                v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
+            const int c = pen_count[e];
+            if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
+            wr[tok] = v;
+        }
+        __syncthreads();
+        w = wr;
+    }
+
+    int token;
+    if (p.temperature < 1e-5f) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (better(w[i], i, bv, bi)) {
+                bv = w[i];
+                bi = i;
+            }
+        token = block_argmax(bv, bi, sf, si).i;
+    } else {
+        const float inv_t = 1.f / p.temperature;
+        float wm = -INFINITY;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) wm = fmaxf(wm, w[i]);
+        wm = block_max(wm, sf);
+        // top-k: the key of the k-th largest value, built bit by bit from the top.
+        uint32_t kkey = 0;
+        if (p.top_k > 0 && p.top_k < vocab) {
+            for (int bit = 31; bit >= 0; --bit) {
+                const uint32_t cand = kkey | (1u << bit);
+                float cnt = 0.f;
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) cnt += float_key(w[i]) >= cand ? 1.f : 0.f;
+                if (block_sum(cnt, sf) >= (float)p.top_k) kkey = cand;
+            }
+        }
+        // top-p: the largest threshold whose kept mass (relative to the top-k set) reaches top_p.
+        uint32_t pkey = kkey;
+        if (p.top_p < 1.f) {
+            double z = 0.0;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+                if (float_key(w[i]) >= kkey) z += exp((double)(w[i] - wm) * inv_t);
+            z = block_sum_f64(z, sd);
+            const double target = (double)p.top_p * z;
+            uint32_t key = 0;
+            for (int bit = 31; bit >= 0; --bit) {
+                const uint32_t cand = key | (1u << bit);
+                double mass = 0.0;
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    const uint32_t k = float_key(w[i]);
+                    if (k >= cand && k >= kkey) mass += exp((double)(w[i] - wm) * inv_t);
+                }
+                if (block_sum_f64(mass, sd) >= target) key = cand;
+            }
+            pkey = max(pkey, key);
+        }
+        const float log_min_p = p.min_p > 0.f ? logf(p.min_p) : -INFINITY;
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float z = (w[i] - wm) * inv_t;
+            if (float_key(w[i]) < pkey || z < log_min_p) continue;
+            const double u = uniform_open(mix64(p.seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
+            const float gumbel = (float)(-log(-log(u)));
+            if (better(z + gumbel, i, bv, bi)) {
+                bv = z + gumbel;
+                bi = i;
+            }
+        }
+        token = block_argmax(bv, bi, sf, si).i;
+    }
+    if (threadIdx.x == 0) {
+        out_token[r] = token;
+        out_logprob[r] = p.n_logprobs >= 0 ? raw[token] - lse : 0.f;
+    }
+}
