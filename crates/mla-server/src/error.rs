@@ -26,6 +26,8 @@ pub enum ApiError {
     ModelNotFound { requested: String, served: String },
     #[error("no route for {method} {path}")]
     RouteNotFound { method: String, path: String },
+    #[error("{method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
     #[error("the request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     #[error("the request queue is full ({limit} requests waiting); retry later")]
@@ -48,6 +50,7 @@ impl ApiError {
             }
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound { .. } | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull { .. } | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

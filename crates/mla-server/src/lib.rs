@@ -4,3 +4,4 @@ pub mod protocol;
 pub mod sse;
 pub mod validate;
 pub mod metrics;
+pub mod extract;

@@ -6,6 +6,9 @@ mod limits;
 #[cfg(test)]
 mod tests;
 
+pub mod messages;
+pub mod prompt;
+
 pub use limits::{MaxTokensDefault, ModelLimits};
 
 use crate::error::ApiError;
