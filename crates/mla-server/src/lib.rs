@@ -5,3 +5,6 @@ pub mod sse;
 pub mod validate;
 pub mod metrics;
 pub mod extract;
+pub mod chat_template;
+pub mod python_format;
+pub mod template_env;
