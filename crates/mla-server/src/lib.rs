@@ -8,3 +8,5 @@ pub mod extract;
 pub mod chat_template;
 pub mod python_format;
 pub mod template_env;
+pub mod tokenizer;
+pub mod tokenizer_config;

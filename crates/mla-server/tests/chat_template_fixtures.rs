@@ -1,0 +1,128 @@
+//! Chat templates against HF transformers' own output (recorded by
+//! scripts/record_template_fixtures.py): every rendered prompt byte for byte, the prompt's token
+//! ids, and the same refusals.
+
+mod common;
+
+use common::{demo_tokenizer, read_json, template_fixtures_dir};
+use mla_server::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
+use mla_server::tokenizer::TextTokenizer;
+use serde_json::Value;
+
+/// Renders one recorded case and describes any difference from transformers.
+fn check_case(template: &ChatTemplate, tokenizer: &TextTokenizer, case: &Value) -> Option<String> {
+    let name = case["name"].as_str().unwrap();
+    let messages = case["messages"].as_array().unwrap();
+    let tools = case.get("tools").and_then(Value::as_array).map(Vec::as_slice);
+    let options = RenderOptions {
+        add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap_or(false),
+        continue_final_message: case["continue_final_message"].as_bool().unwrap_or(false),
+        tools,
+        special_tokens: tokenizer.template_special_tokens(),
+        extra_variables: None,
+    };
+    let result = template.render(messages, &options);
+    match (case.get("rendered").and_then(Value::as_str), result) {
+        (Some(want), Ok(got)) if want != got => Some(format!("{name}: rendered\n  {got:?}\nHF rendered\n  {want:?}")),
+        (Some(want), Ok(_)) => {
+            let want_ids: Option<Vec<u32>> = case.get("token_ids").map(|ids| serde_json::from_value(ids.clone()).unwrap());
+            let got_ids = tokenizer.encode_chat_prompt(want).unwrap();
+            match want_ids {
+                Some(want_ids) if want_ids != got_ids => {
+                    Some(format!("{name}: token ids {got_ids:?}, HF {want_ids:?}"))
+                }
+                _ => None,
+            }
+        }
+        (Some(_), Err(e)) => Some(format!("{name}: failed ({e}) where HF rendered")),
+        (None, Ok(got)) => Some(format!("{name}: rendered {got:?} where HF failed with {}", case["error"])),
+        (None, Err(_)) => None,
+    }
+}
+
+fn check_fixture_file(file: &str) {
+    let fixture = read_json(template_fixtures_dir().join(file));
+    let tokenizer = demo_tokenizer();
+    let shared_template = fixture.get("template").and_then(Value::as_str).map(|name| {
+        std::fs::read_to_string(template_fixtures_dir().join(name)).unwrap()
+    });
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10, "{file}: too few cases to mean anything");
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|case| {
+            let source = case.get("template").and_then(Value::as_str).map(str::to_string);
+            let source = source.or_else(|| shared_template.clone()).expect("a template per file or per case");
+            match ChatTemplate::new(&source) {
+                Ok(template) => check_case(&template, &tokenizer, case),
+                Err(e) => Some(format!("{}: does not compile: {e}", case["name"])),
+            }
+        })
+        .collect();
+    assert!(failures.is_empty(), "{file}: {} of {} cases differ from transformers:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+#[test]
+fn deepseek_v3_template_matches_transformers() {
+    check_fixture_file("deepseek-v3.json");
+}
+
+#[test]
+fn deepseek_v2_chat_template_matches_transformers() {
+    check_fixture_file("deepseek-v2-chat.json");
+}
+
+#[test]
+fn template_feature_probes_match_transformers() {
+    check_fixture_file("probes.json");
+}
+
+#[test]
+fn raise_exception_is_reported_as_the_templates_message() {
+    let fixture = read_json(template_fixtures_dir().join("probes.json"));
+    let case = fixture["cases"].as_array().unwrap().iter().find(|c| c["name"] == "raise_exception").unwrap();
+    let template = ChatTemplate::new(case["template"].as_str().unwrap()).unwrap();
+    let err = template.render(case["messages"].as_array().unwrap(), &RenderOptions::default()).unwrap_err();
+    // HF: "TemplateError: <message>"
+    let hf_message = case["error"].as_str().unwrap().strip_prefix("TemplateError: ").unwrap();
+    match err {
+        ChatTemplateError::Raised(message) => assert_eq!(message, hf_message),
+        other => panic!("expected Raised, got {other:?}"),
+    }
+}
+
+#[test]
+fn demo_tokenizer_ships_the_published_v3_template() {
+    let published = std::fs::read_to_string(template_fixtures_dir().join("deepseek-v3.jinja")).unwrap();
+    let tokenizer = demo_tokenizer();
+    let shipped = tokenizer.config().chat_templates.select(None, false).unwrap();
+    // The reference file ends with the customary newline, which is not part of the template.
+    assert_eq!(shipped, published.strip_suffix('\n').unwrap());
+}
+
+#[test]
+fn non_text_content_parts_are_refused() {
+    let template = ChatTemplate::new("{{ messages[0].content }}").unwrap();
+    let messages: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#,
+    )
+    .unwrap();
+    let err = template.render(&messages, &RenderOptions::default()).unwrap_err();
+    assert!(matches!(err, ChatTemplateError::InvalidMessages(_)), "{err:?}");
+}
+
+#[test]
+fn strftime_now_is_local_wall_clock_time() {
+    // Independent reference: the system's date(1), read before and after rendering so a day
+    // boundary between the two cannot fail the test.
+    let date = || {
+        let out = std::process::Command::new("date").arg("+%d %b %Y").output().expect("date(1) runs");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let template = ChatTemplate::new("{{ strftime_now('%d %b %Y') }}").unwrap();
+    let messages = vec![serde_json::json!({"role": "user", "content": "x"})];
+    let before = date();
+    let rendered = template.render(&messages, &RenderOptions::default()).unwrap();
+    let after = date();
+    assert!(rendered == before || rendered == after, "strftime_now gave {rendered:?}, date(1) {before:?}");
+}
