@@ -10,3 +10,5 @@ pub mod python_format;
 pub mod template_env;
 pub mod tokenizer;
 pub mod tokenizer_config;
+pub mod detokenizer;
+pub mod stop;
