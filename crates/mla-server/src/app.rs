@@ -1,0 +1,78 @@
+//! The axum router: routes, API-key check, body limit, and OpenAI-shaped 404/405 answers.
+
+use crate::error::ApiError;
+use crate::extract::BodyLimit;
+use crate::routes;
+use crate::state::AppState;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, Method, Uri};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use std::sync::Arc;
+
+/// Default cap on request bodies: far above any prompt that fits a context, small enough that a
+/// runaway client cannot make the server buffer gigabytes.
+pub const DEFAULT_BODY_LIMIT: usize = 32 << 20;
+
+/// Builds the whole HTTP application. `/health` and `/metrics` stay open when an API key is set,
+/// so probes and scrapers need no secret (as in vLLM).
+pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(routes::chat::handle))
+        .route("/v1/completions", post(routes::completions::handle))
+        .route("/v1/models", get(routes::info::list_models))
+        .route("/v1/models/{id}", get(routes::info::get_model))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(routes::info::health))
+        .route("/metrics", get(routes::info::metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(Extension(BodyLimit(body_limit)))
+        .with_state(state)
+}
+
+async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Result<Response, ApiError> {
+    if let Some(key) = &state.api_key {
+        let sent = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), key.as_bytes())) {
+            return Err(ApiError::Unauthorized);
+        }
+    }
+    Ok(next.run(req).await)
+}
+
+/// Compares without an early exit, so response timing does not reveal how much of a key matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::RouteNotFound { method: method.to_string(), path: uri.path().to_string() }
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret1"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+}

@@ -1,0 +1,254 @@
+//! One HTTP request's generation: the engine streams of its prompts merged, each completion
+//! ("choice") detokenized incrementally with stop strings applied, and the updates the two
+//! endpoints turn into responses or stream chunks.
+//!
+//! Dropping a `Generation` drops its engine streams, which aborts whatever is still running:
+//! that is how a closed client connection or a stop string reaches the engine.
+
+use crate::error::ApiError;
+use crate::metrics::FinishCounters;
+use crate::protocol::common::Usage;
+use crate::text::{ChoiceText, TextPipeline};
+use mla_engine::{EngineEvent, FinishReason, RequestStream, TokenLogprobs};
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::Poll;
+
+/// A generated token as clients see it in `logprobs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// Most likely alternatives, best first: (text, bytes, logprob).
+    pub top: Vec<(String, Vec<u8>, f32)>,
+}
+
+/// New output of one choice. `text` may be empty (held back while it could start a stop string).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChoiceUpdate {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<FinishReason>,
+}
+
+struct Choice {
+    text: ChoiceText,
+    completion_tokens: usize,
+    finished: bool,
+}
+
+/// The engine request of one prompt; its completions are choices `base .. base + n`.
+struct PromptRun {
+    stream: Option<RequestStream>,
+    base: usize,
+    n: usize,
+    stop_token_ids: Vec<u32>,
+}
+
+pub struct Generation {
+    runs: Vec<PromptRun>,
+    choices: Vec<Choice>,
+    prompt_tokens: usize,
+    want_logprobs: bool,
+    text: Arc<TextPipeline>,
+    finished: Arc<FinishCounters>,
+    /// Round-robin start so one busy prompt cannot starve the others' updates.
+    next_poll: usize,
+    /// Updates produced together (several choices closed at once), handed out one by one.
+    pending: VecDeque<ChoiceUpdate>,
+}
+
+/// What `Generation::start` needs per prompt: the submitted stream and its request's numbers.
+pub struct Submitted {
+    pub stream: RequestStream,
+    pub prompt_len: usize,
+    pub n: usize,
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Generation {
+    pub fn new(
+        submitted: Vec<Submitted>,
+        make_text: impl Fn() -> ChoiceText,
+        want_logprobs: bool,
+        text: Arc<TextPipeline>,
+        finished: Arc<FinishCounters>,
+    ) -> Self {
+        let mut runs = vec![];
+        let mut choices = vec![];
+        let mut prompt_tokens = 0;
+        for s in submitted {
+            runs.push(PromptRun { stream: Some(s.stream), base: choices.len(), n: s.n, stop_token_ids: s.stop_token_ids });
+            prompt_tokens += s.prompt_len;
+            choices.extend((0..s.n).map(|_| Choice { text: make_text(), completion_tokens: 0, finished: false }));
+        }
+        Generation { runs, choices, prompt_tokens, want_logprobs, text, finished, next_poll: 0, pending: VecDeque::new() }
+    }
+
+    pub fn num_choices(&self) -> usize {
+        self.choices.len()
+    }
+
+    /// Usage so far (final once `next` has returned `None`). The prompt counts once per prompt,
+    /// not once per choice, as OpenAI counts it.
+    pub fn usage(&self) -> Usage {
+        Usage::new(self.prompt_tokens, self.choices.iter().map(|c| c.completion_tokens).sum())
+    }
+
+    /// The next update, `None` once every choice has finished, or the engine's error.
+    pub async fn next(&mut self) -> Option<Result<ChoiceUpdate, ApiError>> {
+        loop {
+            if let Some(u) = self.pending.pop_front() {
+                return Some(Ok(u));
+            }
+            let (run, event) = self.next_event().await?;
+            if let Err(e) = self.apply(run, event) {
+                self.abort_all();
+                return Some(Err(e));
+            }
+        }
+    }
+
+    /// Waits for an event from any live run; a closed channel arrives as `None` for that run.
+    async fn next_event(&mut self) -> Option<(usize, Option<EngineEvent>)> {
+        if self.runs.iter().all(|r| r.stream.is_none()) {
+            return None;
+        }
+        poll_fn(|cx| {
+            let len = self.runs.len();
+            for k in 0..len {
+                let i = (self.next_poll + k) % len;
+                if let Some(stream) = &mut self.runs[i].stream {
+                    if let Poll::Ready(ev) = stream.events.poll_recv(cx) {
+                        self.next_poll = (i + 1) % len;
+                        return Poll::Ready(Some((i, ev)));
+                    }
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    fn apply(&mut self, run: usize, event: Option<EngineEvent>) -> Result<(), ApiError> {
+        let (base, n) = (self.runs[run].base, self.runs[run].n);
+        let update = match event {
+            Some(EngineEvent::Token { index, token, logprobs, finish }) if index < n => {
+                self.on_token(run, base + index, token, logprobs, finish)
+            }
+            Some(EngineEvent::Finished { index, reason }) if index < n => self.finish(base + index, reason, vec![]),
+            Some(EngineEvent::Error { message }) => return Err(ApiError::Internal(message)),
+            Some(other) => return Err(ApiError::Internal(format!("engine sent an event for an unknown completion: {other:?}"))),
+            None => {
+                // The engine dropped the request without finishing every choice (it is gone):
+                // the rest are reported as aborted.
+                self.runs[run].stream = None;
+                for c in base..base + n {
+                    if let Some(u) = self.finish(c, FinishReason::Abort, vec![]) {
+                        self.pending.push_back(u);
+                    }
+                }
+                None
+            }
+        };
+        self.pending.extend(update);
+        // Every choice of this prompt is done (stop strings included): drop the engine stream so
+        // the engine stops working on it.
+        if (base..base + n).all(|c| self.choices[c].finished) {
+            self.runs[run].stream = None;
+        }
+        Ok(())
+    }
+
+    fn on_token(
+        &mut self,
+        run: usize,
+        c: usize,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        finish: Option<FinishReason>,
+    ) -> Option<ChoiceUpdate> {
+        let choice = &mut self.choices[c];
+        if choice.finished {
+            // A stop string already ended this choice; the engine had not seen it yet.
+            return None;
+        }
+        choice.completion_tokens += 1;
+        // The stop token that ends a completion is counted but is not text (as in vLLM).
+        if finish.is_some() && self.runs[run].stop_token_ids.contains(&token) {
+            return self.finish(c, finish.unwrap_or(FinishReason::Stop), vec![]);
+        }
+        let lp = match (&logprobs, self.want_logprobs) {
+            (Some(l), true) => vec![self.token_logprob(token, l)],
+            _ => vec![],
+        };
+        let choice = &mut self.choices[c];
+        let (text, stop_hit) = choice.text.push(token);
+        if stop_hit {
+            return self.finish_with_text(c, FinishReason::Stop, text, lp);
+        }
+        match finish {
+            Some(reason) => self.finish_with_text(c, reason, text, lp),
+            None => Some(ChoiceUpdate { index: c, text, logprobs: lp, finish: None }),
+        }
+    }
+
+    fn finish(&mut self, c: usize, reason: FinishReason, logprobs: Vec<TokenLogprob>) -> Option<ChoiceUpdate> {
+        self.finish_with_text(c, reason, String::new(), logprobs)
+    }
+
+    /// Ends a choice: flushes held-back text (unless a stop string ended it) and counts the reason.
+    fn finish_with_text(
+        &mut self,
+        c: usize,
+        reason: FinishReason,
+        mut text: String,
+        logprobs: Vec<TokenLogprob>,
+    ) -> Option<ChoiceUpdate> {
+        let choice = &mut self.choices[c];
+        if choice.finished {
+            return None;
+        }
+        let (tail, stop_hit) = choice.text.finish();
+        text.push_str(&tail);
+        // Text released only at the end can still complete a stop string.
+        let reason = if stop_hit && reason != FinishReason::Abort { FinishReason::Stop } else { reason };
+        choice.finished = true;
+        self.finished.record(reason);
+        Some(ChoiceUpdate { index: c, text, logprobs, finish: Some(reason) })
+    }
+
+    fn token_logprob(&self, token: u32, l: &TokenLogprobs) -> TokenLogprob {
+        let (text, bytes) = self.text.token_piece(token);
+        let top = l
+            .top
+            .iter()
+            .map(|&(t, lp)| {
+                let (s, b) = self.text.token_piece(t);
+                (s, b, lp)
+            })
+            .collect();
+        TokenLogprob { token: text, bytes, logprob: l.logprob, top }
+    }
+
+    /// Drops every engine stream (aborting them) and counts unfinished choices as aborted.
+    fn abort_all(&mut self) {
+        for r in &mut self.runs {
+            r.stream = None;
+        }
+        for c in self.choices.iter_mut().filter(|c| !c.finished) {
+            c.finished = true;
+            self.finished.record(FinishReason::Abort);
+        }
+    }
+}
+
+impl Drop for Generation {
+    /// A client that goes away mid-generation ends here: its choices count as aborted.
+    fn drop(&mut self) {
+        self.abort_all();
+    }
+}

@@ -1,0 +1,40 @@
+//! The read-only endpoints: `/v1/models`, `/health`, `/metrics`.
+
+use crate::error::ApiError;
+use crate::metrics;
+use crate::protocol::models::{ModelCard, ModelList};
+use crate::state::AppState;
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::Json;
+use std::sync::Arc;
+
+fn card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.model_name.clone(),
+        object: "model",
+        created: state.started,
+        owned_by: "mla-serve",
+        max_model_len: state.limits.max_model_len,
+    }
+}
+
+pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList { object: "list", data: vec![card(&state)] })
+}
+
+pub async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
+    state.check_model(Some(&id))?;
+    Ok(Json(card(&state)))
+}
+
+/// 200 with an empty body while the server accepts requests (vLLM's convention).
+pub async fn health() -> impl IntoResponse {
+    axum::http::StatusCode::OK
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let text = metrics::render(&state.model_name, &state.engine.stats(), &state.finished);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
+}

@@ -1,0 +1,6 @@
+//! HTTP handlers, one file per endpoint family; `output` holds what they share.
+
+pub mod chat;
+pub mod completions;
+pub mod info;
+pub mod output;

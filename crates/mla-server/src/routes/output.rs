@@ -1,0 +1,88 @@
+//! Turning a `Generation` into either a whole response (collected) or an SSE stream, shared by
+//! both endpoints; the endpoint supplies only the chunk shapes (`StreamFormat`).
+
+use crate::error::ApiError;
+use crate::generate::{ChoiceUpdate, Generation, TokenLogprob};
+use crate::protocol::common::Usage;
+use crate::sse;
+use axum::body::Bytes;
+use axum::response::Response;
+use mla_engine::FinishReason;
+use std::collections::VecDeque;
+
+/// One choice after generation ended.
+#[derive(Debug, Clone, Default)]
+pub struct CollectedChoice {
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<FinishReason>,
+}
+
+/// Runs the generation to the end. An engine error fails the whole request.
+pub async fn collect(mut generation: Generation) -> Result<(Vec<CollectedChoice>, Usage), ApiError> {
+    let mut choices = vec![CollectedChoice::default(); generation.num_choices()];
+    while let Some(update) = generation.next().await {
+        let u = update?;
+        let c = &mut choices[u.index];
+        c.text.push_str(&u.text);
+        c.logprobs.extend(u.logprobs);
+        if u.finish.is_some() {
+            c.finish = u.finish;
+        }
+    }
+    Ok((choices, generation.usage()))
+}
+
+/// The chunk shapes of one endpoint's stream.
+pub trait StreamFormat: Send + 'static {
+    /// Chunks sent before any token (chat: one role chunk per choice; completions: echo).
+    fn opening(&mut self, num_choices: usize) -> Vec<Bytes>;
+    /// The chunk for one update, or nothing when it carries nothing.
+    fn update(&mut self, u: ChoiceUpdate) -> Option<Bytes>;
+    /// The final usage chunk (`choices: []`), sent only when the client asked for it.
+    fn usage(&mut self, usage: Usage) -> Bytes;
+}
+
+struct StreamState<F> {
+    generation: Generation,
+    format: F,
+    include_usage: bool,
+    queue: VecDeque<Bytes>,
+    ended: bool,
+}
+
+/// Streams the generation as SSE: opening chunks, one chunk per update, the usage chunk when
+/// asked, then `[DONE]`; an engine error becomes an error event before `[DONE]`.
+/// The response body owns the generation: a client that disconnects drops it, aborting the
+/// engine requests.
+pub fn stream<F: StreamFormat>(generation: Generation, mut format: F, include_usage: bool) -> Response {
+    let queue = format.opening(generation.num_choices()).into();
+    let state = StreamState { generation, format, include_usage, queue, ended: false };
+    let events = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(b) = s.queue.pop_front() {
+                return Some((b, s));
+            }
+            if s.ended {
+                return None;
+            }
+            match s.generation.next().await {
+                Some(Ok(u)) => s.queue.extend(s.format.update(u)),
+                Some(Err(e)) => {
+                    s.queue.push_back(sse::error_event(&e));
+                    s.queue.push_back(sse::done_event());
+                    s.ended = true;
+                }
+                None => {
+                    if s.include_usage {
+                        let usage = s.generation.usage();
+                        s.queue.push_back(s.format.usage(usage));
+                    }
+                    s.queue.push_back(sse::done_event());
+                    s.ended = true;
+                }
+            }
+        }
+    });
+    sse::response(events)
+}

@@ -1,0 +1,65 @@
+//! What every handler shares: the engine handle, the model's limits and defaults, the text
+//! pipeline, the API key and the server-side counters.
+
+use crate::error::ApiError;
+use crate::generate::{Generation, Submitted};
+use crate::generation_config::GenerationDefaults;
+use crate::metrics::FinishCounters;
+use crate::stop::StopMatcher;
+use crate::text::TextPipeline;
+use crate::validate::{ModelLimits, ValidatedParams};
+use mla_engine::{EngineHandle, GenerateRequest};
+use std::sync::Arc;
+
+pub struct AppState {
+    pub engine: EngineHandle,
+    /// The one model name this server answers to.
+    pub model_name: String,
+    pub limits: ModelLimits,
+    pub defaults: GenerationDefaults,
+    pub text: Arc<TextPipeline>,
+    pub api_key: Option<String>,
+    pub finished: Arc<FinishCounters>,
+    /// Unix time the server started (`created` of the model card).
+    pub started: u64,
+}
+
+impl AppState {
+    /// `model` absent means the served model (friendlier for curl); any other name is a 404.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.model_name => {
+                Err(ApiError::ModelNotFound { requested: m.to_string(), served: self.model_name.clone() })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Submits one engine request per prompt. If one is refused (queue full, too long), the
+    /// ones already submitted are dropped, which aborts them.
+    pub fn start_generation(&self, requests: Vec<GenerateRequest>, params: &ValidatedParams) -> Result<Generation, ApiError> {
+        let mut submitted = Vec::with_capacity(requests.len());
+        for req in requests {
+            let (prompt_len, n, stop_token_ids) = (req.prompt_tokens.len(), req.n, req.stop_token_ids.clone());
+            let stream = self.engine.submit(req)?;
+            submitted.push(Submitted { stream, prompt_len, n, stop_token_ids });
+        }
+        let stop = StopMatcher::new(params.stop.clone()).map_err(|e| ApiError::invalid("stop", e.to_string()))?;
+        let text = self.text.clone();
+        let skip_special = params.skip_special_tokens;
+        Ok(Generation::new(
+            submitted,
+            move || text.choice_text(stop.clone(), skip_special),
+            params.logprobs.is_some(),
+            self.text.clone(),
+            self.finished.clone(),
+        ))
+    }
+}
+
+/// Runs CPU-heavy text work (template rendering, tokenization) off the async runtime.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
+}

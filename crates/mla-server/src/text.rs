@@ -1,0 +1,161 @@
+//! The text side of a request as the HTTP layer uses it: chat prompt rendering + tokenization,
+//! completion prompts, per-choice incremental detokenization with stop strings, and token
+//! pieces for logprobs. Built on `tokenizer`, `chat_template`, `detokenizer` and `stop`; this
+//! module only turns their errors into `ApiError`s.
+
+use crate::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::error::ApiError;
+use crate::stop::{StopCheck, StopMatcher};
+use crate::tokenizer::{TextTokenizer, TokenizerError};
+use serde_json::Value;
+use std::sync::Arc;
+
+pub struct TextPipeline {
+    tokenizer: TextTokenizer,
+    /// `None` when the model has no chat template: chat requests are then refused (400).
+    template: Option<ChatTemplate>,
+}
+
+impl TextPipeline {
+    /// `template_override` (`--chat-template`) replaces the tokenizer_config.json template.
+    pub fn new(tokenizer: TextTokenizer, template_override: Option<String>) -> anyhow::Result<Self> {
+        let source = match template_override {
+            Some(t) => Some(t),
+            None => tokenizer.config().chat_templates.select(None, false).ok().map(str::to_string),
+        };
+        let template = source.map(|s| ChatTemplate::new(&s)).transpose()?;
+        Ok(TextPipeline { tokenizer, template })
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Renders the conversation (with the assistant prompt appended) and tokenizes it without
+    /// adding special tokens: the template wrote BOS itself.
+    pub fn chat_prompt(&self, messages: &[Value]) -> Result<Vec<u32>, ApiError> {
+        let template = self.template.as_ref().ok_or_else(|| {
+            ApiError::invalid("messages", "this model has no chat template; start the server with --chat-template FILE or use /v1/completions")
+        })?;
+        let options = RenderOptions {
+            add_generation_prompt: true,
+            special_tokens: self.tokenizer.template_special_tokens(),
+            ..Default::default()
+        };
+        let rendered = template.render(messages, &options).map_err(|e| match e {
+            // The template refused the conversation, or the messages are malformed: client errors.
+            ChatTemplateError::Raised(_) | ChatTemplateError::InvalidMessages(_) => {
+                ApiError::invalid("messages", e.to_string())
+            }
+            ChatTemplateError::Syntax(_) | ChatTemplateError::Render(_) => ApiError::Internal(e.to_string()),
+        })?;
+        self.tokenizer.encode_chat_prompt(&rendered).map_err(internal)
+    }
+
+    /// A completions text prompt, with the tokenizer's special tokens (BOS) as vLLM adds them.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer.encode(text, true).map_err(internal)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ApiError> {
+        self.tokenizer.decode(ids, skip_special_tokens).map_err(internal)
+    }
+
+    /// One token's text and raw bytes for logprobs. A byte-level token holding part of a UTF-8
+    /// character decodes to U+FFFD; its real bytes come from the byte-level alphabet.
+    pub fn token_piece(&self, id: u32) -> (String, Vec<u8>) {
+        let text = self.tokenizer.decode(&[id], false).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            let bytes = text.as_bytes().to_vec();
+            return (text, bytes);
+        }
+        let bytes = self
+            .tokenizer
+            .id_to_token(id)
+            .and_then(|t| byte_level_bytes(&t))
+            .unwrap_or_else(|| text.as_bytes().to_vec());
+        (text, bytes)
+    }
+
+    /// The text state of one completion.
+    pub fn choice_text(self: &Arc<Self>, stop: StopMatcher, skip_special_tokens: bool) -> ChoiceText {
+        ChoiceText { text: self.clone(), detok: IncrementalDetokenizer::new(skip_special_tokens), stop }
+    }
+}
+
+fn internal(e: TokenizerError) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+/// Detokenizer + stop strings for one completion.
+pub struct ChoiceText {
+    text: Arc<TextPipeline>,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+}
+
+impl ChoiceText {
+    /// Text released by `token`, and whether a stop string has now ended the completion.
+    pub fn push(&mut self, token: u32) -> (String, bool) {
+        let delta = self.detok.push(&self.text.tokenizer, token).unwrap_or_else(|e| {
+            tracing::warn!("detokenizing token {token}: {e}");
+            String::new()
+        });
+        stop_result(self.stop.push(&delta))
+    }
+
+    /// The text still held back when the completion ends, and whether it completed a stop string.
+    pub fn finish(&mut self) -> (String, bool) {
+        let rest = self.detok.finish(&self.text.tokenizer).unwrap_or_default();
+        let (mut text, stopped) = stop_result(self.stop.push(&rest));
+        if !stopped {
+            text.push_str(&self.stop.finish());
+        }
+        (text, stopped)
+    }
+}
+
+fn stop_result(check: StopCheck) -> (String, bool) {
+    match check {
+        StopCheck::Continue { text } => (text, false),
+        StopCheck::Stopped { text, .. } => (text, true),
+    }
+}
+
+/// Inverts GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other
+/// 68 bytes were shifted to U+0100.. in byte order. `None` if `token` has a character outside it.
+fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let shifted: Vec<u32> = (0..=255u32).filter(|&b| !printable(b)).collect();
+    token
+        .chars()
+        .map(|c| {
+            let c = c as u32;
+            if c < 256 && printable(c) {
+                Some(c as u8)
+            } else {
+                c.checked_sub(256).and_then(|i| shifted.get(i as usize)).map(|&b| b as u8)
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::byte_level_bytes;
+
+    #[test]
+    fn byte_level_alphabet_round_trip() {
+        // 'Ġ' (U+0120) is the space byte 0x20, 'Ċ' (U+010A) is '\n'; ASCII letters are themselves.
+        assert_eq!(byte_level_bytes("Ġhi").unwrap(), b" hi");
+        assert_eq!(byte_level_bytes("Ċ").unwrap(), b"\n");
+        // "é" is 0xC3 0xA9; byte 0xC3 is 'Ã' and 0xA9 is '©' in the alphabet.
+        assert_eq!(byte_level_bytes("Ã©").unwrap(), "é".as_bytes());
+        assert_eq!(byte_level_bytes("｜"), None);
+    }
+}

@@ -1,0 +1,201 @@
+//! Non-streaming responses and error answers of the HTTP layer, over the real engine with a
+//! scripted backend (see `support`). Expected texts are decoded from the script independently.
+
+mod support;
+
+use serde_json::json;
+use support::{server, tokenizer, Options};
+
+fn chat(content: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut body = json!({"model": "demo", "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+#[tokio::test]
+async fn chat_completion_shape_text_and_usage() {
+    let s = server(Options::default());
+    let r = s.post("/v1/chat/completions", chat("hi", json!({"max_tokens": 5}))).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["model"], "demo");
+    let c = &v["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["message"]["role"], "assistant");
+    assert_eq!(c["message"]["content"], s.script_text(5));
+    assert_eq!(c["finish_reason"], "length");
+    assert!(c["logprobs"].is_null());
+    // The V3 template renders one user turn as BOS + <｜User｜> + text + <｜Assistant｜>.
+    let prompt = tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>", false).unwrap();
+    assert_eq!(v["usage"], json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5}));
+}
+
+#[tokio::test]
+async fn stop_strings_cut_the_text_and_end_with_stop() {
+    let s = server(Options::default());
+    let r = s.post("/v1/chat/completions", chat("hi", json!({"max_tokens": 40, "stop": ["STOP", "never"]}))).await;
+    let v = r.json();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello there. ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Tokens are counted up to the one that completed the stop string.
+    let k = (1..=s.script.len()).find(|&k| s.script_text(k).contains("STOP")).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], k);
+}
+
+#[tokio::test]
+async fn eos_ends_with_stop_unless_ignored() {
+    let mut script = tokenizer().encode("ab", false).unwrap();
+    script.push(1); // the demo EOS id
+    let s = server(Options { script: script.clone(), ..Options::default() });
+    let v = s.post("/v1/chat/completions", chat("x", json!({"max_tokens": 10}))).await.json();
+    assert_eq!(v["choices"][0]["message"]["content"], "ab");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], script.len(), "the EOS token is counted");
+    let v = s.post("/v1/chat/completions", chat("x", json!({"max_tokens": 4, "ignore_eos": true}))).await.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let v = s
+        .post("/v1/chat/completions", chat("x", json!({"max_tokens": 4, "ignore_eos": true, "skip_special_tokens": false})))
+        .await
+        .json();
+    let four: Vec<u32> = script.iter().copied().cycle().take(4).collect();
+    let expected = tokenizer().decode(&four, false).unwrap();
+    assert!(expected.contains("<｜end▁of▁sentence｜>"), "{expected}");
+    assert_eq!(v["choices"][0]["message"]["content"], expected);
+}
+
+#[tokio::test]
+async fn n_choices_and_chat_logprobs() {
+    let s = server(Options::default());
+    let body = chat("hi", json!({"max_tokens": 4, "n": 2, "logprobs": true, "top_logprobs": 2}));
+    let v = s.post("/v1/chat/completions", body).await.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let text = c["message"]["content"].as_str().unwrap();
+        let content = c["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 4);
+        let joined: String = content.iter().map(|t| t["token"].as_str().unwrap()).collect();
+        assert_eq!(joined, text);
+        assert_eq!(content[0]["logprob"], -0.5);
+        assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(content[0]["bytes"], json!(content[0]["token"].as_str().unwrap().as_bytes()));
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+}
+
+#[tokio::test]
+async fn completions_with_token_prompts_echo_and_logprobs() {
+    let s = server(Options::default());
+    let v = s.post("/v1/completions", json!({"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3})).await.json();
+    assert_eq!(v["object"], "text_completion");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert!(choices.iter().all(|c| c["text"] == s.script_text(3)));
+    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}));
+
+    let v = s.post("/v1/completions", json!({"prompt": "Hi", "echo": true, "max_tokens": 2})).await.json();
+    assert_eq!(v["choices"][0]["text"], format!("Hi{}", s.script_text(2)));
+    // A text prompt gets the tokenizer's BOS, as vLLM does.
+    assert_eq!(v["usage"]["prompt_tokens"], tokenizer().encode("Hi", true).unwrap().len());
+
+    let v = s.post("/v1/completions", json!({"prompt": "Hi", "logprobs": 1, "max_tokens": 3})).await.json();
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.concat(), v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(lp["token_logprobs"], json!([-0.5, -0.5, -0.5]));
+    let offsets: Vec<usize> = tokens.iter().scan(0, |o, t| { let at = *o; *o += t.chars().count(); Some(at) }).collect();
+    assert_eq!(lp["text_offset"], json!(offsets));
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn errors_have_openai_bodies_and_statuses() {
+    let s = server(Options { body_limit: 4096, ..Options::default() });
+    let cases = [
+        (chat("hi", json!({"temperature": 3})), "/v1/chat/completions", 400, Some("temperature")),
+        (chat("hi", json!({"top_p": 0})), "/v1/chat/completions", 400, Some("top_p")),
+        (chat("hi", json!({"n": 0})), "/v1/chat/completions", 400, Some("n")),
+        (chat("hi", json!({"max_tokens": -5})), "/v1/chat/completions", 400, Some("max_tokens")),
+        (chat("hi", json!({"model": "gpt-4"})), "/v1/chat/completions", 404, Some("model")),
+        (json!({"prompt": [1, 99999]}), "/v1/completions", 400, Some("prompt")),
+        (json!({"prompt": {"x": 1}}), "/v1/completions", 400, Some("prompt")),
+        (json!({"prompt": "x", "max_tokens": 300}), "/v1/completions", 400, Some("prompt")),
+        (json!({"prompt": "x", "temperature": "hot"}), "/v1/completions", 400, Some("temperature")),
+        (json!({"messages": "nope"}), "/v1/chat/completions", 400, Some("messages")),
+    ];
+    for (body, path, status, param) in cases {
+        let r = s.post(path, body.clone()).await;
+        assert_eq!(r.status, status, "{body}: {}", r.text);
+        let e = &r.json()["error"];
+        assert!(e["message"].is_string() && e["type"].is_string(), "{}", r.text);
+        assert_eq!(e["param"].as_str(), param, "{body}");
+    }
+    let too_long = s.post("/v1/completions", json!({"prompt": vec![5; 250], "max_tokens": 10})).await;
+    let msg = too_long.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("256") && msg.contains("250"), "{msg}");
+
+    for bad in ["{not json", "[1, 2]", ""] {
+        let r = s.call("POST", "/v1/chat/completions", Some(bad), &[]).await;
+        assert_eq!(r.status, 400, "{bad:?}");
+        assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    }
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5000));
+    let r = s.call("POST", "/v1/completions", Some(&big), &[]).await;
+    assert_eq!(r.status, 413);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("4096"));
+    let r = s.call("GET", "/v1/nothing", None, &[]).await;
+    assert_eq!((r.status.as_u16(), r.json()["error"]["type"].as_str()), (404, Some("invalid_request_error")));
+    let r = s.call("GET", "/v1/chat/completions", None, &[]).await;
+    assert_eq!(r.status, 405);
+    assert!(r.json()["error"]["message"].is_string());
+}
+
+#[tokio::test]
+async fn api_key_guards_v1_but_not_health_and_metrics() {
+    let s = server(Options { api_key: Some("sk-test".into()), ..Options::default() });
+    let r = s.call("GET", "/v1/models", None, &[]).await;
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    let r = s.call("GET", "/v1/models", None, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(r.status, 401);
+    let r = s.call("GET", "/v1/models", None, &[("authorization", "Bearer sk-test")]).await;
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "demo");
+    assert_eq!(v["data"][0]["max_model_len"], support::MAX_MODEL_LEN);
+    assert_eq!(s.call("GET", "/health", None, &[]).await.status, 200);
+    assert_eq!(s.call("GET", "/metrics", None, &[]).await.status, 200);
+}
+
+#[tokio::test]
+async fn queue_limit_answers_503() {
+    let s = server(Options {
+        max_queued: 1,
+        max_num_seqs: 1,
+        delay: std::time::Duration::from_millis(20),
+        ..Options::default()
+    });
+    let body = json!({"prompt": "x", "max_tokens": 30, "ignore_eos": true, "stream": true});
+    // Streams are only opened, not read: the first runs, the second waits, the third overflows.
+    let first = s.app.clone();
+    let req = |b: &serde_json::Value| {
+        axum::http::Request::post("/v1/completions").body(axum::body::Body::from(b.to_string())).unwrap()
+    };
+    use tower::ServiceExt;
+    let r1 = first.oneshot(req(&body)).await.unwrap();
+    assert_eq!(r1.status(), 200);
+    while s.engine.stats().running < 1 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let r2 = s.app.clone().oneshot(req(&body)).await.unwrap();
+    assert_eq!(r2.status(), 200);
+    let r3 = s.post("/v1/completions", body.clone()).await;
+    assert_eq!(r3.status, 503, "{}", r3.text);
+    assert_eq!(r3.json()["error"]["code"], "queue_full");
+    drop((r1, r2));
+}

@@ -1,0 +1,98 @@
+//! Streamed responses: SSE framing, chunk shapes and order, usage chunks, aborts.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{server, Options};
+
+fn parse(events: &[String]) -> Vec<Value> {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream ends with [DONE]");
+    events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect()
+}
+
+#[tokio::test]
+async fn chat_stream_role_first_text_then_finish_then_done() {
+    let s = server(Options::default());
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": true});
+    let r = s.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status, 200);
+    assert!(r.content_type.starts_with("text/event-stream"));
+    let chunks = parse(&r.events());
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let id = chunks[0]["id"].clone();
+    let mut text = String::new();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], id, "one id for the whole stream");
+        assert!(c.get("usage").is_none(), "no usage field unless asked");
+        text.push_str(c["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(text, s.script_text(6));
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+}
+
+#[tokio::test]
+async fn usage_chunk_when_asked_and_n_choices_each_finish() {
+    let s = server(Options::default());
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let chunks = parse(&s.post("/v1/chat/completions", body).await.events());
+    let (usage_chunk, rest) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 6);
+    assert!(rest.iter().all(|c| c["usage"].is_null() && c.get("usage").is_some()));
+    for index in [0, 1] {
+        let mine: Vec<&Value> = rest.iter().filter(|c| c["choices"][0]["index"] == index).collect();
+        assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant");
+        let finishes: Vec<&Value> = mine.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+        assert_eq!(finishes, vec![&json!("length")]);
+    }
+}
+
+#[tokio::test]
+async fn completion_stream_with_stop_string_and_echo() {
+    let s = server(Options::default());
+    let body = json!({"prompt": "Say: ", "echo": true, "max_tokens": 40, "stop": "STOP", "stream": true});
+    let chunks = parse(&s.post("/v1/completions", body).await.events());
+    assert_eq!(chunks[0]["choices"][0]["text"], "Say: ", "echo comes first");
+    let text: String = chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(text, "Say: Hello there. ");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+}
+
+#[tokio::test]
+async fn errors_before_streaming_are_plain_http_errors() {
+    let s = server(Options::default());
+    let r = s.post("/v1/completions", json!({"prompt": "x", "stream": true, "top_k": -7})).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "top_k");
+}
+
+#[tokio::test]
+async fn dropped_streams_free_everything_and_count_as_aborted() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let s = server(Options { delay: std::time::Duration::from_millis(5), ..Options::default() });
+    let body = json!({"prompt": "x", "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();
+    let mut open = vec![];
+    for _ in 0..5 {
+        let req = axum::http::Request::post("/v1/completions").body(axum::body::Body::from(body.clone())).unwrap();
+        let mut resp = s.app.clone().oneshot(req).await.unwrap();
+        // Read one frame so the request is surely running, then keep the body open.
+        resp.body_mut().frame().await.unwrap().unwrap();
+        open.push(resp);
+    }
+    assert!(s.engine.stats().running > 0);
+    drop(open);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while s.engine.stats().running + s.engine.stats().waiting > 0 || s.engine.stats().kv_usage > 0.0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", s.engine.stats());
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let metrics = s.call("GET", "/metrics", None, &[]).await.text;
+    assert!(metrics.contains("mla:request_success_total{model_name=\"demo\",finished_reason=\"abort\"} 5"), "{metrics}");
+    assert!(metrics.contains("mla:num_requests_running{model_name=\"demo\"} 0"));
+}

@@ -1,0 +1,174 @@
+//! (HTTP-layer tests) A router over the real engine with a scripted backend: every completion emits the same token
+//! script (the demo tokenizer's encoding of a known text), so responses can be compared with
+//! text written by hand. Logprobs are fixed numbers, also known in advance.
+
+#![allow(dead_code)]
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use mla_core::plan::{SeqResult, StepOutput};
+use mla_core::{Backend, CacheLayout, ModelConfig, SampledToken, StepPlan};
+use mla_engine::{Engine, EngineConfig, EngineHandle};
+use mla_server::app::router;
+use mla_server::generation_config::GenerationDefaults;
+use mla_server::metrics::FinishCounters;
+use mla_server::state::AppState;
+use mla_server::text::TextPipeline;
+use mla_server::tokenizer::TextTokenizer;
+use mla_server::validate::ModelLimits;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tower::ServiceExt;
+
+pub const SCRIPT_TEXT: &str = "Hello there. STOP here and more text after it";
+pub const MAX_MODEL_LEN: usize = 256;
+
+pub fn demo_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo")
+}
+
+pub fn tokenizer() -> TextTokenizer {
+    TextTokenizer::from_dir(&demo_dir()).unwrap()
+}
+
+/// Emits `script[k]` as the k-th token of every sequence, whatever the prompt.
+pub struct ScriptBackend {
+    model: ModelConfig,
+    script: Vec<u32>,
+    drawn: HashMap<u64, usize>,
+    delay: Duration,
+}
+
+impl Backend for ScriptBackend {
+    fn device_name(&self) -> String {
+        "script".into()
+    }
+    fn model_config(&self) -> &ModelConfig {
+        &self.model
+    }
+    fn cache_layout(&self) -> CacheLayout {
+        CacheLayout { block_size: 16, num_blocks: 64 }
+    }
+    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        std::thread::sleep(self.delay);
+        let mut out = StepOutput::default();
+        for s in &plan.seqs {
+            let sampled = s.sample.as_ref().map(|req| {
+                let k = self.drawn.entry(s.seq_id).or_default();
+                let token = self.script[*k % self.script.len()];
+                *k += 1;
+                let top = [(token, -0.5f32), ((token + 1) % 512, -1.5)];
+                SampledToken {
+                    token,
+                    logprob: if req.top_logprobs.is_some() { -0.5 } else { 0.0 },
+                    top_logprobs: top.iter().take(req.top_logprobs.unwrap_or(0)).copied().collect(),
+                }
+            });
+            out.seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
+        }
+        Ok(out)
+    }
+}
+
+pub struct TestServer {
+    pub app: Router,
+    pub engine: EngineHandle,
+    pub script: Vec<u32>,
+}
+
+pub struct Options {
+    pub script: Vec<u32>,
+    pub api_key: Option<String>,
+    pub body_limit: usize,
+    pub max_queued: usize,
+    pub delay: Duration,
+    pub max_num_seqs: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let script = tokenizer().encode(SCRIPT_TEXT, false).unwrap();
+        Options { script, api_key: None, body_limit: 1 << 20, max_queued: 64, delay: Duration::ZERO, max_num_seqs: 16 }
+    }
+}
+
+pub fn server(opts: Options) -> TestServer {
+    let mut model = ModelConfig::from_file(&demo_dir().join("config.json")).unwrap();
+    model.max_position_embeddings = MAX_MODEL_LEN;
+    let backend = ScriptBackend { model: model.clone(), script: opts.script.clone(), drawn: HashMap::new(), delay: opts.delay };
+    let cfg = EngineConfig {
+        max_model_len: MAX_MODEL_LEN,
+        max_num_seqs: opts.max_num_seqs,
+        max_num_batched_tokens: 512,
+        max_queued_requests: opts.max_queued,
+        seed: 0,
+    };
+    let engine = Engine::start(Box::new(backend), cfg).unwrap();
+    let state = AppState {
+        engine: engine.clone(),
+        model_name: "demo".into(),
+        limits: ModelLimits {
+            max_model_len: MAX_MODEL_LEN,
+            vocab_size: 512,
+            eos_token_ids: vec![1],
+            default_max_new_tokens: None,
+        },
+        defaults: GenerationDefaults::default(),
+        text: Arc::new(TextPipeline::new(tokenizer(), None).unwrap()),
+        api_key: opts.api_key,
+        finished: Arc::new(FinishCounters::default()),
+        started: 0,
+    };
+    TestServer { app: router(Arc::new(state), opts.body_limit), engine, script: opts.script }
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub content_type: String,
+    pub text: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("{e}: {}", self.text))
+    }
+
+    /// The `data:` payloads of an SSE body, checking the framing on the way.
+    pub fn events(&self) -> Vec<String> {
+        assert!(self.text.ends_with("\n\n"), "{:?}", self.text);
+        self.text
+            .split_terminator("\n\n")
+            .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}")).to_string())
+            .collect()
+    }
+}
+
+impl TestServer {
+    pub async fn call(&self, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]) -> Reply {
+        let mut req = Request::builder().method(method).uri(path);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(body.map(|b| Body::from(b.to_string())).unwrap_or_else(Body::empty)).unwrap();
+        let resp = self.app.clone().oneshot(req).await.unwrap();
+        let status = resp.status();
+        let content_type =
+            resp.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        Reply { status, content_type, text: String::from_utf8(bytes.to_vec()).unwrap() }
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Reply {
+        self.call("POST", path, Some(&body.to_string()), &[("content-type", "application/json")]).await
+    }
+
+    /// The script's text after `k` tokens, decoded independently of the server.
+    pub fn script_text(&self, k: usize) -> String {
+        tokenizer().decode(&self.script[..k], true).unwrap()
+    }
+}
