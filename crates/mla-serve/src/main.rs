@@ -1,0 +1,42 @@
+//! `mla-serve`: parse flags, load the model, serve the OpenAI API until SIGINT/SIGTERM.
+
+mod cli;
+mod demo;
+mod hf_cache;
+mod model_source;
+mod presets;
+mod shutdown;
+mod sizing;
+mod startup;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args = cli::Args::parse();
+    init_logging(args.log_level);
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the whole context chain on one line: "loading X: file Y: reason".
+            tracing::error!("{e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: cli::Args) -> anyhow::Result<()> {
+    tracing::info!("mla-serve {}", env!("CARGO_PKG_VERSION"));
+    // Loading is synchronous work; the async runtime starts only once there is something to serve.
+    let started = startup::start(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(shutdown::serve(&args, started))
+}
+
+fn init_logging(level: cli::LogLevel) {
+    let filter = tracing_subscriber::EnvFilter::new(level.as_str());
+    // Colours only on a terminal: log files and CI output stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_ansi(ansi).with_writer(std::io::stderr).init();
+}

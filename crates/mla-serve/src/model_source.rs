@@ -1,0 +1,145 @@
+//! Turning `--model` (and `--load-format`, `--tokenizer`) into the files to load: a local HF
+//! directory, a preset config, a HF repo id in the local cache, or the bundled demo model.
+
+use crate::cli::{Args, LoadFormat};
+use crate::{demo, hf_cache, presets};
+use anyhow::{bail, Context};
+use mla_core::ModelConfig;
+use std::path::PathBuf;
+
+/// Everything resolved about the model before any weight is read.
+pub struct ModelSource {
+    /// Default served model name: the --model value, or "demo".
+    pub name: String,
+    /// Where the config came from, for the startup log.
+    pub origin: String,
+    pub config: ModelConfig,
+    pub weights: WeightsFrom,
+    /// Directory with tokenizer.json / tokenizer_config.json.
+    pub tokenizer_dir: PathBuf,
+    /// Directory whose generation_config.json supplies sampling defaults, if any.
+    pub generation_config_dir: Option<PathBuf>,
+    pub is_demo: bool,
+    /// Said once at startup, e.g. that replies are nonsense.
+    pub warnings: Vec<String>,
+}
+
+pub enum WeightsFrom {
+    Checkpoint(PathBuf),
+    /// Deterministic random weights; the seed is fixed so a model gives the same replies on
+    /// every start.
+    Dummy { seed: u64 },
+}
+
+/// Seed of the demo and `--load-format dummy` weights.
+pub const DUMMY_WEIGHT_SEED: u64 = 0;
+
+pub fn resolve(args: &Args) -> anyhow::Result<ModelSource> {
+    let Some(model) = args.model.as_deref() else {
+        return demo_source(args);
+    };
+    let path = PathBuf::from(model);
+    if path.is_dir() {
+        return dir_source(model, path, args);
+    }
+    if let Some(text) = presets::find(model) {
+        return preset_source(model, text, args);
+    }
+    if hf_cache::looks_like_repo_id(model) {
+        return match hf_cache::find_snapshot(model, &hf_cache::hub_roots()) {
+            Ok(dir) => dir_source(model, dir, args),
+            Err(looked) => {
+                let list: Vec<String> = looked.iter().map(|p| format!("  {}", p.display())).collect();
+                bail!(
+                    "--model {model}: not found in the local Hugging Face cache (nothing is downloaded). Looked in:\n{}\n\
+                     Download it first (e.g. `huggingface-cli download {model}`), set HF_HOME, or pass a local directory.",
+                    list.join("\n")
+                )
+            }
+        };
+    }
+    bail!(
+        "--model {model}: not a directory, not a preset ({}), and not a Hugging Face repo id of the form ORG/NAME",
+        presets::names().join(", ")
+    )
+}
+
+fn demo_source(args: &Args) -> anyhow::Result<ModelSource> {
+    // The demo has no checkpoint: its weights are always dummy, so --load-format changes nothing
+    // either way and both values are accepted.
+    let dir = demo::materialize().context("unpacking the bundled demo model")?;
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let tokenizer_dir = args.tokenizer.clone().unwrap_or_else(|| dir.clone());
+    Ok(ModelSource {
+        name: "demo".into(),
+        origin: "the bundled demo model (tiny DeepSeek-V3 shape)".into(),
+        config,
+        weights: WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
+        tokenizer_dir,
+        generation_config_dir: Some(dir),
+        is_demo: true,
+        warnings: vec![
+            "serving the bundled demo model: its weights are random, so its replies are nonsense. Pass --model to serve a real checkpoint.".into(),
+        ],
+    })
+}
+
+fn dir_source(name: &str, dir: PathBuf, args: &Args) -> anyhow::Result<ModelSource> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let weights = match args.load_format {
+        LoadFormat::Auto => WeightsFrom::Checkpoint(dir.clone()),
+        LoadFormat::Dummy => WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
+    };
+    let tokenizer_dir = match &args.tokenizer {
+        Some(t) => t.clone(),
+        None if dir.join("tokenizer.json").is_file() => dir.clone(),
+        None => bail!(
+            "--model {name}: {} has no tokenizer.json; pass --tokenizer DIR with tokenizer.json and tokenizer_config.json",
+            dir.display()
+        ),
+    };
+    let mut warnings = vec![];
+    if args.load_format == LoadFormat::Dummy {
+        warnings.push("--load-format dummy: random weights, replies are nonsense (for benchmarks)".into());
+    }
+    Ok(ModelSource {
+        name: name.to_string(),
+        origin: dir.display().to_string(),
+        config,
+        weights,
+        tokenizer_dir,
+        generation_config_dir: Some(dir),
+        is_demo: false,
+        warnings,
+    })
+}
+
+fn preset_source(name: &str, text: &str, args: &Args) -> anyhow::Result<ModelSource> {
+    if args.load_format != LoadFormat::Dummy {
+        bail!(
+            "--model {name} is a preset: a config without weights. Add --load-format dummy to serve it with \
+             random weights (benchmarks), or pass a checkpoint directory or HF repo id to --model"
+        );
+    }
+    let config = ModelConfig::from_json_str(text, &format!("preset {name}"))?;
+    let mut warnings = vec!["--load-format dummy: random weights, replies are nonsense (for benchmarks)".to_string()];
+    let tokenizer_dir = match &args.tokenizer {
+        Some(t) => t.clone(),
+        None => {
+            warnings.push(format!(
+                "preset {name} has no tokenizer: using the demo tokenizer (512 tokens); generated ids outside it decode to nothing. Pass --tokenizer DIR for the real one"
+            ));
+            demo::materialize().context("unpacking the demo tokenizer")?
+        }
+    };
+    Ok(ModelSource {
+        name: name.to_string(),
+        origin: format!("preset configs/{name}.json"),
+        config,
+        weights: WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
+        tokenizer_dir,
+        generation_config_dir: None,
+        is_demo: false,
+        warnings,
+    })
+}

@@ -1,0 +1,148 @@
+//! Everything done once before serving: resolve the model, load tokenizer and weights, size the
+//! KV cache, start the engine, and describe it all in the startup log.
+
+use crate::cli::Args;
+use crate::model_source::{self, ModelSource, WeightsFrom};
+use crate::sizing::{self, Sizing};
+use anyhow::Context;
+use mla_core::{Backend, Checkpoint, DummyWeights, ModelSpec};
+use mla_cpu::CpuBackend;
+use mla_engine::{Engine, EngineConfig, EngineHandle};
+use mla_server::generation_config::GenerationDefaults;
+use mla_server::metrics::FinishCounters;
+use mla_server::state::AppState;
+use mla_server::text::TextPipeline;
+use mla_server::tokenizer::TextTokenizer;
+use mla_server::validate::ModelLimits;
+use std::sync::Arc;
+
+pub struct Started {
+    pub state: Arc<AppState>,
+    pub engine: EngineHandle,
+}
+
+pub fn start(args: &Args) -> anyhow::Result<Started> {
+    args.check_supported()?;
+    let source = model_source::resolve(args)?;
+    for w in &source.warnings {
+        tracing::warn!("{w}");
+    }
+    let text = load_text(args, &source)?;
+    let defaults = match &source.generation_config_dir {
+        Some(dir) => GenerationDefaults::from_model_dir(dir)?,
+        None => GenerationDefaults::default(),
+    };
+    let sizing = sizing::cpu_sizing(&source.config, args)?;
+    let limits = model_limits(&source, &text, &defaults, &sizing);
+
+    let params = ModelSpec::new(&source.config).num_params();
+    let backend = load_backend(&source, &sizing)?;
+    let device = backend.device_name();
+    let engine = Engine::start(
+        backend,
+        EngineConfig {
+            max_model_len: sizing.max_model_len,
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_queued_requests: args.max_queued_requests,
+            seed: args.seed,
+        },
+    )?;
+
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| source.name.clone());
+    tracing::info!("model: {model_name} from {} ({:?}, {} parameters)", source.origin, source.config.model_type, human(params));
+    tracing::info!("device: {device}");
+    tracing::info!(
+        "KV cache: {} tokens ({} blocks of {}, {:.1} MiB); max model length {} tokens",
+        sizing.kv_tokens(),
+        sizing.num_blocks,
+        sizing.block_size,
+        sizing.kv_bytes() as f64 / (1 << 20) as f64,
+        sizing.max_model_len
+    );
+    if source.is_demo {
+        tracing::warn!("demo model: replies are random nonsense; this run only shows that the server works");
+    }
+    let state = AppState {
+        engine: engine.clone(),
+        model_name,
+        limits,
+        defaults,
+        text: Arc::new(text),
+        api_key: args.api_key.clone(),
+        finished: Arc::new(FinishCounters::default()),
+        started: mla_server::protocol::unix_now(),
+    };
+    Ok(Started { state: Arc::new(state), engine })
+}
+
+fn load_text(args: &Args, source: &ModelSource) -> anyhow::Result<TextPipeline> {
+    let tokenizer = TextTokenizer::from_dir(&source.tokenizer_dir)?;
+    let vocab = source.config.vocab_size;
+    if tokenizer.vocab_size() > vocab {
+        anyhow::bail!(
+            "the tokenizer in {} has {} tokens but the model's vocab_size is {vocab}: they do not belong together",
+            source.tokenizer_dir.display(),
+            tokenizer.vocab_size()
+        );
+    }
+    let template = match &args.chat_template {
+        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("--chat-template {}", path.display()))?),
+        None => None,
+    };
+    let text = TextPipeline::new(tokenizer, template).context("compiling the chat template")?;
+    if !text.has_chat_template() {
+        tracing::warn!("the model has no chat template: /v1/chat/completions answers 400 (pass --chat-template FILE)");
+    }
+    Ok(text)
+}
+
+fn model_limits(source: &ModelSource, text: &TextPipeline, defaults: &GenerationDefaults, sizing: &Sizing) -> ModelLimits {
+    // End-of-sequence ids from every place a model declares them; any of them ends a completion.
+    let mut eos = source.config.eos_token_ids.clone();
+    eos.extend(&defaults.eos_token_ids);
+    eos.extend(text.tokenizer().eos().map(|t| t.id));
+    eos.sort_unstable();
+    eos.dedup();
+    ModelLimits {
+        max_model_len: sizing.max_model_len,
+        vocab_size: source.config.vocab_size,
+        eos_token_ids: eos,
+        default_max_new_tokens: defaults.max_new_tokens,
+    }
+}
+
+fn load_backend(source: &ModelSource, sizing: &Sizing) -> anyhow::Result<Box<dyn Backend>> {
+    let cfg = source.config.clone();
+    let backend = match &source.weights {
+        WeightsFrom::Checkpoint(dir) => {
+            let checkpoint = Checkpoint::open(dir, &cfg)?;
+            CpuBackend::new(cfg, &checkpoint, sizing.block_size, sizing.num_blocks)?
+        }
+        WeightsFrom::Dummy { seed } => {
+            CpuBackend::new(cfg, &DummyWeights::new(*seed), sizing.block_size, sizing.num_blocks)?
+        }
+    };
+    Ok(Box::new(backend))
+}
+
+/// 15.7B, 236M, 1.2K: how parameter counts are usually quoted.
+fn human(n: usize) -> String {
+    let n = n as f64;
+    match n {
+        n if n >= 1e9 => format!("{:.1}B", n / 1e9),
+        n if n >= 1e6 => format!("{:.1}M", n / 1e6),
+        n if n >= 1e3 => format!("{:.1}K", n / 1e3),
+        n => format!("{n}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parameter_counts_read_like_model_cards() {
+        assert_eq!(super::human(15_706_484_224), "15.7B");
+        assert_eq!(super::human(236_000_000), "236.0M");
+        assert_eq!(super::human(999), "999");
+    }
+}
