@@ -4,7 +4,8 @@
 // knowledge of the routing: the grid covers the worst case and idle tiles exit at once.
 //
 // Tiles 64 x 128 x 32, 4 warps as 2 x 2 (32 x 64 each), bf16 mma.sync with f32 accumulation,
-// 3-stage cp.async pipeline. Needs N % 128 == 0 and K % 32 == 0 (checked by the Rust wrapper).
+// 3-stage cp.async pipeline. Needs N and K multiples of 8 (16-byte loads; checked by the Rust
+// wrapper); partial tiles in N and K are zero-filled, so small test models work too.
 #include "common.cuh"
 
 namespace {
@@ -31,12 +32,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
         const int k0 = kt * BK;
         for (int c = tid; c < BM * (BK / 8); c += NTHREADS) {
             const int r = c / (BK / 8), d = (c % (BK / 8)) * 8;
-            const bool ok = r < rows;
-            cp_async_16(&As[stage][r * SSTRIDE + d], A + (size_t)(row0 + (ok ? r : 0)) * K + k0 + d, ok);
+            const bool ok = r < rows && k0 + d < K;
+            cp_async_16(&As[stage][r * SSTRIDE + d], ok ? A + (size_t)(row0 + r) * K + k0 + d : A, ok);
         }
         for (int c = tid; c < BN * (BK / 8); c += NTHREADS) {
             const int r = c / (BK / 8), d = (c % (BK / 8)) * 8;
-            cp_async_16(&Bs[stage][r * SSTRIDE + d], Wt + (size_t)r * K + k0 + d, true);
+            const bool ok = n0 + r < N && k0 + d < K;
+            cp_async_16(&Bs[stage][r * SSTRIDE + d], ok ? Wt + (size_t)r * K + k0 + d : W, ok);
         }
     };
 
@@ -46,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
-    const int KT = K / BK;
+    const int KT = (K + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT) load(s, s);
@@ -91,7 +93,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
             bf16* dst = C + (size_t)(row0 + r) * N + n0 + wn;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * t4) = pack_bf16(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+                if (n0 + wn + j * 8 + 2 * t4 < N)
+                    *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * t4) = pack_bf16(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
         }
     }
 }

@@ -1,4 +1,4 @@
-// Token sampling on the device, one block of 1024 threads per sequence.
+// Token sampling on the device, one block of 512 threads per sequence.
 //
 // Semantics follow mla-core's reference sampler (vLLM order): penalties, then temperature (0 means
 // greedy), top-k, top-p and min-p filtering, then one seeded draw; log-probabilities are those of
@@ -60,9 +60,9 @@ DEVICE_INLINE BlockArgmax block_argmax(float v, int i, float* sv, int* si) {
     return {v, i};
 }
 
-extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
+extern "C" __global__ void __launch_bounds__(512) sample_tokens(
     const float* __restrict__ logits, long long logits_stride, int vocab, const SampleParams* __restrict__ params,
-    const int* __restrict__ pen_token, const int* __restrict__ pen_count, const unsigned char* __restrict__ pen_seen,
+    const int* __restrict__ pen,  // penalty entries: (token, output count, seen in prompt or output)
     float* __restrict__ work, int* __restrict__ out_token, float* __restrict__ out_logprob,
     int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
     __shared__ float sf[32];
@@ -110,11 +110,10 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) wr[i] = raw[i];
         __syncthreads();
         for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
-            const int tok = pen_token[e];
+            const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
             float v = wr[tok];
-            if (pen_seen[e] && p.repetition_penalty != 1.f)
+            if (seen && p.repetition_penalty != 1.f)
                 v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
-            const int c = pen_count[e];
             if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
             wr[tok] = v;
         }

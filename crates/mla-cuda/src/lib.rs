@@ -2,5 +2,17 @@
 //! dense projections, a paged latent KV cache on the device, device-side sampling, and a worker
 //! thread that owns the context. See docs/cuda-notes.md.
 
+pub mod backend;
+pub mod device;
 pub mod embedded;
 pub mod gpu;
+pub mod model;
+pub mod ops;
+
+pub use backend::{CudaBackend, CudaOptions, WeightsFrom, Worker};
+pub use device::Device;
+
+/// Whether this binary carries compiled kernels (false when nvcc was absent at build time).
+pub fn kernels_built() -> bool {
+    embedded::KERNELS_BUILT
+}

@@ -40,7 +40,7 @@ impl<T> DSlice<T> {
     }
 
     /// Elements from `start` to the end.
-    pub fn from(&self, start: usize) -> DSlice<T> {
+    pub fn tail(&self, start: usize) -> DSlice<T> {
         self.sub(start, self.len - start)
     }
 
@@ -93,6 +93,11 @@ impl<T> DeviceBuffer<T> {
 
     pub fn sub(&self, start: usize, len: usize) -> DSlice<T> {
         self.slice().sub(start, len)
+    }
+
+    /// Elements from `start` to the end.
+    pub fn tail(&self, start: usize) -> DSlice<T> {
+        self.slice().tail(start)
     }
 
     /// Synchronous host -> device copy into the start of the buffer.

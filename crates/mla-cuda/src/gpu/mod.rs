@@ -10,7 +10,7 @@ mod graph;
 mod module;
 
 pub use blas::{Blas, Gemm, GemmOut};
-pub use buffer::{DeviceBuffer, DSlice, PinnedBuffer};
+pub use buffer::{download as download_slice, DeviceBuffer, DSlice, PinnedBuffer};
 pub use context::{Gpu, GpuInfo};
 pub use graph::Graph;
 pub use module::{Arg, Kernel, Modules};

@@ -1,0 +1,177 @@
+//! Activation buffers, allocated once for the largest step the backend accepts, so a step never
+//! allocates (a requirement for CUDA-graph capture) and memory use is known before the KV cache
+//! is sized.
+
+use crate::gpu::DeviceBuffer;
+use crate::ops::{MoeRouting, MAX_TOP_LOGPROBS};
+use half::bf16;
+use mla_core::ModelConfig;
+
+/// The largest step the workspace is sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Tokens fed in one step (a prefill chunk, or one per sequence in decode).
+    pub max_tokens: usize,
+    /// Sequences in one step.
+    pub max_seqs: usize,
+    /// Rows of logits one step may produce (one per sampled sequence plus the rows asked for).
+    pub max_logit_rows: usize,
+    /// Cached keys decompressed per prefill pass; longer contexts take several passes.
+    pub max_kv_chunk: usize,
+}
+
+impl Limits {
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.max_tokens > 0 && self.max_seqs > 0, "limits must be positive: {self:?}");
+        anyhow::ensure!(self.max_seqs <= self.max_tokens, "max_seqs {} exceeds max_tokens {}", self.max_seqs, self.max_tokens);
+        anyhow::ensure!(self.max_logit_rows >= self.max_seqs, "max_logit_rows {} below max_seqs {}", self.max_logit_rows, self.max_seqs);
+        anyhow::ensure!(self.max_kv_chunk >= self.max_tokens, "max_kv_chunk {} below max_tokens {}", self.max_kv_chunk, self.max_tokens);
+        Ok(())
+    }
+}
+
+pub struct MoeBuffers {
+    pub h_f32: DeviceBuffer<f32>,
+    pub router_logits: DeviceBuffer<f32>,
+    pub topk_ids: DeviceBuffer<i32>,
+    pub topk_w: DeviceBuffer<f32>,
+    pub expert_off: DeviceBuffer<i32>,
+    pub perm_src: DeviceBuffer<i32>,
+    pub inv_row: DeviceBuffer<i32>,
+    pub tile_expert: DeviceBuffer<i32>,
+    pub tile_row0: DeviceBuffer<i32>,
+    pub tile_rows: DeviceBuffer<i32>,
+    pub num_tiles: DeviceBuffer<i32>,
+    pub grouped_x: DeviceBuffer<bf16>,
+    pub grouped_gate_up: DeviceBuffer<bf16>,
+    pub grouped_act: DeviceBuffer<bf16>,
+    pub grouped_y: DeviceBuffer<bf16>,
+    pub shared_out: DeviceBuffer<bf16>,
+}
+
+impl MoeBuffers {
+    pub fn routing(&self, tokens: usize, cfg: &ModelConfig) -> MoeRouting {
+        MoeRouting {
+            tokens,
+            experts: cfg.n_routed_experts,
+            top_k: cfg.num_experts_per_tok,
+            topk_ids: self.topk_ids.slice(),
+            topk_w: self.topk_w.slice(),
+            expert_off: self.expert_off.slice(),
+            perm_src: self.perm_src.slice(),
+            inv_row: self.inv_row.slice(),
+            tile_expert: self.tile_expert.slice(),
+            tile_row0: self.tile_row0.slice(),
+            tile_rows: self.tile_rows.slice(),
+            num_tiles: self.num_tiles.slice(),
+        }
+    }
+}
+
+pub struct Workspace {
+    pub limits: Limits,
+    pub residual: DeviceBuffer<f32>,
+    pub h: DeviceBuffer<bf16>,
+    pub delta: DeviceBuffer<bf16>,
+    pub ffn_out: DeviceBuffer<bf16>,
+    pub q: DeviceBuffer<bf16>,
+    pub q_a: DeviceBuffer<bf16>,
+    pub q_a_normed: DeviceBuffer<bf16>,
+    pub kva: DeviceBuffer<bf16>,
+    pub attn_out: DeviceBuffer<bf16>,
+    // Prefill (normal path).
+    pub latent: DeviceBuffer<bf16>,
+    pub kv: DeviceBuffer<bf16>,
+    pub state_o: DeviceBuffer<f32>,
+    pub state_ml: DeviceBuffer<f32>,
+    // Decode (absorbed path).
+    pub q_abs: DeviceBuffer<bf16>,
+    pub o_lat: DeviceBuffer<bf16>,
+    pub part_o: DeviceBuffer<f32>,
+    pub part_lse: DeviceBuffer<f32>,
+    // MLPs.
+    pub gate_up: DeviceBuffer<bf16>,
+    pub act: DeviceBuffer<bf16>,
+    pub moe: Option<MoeBuffers>,
+    // Output head and sampling.
+    pub h_rows: DeviceBuffer<bf16>,
+    pub logits: DeviceBuffer<f32>,
+    pub sample_work: DeviceBuffer<f32>,
+    pub sampled_token: DeviceBuffer<i32>,
+    pub sampled_logprob: DeviceBuffer<f32>,
+    pub top_ids: DeviceBuffer<i32>,
+    pub top_lps: DeviceBuffer<f32>,
+    /// Rows of split-KV partial outputs the decode kernel may use (batch x splits).
+    pub split_rows: usize,
+}
+
+impl Workspace {
+    pub fn new(cfg: &ModelConfig, limits: Limits, sm_count: usize) -> anyhow::Result<Self> {
+        limits.check()?;
+        let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
+        let heads = cfg.num_attention_heads;
+        let qd = cfg.q_head_dim();
+        let lat = cfg.kv_cache_dim();
+        let kvw = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim);
+        let dense_inter = (0..cfg.num_hidden_layers).filter(|&i| !cfg.is_moe_layer(i)).map(|_| cfg.intermediate_size).max().unwrap_or(0);
+        let inter = dense_inter.max(cfg.shared_expert_intermediate_size());
+        let split_rows = sm_count + s;
+        let moe = if cfg.n_routed_experts > 0 && (0..cfg.num_hidden_layers).any(|i| cfg.is_moe_layer(i)) {
+            let (e, k, im) = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
+            let a = t * k;
+            let tiles = MoeRouting::max_tiles(a, e);
+            Some(MoeBuffers {
+                h_f32: DeviceBuffer::alloc(t * h)?,
+                router_logits: DeviceBuffer::alloc(t * e)?,
+                topk_ids: DeviceBuffer::alloc(a)?,
+                topk_w: DeviceBuffer::alloc(a)?,
+                expert_off: DeviceBuffer::alloc(e + 1)?,
+                perm_src: DeviceBuffer::alloc(a)?,
+                inv_row: DeviceBuffer::alloc(a)?,
+                tile_expert: DeviceBuffer::alloc(tiles)?,
+                tile_row0: DeviceBuffer::alloc(tiles)?,
+                tile_rows: DeviceBuffer::alloc(tiles)?,
+                num_tiles: DeviceBuffer::alloc(1)?,
+                grouped_x: DeviceBuffer::alloc(a * h)?,
+                grouped_gate_up: DeviceBuffer::alloc(a * 2 * im)?,
+                grouped_act: DeviceBuffer::alloc(a * im)?,
+                grouped_y: DeviceBuffer::alloc(a * h)?,
+                shared_out: DeviceBuffer::alloc(t * h)?,
+            })
+        } else {
+            None
+        };
+        let r = limits.max_logit_rows;
+        Ok(Workspace {
+            limits,
+            residual: DeviceBuffer::alloc(t * h)?,
+            h: DeviceBuffer::alloc(t * h)?,
+            delta: DeviceBuffer::alloc(t * h)?,
+            ffn_out: DeviceBuffer::alloc(t * h)?,
+            q: DeviceBuffer::alloc(t * heads * qd)?,
+            q_a: DeviceBuffer::alloc(t * cfg.q_lora_rank.unwrap_or(0))?,
+            q_a_normed: DeviceBuffer::alloc(t * cfg.q_lora_rank.unwrap_or(0))?,
+            kva: DeviceBuffer::alloc(t * lat)?,
+            attn_out: DeviceBuffer::alloc(t * heads * cfg.v_head_dim)?,
+            latent: DeviceBuffer::alloc(limits.max_kv_chunk * lat)?,
+            kv: DeviceBuffer::alloc(limits.max_kv_chunk * kvw)?,
+            state_o: DeviceBuffer::alloc(t * heads * cfg.v_head_dim)?,
+            state_ml: DeviceBuffer::alloc(t * heads * 2)?,
+            q_abs: DeviceBuffer::alloc(s * heads * lat)?,
+            o_lat: DeviceBuffer::alloc(s * heads * cfg.kv_lora_rank)?,
+            part_o: DeviceBuffer::alloc(split_rows * heads * cfg.kv_lora_rank)?,
+            part_lse: DeviceBuffer::alloc(split_rows * heads)?,
+            gate_up: DeviceBuffer::alloc(t * 2 * inter)?,
+            act: DeviceBuffer::alloc(t * inter)?,
+            moe,
+            h_rows: DeviceBuffer::alloc(r * h)?,
+            logits: DeviceBuffer::alloc(r * cfg.vocab_size)?,
+            sample_work: DeviceBuffer::alloc(s * cfg.vocab_size)?,
+            sampled_token: DeviceBuffer::alloc(s)?,
+            sampled_logprob: DeviceBuffer::alloc(s)?,
+            top_ids: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
+            top_lps: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
+            split_rows,
+        })
+    }
+}

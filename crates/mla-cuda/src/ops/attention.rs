@@ -1,0 +1,181 @@
+//! Wrappers of the two MLA attention kernels. Their tile shapes are fixed at the dimensions every
+//! published DeepSeek model uses (kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128); the
+//! backend rejects other configs up front.
+
+use super::{ensure_len, Kernels};
+use crate::gpu::{Arg, DSlice};
+use cudarc::driver::sys::CUstream;
+use half::bf16;
+
+pub const PAGE_SIZE: usize = 64;
+pub const DECODE_HEAD_TILE: usize = 16;
+pub const NOPE: usize = 128;
+pub const ROPE: usize = 64;
+pub const V_HEAD: usize = 128;
+pub const LATENT: usize = 512;
+pub const PREFILL_TILE_Q: usize = 64;
+
+// Must match the kernels' shared-memory layout (see the comments next to the kernels).
+pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 * 136) * 2;
+pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
+
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillPass {
+    /// Continue from the (o, m, l) state a previous pass left.
+    pub load_state: bool,
+    /// Normalise and write bf16 output (otherwise store the state for the next pass).
+    pub last: bool,
+}
+
+/// One launch over `tiles` query tiles of up to 64 rows (see kernels/attention_prefill.cu).
+pub struct PrefillAttention {
+    pub heads: usize,
+    pub q_rows: usize,
+    pub q: DSlice<bf16>,
+    pub q_stride: usize,
+    pub k_rows: usize,
+    pub kv: DSlice<bf16>,
+    pub kv_stride: usize,
+    pub kpe: DSlice<bf16>,
+    pub kpe_stride: usize,
+    pub out: DSlice<bf16>,
+    pub out_stride: usize,
+    pub state_o: DSlice<f32>,
+    pub state_ml: DSlice<f32>,
+    pub tiles: usize,
+    pub tile_seq: DSlice<i32>,
+    pub tile_q0: DSlice<i32>,
+    pub seqs: usize,
+    pub cu_q: DSlice<i32>,
+    pub q_pos0: DSlice<i32>,
+    pub k_row0: DSlice<i32>,
+    pub k_pos0: DSlice<i32>,
+    pub k_len: DSlice<i32>,
+    pub scale: f32,
+    pub pass: PrefillPass,
+}
+
+pub struct DecodeAttention {
+    pub batch: usize,
+    pub heads: usize,
+    /// [batch, heads, 576]: absorbed q_lat | roped q_pe.
+    pub q: DSlice<bf16>,
+    pub cache: DSlice<bf16>,
+    pub block_tables: DSlice<i32>,
+    /// One element on the device: the row stride of `block_tables`.
+    pub bt_stride: DSlice<i32>,
+    pub seq_lens: DSlice<i32>,
+    pub num_splits: usize,
+    pub out: DSlice<bf16>,
+    pub part_o: DSlice<f32>,
+    pub part_lse: DSlice<f32>,
+    pub scale: f32,
+}
+
+impl Kernels {
+    pub fn prefill_attention(&self, s: CUstream, p: &PrefillAttention) -> anyhow::Result<()> {
+        let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
+        anyhow::ensure!(p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD, "prefill attention: row strides too small");
+        ensure_len!(p.q, p.q_rows * p.q_stride, "prefill queries");
+        ensure_len!(p.out, p.q_rows * p.out_stride, "prefill output");
+        ensure_len!(p.kv, p.k_rows * p.kv_stride, "decompressed keys/values");
+        if p.k_rows > 0 {
+            ensure_len!(p.kpe, (p.k_rows - 1) * p.kpe_stride + ROPE, "k_pe rows");
+        }
+        if p.pass.load_state || !p.pass.last {
+            ensure_len!(p.state_o, p.q_rows * p.heads * V_HEAD, "attention state");
+            ensure_len!(p.state_ml, p.q_rows * p.heads * 2, "attention state (m, l)");
+        }
+        ensure_len!(p.tile_seq, p.tiles, "tile map");
+        ensure_len!(p.tile_q0, p.tiles, "tile map");
+        ensure_len!(p.cu_q, p.seqs + 1, "query offsets");
+        for (b, n) in [(p.q_pos0, "query positions"), (p.k_row0, "key rows"), (p.k_pos0, "key positions"), (p.k_len, "key counts")] {
+            ensure_len!(b, p.seqs, n);
+        }
+        let flags = (p.pass.load_state as i32) | ((p.pass.last as i32) << 1);
+        let scale_log2 = p.scale * std::f32::consts::LOG2_E;
+        self.mla_prefill_attention.launch(
+            s,
+            (p.tiles as u32, p.heads as u32, 1),
+            128,
+            PREFILL_SMEM_BYTES as u32,
+            &[
+                Arg::Ptr(p.q.ptr),
+                Arg::I32(p.q_stride as i32),
+                Arg::Ptr(p.kv.ptr),
+                Arg::I32(p.kv_stride as i32),
+                Arg::Ptr(p.kpe.ptr),
+                Arg::I32(p.kpe_stride as i32),
+                Arg::Ptr(p.out.ptr),
+                Arg::I32(p.out_stride as i32),
+                Arg::Ptr(p.state_o.ptr),
+                Arg::Ptr(p.state_ml.ptr),
+                Arg::Ptr(p.tile_seq.ptr),
+                Arg::Ptr(p.tile_q0.ptr),
+                Arg::Ptr(p.cu_q.ptr),
+                Arg::Ptr(p.q_pos0.ptr),
+                Arg::Ptr(p.k_row0.ptr),
+                Arg::Ptr(p.k_pos0.ptr),
+                Arg::Ptr(p.k_len.ptr),
+                Arg::I32(p.heads as i32),
+                Arg::F32(scale_log2),
+                Arg::I32(flags),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Splits of the KV length per request so that `batch` requests fill the GPU: one block per
+    /// (request, head tile, split), at least two pages per split, at most 64 splits.
+    pub fn decode_splits(&self, batch: usize, heads: usize, max_pages: usize) -> usize {
+        let blocks = batch * heads.div_ceil(DECODE_HEAD_TILE);
+        let want = self.sm_count.div_ceil(blocks.max(1));
+        want.min(max_pages.div_ceil(2)).clamp(1, 64)
+    }
+
+    pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
+        let d = LATENT + ROPE;
+        ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
+        anyhow::ensure!(p.cache.len % d == 0, "latent cache length {} is not a multiple of {d}", p.cache.len);
+        ensure_len!(p.bt_stride, 1, "block-table stride");
+        ensure_len!(p.seq_lens, p.batch, "sequence lengths");
+        ensure_len!(p.out, p.batch * p.heads * LATENT, "decode output");
+        anyhow::ensure!((1..=64).contains(&p.num_splits), "decode splits {} outside 1..=64", p.num_splits);
+        if p.num_splits > 1 {
+            ensure_len!(p.part_o, p.batch * p.num_splits * p.heads * LATENT, "split outputs");
+            ensure_len!(p.part_lse, p.batch * p.num_splits * p.heads, "split log-sum-exps");
+        }
+        let scale_log2 = p.scale * std::f32::consts::LOG2_E;
+        let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
+        self.mla_decode_attention.launch(
+            s,
+            grid,
+            128,
+            DECODE_SMEM_BYTES as u32,
+            &[
+                Arg::Ptr(p.q.ptr),
+                Arg::I32((p.heads * d) as i32),
+                Arg::Ptr(p.cache.ptr),
+                Arg::Ptr(p.block_tables.ptr),
+                Arg::Ptr(p.bt_stride.ptr),
+                Arg::Ptr(p.seq_lens.ptr),
+                Arg::I32(p.heads as i32),
+                Arg::F32(scale_log2),
+                Arg::I32(p.num_splits as i32),
+                Arg::Ptr(p.out.ptr),
+                Arg::Ptr(p.part_o.ptr),
+                Arg::Ptr(p.part_lse.ptr),
+            ],
+        )?;
+        if p.num_splits > 1 {
+            self.mla_decode_combine.launch(
+                s,
+                (p.heads as u32, p.batch as u32, 1),
+                128,
+                0,
+                &[Arg::Ptr(p.part_o.ptr), Arg::Ptr(p.part_lse.ptr), Arg::I32(p.heads as i32), Arg::I32(p.num_splits as i32), Arg::Ptr(p.out.ptr)],
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,92 @@
+//! kv_a_layernorm + RoPE + latent-cache write, and the latent gather for prefill.
+
+use super::{ensure_len, grid_for, Kernels};
+use crate::gpu::{Arg, DSlice};
+use cudarc::driver::sys::CUstream;
+use half::bf16;
+
+/// One launch of `mla_rope_cache` for `tokens` fed tokens.
+pub struct RopeCache {
+    pub tokens: usize,
+    pub heads: usize,
+    pub nope: usize,
+    pub kv_lora_rank: usize,
+    pub rope_dim: usize,
+    /// Output of kv_a_proj_with_mqa: rows of `kv_lora_rank + rope_dim` at `kva_stride`.
+    pub kva: DSlice<bf16>,
+    pub kva_stride: usize,
+    pub kv_norm_w: DSlice<bf16>,
+    /// Queries, rows of `heads * (nope + rope_dim)` at `q_stride`; q_pe is rotated in place.
+    pub q: DSlice<bf16>,
+    pub q_stride: usize,
+    /// Optional second destination of the rotated q_pe: (buffer, row stride, head stride).
+    pub q_pe_out: Option<(DSlice<bf16>, usize, usize)>,
+    pub positions: DSlice<i32>,
+    /// Cache slot of each token; negative skips the write.
+    pub slots: DSlice<i32>,
+    pub inv_freq: DSlice<f32>,
+    pub attn_factor: f32,
+    pub eps: f32,
+    pub cache: DSlice<bf16>,
+}
+
+impl Kernels {
+    pub fn rope_cache(&self, s: CUstream, p: &RopeCache) -> anyhow::Result<()> {
+        let (t, w) = (p.tokens, p.kv_lora_rank + p.rope_dim);
+        anyhow::ensure!(p.rope_dim % 2 == 0, "rope dim {} is odd", p.rope_dim);
+        if t == 0 {
+            return Ok(());
+        }
+        ensure_len!(p.kva, (t - 1) * p.kva_stride + w, "kv_a output");
+        ensure_len!(p.kv_norm_w, p.kv_lora_rank, "kv_a_layernorm weight");
+        ensure_len!(p.q, (t - 1) * p.q_stride + p.heads * (p.nope + p.rope_dim), "queries");
+        ensure_len!(p.positions, t, "positions");
+        ensure_len!(p.slots, t, "slot mapping");
+        ensure_len!(p.inv_freq, p.rope_dim / 2, "inverse frequencies");
+        anyhow::ensure!(p.cache.len % w == 0, "cache length {} is not a multiple of the row width {w}", p.cache.len);
+        let (qo, qo_stride, qo_head) = match p.q_pe_out {
+            Some((b, rs, hs)) => {
+                ensure_len!(b, (t - 1) * rs + (p.heads - 1) * hs + p.rope_dim, "q_pe destination");
+                (b.ptr, rs, hs)
+            }
+            None => (0, 0, 0),
+        };
+        self.mla_rope_cache.launch(
+            s,
+            (t as u32, 1, 1),
+            128,
+            0,
+            &[
+                Arg::Ptr(p.kva.ptr),
+                Arg::I32(p.kva_stride as i32),
+                Arg::Ptr(p.kv_norm_w.ptr),
+                Arg::Ptr(p.q.ptr),
+                Arg::I32(p.q_stride as i32),
+                Arg::Ptr(qo),
+                Arg::I32(qo_stride as i32),
+                Arg::I32(qo_head as i32),
+                Arg::Ptr(p.positions.ptr),
+                Arg::Ptr(p.slots.ptr),
+                Arg::Ptr(p.inv_freq.ptr),
+                Arg::F32(p.attn_factor),
+                Arg::F32(p.eps),
+                Arg::Ptr(p.cache.ptr),
+                Arg::I32(p.heads as i32),
+                Arg::I32(p.nope as i32),
+                Arg::I32(p.kv_lora_rank as i32),
+                Arg::I32(p.rope_dim as i32),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// out[i] = cache[slots[i]] for `n` rows of `width` bf16 values (width % 8 == 0).
+    pub fn gather_latent(&self, s: CUstream, cache: DSlice<bf16>, slots: DSlice<i32>, out: DSlice<bf16>, n: usize, width: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(width % 8 == 0, "latent width {width} is not a multiple of 8");
+        ensure_len!(slots, n, "gather slots");
+        ensure_len!(out, n * width, "gathered latents");
+        let work = n * width / 8;
+        self.gather_latent.launch(s, (grid_for(self, work, 256), 1, 1), 256, 0, &[Arg::Ptr(cache.ptr), Arg::Ptr(slots.ptr), Arg::Ptr(out.ptr), Arg::I32(n as i32), Arg::I32(width as i32)])?;
+        Ok(())
+    }
+}

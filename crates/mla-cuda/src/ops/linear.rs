@@ -1,0 +1,147 @@
+//! Dense projections and the MLA weight absorption through cuBLAS (bf16 in, f32 accumulate).
+
+use super::attention::{LATENT, NOPE, ROPE, V_HEAD};
+use super::ensure_len;
+use crate::gpu::{Blas, DSlice, Gemm, GemmOut};
+use half::bf16;
+
+/// An nn.Linear weight `[out, inp]` (row-major, PyTorch layout) on the device.
+#[derive(Clone, Copy)]
+pub struct Linear {
+    pub w: DSlice<bf16>,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl Linear {
+    pub fn new(w: DSlice<bf16>, out: usize, inp: usize) -> Self {
+        assert!(w.len >= out * inp, "linear weight holds {} elements, [{out}, {inp}] needs {}", w.len, out * inp);
+        Linear { w, out, inp }
+    }
+}
+
+impl Blas {
+    /// `y[r, :] = x[r, :] · Wᵀ` for `rows` rows; x and y rows at the given strides.
+    pub fn linear(&self, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: DSlice<bf16>, y_stride: usize) -> anyhow::Result<()> {
+        self.linear_any(lin, x, x_stride, rows, y.ptr, y.len, y_stride, GemmOut::Bf16)
+    }
+
+    /// Same with f32 output (logits).
+    pub fn linear_f32_out(&self, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: DSlice<f32>, y_stride: usize) -> anyhow::Result<()> {
+        self.linear_any(lin, x, x_stride, rows, y.ptr, y.len, y_stride, GemmOut::F32)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn linear_any(&self, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: u64, y_len: usize, y_stride: usize, out: GemmOut) -> anyhow::Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(x_stride >= lin.inp && y_stride >= lin.out, "linear [{}, {}]: strides {x_stride}/{y_stride} too small", lin.out, lin.inp);
+        ensure_len!(x, (rows - 1) * x_stride + lin.inp, "linear input");
+        anyhow::ensure!(y_len >= (rows - 1) * y_stride + lin.out, "linear output: {y_len} elements, {} needed", (rows - 1) * y_stride + lin.out);
+        self.gemm(&Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: lin.out,
+            n: rows,
+            k: lin.inp,
+            a: lin.w.ptr,
+            lda: lin.inp,
+            b: x.ptr,
+            ldb: x_stride,
+            c: y,
+            ldc: y_stride,
+            f32_inputs: false,
+            out,
+            batch: None,
+        })?;
+        Ok(())
+    }
+
+    /// f32 `y = x · Wᵀ` with x [rows, inp] and W [out, inp] contiguous (the MoE router, which HF
+    /// runs in f32).
+    pub fn linear_f32(&self, w: DSlice<f32>, out_features: usize, inp: usize, x: DSlice<f32>, rows: usize, y: DSlice<f32>) -> anyhow::Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        ensure_len!(w, out_features * inp, "f32 weight");
+        ensure_len!(x, rows * inp, "f32 input");
+        ensure_len!(y, rows * out_features, "f32 output");
+        self.gemm(&Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: out_features,
+            n: rows,
+            k: inp,
+            a: w.ptr,
+            lda: inp,
+            b: x.ptr,
+            ldb: inp,
+            c: y.ptr,
+            ldc: out_features,
+            f32_inputs: true,
+            out: GemmOut::F32,
+            batch: None,
+        })?;
+        Ok(())
+    }
+
+    /// Absorbed query: for each head h, `q_lat[b, h] = W_UK[h]ᵀ · q_nope[b, h]`, written to the
+    /// first 512 values of each 576-wide row of `q_abs` ([batch, heads, 576]). `q` holds rows of
+    /// `heads * 192` ([q_nope 128 | q_pe 64] per head); `kv_b` is kv_b_proj [heads * 256, 512].
+    pub fn absorb_q(&self, kv_b: &Linear, heads: usize, q: DSlice<bf16>, batch: usize, q_abs: DSlice<bf16>) -> anyhow::Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        let (qd, d) = (NOPE + ROPE, LATENT + ROPE);
+        anyhow::ensure!(kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT, "kv_b_proj is [{}, {}]", kv_b.out, kv_b.inp);
+        ensure_len!(q, batch * heads * qd, "queries");
+        ensure_len!(q_abs, batch * heads * d, "absorbed queries");
+        // Column-major: q_lat_hᵀ [512, B] = W_UK_hᵀ [512, 128] · q_nope_hᵀ [128, B].
+        self.gemm(&Gemm {
+            trans_a: false,
+            trans_b: false,
+            m: LATENT,
+            n: batch,
+            k: NOPE,
+            a: kv_b.w.ptr,
+            lda: LATENT,
+            b: q.ptr,
+            ldb: heads * qd,
+            c: q_abs.ptr,
+            ldc: heads * d,
+            f32_inputs: false,
+            out: GemmOut::Bf16,
+            batch: Some((heads, (NOPE + V_HEAD) * LATENT, qd, d)),
+        })?;
+        Ok(())
+    }
+
+    /// Absorbed output: `o[b, h] = W_UV[h] · o_lat[b, h]` into rows of `heads * 128`.
+    pub fn absorb_o(&self, kv_b: &Linear, heads: usize, o_lat: DSlice<bf16>, batch: usize, o: DSlice<bf16>) -> anyhow::Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT, "kv_b_proj is [{}, {}]", kv_b.out, kv_b.inp);
+        ensure_len!(o_lat, batch * heads * LATENT, "latent attention output");
+        ensure_len!(o, batch * heads * V_HEAD, "attention output");
+        // Column-major: o_hᵀ [128, B] = (W_UV_h as [512, 128] col-major)ᵀ · o_lat_hᵀ [512, B].
+        self.gemm(&Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: V_HEAD,
+            n: batch,
+            k: LATENT,
+            a: kv_b.w.ptr + (NOPE * LATENT * 2) as u64,
+            lda: LATENT,
+            b: o_lat.ptr,
+            ldb: heads * LATENT,
+            c: o.ptr,
+            ldc: heads * V_HEAD,
+            f32_inputs: false,
+            out: GemmOut::Bf16,
+            batch: Some((heads, (NOPE + V_HEAD) * LATENT, LATENT, V_HEAD)),
+        })?;
+        Ok(())
+    }
+}

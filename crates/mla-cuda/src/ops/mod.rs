@@ -1,0 +1,99 @@
+//! Typed wrappers around every kernel: each checks shapes and sizes against its parameter
+//! struct before queueing the launch on the device's stream.
+
+mod attention;
+mod elementwise;
+mod latent;
+mod linear;
+mod moe;
+mod sampling;
+
+pub use attention::{DecodeAttention, PrefillAttention, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
+pub use elementwise::Normal;
+pub use latent::RopeCache;
+pub use linear::Linear;
+pub use moe::{MoeRouting, RouteMethod, GROUPED_TILE_M};
+pub use sampling::{SampleParamsRaw, SamplerOutputs, MAX_TOP_LOGPROBS};
+
+use crate::gpu::{GpuInfo, Kernel, Modules};
+
+/// Every kernel function, looked up once.
+pub struct Kernels {
+    pub embedding_gather: Kernel,
+    pub rmsnorm_f32: Kernel,
+    pub add_rmsnorm: Kernel,
+    pub add_residual: Kernel,
+    pub rmsnorm_bf16: Kernel,
+    pub silu_mul: Kernel,
+    pub bf16_to_f32: Kernel,
+    pub fill_normal_bf16: Kernel,
+    pub fill_normal_f32: Kernel,
+    pub mla_rope_cache: Kernel,
+    pub gather_latent: Kernel,
+    pub mla_prefill_attention: Kernel,
+    pub mla_decode_attention: Kernel,
+    pub mla_decode_combine: Kernel,
+    pub moe_route: Kernel,
+    pub moe_align: Kernel,
+    pub moe_gather: Kernel,
+    pub moe_combine: Kernel,
+    pub moe_grouped_gemm: Kernel,
+    pub sample_tokens: Kernel,
+    pub sm_count: usize,
+}
+
+impl Kernels {
+    pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
+        let k = Kernels {
+            embedding_gather: m.kernel("elementwise", "embedding_gather")?,
+            rmsnorm_f32: m.kernel("elementwise", "rmsnorm_f32")?,
+            add_rmsnorm: m.kernel("elementwise", "add_rmsnorm")?,
+            add_residual: m.kernel("elementwise", "add_residual")?,
+            rmsnorm_bf16: m.kernel("elementwise", "rmsnorm_bf16")?,
+            silu_mul: m.kernel("elementwise", "silu_mul")?,
+            bf16_to_f32: m.kernel("elementwise", "bf16_to_f32")?,
+            fill_normal_bf16: m.kernel("elementwise", "fill_normal_bf16")?,
+            fill_normal_f32: m.kernel("elementwise", "fill_normal_f32")?,
+            mla_rope_cache: m.kernel("latent_cache", "mla_rope_cache")?,
+            gather_latent: m.kernel("latent_cache", "gather_latent")?,
+            mla_prefill_attention: m.kernel("attention_prefill", "mla_prefill_attention")?,
+            mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
+            mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
+            moe_route: m.kernel("moe", "moe_route")?,
+            moe_align: m.kernel("moe", "moe_align")?,
+            moe_gather: m.kernel("moe", "moe_gather")?,
+            moe_combine: m.kernel("moe", "moe_combine")?,
+            moe_grouped_gemm: m.kernel("grouped_gemm", "moe_grouped_gemm")?,
+            sample_tokens: m.kernel("sampling", "sample_tokens")?,
+            sm_count: info.sm_count,
+        };
+        let need = attention::PREFILL_SMEM_BYTES.max(attention::DECODE_SMEM_BYTES);
+        anyhow::ensure!(
+            info.max_smem_per_block_optin >= need,
+            "{} offers {} bytes of shared memory per block; the attention kernels need {need}",
+            info.name,
+            info.max_smem_per_block_optin
+        );
+        k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
+        k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
+        Ok(k)
+    }
+}
+
+/// Grid size for grid-stride kernels: enough blocks to fill the GPU, no more than the work.
+pub(crate) fn grid_for(k: &Kernels, work: usize, block: usize) -> u32 {
+    (work.div_ceil(block)).clamp(1, k.sm_count * 8) as u32
+}
+
+macro_rules! ensure_len {
+    ($slice:expr, $need:expr, $what:expr) => {
+        anyhow::ensure!(
+            $slice.len >= $need,
+            "{}: buffer holds {} elements, {} needed",
+            $what,
+            $slice.len,
+            $need
+        )
+    };
+}
+pub(crate) use ensure_len;
