@@ -25,6 +25,16 @@ pub struct TokenLogprob {
     pub top: Vec<(String, Vec<u8>, f32)>,
 }
 
+/// How generated tokens are reported besides their text.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogprobOptions {
+    /// Report each token's logprob (with as many alternatives as the engine was asked for).
+    pub enabled: bool,
+    /// Name tokens `token_id:<id>` instead of by their text (vLLM's
+    /// `return_tokens_as_token_ids`), so clients can recover the exact ids.
+    pub tokens_as_ids: bool,
+}
+
 /// New output of one choice. `text` may be empty (held back while it could start a stop string).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChoiceUpdate {
@@ -52,7 +62,7 @@ pub struct Generation {
     runs: Vec<PromptRun>,
     choices: Vec<Choice>,
     prompt_tokens: usize,
-    want_logprobs: bool,
+    logprobs: LogprobOptions,
     text: Arc<TextPipeline>,
     finished: Arc<FinishCounters>,
     /// Round-robin start so one busy prompt cannot starve the others' updates.
@@ -73,7 +83,7 @@ impl Generation {
     pub fn new(
         submitted: Vec<Submitted>,
         make_text: impl Fn() -> ChoiceText,
-        want_logprobs: bool,
+        logprobs: LogprobOptions,
         text: Arc<TextPipeline>,
         finished: Arc<FinishCounters>,
     ) -> Self {
@@ -85,7 +95,7 @@ impl Generation {
             prompt_tokens += s.prompt_len;
             choices.extend((0..s.n).map(|_| Choice { text: make_text(), completion_tokens: 0, finished: false }));
         }
-        Generation { runs, choices, prompt_tokens, want_logprobs, text, finished, next_poll: 0, pending: VecDeque::new() }
+        Generation { runs, choices, prompt_tokens, logprobs, text, finished, next_poll: 0, pending: VecDeque::new() }
     }
 
     pub fn num_choices(&self) -> usize {
@@ -181,7 +191,7 @@ impl Generation {
         if finish.is_some() && self.runs[run].stop_token_ids.contains(&token) {
             return self.finish(c, finish.unwrap_or(FinishReason::Stop), vec![]);
         }
-        let lp = match (&logprobs, self.want_logprobs) {
+        let lp = match (&logprobs, self.logprobs.enabled) {
             (Some(l), true) => vec![self.token_logprob(token, l)],
             _ => vec![],
         };
@@ -222,12 +232,20 @@ impl Generation {
     }
 
     fn token_logprob(&self, token: u32, l: &TokenLogprobs) -> TokenLogprob {
-        let (text, bytes) = self.text.token_piece(token);
+        let piece = |id: u32| {
+            let (text, bytes) = self.text.token_piece(id);
+            if self.logprobs.tokens_as_ids {
+                (format!("token_id:{id}"), bytes)
+            } else {
+                (text, bytes)
+            }
+        };
+        let (text, bytes) = piece(token);
         let top = l
             .top
             .iter()
             .map(|&(t, lp)| {
-                let (s, b) = self.text.token_piece(t);
+                let (s, b) = piece(t);
                 (s, b, lp)
             })
             .collect();

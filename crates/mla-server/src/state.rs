@@ -2,7 +2,7 @@
 //! pipeline, the API key and the server-side counters.
 
 use crate::error::ApiError;
-use crate::generate::{Generation, Submitted};
+use crate::generate::{Generation, LogprobOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
 use crate::metrics::FinishCounters;
 use crate::stop::StopMatcher;
@@ -50,7 +50,7 @@ impl AppState {
         Ok(Generation::new(
             submitted,
             move || text.choice_text(stop.clone(), skip_special),
-            params.logprobs.is_some(),
+            LogprobOptions { enabled: params.logprobs.is_some(), tokens_as_ids: params.tokens_as_ids },
             self.text.clone(),
             self.finished.clone(),
         ))

@@ -110,6 +110,11 @@ async fn completions_with_token_prompts_echo_and_logprobs() {
     let offsets: Vec<usize> = tokens.iter().scan(0, |o, t| { let at = *o; *o += t.chars().count(); Some(at) }).collect();
     assert_eq!(lp["text_offset"], json!(offsets));
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
+
+    let body = json!({"prompt": [3, 4], "logprobs": 0, "max_tokens": 3, "return_tokens_as_token_ids": true});
+    let v = s.post("/v1/completions", body).await.json();
+    let ids: Vec<String> = s.script[..3].iter().map(|t| format!("token_id:{t}")).collect();
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!(ids));
 }
 
 #[tokio::test]

@@ -23,6 +23,8 @@ pub struct SamplingWire {
     pub repetition_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
     pub skip_special_tokens: Option<bool>,
+    /// vLLM extension: logprob tokens as `token_id:<id>`.
+    pub return_tokens_as_token_ids: Option<bool>,
 }
 
 /// `stop`: one string or a list of them.

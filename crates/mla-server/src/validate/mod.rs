@@ -37,6 +37,8 @@ pub struct ValidatedParams {
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Logprob tokens are named `token_id:<id>` (vLLM's `return_tokens_as_token_ids`).
+    pub tokens_as_ids: bool,
 }
 
 /// Validates the shared fields. `max_tokens` is the endpoint's effective field (chat prefers
@@ -120,6 +122,7 @@ pub fn validate_params(
         logprobs,
         stream,
         include_usage: w.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        tokens_as_ids: w.return_tokens_as_token_ids.unwrap_or(false),
     })
 }
 
