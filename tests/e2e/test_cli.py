@@ -1,0 +1,110 @@
+"""The binary's flags: unimplemented features fail at start with a reason; shutdown is graceful."""
+
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from server import Server, run_cli
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--device", "cuda"], "CUDA backend"),
+        (["--tp", "2"], "not implemented"),
+        (["--enable-dp-attention"], "not implemented"),
+        (["--gpu-memory-utilization", "0.9"], "cuda only"),
+        (["--model", "deepseek-v2-lite"], "--load-format dummy"),
+        (["--model", "no-such-thing"], "not a directory"),
+        (["--max-model-len", "999999"], "max_position_embeddings"),
+        (["--load-format", "magic"], "invalid value"),
+        (["--frobnicate"], "unexpected argument"),
+    ],
+)
+def test_bad_flags_fail_at_start(args, needle):
+    r = run_cli(*args, "--port", "1")
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
+
+
+def test_missing_hf_repo_lists_where_it_looked(tmp_path):
+    r = run_cli("--model", "someorg/somemodel", env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": ""})
+    assert r.returncode != 0
+    assert str(tmp_path / "hf" / "hub" / "models--someorg--somemodel") in r.stderr, r.stderr
+
+
+def test_hf_cache_repo_id_resolves(tmp_path):
+    from server import ROOT
+
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (snap / name).symlink_to(ROOT / "tests" / "fixtures" / "v3" / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (snap / name).symlink_to(ROOT / "assets" / "demo" / name)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("abc123")
+    server = Server("--model", "acme/tiny", env={"HF_HOME": str(tmp_path), "HF_HUB_CACHE": ""})
+    try:
+        assert [m.id for m in server.client().models.list().data] == ["acme/tiny"]
+    finally:
+        server.stop()
+
+
+def test_startup_log_and_help():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for flag in ["--model", "--served-model-name", "--port", "--device", "--tp", "--max-model-len",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-tokens",
+                 "--load-format", "--chat-template", "--api-key", "--max-queued-requests", "--seed", "--log-level"]:
+        assert flag in r.stdout, flag
+    server = Server("--max-model-len", "256")
+    try:
+        log = server.log_text()
+        for needle in ["demo", "nonsense", "parameters", "device: cpu", "KV cache:", "tokens", f":{server.port}"]:
+            assert needle in log, (needle, log)
+    finally:
+        server.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0():
+    server = Server("--max-model-len", "2048", "--shutdown-timeout", "20")
+    client = server.client()
+    result = {}
+
+    def long_request():
+        stream = client.completions.create(
+            model="demo", prompt="x", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = list(stream)
+        result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.3)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.base + "/health", timeout=2)
+    t.join(timeout=60)
+    assert result.get("finish") == ["length"], "the in-flight request ran to completion"
+    assert server.proc.wait(timeout=60) == 0
+
+
+def test_sigint_aborts_what_does_not_finish_in_time():
+    server = Server("--max-model-len", "4096", "--shutdown-timeout", "0.5")
+    client = server.client()
+    stream = client.completions.create(
+        model="demo", prompt="x", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
+    first = next(iter(stream))
+    assert first.choices
+    start = time.time()
+    server.proc.send_signal(signal.SIGINT)
+    finishes = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["abort"]
+    assert server.proc.wait(timeout=30) == 0
+    assert time.time() - start < 15
