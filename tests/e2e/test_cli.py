@@ -108,3 +108,20 @@ def test_sigint_aborts_what_does_not_finish_in_time():
     assert finishes == ["abort"]
     assert server.proc.wait(timeout=30) == 0
     assert time.time() - start < 15
+
+
+def test_chat_template_override(tmp_path):
+    """A template that renders only the first message's text (no BOS): the chat prompt is then
+    one token shorter than the same text as a completions prompt, which gets BOS."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    server = Server("--chat-template", str(template), "--max-model-len", "256")
+    try:
+        client = server.client()
+        chat = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hello there"}], max_tokens=1
+        )
+        plain = client.completions.create(model="demo", prompt="hello there", max_tokens=1)
+        assert chat.usage.prompt_tokens == plain.usage.prompt_tokens - 1
+    finally:
+        server.stop()

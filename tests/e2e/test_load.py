@@ -91,3 +91,20 @@ def test_queue_limit_of_one_answers_503():
         wait_for(lambda: server.metrics()["mla:num_requests_running"] == 0, what="the aborted requests to end")
     finally:
         server.stop()
+
+
+def test_dropped_non_streaming_request_is_aborted(demo):
+    import requests
+
+    key = 'mla:request_success_total{model_name="demo",finished_reason="abort"}'
+    before = demo.metrics()
+    with pytest.raises(requests.Timeout):
+        requests.post(
+            demo.base + "/v1/completions",
+            json={"prompt": [0, 9], "max_tokens": 1000, "ignore_eos": True},
+            timeout=0.3,
+        )
+    wait_for(lambda: demo.metrics()[key] == before.get(key, 0) + 1, what="the abort to be counted")
+    wait_for(lambda: demo.metrics()["mla:num_requests_running"] == 0, what="nothing running")
+    generated = demo.metrics()["mla:generation_tokens_total"] - before["mla:generation_tokens_total"]
+    assert generated < 1000

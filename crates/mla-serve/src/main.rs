@@ -19,7 +19,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // `{:#}` prints the whole context chain on one line: "loading X: file Y: reason".
-            tracing::error!("{e:#}");
+            // Plain stderr rather than the log: it must be seen even with --log-level error.
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }

@@ -53,6 +53,37 @@ pub fn cpu_sizing(cfg: &ModelConfig, args: &Args) -> anyhow::Result<Sizing> {
     Ok(Sizing { num_blocks, block_size, max_model_len, bytes_per_token })
 }
 
+/// Refuses to start a model the machine cannot hold: the CPU backend keeps every weight in f32
+/// plus the KV cache, and running out of memory halfway through loading helps nobody.
+pub fn check_cpu_memory(params: usize, sizing: &Sizing) -> anyhow::Result<()> {
+    let need = params * std::mem::size_of::<f32>() + sizing.kv_bytes();
+    if let Some(available) = mem_available() {
+        if need > available {
+            bail!(
+                "the CPU backend needs {:.1} GiB (f32 weights {:.1} GiB + KV cache {:.1} GiB) but only {:.1} GiB of memory is available; \
+                 choose a smaller model or lower --kv-cache-tokens",
+                gib(need),
+                gib(params * 4),
+                gib(sizing.kv_bytes()),
+                gib(available)
+            );
+        }
+    }
+    Ok(())
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// `MemAvailable` from /proc/meminfo; `None` where that does not exist (the check is skipped).
+fn mem_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +111,15 @@ mod tests {
         assert_eq!((s.num_blocks, s.kv_tokens(), s.max_model_len), (63, 1008, 1008));
         assert!(sizing(&["--max-model-len", "5000"]).unwrap_err().to_string().contains("max_position_embeddings"));
         assert!(sizing(&["--max-model-len", "2048", "--kv-cache-tokens", "1024"]).unwrap_err().to_string().contains("--kv-cache-tokens"));
+    }
+
+    #[test]
+    fn absurd_models_are_refused_before_loading() {
+        let s = sizing(&[]).unwrap();
+        assert!(check_cpu_memory(1000, &s).is_ok());
+        if mem_available().is_some() {
+            let err = check_cpu_memory(usize::MAX / 8, &s).unwrap_err().to_string();
+            assert!(err.contains("GiB"), "{err}");
+        }
     }
 }

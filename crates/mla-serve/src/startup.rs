@@ -36,6 +36,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let limits = model_limits(&source, &text, &defaults, &sizing);
 
     let params = ModelSpec::new(&source.config).num_params();
+    sizing::check_cpu_memory(params, &sizing)?;
     let backend = load_backend(&source, &sizing)?;
     let device = backend.device_name();
     let engine = Engine::start(

@@ -31,6 +31,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/metrics", get(routes::info::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(access_log))
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(Extension(BodyLimit(body_limit)))
         .with_state(state)
@@ -49,6 +50,22 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
         }
     }
     Ok(next.run(req).await)
+}
+
+/// One line per request. Probes and scrapes hit /health and /metrics constantly, so those are
+/// logged only at debug level. For streams the time is until the response headers.
+async fn access_log(req: Request, next: Next) -> Response {
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let start = std::time::Instant::now();
+    let resp = next.run(req).await;
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    let status = resp.status().as_u16();
+    if path == "/health" || path == "/metrics" {
+        tracing::debug!("{method} {path} {status} {ms:.1}ms");
+    } else {
+        tracing::info!("{method} {path} {status} {ms:.1}ms");
+    }
+    resp
 }
 
 /// Compares without an early exit, so response timing does not reveal how much of a key matched.

@@ -96,3 +96,20 @@ async fn dropped_streams_free_everything_and_count_as_aborted() {
     assert!(metrics.contains("mla:request_success_total{model_name=\"demo\",finished_reason=\"abort\"} 5"), "{metrics}");
     assert!(metrics.contains("mla:num_requests_running{model_name=\"demo\"} 0"));
 }
+
+#[tokio::test]
+async fn engine_error_mid_stream_is_an_error_event_before_done() {
+    let s = server(Options { fail_after: Some(3), ..Options::default() });
+    let body = json!({"prompt": "x", "max_tokens": 10, "ignore_eos": true, "stream": true});
+    let events = s.post("/v1/completions", body).await.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(error["error"]["type"], "server_error", "{events:?}");
+    assert!(error["error"]["message"].as_str().unwrap().contains("scripted device failure"), "{error}");
+    let texts: Vec<Value> = events[..events.len() - 2].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(!texts.is_empty() && texts.iter().all(|c| c["object"] == "text_completion"));
+    // Without streaming the same failure is a 500 with an OpenAI error body.
+    let r = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 10, "ignore_eos": true})).await;
+    assert_eq!(r.status, 500);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("scripted device failure"));
+}

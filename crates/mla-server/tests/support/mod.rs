@@ -42,6 +42,8 @@ pub struct ScriptBackend {
     script: Vec<u32>,
     drawn: HashMap<u64, usize>,
     delay: Duration,
+    /// Steps fail once a sequence has drawn this many tokens (engine error mid-stream).
+    fail_after: Option<usize>,
 }
 
 impl Backend for ScriptBackend {
@@ -56,6 +58,11 @@ impl Backend for ScriptBackend {
     }
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         std::thread::sleep(self.delay);
+        if let Some(limit) = self.fail_after {
+            if plan.seqs.iter().any(|s| self.drawn.get(&s.seq_id).copied().unwrap_or(0) >= limit) {
+                anyhow::bail!("scripted device failure");
+            }
+        }
         let mut out = StepOutput::default();
         for s in &plan.seqs {
             let sampled = s.sample.as_ref().map(|req| {
@@ -88,19 +95,20 @@ pub struct Options {
     pub max_queued: usize,
     pub delay: Duration,
     pub max_num_seqs: usize,
+    pub fail_after: Option<usize>,
 }
 
 impl Default for Options {
     fn default() -> Self {
         let script = tokenizer().encode(SCRIPT_TEXT, false).unwrap();
-        Options { script, api_key: None, body_limit: 1 << 20, max_queued: 64, delay: Duration::ZERO, max_num_seqs: 16 }
+        Options { script, api_key: None, body_limit: 1 << 20, max_queued: 64, delay: Duration::ZERO, max_num_seqs: 16, fail_after: None }
     }
 }
 
 pub fn server(opts: Options) -> TestServer {
     let mut model = ModelConfig::from_file(&demo_dir().join("config.json")).unwrap();
     model.max_position_embeddings = MAX_MODEL_LEN;
-    let backend = ScriptBackend { model: model.clone(), script: opts.script.clone(), drawn: HashMap::new(), delay: opts.delay };
+    let backend = ScriptBackend { model: model.clone(), script: opts.script.clone(), drawn: HashMap::new(), delay: opts.delay, fail_after: opts.fail_after };
     let cfg = EngineConfig {
         max_model_len: MAX_MODEL_LEN,
         max_num_seqs: opts.max_num_seqs,
