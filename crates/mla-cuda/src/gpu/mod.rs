@@ -6,12 +6,14 @@
 mod blas;
 mod buffer;
 mod context;
+mod event;
 mod graph;
 mod module;
 
 pub use blas::{Blas, Gemm, GemmOut};
 pub use buffer::{download as download_slice, DeviceBuffer, DSlice, PinnedBuffer};
 pub use context::{Gpu, GpuInfo};
+pub use event::Event;
 pub use graph::Graph;
 pub use module::{Arg, Kernel, Modules};
 

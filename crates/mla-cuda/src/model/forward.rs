@@ -53,6 +53,8 @@ pub struct CudaModel {
     eps: f32,
     /// Bytes measured for the activation workspace (cuMemGetInfo before/after allocating it).
     pub activation_bytes: usize,
+    /// Forces the decode split count (tests comparing eager steps with a captured graph).
+    pub decode_splits_override: Option<usize>,
 }
 
 fn meta_len(l: &Limits, max_blocks_per_seq: usize) -> usize {
@@ -126,6 +128,7 @@ impl CudaModel {
             lim,
             max_model_len,
             activation_bytes,
+            decode_splits_override: None,
         })
     }
 
@@ -164,7 +167,12 @@ impl CudaModel {
     }
 
     pub fn default_decode_splits(&self, dev: &Device, meta: &StepMeta) -> usize {
-        dev.k.decode_splits(meta.seqs, self.cfg.num_attention_heads, meta.max_pages)
+        self.decode_splits_override.unwrap_or_else(|| dev.k.decode_splits(meta.seqs, self.cfg.num_attention_heads, meta.max_pages))
+    }
+
+    /// Decode splits a graph captured for `batch` sequences uses (valid for any context length).
+    pub fn graph_decode_splits(&self, dev: &Device, batch: usize) -> usize {
+        dev.k.decode_splits(batch, self.cfg.num_attention_heads, self.lim.max_blocks_per_seq)
     }
 
     /// Copies the step's metadata into the device buffer (growing it outside any capture). The

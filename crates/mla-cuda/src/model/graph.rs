@@ -31,7 +31,7 @@ impl CudaModel {
         let meta = self.decode_meta(plan)?;
         self.upload_meta(dev, &meta)?;
         // Splits sized for the longest context the model accepts; shorter ones leave splits empty.
-        let splits = dev.k.decode_splits(meta.seqs, self.cfg.num_attention_heads, self.lim.max_blocks_per_seq);
+        let splits = self.graph_decode_splits(dev, meta.seqs);
         let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits))?;
         let g = DecodeGraph {
             graph,

@@ -1,0 +1,278 @@
+//! End-to-end GPU tests of `CudaBackend`:
+//! - the `real_dims` fixture (published MLA dims) against HF transformers' logits in bf16 on the
+//!   H200 and in f32, and its greedy continuation up to the first near-tie;
+//! - the absorbed decode path against the normal path on the same cache;
+//! - a decode step captured as a CUDA graph and replayed gives the eager step's tokens;
+//! - a DeepSeek-V2-Lite-shaped model with dummy weights serving a ragged batch.
+//!
+//! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_model -- --ignored --test-threads 1`.
+
+mod common;
+
+use common::*;
+use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
+use mla_core::{Backend, ModelConfig, SamplingParams};
+use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
+use std::path::PathBuf;
+
+fn fixture_dir() -> PathBuf {
+    repo_root().join("tests/fixtures/real_dims")
+}
+
+fn fixture_backend() -> (CudaBackend, ModelConfig) {
+    let cfg = ModelConfig::from_file(&fixture_dir().join("config.json")).unwrap();
+    let opts = CudaOptions { max_num_batched_tokens: 256, max_num_seqs: 8, max_extra_logit_rows: 256, num_blocks: Some(64), ..Default::default() };
+    (CudaBackend::new(cfg.clone(), WeightsFrom::Checkpoint(fixture_dir()), opts).unwrap(), cfg)
+}
+
+struct Prompt {
+    name: String,
+    prompt: Vec<u32>,
+    continuation: Vec<u32>,
+    gaps: Vec<f32>,
+}
+
+fn oracle() -> Vec<Prompt> {
+    let text = std::fs::read_to_string(fixture_dir().join("oracle.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |x: &serde_json::Value| x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| Prompt {
+            name: p["name"].as_str().unwrap().to_string(),
+            prompt: ids(&p["prompt"]),
+            continuation: ids(&p["continuation"]),
+            gaps: p["gaps"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap() as f32).collect(),
+        })
+        .collect()
+}
+
+/// Rows of `name` in an oracle safetensors file: [len, vocab] f32.
+fn oracle_logits(file: &str, name: &str) -> Vec<Vec<f32>> {
+    let bytes = std::fs::read(fixture_dir().join(file)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+    let (rows, cols) = (t.shape()[0], t.shape()[1]);
+    let data: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    (0..rows).map(|r| data[r * cols..(r + 1) * cols].to_vec()).collect()
+}
+
+fn seq(id: u64, tokens: &[u32], ctx: usize, table: &[u32], logits: LogitsRequest, sample: Option<SampleRequest>) -> SeqStep {
+    SeqStep { seq_id: id, tokens: tokens.to_vec(), context_len: ctx, block_table: table.to_vec(), logits, sample }
+}
+
+fn greedy() -> Option<SampleRequest> {
+    Some(SampleRequest { params: SamplingParams::greedy(), seed: 0, top_logprobs: Some(2), penalty: None })
+}
+
+fn step(b: &mut CudaBackend, kind: StepKind, seqs: Vec<SeqStep>) -> StepOutput {
+    b.step(&StepPlan { kind, seqs }).unwrap()
+}
+
+fn mean_abs(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    let n: usize = a.iter().map(|r| r.len()).sum();
+    a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()).sum::<f32>()).sum::<f32>() / n as f32
+}
+
+fn max_abs_rows(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| max_abs(x, y)).fold(0.0, f32::max)
+}
+
+/// Tolerance, from the fixture itself: HF's own bf16 run on the H200 differs from its f32 run by
+/// `hf` (mean |Δ| over all logits of a prompt). Our bf16 forward rounds at the same places as
+/// HF's (bf16 weights and activations, f32 accumulation, f32 softmax/norm statistics), so it must
+/// land within the same noise: at most 2x HF's mean deviation from f32 (+0.01 for the order of
+/// reductions), and within 3x of HF-bf16 itself. Single logits may move by up to ~1 where bf16
+/// flips a token's expert choice (HF bf16 itself shows 0.92 on `long`), so the max is bounded by
+/// 1.5 only.
+fn check_logits(name: &str, ours: &[Vec<f32>], f32_ref: &[Vec<f32>], bf16_ref: &[Vec<f32>]) {
+    let hf = mean_abs(bf16_ref, f32_ref);
+    let (d32, d16) = (mean_abs(ours, f32_ref), mean_abs(ours, bf16_ref));
+    let (m32, mhf) = (max_abs_rows(ours, f32_ref), max_abs_rows(bf16_ref, f32_ref));
+    println!("{name}: mean |ours-f32| {d32:.4}, |ours-hf_bf16| {d16:.4}, |hf_bf16-f32| {hf:.4}; max |ours-f32| {m32:.3} (hf_bf16 {mhf:.3})");
+    assert!(ours.iter().flatten().all(|x| x.is_finite()), "{name}: non-finite logits");
+    assert!(d32 <= 2.0 * hf + 0.01, "{name}: mean deviation from f32 {d32} vs HF bf16's {hf}");
+    assert!(d16 <= 3.0 * hf + 0.01, "{name}: mean deviation from HF bf16 {d16} vs {hf}");
+    assert!(m32 <= 1.5, "{name}: max deviation from f32 {m32}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn real_dims_logits_match_hf_bf16_and_f32() {
+    let (mut b, _) = fixture_backend();
+    for (i, p) in oracle().iter().enumerate() {
+        let tokens: Vec<u32> = p.prompt.iter().chain(&p.continuation).copied().collect();
+        let f32_ref = oracle_logits("oracle_f32.safetensors", &p.name);
+        let bf16_ref = oracle_logits("oracle_bf16_cuda.safetensors", &p.name);
+        // Scattered, descending blocks: 2 blocks of 64 per sequence, never in order.
+        let table: Vec<u32> = vec![40 - 2 * i as u32, 7 + 3 * i as u32];
+        // One prefill over everything (normal path).
+        let out = step(&mut b, StepKind::Prefill, vec![seq(1, &tokens, 0, &table, LogitsRequest::All, None)]);
+        check_logits(&format!("{} one prefill", p.name), &out.seqs[0].logits, &f32_ref, &bf16_ref);
+        // Chunks of 7 tokens, each continuing the cached prefix.
+        let mut rows = vec![];
+        for (c, chunk) in tokens.chunks(7).enumerate() {
+            let out = step(&mut b, StepKind::Prefill, vec![seq(2, chunk, 7 * c, &table, LogitsRequest::All, None)]);
+            rows.extend(out.seqs[0].logits.clone());
+        }
+        check_logits(&format!("{} chunked prefill", p.name), &rows, &f32_ref, &bf16_ref);
+        // Prompt prefill, then every continuation token through the absorbed decode path.
+        let n = p.prompt.len();
+        let mut rows = step(&mut b, StepKind::Prefill, vec![seq(3, &p.prompt, 0, &table, LogitsRequest::All, None)]).seqs[0].logits.clone();
+        for (j, &tk) in p.continuation.iter().enumerate() {
+            let out = step(&mut b, StepKind::Decode, vec![seq(3, &[tk], n + j, &table, LogitsRequest::Last, None)]);
+            rows.extend(out.seqs[0].logits.clone());
+        }
+        check_logits(&format!("{} prefill + decode", p.name), &rows, &f32_ref, &bf16_ref);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn real_dims_greedy_continuation_matches_hf_until_a_near_tie() {
+    let (mut b, _) = fixture_backend();
+    // All three prompts decode together in one batch, each on its own blocks.
+    let prompts = oracle();
+    let tables: Vec<Vec<u32>> = (0..prompts.len() as u32).map(|i| vec![50 - i, 10 + 5 * i]).collect();
+    let seqs: Vec<SeqStep> = prompts.iter().enumerate().map(|(i, p)| seq(i as u64, &p.prompt, 0, &tables[i], LogitsRequest::None, greedy())).collect();
+    let out = step(&mut b, StepKind::Prefill, seqs);
+    let mut last: Vec<u32> = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+    let mut generated: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+    for j in 1..32 {
+        let seqs = prompts.iter().enumerate().map(|(i, p)| seq(i as u64, &[last[i]], p.prompt.len() + j - 1, &tables[i], LogitsRequest::None, greedy())).collect();
+        let out = step(&mut b, StepKind::Decode, seqs);
+        last = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+        for (g, &t) in generated.iter_mut().zip(&last) {
+            g.push(t);
+        }
+    }
+    for (p, g) in prompts.iter().zip(&generated) {
+        let stop = p.gaps.iter().position(|&x| x < 0.05).unwrap_or(p.gaps.len());
+        println!("{}: first near-tie at {stop}; ours {:?}", p.name, &g[..stop.min(g.len())]);
+        assert_eq!(&g[..stop], &p.continuation[..stop], "{}: greedy tokens before the first gap < 0.05", p.name);
+        // Where the sampled token came from the top-2 logprobs, the first is the token itself.
+    }
+}
+
+/// Logits of the token after `prompt` through the absorbed decode path and the normal path.
+fn both_paths(b: &mut CudaBackend, prompts: &[Vec<u32>], next: &[u32], tables: &[Vec<u32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let seqs = prompts.iter().enumerate().map(|(i, p)| seq(i as u64, p, 0, &tables[i], LogitsRequest::None, None)).collect();
+    step(b, StepKind::Prefill, seqs);
+    let mk = |kind| {
+        let seqs: Vec<SeqStep> = prompts.iter().enumerate().map(|(i, p)| seq(i as u64, &[next[i]], p.len(), &tables[i], LogitsRequest::Last, None)).collect();
+        StepPlan { kind, seqs }
+    };
+    let dec: Vec<Vec<f32>> = b.step(&mk(StepKind::Decode)).unwrap().seqs.into_iter().map(|s| s.logits[0].clone()).collect();
+    let pre: Vec<Vec<f32>> = b.step(&mk(StepKind::Prefill)).unwrap().seqs.into_iter().map(|s| s.logits[0].clone()).collect();
+    (dec, pre)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn absorbed_decode_agrees_with_the_normal_path_on_the_same_cache() {
+    let (mut b, _) = fixture_backend();
+    let prompts: Vec<Vec<u32>> = oracle().into_iter().map(|p| p.prompt).collect();
+    let tables: Vec<Vec<u32>> = (0..3u32).map(|i| vec![60 - i, 20 + i]).collect();
+    let (dec, pre) = both_paths(&mut b, &prompts, &[5, 77, 300], &tables);
+    for (i, (d, p)) in dec.iter().zip(&pre).enumerate() {
+        let (m, e) = (max_abs(d, p), rel_l2(d, p));
+        println!("real_dims seq {i}: absorbed vs normal max |Δ| {m:.4}, rel {e:.2e}");
+        assert!(e < 1e-2 && m < 0.1, "seq {i}: absorbed vs normal differ: max {m}, rel {e}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decode_graph_replay_gives_the_eager_tokens() {
+    let (b, cfg) = fixture_backend();
+    let prompts: Vec<Vec<u32>> = oracle().into_iter().map(|p| p.prompt).collect();
+    let result = b
+        .with_worker(move |w| -> anyhow::Result<()> {
+            let tables: Vec<Vec<u32>> = (0..3u32).map(|i| vec![30 + i, 3 * i]).collect();
+            let sample = |i: usize| {
+                let params = if i == 0 { SamplingParams::greedy() } else { SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() } };
+                Some(SampleRequest { params, seed: 1000 + i as u64, top_logprobs: Some(3), penalty: None })
+            };
+            let prefill = StepPlan { kind: StepKind::Prefill, seqs: prompts.iter().enumerate().map(|(i, p)| seq(i as u64, p, 0, &tables[i], LogitsRequest::None, sample(i))).collect() };
+            let out = w.model.step(&w.dev, &prefill)?;
+            let mut last: Vec<u32> = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+            let plan = |last: &[u32], j: usize| StepPlan {
+                kind: StepKind::Decode,
+                seqs: prompts.iter().enumerate().map(|(i, p)| seq(i as u64, &[last[i]], p.len() + j, &tables[i], LogitsRequest::None, sample(i))).collect(),
+            };
+            w.model.decode_splits_override = Some(w.model.graph_decode_splits(&w.dev, prompts.len()));
+            let p0 = plan(&last, 0);
+            let eager = w.model.step(&w.dev, &p0)?;
+            let (graph, captured) = w.model.capture_decode(&w.dev, &p0)?;
+            anyhow::ensure!(eager == captured, "captured step differs from the eager step");
+            last = eager.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+            for j in 1..6 {
+                let p = plan(&last, j);
+                let e = w.model.step(&w.dev, &p)?;
+                let r = w.model.replay_decode(&w.dev, &graph, &p)?;
+                anyhow::ensure!(e == r, "step {j}: replayed graph differs from the eager step");
+                last = e.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+            }
+            println!("graph ({} splits) replayed 5 steps identically; vocab {}", graph.splits, cfg.vocab_size);
+            Ok(())
+        })
+        .unwrap();
+    result.unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
+    let cfg = config("deepseek-v2-lite.json");
+    let opts = CudaOptions { max_num_batched_tokens: 4096, max_num_seqs: 64, max_model_len: Some(8192), gpu_memory_utilization: 0.5, ..Default::default() };
+    let t0 = std::time::Instant::now();
+    let mut b = CudaBackend::new(cfg.clone(), WeightsFrom::DummyOnDevice { seed: 7 }, opts).unwrap();
+    println!("V2-Lite dummy: started in {:.1}s, {} on {}", t0.elapsed().as_secs_f64(), b.cache_layout().num_blocks, b.device_name());
+    let mut rng = Rng::new(21);
+    let n = 24;
+    let lens: Vec<usize> = (0..n).map(|i| 1 + (i * 97 + rng.below(50)) % 300).collect();
+    let total_blocks: usize = lens.iter().map(|l| (l + 40).div_ceil(64)).sum();
+    let blocks: Vec<usize> = lens.iter().map(|l| (l + 40).div_ceil(64)).collect();
+    let tables = scattered_tables(&mut rng, &blocks, total_blocks.max(b.cache_layout().num_blocks.min(4 * total_blocks)));
+    let prompts: Vec<Vec<u32>> = lens.iter().map(|&l| (0..l).map(|_| rng.below(cfg.vocab_size) as u32).collect()).collect();
+    let sample = |i: usize| {
+        let params = match i % 4 {
+            0 => SamplingParams::greedy(),
+            1 => SamplingParams { temperature: 0.7, top_p: 0.9, ..Default::default() },
+            2 => SamplingParams { temperature: 1.0, top_k: Some(40), min_p: 0.05, ..Default::default() },
+            _ => SamplingParams { temperature: 0.9, repetition_penalty: 1.2, frequency_penalty: 0.3, ..Default::default() },
+        };
+        let penalty = (i % 4 == 3).then(|| mla_core::plan::PenaltyTokens { prompt: vec![1, 2, 3], output: vec![] });
+        Some(SampleRequest { params, seed: i as u64, top_logprobs: Some(5), penalty })
+    };
+    let seqs = prompts.iter().enumerate().map(|(i, p)| seq(i as u64, p, 0, &tables[i], LogitsRequest::Last, sample(i))).collect();
+    let t1 = std::time::Instant::now();
+    let out = step(&mut b, StepKind::Prefill, seqs);
+    println!("V2-Lite dummy: prefill of {} tokens in {:.1} ms", lens.iter().sum::<usize>(), t1.elapsed().as_secs_f64() * 1e3);
+    let mut last: Vec<u32> = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+    for s in &out.seqs {
+        assert!(s.logits[0].iter().all(|x| x.is_finite()), "non-finite logits");
+        assert_eq!(s.sampled.as_ref().unwrap().top_logprobs.len(), 5);
+    }
+    let t2 = std::time::Instant::now();
+    let steps = 32;
+    for j in 0..steps {
+        let seqs = prompts.iter().enumerate().map(|(i, p)| seq(i as u64, &[last[i]], p.len() + j, &tables[i], LogitsRequest::None, sample(i))).collect();
+        let out = step(&mut b, StepKind::Decode, seqs);
+        last = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+        assert!(last.iter().all(|&t| (t as usize) < cfg.vocab_size));
+    }
+    println!("V2-Lite dummy: {steps} decode steps of {n} sequences in {:.1} ms", t2.elapsed().as_secs_f64() * 1e3);
+    // The absorbed path agrees with the normal path on the V2-Lite shape too.
+    let pre: Vec<Vec<u32>> = prompts.iter().take(4).cloned().collect();
+    let tabs: Vec<Vec<u32>> = tables.iter().take(4).cloned().collect();
+    let (dec, nor) = both_paths(&mut b, &pre, &[11, 12, 13, 14], &tabs);
+    for (i, (d, p)) in dec.iter().zip(&nor).enumerate() {
+        let e = rel_l2(d, p);
+        println!("V2-Lite seq {i}: absorbed vs normal rel {e:.2e}, max {:.3}", max_abs(d, p));
+        assert!(e < 2e-2, "V2-Lite seq {i}: absorbed vs normal rel {e}");
+    }
+}
