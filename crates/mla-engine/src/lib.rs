@@ -12,10 +12,19 @@
 //!     `grace`, abort the rest, join the thread.
 //! - `RequestStream { id, events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent> }` with
 //!   `abort(&self)`; dropping the stream aborts the request within one engine step.
+//!
+//! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `scheduler`
+//! (continuous batching policy, public so it can be tested and reused per DP rank), `engine`
+//! (the handle and the engine thread), `metrics` (counters and histograms), `sequence`
+//! (per-request state; `draw_seed` fixes how each draw's seed is derived).
 
 pub mod api;
 pub mod block_manager;
+mod engine;
+mod metrics;
 pub mod scheduler;
 mod sequence;
 
 pub use api::*;
+pub use engine::{Engine, EngineHandle, RequestStream};
+pub use sequence::draw_seed;

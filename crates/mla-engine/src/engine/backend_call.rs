@@ -1,0 +1,45 @@
+//! Calling the backend defensively: a panic becomes an error, and an answer that does not match
+//! the plan is refused before the scheduler trusts it.
+
+use crate::sequence::SeqKey;
+use anyhow::anyhow;
+use mla_core::plan::{StepOutput, StepPlan};
+use mla_core::Backend;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+pub(super) fn run_checked(backend: &mut dyn Backend, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+    let out = catch_unwind(AssertUnwindSafe(|| backend.step(plan)))
+        .unwrap_or_else(|p| Err(anyhow!("backend panicked: {}", panic_text(&p))))?;
+    check_output(plan, &out)?;
+    Ok(out)
+}
+
+/// The plan's sequences grouped by request, in plan order.
+pub(super) fn split_by_request(plan: &StepPlan) -> Vec<(u64, StepPlan)> {
+    let mut parts: Vec<(u64, StepPlan)> = Vec::new();
+    for s in &plan.seqs {
+        let id = SeqKey::from_seq_id(s.seq_id).request;
+        match parts.iter_mut().find(|(r, _)| *r == id) {
+            Some((_, p)) => p.seqs.push(s.clone()),
+            None => parts.push((id, StepPlan { kind: plan.kind, seqs: vec![s.clone()] })),
+        }
+    }
+    parts
+}
+
+/// The backend must answer every sequence, in order, with a token exactly where one was asked.
+fn check_output(plan: &StepPlan, out: &StepOutput) -> anyhow::Result<()> {
+    if out.seqs.len() != plan.seqs.len() {
+        anyhow::bail!("backend answered {} sequences of {}", out.seqs.len(), plan.seqs.len());
+    }
+    for (s, r) in plan.seqs.iter().zip(&out.seqs) {
+        if s.seq_id != r.seq_id || s.sample.is_some() != r.sampled.is_some() {
+            anyhow::bail!("backend answer for sequence {} does not match the plan (got {})", s.seq_id, r.seq_id);
+        }
+    }
+    Ok(())
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default()
+}
