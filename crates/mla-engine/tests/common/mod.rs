@@ -1,0 +1,209 @@
+//! A backend for engine tests that checks the engine's cache bookkeeping for real: it keeps its
+//! own paged token cache, written and read only through each step's block tables, and derives
+//! every next-token distribution from the full history it reads back. A wrong block table, a
+//! write into a shared block or a bad recompute after preemption changes the outputs, which the
+//! tests compare with `reference`, a plain loop that never sees a block.
+
+#![allow(dead_code)]
+
+use anyhow::{bail, Context};
+use mla_core::plan::{slot_of, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
+use mla_core::sampling::{sample, SplitMix64};
+use mla_core::{Backend, CacheLayout, ModelConfig, SamplingParams, StepKind, StepPlan};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub const VOCAB: usize = 64;
+
+/// What the backend saw, for assertions.
+#[derive(Debug, Default)]
+pub struct Log {
+    pub steps: usize,
+    pub kinds: Vec<StepKind>,
+    /// Sequence ids of every step, in order (failed steps included).
+    pub seqs: Vec<Vec<u64>>,
+    /// Last block table seen per sequence id.
+    pub tables: HashMap<u64, Vec<u32>>,
+}
+
+pub struct HistoryBackend {
+    model: ModelConfig,
+    layout: CacheLayout,
+    cache: Vec<Option<u32>>,
+    /// A step feeding this token fails (and nothing else does).
+    pub poison: Option<u32>,
+    pub delay: Duration,
+    pub log: Arc<Mutex<Log>>,
+}
+
+pub fn model_config(max_len: usize) -> ModelConfig {
+    let text = include_str!("../../../../configs/deepseek-v2-lite.json");
+    let mut m = ModelConfig::from_json_str(text, "v2-lite").unwrap();
+    m.vocab_size = VOCAB;
+    m.max_position_embeddings = max_len;
+    m
+}
+
+impl HistoryBackend {
+    pub fn new(layout: CacheLayout, max_len: usize) -> Self {
+        HistoryBackend {
+            model: model_config(max_len),
+            layout,
+            cache: vec![None; layout.capacity_tokens()],
+            poison: None,
+            delay: Duration::ZERO,
+            log: Arc::default(),
+        }
+    }
+}
+
+/// The model: logits are a hash of the whole history, so any change in it shows.
+pub fn logits_for(history: &[u32]) -> Vec<f32> {
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    for &t in history {
+        h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    (0..VOCAB as u64)
+        .map(|v| (SplitMix64::new(h ^ v.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0)
+        .collect()
+}
+
+impl Backend for HistoryBackend {
+    fn device_name(&self) -> String {
+        "history test backend".into()
+    }
+
+    fn model_config(&self) -> &ModelConfig {
+        &self.model
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        self.layout
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        std::thread::sleep(self.delay);
+        let bs = self.layout.block_size;
+        plan.validate(bs, self.layout.num_blocks, VOCAB, self.model.max_position_embeddings)?;
+        {
+            let mut log = self.log.lock().unwrap();
+            log.steps += 1;
+            log.kinds.push(plan.kind);
+            log.seqs.push(plan.seqs.iter().map(|s| s.seq_id).collect());
+            for s in &plan.seqs {
+                log.tables.insert(s.seq_id, s.block_table.clone());
+            }
+        }
+        if let Some(p) = self.poison.filter(|p| plan.seqs.iter().any(|s| s.tokens.contains(p))) {
+            bail!("poison token {p} fed");
+        }
+        // Every write lands before any read, as in a real forward pass, so two sequences
+        // writing one slot in the same step corrupt each other's history visibly.
+        for s in &plan.seqs {
+            for (i, &t) in s.tokens.iter().enumerate() {
+                self.cache[slot_of(&s.block_table, bs, s.context_len + i)] = Some(t);
+            }
+        }
+        let mut seqs = vec![];
+        for s in &plan.seqs {
+            let history = (0..s.end_pos())
+                .map(|p| self.cache[slot_of(&s.block_table, bs, p)].with_context(|| format!("seq {} reads unwritten position {p}", s.seq_id)))
+                .collect::<anyhow::Result<Vec<u32>>>()?;
+            let sampled = s.sample.as_ref().map(|r| sample(&logits_for(&history), r));
+            seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
+        }
+        Ok(StepOutput { seqs })
+    }
+}
+
+/// What a completion should produce, computed without any cache.
+pub fn reference(
+    prompt: &[u32],
+    completion: usize,
+    params: &SamplingParams,
+    seed: u64,
+    max_tokens: usize,
+    stop: &[u32],
+    max_len: usize,
+) -> Vec<u32> {
+    let mut history = prompt.to_vec();
+    let mut out = vec![];
+    loop {
+        let req = SampleRequest {
+            params: params.clone(),
+            seed: mla_engine::draw_seed(seed, completion, out.len()),
+            top_logprobs: None,
+            penalty: params.has_penalties().then(|| PenaltyTokens { prompt: prompt.to_vec(), output: out.clone() }),
+        };
+        let t = sample(&logits_for(&history), &req).token;
+        out.push(t);
+        history.push(t);
+        if stop.contains(&t) || out.len() == max_tokens || history.len() == max_len {
+            return out;
+        }
+    }
+}
+
+/// Events of one request, gathered until the engine closes the stream.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub tokens: Vec<Vec<u32>>,
+    pub logprobs: Vec<Vec<Option<mla_engine::TokenLogprobs>>>,
+    pub finish: Vec<Option<mla_engine::FinishReason>>,
+    pub error: Option<String>,
+}
+
+pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
+    use mla_engine::EngineEvent;
+    let mut c = Collected { tokens: vec![vec![]; n], logprobs: vec![vec![]; n], finish: vec![None; n], error: None };
+    // A stuck engine fails the test instead of hanging it.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let mut next = || {
+        let ev = rt.block_on(async { tokio::time::timeout(Duration::from_secs(20), stream.events.recv()).await });
+        ev.expect("no event for 20 s")
+    };
+    while let Some(ev) = next() {
+        match ev {
+            EngineEvent::Token { index, token, logprobs, finish } => {
+                assert!(c.finish[index].is_none(), "token after the finish of completion {index}");
+                c.tokens[index].push(token);
+                c.logprobs[index].push(logprobs);
+                c.finish[index] = finish;
+            }
+            EngineEvent::Finished { index, reason } => {
+                assert!(c.finish[index].is_none(), "second finish of completion {index}");
+                c.finish[index] = Some(reason);
+            }
+            EngineEvent::Error { message } => c.error = Some(message),
+        }
+    }
+    c
+}
+
+pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
+    mla_engine::EngineConfig {
+        max_model_len,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 16,
+        max_queued_requests: 64,
+        seed: 42,
+    }
+}
+
+pub fn request(prompt: Vec<u32>, sampling: SamplingParams, seed: Option<u64>, max_tokens: usize) -> mla_engine::GenerateRequest {
+    mla_engine::GenerateRequest { prompt_tokens: prompt, n: 1, sampling, seed, max_tokens, stop_token_ids: vec![], logprobs: None }
+}
+
+/// Distinct prompts of lengths 3, 4, ...
+pub fn prompts(count: usize) -> Vec<Vec<u32>> {
+    (0..count).map(|r| (0..3 + r).map(|i| ((r * 7 + i * 3) % 60 + 1) as u32).collect()).collect()
+}
