@@ -14,6 +14,8 @@ from server import Server, run_cli
     "args, needle",
     [
         (["--device", "cuda"], "CUDA backend"),
+        # The demo's MLA dims are not the CUDA kernels' (and CI has no GPU): a clear refusal.
+        (["--device", "cuda"], "CUDA"),
         (["--tp", "2"], "not implemented"),
         (["--enable-dp-attention"], "not implemented"),
         (["--gpu-memory-utilization", "0.9"], "cuda only"),

@@ -2,11 +2,11 @@
 //! KV cache, start the engine, and describe it all in the startup log.
 
 use crate::cli::Args;
-use crate::model_source::{self, ModelSource, WeightsFrom};
-use crate::sizing::{self, Sizing};
+use crate::backends;
+use crate::model_source::{self, ModelSource};
+use crate::sizing::Sizing;
 use anyhow::Context;
-use mla_core::{Backend, Checkpoint, DummyWeights, ModelSpec};
-use mla_cpu::CpuBackend;
+use mla_core::ModelSpec;
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::generation_config::GenerationDefaults;
 use mla_server::metrics::FinishCounters;
@@ -22,7 +22,7 @@ pub struct Started {
 }
 
 pub fn start(args: &Args) -> anyhow::Result<Started> {
-    args.check_supported()?;
+    let device = args.check_supported()?;
     let source = model_source::resolve(args)?;
     for w in &source.warnings {
         tracing::warn!("{w}");
@@ -32,12 +32,9 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         Some(dir) => GenerationDefaults::from_model_dir(dir)?,
         None => GenerationDefaults::default(),
     };
-    let sizing = sizing::cpu_sizing(&source.config, args)?;
-    let limits = model_limits(&source, &text, &defaults, &sizing);
-
     let params = ModelSpec::new(&source.config).num_params();
-    sizing::check_cpu_memory(params, &sizing)?;
-    let backend = load_backend(&source, &sizing)?;
+    let (backend, sizing) = backends::load(device, &source, args, params)?;
+    let limits = model_limits(&source, &text, &defaults, &sizing);
     let device = backend.device_name();
     let engine = Engine::start(
         backend,
@@ -111,20 +108,6 @@ fn model_limits(source: &ModelSource, text: &TextPipeline, defaults: &Generation
         eos_token_ids: eos,
         default_max_new_tokens: defaults.max_new_tokens,
     }
-}
-
-fn load_backend(source: &ModelSource, sizing: &Sizing) -> anyhow::Result<Box<dyn Backend>> {
-    let cfg = source.config.clone();
-    let backend = match &source.weights {
-        WeightsFrom::Checkpoint(dir) => {
-            let checkpoint = Checkpoint::open(dir, &cfg)?;
-            CpuBackend::new(cfg, &checkpoint, sizing.block_size, sizing.num_blocks)?
-        }
-        WeightsFrom::Dummy { seed } => {
-            CpuBackend::new(cfg, &DummyWeights::new(*seed), sizing.block_size, sizing.num_blocks)?
-        }
-    };
-    Ok(Box::new(backend))
 }
 
 /// 15.7B, 236M, 1.2K: how parameter counts are usually quoted.
