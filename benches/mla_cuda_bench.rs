@@ -37,6 +37,12 @@ fn main() -> anyhow::Result<()> {
     if only.contains("prefill_attention") {
         results.insert("prefill_attention".into(), bench_prefill_attention(&dev)?);
     }
+    if only.contains("profile_step") {
+        // For `ncu --profile-from-start off`: one eager decode step at B=1 and one at B=64.
+        let cfg = ModelConfig::from_file(std::path::Path::new(&config))?;
+        profile_steps(dev, cfg)?;
+        return Ok(());
+    }
     if only.contains("decode_step") {
         let cfg = ModelConfig::from_file(std::path::Path::new(&config))?;
         results.insert("decode_step".into(), bench_decode_step(dev, cfg)?);
@@ -206,12 +212,25 @@ fn bench_prefill_attention(dev: &Device) -> anyhow::Result<Value> {
     Ok(json!({"seqs": seqs, "len": len, "heads": HEADS, "time_ms": ms, "flops": flops, "TFLOPs": tflops, "kv_decompress_gemm_ms": decompress_ms}))
 }
 
-fn bench_decode_step(dev: Device, cfg: ModelConfig) -> anyhow::Result<Value> {
-    let t0 = std::time::Instant::now();
-    let weights = DeviceWeights::dummy(&cfg, &dev.k, dev.stream(), 11)?;
-    dev.gpu.sync()?;
-    let load_s = t0.elapsed().as_secs_f64();
-    let max_b = 64;
+fn decode_plan(batch: usize, j: usize, vocab: usize) -> StepPlan {
+    let pages = CTX / PAGE_SIZE;
+    StepPlan {
+        kind: StepKind::Decode,
+        seqs: (0..batch)
+            .map(|i| SeqStep {
+                seq_id: i as u64,
+                tokens: vec![(17 * i + j) as u32 % vocab as u32],
+                context_len: CTX - 1,
+                block_table: ((i * (pages + 1)) as u32..((i + 1) * (pages + 1)) as u32).collect(),
+                logits: LogitsRequest::None,
+                sample: Some(SampleRequest { params: SamplingParams::greedy(), seed: i as u64, top_logprobs: None, penalty: None }),
+            })
+            .collect(),
+    }
+}
+
+fn decode_model(dev: &Device, cfg: &ModelConfig, max_b: usize) -> anyhow::Result<CudaModel> {
+    let weights = DeviceWeights::dummy(cfg, &dev.k, dev.stream(), 11)?;
     let pages = CTX / PAGE_SIZE;
     let opts = ModelOptions {
         limits: Limits { max_tokens: 256, max_seqs: max_b, max_logit_rows: max_b, max_kv_chunk: 16384 },
@@ -219,25 +238,35 @@ fn bench_decode_step(dev: Device, cfg: ModelConfig) -> anyhow::Result<Value> {
         num_blocks: Some(max_b * (pages + 1)),
         max_model_len: CTX + 64,
     };
-    let mut model = CudaModel::new(&dev, cfg.clone(), weights, &opts)?;
+    let model = CudaModel::new(dev, cfg.clone(), weights, &opts)?;
     // A cache full of random latents stands in for 4096 prefilled tokens per sequence.
     dev.k.fill_normal_bf16(dev.stream(), model.cache.slice(), Normal { mean: 0.0, std: 1.0, seed: 12 })?;
     dev.gpu.sync()?;
+    Ok(model)
+}
+
+fn profile_steps(dev: Device, cfg: ModelConfig) -> anyhow::Result<()> {
+    let mut model = decode_model(&dev, &cfg, 64)?;
+    for b in [1, 64] {
+        for j in 0..3 {
+            model.step(&dev, &decode_plan(b, j, cfg.vocab_size))?;
+        }
+    }
+    unsafe { cudarc::driver::sys::cuProfilerStart() };
+    for b in [1, 64] {
+        model.step(&dev, &decode_plan(b, 9, cfg.vocab_size))?;
+    }
+    unsafe { cudarc::driver::sys::cuProfilerStop() };
+    Ok(())
+}
+
+fn bench_decode_step(dev: Device, cfg: ModelConfig) -> anyhow::Result<Value> {
+    let t0 = std::time::Instant::now();
+    let mut model = decode_model(&dev, &cfg, 64)?;
+    let load_s = t0.elapsed().as_secs_f64();
     let mut rows = vec![];
     for batch in [1usize, 64] {
-        let plan = |j: usize| StepPlan {
-            kind: StepKind::Decode,
-            seqs: (0..batch)
-                .map(|i| SeqStep {
-                    seq_id: i as u64,
-                    tokens: vec![(17 * i + j) as u32 % cfg.vocab_size as u32],
-                    context_len: CTX - 1,
-                    block_table: ((i * (pages + 1)) as u32..((i + 1) * (pages + 1)) as u32).collect(),
-                    logits: LogitsRequest::None,
-                    sample: Some(SampleRequest { params: SamplingParams::greedy(), seed: i as u64, top_logprobs: None, penalty: None }),
-                })
-                .collect(),
-        };
+        let plan = |j: usize| decode_plan(batch, j, cfg.vocab_size);
         for j in 0..3 {
             model.step(&dev, &plan(j))?;
         }
@@ -260,7 +289,7 @@ fn bench_decode_step(dev: Device, cfg: ModelConfig) -> anyhow::Result<Value> {
         println!("decode step B={batch:<3} ctx {CTX}: eager {eager_ms:.2} ms, graph {graph_ms:.2} ms = {tok_s:.0} tok/s");
         rows.push(json!({"batch": batch, "context": CTX, "eager_ms": eager_ms, "graph_ms": graph_ms, "graph_splits": graph.splits, "tokens_per_s_graph": tok_s, "tokens_per_s_eager": batch as f64 / (eager_ms * 1e-3)}));
     }
-    Ok(json!({"model": "deepseek-v2-lite shape, dummy weights drawn on the device", "dummy_weights_s": load_s, "weights_GiB": model.weights.bytes() as f64 / (1u64 << 30) as f64, "steps": rows}))
+    Ok(json!({"model": "deepseek-v2-lite shape, dummy weights drawn on the device", "dummy_weights_and_cache_fill_s": load_s, "weights_GiB": model.weights.bytes() as f64 / (1u64 << 30) as f64, "steps": rows}))
 }
 
 /// Today's UTC date as YYYY-MM-DD (days-to-civil conversion, no date crate needed).
