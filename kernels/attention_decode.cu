@@ -213,25 +213,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
 }
 
 // out[b, h, :] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Grid (H, B), 128 threads.
+// The split weights are computed once into shared memory, so the accumulation issues independent
+// loads (the loop was latency-bound with one dependent load chain per split).
 extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                               int heads, int num_splits, bf16* __restrict__ out) {
+    __shared__ float w[64];
+    __shared__ float total;
     const int h = blockIdx.x, b = blockIdx.y;
-    float mx = -INFINITY;
-    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_lse[((size_t)b * num_splits + s) * heads + h]);
-    float acc[DL / NTHREADS] = {};
-    float wsum = 0.f;
-    if (mx != -INFINITY) {
-        for (int s = 0; s < num_splits; ++s) {
-            const size_t row = ((size_t)b * num_splits + s) * heads + h;
-            const float lse = part_lse[row];
-            if (lse == -INFINITY) continue;
-            const float w = exp2f(lse - mx);
-            wsum += w;
-#pragma unroll
-            for (int j = 0; j < DL / NTHREADS; ++j) acc[j] += w * part_o[row * DL + threadIdx.x + j * NTHREADS];
-        }
+    if (threadIdx.x < 32) {
+        float l0 = threadIdx.x < num_splits ? part_lse[((size_t)b * num_splits + threadIdx.x) * heads + h] : -INFINITY;
+        float l1 = threadIdx.x + 32 < num_splits ? part_lse[((size_t)b * num_splits + threadIdx.x + 32) * heads + h] : -INFINITY;
+        const float mx = warp_max(fmaxf(l0, l1));
+        const float w0 = (mx == -INFINITY || l0 == -INFINITY) ? 0.f : exp2f(l0 - mx);
+        const float w1 = (mx == -INFINITY || l1 == -INFINITY) ? 0.f : exp2f(l1 - mx);
+        w[threadIdx.x] = w0;
+        w[threadIdx.x + 32] = w1;
+        const float sum = warp_sum(w0 + w1);
+        if (threadIdx.x == 0) total = sum;
     }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    __syncthreads();
+    float acc[DL / NTHREADS] = {};
+    const float* base = part_o + ((size_t)b * num_splits * heads + h) * DL + threadIdx.x;
+#pragma unroll 4
+    for (int s = 0; s < num_splits; ++s) {
+        const float ws = w[s];
+#pragma unroll
+        for (int j = 0; j < DL / NTHREADS; ++j) acc[j] += ws * base[(size_t)s * heads * DL + j * NTHREADS];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma unroll
     for (int j = 0; j < DL / NTHREADS; ++j)
         out[((size_t)b * heads + h) * DL + threadIdx.x + j * NTHREADS] = to_bf16(acc[j] * inv);

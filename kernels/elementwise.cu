@@ -13,33 +13,56 @@ extern "C" __global__ void embedding_gather(const bf16* __restrict__ table, cons
 }
 
 // HF DeepseekV2RMSNorm: x * rsqrt(mean(x²) + eps) rounded to bf16, times the bf16 gain, rounded.
-DEVICE_INLINE void rmsnorm_row(const float* x, const bf16* w, bf16* out, int n, float eps, float* scratch) {
+// One block of 256 threads per row; each thread keeps its (at most 32) values in registers, so
+// the row is read once and every load of a thread is independent (hidden <= 8192).
+constexpr int NORM_THREADS = 256, NORM_MAX_PER_THREAD = 32;
+
+template <bool ADD>
+DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
+                                    const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    __shared__ float scratch[32];
+    const size_t t = blockIdx.x;
+    float* x = residual + t * hidden;
+    float v[NORM_MAX_PER_THREAD];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+#pragma unroll
+    for (int k = 0; k < NORM_MAX_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * NORM_THREADS;
+        v[k] = 0.f;
+        if (i < hidden) {
+            float a = x[i];
+            if (ADD) a += to_f32(delta[t * hidden + i]);
+            v[k] = a;
+            ss += a * a;
+        }
+    }
+    if (ADD) {
+#pragma unroll
+        for (int k = 0; k < NORM_MAX_PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * NORM_THREADS;
+            if (i < hidden) x[i] = v[k];
+        }
+    }
     ss = block_sum(ss, scratch);
-    const float r = rsqrtf(ss / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = to_bf16(to_f32(w[i]) * round_bf16(x[i] * r));
+    const float r = rsqrtf(ss / (float)hidden + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_MAX_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * NORM_THREADS;
+        if (i < hidden) out[t * hidden + i] = to_bf16(to_f32(w[i]) * round_bf16(v[k] * r));
+    }
 }
 
 // out = rmsnorm(residual) (first layer: nothing to add yet).
-extern "C" __global__ void rmsnorm_f32(const float* __restrict__ residual, const bf16* __restrict__ w,
-                                       bf16* __restrict__ out, int hidden, float eps) {
-    __shared__ float scratch[32];
-    const size_t t = blockIdx.x;
-    rmsnorm_row(residual + t * hidden, w, out + t * hidden, hidden, eps, scratch);
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict__ residual, const bf16* __restrict__ w,
+                                                              bf16* __restrict__ out, int hidden, float eps) {
+    residual_rmsnorm<false>(residual, nullptr, w, out, hidden, eps);
 }
 
 // residual += delta; out = rmsnorm(residual). The f32 residual keeps the sum of many layers exact
 // to f32 instead of re-rounding it to bf16 after every block.
-extern "C" __global__ void add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                       const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
-    __shared__ float scratch[32];
-    const size_t t = blockIdx.x;
-    float* x = residual + t * hidden;
-    const bf16* d = delta + t * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[i] += to_f32(d[i]);
-    __syncthreads();
-    rmsnorm_row(x, w, out + t * hidden, hidden, eps, scratch);
+extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
+                                                              const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    residual_rmsnorm<true>(residual, delta, w, out, hidden, eps);
 }
 
 // residual += delta (the last layer's output before the final norm when only some rows need it).

@@ -1,22 +1,24 @@
 // Grouped GEMM for MoE experts: C[rows of expert e] = A[rows] · W[e]ᵀ, where A holds the token rows
 // grouped by expert (moe_align) and W[e] is expert e's nn.Linear weight [N, K]. The tile map built
-// on the device says which expert and rows each 64-row tile covers, so the launch needs no host
-// knowledge of the routing: the grid covers the worst case and idle tiles exit at once.
+// on the device says which expert and rows each tile covers, so the launch needs no host knowledge
+// of the routing: the grid covers the worst case and idle tiles exit at once.
 //
-// Tiles 64 x 128 x 32, 4 warps as 2 x 2 (32 x 64 each), bf16 mma.sync with f32 accumulation,
-// 3-stage cp.async pipeline. Needs N and K multiples of 8 (16-byte loads; checked by the Rust
-// wrapper); partial tiles in N and K are zero-filled, so small test models work too.
+// bf16 mma.sync with f32 accumulation, multi-stage cp.async pipeline. Needs N and K multiples of 8
+// (16-byte loads; checked by the Rust wrapper); partial tiles in N and K are zero-filled, so small
+// test models work too.
 #include "common.cuh"
 
-namespace {
-constexpr int BM = 64, BN = 128, BK = 32, STAGES = 3, NTHREADS = 128;
-constexpr int SSTRIDE = BK + 8;  // 80-byte rows: conflict-free 32-bit fragment loads
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
-    const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C, int N, int K,
-    const int* __restrict__ tile_expert, const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
-    const int* __restrict__ num_tiles) {
+// Two tile shapes from one template: 64 x 128 (prefill: many rows per expert) and 16 x 64 with a
+// deeper pipeline (decode: a handful of rows per expert, so the weights' stream must be spread over
+// many blocks to reach memory bandwidth). The tile map (moe_align) is built for the same BM.
+template <int BM, int BN, int BK, int WM, int WN, int STAGES>
+__device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C,
+                                             int N, int K, const int* __restrict__ tile_expert,
+                                             const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
+                                             const int* __restrict__ num_tiles) {
+    constexpr int NTHREADS = 128, SSTRIDE = BK + 8;  // +16 bytes per row: conflict-free fragments
+    constexpr int MT = WM / 16, NT = WN / 8, WARPS_N = BN / WN;
+    static_assert((BM / WM) * WARPS_N == 4, "four warps per block");
     const int tile = blockIdx.y;
     if (tile >= num_tiles[0]) return;
     __shared__ __align__(16) bf16 As[STAGES][BM * SSTRIDE];
@@ -26,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
     const int n0 = blockIdx.x * BN;
     const bf16* Wt = W + (size_t)e * N * K + (size_t)n0 * K;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 64;
+    const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
 
     auto load = [&](int kt, int stage) {
         const int k0 = kt * BK;
@@ -42,11 +44,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
         }
     };
 
-    float acc[2][8][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
     const int KT = (K + BK - 1) / BK;
 #pragma unroll
@@ -64,9 +66,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
         const bf16* b_s = Bs[kt % STAGES];
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks) {
-            uint32_t a[2][4];
+            uint32_t a[MT][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            for (int i = 0; i < MT; ++i) {
                 const bf16* p = a_s + (wm + i * 16 + g) * SSTRIDE + ks * 16 + 2 * t4;
                 a[i][0] = lds32(p);
                 a[i][1] = lds32(p + 8 * SSTRIDE);
@@ -74,27 +76,42 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) moe_grouped_gemm(
                 a[i][3] = lds32(p + 8 * SSTRIDE + 8);
             }
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < NT; ++j) {
                 const bf16* p = b_s + (wn + j * 8 + g) * SSTRIDE + ks * 16 + 2 * t4;
                 const uint32_t b0 = lds32(p), b1 = lds32(p + 8);
-                mma_bf16_16816(acc[0][j], a[0], b0, b1);
-                mma_bf16_16816(acc[1][j], a[1], b0, b1);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) mma_bf16_16816(acc[i][j], a[i], b0, b1);
             }
         }
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < MT; ++i) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = wm + i * 16 + g + half * 8;
             if (r >= rows) continue;
             bf16* dst = C + (size_t)(row0 + r) * N + n0 + wn;
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < NT; ++j)
                 if (n0 + wn + j * 8 + 2 * t4 < N)
                     *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * t4) = pack_bf16(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
         }
     }
+}
+
+#define GROUPED_GEMM_ARGS                                                                                     \
+    const bf16 *__restrict__ A, const bf16 *__restrict__ W, bf16 *__restrict__ C, int N, int K,             \
+        const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
+        const int *__restrict__ num_tiles
+
+// Tiles of 64 rows x 128 columns (prefill).
+extern "C" __global__ void __launch_bounds__(128) moe_grouped_gemm(GROUPED_GEMM_ARGS) {
+    grouped_gemm<64, 128, 32, 32, 64, 3>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles);
+}
+
+// Tiles of 16 rows x 64 columns, 4 stages of 64-wide K slices (decode).
+extern "C" __global__ void __launch_bounds__(128) moe_grouped_gemm_small(GROUPED_GEMM_ARGS) {
+    grouped_gemm<16, 64, 64, 16, 16, 4>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles);
 }

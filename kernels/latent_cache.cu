@@ -15,10 +15,18 @@ extern "C" __global__ void mla_rope_cache(
     bf16* __restrict__ cache,                              // [slots, R + P]
     int heads, int nope, int R, int P) {
     __shared__ float scratch[32];
+    __shared__ float rot_cos[64], rot_sin[64];  // rope dim <= 128
     const int t = blockIdx.x;
     const bf16* src = kva + (size_t)t * kva_stride;
     const int slot = slots[t];
     const float pos = (float)positions[t];
+    const int half = P / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        rot_cos[i] = c * attn_factor;
+        rot_sin[i] = s * attn_factor;
+    }
     bf16* dst = slot >= 0 ? cache + (size_t)slot * (R + P) : nullptr;
 
     float ss = 0.f;
@@ -32,15 +40,11 @@ extern "C" __global__ void mla_rope_cache(
         for (int i = threadIdx.x; i < R; i += blockDim.x)
             dst[i] = to_bf16(to_f32(kv_norm_w[i]) * round_bf16(to_f32(src[i]) * r));
 
-    const int half = P / 2;
-    // k_pe (shared by all heads) and every head's q_pe: (heads + 1) * half rotations.
+    // k_pe (shared by all heads) and every head's q_pe: (heads + 1) * half rotations. (The
+    // block_sum above synchronised after the cos/sin table was written.)
     for (int j = threadIdx.x; j < (heads + 1) * half; j += blockDim.x) {
         const int h = j / half, i = j - h * half;
-        const float ang = pos * inv_freq[i];
-        float s, c;
-        sincosf(ang, &s, &c);
-        c *= attn_factor;
-        s *= attn_factor;
+        const float c = rot_cos[i], s = rot_sin[i];
         if (h == heads) {
             const float x0 = to_f32(src[R + 2 * i]), x1 = to_f32(src[R + 2 * i + 1]);
             if (dst) {

@@ -216,20 +216,36 @@ extern "C" __global__ void moe_gather(const bf16* __restrict__ x, const int* __r
     }
 }
 
-// out[t, :] = sum_j w[t, j] * y[inv_row[t, j], :] (+ shared[t, :]), summed in f32. One block per token.
+// out[t, :] = sum_j w[t, j] * y[inv_row[t, j], :] (+ shared[t, :]), summed in f32. Grid
+// (tokens, hidden / 512), 256 threads of two values each; the token's rows and weights are read
+// once into shared memory so the top_k row loads are independent.
 extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ inv_row,
                                        const float* __restrict__ topk_w, const bf16* __restrict__ shared,
                                        bf16* __restrict__ out, int top_k, int hidden) {
+    __shared__ int rows[32];
+    __shared__ float ws[32];
     const int t = blockIdx.x;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < top_k; ++j) {
-            const int r = inv_row[t * top_k + j];
-            acc += topk_w[t * top_k + j] * to_f32(y[(size_t)r * hidden + i]);
-        }
-        // HF adds the routed sum (rounded to bf16) and the shared experts' bf16 output.
-        float v = round_bf16(acc);
-        if (shared) v += to_f32(shared[(size_t)t * hidden + i]);
-        out[(size_t)t * hidden + i] = to_bf16(v);
+    if (threadIdx.x < top_k) {
+        rows[threadIdx.x] = inv_row[t * top_k + threadIdx.x];
+        ws[threadIdx.x] = topk_w[t * top_k + threadIdx.x];
     }
+    __syncthreads();
+    const int i = 2 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (i >= hidden) return;
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < top_k; ++j) {
+        const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(y + (size_t)rows[j] * hidden + i);
+        a0 += ws[j] * __low2float(v);
+        a1 += ws[j] * __high2float(v);
+    }
+    // HF adds the routed sum (rounded to bf16) and the shared experts' bf16 output.
+    a0 = round_bf16(a0);
+    a1 = round_bf16(a1);
+    if (shared) {
+        const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(shared + (size_t)t * hidden + i);
+        a0 += __low2float(sv);
+        a1 += __high2float(sv);
+    }
+    *reinterpret_cast<uint32_t*>(out + (size_t)t * hidden + i) = pack_bf16(a0, a1);
 }

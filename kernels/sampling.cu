@@ -60,6 +60,22 @@ DEVICE_INLINE BlockArgmax block_argmax(float v, int i, float* sv, int* si) {
     return {v, i};
 }
 
+// Calls f(i, x[i]) for this thread's share of a row, eight loads in flight before their uses: a
+// plain strided loop left one dependent load per iteration and made every pass latency-bound.
+template <typename F>
+DEVICE_INLINE void for_row(const float* __restrict__ x, int n, F f) {
+    const int bd = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + 7 * bd < n; i += 8 * bd) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = x[i + u * bd];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) f(i + u * bd, v[u]);
+    }
+    for (; i < n; i += bd) f(i, x[i]);
+}
+
 extern "C" __global__ void __launch_bounds__(512) sample_tokens(
     const float* __restrict__ logits, long long logits_stride, int vocab, const SampleParams* __restrict__ params,
     const int* __restrict__ pen,  // penalty entries: (token, output count, seen in prompt or output)
@@ -72,27 +88,29 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
     const SampleParams p = params[r];
     const float* raw = logits + r * logits_stride;
 
-    // Log-probabilities of the unmodified distribution.
-    float mx = -INFINITY;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, raw[i]);
-    mx = block_max(mx, sf);
-    float se = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) se += expf(raw[i] - mx);
-    const float lse = mx + logf(block_sum(se, sf));
+    // Log-probabilities of the unmodified distribution (skipped when none were asked for).
+    float lse = 0.f;
+    if (p.n_logprobs >= 0) {
+        float mx = -INFINITY;
+        for_row(raw, vocab, [&](int, float v) { mx = fmaxf(mx, v); });
+        mx = block_max(mx, sf);
+        float se = 0.f;
+        for_row(raw, vocab, [&](int, float v) { se += expf(v - mx); });
+        lse = mx + logf(block_sum(se, sf));
+    }
     if (p.n_logprobs > 0) {
         float pv = INFINITY;
         int pi = -1;
         for (int k = 0; k < p.n_logprobs; ++k) {
             float bv = -INFINITY;
             int bi = 0x7fffffff;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-                const float v = raw[i];
+            for_row(raw, vocab, [&](int i, float v) {
                 const bool after = v < pv || (v == pv && i > pi);  // strictly after the previous pick
                 if (after && better(v, i, bv, bi)) {
                     bv = v;
                     bi = i;
                 }
-            }
+            });
             const BlockArgmax b = block_argmax(bv, bi, sf, si);
             if (threadIdx.x == 0) {
                 out_top_ids[r * MAX_TOP_LOGPROBS + k] = b.i;
@@ -125,16 +143,17 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
     if (p.temperature < 1e-5f) {
         float bv = -INFINITY;
         int bi = 0x7fffffff;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-            if (better(w[i], i, bv, bi)) {
-                bv = w[i];
+        for_row(w, vocab, [&](int i, float v) {
+            if (better(v, i, bv, bi)) {
+                bv = v;
                 bi = i;
             }
+        });
         token = block_argmax(bv, bi, sf, si).i;
     } else {
         const float inv_t = 1.f / p.temperature;
         float wm = -INFINITY;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) wm = fmaxf(wm, w[i]);
+        for_row(w, vocab, [&](int, float v) { wm = fmaxf(wm, v); });
         wm = block_max(wm, sf);
         // top-k: the key of the k-th largest value, built bit by bit from the top.
         uint32_t kkey = 0;
@@ -142,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
             for (int bit = 31; bit >= 0; --bit) {
                 const uint32_t cand = kkey | (1u << bit);
                 float cnt = 0.f;
-                for (int i = threadIdx.x; i < vocab; i += blockDim.x) cnt += float_key(w[i]) >= cand ? 1.f : 0.f;
+                for_row(w, vocab, [&](int, float v) { cnt += float_key(v) >= cand ? 1.f : 0.f; });
                 if (block_sum(cnt, sf) >= (float)p.top_k) kkey = cand;
             }
         }
@@ -150,18 +169,19 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
         uint32_t pkey = kkey;
         if (p.top_p < 1.f) {
             double z = 0.0;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-                if (float_key(w[i]) >= kkey) z += exp((double)(w[i] - wm) * inv_t);
+            for_row(w, vocab, [&](int, float v) {
+                if (float_key(v) >= kkey) z += exp((double)(v - wm) * inv_t);
+            });
             z = block_sum_f64(z, sd);
             const double target = (double)p.top_p * z;
             uint32_t key = 0;
             for (int bit = 31; bit >= 0; --bit) {
                 const uint32_t cand = key | (1u << bit);
                 double mass = 0.0;
-                for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-                    const uint32_t k = float_key(w[i]);
-                    if (k >= cand && k >= kkey) mass += exp((double)(w[i] - wm) * inv_t);
-                }
+                for_row(w, vocab, [&](int, float v) {
+                    const uint32_t k = float_key(v);
+                    if (k >= cand && k >= kkey) mass += exp((double)(v - wm) * inv_t);
+                });
                 if (block_sum_f64(mass, sd) >= target) key = cand;
             }
             pkey = max(pkey, key);
@@ -169,16 +189,16 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
         const float log_min_p = p.min_p > 0.f ? logf(p.min_p) : -INFINITY;
         float bv = -INFINITY;
         int bi = 0x7fffffff;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float z = (w[i] - wm) * inv_t;
-            if (float_key(w[i]) < pkey || z < log_min_p) continue;
+        for_row(w, vocab, [&](int i, float v) {
+            const float z = (v - wm) * inv_t;
+            if (float_key(v) < pkey || z < log_min_p) return;
             const double u = uniform_open(mix64(p.seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
             const float gumbel = (float)(-log(-log(u)));
             if (better(z + gumbel, i, bv, bi)) {
                 bv = z + gumbel;
                 bi = i;
             }
-        }
+        });
         token = block_argmax(bv, bi, sf, si).i;
     }
     if (threadIdx.x == 0) {

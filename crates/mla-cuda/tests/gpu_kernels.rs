@@ -431,13 +431,17 @@ struct RoutingBufs {
 impl RoutingBufs {
     fn new(t: usize, e: usize, top: usize) -> Self {
         let a = t * top;
-        let tiles = MoeRouting::max_tiles(a, e);
+        let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
         let i = |n| DeviceBuffer::<i32>::alloc(n).unwrap();
         RoutingBufs { ids: i(a), w: DeviceBuffer::alloc(a).unwrap(), off: i(e + 1), perm: i(a), inv: i(a), te: i(tiles), tr0: i(tiles), trs: i(tiles), nt: i(1) }
     }
     fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting {
+        self.routing_tiles(t, e, top, GROUPED_TILE_M)
+    }
+    fn routing_tiles(&self, t: usize, e: usize, top: usize, tile_m: usize) -> MoeRouting {
         MoeRouting {
             tokens: t,
+            tile_m,
             experts: e,
             top_k: top,
             topk_ids: self.ids.slice(),
@@ -481,7 +485,27 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     let bufs = RoutingBufs::new(t, e, top);
     bufs.ids.upload(&ids).unwrap();
     bufs.w.upload(&wts).unwrap();
-    let r = bufs.routing(t, e, top);
+    // Expert outputs.
+    let mlp = |ex: usize, xt: &[f32]| -> Vec<f32> {
+        let gu = Matrix::new(2 * inter, hidden, gate_up[ex * 2 * inter * hidden..(ex + 1) * 2 * inter * hidden].to_vec()).forward(xt);
+        let act: Vec<f32> = (0..inter).map(|j| gu[j] / (1.0 + (-gu[j]).exp()) * gu[inter + j]).collect();
+        Matrix::new(hidden, inter, down_w[ex * hidden * inter..(ex + 1) * hidden * inter].to_vec()).forward(&act)
+    };
+    let mut want = vec![0f32; t * hidden];
+    for tok in 0..t {
+        let xt = &x[tok * hidden..(tok + 1) * hidden];
+        for j in 0..top {
+            let y = mlp(ids[tok * top + j] as usize, xt);
+            for (o, v) in want[tok * hidden..(tok + 1) * hidden].iter_mut().zip(y) {
+                *o += wts[tok * top + j] * v;
+            }
+        }
+        for (o, sh) in want[tok * hidden..(tok + 1) * hidden].iter_mut().zip(&shared[tok * hidden..(tok + 1) * hidden]) {
+            *o += sh;
+        }
+    }
+    for tile_m in [GROUPED_TILE_M, GROUPED_TILE_M_SMALL] {
+    let r = bufs.routing_tiles(t, e, top, tile_m);
     let (d_x, d_gu, d_down, d_shared) = (up_bf16(&x), up_bf16(&gate_up), up_bf16(&down_w), up_bf16(&shared));
     let a = t * top;
     let gx = DeviceBuffer::<bf16>::alloc(a * hidden).unwrap();
@@ -506,28 +530,10 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     let mut inv = down(bufs.inv.slice());
     inv.sort();
     assert_eq!(inv, (0..a as i32).collect::<Vec<_>>());
-    // Expert outputs.
-    let mlp = |ex: usize, xt: &[f32]| -> Vec<f32> {
-        let gu = Matrix::new(2 * inter, hidden, gate_up[ex * 2 * inter * hidden..(ex + 1) * 2 * inter * hidden].to_vec()).forward(xt);
-        let act: Vec<f32> = (0..inter).map(|j| gu[j] / (1.0 + (-gu[j]).exp()) * gu[inter + j]).collect();
-        Matrix::new(hidden, inter, down_w[ex * hidden * inter..(ex + 1) * hidden * inter].to_vec()).forward(&act)
-    };
-    let mut want = vec![0f32; t * hidden];
-    for tok in 0..t {
-        let xt = &x[tok * hidden..(tok + 1) * hidden];
-        for j in 0..top {
-            let y = mlp(ids[tok * top + j] as usize, xt);
-            for (o, v) in want[tok * hidden..(tok + 1) * hidden].iter_mut().zip(y) {
-                *o += wts[tok * top + j] * v;
-            }
-        }
-        for (o, sh) in want[tok * hidden..(tok + 1) * hidden].iter_mut().zip(&shared[tok * hidden..(tok + 1) * hidden]) {
-            *o += sh;
-        }
+    let err = rel_l2(&down_bf16(out.slice()), &want);
+    println!("MoE experts (tiles of {tile_m} rows) rel err {err:.2e}");
+    assert!(err < 1.5e-2, "MoE rel err {err} with tiles of {tile_m}");
     }
-    let e = rel_l2(&down_bf16(out.slice()), &want);
-    println!("MoE experts rel err {e:.2e}");
-    assert!(e < 1.5e-2, "MoE rel err {e}");
 }
 
 fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[SampleRequest]) -> Vec<(i32, f32, Vec<(i32, f32)>)> {

@@ -3,7 +3,7 @@
 //! is sized.
 
 use crate::gpu::DeviceBuffer;
-use crate::ops::{MoeRouting, MAX_TOP_LOGPROBS};
+use crate::ops::{MoeRouting, GROUPED_TILE_M_SMALL, MAX_TOP_LOGPROBS};
 use half::bf16;
 use mla_core::ModelConfig;
 
@@ -53,6 +53,7 @@ impl MoeBuffers {
     pub fn routing(&self, tokens: usize, cfg: &ModelConfig) -> MoeRouting {
         MoeRouting {
             tokens,
+            tile_m: MoeRouting::pick_tile_m(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts),
             experts: cfg.n_routed_experts,
             top_k: cfg.num_experts_per_tok,
             topk_ids: self.topk_ids.slice(),
@@ -119,7 +120,8 @@ impl Workspace {
         let moe = if cfg.n_routed_experts > 0 && (0..cfg.num_hidden_layers).any(|i| cfg.is_moe_layer(i)) {
             let (e, k, im) = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
             let a = t * k;
-            let tiles = MoeRouting::max_tiles(a, e);
+            // The small tile height needs the most tiles.
+            let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
             Some(MoeBuffers {
                 h_f32: DeviceBuffer::alloc(t * h)?,
                 router_logits: DeviceBuffer::alloc(t * e)?,

@@ -72,6 +72,25 @@ pub struct DecodeAttention {
     pub scale: f32,
 }
 
+/// Splits of the KV length per request. One block per (request, head tile, split) holds a whole
+/// SM (171 KB of shared memory), so the count is chosen for the best wave efficiency
+/// (blocks / (waves x SMs)), the fewest splits among equals, with at least two pages per split and
+/// at most 64 splits.
+pub fn choose_decode_splits(sms: usize, batch: usize, heads: usize, max_pages: usize) -> usize {
+    let per_split = (batch * heads.div_ceil(DECODE_HEAD_TILE)).max(1);
+    let sms = sms.max(1);
+    let max_splits = max_pages.div_ceil(2).clamp(1, 64);
+    let mut best = (1, 0.0f64);
+    for s in 1..=max_splits {
+        let blocks = per_split * s;
+        let eff = blocks as f64 / (blocks.div_ceil(sms) * sms) as f64;
+        if eff > best.1 + 1e-9 {
+            best = (s, eff);
+        }
+    }
+    best.0
+}
+
 impl Kernels {
     pub fn prefill_attention(&self, s: CUstream, p: &PrefillAttention) -> anyhow::Result<()> {
         let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
@@ -125,12 +144,9 @@ impl Kernels {
         Ok(())
     }
 
-    /// Splits of the KV length per request so that `batch` requests fill the GPU: one block per
-    /// (request, head tile, split), at least two pages per split, at most 64 splits.
+    /// Splits of the KV length per request for this GPU (see [`choose_decode_splits`]).
     pub fn decode_splits(&self, batch: usize, heads: usize, max_pages: usize) -> usize {
-        let blocks = batch * heads.div_ceil(DECODE_HEAD_TILE);
-        let want = self.sm_count.div_ceil(blocks.max(1));
-        want.min(max_pages.div_ceil(2)).clamp(1, 64)
+        choose_decode_splits(self.sm_count, batch, heads, max_pages)
     }
 
     pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
@@ -177,5 +193,23 @@ impl Kernels {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::choose_decode_splits;
+
+    #[test]
+    fn splits_fill_whole_waves_of_an_h200() {
+        // 132 SMs, 16 heads (one head tile), 4096-token contexts (64 pages, up to 32 splits).
+        assert_eq!(choose_decode_splits(132, 1, 16, 64), 32); // one request: as many as allowed
+        assert_eq!(choose_decode_splits(132, 32, 16, 64), 4); // 128 blocks: one 97% wave, not 160
+        assert_eq!(choose_decode_splits(132, 64, 16, 64), 2);
+        assert_eq!(choose_decode_splits(132, 128, 16, 64), 1);
+        // Short contexts cap the splits at one per two pages.
+        assert_eq!(choose_decode_splits(132, 1, 16, 3), 2);
+        // 128 heads = 8 head tiles per request.
+        assert_eq!(choose_decode_splits(132, 16, 128, 64), 1);
     }
 }

@@ -6,6 +6,8 @@ use cudarc::driver::sys::CUstream;
 use half::bf16;
 
 const ROW_THREADS: u32 = 256;
+/// The norm kernels keep a row in registers: 256 threads x 32 values.
+const MAX_NORM_WIDTH: usize = 256 * 32;
 
 /// Distribution of a random fill: `mean + std * N(0, 1)`.
 #[derive(Debug, Clone, Copy)]
@@ -27,6 +29,7 @@ impl Kernels {
 
     /// out = rmsnorm(residual) * w.
     pub fn rmsnorm_f32(&self, s: CUstream, residual: DSlice<f32>, w: DSlice<bf16>, out: DSlice<bf16>, rows: usize, hidden: usize, eps: f32) -> anyhow::Result<()> {
+        anyhow::ensure!(hidden <= MAX_NORM_WIDTH, "hidden size {hidden} above the norm kernel's {MAX_NORM_WIDTH}");
         ensure_len!(residual, rows * hidden, "rmsnorm input");
         ensure_len!(w, hidden, "rmsnorm weight");
         ensure_len!(out, rows * hidden, "rmsnorm output");
@@ -37,6 +40,7 @@ impl Kernels {
     /// residual += delta; out = rmsnorm(residual) * w.
     #[allow(clippy::too_many_arguments)]
     pub fn add_rmsnorm(&self, s: CUstream, residual: DSlice<f32>, delta: DSlice<bf16>, w: DSlice<bf16>, out: DSlice<bf16>, rows: usize, hidden: usize, eps: f32) -> anyhow::Result<()> {
+        anyhow::ensure!(hidden <= MAX_NORM_WIDTH, "hidden size {hidden} above the norm kernel's {MAX_NORM_WIDTH}");
         ensure_len!(residual, rows * hidden, "residual");
         ensure_len!(delta, rows * hidden, "residual delta");
         ensure_len!(w, hidden, "rmsnorm weight");

@@ -33,7 +33,7 @@ pub struct RopeCache {
 impl Kernels {
     pub fn rope_cache(&self, s: CUstream, p: &RopeCache) -> anyhow::Result<()> {
         let (t, w) = (p.tokens, p.kv_lora_rank + p.rope_dim);
-        anyhow::ensure!(p.rope_dim % 2 == 0, "rope dim {} is odd", p.rope_dim);
+        anyhow::ensure!(p.rope_dim % 2 == 0 && p.rope_dim <= 128, "rope dim {} must be even and at most 128", p.rope_dim);
         if t == 0 {
             return Ok(());
         }

@@ -12,7 +12,7 @@ pub use attention::{DecodeAttention, PrefillAttention, PrefillPass, DECODE_HEAD_
 pub use elementwise::Normal;
 pub use latent::RopeCache;
 pub use linear::Linear;
-pub use moe::{MoeRouting, RouteMethod, GROUPED_TILE_M};
+pub use moe::{MoeRouting, RouteMethod, GROUPED_TILE_M, GROUPED_TILE_M_SMALL};
 pub use sampling::{SampleParamsRaw, SamplerOutputs, MAX_TOP_LOGPROBS};
 
 use crate::gpu::{GpuInfo, Kernel, Modules};
@@ -38,6 +38,7 @@ pub struct Kernels {
     pub moe_gather: Kernel,
     pub moe_combine: Kernel,
     pub moe_grouped_gemm: Kernel,
+    pub moe_grouped_gemm_small: Kernel,
     pub sample_tokens: Kernel,
     pub sm_count: usize,
 }
@@ -64,6 +65,7 @@ impl Kernels {
             moe_gather: m.kernel("moe", "moe_gather")?,
             moe_combine: m.kernel("moe", "moe_combine")?,
             moe_grouped_gemm: m.kernel("grouped_gemm", "moe_grouped_gemm")?,
+            moe_grouped_gemm_small: m.kernel("grouped_gemm", "moe_grouped_gemm_small")?,
             sample_tokens: m.kernel("sampling", "sample_tokens")?,
             sm_count: info.sm_count,
         };

@@ -5,9 +5,10 @@ use crate::gpu::{Arg, DSlice};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 
-/// Rows per grouped-GEMM tile (kernels/grouped_gemm.cu).
+/// Rows per grouped-GEMM tile of the two kernel variants (kernels/grouped_gemm.cu): 64 for
+/// prefill, 16 for decode batches.
 pub const GROUPED_TILE_M: usize = 64;
-const GROUPED_TILE_N: usize = 128;
+pub const GROUPED_TILE_M_SMALL: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RouteMethod {
@@ -19,6 +20,8 @@ pub enum RouteMethod {
 /// Device buffers of one MoE routing: sized for `max_tokens` tokens.
 pub struct MoeRouting {
     pub tokens: usize,
+    /// Rows per tile: GROUPED_TILE_M or GROUPED_TILE_M_SMALL (picks the GEMM variant).
+    pub tile_m: usize,
     pub experts: usize,
     pub top_k: usize,
     pub topk_ids: DSlice<i32>,
@@ -33,9 +36,18 @@ pub struct MoeRouting {
 }
 
 impl MoeRouting {
-    /// Upper bound on grouped-GEMM tiles for `assignments` rows over `experts` experts.
-    pub fn max_tiles(assignments: usize, experts: usize) -> usize {
-        assignments.div_ceil(GROUPED_TILE_M) + experts.min(assignments)
+    /// Upper bound on grouped-GEMM tiles of `tile_m` rows for `assignments` rows over `experts`.
+    pub fn max_tiles(assignments: usize, experts: usize, tile_m: usize) -> usize {
+        assignments.div_ceil(tile_m) + experts.min(assignments)
+    }
+
+    /// The tile height for a batch: small tiles when experts get few rows each (decode).
+    pub fn pick_tile_m(tokens: usize, top_k: usize, experts: usize) -> usize {
+        if tokens * top_k <= GROUPED_TILE_M_SMALL * experts {
+            GROUPED_TILE_M_SMALL
+        } else {
+            GROUPED_TILE_M
+        }
     }
 }
 
@@ -89,7 +101,8 @@ impl Kernels {
         ensure_len!(r.expert_off, r.experts + 1, "expert offsets");
         ensure_len!(r.perm_src, a, "grouped row sources");
         ensure_len!(r.inv_row, a, "assignment rows");
-        let tiles = MoeRouting::max_tiles(a, r.experts);
+        anyhow::ensure!(r.tile_m == GROUPED_TILE_M || r.tile_m == GROUPED_TILE_M_SMALL, "tile height {} has no GEMM variant", r.tile_m);
+        let tiles = MoeRouting::max_tiles(a, r.experts, r.tile_m);
         for (b, n) in [(r.tile_expert, "tile experts"), (r.tile_row0, "tile rows"), (r.tile_rows, "tile sizes")] {
             ensure_len!(b, tiles, n);
         }
@@ -104,7 +117,7 @@ impl Kernels {
                 Arg::I32(a as i32),
                 Arg::I32(r.top_k as i32),
                 Arg::I32(r.experts as i32),
-                Arg::I32(GROUPED_TILE_M as i32),
+                Arg::I32(r.tile_m as i32),
                 Arg::Ptr(r.expert_off.ptr),
                 Arg::Ptr(r.perm_src.ptr),
                 Arg::Ptr(r.inv_row.ptr),
@@ -135,10 +148,11 @@ impl Kernels {
         ensure_len!(a, rows * k, "grouped GEMM input");
         ensure_len!(w, r.experts * n * k, "expert weights");
         ensure_len!(c, rows * n, "grouped GEMM output");
-        let tiles = MoeRouting::max_tiles(rows, r.experts);
-        self.moe_grouped_gemm.launch(
+        let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile_m);
+        let (kernel, tile_n) = if r.tile_m == GROUPED_TILE_M_SMALL { (&self.moe_grouped_gemm_small, 64) } else { (&self.moe_grouped_gemm, 128) };
+        kernel.launch(
             s,
-            (n.div_ceil(GROUPED_TILE_N) as u32, tiles as u32, 1),
+            (n.div_ceil(tile_n) as u32, tiles as u32, 1),
             128,
             0,
             &[
@@ -158,6 +172,7 @@ impl Kernels {
 
     /// out[t] = Σ_j w[t, j] · y[inv_row[t, j]] (+ shared[t]).
     pub fn moe_combine(&self, s: CUstream, y: DSlice<bf16>, r: &MoeRouting, shared: Option<DSlice<bf16>>, out: DSlice<bf16>, hidden: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(hidden % 2 == 0 && r.top_k <= 32, "moe_combine needs an even hidden size and top_k <= 32");
         ensure_len!(y, r.tokens * r.top_k * hidden, "expert outputs");
         ensure_len!(out, r.tokens * hidden, "MoE output");
         let shared_ptr = match shared {
@@ -169,7 +184,7 @@ impl Kernels {
         };
         self.moe_combine.launch(
             s,
-            (r.tokens as u32, 1, 1),
+            (r.tokens as u32, hidden.div_ceil(512) as u32, 1),
             256,
             0,
             &[Arg::Ptr(y.ptr), Arg::Ptr(r.inv_row.ptr), Arg::Ptr(r.topk_w.ptr), Arg::Ptr(shared_ptr), Arg::Ptr(out.ptr), Arg::I32(r.top_k as i32), Arg::I32(hidden as i32)],
