@@ -73,22 +73,14 @@ pub struct DecodeAttention {
 }
 
 /// Splits of the KV length per request. One block per (request, head tile, split) holds a whole
-/// SM (171 KB of shared memory), so the count is chosen for the best wave efficiency
-/// (blocks / (waves x SMs)), the fewest splits among equals, with at least two pages per split and
-/// at most 64 splits.
+/// SM (171 KB of shared memory), so splitting only pays while all blocks fit in one wave: the
+/// most splits that keep `batch x head tiles x splits` within the SM count (one split once the
+/// batch alone fills the GPU), at least two pages per split, at most 64. This also bounds the
+/// partial-output workspace by `SMs + batch` rows.
 pub fn choose_decode_splits(sms: usize, batch: usize, heads: usize, max_pages: usize) -> usize {
     let per_split = (batch * heads.div_ceil(DECODE_HEAD_TILE)).max(1);
-    let sms = sms.max(1);
     let max_splits = max_pages.div_ceil(2).clamp(1, 64);
-    let mut best = (1, 0.0f64);
-    for s in 1..=max_splits {
-        let blocks = per_split * s;
-        let eff = blocks as f64 / (blocks.div_ceil(sms) * sms) as f64;
-        if eff > best.1 + 1e-9 {
-            best = (s, eff);
-        }
-    }
-    best.0
+    (sms / per_split).clamp(1, max_splits)
 }
 
 impl Kernels {
@@ -186,7 +178,7 @@ impl Kernels {
         if p.num_splits > 1 {
             self.mla_decode_combine.launch(
                 s,
-                (p.heads as u32, p.batch as u32, 1),
+                (p.heads as u32, p.batch as u32, (LATENT / 128) as u32),
                 128,
                 0,
                 &[Arg::Ptr(p.part_o.ptr), Arg::Ptr(p.part_lse.ptr), Arg::I32(p.heads as i32), Arg::I32(p.num_splits as i32), Arg::Ptr(p.out.ptr)],
@@ -207,6 +199,8 @@ mod tests {
         assert_eq!(choose_decode_splits(132, 32, 16, 64), 4); // 128 blocks: one 97% wave, not 160
         assert_eq!(choose_decode_splits(132, 64, 16, 64), 2);
         assert_eq!(choose_decode_splits(132, 128, 16, 64), 1);
+        assert_eq!(choose_decode_splits(132, 256, 16, 64), 1); // never more waves than needed
+        assert_eq!(choose_decode_splits(132, 64, 16, 65), 2);
         // Short contexts cap the splits at one per two pages.
         assert_eq!(choose_decode_splits(132, 1, 16, 3), 2);
         // 128 heads = 8 head tiles per request.
