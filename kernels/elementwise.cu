@@ -65,12 +65,6 @@ extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(float* __restrict_
     residual_rmsnorm<true>(residual, delta, w, out, hidden, eps);
 }
 
-// residual += delta (the last layer's output before the final norm when only some rows need it).
-extern "C" __global__ void add_residual(float* __restrict__ residual, const bf16* __restrict__ delta, int hidden) {
-    const size_t t = blockIdx.x;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) residual[t * hidden + i] += to_f32(delta[t * hidden + i]);
-}
-
 // RMSNorm of a strided bf16 input (q_a_layernorm of V2/V3 queries).
 extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, int x_stride, const bf16* __restrict__ w,
                                         bf16* __restrict__ out, int out_stride, int n, float eps) {

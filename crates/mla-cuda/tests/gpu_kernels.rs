@@ -536,7 +536,10 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     }
 }
 
-fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[SampleRequest]) -> Vec<(i32, f32, Vec<(i32, f32)>)> {
+/// (token, logprob, top alternatives) of one sampled row.
+type Sampled = (i32, f32, Vec<(i32, f32)>);
+
+fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[SampleRequest]) -> Vec<Sampled> {
     let rows = reqs.len();
     let plan = StepPlan {
         kind: StepKind::Decode,
@@ -633,4 +636,30 @@ fn sampling_greedy_logprobs_filters_penalties_and_seeds() {
     }
     let t_low = run(SamplingParams { temperature: 0.05, ..Default::default() }, 3);
     assert!(t_low.iter().filter(|&&x| x == 3).count() > n * 99 / 100, "low temperature is nearly greedy");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn device_dummy_weights_follow_the_requested_normal() {
+    let dev = device();
+    let n = 1 << 22;
+    let a = DeviceBuffer::<bf16>::alloc(n).unwrap();
+    let b = DeviceBuffer::<f32>::alloc(n).unwrap();
+    dev.k.fill_normal_bf16(dev.stream(), a.slice(), Normal { mean: 1.0, std: 0.1, seed: 5 }).unwrap();
+    dev.k.fill_normal_f32(dev.stream(), b.slice(), Normal { mean: 0.0, std: 0.02, seed: 6 }).unwrap();
+    dev.gpu.sync().unwrap();
+    for (v, mean, std) in [(down_bf16(a.slice()), 1.0, 0.1), (down(b.slice()), 0.0, 0.02)] {
+        let m = v.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+        let sd = (v.iter().map(|&x| (x as f64 - m).powi(2)).sum::<f64>() / n as f64).sqrt();
+        // Standard errors at 4M samples are ~5e-4 of std; bf16 rounding adds < 0.4%.
+        assert!((m - mean).abs() < 0.01 * std && (sd / std - 1.0).abs() < 0.01, "mean {m} std {sd}, want {mean} {std}");
+        let tail = v.iter().filter(|&&x| ((x as f64 - mean) / std).abs() > 3.0).count() as f64 / n as f64;
+        assert!((tail - 0.0027).abs() < 0.0005, "3-sigma tail fraction {tail}");
+    }
+    // Another seed draws other values.
+    let c = DeviceBuffer::<bf16>::alloc(n).unwrap();
+    dev.k.fill_normal_bf16(dev.stream(), c.slice(), Normal { mean: 1.0, std: 0.1, seed: 7 }).unwrap();
+    dev.gpu.sync().unwrap();
+    let same = down_bf16(a.slice()).iter().zip(down_bf16(c.slice())).filter(|(x, y)| *x == y).count();
+    assert!(same < n / 10, "{same} equal values across seeds");
 }

@@ -19,6 +19,7 @@ pub struct Normal {
 
 impl Kernels {
     /// residual[t] = table[ids[t]] for `tokens` rows.
+    #[allow(clippy::too_many_arguments)]
     pub fn embedding(&self, s: CUstream, table: DSlice<bf16>, vocab: usize, ids: DSlice<i32>, residual: DSlice<f32>, tokens: usize, hidden: usize) -> anyhow::Result<()> {
         ensure_len!(table, vocab * hidden, "embedding table");
         ensure_len!(ids, tokens, "token ids");
@@ -28,6 +29,7 @@ impl Kernels {
     }
 
     /// out = rmsnorm(residual) * w.
+    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_f32(&self, s: CUstream, residual: DSlice<f32>, w: DSlice<bf16>, out: DSlice<bf16>, rows: usize, hidden: usize, eps: f32) -> anyhow::Result<()> {
         anyhow::ensure!(hidden <= MAX_NORM_WIDTH, "hidden size {hidden} above the norm kernel's {MAX_NORM_WIDTH}");
         ensure_len!(residual, rows * hidden, "rmsnorm input");
@@ -46,13 +48,6 @@ impl Kernels {
         ensure_len!(w, hidden, "rmsnorm weight");
         ensure_len!(out, rows * hidden, "rmsnorm output");
         self.add_rmsnorm.launch(s, (rows as u32, 1, 1), ROW_THREADS, 0, &[Arg::Ptr(residual.ptr), Arg::Ptr(delta.ptr), Arg::Ptr(w.ptr), Arg::Ptr(out.ptr), Arg::I32(hidden as i32), Arg::F32(eps)])?;
-        Ok(())
-    }
-
-    pub fn add_residual(&self, s: CUstream, residual: DSlice<f32>, delta: DSlice<bf16>, rows: usize, hidden: usize) -> anyhow::Result<()> {
-        ensure_len!(residual, rows * hidden, "residual");
-        ensure_len!(delta, rows * hidden, "residual delta");
-        self.add_residual.launch(s, (rows as u32, 1, 1), ROW_THREADS, 0, &[Arg::Ptr(residual.ptr), Arg::Ptr(delta.ptr), Arg::I32(hidden as i32)])?;
         Ok(())
     }
 
