@@ -301,16 +301,20 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
     }
 }
 
-/// mla-core's dummy weights rounded to bf16, so the f32 CPU reference and the bf16 CUDA backend
-/// compute with identical weights and differ only by activation rounding.
-struct RoundedDummy(DummyWeights);
+/// mla-core's dummy weights, optionally rounded to bf16 (so the f32 CPU reference and the bf16
+/// CUDA backend can compute with identical weights).
+struct Dummy {
+    inner: DummyWeights,
+    bf16: bool,
+}
 
-impl WeightSource for RoundedDummy {
+impl WeightSource for Dummy {
     fn describe(&self) -> String {
-        format!("{} rounded to bf16", self.0.describe())
+        format!("{}{}", self.inner.describe(), if self.bf16 { " rounded to bf16" } else { "" })
     }
     fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
-        Ok(round(&self.0.read_f32(spec)?))
+        let v = self.inner.read_f32(spec)?;
+        Ok(if self.bf16 { round(&v) } else { v })
     }
     fn read_fp8(&self, _spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {
         Ok(None)
@@ -340,17 +344,33 @@ const V2_REAL_MLA_TIED: &str = r#"{
   "routed_scaling_factor": 16.0, "tie_word_embeddings": true, "rms_norm_eps": 1e-6, "rope_theta": 10000
 }"#;
 
+/// Per-row ‖x − ref‖/‖ref‖, sorted.
+fn row_errors(x: &[Vec<f32>], reference: &[Vec<f32>]) -> Vec<f64> {
+    let mut e: Vec<f64> = x.iter().zip(reference).map(|(a, b)| rel_l2(a, b)).collect();
+    e.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    e
+}
+
 /// The CUDA backend against the CPU reference backend on V2/V3 architectures the fixtures cannot
-/// cover on the GPU (their small dims): same rounded weights, a ragged prefill with a cached
-/// prefix, then absorbed decode steps. Both are checked in bf16 terms: ‖Δ‖/‖cpu‖ over all logits.
+/// cover on the GPU (their small dims): a ragged prefill with a cached prefix, then absorbed
+/// decode steps, the same bf16-rounded dummy weights on both.
+///
+/// Tolerance: these random-weight models route chaotically (sigmoid/softmax scores close
+/// together), so bf16-sized noise flips experts for some tokens: on the CPU alone, rounding the
+/// weights to bf16 moves the V3 model's logits by 11% overall (median row 1.5%, worst row 62%).
+/// The test measures that sensitivity itself (CPU with f32 weights vs CPU with bf16 weights) and
+/// requires the CUDA backend, which also rounds every activation, to stay within 3x of it in the
+/// median and 90th-percentile row, with the argmax equal on at least 85% of the rows.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cuda_matches_the_cpu_backend_on_v2_and_v3_shapes_with_real_mla_dims() {
     for (name, json) in [("v3", V3_REAL_MLA), ("v2 tied", V2_REAL_MLA_TIED)] {
         let cfg = ModelConfig::from_json_str(json, name).unwrap();
-        let mut cpu = mla_cpu::CpuBackend::new(cfg.clone(), &RoundedDummy(DummyWeights::new(3)), 64, 16).unwrap();
+        let dummy = |bf16| Dummy { inner: DummyWeights::new(3), bf16 };
+        let mut cpu = mla_cpu::CpuBackend::new(cfg.clone(), &dummy(true), 64, 16).unwrap();
+        let mut cpu_f32 = mla_cpu::CpuBackend::new(cfg.clone(), &dummy(false), 64, 16).unwrap();
         let opts = CudaOptions { max_num_batched_tokens: 256, max_num_seqs: 8, max_extra_logit_rows: 256, num_blocks: Some(16), ..Default::default() };
-        let mut gpu = CudaBackend::new(cfg.clone(), WeightsFrom::Host(Box::new(RoundedDummy(DummyWeights::new(3)))), opts).unwrap();
+        let mut gpu = CudaBackend::new(cfg.clone(), WeightsFrom::Host(Box::new(dummy(true))), opts).unwrap();
         let tables = [vec![9u32, 2, 14], vec![5u32, 11]];
         let prompts: [Vec<u32>; 2] = [(0..90).map(|i| (i * 37 + 5) % 512).collect(), (0..37).map(|i| (i * 53 + 1) % 512).collect()];
         let mut plans = vec![
@@ -367,19 +387,30 @@ fn cuda_matches_the_cpu_backend_on_v2_and_v3_shapes_with_real_mla_dims() {
                 seqs: vec![seq(0, &[7 + j], 90 + j as usize, &tables[0], LogitsRequest::Last, None), seq(1, &[100 + 3 * j], 37 + j as usize, &tables[1], LogitsRequest::Last, None)],
             });
         }
-        let (mut a, mut b) = (vec![], vec![]);
+        let (mut reference, mut ours, mut noisy) = (vec![], vec![], vec![]);
         for p in &plans {
-            for (x, y) in cpu.step(p).unwrap().seqs.into_iter().zip(gpu.step(p).unwrap().seqs) {
-                a.extend(x.logits);
-                b.extend(y.logits);
+            let (r, g, n) = (cpu.step(p).unwrap(), gpu.step(p).unwrap(), cpu_f32.step(p).unwrap());
+            for ((x, y), z) in r.seqs.into_iter().zip(g.seqs).zip(n.seqs) {
+                reference.extend(x.logits);
+                ours.extend(y.logits);
+                noisy.extend(z.logits);
             }
         }
-        let flat = |v: &Vec<Vec<f32>>| v.iter().flatten().copied().collect::<Vec<f32>>();
-        let e = rel_l2(&flat(&b), &flat(&a));
-        let worst = a.iter().zip(&b).map(|(x, y)| rel_l2(y, x)).fold(0.0, f64::max);
-        let agree = a.iter().zip(&b).filter(|(x, y)| mla_core::sampling::argmax(x) == mla_core::sampling::argmax(y)).count();
-        println!("{name}: CUDA vs CPU over {} rows: rel {e:.2e}, worst row {worst:.2e}, argmax agrees on {agree}", a.len());
-        assert!(e < 3e-2, "{name}: CUDA vs CPU rel {e}");
-        assert!(agree * 10 >= a.len() * 9, "{name}: argmax agrees on only {agree} of {} rows", a.len());
+        let (e_gpu, e_cpu) = (row_errors(&ours, &reference), row_errors(&noisy, &reference));
+        let q = |e: &[f64], f: f64| e[((e.len() - 1) as f64 * f) as usize];
+        let agree = reference.iter().zip(&ours).filter(|(x, y)| mla_core::sampling::argmax(x) == mla_core::sampling::argmax(y)).count();
+        println!(
+            "{name}: CUDA vs CPU over {} rows: median row {:.2e}, p90 {:.2e}, max {:.2e}, argmax agrees on {agree}; CPU f32-vs-bf16 weights: median {:.2e}, p90 {:.2e}, max {:.2e}",
+            reference.len(),
+            q(&e_gpu, 0.5),
+            q(&e_gpu, 0.9),
+            q(&e_gpu, 1.0),
+            q(&e_cpu, 0.5),
+            q(&e_cpu, 0.9),
+            q(&e_cpu, 1.0)
+        );
+        assert!(q(&e_gpu, 0.5) <= 3.0 * q(&e_cpu, 0.5) + 2e-3, "{name}: median row error beyond the model's bf16 sensitivity");
+        assert!(q(&e_gpu, 0.9) <= 3.0 * q(&e_cpu, 0.9) + 5e-3, "{name}: 90th-percentile row error beyond the model's bf16 sensitivity");
+        assert!(agree * 100 >= reference.len() * 85, "{name}: argmax agrees on only {agree} of {} rows", reference.len());
     }
 }
