@@ -1,7 +1,7 @@
 //! `Engine::start` and the `EngineHandle` the server holds: submission checks, statistics and
 //! shutdown. The engine thread itself lives in `worker`.
 
-use crate::api::{EngineConfig, EngineEvent, EngineStats, GenerateRequest, SubmitError};
+use crate::api::{EngineConfig, EngineEvent, EngineStats, FinishReason, GenerateRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::scheduler::blocks_to_admit;
 use crate::sequence::MAX_COMPLETIONS;
@@ -22,6 +22,8 @@ mod worker;
 pub(crate) enum Command {
     Submit { id: u64, req: GenerateRequest, events: UnboundedSender<EngineEvent>, arrived: Instant },
     Abort(u64),
+    /// End one completion of a request (the caller found a stop string), keeping the others.
+    FinishChoice { id: u64, index: usize, reason: FinishReason },
     Shutdown { deadline: Instant },
 }
 
@@ -120,6 +122,8 @@ pub struct EngineHandle {
 pub struct RequestStream {
     pub id: u64,
     pub events: UnboundedReceiver<EngineEvent>,
+    /// The request's `n`, to check `finish_choice` indices.
+    n: usize,
     commands: Sender<Command>,
 }
 
@@ -128,6 +132,19 @@ impl RequestStream {
     pub fn abort(&self) {
         // A closed channel means the engine is gone, and the request with it.
         let _ = self.commands.send(Command::Abort(self.id));
+    }
+
+    /// Ends completion `index` alone, for a reason only the caller can see (a stop string in
+    /// the text): before the next step the engine frees its blocks, wherever it is (running,
+    /// waiting or preempted), sends `Finished { index, reason }` and counts it under `reason`.
+    /// Tokens of it already in flight may still arrive before that event. The request's other
+    /// completions go on exactly as if nothing happened. A completion that has already finished
+    /// is left alone (no event, no count), so racing with its own end is harmless.
+    ///
+    /// Panics if `index` is not below the request's `n` (a caller bug).
+    pub fn finish_choice(&self, index: usize, reason: FinishReason) {
+        assert!(index < self.n, "request {} has no completion {index} (n = {})", self.id, self.n);
+        let _ = self.commands.send(Command::FinishChoice { id: self.id, index, reason });
     }
 }
 
@@ -143,13 +160,14 @@ impl EngineHandle {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| (q < limit).then_some(q + 1))
             .map_err(|_| SubmitError::QueueFull { limit })?;
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+        let n = req.n;
         let (tx, events) = unbounded_channel();
         let cmd = Command::Submit { id, req, events: tx, arrived: Instant::now() };
         if s.commands.send(cmd).is_err() {
             s.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::ShuttingDown);
         }
-        Ok(RequestStream { id, events, commands: s.commands.clone() })
+        Ok(RequestStream { id, events, n, commands: s.commands.clone() })
     }
 
     pub fn stats(&self) -> EngineStats {

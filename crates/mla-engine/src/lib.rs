@@ -11,7 +11,9 @@
 //!   - `shutdown(&self, grace: Duration)`: stop admitting, let running requests finish for at most
 //!     `grace`, abort the rest, join the thread.
 //! - `RequestStream { id, events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent> }` with
-//!   `abort(&self)`; dropping the stream aborts the request within one engine step.
+//!   `abort(&self)` and `finish_choice(&self, index, reason)` (ends one completion, e.g. on a
+//!   stop string, and leaves the others running); dropping the stream aborts the request within
+//!   one engine step.
 //!
 //! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `scheduler`
 //! (continuous batching policy, public so it can be tested and reused per DP rank), `engine`

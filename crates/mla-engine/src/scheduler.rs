@@ -20,6 +20,9 @@
 //!   prefilled once as a shared prefix; every completion's table shares those blocks
 //!   (ref-counted) and prefills the rest of the prompt itself (1..=block_size tokens), so nobody
 //!   ever writes into a shared block and no block copy is needed.
+//! - A completion can be ended from outside (`finish_completion`: a stop string only the caller
+//!   sees). It leaves the running set or the resume queue at once, its blocks go back, and a
+//!   request still waiting is admitted with only its live completions.
 
 use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockManager;
@@ -56,6 +59,15 @@ pub struct Applied {
     pub tokens: Vec<TokenOutcome>,
     /// Requests whose completions have all finished; the scheduler has forgotten them.
     pub finished_requests: Vec<u64>,
+}
+
+/// What `Scheduler::finish_completion` ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EarlyFinish {
+    /// Just that completion; others of its request are still live.
+    Completion,
+    /// The request's last live completion: the scheduler has forgotten the request.
+    Request,
 }
 
 pub struct Scheduler {
@@ -140,6 +152,25 @@ impl Scheduler {
         self.new_queue.retain(|&r| r != id);
         Some(group.unfinished().collect())
         // Dropping `group` drops every table: the blocks go back to the pool.
+    }
+
+    /// Ends completion `index` of `request` for the caller (a stop string the engine cannot see),
+    /// wherever it is: resident (its blocks are freed now), waiting for admission or preempted.
+    /// The other completions are untouched. `None` when there was nothing to end: unknown
+    /// request, index out of range or already finished.
+    pub fn finish_completion(&mut self, request: u64, index: usize, reason: FinishReason) -> Option<EarlyFinish> {
+        let g = self.groups.get_mut(&request)?;
+        if index >= g.completions.len() || !g.finish(index, reason) {
+            return None;
+        }
+        let key = SeqKey { request, slot: Slot::Completion(index) };
+        self.running.retain(|&k| k != key);
+        self.resume_queue.retain(|&k| k != key);
+        if g.is_finished() {
+            self.remove_request(request);
+            return Some(EarlyFinish::Request);
+        }
+        Some(EarlyFinish::Completion)
     }
 
     /// Builds the next step, or `None` when nothing can run.

@@ -127,16 +127,28 @@ impl Group {
         let (prompt_len, max_tokens) = (self.prompt_len(), self.req.max_tokens);
         let seq = &mut self.completions[i];
         seq.tokens.push(token);
+        let len = seq.tokens.len();
         let reason = if self.req.stop_token_ids.contains(&token) {
             FinishReason::Stop
-        } else if seq.tokens.len() - prompt_len >= max_tokens || seq.tokens.len() >= max_model_len {
+        } else if len - prompt_len >= max_tokens || len >= max_model_len {
             FinishReason::Length
         } else {
             return None;
         };
+        self.finish(i, reason);
+        Some(reason)
+    }
+
+    /// Ends completion `i` and gives its blocks back (shared prefix blocks stay with the
+    /// completions that still hold them). False if it had already finished.
+    pub fn finish(&mut self, i: usize, reason: FinishReason) -> bool {
+        let seq = &mut self.completions[i];
+        if matches!(seq.state, SeqState::Finished(_)) {
+            return false;
+        }
         seq.state = SeqState::Finished(reason);
         seq.evict();
-        Some(reason)
+        true
     }
 
     /// Outputs completion `i` has produced so far.

@@ -4,7 +4,7 @@
 
 use mla_core::plan::{SampledToken, SeqResult, StepOutput};
 use mla_core::{CacheLayout, SamplingParams, StepKind, StepPlan};
-use mla_engine::scheduler::{Applied, Scheduler, SchedulerConfig};
+use mla_engine::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use mla_engine::{FinishReason, GenerateRequest};
 use std::collections::HashMap;
 
@@ -232,4 +232,51 @@ fn finishing_rules_and_removal_free_blocks() {
     assert_eq!(counts[&1], 3, "the stop token is reported");
     assert_eq!((finishes[&2], counts[&2]), (FinishReason::Length, 7));
     assert_eq!((finishes[&3], counts[&3]), (FinishReason::Length, 2));
+}
+
+#[test]
+fn finishing_one_completion_frees_its_blocks_and_keeps_the_others() {
+    let mut s = sched(4, 64, 8, 64);
+    s.add(7, req(10, 2, 6), 0);
+    let (prefix_step, _) = step(&mut s);
+    let shared = prefix_step.seqs[0].block_table.clone();
+    let (_, tails) = step(&mut s);
+    assert_eq!(s.block_manager().used_blocks(), 4, "2 shared + 1 private each");
+    assert_eq!(s.finish_completion(7, 0, FinishReason::Stop), Some(EarlyFinish::Completion));
+    assert_eq!(s.block_manager().used_blocks(), 3, "its private block is free at once");
+    assert!(shared.iter().all(|&b| s.block_manager().ref_count(b) == 1), "the survivor still holds the prefix");
+    assert_eq!(s.finish_completion(7, 0, FinishReason::Length), None, "already finished");
+    assert_eq!(s.finish_completion(7, 2, FinishReason::Stop), None, "no such completion");
+    assert_eq!(s.finish_completion(8, 0, FinishReason::Stop), None, "no such request");
+    let log = run_to_end(&mut s);
+    assert!(log.iter().all(|(p, _)| p.seqs.iter().all(|q| q.seq_id != (7 << 16 | 1))), "completion 0 ran again");
+    let survivor: Vec<u32> =
+        tails.tokens.iter().chain(log.iter().flat_map(|(_, a)| &a.tokens)).filter(|t| t.index == 1).map(|t| t.token.token).collect();
+    // Outputs follow positions alone: the survivor samples at ends 10..16 as if alone.
+    assert_eq!(survivor, (10..16).map(token_at).collect::<Vec<_>>());
+    assert_eq!(log.last().unwrap().1.finished_requests, vec![7]);
+}
+
+#[test]
+fn finishing_a_preempted_completion_drops_it_from_the_resume_queue() {
+    // Three sequences growing to 5 blocks each in a 7-block cache: the newest, completion 1 of
+    // request 2, is preempted first.
+    let mut s = sched(4, 7, 8, 64);
+    s.add(1, req(4, 1, 16), 0);
+    s.add(2, req(4, 2, 16), 0);
+    let mut outputs: HashMap<(u64, usize), Vec<u32>> = HashMap::new();
+    let mut record = |a: &Applied| a.tokens.iter().for_each(|t| outputs.entry((t.request, t.index)).or_default().push(t.token.token));
+    while s.preemptions() == 0 {
+        record(&step(&mut s).1);
+    }
+    assert!(s.num_waiting() >= 1);
+    assert_eq!(s.finish_completion(2, 1, FinishReason::Stop), Some(EarlyFinish::Completion));
+    assert_eq!(s.finish_completion(2, 1, FinishReason::Stop), None);
+    let log = run_to_end(&mut s);
+    log.iter().for_each(|(_, a)| record(a));
+    assert!(log.iter().all(|(p, _)| p.seqs.iter().all(|q| q.seq_id != (2 << 16 | 2))), "the finished completion came back");
+    let expect: Vec<u32> = (4..20).map(token_at).collect();
+    assert_eq!(outputs[&(1, 0)], expect);
+    assert_eq!(outputs[&(2, 0)], expect, "its sibling ran to the end, recomputed if preempted too");
+    assert!(outputs[&(2, 1)].len() < 16);
 }

@@ -5,7 +5,7 @@ use super::backend_call::{run_checked, split_by_request};
 use super::Command;
 use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RequestTimings, TokenLogprobs};
 use crate::metrics::Metrics;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{EarlyFinish, Scheduler, SchedulerConfig};
 use crate::sequence::SeqKey;
 use mla_core::plan::{StepOutput, StepPlan};
 use mla_core::sampling::SplitMix64;
@@ -82,6 +82,7 @@ impl Worker {
         while let Ok(cmd) = self.inbox.try_recv() {
             if let Command::Submit { req, events, .. } = cmd {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
+                self.metrics.count_finished(FinishReason::Abort, req.n as u64);
                 (0..req.n).for_each(|index| drop(events.send(EngineEvent::Finished { index, reason: FinishReason::Abort })));
             }
         }
@@ -110,6 +111,7 @@ impl Worker {
         match cmd {
             Command::Submit { id, req, events, arrived } => self.admit(id, req, events, arrived),
             Command::Abort(id) => self.abort(id, true),
+            Command::FinishChoice { id, index, reason } => self.finish_choice(id, index, reason),
             Command::Shutdown { deadline } => self.deadline = Some(self.deadline.map_or(deadline, |d| d.min(deadline))),
         }
     }
@@ -140,8 +142,24 @@ impl Worker {
         }
     }
 
+    /// Ends one completion for the caller; see `RequestStream::finish_choice`. When it was the
+    /// request's last, the request completed (it gets an end-to-end latency, unlike an abort).
+    fn finish_choice(&mut self, id: u64, index: usize, reason: FinishReason) {
+        let Some(ended) = self.sched.finish_completion(id, index, reason) else { return };
+        self.metrics.count_finished(reason, 1);
+        let client = self.clients.get(&id).expect("every scheduled request has a client");
+        let _ = client.events.send(EngineEvent::Finished { index, reason });
+        if ended == EarlyFinish::Request {
+            let client = self.forget(id);
+            self.metrics.lock().e2e_latency.observe(client.timings.arrived.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Fails a request; its unfinished completions count as aborted (they ended neither by a
+    /// stop nor by length, and the server reports them as aborted).
     fn fail(&mut self, id: u64, message: String) {
-        if self.sched.remove_request(id).is_some() {
+        if let Some(unfinished) = self.sched.remove_request(id) {
+            self.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
             let _ = self.forget(id).events.send(EngineEvent::Error { message });
         }
     }
@@ -154,9 +172,19 @@ impl Worker {
         client
     }
 
-    /// A closed receiver means the client went away: abort within this step.
+    /// A closed receiver means the client went away: abort within this step. Commands the
+    /// client sent before closing (a `finish_choice` for its last live completion, typically)
+    /// are handled first, so its completions end with the reason it gave rather than as aborts.
     fn drop_departed_clients(&mut self) {
         let gone: Vec<u64> = self.clients.iter().filter(|(_, c)| c.events.is_closed()).map(|(&id, _)| id).collect();
+        if gone.is_empty() {
+            return;
+        }
+        // Everything sent before a receiver was dropped is in the inbox by the time the closed
+        // receiver is seen.
+        while let Ok(cmd) = self.inbox.try_recv() {
+            self.handle(cmd);
+        }
         gone.into_iter().for_each(|id| self.abort(id, false));
     }
 

@@ -41,12 +41,15 @@ impl Scheduler {
         Some(keys)
     }
 
+    /// Admits a new request's completions, leaving out any the caller finished while it waited
+    /// (they need no blocks, and a lone survivor needs no shared prefix).
     fn admit_new(&mut self, id: u64) -> Option<Vec<SeqKey>> {
         let bs = self.blocks.block_size();
+        let running = self.running_completions();
         let g = self.groups.get_mut(&id).expect("queued request exists");
-        let (prompt_len, n) = (g.prompt_len(), g.completions.len());
-        let fits_seqs = self.running.iter().filter(|k| k.slot != Slot::Prefix).count() + n <= self.cfg.max_num_seqs;
-        if !fits_seqs || blocks_to_admit(prompt_len, n, bs) > self.blocks.free_blocks() {
+        let live: Vec<usize> = g.unfinished().collect();
+        let (prompt_len, n) = (g.prompt_len(), live.len());
+        if running + n > self.cfg.max_num_seqs || blocks_to_admit(prompt_len, n, bs) > self.blocks.free_blocks() {
             return None;
         }
         let shared = shared_prefix_len(prompt_len, n, bs);
@@ -54,7 +57,8 @@ impl Scheduler {
         if shared > 0 {
             let mut table = self.blocks.new_table();
             table.reserve(shared).expect("free blocks checked");
-            for c in &mut g.completions {
+            for &i in &live {
+                let c = &mut g.completions[i];
                 c.table = table.share_prefix(shared / bs);
                 c.computed = shared;
             }
@@ -62,7 +66,8 @@ impl Scheduler {
             g.prefix = Some(Seq { tokens, computed: 0, table, state: SeqState::Running });
             keys.push(SeqKey { request: id, slot: Slot::Prefix });
         }
-        for (i, c) in g.completions.iter_mut().enumerate() {
+        for i in live {
+            let c = &mut g.completions[i];
             c.table.reserve(prompt_len).expect("free blocks checked");
             c.state = SeqState::Running;
             keys.push(SeqKey { request: id, slot: Slot::Completion(i) });

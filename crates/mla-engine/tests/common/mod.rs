@@ -35,6 +35,60 @@ pub struct HistoryBackend {
     pub poison: Option<u32>,
     pub delay: Duration,
     pub log: Arc<Mutex<Log>>,
+    /// When set, every step waits for a permit, so a test can act between two known steps.
+    pub gate: Option<Arc<StepGate>>,
+}
+
+/// Lets a test run the engine one step at a time: a step starts only with a permit, and the
+/// test can wait until the engine is parked at the start of a given step (the one before it
+/// fully delivered and published).
+#[derive(Debug, Default)]
+pub struct StepGate {
+    state: Mutex<GateState>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    permits: usize,
+    /// Steps that have asked to start (the one parked included).
+    arrived: usize,
+    open: bool,
+}
+
+impl StepGate {
+    /// Called by the backend at the start of each step.
+    fn pass(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.arrived += 1;
+        self.changed.notify_all();
+        while !s.open && s.permits == 0 {
+            s = self.changed.wait(s).unwrap();
+        }
+        if !s.open {
+            s.permits -= 1;
+        }
+    }
+
+    /// Lets `k` more steps run.
+    pub fn allow(&self, k: usize) {
+        self.state.lock().unwrap().permits += k;
+        self.changed.notify_all();
+    }
+
+    /// Lets every step run from now on.
+    pub fn open(&self) {
+        self.state.lock().unwrap().open = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until step number `step` (1-based) has asked to start: every step before it has
+    /// been applied, its events sent and the statistics published.
+    pub fn wait_parked_at(&self, step: usize) {
+        let s = self.state.lock().unwrap();
+        let (s, timeout) = self.changed.wait_timeout_while(s, Duration::from_secs(10), |s| s.arrived < step).unwrap();
+        assert!(!timeout.timed_out(), "the engine never reached step {step} (at {})", s.arrived);
+    }
 }
 
 pub fn model_config(max_len: usize) -> ModelConfig {
@@ -54,6 +108,7 @@ impl HistoryBackend {
             poison: None,
             delay: Duration::ZERO,
             log: Arc::default(),
+            gate: None,
         }
     }
 }
@@ -83,6 +138,9 @@ impl Backend for HistoryBackend {
     }
 
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        if let Some(gate) = &self.gate {
+            gate.pass();
+        }
         std::thread::sleep(self.delay);
         let bs = self.layout.block_size;
         plan.validate(bs, self.layout.num_blocks, VOCAB, self.model.max_position_embeddings)?;
