@@ -18,7 +18,10 @@ from server import Server, run_cli
         (["--device", "cuda"], "CUDA"),
         (["--tp", "2"], "not implemented"),
         (["--enable-dp-attention"], "not implemented"),
-        (["--gpu-memory-utilization", "0.9"], "cuda only"),
+        (["--device", "cpu", "--gpu-memory-utilization", "0.9"], "cuda only"),
+        # auto falls back to the CPU for the demo (its dims are not the kernels'), so a GPU-only
+        # flag must not be silently dropped.
+        (["--gpu-memory-utilization", "0.9"], "--device auto chose cpu"),
         (["--model", "deepseek-v2-lite"], "--load-format dummy"),
         (["--model", "no-such-thing"], "not a directory"),
         (["--max-model-len", "999999"], "max_position_embeddings"),

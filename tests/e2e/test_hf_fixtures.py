@@ -4,9 +4,15 @@ Each fixture model (tests/fixtures/<variant>: config + safetensors + HF oracle) 
 demo tokenizer copied next to it (both have 512 ids). The prompts go in as token ids, all three in
 one request so they are batched; the generated ids come back through `return_tokens_as_token_ids`
 and must equal HF's greedy continuation up to the first near-tie (top-2 logit gap < 1e-3).
+
+With MLA_E2E_DEVICE=cuda (run on a GPU machine) the server runs `--device cuda` in bf16 on the
+fixture whose MLA dims the kernels are built for (real_dims), and a near-tie is a gap below 0.05:
+HF's own bf16 run moves logits by up to ~0.02 around its f32 values on these models (measured on
+the H200, docs/cuda-notes.md), so a smaller gap may flip in bf16 without any bug.
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -15,7 +21,15 @@ from server import ROOT, Server
 
 FIXTURES = ROOT / "tests" / "fixtures"
 DEMO = ROOT / "assets" / "demo"
-NEAR_TIE = 1e-3
+DEVICE = os.environ.get("MLA_E2E_DEVICE", "cpu")
+if DEVICE == "cuda":
+    VARIANTS = ["real_dims"]
+    NEAR_TIE = 0.05
+    DEVICE_FLAGS = ["--device", "cuda", "--gpu-memory-utilization", "0.3"]
+else:
+    VARIANTS = ["v2_lite", "v2", "v3", "v3_fp8", "real_dims"]
+    NEAR_TIE = 1e-3
+    DEVICE_FLAGS = ["--device", "cpu"]
 
 
 def comparable(prompt):
@@ -23,7 +37,7 @@ def comparable(prompt):
     return next((i for i, g in enumerate(gaps) if g < NEAR_TIE), len(gaps))
 
 
-@pytest.mark.parametrize("variant", ["v2_lite", "v2", "v3", "v3_fp8", "real_dims"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_continuation_matches_hf(variant, tmp_path):
     src = FIXTURES / variant
     if not (src / "oracle.json").exists():
@@ -33,7 +47,7 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, tmp_path / name)
     oracle = json.loads((src / "oracle.json").read_text())
-    server = Server("--model", str(tmp_path), "--served-model-name", variant)
+    server = Server("--model", str(tmp_path), "--served-model-name", variant, *DEVICE_FLAGS)
     try:
         client = server.client()
         prompts = oracle["prompts"]

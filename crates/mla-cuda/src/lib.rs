@@ -19,3 +19,16 @@ pub use device::Device;
 pub fn kernels_built() -> bool {
     embedded::KERNELS_BUILT
 }
+
+/// Number of CUDA devices this process can see; 0 when no driver is installed. Never panics,
+/// so `--device auto` can probe on machines without a GPU.
+pub fn visible_gpus() -> usize {
+    // SAFETY: probing only opens the library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    if cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    cudarc::driver::result::device::get_count().map_or(0, |c| c.max(0) as usize)
+}

@@ -6,17 +6,47 @@ use crate::cli::{Args, Device};
 use crate::model_source::{ModelSource, WeightsFrom};
 use crate::sizing::{self, Sizing};
 use anyhow::bail;
-use mla_core::{Backend, Checkpoint, DummyWeights};
+use mla_core::{Backend, Checkpoint, DummyWeights, ModelConfig};
 use mla_cpu::CpuBackend;
 use mla_cuda::{CudaBackend, CudaOptions};
 
 /// The CUDA backend's page size (FlashMLA's): its kernels are built for it.
 const CUDA_BLOCK_SIZE: usize = 64;
 
+/// Turns `--device auto` into cuda or cpu for this model, as a vLLM user expects on a GPU node:
+/// the GPU when it can serve the model, otherwise the CPU with the reason in the log.
+pub fn resolve_device(requested: Device, config: &ModelConfig, args: &Args) -> anyhow::Result<Device> {
+    if requested != Device::Auto {
+        return Ok(requested);
+    }
+    let reason = if !mla_cuda::kernels_built() {
+        Some("this binary was built without CUDA kernels (nvcc was not found at build time)".to_string())
+    } else if mla_cuda::visible_gpus() == 0 {
+        Some("no NVIDIA GPU is visible".to_string())
+    } else {
+        mla_cuda::model::check_supported(config).err().map(|e| e.to_string())
+    };
+    match reason {
+        None => {
+            tracing::info!("--device auto: using cuda");
+            Ok(Device::Cuda)
+        }
+        Some(why) => {
+            if let Some(u) = args.gpu_memory_utilization {
+                bail!("--gpu-memory-utilization {u} was given, but --device auto chose cpu: {why}");
+            }
+            tracing::info!("--device auto: using cpu because {why}");
+            Ok(Device::Cpu)
+        }
+    }
+}
+
+/// Builds the backend for a resolved device (`resolve_device` first).
 pub fn load(device: Device, source: &ModelSource, args: &Args, params: usize) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
     match device {
         Device::Cuda => cuda(source, args),
-        Device::Cpu | Device::Auto => cpu(source, args, params),
+        Device::Cpu => cpu(source, args, params),
+        Device::Auto => bail!("internal error: --device auto must be resolved before loading"),
     }
 }
 

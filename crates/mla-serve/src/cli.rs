@@ -40,8 +40,9 @@ pub struct Args {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
 
-    /// Compute device. auto picks cpu; cuda needs a model with the published MLA dims (kv_lora_rank
-    /// 512, rope 64, nope 128, v 128) and a binary built with nvcc.
+    /// Compute device. cuda needs a model with the published MLA dims (kv_lora_rank 512, rope 64,
+    /// nope 128, v 128) and a binary built with nvcc; auto picks cuda when all that holds and a
+    /// GPU is visible, else cpu (the startup log says why).
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
 
@@ -153,12 +154,9 @@ impl Args {
         if self.enable_dp_attention {
             anyhow::bail!("--enable-dp-attention: multi-GPU data-parallel attention is not implemented yet");
         }
-        // auto stays on the CPU: the CUDA kernels need the published MLA dims, which the demo
-        // model does not have, so GPU serving is asked for explicitly.
-        let device = match self.device {
-            Device::Auto | Device::Cpu => Device::Cpu,
-            Device::Cuda => Device::Cuda,
-        };
+        // auto is resolved once the model is known (backends::resolve_device): it needs the
+        // model's dims and a probe for a GPU.
+        let device = self.device;
         match (device, self.gpu_memory_utilization) {
             (Device::Cpu, Some(u)) => anyhow::bail!(
                 "--gpu-memory-utilization {u}: applies to --device cuda only; size the CPU KV cache with --kv-cache-tokens"
@@ -200,7 +198,7 @@ mod tests {
     fn defaults_match_the_documented_ones() {
         let a = parse(&[]);
         assert_eq!((a.port, a.block_size, a.tp), (8000, 64, 1));
-        assert_eq!(a.check_supported().unwrap(), Device::Cpu);
+        assert_eq!(a.check_supported().unwrap(), Device::Auto);
     }
 
     #[test]
@@ -208,7 +206,7 @@ mod tests {
         for (args, needle) in [
             (&["--tp", "8"][..], "not implemented"),
             (&["--enable-dp-attention"][..], "not implemented"),
-            (&["--gpu-memory-utilization", "0.9"][..], "cuda only"),
+            (&["--device", "cpu", "--gpu-memory-utilization", "0.9"][..], "cuda only"),
             (&["--device", "cuda", "--gpu-memory-utilization", "1.5"][..], "(0, 1]"),
             (&["--block-size", "0"][..], "--block-size"),
         ] {

@@ -9,7 +9,6 @@ use anyhow::Context;
 use mla_core::ModelSpec;
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::generation_config::GenerationDefaults;
-use mla_server::metrics::FinishCounters;
 use mla_server::state::AppState;
 use mla_server::text::TextPipeline;
 use mla_server::tokenizer::TextTokenizer;
@@ -33,6 +32,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         None => GenerationDefaults::default(),
     };
     let params = ModelSpec::new(&source.config).num_params();
+    let device = backends::resolve_device(device, &source.config, args)?;
     let (backend, sizing) = backends::load(device, &source, args, params)?;
     let limits = model_limits(&source, &text, &defaults, &sizing);
     let device = backend.device_name();
@@ -68,7 +68,6 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         defaults,
         text: Arc::new(text),
         api_key: args.api_key.clone(),
-        finished: Arc::new(FinishCounters::default()),
         started: mla_server::protocol::unix_now(),
     };
     Ok(Started { state: Arc::new(state), engine })
