@@ -58,9 +58,6 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         sizing.kv_bytes() as f64 / (1 << 20) as f64,
         sizing.max_model_len
     );
-    if source.is_demo {
-        tracing::warn!("demo model: replies are random nonsense; this run only shows that the server works");
-    }
     let state = AppState {
         engine: engine.clone(),
         model_name,
