@@ -2,11 +2,13 @@
 //! ("choice") detokenized incrementally with stop strings applied, and the updates the two
 //! endpoints turn into responses or stream chunks.
 //!
+//! A stop string ends its choice in the engine too (`RequestStream::finish_choice`), so the
+//! engine stops decoding it and frees its blocks while the request's other choices go on.
 //! Dropping a `Generation` drops its engine streams, which aborts whatever is still running:
-//! that is how a closed client connection or a stop string reaches the engine.
+//! that is how a closed client connection reaches the engine. Finish reasons are counted by the
+//! engine alone (`/metrics` reads them from its statistics).
 
 use crate::error::ApiError;
-use crate::metrics::FinishCounters;
 use crate::protocol::common::Usage;
 use crate::text::{ChoiceText, TextPipeline};
 use mla_engine::{EngineEvent, FinishReason, RequestStream, TokenLogprobs};
@@ -64,7 +66,6 @@ pub struct Generation {
     prompt_tokens: usize,
     logprobs: LogprobOptions,
     text: Arc<TextPipeline>,
-    finished: Arc<FinishCounters>,
     /// Round-robin start so one busy prompt cannot starve the others' updates.
     next_poll: usize,
     /// Updates produced together (several choices closed at once), handed out one by one.
@@ -85,7 +86,6 @@ impl Generation {
         make_text: impl Fn() -> ChoiceText,
         logprobs: LogprobOptions,
         text: Arc<TextPipeline>,
-        finished: Arc<FinishCounters>,
     ) -> Self {
         let mut runs = vec![];
         let mut choices = vec![];
@@ -95,7 +95,7 @@ impl Generation {
             prompt_tokens += s.prompt_len;
             choices.extend((0..s.n).map(|_| Choice { text: make_text(), completion_tokens: 0, finished: false }));
         }
-        Generation { runs, choices, prompt_tokens, logprobs, text, finished, next_poll: 0, pending: VecDeque::new() }
+        Generation { runs, choices, prompt_tokens, logprobs, text, next_poll: 0, pending: VecDeque::new() }
     }
 
     pub fn num_choices(&self) -> usize {
@@ -165,8 +165,8 @@ impl Generation {
             }
         };
         self.pending.extend(update);
-        // Every choice of this prompt is done (stop strings included): drop the engine stream so
-        // the engine stops working on it.
+        // Every choice of this prompt is done: stop listening. The engine has ended (or been told
+        // to end) each of them, so dropping the stream aborts nothing.
         if (base..base + n).all(|c| self.choices[c].finished) {
             self.runs[run].stream = None;
         }
@@ -198,6 +198,13 @@ impl Generation {
         let choice = &mut self.choices[c];
         let (text, stop_hit) = choice.text.push(token);
         if stop_hit {
+            if finish.is_none() {
+                // The engine cannot see the stop string: end this completion there as well, so
+                // it stops decoding it now instead of when the whole request ends.
+                if let Some(stream) = &self.runs[run].stream {
+                    stream.finish_choice(c - self.runs[run].base, FinishReason::Stop);
+                }
+            }
             return self.finish_with_text(c, FinishReason::Stop, text, lp);
         }
         match finish {
@@ -210,7 +217,7 @@ impl Generation {
         self.finish_with_text(c, reason, String::new(), logprobs)
     }
 
-    /// Ends a choice: flushes held-back text (unless a stop string ended it) and counts the reason.
+    /// Ends a choice: flushes held-back text (unless a stop string ended it).
     fn finish_with_text(
         &mut self,
         c: usize,
@@ -227,7 +234,6 @@ impl Generation {
         // Text released only at the end can still complete a stop string.
         let reason = if stop_hit && reason != FinishReason::Abort { FinishReason::Stop } else { reason };
         choice.finished = true;
-        self.finished.record(reason);
         Some(ChoiceUpdate { index: c, text, logprobs, finish: Some(reason) })
     }
 
@@ -252,21 +258,13 @@ impl Generation {
         TokenLogprob { token: text, bytes, logprob: l.logprob, top }
     }
 
-    /// Drops every engine stream (aborting them) and counts unfinished choices as aborted.
+    /// Drops every engine stream, which aborts whatever still runs (the engine counts those).
     fn abort_all(&mut self) {
         for r in &mut self.runs {
             r.stream = None;
         }
-        for c in self.choices.iter_mut().filter(|c| !c.finished) {
+        for c in &mut self.choices {
             c.finished = true;
-            self.finished.record(FinishReason::Abort);
         }
-    }
-}
-
-impl Drop for Generation {
-    /// A client that goes away mid-generation ends here: its choices count as aborted.
-    fn drop(&mut self) {
-        self.abort_all();
     }
 }

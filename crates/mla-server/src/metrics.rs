@@ -1,43 +1,22 @@
 //! `/metrics`: Prometheus text exposition (format 0.0.4) with vLLM's series names under an `mla:`
 //! prefix, so existing vLLM dashboards work after a prefix rename.
 //!
-//! Engine numbers come from one `EngineStats` snapshot. Finished requests by reason are counted
-//! here, in the server, because only the server sees the reason the client got: a stop string is
-//! found in the text and ends the engine request with an abort, but the client was told "stop".
+//! Every number comes from one `EngineStats` snapshot, finished completions by reason included:
+//! the server ends a choice on a stop string with `RequestStream::finish_choice(.., Stop)`, so the
+//! engine counts it as a stop, and the engine counts a client that went away as aborted when it
+//! sees the closed stream.
+//!
+//! Known limit: the engine keeps decoding while the server detokenizes, so if it ends a
+//! completion by length before the server has read the token that completes a stop string (the
+//! stop string lands in the last token or two, or the server lags several steps behind), the
+//! client is told "stop" (as vLLM does) but the engine has already counted "length", and the
+//! late `finish_choice` changes nothing.
 
 use mla_engine::{EngineStats, FinishReason, Histogram};
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Completions finished, by the `finish_reason` the client received.
-#[derive(Debug, Default)]
-pub struct FinishCounters {
-    stop: AtomicU64,
-    length: AtomicU64,
-    abort: AtomicU64,
-}
-
-impl FinishCounters {
-    pub fn record(&self, reason: FinishReason) {
-        let c = match reason {
-            FinishReason::Stop => &self.stop,
-            FinishReason::Length => &self.length,
-            FinishReason::Abort => &self.abort,
-        };
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn get(&self, reason: FinishReason) -> u64 {
-        match reason {
-            FinishReason::Stop => self.stop.load(Ordering::Relaxed),
-            FinishReason::Length => self.length.load(Ordering::Relaxed),
-            FinishReason::Abort => self.abort.load(Ordering::Relaxed),
-        }
-    }
-}
 
 /// Renders the whole exposition for `model` (the served model name, a label on every sample).
-pub fn render(model: &str, stats: &EngineStats, finished: &FinishCounters) -> String {
+pub fn render(model: &str, stats: &EngineStats) -> String {
     let label = format!("model_name=\"{}\"", escape_label(model));
     let mut out = String::new();
     let mut gauge = |name: &str, help: &str, value: f64| {
@@ -61,7 +40,12 @@ pub fn render(model: &str, stats: &EngineStats, finished: &FinishCounters) -> St
     family(&mut out, name, "Completions finished, by finish_reason.", "counter");
     for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort] {
         let l = format!("{label},finished_reason=\"{}\"", reason.as_str());
-        sample(&mut out, name, &l, finished.get(reason) as f64);
+        let finished = match reason {
+            FinishReason::Stop => stats.finished_stop,
+            FinishReason::Length => stats.finished_length,
+            FinishReason::Abort => stats.finished_abort,
+        };
+        sample(&mut out, name, &l, finished as f64);
     }
 
     let hists = [
@@ -132,13 +116,12 @@ mod tests {
             prompt_tokens_total: 120,
             generation_tokens_total: 45,
             preemptions_total: 1,
+            finished_stop: 2,
+            finished_length: 0,
+            finished_abort: 1,
             ..Default::default()
         };
-        let f = FinishCounters::default();
-        f.record(FinishReason::Stop);
-        f.record(FinishReason::Stop);
-        f.record(FinishReason::Abort);
-        let text = render("demo", &stats, &f);
+        let text = render("demo", &stats);
         assert!(text.contains("# TYPE mla:num_requests_running gauge\nmla:num_requests_running{model_name=\"demo\"} 3\n"));
         assert!(text.contains("mla:num_requests_waiting{model_name=\"demo\"} 2\n"));
         assert!(text.contains("mla:kv_cache_usage_perc{model_name=\"demo\"} 0.25\n"));
@@ -162,7 +145,7 @@ mod tests {
             h.observe(v);
         }
         let stats = EngineStats { time_to_first_token: h, ..Default::default() };
-        let text = render("m", &stats, &FinishCounters::default());
+        let text = render("m", &stats);
         // Hand-computed: one value <= 0.01, three <= 0.1, three <= 1, four in all; sum 3.125.
         assert_eq!(
             lines(&text, "mla:time_to_first_token_seconds"),
@@ -183,7 +166,7 @@ mod tests {
 
     #[test]
     fn label_values_are_escaped() {
-        let text = render("a\"b\\c", &EngineStats::default(), &FinishCounters::default());
+        let text = render("a\"b\\c", &EngineStats::default());
         assert!(text.contains("model_name=\"a\\\"b\\\\c\""), "{text}");
     }
 }

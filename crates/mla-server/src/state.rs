@@ -1,10 +1,9 @@
 //! What every handler shares: the engine handle, the model's limits and defaults, the text
-//! pipeline, the API key and the server-side counters.
+//! pipeline and the API key.
 
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
-use crate::metrics::FinishCounters;
 use crate::stop::StopMatcher;
 use crate::text::TextPipeline;
 use crate::validate::{ModelLimits, ValidatedParams};
@@ -19,7 +18,6 @@ pub struct AppState {
     pub defaults: GenerationDefaults,
     pub text: Arc<TextPipeline>,
     pub api_key: Option<String>,
-    pub finished: Arc<FinishCounters>,
     /// Unix time the server started (`created` of the model card).
     pub started: u64,
 }
@@ -52,7 +50,6 @@ impl AppState {
             move || text.choice_text(stop.clone(), skip_special),
             LogprobOptions { enabled: params.logprobs.is_some(), tokens_as_ids: params.tokens_as_ids },
             self.text.clone(),
-            self.finished.clone(),
         ))
     }
 }

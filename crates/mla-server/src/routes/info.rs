@@ -35,6 +35,6 @@ pub async fn health() -> impl IntoResponse {
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = metrics::render(&state.model_name, &state.engine.stats(), &state.finished);
+    let text = metrics::render(&state.model_name, &state.engine.stats());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }

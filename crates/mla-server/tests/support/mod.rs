@@ -13,7 +13,6 @@ use mla_core::{Backend, CacheLayout, ModelConfig, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::app::router;
 use mla_server::generation_config::GenerationDefaults;
-use mla_server::metrics::FinishCounters;
 use mla_server::state::AppState;
 use mla_server::text::TextPipeline;
 use mla_server::tokenizer::TextTokenizer;
@@ -36,10 +35,12 @@ pub fn tokenizer() -> TextTokenizer {
     TextTokenizer::from_dir(&demo_dir()).unwrap()
 }
 
-/// Emits `script[k]` as the k-th token of every sequence, whatever the prompt.
+/// Emits `script[k]` as the k-th token of every sequence, whatever the prompt (`sibling_script`
+/// instead for completions other than the first, when set).
 pub struct ScriptBackend {
     model: ModelConfig,
     script: Vec<u32>,
+    sibling_script: Option<Vec<u32>>,
     drawn: HashMap<u64, usize>,
     delay: Duration,
     /// Steps fail once a sequence has drawn this many tokens (engine error mid-stream).
@@ -67,7 +68,12 @@ impl Backend for ScriptBackend {
         for s in &plan.seqs {
             let sampled = s.sample.as_ref().map(|req| {
                 let k = self.drawn.entry(s.seq_id).or_default();
-                let token = self.script[*k % self.script.len()];
+                // Sequence ids are `request << 16 | (completion + 1)`.
+                let script = match &self.sibling_script {
+                    Some(other) if s.seq_id & 0xFFFF > 1 => other,
+                    _ => &self.script,
+                };
+                let token = script[*k % script.len()];
                 *k += 1;
                 let top = [(token, -0.5f32), ((token + 1) % 512, -1.5)];
                 SampledToken {
@@ -90,6 +96,8 @@ pub struct TestServer {
 
 pub struct Options {
     pub script: Vec<u32>,
+    /// What completions other than the first emit; `None`: the same `script`.
+    pub sibling_script: Option<Vec<u32>>,
     pub api_key: Option<String>,
     pub body_limit: usize,
     pub max_queued: usize,
@@ -101,14 +109,21 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         let script = tokenizer().encode(SCRIPT_TEXT, false).unwrap();
-        Options { script, api_key: None, body_limit: 1 << 20, max_queued: 64, delay: Duration::ZERO, max_num_seqs: 16, fail_after: None }
+        Options { script, sibling_script: None, api_key: None, body_limit: 1 << 20, max_queued: 64, delay: Duration::ZERO, max_num_seqs: 16, fail_after: None }
     }
 }
 
 pub fn server(opts: Options) -> TestServer {
     let mut model = ModelConfig::from_file(&demo_dir().join("config.json")).unwrap();
     model.max_position_embeddings = MAX_MODEL_LEN;
-    let backend = ScriptBackend { model: model.clone(), script: opts.script.clone(), drawn: HashMap::new(), delay: opts.delay, fail_after: opts.fail_after };
+    let backend = ScriptBackend {
+        model: model.clone(),
+        script: opts.script.clone(),
+        sibling_script: opts.sibling_script.clone(),
+        drawn: HashMap::new(),
+        delay: opts.delay,
+        fail_after: opts.fail_after,
+    };
     let cfg = EngineConfig {
         max_model_len: MAX_MODEL_LEN,
         max_num_seqs: opts.max_num_seqs,
@@ -129,7 +144,6 @@ pub fn server(opts: Options) -> TestServer {
         defaults: GenerationDefaults::default(),
         text: Arc::new(TextPipeline::new(tokenizer(), None).unwrap()),
         api_key: opts.api_key,
-        finished: Arc::new(FinishCounters::default()),
         started: 0,
     };
     TestServer { app: router(Arc::new(state), opts.body_limit), engine, script: opts.script }
