@@ -4,13 +4,14 @@
 //! device-related ever crosses threads.
 
 use crate::device::Device;
-use crate::model::{CudaModel, DeviceWeights, Limits, ModelOptions};
+use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions};
 use crate::ops::PAGE_SIZE;
 use anyhow::Context;
 use mla_core::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, Checkpoint, ModelConfig, WeightSource};
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
 use std::thread::JoinHandle;
 
 /// Where the weights come from.
@@ -38,7 +39,17 @@ pub struct CudaOptions {
     pub max_extra_logit_rows: usize,
     /// Fixed KV cache size in blocks of 64 tokens, instead of sizing from memory.
     pub num_blocks: Option<usize>,
+    /// Decode batch sizes captured as CUDA graphs at startup (empty: every step eager). Sizes
+    /// above `max_num_seqs` are dropped.
+    pub cuda_graph_batch_sizes: Vec<usize>,
+    /// Device memory the graph captures may take; capturing stops at the first size that would
+    /// exceed it (it must fit in the 512 MiB the KV sizing leaves free).
+    pub cuda_graph_memory_budget: usize,
 }
+
+/// The default decode graph buckets: fine steps at small batches, where padding costs most.
+pub const DEFAULT_GRAPH_BATCH_SIZES: &[usize] =
+    &[1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256];
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -50,14 +61,76 @@ impl Default for CudaOptions {
             max_model_len: None,
             max_extra_logit_rows: 512,
             num_blocks: None,
+            cuda_graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
+            cuda_graph_memory_budget: 256 << 20,
         }
     }
 }
 
-/// What the worker owns. Field order is drop order: device memory before the context.
+impl CudaOptions {
+    /// The graph sizes this configuration captures: the asked ones up to `max_num_seqs`, plus
+    /// `max_num_seqs` itself so that every admissible batch has a graph.
+    pub fn graph_sizes(&self) -> Vec<usize> {
+        if self.cuda_graph_batch_sizes.is_empty() {
+            return vec![];
+        }
+        let mut v: Vec<usize> = self.cuda_graph_batch_sizes.iter().copied().filter(|&b| b >= 1 && b <= self.max_num_seqs).collect();
+        v.push(self.max_num_seqs);
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// Host-side timing of the backend's steps, shared with whoever wants to watch it (the engine
+/// benchmark): how long the GPU sat idle between steps while the host worked.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StepClock {
+    pub steps: u64,
+    pub graph_steps: u64,
+    /// Sum over steps of (this step's job start − the previous step's end): the engine thread's
+    /// work between steps (delivering, scheduling) plus the hand-over to the worker thread.
+    pub between_steps_s: f64,
+    /// Sum over graph steps of (launch queued − job start): building and uploading metadata.
+    pub graph_prep_s: f64,
+    /// Sum over all steps of the job's duration on the worker thread.
+    pub in_step_s: f64,
+}
+
+/// What the worker owns. Field order is drop order: graphs and device memory before the context.
 pub struct Worker {
+    pub graphs: DecodeGraphs,
     pub model: CudaModel,
     pub dev: Device,
+    clock: Arc<Mutex<StepClock>>,
+    last_end: Option<Instant>,
+}
+
+impl Worker {
+    /// One engine step: a captured graph when one fits, else eager.
+    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        let start = Instant::now();
+        let (out, launched) = match self.model.step_with_graphs(&self.dev, &mut self.graphs, plan) {
+            Some(r) => {
+                let (out, t) = r?;
+                (out, Some(t.launched))
+            }
+            None => (self.model.step(&self.dev, plan)?, None),
+        };
+        let end = Instant::now();
+        let mut c = self.clock.lock().expect("the step clock is never poisoned");
+        c.steps += 1;
+        if let Some(prev) = self.last_end {
+            c.between_steps_s += (start - prev).as_secs_f64();
+        }
+        if let Some(l) = launched {
+            c.graph_steps += 1;
+            c.graph_prep_s += (l - start).as_secs_f64();
+        }
+        c.in_step_s += (end - start).as_secs_f64();
+        self.last_end = Some(end);
+        Ok(out)
+    }
 }
 
 type Job = Box<dyn FnOnce(&mut Worker) + Send>;
@@ -68,12 +141,16 @@ pub struct CudaBackend {
     name: String,
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
+    clock: Arc<Mutex<StepClock>>,
+    graph_sizes: Vec<usize>,
 }
 
 /// What the worker reports once it is ready.
 struct Ready {
     name: String,
     num_blocks: usize,
+    clock: Arc<Mutex<StepClock>>,
+    graph_sizes: Vec<usize>,
 }
 
 impl CudaBackend {
@@ -102,6 +179,8 @@ impl CudaBackend {
                         if worker.dev.jit() { ", PTX JIT" } else { "" }
                     ),
                     num_blocks: worker.model.num_blocks,
+                    clock: worker.clock.clone(),
+                    graph_sizes: worker.graphs.batch_sizes(),
                 };
                 if ready_tx.send(Ok(ready)).is_err() {
                     return;
@@ -118,7 +197,19 @@ impl CudaBackend {
             name: ready.name,
             jobs: Some(jobs_tx),
             thread: Some(thread),
+            clock: ready.clock,
+            graph_sizes: ready.graph_sizes,
         })
+    }
+
+    /// Decode batch sizes replayed from CUDA graphs.
+    pub fn graph_batch_sizes(&self) -> &[usize] {
+        &self.graph_sizes
+    }
+
+    /// The step clock's totals so far (see `StepClock`).
+    pub fn step_clock(&self) -> Arc<Mutex<StepClock>> {
+        self.clock.clone()
     }
 
     /// Runs `f` on the worker thread with the device and model (tests, benchmarks, graphs).
@@ -173,7 +264,19 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
         model.num_blocks,
         model.num_blocks * PAGE_SIZE
     );
-    Ok(Worker { model, dev })
+    let mut model = model;
+    let t1 = std::time::Instant::now();
+    let sizes = opts.graph_sizes();
+    let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
+    if !sizes.is_empty() {
+        tracing::info!(
+            "CUDA graphs for decode batch sizes {:?} captured in {:.2}s ({:.1} MiB); larger batches run eagerly",
+            graphs.batch_sizes(),
+            t1.elapsed().as_secs_f64(),
+            graphs.bytes as f64 / (1u64 << 20) as f64
+        );
+    }
+    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None })
 }
 
 impl Backend for CudaBackend {
@@ -191,7 +294,7 @@ impl Backend for CudaBackend {
 
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         let plan = plan.clone();
-        self.with_worker(move |w| w.model.step(&w.dev, &plan))?
+        self.with_worker(move |w| w.step(&plan))?
     }
 }
 

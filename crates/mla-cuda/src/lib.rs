@@ -12,7 +12,7 @@ pub mod gpu;
 pub mod model;
 pub mod ops;
 
-pub use backend::{CudaBackend, CudaOptions, WeightsFrom, Worker};
+pub use backend::{CudaBackend, CudaOptions, StepClock, WeightsFrom, Worker, DEFAULT_GRAPH_BATCH_SIZES};
 pub use device::Device;
 
 /// Whether this binary carries compiled kernels (false when nvcc was absent at build time).

@@ -34,8 +34,10 @@ pub struct CudaModel {
     pub cfg: ModelConfig,
     pub weights: DeviceWeights,
     pub ws: Workspace,
-    /// [layers][num_blocks * PAGE_SIZE][kv_lora_rank + qk_rope]
+    /// [layers][(num_blocks + 1) * PAGE_SIZE][kv_lora_rank + qk_rope]
     pub cache: DeviceBuffer<bf16>,
+    /// Blocks the block manager may use; block `num_blocks` (`pad_block`) is private: the rows
+    /// that pad a decode batch up to a captured graph's size write and read only it.
     pub num_blocks: usize,
     inv_freq: DeviceBuffer<f32>,
     meta_dev: DeviceBuffer<i32>,
@@ -85,7 +87,8 @@ impl CudaModel {
                 let used = total - free1;
                 let margin = 512usize << 20;
                 let budget = allowed.saturating_sub(used + margin);
-                budget / (row_bytes * PAGE_SIZE)
+                // One block less: the padding block comes on top.
+                (budget / (row_bytes * PAGE_SIZE)).saturating_sub(1)
             }
         };
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
@@ -97,7 +100,7 @@ impl CudaModel {
             gib(weights.bytes()),
             gib(activation_bytes)
         );
-        let cache = DeviceBuffer::alloc(num_blocks * PAGE_SIZE * cfg.num_hidden_layers * cfg.kv_cache_dim())?;
+        let cache = DeviceBuffer::alloc((num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cfg.kv_cache_dim())?;
         let inv_freq = DeviceBuffer::from_host(&cfg.rope_inv_freq())?;
         let s = opts.limits.max_seqs;
         let lim = MetaLimits {
@@ -136,9 +139,19 @@ impl CudaModel {
         self.cache.bytes()
     }
 
+    /// The private block padding rows of a graph-replayed decode batch use.
+    pub fn pad_block(&self) -> usize {
+        self.num_blocks
+    }
+
     fn layer_cache(&self, layer: usize) -> DSlice<bf16> {
-        let per = self.num_blocks * PAGE_SIZE * self.cfg.kv_cache_dim();
+        let per = (self.num_blocks + 1) * PAGE_SIZE * self.cfg.kv_cache_dim();
         self.cache.sub(layer * per, per)
+    }
+
+    /// Words the device metadata buffer holds now.
+    pub fn meta_words(&self) -> usize {
+        self.meta_dev.len()
     }
 
     fn meta(&self, off: usize, len: usize) -> DSlice<i32> {

@@ -6,7 +6,8 @@ use super::meta::StepMeta;
 use crate::device::Device;
 use crate::gpu::Graph;
 use crate::ops::PAGE_SIZE;
-use mla_core::plan::{StepKind, StepOutput, StepPlan};
+use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
+use mla_core::SamplingParams;
 
 pub struct DecodeGraph {
     graph: Graph,
@@ -62,5 +63,153 @@ impl CudaModel {
         anyhow::ensure!(self.meta_generation == g.generation, "the metadata buffer moved since capture; capture again");
         g.graph.launch(dev.stream())?;
         self.read_outputs(dev, &meta)
+    }
+}
+
+/// Decode graphs for a set of batch-size buckets, captured once at startup. A decode step of
+/// `n` sequences replays the smallest bucket `>= n`, padded with rows that read and write only
+/// the model's private padding block and whose samples are dropped; above the largest bucket,
+/// or for steps a graph cannot express (rows without a sample, logits asked for), the step runs
+/// eagerly.
+#[derive(Default)]
+pub struct DecodeGraphs {
+    /// Ascending batch sizes.
+    graphs: Vec<DecodeGraph>,
+    /// Device memory the captures took (cuMemGetInfo before/after).
+    pub bytes: usize,
+}
+
+/// One padding row: token 0 at position 0 of the padding block, greedy, nothing returned.
+fn pad_row(i: usize, pad_block: usize) -> SeqStep {
+    SeqStep {
+        seq_id: u64::MAX - i as u64,
+        tokens: vec![0],
+        context_len: 0,
+        block_table: vec![pad_block as u32],
+        logits: LogitsRequest::None,
+        sample: Some(SampleRequest {
+            params: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
+            seed: 0,
+            top_logprobs: None,
+            penalty: None,
+        }),
+    }
+}
+
+impl DecodeGraphs {
+    pub fn batch_sizes(&self) -> Vec<usize> {
+        self.graphs.iter().map(|g| g.batch).collect()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.graphs.is_empty()
+    }
+
+    /// The graph a decode step would replay, if any.
+    fn pick(&self, plan: &StepPlan) -> Option<usize> {
+        let expressible = plan.kind == StepKind::Decode
+            && !plan.seqs.is_empty()
+            && plan.seqs.iter().all(|s| s.sample.is_some() && s.logits == LogitsRequest::None);
+        if !expressible {
+            return None;
+        }
+        self.graphs.iter().position(|g| g.batch >= plan.seqs.len())
+    }
+}
+
+/// Host timestamps of the last graph replay (the engine benchmark's gap measurement).
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayTimes {
+    /// When the graph launch was queued (metadata built and its upload queued).
+    pub launched: std::time::Instant,
+    /// When the sampled tokens were on the host.
+    pub done: std::time::Instant,
+}
+
+impl CudaModel {
+    fn padded_plan(&self, plan: &StepPlan, batch: usize) -> StepPlan {
+        let mut seqs = plan.seqs.clone();
+        let pad = self.pad_block();
+        seqs.extend((plan.seqs.len()..batch).map(|i| pad_row(i, pad)));
+        StepPlan { kind: StepKind::Decode, seqs }
+    }
+
+    /// Captures one graph per batch size in `sizes` (ascending, each <= max_num_seqs) while the
+    /// captures' device memory stays within `budget` bytes; returns what was captured. Each
+    /// capture is run once on padding rows, so a broken capture fails here, at startup.
+    pub fn capture_decode_buckets(&mut self, dev: &Device, sizes: &[usize], budget: usize) -> anyhow::Result<DecodeGraphs> {
+        let mut set = DecodeGraphs::default();
+        let empty = StepPlan { kind: StepKind::Decode, seqs: vec![] };
+        for &b in sizes {
+            anyhow::ensure!(b >= 1 && b <= self.lim.max_seqs, "graph batch size {b} outside 1..={}", self.lim.max_seqs);
+            dev.gpu.sync()?;
+            let (free0, _) = dev.gpu.mem_info()?;
+            let plan = self.padded_plan(&empty, b);
+            let meta = StepMeta::build(&plan, &self.lim)?;
+            self.upload_meta(dev, &meta)?;
+            let splits = self.graph_decode_splits(dev, b);
+            let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits))?;
+            graph.launch(dev.stream())?;
+            self.read_outputs(dev, &meta)?;
+            let (free1, _) = dev.gpu.mem_info()?;
+            let took = free0.saturating_sub(free1);
+            if set.bytes + took > budget {
+                tracing::warn!("CUDA graph for batch {b} would exceed the graph memory budget ({} MiB); larger batches run eagerly", budget >> 20);
+                break;
+            }
+            set.bytes += took;
+            set.graphs.push(DecodeGraph {
+                graph,
+                batch: b,
+                splits,
+                sample_rows: meta.sample_rows,
+                logit_rows: meta.logit_rows,
+                generation: self.meta_generation,
+            });
+        }
+        Ok(set)
+    }
+
+    /// Runs a step from a captured graph when one fits (see `DecodeGraphs`); `None` means the
+    /// caller must run it eagerly. Graphs whose metadata buffer moved are dropped (eager from
+    /// then on, with a warning), never replayed on stale addresses.
+    pub fn step_with_graphs(
+        &mut self,
+        dev: &Device,
+        set: &mut DecodeGraphs,
+        plan: &StepPlan,
+    ) -> Option<anyhow::Result<(StepOutput, ReplayTimes)>> {
+        let i = set.pick(plan)?;
+        if set.graphs[i].generation != self.meta_generation {
+            tracing::warn!("the step metadata buffer grew; dropping the CUDA graphs (decode runs eagerly from now on)");
+            set.graphs.clear();
+            return None;
+        }
+        if let Err(e) = plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len) {
+            return Some(Err(e.into()));
+        }
+        let g = &set.graphs[i];
+        let n = plan.seqs.len();
+        let mut meta = match StepMeta::build(&self.padded_plan(plan, g.batch), &self.lim) {
+            Ok(m) => m,
+            Err(e) => return Some(Err(e)),
+        };
+        if meta.words.len() > self.meta_words() {
+            // Uploading would move the buffer under the graphs: the eager path grows it.
+            return None;
+        }
+        meta.outputs.truncate(n);
+        let run = |me: &mut Self| -> anyhow::Result<(StepOutput, ReplayTimes)> {
+            me.upload_meta(dev, &meta)?;
+            g.graph.launch(dev.stream())?;
+            let launched = std::time::Instant::now();
+            let out = me.read_outputs(dev, &meta)?;
+            Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
+        };
+        let r = run(self);
+        if r.is_err() {
+            let _ = dev.gpu.sync();
+        }
+        Some(r)
     }
 }

@@ -8,7 +8,7 @@ pub mod weights;
 pub mod workspace;
 
 pub use forward::{CudaModel, ModelOptions};
-pub use graph::DecodeGraph;
+pub use graph::{DecodeGraph, DecodeGraphs, ReplayTimes};
 pub use meta::{MetaLimits, StepMeta};
 pub use weights::DeviceWeights;
 pub use workspace::{Limits, Workspace};
