@@ -204,12 +204,36 @@ fn bench_prefill_attention(dev: &Device) -> anyhow::Result<Value> {
         scale: 0.1147,
         pass: PrefillPass { load_state: false, last: true },
     };
-    let ms = time_ms(dev, 5, 7, |_| dev.k.prefill_attention(dev.stream(), &attn))?;
     // Causal FLOPs: per query i, (i + 1) keys x heads x (192 + 128) x 2.
     let flops = seqs as f64 * HEADS as f64 * ((qd + V_HEAD) * 2) as f64 * (len as f64 * (len as f64 + 1.0) / 2.0);
-    let tflops = flops / (ms * 1e-3) / 1e12;
-    println!("prefill attention {seqs}x{len}: {ms:.3} ms  {tflops:.0} TFLOP/s (kv_b decompression GEMM {decompress_ms:.3} ms)");
-    Ok(json!({"seqs": seqs, "len": len, "heads": HEADS, "time_ms": ms, "flops": flops, "TFLOPs": tflops, "kv_decompress_gemm_ms": decompress_ms}))
+    let mut kernels = vec![PrefillKernel::MmaSync];
+    if dev.k.prefill_kernel == PrefillKernel::Wgmma {
+        kernels.push(PrefillKernel::Wgmma);
+    }
+    let mut rows = Vec::new();
+    let mut outputs: Vec<Vec<f32>> = Vec::new();
+    for which in kernels {
+        dev.gpu.sync()?;
+        out.upload(&vec![bf16::NAN; t * HEADS * V_HEAD])?; // every element must be rewritten
+        let ms = time_ms(dev, 5, 7, |_| dev.k.prefill_attention_with(dev.stream(), &attn, which))?;
+        let tflops = flops / (ms * 1e-3) / 1e12;
+        println!("prefill attention {which:?} {seqs}x{len}: {ms:.3} ms  {tflops:.0} TFLOP/s (kv_b decompression GEMM {decompress_ms:.3} ms)");
+        dev.gpu.sync()?;
+        outputs.push(out.download()?.iter().map(|x| x.to_f32()).collect());
+        rows.push(json!({"kernel": format!("{which:?}"), "seqs": seqs, "len": len, "heads": HEADS, "time_ms": ms, "flops": flops, "TFLOPs": tflops, "kv_decompress_gemm_ms": decompress_ms}));
+    }
+    // Both kernels compute the same function: their outputs on this problem must agree to bf16
+    // rounding (the CPU-reference checks live in tests/gpu_kernels.rs; this covers 4096-row causal).
+    if outputs.len() == 2 {
+        let (a, b) = (&outputs[0], &outputs[1]);
+        let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+        let rel = (num / den).sqrt();
+        let finite = b.iter().all(|x| x.is_finite());
+        println!("prefill attention: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");
+        anyhow::ensure!(finite && rel < 1e-2, "wgmma and mma.sync prefill attention disagree: rel {rel}, finite {finite}");
+    }
+    Ok(json!(rows))
 }
 
 fn decode_plan(batch: usize, j: usize, vocab: usize) -> StepPlan {

@@ -43,10 +43,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_prefill_attention(
     bf16* Vs = Ks + 2 * BN * QK_STRIDE;   // 2 stages
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int tile = blockIdx.x, h = blockIdx.y;
-    const int s = tile_seq[tile], q0 = tile_q0[tile];
+    // Each tile-map entry covers 128 query rows (the wgmma kernel's block); this kernel takes them
+    // as two blocks of 64.
+    const int tile = blockIdx.x >> 1, h = blockIdx.y;
+    const int s = tile_seq[tile], q0 = tile_q0[tile] + BM * (blockIdx.x & 1);
     const int q_begin = cu_q[s], q_len = cu_q[s + 1] - q_begin;
     const int rows = min(BM, q_len - q0);
+    if (rows <= 0) return;  // the second half of a short tile
     const int qp0 = q_pos0[s] + q0;  // absolute position of the tile's first query
     const int kr0 = k_row0[s], kp0 = k_pos0[s], klen = k_len[s];
     // Causal: the tile's last query sees keys up to its own position.

@@ -244,47 +244,10 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
     let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
     let latent = DeviceBuffer::<bf16>::alloc(kv_chunk * lat).unwrap();
     let kv = DeviceBuffer::<bf16>::alloc(kv_chunk * kvw).unwrap();
-    let out = DeviceBuffer::from_host(&vec![bf16::NAN; t * heads * V_HEAD]).unwrap();
     let state_o = DeviceBuffer::<f32>::alloc(t * heads * V_HEAD).unwrap();
     let state_ml = DeviceBuffer::<f32>::alloc(t * heads * 2).unwrap();
     let scale = 0.1147f32;
     let mw = |off: usize, n: usize| d_meta.sub(off, n);
-    for p in &meta.passes {
-        k.gather_latent(s, d_cache.slice(), mw(p.slots, p.keys), latent.slice(), p.keys, lat).unwrap();
-        dev.blas.linear(&kv_b, latent.slice(), lat, p.keys, kv.slice(), kvw).unwrap();
-        k.prefill_attention(
-            s,
-            &PrefillAttention {
-                heads,
-                q_rows: t,
-                q: d_q.slice(),
-                q_stride: heads * qd,
-                k_rows: p.keys,
-                kv: kv.slice(),
-                kv_stride: kvw,
-                kpe: latent.slice().tail(LATENT),
-                kpe_stride: lat,
-                out: out.slice(),
-                out_stride: heads * V_HEAD,
-                state_o: state_o.slice(),
-                state_ml: state_ml.slice(),
-                tiles: meta.tiles,
-                tile_seq: mw(meta.tile_seq, meta.tiles),
-                tile_q0: mw(meta.tile_q0, meta.tiles),
-                seqs: meta.seqs,
-                cu_q: mw(meta.cu_q, meta.seqs + 1),
-                q_pos0: mw(meta.q_pos0, meta.seqs),
-                k_row0: mw(p.k_row0, meta.seqs),
-                k_pos0: mw(p.k_pos0, meta.seqs),
-                k_len: mw(p.k_len, meta.seqs),
-                scale,
-                pass: PrefillPass { load_state: p.load_state, last: p.last },
-            },
-        )
-        .unwrap();
-    }
-    dev.gpu.sync().unwrap();
-    let got = down_bf16(out.slice());
     let kv_b_m = Matrix::new(kvw, LATENT, c.kv_b.clone());
     let mut want = Vec::new();
     let mut row = 0;
@@ -295,9 +258,55 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
         want.extend(normal_attention(&c.d, &q[row * heads * qd..(row + n) * heads * qd], &q_pos, &latent, &kv_b_m, scale));
         row += n;
     }
-    let e = rel_l2(&got, &want);
-    println!("prefill heads {heads} ctx {ctx:?} new {new:?} passes {}: rel err {e:.2e}", meta.passes.len());
-    assert!(e < 1.5e-2, "prefill attention rel err {e}");
+    let mut kernels = vec![PrefillKernel::MmaSync];
+    if k.prefill_kernel == PrefillKernel::Wgmma {
+        kernels.push(PrefillKernel::Wgmma);
+    }
+    for which in kernels {
+        // Poisoned output and state: every element must be written by this kernel's passes.
+        let out = DeviceBuffer::from_host(&vec![bf16::NAN; t * heads * V_HEAD]).unwrap();
+        state_o.upload(&vec![f32::NAN; t * heads * V_HEAD]).unwrap();
+        for p in &meta.passes {
+            k.gather_latent(s, d_cache.slice(), mw(p.slots, p.keys), latent.slice(), p.keys, lat).unwrap();
+            dev.blas.linear(&kv_b, latent.slice(), lat, p.keys, kv.slice(), kvw).unwrap();
+            k.prefill_attention_with(
+                s,
+                &PrefillAttention {
+                    heads,
+                    q_rows: t,
+                    q: d_q.slice(),
+                    q_stride: heads * qd,
+                    k_rows: p.keys,
+                    kv: kv.slice(),
+                    kv_stride: kvw,
+                    kpe: latent.slice().tail(LATENT),
+                    kpe_stride: lat,
+                    out: out.slice(),
+                    out_stride: heads * V_HEAD,
+                    state_o: state_o.slice(),
+                    state_ml: state_ml.slice(),
+                    tiles: meta.tiles,
+                    tile_seq: mw(meta.tile_seq, meta.tiles),
+                    tile_q0: mw(meta.tile_q0, meta.tiles),
+                    seqs: meta.seqs,
+                    cu_q: mw(meta.cu_q, meta.seqs + 1),
+                    q_pos0: mw(meta.q_pos0, meta.seqs),
+                    k_row0: mw(p.k_row0, meta.seqs),
+                    k_pos0: mw(p.k_pos0, meta.seqs),
+                    k_len: mw(p.k_len, meta.seqs),
+                    scale,
+                    pass: PrefillPass { load_state: p.load_state, last: p.last },
+                },
+                which,
+            )
+            .unwrap();
+        }
+        dev.gpu.sync().unwrap();
+        let got = down_bf16(out.slice());
+        let e = rel_l2(&got, &want);
+        println!("prefill {which:?} heads {heads} ctx {ctx:?} new {new:?} passes {}: rel err {e:.2e}", meta.passes.len());
+        assert!(e < 1.5e-2, "prefill attention ({which:?}) rel err {e}");
+    }
 }
 
 #[test]
@@ -308,6 +317,8 @@ fn prefill_attention_ragged_batch_with_cached_prefixes() {
     // The same in many passes of at most 96 keys (long-context chunking).
     run_prefill_case(16, &ctx, &new, 96, 4);
     run_prefill_case(4, &[3, 0], &[70, 9], 16384, 5);
+    // Several full 128-row tiles per sequence, diagonal tiles at every offset, a cached prefix.
+    run_prefill_case(16, &[0, 100, 0], &[600, 333, 129], 16384, 8);
 }
 
 #[test]

@@ -267,16 +267,21 @@ impl StepMeta {
             StepKind::Prefill => {
                 let mut cu = vec![0i32];
                 let mut qp0 = Vec::with_capacity(s);
-                let mut tile_seq = Vec::new();
-                let mut tile_q0 = Vec::new();
+                // (keys the tile's last query sees, sequence, first row)
+                let mut tiles = Vec::new();
                 for (i, sq) in plan.seqs.iter().enumerate() {
                     cu.push(cu[i] + sq.tokens.len() as i32);
                     qp0.push(sq.context_len as i32);
                     for q0 in (0..sq.tokens.len()).step_by(crate::ops::PREFILL_TILE_Q) {
-                        tile_seq.push(i as i32);
-                        tile_q0.push(q0 as i32);
+                        let last = (q0 + crate::ops::PREFILL_TILE_Q).min(sq.tokens.len());
+                        tiles.push((sq.context_len + last, i as i32, q0 as i32));
                     }
                 }
+                // Heaviest tiles first: the attention grid starts the longest causal rows first and
+                // the short ones fill the last wave, instead of a long tile starting last.
+                tiles.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+                let tile_seq: Vec<i32> = tiles.iter().map(|t| t.1).collect();
+                let tile_q0: Vec<i32> = tiles.iter().map(|t| t.2).collect();
                 m.cu_q = a.push(&cu);
                 m.q_pos0 = a.push(&qp0);
                 m.tiles = tile_seq.len();
@@ -367,8 +372,10 @@ mod tests {
         assert!(p1.load_state && p1.last && !p0.load_state && !p0.last);
         // Position 64 of sequence 1 lives in its second block (2), offset 0.
         assert_eq!(w[p0.slots + 64], 2 * 64);
-        // Tiles: 1 for sequence 1 (10 queries), 2 for sequence 2 (90 queries).
-        assert_eq!(m.tiles, 3);
+        // Tiles of 128 queries: one per sequence, the one whose last query sees more keys first
+        // (sequence 2: 90 keys; sequence 1: 70 + 10 = 80).
+        assert_eq!(m.tiles, 2);
+        assert_eq!((w[m.tile_seq], w[m.tile_seq + 1], w[m.tile_q0], w[m.tile_q0 + 1]), (1, 0, 0, 0));
     }
 
     #[test]

@@ -13,11 +13,25 @@ pub const NOPE: usize = 128;
 pub const ROPE: usize = 64;
 pub const V_HEAD: usize = 128;
 pub const LATENT: usize = 512;
-pub const PREFILL_TILE_Q: usize = 64;
+/// Query rows per entry of the prefill tile map: one block of the wgmma kernel, two of the
+/// mma.sync kernel (64 rows each).
+pub const PREFILL_TILE_Q: usize = 128;
 
 // Must match the kernels' shared-memory layout (see the comments next to the kernels).
 pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 * 136) * 2;
+/// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 1024 bytes of alignment slack
+/// (kernels/attention_prefill_sm90.cu).
+pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 1024;
 pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
+
+/// The two implementations of prefill attention (same function, same arguments).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// mma.sync m16n8k16, 64-row blocks: any GPU of compute capability 8.0+.
+    MmaSync,
+    /// wgmma with shared-memory operands, 128-row blocks of two warpgroups: sm_90a only.
+    Wgmma,
+}
 
 #[derive(Debug, Clone, Copy)]
 pub struct PrefillPass {
@@ -27,7 +41,8 @@ pub struct PrefillPass {
     pub last: bool,
 }
 
-/// One launch over `tiles` query tiles of up to 64 rows (see kernels/attention_prefill.cu).
+/// One launch over `tiles` query tiles of up to [`PREFILL_TILE_Q`] rows (kernels/attention_prefill.cu,
+/// kernels/attention_prefill_sm90.cu).
 pub struct PrefillAttention {
     pub heads: usize,
     pub q_rows: usize,
@@ -85,6 +100,12 @@ pub fn choose_decode_splits(sms: usize, batch: usize, heads: usize, max_pages: u
 
 impl Kernels {
     pub fn prefill_attention(&self, s: CUstream, p: &PrefillAttention) -> anyhow::Result<()> {
+        self.prefill_attention_with(s, p, self.prefill_kernel)
+    }
+
+    /// Prefill attention through a chosen implementation (tests and benchmarks compare both).
+    pub fn prefill_attention_with(&self, s: CUstream, p: &PrefillAttention, which: PrefillKernel) -> anyhow::Result<()> {
+        anyhow::ensure!(which == PrefillKernel::MmaSync || self.prefill_kernel == PrefillKernel::Wgmma, "the wgmma prefill attention kernel needs compute capability 9.0");
         let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
         anyhow::ensure!(p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD, "prefill attention: row strides too small");
         ensure_len!(p.q, p.q_rows * p.q_stride, "prefill queries");
@@ -105,11 +126,16 @@ impl Kernels {
         }
         let flags = (p.pass.load_state as i32) | ((p.pass.last as i32) << 1);
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
-        self.mla_prefill_attention.launch(
+        let (kernel, grid, threads, smem) = match which {
+            PrefillKernel::MmaSync => (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES),
+            PrefillKernel::Wgmma => (&self.mla_prefill_attention_sm90, (p.heads as u32, p.tiles as u32, 1), 256, PREFILL_SM90_SMEM_BYTES),
+        };
+        anyhow::ensure!(p.tiles <= 65535 || which == PrefillKernel::MmaSync, "prefill attention: {} query tiles exceed the grid", p.tiles);
+        kernel.launch(
             s,
-            (p.tiles as u32, p.heads as u32, 1),
-            128,
-            PREFILL_SMEM_BYTES as u32,
+            grid,
+            threads,
+            smem as u32,
             &[
                 Arg::Ptr(p.q.ptr),
                 Arg::I32(p.q_stride as i32),

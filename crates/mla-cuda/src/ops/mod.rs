@@ -8,7 +8,7 @@ mod linear;
 mod moe;
 mod sampling;
 
-pub use attention::{DecodeAttention, PrefillAttention, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
+pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
 pub use elementwise::Normal;
 pub use latent::RopeCache;
 pub use linear::Linear;
@@ -30,6 +30,9 @@ pub struct Kernels {
     pub mla_rope_cache: Kernel,
     pub gather_latent: Kernel,
     pub mla_prefill_attention: Kernel,
+    pub mla_prefill_attention_sm90: Kernel,
+    /// Which prefill attention kernel `prefill_attention` launches on this GPU.
+    pub prefill_kernel: PrefillKernel,
     pub mla_decode_attention: Kernel,
     pub mla_decode_combine: Kernel,
     pub moe_route: Kernel,
@@ -56,6 +59,10 @@ impl Kernels {
             mla_rope_cache: m.kernel("latent_cache", "mla_rope_cache")?,
             gather_latent: m.kernel("latent_cache", "gather_latent")?,
             mla_prefill_attention: m.kernel("attention_prefill", "mla_prefill_attention")?,
+            mla_prefill_attention_sm90: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90")?,
+            // The wgmma kernel exists only in the sm_90a cubin, which is what compute capability 9.0
+            // loads; every other GPU runs the mma.sync kernel from PTX.
+            prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::Wgmma } else { PrefillKernel::MmaSync },
             mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
             moe_route: m.kernel("moe", "moe_route")?,
@@ -67,7 +74,10 @@ impl Kernels {
             sample_tokens: m.kernel("sampling", "sample_tokens")?,
             sm_count: info.sm_count,
         };
-        let need = attention::PREFILL_SMEM_BYTES.max(attention::DECODE_SMEM_BYTES);
+        let need = attention::PREFILL_SMEM_BYTES.max(attention::DECODE_SMEM_BYTES).max(match k.prefill_kernel {
+            PrefillKernel::Wgmma => attention::PREFILL_SM90_SMEM_BYTES,
+            PrefillKernel::MmaSync => 0,
+        });
         anyhow::ensure!(
             info.max_smem_per_block_optin >= need,
             "{} offers {} bytes of shared memory per block; the attention kernels need {need}",
@@ -76,6 +86,9 @@ impl Kernels {
         );
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
         k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
+        if k.prefill_kernel == PrefillKernel::Wgmma {
+            k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
+        }
         Ok(k)
     }
 }
