@@ -1,0 +1,245 @@
+//! Offline engine benchmark: the real `Engine` driving a `CudaBackend` with dummy weights, no
+//! HTTP. Prefill throughput of one long prompt, and decode throughput at a chosen batch and
+//! context, with the host time between steps (the GPU's idle gap) from the backend's step clock.
+
+use mla_core::{Backend, ModelConfig, SamplingParams};
+use mla_cuda::{CudaBackend, CudaOptions, StepClock, WeightsFrom};
+use mla_engine::{Engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest};
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct EngineArgs {
+    pub config: PathBuf,
+    pub gpu_memory_utilization: f64,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub prefill_len: usize,
+    pub prefill_reps: usize,
+    /// (batch, context, measured decode steps)
+    pub decode: Vec<(usize, usize, usize)>,
+    pub graphs: bool,
+    pub seed: u64,
+}
+
+/// Parses `BxCTXxSTEPS` items, e.g. `1x1024x256,256x4096x64`.
+pub fn parse_decode(s: &str) -> anyhow::Result<Vec<(usize, usize, usize)>> {
+    s.split(',')
+        .filter(|x| !x.is_empty())
+        .map(|item| {
+            let v: Vec<usize> = item.split('x').map(|p| p.trim().parse()).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("--decode {item}: {e}"))?;
+            anyhow::ensure!(v.len() == 3 && v.iter().all(|&x| x > 0), "--decode {item}: expected BATCHxCONTEXTxSTEPS, all positive");
+            Ok((v[0], v[1], v[2]))
+        })
+        .collect()
+}
+
+fn snapshot(c: &Arc<Mutex<StepClock>>) -> StepClock {
+    *c.lock().expect("the step clock is never poisoned")
+}
+
+fn clock_delta(a: &StepClock, b: &StepClock) -> Value {
+    let steps = (b.steps - a.steps).max(1) as f64;
+    let graph_steps = b.graph_steps - a.graph_steps;
+    json!({
+        "steps": b.steps - a.steps,
+        "graph_steps": graph_steps,
+        "host_between_steps_us_mean": (b.between_steps_s - a.between_steps_s) / steps * 1e6,
+        "graph_prep_us_mean": if graph_steps > 0 { (b.graph_prep_s - a.graph_prep_s) / graph_steps as f64 * 1e6 } else { 0.0 },
+        "in_step_ms_mean": (b.in_step_s - a.in_step_s) / steps * 1e3,
+    })
+}
+
+fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: (0..len).map(|_| rng.random_range(0..vocab as u32)).collect(),
+        n: 1,
+        sampling: SamplingParams::greedy(),
+        seed: Some(1),
+        max_tokens,
+        stop_token_ids: vec![],
+        logprobs: None,
+    }
+}
+
+/// One token event as seen by the benchmark: (request, arrival, last of its request).
+type Arrival = (usize, Instant, bool);
+
+/// Submits every request at once and forwards each token's arrival to one channel.
+fn submit_all(rt: &tokio::runtime::Runtime, h: &EngineHandle, reqs: Vec<GenerateRequest>) -> anyhow::Result<(Instant, tokio::sync::mpsc::UnboundedReceiver<Arrival>)> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let t0 = Instant::now();
+    for (i, r) in reqs.into_iter().enumerate() {
+        let mut stream = h.submit(r).map_err(|e| anyhow::anyhow!("submit: {e}"))?;
+        let tx = tx.clone();
+        rt.spawn(async move {
+            while let Some(ev) = stream.events.recv().await {
+                match ev {
+                    EngineEvent::Token { finish, .. } => {
+                        let _ = tx.send((i, Instant::now(), finish.is_some()));
+                        if finish.is_some() {
+                            break;
+                        }
+                    }
+                    EngineEvent::Finished { .. } => break,
+                    EngineEvent::Error { message } => panic!("engine error: {message}"),
+                }
+            }
+        });
+    }
+    Ok((t0, rx))
+}
+
+fn prefill(rt: &tokio::runtime::Runtime, h: &EngineHandle, a: &EngineArgs, vocab: usize, rng: &mut rand::rngs::StdRng) -> anyhow::Result<Value> {
+    let mut times = vec![];
+    for _ in 0..a.prefill_reps {
+        let (t0, mut rx) = submit_all(rt, h, vec![request(rng, a.prefill_len, vocab, 1)])?;
+        let (_, t, _) = rt.block_on(rx.recv()).ok_or_else(|| anyhow::anyhow!("no token"))?;
+        times.push((t - t0).as_secs_f64());
+        while rt.block_on(rx.recv()).is_some() {}
+    }
+    let mut sorted = times.clone();
+    sorted.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    let median = sorted[sorted.len() / 2];
+    Ok(json!({
+        "prompt_tokens": a.prefill_len,
+        "ttft_ms_all": times.iter().map(|t| t * 1e3).collect::<Vec<_>>(),
+        "ttft_ms_median": median * 1e3,
+        "tokens_per_s": a.prefill_len as f64 / median,
+        "note": "submit to first sampled token through the engine: one prefill step (chunks of max_num_batched_tokens) plus scheduling",
+    }))
+}
+
+fn decode_case(
+    rt: &tokio::runtime::Runtime,
+    h: &EngineHandle,
+    clock: &Arc<Mutex<StepClock>>,
+    (batch, ctx, steps): (usize, usize, usize),
+    a: &EngineArgs,
+    vocab: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> anyhow::Result<Value> {
+    // Prefill and decode steps alternate while prompts are prefilled, so early requests decode
+    // before the last prompt is in; each asks for enough tokens that every request is still
+    // decoding for `steps` steps once all are in. The window measured is [last first token,
+    // first finish]: every step in it is a full decode batch of `batch` sequences.
+    let prefill_steps = (batch * ctx).div_ceil(a.max_num_batched_tokens);
+    let max_tokens = steps + prefill_steps + 2;
+    anyhow::ensure!(ctx + max_tokens <= a.max_model_len, "context {ctx} + {max_tokens} tokens exceeds --max-model-len {}", a.max_model_len);
+    let reqs = (0..batch).map(|_| request(rng, ctx, vocab, max_tokens)).collect();
+    let (t0, mut rx) = submit_all(rt, h, reqs)?;
+    let mut first = vec![None::<Instant>; batch];
+    let mut n_first = 0;
+    let (mut start, mut end) = (None::<(Instant, StepClock)>, None::<(Instant, StepClock)>);
+    let mut arrivals = Vec::with_capacity(batch * max_tokens);
+    while let Some((i, t, last)) = rt.block_on(rx.recv()) {
+        arrivals.push(t);
+        if first[i].is_none() {
+            first[i] = Some(t);
+            n_first += 1;
+            if n_first == batch {
+                start = Some((t, snapshot(clock)));
+            }
+        }
+        if last && end.is_none() {
+            end = Some((t, snapshot(clock)));
+        }
+    }
+    let (ts, cs) = start.ok_or_else(|| anyhow::anyhow!("not every request produced a token"))?;
+    let (te, ce) = end.ok_or_else(|| anyhow::anyhow!("no request finished"))?;
+    let in_window = arrivals.iter().filter(|&&t| t > ts && t <= te).count();
+    let secs = (te - ts).as_secs_f64();
+    let clock = clock_delta(&cs, &ce);
+    let steps_in_window = clock["steps"].as_u64().unwrap_or(0).max(1) as f64;
+    Ok(json!({
+        "batch": batch,
+        "context": ctx,
+        "prefill_s": (ts - t0).as_secs_f64(),
+        "window_s": secs,
+        "window_tokens": in_window,
+        "tokens_per_s": in_window as f64 / secs,
+        "step_ms": secs / steps_in_window * 1e3,
+        "step_clock": clock,
+    }))
+}
+
+pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
+    let cfg = ModelConfig::from_file(&a.config)?;
+    let vocab = cfg.vocab_size;
+    let mut opts = CudaOptions {
+        gpu_memory_utilization: a.gpu_memory_utilization,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        max_num_seqs: a.max_num_seqs,
+        max_model_len: Some(a.max_model_len),
+        ..CudaOptions::default()
+    };
+    if !a.graphs {
+        opts.cuda_graph_batch_sizes.clear();
+    }
+    let t = Instant::now();
+    let backend = CudaBackend::new(cfg, WeightsFrom::DummyOnDevice { seed: a.seed }, opts)?;
+    let startup_s = t.elapsed().as_secs_f64();
+    let gpu = backend.device_name();
+    let graph_sizes = backend.graph_batch_sizes().to_vec();
+    let clock = backend.step_clock();
+    let blocks = backend.cache_layout().num_blocks;
+    let h = Engine::start(
+        Box::new(backend),
+        EngineConfig {
+            max_model_len: a.max_model_len,
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            max_queued_requests: 1 << 20,
+            seed: a.seed,
+        },
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
+    // Warm-up: first launches of every kernel and cuBLAS heuristics stay out of the figures.
+    let (_, mut rx) = submit_all(&rt, &h, vec![request(&mut rng, 300, vocab, 16)])?;
+    while rt.block_on(rx.recv()).is_some() {}
+    let pre = prefill(&rt, &h, a, vocab, &mut rng)?;
+    eprintln!("prefill {} tokens: {:.0} tok/s (median TTFT {:.2} ms)", a.prefill_len, pre["tokens_per_s"].as_f64().unwrap(), pre["ttft_ms_median"].as_f64().unwrap());
+    let mut dec = vec![];
+    for &case in &a.decode {
+        let r = decode_case(&rt, &h, &clock, case, a, vocab, &mut rng)?;
+        eprintln!(
+            "decode B={} ctx={}: {:.0} tok/s, {:.3} ms/step, host between steps {:.1} us, graph steps {}",
+            case.0,
+            case.1,
+            r["tokens_per_s"].as_f64().unwrap(),
+            r["step_ms"].as_f64().unwrap(),
+            r["step_clock"]["host_between_steps_us_mean"].as_f64().unwrap(),
+            r["step_clock"]["graph_steps"]
+        );
+        dec.push(r);
+    }
+    h.shutdown(std::time::Duration::from_secs(5));
+    let v = json!({
+        "gpu": gpu,
+        "model": format!("{} with dummy weights drawn on the device", a.config.display()),
+        "backend_startup_s": startup_s,
+        "kv_cache_blocks": blocks,
+        "cuda_graph_batch_sizes": graph_sizes,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "max_num_seqs": a.max_num_seqs,
+        "max_model_len": a.max_model_len,
+        "prefill": pre,
+        "decode": dec,
+    });
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decode_cases_parse() {
+        assert_eq!(super::parse_decode("1x1024x256,256x4096x64").unwrap(), vec![(1, 1024, 256), (256, 4096, 64)]);
+        assert!(super::parse_decode("1x2").is_err());
+        assert!(super::parse_decode("0x2x3").is_err());
+    }
+}

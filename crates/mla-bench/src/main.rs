@@ -1,0 +1,183 @@
+//! `mla-bench`: the project's benchmark tool.
+//! - `kernels`: decode and prefill attention micro-benchmarks on the GPU.
+//! - `engine`: the real engine + CUDA backend offline (no HTTP): prefill and decode throughput.
+//! - `serve`: a load generator against any OpenAI-compatible server, with `vllm bench serve`'s
+//!   metric definitions, as a table and as JSON.
+//!
+//! Every JSON result carries the GPU, the UTC date, the commit (`MLA_GIT_COMMIT`) and the command.
+
+mod dataset;
+mod engine_bench;
+mod kernels;
+mod metrics;
+mod report;
+mod serve;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "mla-bench", about = "Benchmarks of mla-serve")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Attention kernel micro-benchmarks (decode B=1/32/128/256 ctx 4096; prefill 4x4096).
+    Kernels {
+        /// The mla-cuda benchmark binary (default: `mla_cuda_bench` beside this one).
+        #[arg(long)]
+        bench_bin: Option<PathBuf>,
+        #[arg(long, default_value = "decode_attention,prefill_attention")]
+        only: String,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Offline engine benchmark on the CUDA backend with dummy weights.
+    Engine {
+        #[arg(long, default_value = "configs/deepseek-v2-lite.json")]
+        config: PathBuf,
+        #[arg(long, default_value_t = 0.9)]
+        gpu_memory_utilization: f64,
+        #[arg(long, default_value_t = 256)]
+        max_num_seqs: usize,
+        #[arg(long, default_value_t = 8192)]
+        max_num_batched_tokens: usize,
+        #[arg(long, default_value_t = 8192)]
+        max_model_len: usize,
+        /// Prompt length of the prefill measurement.
+        #[arg(long, default_value_t = 4096)]
+        prefill_len: usize,
+        #[arg(long, default_value_t = 5)]
+        prefill_reps: usize,
+        /// Decode cases as BATCHxCONTEXTxSTEPS, comma separated.
+        #[arg(long, default_value = "1x1024x256,64x4096x64,256x4096x64")]
+        decode: String,
+        /// Run every step eagerly (no CUDA graphs), for the before/after comparison.
+        #[arg(long)]
+        no_cuda_graphs: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Load generator against an OpenAI-compatible server (`/v1/completions`, streamed).
+    Serve {
+        #[arg(long, default_value = "http://127.0.0.1:8000")]
+        base_url: String,
+        /// Model name to send (default: the first `/v1/models` lists).
+        #[arg(long)]
+        model: Option<String>,
+        /// `random` or `file`.
+        #[arg(long, default_value = "random")]
+        dataset: String,
+        /// JSONL file for `--dataset file`: {"prompt": "text" | [ids], "max_tokens": n}.
+        #[arg(long)]
+        dataset_path: Option<PathBuf>,
+        #[arg(long, default_value_t = 1024)]
+        input_len: usize,
+        #[arg(long, default_value_t = 256)]
+        output_len: usize,
+        /// Random prompts draw token ids uniformly from this range (lo..hi).
+        #[arg(long, default_value = "100..30000")]
+        token_id_range: String,
+        #[arg(long, default_value_t = 1000)]
+        num_prompts: usize,
+        #[arg(long, default_value_t = 256)]
+        max_concurrency: usize,
+        /// Requests per second (Poisson arrivals); `inf` sends all at once.
+        #[arg(long, default_value = "inf")]
+        request_rate: f64,
+        #[arg(long)]
+        ignore_eos: bool,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// GPU name to record in the JSON (the server runs elsewhere).
+        #[arg(long, default_value = "unknown")]
+        gpu: String,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+fn parse_range(s: &str) -> anyhow::Result<(u32, u32)> {
+    let (a, b) = s.split_once("..").ok_or_else(|| anyhow::anyhow!("--token-id-range {s}: expected LO..HI"))?;
+    let (a, b): (u32, u32) = (a.trim().parse()?, b.trim().parse()?);
+    anyhow::ensure!(a < b, "--token-id-range {s}: empty");
+    Ok((a, b))
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
+    match Cli::parse().cmd {
+        Cmd::Kernels { bench_bin, only, out } => kernels::run(&bench_bin.unwrap_or_else(kernels::default_bench_bin), out.as_deref(), &only),
+        Cmd::Engine { config, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, max_model_len, prefill_len, prefill_reps, decode, no_cuda_graphs, seed, out } => {
+            let args = engine_bench::EngineArgs {
+                config,
+                gpu_memory_utilization,
+                max_num_seqs,
+                max_num_batched_tokens,
+                max_model_len,
+                prefill_len,
+                prefill_reps,
+                decode: engine_bench::parse_decode(&decode)?,
+                graphs: !no_cuda_graphs,
+                seed,
+            };
+            let r = engine_bench::run(&args)?;
+            let gpu = r["gpu"].as_str().unwrap_or("unknown").to_string();
+            let v = report::envelope(&gpu, r);
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            report::write(out.as_deref(), &v)
+        }
+        Cmd::Serve {
+            base_url,
+            model,
+            dataset: ds,
+            dataset_path,
+            input_len,
+            output_len,
+            token_id_range,
+            num_prompts,
+            max_concurrency,
+            request_rate,
+            ignore_eos,
+            temperature,
+            seed,
+            gpu,
+            out,
+        } => {
+            let prompts = match ds.as_str() {
+                "random" => dataset::random(num_prompts, input_len, output_len, parse_range(&token_id_range)?, seed),
+                "file" => dataset::from_file(&dataset_path.ok_or_else(|| anyhow::anyhow!("--dataset file needs --dataset-path"))?, num_prompts, output_len)?,
+                other => anyhow::bail!("--dataset {other}: expected random or file"),
+            };
+            let target = serve::Target::parse(&base_url)?;
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let model = match model {
+                Some(m) => m,
+                None => rt.block_on(serve::first_model(&target))?,
+            };
+            let o = serve::LoadOptions { model: model.clone(), request_rate, max_concurrency, ignore_eos, temperature, seed };
+            let (records, dur) = rt.block_on(serve::run(target, o, prompts));
+            if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
+                eprintln!("first failure: {e}");
+            }
+            let m = metrics::calculate(&records, dur.as_secs_f64());
+            println!("{}", metrics::table(&m));
+            let v = report::envelope(
+                &gpu,
+                serde_json::json!({
+                    "base_url": base_url, "model": model, "dataset": ds, "input_len": input_len, "output_len": output_len,
+                    "num_prompts": num_prompts, "max_concurrency": max_concurrency, "request_rate": if request_rate.is_finite() { serde_json::json!(request_rate) } else { serde_json::json!("inf") },
+                    "ignore_eos": ignore_eos, "temperature": temperature, "metrics": m,
+                }),
+            );
+            report::write(out.as_deref(), &v)
+        }
+    }
+}
