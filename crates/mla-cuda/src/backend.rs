@@ -97,6 +97,19 @@ pub struct StepClock {
     pub in_step_s: f64,
 }
 
+impl StepClock {
+    /// What happened since `earlier`.
+    pub fn since(&self, earlier: &StepClock) -> StepClock {
+        StepClock {
+            steps: self.steps - earlier.steps,
+            graph_steps: self.graph_steps - earlier.graph_steps,
+            between_steps_s: self.between_steps_s - earlier.between_steps_s,
+            graph_prep_s: self.graph_prep_s - earlier.graph_prep_s,
+            in_step_s: self.in_step_s - earlier.in_step_s,
+        }
+    }
+}
+
 /// What the worker owns. Field order is drop order: graphs and device memory before the context.
 pub struct Worker {
     pub graphs: DecodeGraphs,
@@ -104,7 +117,11 @@ pub struct Worker {
     pub dev: Device,
     clock: Arc<Mutex<StepClock>>,
     last_end: Option<Instant>,
+    /// The clock when it was last logged.
+    logged: StepClock,
 }
+
+const CLOCK_LOG_EVERY: u64 = 2000;
 
 impl Worker {
     /// One engine step: a captured graph when one fits, else eager.
@@ -129,6 +146,19 @@ impl Worker {
         }
         c.in_step_s += (end - start).as_secs_f64();
         self.last_end = Some(end);
+        if c.steps % CLOCK_LOG_EVERY == 0 {
+            // Serving telemetry: how much of each step the GPU waited for the host.
+            let w = c.since(&self.logged);
+            tracing::info!(
+                "last {} steps: {:.3} ms in the backend per step, {:.1} us host time between steps, {:.1} us graph metadata prep, {} of them graph replays",
+                w.steps,
+                w.in_step_s / w.steps as f64 * 1e3,
+                w.between_steps_s / w.steps as f64 * 1e6,
+                if w.graph_steps > 0 { w.graph_prep_s / w.graph_steps as f64 * 1e6 } else { 0.0 },
+                w.graph_steps
+            );
+            self.logged = *c;
+        }
         Ok(out)
     }
 }
@@ -276,7 +306,7 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
             graphs.bytes as f64 / (1u64 << 20) as f64
         );
     }
-    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None })
+    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
 }
 
 impl Backend for CudaBackend {
