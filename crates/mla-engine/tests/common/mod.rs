@@ -141,7 +141,6 @@ impl Backend for HistoryBackend {
         if let Some(gate) = &self.gate {
             gate.pass();
         }
-        std::thread::sleep(self.delay);
         let bs = self.layout.block_size;
         plan.validate(bs, self.layout.num_blocks, VOCAB, self.model.max_position_embeddings)?;
         {
@@ -153,6 +152,9 @@ impl Backend for HistoryBackend {
                 log.tables.insert(s.seq_id, s.block_table.clone());
             }
         }
+        // Logged before the delay, so a test that sees a step logged knows the engine is busy
+        // with it for `delay` longer.
+        std::thread::sleep(self.delay);
         if let Some(p) = self.poison.filter(|p| plan.seqs.iter().any(|s| s.tokens.contains(p))) {
             bail!("poison token {p} fed");
         }
