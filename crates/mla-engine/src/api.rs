@@ -70,7 +70,8 @@ pub struct TokenLogprobs {
 pub enum EngineEvent {
     /// Completion `index` produced `token`. `finish` is set on its last token.
     Token { index: usize, token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
-    /// Completion `index` ended without a new token (aborted, or a stop token that is not emitted).
+    /// Completion `index` ended without a new token: aborted, or ended by the caller
+    /// (`RequestStream::finish_choice`, with the caller's reason).
     Finished { index: usize, reason: FinishReason },
     /// The request failed inside the engine; no more events follow.
     Error { message: String },
@@ -139,7 +140,9 @@ pub struct EngineStats {
     pub kv_capacity_tokens: usize,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
-    /// Finished completions by reason: stop, length, abort.
+    /// Finished completions by the reason the engine ended them: stop (stop token, or the caller's
+    /// `finish_choice(.., Stop)` for a stop string), length, abort (aborted, client gone, failed,
+    /// or refused at shutdown).
     pub finished_stop: u64,
     pub finished_length: u64,
     pub finished_abort: u64,
