@@ -125,14 +125,14 @@ const CLOCK_LOG_EVERY: u64 = 2000;
 
 impl Worker {
     /// One engine step: a captured graph when one fits, else eager.
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+    fn step(&mut self, mut plan: StepPlan) -> anyhow::Result<StepOutput> {
         let start = Instant::now();
-        let (out, launched) = match self.model.step_with_graphs(&self.dev, &mut self.graphs, plan) {
+        let (out, launched) = match self.model.step_with_graphs(&self.dev, &mut self.graphs, &mut plan) {
             Some(r) => {
                 let (out, t) = r?;
                 (out, Some(t.launched))
             }
-            None => (self.model.step(&self.dev, plan)?, None),
+            None => (self.model.step(&self.dev, &plan)?, None),
         };
         let end = Instant::now();
         let mut c = self.clock.lock().expect("the step clock is never poisoned");
@@ -324,7 +324,7 @@ impl Backend for CudaBackend {
 
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         let plan = plan.clone();
-        self.with_worker(move |w| w.step(&plan))?
+        self.with_worker(move |w| w.step(plan))?
     }
 }
 

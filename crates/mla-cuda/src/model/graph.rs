@@ -177,7 +177,7 @@ impl CudaModel {
         &mut self,
         dev: &Device,
         set: &mut DecodeGraphs,
-        plan: &StepPlan,
+        plan: &mut StepPlan,
     ) -> Option<anyhow::Result<(StepOutput, ReplayTimes)>> {
         let i = set.pick(plan)?;
         if set.graphs[i].generation != self.meta_generation {
@@ -190,7 +190,12 @@ impl CudaModel {
         }
         let g = &set.graphs[i];
         let n = plan.seqs.len();
-        let mut meta = match StepMeta::build(&self.padded_plan(plan, g.batch), &self.lim) {
+        // Pad in place (no copy of the batch's block tables), build, and restore the plan.
+        let pad = self.pad_block();
+        plan.seqs.extend((n..g.batch).map(|i| pad_row(i, pad)));
+        let meta = StepMeta::build(plan, &self.lim);
+        plan.seqs.truncate(n);
+        let mut meta = match meta {
             Ok(m) => m,
             Err(e) => return Some(Err(e)),
         };
