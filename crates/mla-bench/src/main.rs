@@ -10,6 +10,7 @@ mod dataset;
 mod engine_bench;
 mod kernels;
 mod metrics;
+mod profile;
 mod report;
 mod serve;
 
@@ -62,6 +63,18 @@ enum Cmd {
         seed: u64,
         #[arg(long)]
         out: Option<PathBuf>,
+    },
+    /// One eager decode step and one prefill step between cuProfilerStart/Stop (run under ncu
+    /// with --profile-from-start off for a per-kernel breakdown).
+    Profile {
+        #[arg(long, default_value = "configs/deepseek-v2-lite.json")]
+        config: PathBuf,
+        #[arg(long, default_value_t = 256)]
+        batch: usize,
+        #[arg(long, default_value_t = 4096)]
+        context: usize,
+        #[arg(long, default_value_t = 4096)]
+        prefill_len: usize,
     },
     /// Load generator against an OpenAI-compatible server (`/v1/completions`, streamed).
     Serve {
@@ -134,6 +147,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
             report::write(out.as_deref(), &v)
         }
+        Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, batch, context, prefill_len),
         Cmd::Serve {
             base_url,
             model,
