@@ -72,6 +72,7 @@ def main():
     bs = [2 ** i for i in range(0, 9)]
     for c in sorted(contexts):
         ax1.plot(bs, [limit_tok_s(cfg, b, c) for b in bs], ":", label=f"physical limit, ctx {c} (bytes / 4.8 TB/s)")
+    ax1.plot([1, 256], [600, 12000], "rx", ms=9, label="issue 5 targets: B=1 ctx 1k 600, B=256 ctx 4k 12,000")
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
     ax1.set_xlabel("decode batch size")
