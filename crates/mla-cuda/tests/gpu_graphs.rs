@@ -126,3 +126,59 @@ fn unpadded_replay_is_bitwise_the_eager_step_with_the_same_split_count() {
         .unwrap();
     assert_eq!(replayed, eager);
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn graphs_are_captured_again_when_a_long_penalty_history_grows_the_metadata() {
+    // The metadata buffer is sized for tokens, tables and logits, not for penalty histories; a
+    // large-vocabulary model's long history outgrows it. That step runs eagerly and grows the
+    // buffer; the next graph step must recapture (the graphs hold the old address) and still
+    // equal the eager step bit for bit.
+    let cfg = config("deepseek-v2-lite.json");
+    let opts = CudaOptions {
+        max_num_batched_tokens: 256,
+        max_num_seqs: 4,
+        max_model_len: Some(512),
+        num_blocks: Some(16),
+        cuda_graph_batch_sizes: vec![1, 2],
+        ..Default::default()
+    };
+    let mut b = CudaBackend::new(cfg.clone(), WeightsFrom::DummyOnDevice { seed: 3 }, opts).unwrap();
+    let tables = [vec![0u32, 1], vec![2u32, 3]];
+    let prefill = StepPlan {
+        kind: StepKind::Prefill,
+        seqs: (0..2).map(|i| SeqStep { seq_id: i as u64, tokens: vec![5 + i as u32; 20], context_len: 0, block_table: tables[i].clone(), logits: LogitsRequest::None, sample: sample(0) }).collect(),
+    };
+    let out = b.step(&prefill).unwrap();
+    let mut last: Vec<u32> = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+    let history: Vec<u32> = (0..40_000u32).map(|t| (t * 7) % cfg.vocab_size as u32).collect();
+    let penalised = |last: &[u32], pos: usize| {
+        let mut p = decode(&[0, 1], &[pos, pos], last, &tables);
+        let s = p.seqs[0].sample.as_mut().unwrap();
+        s.params.repetition_penalty = 1.3;
+        s.penalty = Some(mla_core::plan::PenaltyTokens { prompt: history.clone(), output: vec![] });
+        p
+    };
+    let graph_steps = |b: &CudaBackend| b.step_clock().lock().unwrap().graph_steps;
+    // 20: plain graph step; 21: history outgrows the buffer (eager); 22: recapture + graph.
+    let o = b.step(&decode(&[0, 1], &[20, 20], &last, &tables)).unwrap();
+    assert_eq!(graph_steps(&b), 1);
+    last = o.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+    let o = b.step(&penalised(&last, 21)).unwrap();
+    assert_eq!(graph_steps(&b), 1, "the step that grows the metadata runs eagerly");
+    last = o.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
+    let plan = penalised(&last, 22);
+    let replayed = b.step(&plan).unwrap();
+    assert_eq!(graph_steps(&b), 2, "graphs are back after the recapture");
+    assert_eq!(b.with_worker(|w| w.graphs.recaptures).unwrap(), 1);
+    let eager = b
+        .with_worker(move |w| {
+            w.model.decode_splits_override = Some(w.model.graph_decode_splits(&w.dev, 2));
+            let out = w.model.step(&w.dev, &plan);
+            w.model.decode_splits_override = None;
+            out
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!(replayed, eager);
+}

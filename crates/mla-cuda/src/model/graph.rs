@@ -77,6 +77,11 @@ pub struct DecodeGraphs {
     graphs: Vec<DecodeGraph>,
     /// Device memory the captures took (cuMemGetInfo before/after).
     pub bytes: usize,
+    /// What was asked for, to capture again when the metadata buffer moves.
+    sizes: Vec<usize>,
+    budget: usize,
+    /// Times the set was captured again.
+    pub recaptures: u64,
 }
 
 /// One padding row: token 0 at position 0 of the padding block, greedy, nothing returned.
@@ -138,7 +143,7 @@ impl CudaModel {
     /// captures' device memory stays within `budget` bytes; returns what was captured. Each
     /// capture is run once on padding rows, so a broken capture fails here, at startup.
     pub fn capture_decode_buckets(&mut self, dev: &Device, sizes: &[usize], budget: usize) -> anyhow::Result<DecodeGraphs> {
-        let mut set = DecodeGraphs::default();
+        let mut set = DecodeGraphs { sizes: sizes.to_vec(), budget, ..Default::default() };
         let empty = StepPlan { kind: StepKind::Decode, seqs: vec![] };
         for &b in sizes {
             anyhow::ensure!(b >= 1 && b <= self.lim.max_seqs, "graph batch size {b} outside 1..={}", self.lim.max_seqs);
@@ -171,19 +176,30 @@ impl CudaModel {
     }
 
     /// Runs a step from a captured graph when one fits (see `DecodeGraphs`); `None` means the
-    /// caller must run it eagerly. Graphs whose metadata buffer moved are dropped (eager from
-    /// then on, with a warning), never replayed on stale addresses.
+    /// caller must run it eagerly. A step whose metadata outgrows the device buffer (long
+    /// penalty histories) runs eagerly, which grows the buffer; the graphs, which hold its old
+    /// address, are then captured again before the next replay, never replayed stale.
     pub fn step_with_graphs(
         &mut self,
         dev: &Device,
         set: &mut DecodeGraphs,
         plan: &mut StepPlan,
     ) -> Option<anyhow::Result<(StepOutput, ReplayTimes)>> {
-        let i = set.pick(plan)?;
+        let mut i = set.pick(plan)?;
         if set.graphs[i].generation != self.meta_generation {
-            tracing::warn!("the step metadata buffer grew; dropping the CUDA graphs (decode runs eagerly from now on)");
-            set.graphs.clear();
-            return None;
+            let t = std::time::Instant::now();
+            let (sizes, budget, recaptures) = (std::mem::take(&mut set.sizes), set.budget, set.recaptures);
+            // Free the old graphs first: their memory counts against the same budget.
+            *set = DecodeGraphs::default();
+            match self.capture_decode_buckets(dev, &sizes, budget) {
+                Ok(fresh) => *set = DecodeGraphs { recaptures: recaptures + 1, ..fresh },
+                Err(e) => {
+                    tracing::error!("capturing the CUDA graphs again failed ({e:#}); decode runs eagerly from now on");
+                    return None;
+                }
+            }
+            tracing::info!("the step metadata buffer grew: CUDA graphs captured again in {:.2}s", t.elapsed().as_secs_f64());
+            i = set.pick(plan)?;
         }
         if let Err(e) = plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len) {
             return Some(Err(e.into()));
