@@ -206,10 +206,7 @@ fn bench_prefill_attention(dev: &Device) -> anyhow::Result<Value> {
     };
     // Causal FLOPs: per query i, (i + 1) keys x heads x (192 + 128) x 2.
     let flops = seqs as f64 * HEADS as f64 * ((qd + V_HEAD) * 2) as f64 * (len as f64 * (len as f64 + 1.0) / 2.0);
-    let mut kernels = vec![PrefillKernel::MmaSync];
-    if dev.k.prefill_kernel == PrefillKernel::Wgmma {
-        kernels.push(PrefillKernel::Wgmma);
-    }
+    let kernels = PrefillKernel::available(&dev.k);
     let mut rows = Vec::new();
     let mut outputs: Vec<Vec<f32>> = Vec::new();
     for which in kernels {
@@ -224,8 +221,8 @@ fn bench_prefill_attention(dev: &Device) -> anyhow::Result<Value> {
     }
     // Both kernels compute the same function: their outputs on this problem must agree to bf16
     // rounding (the CPU-reference checks live in tests/gpu_kernels.rs; this covers 4096-row causal).
-    if outputs.len() == 2 {
-        let (a, b) = (&outputs[0], &outputs[1]);
+    for b in &outputs[1..] {
+        let a = &outputs[0];
         let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
         let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
         let rel = (num / den).sqrt();

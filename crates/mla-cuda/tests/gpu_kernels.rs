@@ -258,11 +258,7 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
         want.extend(normal_attention(&c.d, &q[row * heads * qd..(row + n) * heads * qd], &q_pos, &latent, &kv_b_m, scale));
         row += n;
     }
-    let mut kernels = vec![PrefillKernel::MmaSync];
-    if k.prefill_kernel == PrefillKernel::Wgmma {
-        kernels.push(PrefillKernel::Wgmma);
-    }
-    for which in kernels {
+    for which in PrefillKernel::available(k) {
         // Poisoned output and state: every element must be written by this kernel's passes.
         let out = DeviceBuffer::from_host(&vec![bf16::NAN; t * heads * V_HEAD]).unwrap();
         state_o.upload(&vec![f32::NAN; t * heads * V_HEAD]).unwrap();

@@ -19,9 +19,9 @@ pub const PREFILL_TILE_Q: usize = 128;
 
 // Must match the kernels' shared-memory layout (see the comments next to the kernels).
 pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 * 136) * 2;
-/// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 1024 bytes of alignment slack
-/// (kernels/attention_prefill_sm90.cu).
-pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 1024;
+/// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes for the 1024-byte
+/// alignment and the pipeline's mbarriers (kernels/attention_prefill_sm90.cu).
+pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
 pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
 
 /// The two implementations of prefill attention (same function, same arguments).
@@ -29,8 +29,22 @@ pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) 
 pub enum PrefillKernel {
     /// mma.sync m16n8k16, 64-row blocks: any GPU of compute capability 8.0+.
     MmaSync,
-    /// wgmma with shared-memory operands, 128-row blocks of two warpgroups: sm_90a only.
+    /// wgmma with shared-memory operands, 128-row blocks of a producer and two consumer
+    /// warpgroups: sm_90a only.
     Wgmma,
+    /// The same MMAs without warp specialisation (two warpgroups that load and compute in
+    /// lockstep): sm_90a only; kept for comparison in the benchmark.
+    WgmmaLockstep,
+}
+
+impl PrefillKernel {
+    /// The implementations this GPU can run, the portable one first.
+    pub fn available(k: &Kernels) -> Vec<PrefillKernel> {
+        match k.prefill_kernel {
+            PrefillKernel::MmaSync => vec![PrefillKernel::MmaSync],
+            _ => vec![PrefillKernel::MmaSync, PrefillKernel::WgmmaLockstep, PrefillKernel::Wgmma],
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -128,9 +142,9 @@ impl Kernels {
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let (kernel, grid, threads, smem) = match which {
             PrefillKernel::MmaSync => (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES),
-            PrefillKernel::Wgmma => (&self.mla_prefill_attention_sm90, (p.heads as u32, p.tiles as u32, 1), 256, PREFILL_SM90_SMEM_BYTES),
+            PrefillKernel::Wgmma => (&self.mla_prefill_attention_sm90, (p.tiles as u32, p.heads as u32, 1), 384, PREFILL_SM90_SMEM_BYTES),
+            PrefillKernel::WgmmaLockstep => (&self.mla_prefill_attention_sm90_sync, (p.tiles as u32, p.heads as u32, 1), 256, PREFILL_SM90_SMEM_BYTES),
         };
-        anyhow::ensure!(p.tiles <= 65535 || which == PrefillKernel::MmaSync, "prefill attention: {} query tiles exceed the grid", p.tiles);
         kernel.launch(
             s,
             grid,

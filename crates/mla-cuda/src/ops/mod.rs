@@ -31,6 +31,7 @@ pub struct Kernels {
     pub gather_latent: Kernel,
     pub mla_prefill_attention: Kernel,
     pub mla_prefill_attention_sm90: Kernel,
+    pub mla_prefill_attention_sm90_sync: Kernel,
     /// Which prefill attention kernel `prefill_attention` launches on this GPU.
     pub prefill_kernel: PrefillKernel,
     pub mla_decode_attention: Kernel,
@@ -60,6 +61,7 @@ impl Kernels {
             gather_latent: m.kernel("latent_cache", "gather_latent")?,
             mla_prefill_attention: m.kernel("attention_prefill", "mla_prefill_attention")?,
             mla_prefill_attention_sm90: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90")?,
+            mla_prefill_attention_sm90_sync: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90_sync")?,
             // The wgmma kernel exists only in the sm_90a cubin, which is what compute capability 9.0
             // loads; every other GPU runs the mma.sync kernel from PTX.
             prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::Wgmma } else { PrefillKernel::MmaSync },
@@ -75,8 +77,8 @@ impl Kernels {
             sm_count: info.sm_count,
         };
         let need = attention::PREFILL_SMEM_BYTES.max(attention::DECODE_SMEM_BYTES).max(match k.prefill_kernel {
-            PrefillKernel::Wgmma => attention::PREFILL_SM90_SMEM_BYTES,
             PrefillKernel::MmaSync => 0,
+            _ => attention::PREFILL_SM90_SMEM_BYTES,
         });
         anyhow::ensure!(
             info.max_smem_per_block_optin >= need,
@@ -88,6 +90,7 @@ impl Kernels {
         k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         if k.prefill_kernel == PrefillKernel::Wgmma {
             k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
+            k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
         }
         Ok(k)
     }
