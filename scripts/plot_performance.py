@@ -59,16 +59,22 @@ def main():
     cfg = json.load(open(a.config))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     contexts = set()
+    series = {True: ([], set()), False: ([], set())}  # graphs? -> (points, commits)
     for path in a.engine:
         doc = json.load(open(path))
         r = doc["results"]
-        graphs = bool(r.get("cuda_graph_batch_sizes"))
-        label = f"mla-serve engine, {'CUDA graphs' if graphs else 'eager'} ({doc['git_commit']})"
-        pts = sorted((d["batch"], d["tokens_per_s"], d["context"]) for d in r["decode"])
+        pts, commits = series[bool(r.get("cuda_graph_batch_sizes"))]
+        commits.add(doc["git_commit"])
+        pts.extend((d["batch"], d["tokens_per_s"], d["context"]) for d in r["decode"])
+    for graphs, (pts, commits) in series.items():
+        if not pts:
+            continue
+        pts.sort()
         contexts.update(c for _, _, c in pts)
+        label = f"mla-serve engine, {'CUDA graphs' if graphs else 'eager'} ({', '.join(sorted(commits))})"
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if graphs else "s--", label=label)
         for b, t, c in pts:
-            ax1.annotate(f"{t:,.0f} (ctx {c})", (b, t), textcoords="offset points", xytext=(4, -12), fontsize=7)
+            ax1.annotate(f"{t:,.0f} (ctx {c})", (b, t), textcoords="offset points", xytext=(4, 4 if graphs else -12), fontsize=7)
     bs = [2 ** i for i in range(0, 9)]
     for c in sorted(contexts):
         ax1.plot(bs, [limit_tok_s(cfg, b, c) for b in bs], ":", label=f"physical limit, ctx {c} (bytes / 4.8 TB/s)")
