@@ -1,8 +1,7 @@
 // Decode attention on the absorbed MLA path: MQA with one shared 576-wide key (c_kv 512 | k_pe 64)
 // and 512-wide value (c_kv) read straight from the paged latent cache (page = 64 tokens).
 //
-// One block handles one request, one tile of 16 heads and one split of the request's pages (read
-// through a ring of half-page slots, see below), so
+// One block handles one request, one tile of 16 heads and one split of the request's pages, so
 // every page is read once per head tile (once per request for V2-Lite's 16 heads). Splitting the
 // KV length over blocks fills the GPU at small batch sizes; the splits are merged by a log-sum-exp
 // combine. Everything that varies between steps (lengths, block tables) is read from device
@@ -17,14 +16,10 @@ constexpr int P_STRIDE = PAGE + 8;
 constexpr int KSTEPS = D / 16;     // 36
 constexpr int DIMS_PER_WARP = DL / NWARPS;  // 128
 constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
-// Pages arrive in halves through a ring of 5 half-page slots: while one page (two slots) is
-// computed, three halves (110 KB) are in flight. Two whole pages double-buffered kept only one
-// page (74 KB) in flight, and the kernel waited on memory latency at large batches.
-constexpr int HALF = PAGE / 2, NSLOTS = 5;
 }  // namespace
 
-// Q tile + NSLOTS half pages + P tile + reduction scratch.
-// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + NSLOTS * HALF * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4
+// Q tile + two KV pages + P tile + reduction scratch.
+// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
     const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
@@ -39,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* KVs = Qs + HT * KV_STRIDE;
-    bf16* Ps = KVs + NSLOTS * HALF * KV_STRIDE;
+    bf16* Ps = KVs + 2 * PAGE * KV_STRIDE;
     float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);
     float* red_sum = red_max + NWARPS * HT;
 
@@ -57,27 +52,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
         const bool ok = h0 + r < heads;
         cp_async_16(Qs + r * KV_STRIDE + d, q + (size_t)b * q_stride + (size_t)(h0 + (ok ? r : 0)) * D + d, ok);
     }
-    // Half page j of this split (j = 0, 1 for its first page, ...) into ring slot j % NSLOTS; one
-    // commit group per half, empty past the split's end, so the group count stays fixed.
-    const int n_halves = 2 * (p_end - p_begin);
-    auto load_half = [&](int j) {
-        if (j < n_halves) {
-            const int p = p_begin + (j >> 1), row0 = (j & 1) * HALF;
-            bf16* dst = KVs + (j % NSLOTS) * HALF * KV_STRIDE;
-            const size_t base = (size_t)table[p] * PAGE + row0;
-            const int valid = min(HALF, len - p * PAGE - row0);
-#pragma unroll 2
-            for (int c = tid; c < HALF * (D / 8); c += NTHREADS) {
-                const int r = c / (D / 8), d = (c % (D / 8)) * 8;
-                const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
-                cp_async_16(dst + r * KV_STRIDE + d, cache + (base + (ok ? r : 0)) * D + d, ok);
-            }
+    auto load_page = [&](int p, int stage) {
+        bf16* dst = KVs + stage * PAGE * KV_STRIDE;
+        const size_t base = (size_t)table[p] * PAGE;
+        const int valid = min(PAGE, len - p * PAGE);
+        for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
+            const int r = c / (D / 8), d = (c % (D / 8)) * 8;
+            const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
+            cp_async_16(dst + r * KV_STRIDE + d, cache + (base + (ok ? r : 0)) * D + d, ok);
         }
-        cp_async_commit();
     };
-    load_half(0);  // with Q
-    load_half(1);
-    load_half(2);
+    if (p_begin < p_end) load_page(p_begin, 0);
+    cp_async_commit();
 
     float o[O_NTILES][4];
 #pragma unroll
@@ -86,15 +72,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
     const int mi = lane >> 3, ri = lane & 7;
 
     for (int p = p_begin; p < p_end; ++p) {
-        const int j = 2 * (p - p_begin);
-        cp_async_wait<1>();  // halves j and j + 1 landed (j + 2 may still fly)
-        __syncthreads();     // ... for every thread; the slots of the previous page are free
-        load_half(j + 3);
-        load_half(j + 4);
-        // Rows 0..31 of the page in one slot, 32..63 in the next.
-        const bf16* KV_lo = KVs + (j % NSLOTS) * HALF * KV_STRIDE;
-        const bf16* KV_hi = KVs + ((j + 1) % NSLOTS) * HALF * KV_STRIDE;
-        auto kv_row = [&](int r) { return (r < HALF ? KV_lo + r * KV_STRIDE : KV_hi + (r - HALF) * KV_STRIDE); };
+        const int stage = (p - p_begin) & 1;
+        if (p + 1 < p_end) {
+            load_page(p + 1, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16* KV = KVs + stage * PAGE * KV_STRIDE;
 
         // S = Q K^T for this warp's 16 keys.
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -109,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
             a[3] = lds32(q_hi + 8);
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
-                const bf16* kr = kv_row(warp * 16 + n * 8 + g) + ks * 16 + 2 * t4;
+                const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
                 mma_bf16_16816(sc[n], a, lds32(kr), lds32(kr + 8));
             }
         }
@@ -193,11 +180,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
 #pragma unroll
             for (int vn = 0; vn < O_NTILES / 2; ++vn) {
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, kv_row(kk * 16 + ri + (mi & 1) * 8) + warp * DIMS_PER_WARP + vn * 16 + (mi >> 1) * 8);
+                ldmatrix_x4_trans(bv, KV + (kk * 16 + ri + (mi & 1) * 8) * KV_STRIDE + warp * DIMS_PER_WARP + vn * 16 + (mi >> 1) * 8);
                 mma_bf16_16816(o[2 * vn], pa, bv[0], bv[1]);
                 mma_bf16_16816(o[2 * vn + 1], pa, bv[2], bv[3]);
             }
         }
+        __syncthreads();
     }
     cp_async_wait<0>();
 

@@ -22,7 +22,7 @@ pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 *
 /// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes for the 1024-byte
 /// alignment and the pipeline's mbarriers (kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 5 * 32 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
+pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
 
 /// The two implementations of prefill attention (same function, same arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +102,7 @@ pub struct DecodeAttention {
 }
 
 /// Splits of the KV length per request. One block per (request, head tile, split) holds a whole
-/// SM (204 KB of shared memory), so splitting only pays while all blocks fit in one wave: the
+/// SM (171 KB of shared memory), so splitting only pays while all blocks fit in one wave: the
 /// most splits that keep `batch x head tiles x splits` within the SM count (one split once the
 /// batch alone fills the GPU), at least two pages per split, at most 64. This also bounds the
 /// partial-output workspace by `SMs + batch` rows.
@@ -119,7 +119,8 @@ impl Kernels {
 
     /// Prefill attention through a chosen implementation (tests and benchmarks compare both).
     pub fn prefill_attention_with(&self, s: CUstream, p: &PrefillAttention, which: PrefillKernel) -> anyhow::Result<()> {
-        anyhow::ensure!(which == PrefillKernel::MmaSync || self.prefill_kernel == PrefillKernel::Wgmma, "the wgmma prefill attention kernel needs compute capability 9.0");
+        // The wgmma kernels are in the sm_90a cubin only (the default is MmaSync everywhere else).
+        anyhow::ensure!(which == PrefillKernel::MmaSync || self.prefill_kernel != PrefillKernel::MmaSync, "the wgmma prefill attention kernels need compute capability 9.0");
         let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
         anyhow::ensure!(p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD, "prefill attention: row strides too small");
         ensure_len!(p.q, p.q_rows * p.q_stride, "prefill queries");
