@@ -3,6 +3,9 @@
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_graphs -- --ignored --test-threads 1`.
 
+// The MSRV (1.85) predates `usize::is_multiple_of`.
+#![allow(clippy::manual_is_multiple_of)]
+
 mod common;
 
 use common::*;
