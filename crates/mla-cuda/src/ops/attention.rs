@@ -29,11 +29,12 @@ pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) 
 pub enum PrefillKernel {
     /// mma.sync m16n8k16, 64-row blocks: any GPU of compute capability 8.0+.
     MmaSync,
-    /// wgmma with shared-memory operands, 128-row blocks of a producer and two consumer
-    /// warpgroups: sm_90a only.
+    /// wgmma, 128-row blocks of a producer and two consumer warpgroups (mbarrier pipeline,
+    /// deferred P·V, ping-pong): sm_90a only; slower than `WgmmaLockstep` on the H200 so far, kept
+    /// in the benchmark to measure the next steps of that design.
     Wgmma,
-    /// The same MMAs without warp specialisation (two warpgroups that load and compute in
-    /// lockstep): sm_90a only; kept for comparison in the benchmark.
+    /// wgmma with shared-memory operands, 128-row blocks of two warpgroups that load and compute
+    /// in lockstep: sm_90a only; the default on compute capability 9.0.
     WgmmaLockstep,
 }
 

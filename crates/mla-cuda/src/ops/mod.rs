@@ -89,7 +89,7 @@ impl Kernels {
         );
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
         k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
-        if k.prefill_kernel == PrefillKernel::Wgmma {
+        if k.prefill_kernel != PrefillKernel::MmaSync {
             k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
         }
