@@ -23,6 +23,7 @@ pub struct EngineArgs {
     /// (batch, context, measured decode steps)
     pub decode: Vec<(usize, usize, usize)>,
     pub graphs: bool,
+    pub gemv: bool,
     pub seed: u64,
 }
 
@@ -180,6 +181,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     if !a.graphs {
         opts.cuda_graph_batch_sizes.clear();
     }
+    opts.small_batch_gemv = a.gemv;
     let t = Instant::now();
     let backend = CudaBackend::new(cfg, WeightsFrom::DummyOnDevice { seed: a.seed }, opts)?;
     let startup_s = t.elapsed().as_secs_f64();
@@ -225,6 +227,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
         "backend_startup_s": startup_s,
         "kv_cache_blocks": blocks,
         "cuda_graph_batch_sizes": graph_sizes,
+        "small_batch_gemv": a.gemv,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_num_seqs": a.max_num_seqs,
         "max_model_len": a.max_model_len,

@@ -59,6 +59,9 @@ enum Cmd {
         /// Run every step eagerly (no CUDA graphs), for the before/after comparison.
         #[arg(long)]
         no_cuda_graphs: bool,
+        /// Small-batch linear layers through cuBLAS instead of the GEMV kernel.
+        #[arg(long)]
+        no_gemv: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -128,7 +131,7 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
     match Cli::parse().cmd {
         Cmd::Kernels { bench_bin, only, out } => kernels::run(&bench_bin.unwrap_or_else(kernels::default_bench_bin), out.as_deref(), &only),
-        Cmd::Engine { config, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, max_model_len, prefill_len, prefill_reps, decode, no_cuda_graphs, seed, out } => {
+        Cmd::Engine { config, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, max_model_len, prefill_len, prefill_reps, decode, no_cuda_graphs, no_gemv, seed, out } => {
             let args = engine_bench::EngineArgs {
                 config,
                 gpu_memory_utilization,
@@ -139,6 +142,7 @@ fn main() -> anyhow::Result<()> {
                 prefill_reps,
                 decode: engine_bench::parse_decode(&decode)?,
                 graphs: !no_cuda_graphs,
+                gemv: !no_gemv,
                 seed,
             };
             let r = engine_bench::run(&args)?;

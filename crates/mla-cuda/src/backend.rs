@@ -45,6 +45,9 @@ pub struct CudaOptions {
     /// Device memory the graph captures may take; capturing stops at the first size that would
     /// exceed it (it must fit in the 512 MiB the KV sizing leaves free).
     pub cuda_graph_memory_budget: usize,
+    /// Linear layers of steps with at most 4 rows through the weight-streaming GEMV kernel
+    /// instead of cuBLAS (`model::gemv`).
+    pub small_batch_gemv: bool,
 }
 
 /// The default decode graph buckets: fine steps at small batches, where padding costs most.
@@ -63,6 +66,7 @@ impl Default for CudaOptions {
             num_blocks: None,
             cuda_graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
             cuda_graph_memory_budget: 256 << 20,
+            small_batch_gemv: true,
         }
     }
 }
@@ -295,6 +299,7 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
         model.num_blocks * PAGE_SIZE
     );
     let mut model = model;
+    model.gemv.enabled = opts.small_batch_gemv;
     let t1 = std::time::Instant::now();
     let sizes = opts.graph_sizes();
     let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;

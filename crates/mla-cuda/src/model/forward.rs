@@ -57,6 +57,8 @@ pub struct CudaModel {
     pub activation_bytes: usize,
     /// Forces the decode split count (tests comparing eager steps with a captured graph).
     pub decode_splits_override: Option<usize>,
+    /// Linear layers of steps with at most 4 rows (decode at small batch).
+    pub gemv: super::gemv::Gemv,
 }
 
 fn meta_len(l: &Limits, max_blocks_per_seq: usize) -> usize {
@@ -132,6 +134,7 @@ impl CudaModel {
             max_model_len,
             activation_bytes,
             decode_splits_override: None,
+            gemv: super::gemv::Gemv::load(dev, true)?,
         })
     }
 
@@ -232,7 +235,7 @@ impl CudaModel {
             let r = m.logit_rows;
             k.gather_rows(s, ws.h.slice(), self.meta(m.logit_src, r), ws.h_rows.slice(), r, hidden)?;
             let v = cfg.vocab_size;
-            dev.blas.linear_f32_out(&self.weights.output_projection(), ws.h_rows.slice(), hidden, r, ws.logits.slice(), v)?;
+            self.gemv.linear_f32_out(dev, &self.weights.output_projection(), ws.h_rows.slice(), hidden, r, ws.logits.slice(), v)?;
         }
         if m.sample_rows > 0 {
             let n = m.sample_rows;
@@ -264,15 +267,15 @@ impl CudaModel {
         let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
         let h = ws.h.slice();
         match &lw.query {
-            QueryWeights::Direct(q) => blas.linear(&q.lin(), h, hidden, t, ws.q.slice(), heads * qd)?,
+            QueryWeights::Direct(q) => self.gemv.linear(dev, &q.lin(), h, hidden, t, ws.q.slice(), heads * qd)?,
             QueryWeights::LowRank { a, a_norm, b } => {
                 let r = a.out;
-                blas.linear(&a.lin(), h, hidden, t, ws.q_a.slice(), r)?;
+                self.gemv.linear(dev, &a.lin(), h, hidden, t, ws.q_a.slice(), r)?;
                 k.rmsnorm_bf16(s, ws.q_a.slice(), r, a_norm.slice(), ws.q_a_normed.slice(), r, t, r, self.eps)?;
-                blas.linear(&b.lin(), ws.q_a_normed.slice(), r, t, ws.q.slice(), heads * qd)?;
+                self.gemv.linear(dev, &b.lin(), ws.q_a_normed.slice(), r, t, ws.q.slice(), heads * qd)?;
             }
         }
-        blas.linear(&lw.kv_a.lin(), h, hidden, t, ws.kva.slice(), lat)?;
+        self.gemv.linear(dev, &lw.kv_a.lin(), h, hidden, t, ws.kva.slice(), lat)?;
         let cache = self.layer_cache(l);
         let decode = m.kind == StepKind::Decode;
         k.rope_cache(
@@ -354,7 +357,7 @@ impl CudaModel {
                 )?;
             }
         }
-        blas.linear(&lw.o_proj.lin(), ws.attn_out.slice(), heads * V_HEAD, t, ws.delta.slice(), hidden)?;
+        self.gemv.linear(dev, &lw.o_proj.lin(), ws.attn_out.slice(), heads * V_HEAD, t, ws.delta.slice(), hidden)?;
         Ok(())
     }
 
@@ -362,9 +365,9 @@ impl CudaModel {
         let hidden = self.cfg.hidden_size;
         let inter = w.down.inp;
         let ws = &self.ws;
-        dev.blas.linear(&w.gate_up.lin(), ws.h.slice(), hidden, t, ws.gate_up.slice(), 2 * inter)?;
+        self.gemv.linear(dev, &w.gate_up.lin(), ws.h.slice(), hidden, t, ws.gate_up.slice(), 2 * inter)?;
         dev.k.silu_mul(dev.stream(), ws.gate_up.slice(), ws.act.slice(), t, inter)?;
-        dev.blas.linear(&w.down.lin(), ws.act.slice(), inter, t, out, hidden)?;
+        self.gemv.linear(dev, &w.down.lin(), ws.act.slice(), inter, t, out, hidden)?;
         Ok(())
     }
 

@@ -2,6 +2,7 @@
 //! per-step metadata and the step itself.
 
 mod forward;
+pub mod gemv;
 pub mod graph;
 pub mod meta;
 pub mod weights;
