@@ -19,16 +19,20 @@
 #include "common.cuh"
 
 namespace {
-constexpr int NOPE = 128, DQK = 192, DV = 128;
-constexpr int BM = 128, BN = 128, NTHREADS = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr uint32_t Q_BYTES = BM * DQK * 2, K_BYTES = BN * DQK * 2, V_BYTES = BN * DV * 2;
-constexpr uint32_t STAGE_BYTES = K_BYTES + V_BYTES;
+constexpr int NTHREADS = 384;  // producer warpgroup + 2 consumer warpgroups
 }  // namespace
 
 // Dynamic shared memory (the Rust wrapper computes the same): Q_BYTES + 2 * STAGE_BYTES + 2048
-// (1024-byte alignment slack, then the 5 mbarriers) = 215040 bytes.
+// (1024-byte alignment slack, then the mbarriers) = 215040 bytes.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// (Only the sm_90a pass uses these; the compute_80 PTX pass builds empty kernels.)
+namespace {
+constexpr int NOPE = 128, DQK = 192, DV = 128;
+constexpr int BM = 128, BN = 128;
+constexpr uint32_t Q_BYTES = BM * DQK * 2, K_BYTES = BN * DQK * 2, V_BYTES = BN * DV * 2;
+constexpr uint32_t STAGE_BYTES = K_BYTES + V_BYTES;
+}  // namespace
 DEVICE_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 DEVICE_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
