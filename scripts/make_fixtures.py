@@ -7,7 +7,7 @@ This script builds tiny random DeepSeek models with deterministic seeds, writes 
 *published* checkpoint format (per-expert tensor names, `rope_scaling` with "type": "yarn",
 FP8 block-quantised weights for v3_fp8) and records HF's logits and greedy continuations.
 
-Format (docs/helpers-common.md): config.json, model.safetensors, oracle.json,
+Format (CONTRIBUTING.md): config.json, model.safetensors, oracle.json,
 oracle_f32.safetensors (HF float32 on CPU), oracle_bf16_cuda.safetensors (HF bfloat16 on CUDA).
 
 Needs torch and transformers (5.17 was used); the bf16 oracle needs a CUDA GPU.

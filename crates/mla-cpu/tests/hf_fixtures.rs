@@ -1,5 +1,5 @@
 //! End-to-end agreement with HF transformers 5.17 (f32 oracle logits in tests/fixtures/<variant>,
-//! see docs/helpers-common.md) for every fixture variant:
+//! see CONTRIBUTING.md) for every fixture variant:
 //! - one-piece prefill of prompt + continuation reproduces every oracle row;
 //! - prefill of the prompt, then teacher-forced token-by-token decode through the paged cache
 //!   (absorbed path) reproduces the rows at those positions;
