@@ -10,7 +10,8 @@ use half::bf16;
 
 /// Most rows the kernel handles (MAXM in gemv.cu).
 pub const GEMV_MAX_ROWS: usize = 4;
-const ROWS_PER_BLOCK: usize = 8; // WARPS * ROWS in gemv.cu
+const ROWS_PER_BLOCK: usize = 2; // RB in gemv.cu
+const THREADS: u32 = 256;
 
 pub struct Gemv {
     kernel: Kernel,
@@ -57,7 +58,7 @@ impl Gemv {
         self.kernel.launch(
             dev.stream(),
             (grid, 1, 1),
-            128,
+            THREADS,
             0,
             &[
                 Arg::Ptr(lin.w.ptr),
