@@ -1,16 +1,16 @@
-// Skinny linear layers for decode at batch <= 4: y[m, n] = sum_k x[m, k] * W[n, k], W bf16
-// row-major [N, K] (the HF layout), x bf16 [M, K] at a row stride, f32 accumulation, bf16 or f32
-// output. At M <= 4 a linear layer is one pass over its weights; cuBLAS's kernels for M = 1 read
-// them at 1.37 TB/s on the H200 (ncu, run S1). A block owns RB output rows and splits K over all
-// its 256 threads, so every 16-byte load of a row is issued at once even for the small
-// matrices (576 x 2048 is 2.4 MB: latency, not bandwidth, is what a per-warp-row design paid for
-// in run S4: 6-8 us per launch); warps reduce in registers, then across the block in shared
-// memory.
+// Skinny linear layers: y[m, n] = sum_k x[m, k] * W[n, k], W bf16 row-major [N, K] (the HF
+// layout), x bf16 [M <= 4, K] at a row stride, f32 accumulation, bf16 or f32 output. Each warp
+// owns ROWS output rows and streams them with 16-byte loads, UNROLL chunks of 256 elements in
+// flight per row, then reduces across the warp. Measured on the H200 (docs/performance.md, runs
+// S4/S5): the lm_head (419 MB) at 4.3 TB/s, but 2-25 MB projections at 6-10 us per launch, where
+// cuBLAS's M = 1 kernels take about as long; B=1 decode 279 -> 289 tok/s, B=4 slower than cuBLAS
+// (687 -> 601), and a K-split-over-the-block variant was no faster at B=1 and slower on the
+// lm_head. The model uses it for single-row steps only.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
 namespace {
-constexpr int MAXM = 4, RB = 2, THREADS = 256, WARPS = THREADS / 32, UNROLL = 2;
+constexpr int MAXM = 4, ROWS = 2, UNROLL = 2, WARPS = 4;
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -23,69 +23,69 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
 }
 }  // namespace
 
-// Grid: ceil(N / RB) blocks of THREADS threads. K % 8 == 0, x_stride % 8 == 0, W and x 16-byte
-// aligned (the wrapper checks).
-extern "C" __global__ void __launch_bounds__(THREADS) gemv_bf16(
+// Grid: ceil(N / (WARPS * ROWS)) blocks of 32 * WARPS threads. K % 8 == 0, x_stride % 8 == 0,
+// W, x 16-byte aligned (the wrapper checks).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
     const __nv_bfloat16* __restrict__ w, int n_rows, int k_len,
     const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows,
     void* __restrict__ y, int y_stride, int out_f32) {
-    __shared__ float red[WARPS][RB][MAXM];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int row0 = blockIdx.x * RB;
-    float acc[RB][MAXM];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
+    if (row0 >= n_rows) return;
+    float acc[ROWS][MAXM];
 #pragma unroll
-    for (int r = 0; r < RB; ++r)
+    for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
-    const uint4* wv[RB];
+    const uint4* wv[ROWS];
 #pragma unroll
-    for (int r = 0; r < RB; ++r) wv[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, n_rows - 1) * k_len);
+    for (int r = 0; r < ROWS; ++r) wv[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, n_rows - 1) * k_len);
     const int chunks = k_len / 8;  // 16-byte chunks per row
-    for (int c0 = tid; c0 < chunks; c0 += THREADS * UNROLL) {
-        uint4 wc[UNROLL][RB];
+    for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
+        uint4 wc[UNROLL][ROWS];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                const int c = c0 + THREADS * u;
+            for (int r = 0; r < ROWS; ++r) {
+                const int c = c0 + 32 * u;
                 wc[u][r] = c < chunks ? __ldg(wv[r] + c) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int c = c0 + THREADS * u;
+            const int c = c0 + 32 * u;
             if (c >= chunks) break;
-            float wf[RB][8];
-#pragma unroll
-            for (int r = 0; r < RB; ++r) bf16x8_to_f32(wc[u][r], wf[r]);
 #pragma unroll
             for (int m = 0; m < MAXM; ++m) {
                 if (m >= m_rows) break;
                 float xf[8];
                 bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * x_stride) + c), xf);
 #pragma unroll
-                for (int r = 0; r < RB; ++r)
+                for (int r = 0; r < ROWS; ++r) {
+                    float wf[8];
+                    bf16x8_to_f32(wc[u][r], wf);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(wf[r][i], xf[i], acc[r][m]);
+                    for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(wf[i], xf[i], acc[r][m]);
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < RB; ++r)
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m)
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+    if (lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int n = row0 + r;
+        if (n >= n_rows) break;
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
-            float v = acc[r][m];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == 0) red[warp][r][m] = v;
+            if (m >= m_rows) break;
+            const size_t at = (size_t)m * y_stride + n;
+            if (out_f32) reinterpret_cast<float*>(y)[at] = acc[r][m];
+            else reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(acc[r][m]);
         }
-    __syncthreads();
-    if (tid >= RB * MAXM) return;
-    const int r = tid / MAXM, m = tid % MAXM, n = row0 + r;
-    if (n >= n_rows || m >= m_rows) return;
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) s += red[i][r][m];
-    const size_t at = (size_t)m * y_stride + n;
-    if (out_f32) reinterpret_cast<float*>(y)[at] = s;
-    else reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(s);
+    }
 }

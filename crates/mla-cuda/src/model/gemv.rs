@@ -1,21 +1,27 @@
-//! Linear layers of decode steps with at most `GEMV_MAX_ROWS` rows: a weight-streaming kernel
+//! Linear layers of single-row steps (decode at B=1): a weight-streaming kernel
 //! (`kernels/gemv.cu`) instead of cuBLAS, whose M = 1 kernels read weights at 1.37 TB/s on the
-//! H200 (ncu, run S1 in docs/performance.md). Anything else, or a shape the kernel cannot take
-//! (unaligned rows), goes to cuBLAS.
+//! H200 (ncu, run S1 in docs/performance.md). On the H200 it made B=1 decode 3.5% faster and
+//! B=2..4 slower than cuBLAS (runs S4/S5), so steps of more rows, and shapes the kernel cannot
+//! take (unaligned rows), go to cuBLAS.
 
 use crate::device::Device;
 use crate::gpu::{Arg, DSlice, Kernel};
 use crate::ops::Linear;
 use half::bf16;
 
-/// Most rows the kernel handles (MAXM in gemv.cu).
-pub const GEMV_MAX_ROWS: usize = 4;
-const ROWS_PER_BLOCK: usize = 2; // RB in gemv.cu
-const THREADS: u32 = 256;
+/// Most rows the kernel is used for (it handles up to MAXM = 4 in gemv.cu; the GPU test covers
+/// 1..=4), from the H200 measurements above.
+pub const GEMV_MAX_ROWS: usize = 1;
+/// Most rows the kernel can take.
+pub const GEMV_KERNEL_MAX_ROWS: usize = 4;
+const ROWS_PER_BLOCK: usize = 8; // WARPS * ROWS in gemv.cu
 
 pub struct Gemv {
     kernel: Kernel,
     pub enabled: bool,
+    /// Steps of up to this many rows use the kernel (`GEMV_MAX_ROWS`; tests raise it to
+    /// `GEMV_KERNEL_MAX_ROWS`).
+    pub max_rows: usize,
 }
 
 enum Out {
@@ -25,12 +31,12 @@ enum Out {
 
 impl Gemv {
     pub fn load(dev: &Device, enabled: bool) -> anyhow::Result<Self> {
-        Ok(Gemv { kernel: dev.kernel("gemv", "gemv_bf16")?, enabled })
+        Ok(Gemv { kernel: dev.kernel("gemv", "gemv_bf16")?, enabled, max_rows: GEMV_MAX_ROWS })
     }
 
     fn fits(&self, lin: &Linear, x: &DSlice<bf16>, x_stride: usize, rows: usize) -> bool {
         self.enabled
-            && (1..=GEMV_MAX_ROWS).contains(&rows)
+            && (1..=self.max_rows).contains(&rows)
             && lin.inp % 8 == 0
             && x_stride % 8 == 0
             && x.ptr % 16 == 0
@@ -58,7 +64,7 @@ impl Gemv {
         self.kernel.launch(
             dev.stream(),
             (grid, 1, 1),
-            THREADS,
+            128,
             0,
             &[
                 Arg::Ptr(lin.w.ptr),
