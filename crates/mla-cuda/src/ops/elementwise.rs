@@ -61,7 +61,13 @@ impl Kernels {
         ensure_len!(x, (rows - 1) * x_stride + n, "rmsnorm_bf16 input");
         ensure_len!(w, n, "rmsnorm_bf16 weight");
         ensure_len!(out, (rows - 1) * out_stride + n, "rmsnorm_bf16 output");
-        self.rmsnorm_bf16.launch(s, (rows as u32, 1, 1), ROW_THREADS, 0, &[Arg::Ptr(x.ptr), Arg::I32(x_stride as i32), Arg::Ptr(w.ptr), Arg::Ptr(out.ptr), Arg::I32(out_stride as i32), Arg::I32(n as i32), Arg::F32(eps)])?;
+        self.rmsnorm_bf16.launch(
+            s,
+            (rows as u32, 1, 1),
+            ROW_THREADS,
+            0,
+            &[Arg::Ptr(x.ptr), Arg::I32(x_stride as i32), Arg::Ptr(w.ptr), Arg::Ptr(out.ptr), Arg::I32(out_stride as i32), Arg::I32(n as i32), Arg::F32(eps)],
+        )?;
         Ok(())
     }
 

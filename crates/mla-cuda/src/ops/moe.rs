@@ -54,7 +54,18 @@ impl MoeRouting {
 impl Kernels {
     /// Router top-k from f32 logits [tokens, experts].
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_route(&self, s: CUstream, logits: DSlice<f32>, bias: Option<DSlice<f32>>, r: &MoeRouting, method: RouteMethod, n_group: usize, topk_group: usize, norm_topk: bool, routed_scale: f32) -> anyhow::Result<()> {
+    pub fn moe_route(
+        &self,
+        s: CUstream,
+        logits: DSlice<f32>,
+        bias: Option<DSlice<f32>>,
+        r: &MoeRouting,
+        method: RouteMethod,
+        n_group: usize,
+        topk_group: usize,
+        norm_topk: bool,
+        routed_scale: f32,
+    ) -> anyhow::Result<()> {
         anyhow::ensure!(r.experts <= 256, "{} routed experts: the router kernel handles at most 256", r.experts);
         anyhow::ensure!(r.top_k <= 32 && n_group <= 32 && r.experts % n_group.max(1) == 0, "router: top_k {} / n_group {n_group} unsupported", r.top_k);
         ensure_len!(logits, r.tokens * r.experts, "router logits");
@@ -136,7 +147,13 @@ impl Kernels {
         anyhow::ensure!(hidden % 8 == 0, "hidden size {hidden} is not a multiple of 8");
         ensure_len!(x, r.tokens * hidden, "MoE input");
         ensure_len!(grouped, rows * hidden, "grouped rows");
-        self.moe_gather.launch(s, (grid_for(self, rows * hidden / 8, 256), 1, 1), 256, 0, &[Arg::Ptr(x.ptr), Arg::Ptr(r.perm_src.ptr), Arg::Ptr(grouped.ptr), Arg::I32(rows as i32), Arg::I32(hidden as i32)])?;
+        self.moe_gather.launch(
+            s,
+            (grid_for(self, rows * hidden / 8, 256), 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(x.ptr), Arg::Ptr(r.perm_src.ptr), Arg::Ptr(grouped.ptr), Arg::I32(rows as i32), Arg::I32(hidden as i32)],
+        )?;
         Ok(())
     }
 

@@ -39,7 +39,18 @@ impl Kernels {
     /// Samples `rows` rows of `logits` ([rows, vocab] at `stride`). Penalty entries are triples
     /// (unique token, output count, seen-anywhere flag) indexed by each row's [pen_begin, pen_end).
     #[allow(clippy::too_many_arguments)]
-    pub fn sample(&self, s: CUstream, logits: DSlice<f32>, stride: usize, rows: usize, vocab: usize, params: DSlice<SampleParamsRaw>, pen: DSlice<i32>, work: DSlice<f32>, out: &SamplerOutputs) -> anyhow::Result<()> {
+    pub fn sample(
+        &self,
+        s: CUstream,
+        logits: DSlice<f32>,
+        stride: usize,
+        rows: usize,
+        vocab: usize,
+        params: DSlice<SampleParamsRaw>,
+        pen: DSlice<i32>,
+        work: DSlice<f32>,
+        out: &SamplerOutputs,
+    ) -> anyhow::Result<()> {
         if rows == 0 {
             return Ok(());
         }
