@@ -3,11 +3,14 @@
 //! - decode attention (absorbed MQA over the paged cache, split-KV + combine): kernel time and
 //!   effective bandwidth at batch 1, 32, 128 (and 256), context 4096;
 //! - prefill attention (causal, qk 192 / v 128): TFLOP/s for 4 x 4096 tokens;
+//! - MoE expert GEMMs (gate/up + SiLU·mul + down over the device tile map) on the V2-Lite shape
+//!   at 4096 tokens (prefill) and 256 (decode B=256): TFLOP/s and expert-weight bandwidth, every
+//!   tile height the GPU has, outputs cross-checked;
 //! - one full decode step (dummy weights, context 4096) at batch 1 and 64, eager and replayed
 //!   from a CUDA graph.
 //!
 //! Build here: `cargo bench -p mla-cuda --bench mla_cuda_bench --no-run`; run on the GPU machine:
-//! `mla_cuda_bench --out bench.json [--only decode_attention,prefill_attention,decode_step]`.
+//! `mla_cuda_bench --out bench.json [--only decode_attention,prefill_attention,moe_experts,decode_step]`.
 
 use half::bf16;
 use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
@@ -25,7 +28,7 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let out = arg("--out").unwrap_or_else(|| "bench.json".into());
-    let only = arg("--only").unwrap_or_else(|| "decode_attention,prefill_attention,decode_step".into());
+    let only = arg("--only").unwrap_or_else(|| "decode_attention,prefill_attention,moe_experts,decode_step".into());
     let config = arg("--config").unwrap_or_else(|| "configs/deepseek-v2-lite.json".into());
     let dev = Device::new(0)?;
     let info = dev.gpu.info.clone();
@@ -36,6 +39,9 @@ fn main() -> anyhow::Result<()> {
     }
     if only.contains("prefill_attention") {
         results.insert("prefill_attention".into(), bench_prefill_attention(&dev)?);
+    }
+    if only.contains("moe_experts") {
+        results.insert("moe_experts".into(), bench_moe_experts(&dev)?);
     }
     if only.contains("profile_step") {
         // For `ncu --profile-from-start off`: one eager decode step at B=1 and one at B=64.
@@ -231,6 +237,88 @@ fn bench_prefill_attention(dev: &Device) -> anyhow::Result<Value> {
         anyhow::ensure!(finite && rel < 1e-2, "wgmma and mma.sync prefill attention disagree: rel {rel}, finite {finite}");
     }
     Ok(json!(rows))
+}
+
+/// V2-Lite's routed experts (hidden 2048, moe_intermediate 1408, 64 experts, top-6) over random
+/// routing: gate/up GEMM + SiLU·mul, then down, for each tile height this GPU has.
+fn bench_moe_experts(dev: &Device) -> anyhow::Result<Value> {
+    let (h, im, e, top) = (2048usize, 1408usize, 64usize, 6usize);
+    let (s, k) = (dev.stream(), &dev.k);
+    let w_gu = fill(dev, e * 2 * im * h, 0.02, 11)?;
+    let w_down = fill(dev, e * h * im, 0.02, 12)?;
+    let weight_bytes = ((e * 2 * im * h + e * h * im) * 2) as f64;
+    let mut rows_json = vec![];
+    for tokens in [4096usize, 256] {
+        let a = tokens * top;
+        // Uniform random top-6 of 64 per token (distinct), from a fixed LCG.
+        let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ tokens as u64;
+        let mut ids = Vec::with_capacity(a);
+        for _ in 0..tokens {
+            let mut chosen: Vec<i32> = vec![];
+            while chosen.len() < top {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let x = ((state >> 33) % e as u64) as i32;
+                if !chosen.contains(&x) {
+                    chosen.push(x);
+                }
+            }
+            ids.extend(chosen);
+        }
+        let i32s = |n: usize| DeviceBuffer::<i32>::alloc(n);
+        let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
+        let (d_ids, off, perm, inv, te, tr0, trs, nt) = (DeviceBuffer::from_host(&ids)?, i32s(e + 1)?, i32s(a)?, i32s(a)?, i32s(tiles)?, i32s(tiles)?, i32s(tiles)?, i32s(1)?);
+        let w = DeviceBuffer::<f32>::alloc(a)?;
+        let x = fill(dev, a * h, 1.0, 13)?;
+        let gu = DeviceBuffer::<bf16>::alloc(a * 2 * im)?;
+        let act = DeviceBuffer::<bf16>::alloc(a * im)?;
+        let y = DeviceBuffer::<bf16>::alloc(a * h)?;
+        let mut heights = vec![GROUPED_TILE_M];
+        if k.moe_wgmma {
+            heights.push(GROUPED_TILE_M_SM90);
+        }
+        let default_tile = k.moe_tile_m(tokens, top, e);
+        let flops = 2.0 * a as f64 * (2 * im * h + h * im) as f64;
+        let mut outputs: Vec<Vec<f32>> = vec![];
+        for tile_m in heights {
+            let r = MoeRouting {
+                tokens,
+                tile_m,
+                experts: e,
+                top_k: top,
+                topk_ids: d_ids.slice(),
+                topk_w: w.slice(),
+                expert_off: off.slice(),
+                perm_src: perm.slice(),
+                inv_row: inv.slice(),
+                tile_expert: te.slice(),
+                tile_row0: tr0.slice(),
+                tile_rows: trs.slice(),
+                num_tiles: nt.slice(),
+            };
+            k.moe_align(s, &r)?;
+            dev.gpu.sync()?;
+            y.upload(&vec![bf16::NAN; a * h])?;
+            let gate_up_ms = time_ms(dev, 5, 9, |_| k.moe_gate_up_act(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r))?;
+            let down_ms = time_ms(dev, 5, 9, |_| k.moe_grouped_gemm(s, act.slice(), w_down.slice(), y.slice(), h, im, &r))?;
+            let ms = gate_up_ms + down_ms;
+            let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);
+            println!("MoE experts {tokens} tokens, tiles of {tile_m}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s");
+            dev.gpu.sync()?;
+            outputs.push(y.download()?.iter().map(|v| v.to_f32()).collect());
+            rows_json.push(json!({"tokens": tokens, "assignments": a, "tile_m": tile_m, "default": tile_m == default_tile, "gate_up_silu_ms": gate_up_ms, "down_ms": down_ms, "time_ms": ms, "flops": flops, "TFLOPs": tflops, "expert_weight_bytes": weight_bytes, "weight_TBps": tbps}));
+        }
+        // Same function whatever the tiles (the CPU-reference checks are in tests/gpu_kernels.rs).
+        for b in &outputs[1..] {
+            let a0 = &outputs[0];
+            let num: f64 = a0.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+            let den: f64 = a0.iter().map(|p| (*p as f64).powi(2)).sum();
+            let rel = (num / den).sqrt();
+            let finite = b.iter().all(|v| v.is_finite());
+            println!("MoE experts {tokens} tokens: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");
+            anyhow::ensure!(finite && rel < 1e-2, "grouped GEMM variants disagree: rel {rel}, finite {finite}");
+        }
+    }
+    Ok(json!({"shape": "deepseek-v2-lite routed experts: hidden 2048, moe_intermediate 1408, 64 experts, top-6, uniform random routing", "rows": rows_json}))
 }
 
 fn decode_plan(batch: usize, j: usize, vocab: usize) -> StepPlan {

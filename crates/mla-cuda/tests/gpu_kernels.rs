@@ -470,9 +470,11 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     let dev = device();
     let (s, k) = (dev.stream(), &dev.k);
     let mut rng = Rng::new(13);
-    // Uneven loads: 150 tokens over 16 experts, top-3, skewed so some experts get > 64 rows
-    // (several tiles), some few, some none. Sizes that are not tile multiples on purpose.
-    let (t, e, top, hidden, inter) = (150usize, 16usize, 3usize, 200usize, 72usize);
+    // Uneven loads: 300 tokens over 16 experts, top-3, skewed so experts 0-3 get > 128 rows
+    // (several tiles of every height), some few, expert 13 none. Sizes that are not tile
+    // multiples on purpose (K = 200 and 72 end in partial 64-wide slices, N = 72 and 200 in
+    // partial column blocks).
+    let (t, e, top, hidden, inter) = (300usize, 16usize, 3usize, 200usize, 72usize);
     let mut ids = Vec::with_capacity(t * top);
     for _ in 0..t {
         let mut chosen: Vec<i32> = vec![];
@@ -511,19 +513,26 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
             *o += sh;
         }
     }
-    for tile_m in [GROUPED_TILE_M, GROUPED_TILE_M_SMALL] {
+    // Every GEMM variant this GPU has: mma.sync 64- and 16-row tiles, and on sm_90 the wgmma
+    // kernels (128-row tiles, SiLU·mul fused into the gate/up GEMM).
+    let mut tile_heights = vec![GROUPED_TILE_M, GROUPED_TILE_M_SMALL];
+    if k.moe_wgmma {
+        tile_heights.push(GROUPED_TILE_M_SM90);
+    }
+    for tile_m in tile_heights {
     let r = bufs.routing_tiles(t, e, top, tile_m);
     let (d_x, d_gu, d_down, d_shared) = (up_bf16(&x), up_bf16(&gate_up), up_bf16(&down_w), up_bf16(&shared));
     let a = t * top;
-    let gx = DeviceBuffer::<bf16>::alloc(a * hidden).unwrap();
-    let ggu = DeviceBuffer::<bf16>::alloc(a * 2 * inter).unwrap();
-    let gact = DeviceBuffer::<bf16>::alloc(a * inter).unwrap();
-    let gy = DeviceBuffer::<bf16>::alloc(a * hidden).unwrap();
-    let out = DeviceBuffer::<bf16>::alloc(t * hidden).unwrap();
+    // Poisoned outputs: every element the kernels own must be rewritten.
+    let nan = |n: usize| DeviceBuffer::from_host(&vec![bf16::NAN; n]).unwrap();
+    let gx = nan(a * hidden);
+    let ggu = nan(a * 2 * inter);
+    let gact = nan(a * inter);
+    let gy = nan(a * hidden);
+    let out = nan(t * hidden);
     k.moe_align(s, &r).unwrap();
     k.moe_gather(s, d_x.slice(), &r, gx.slice(), hidden).unwrap();
-    k.moe_grouped_gemm(s, gx.slice(), d_gu.slice(), ggu.slice(), 2 * inter, hidden, &r).unwrap();
-    k.silu_mul(s, ggu.slice(), gact.slice(), a, inter).unwrap();
+    k.moe_gate_up_act(s, gx.slice(), d_gu.slice(), ggu.slice(), gact.slice(), inter, hidden, &r).unwrap();
     k.moe_grouped_gemm(s, gact.slice(), d_down.slice(), gy.slice(), hidden, inter, &r).unwrap();
     k.moe_combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
     dev.gpu.sync().unwrap();
@@ -537,7 +546,11 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     let mut inv = down(bufs.inv.slice());
     inv.sort();
     assert_eq!(inv, (0..a as i32).collect::<Vec<_>>());
-    let err = rel_l2(&down_bf16(out.slice()), &want);
+    // Several tiles per expert at this height, and an empty expert.
+    assert!(counts[..4].iter().all(|&c| c as usize > tile_m) && counts[13] == 0, "routing does not exercise the tile map: {counts:?}");
+    let got = down_bf16(out.slice());
+    assert!(got.iter().all(|v| v.is_finite()), "MoE output has non-finite values with tiles of {tile_m}");
+    let err = rel_l2(&got, &want);
     println!("MoE experts (tiles of {tile_m} rows) rel err {err:.2e}");
     assert!(err < 1.5e-2, "MoE rel err {err} with tiles of {tile_m}");
     }

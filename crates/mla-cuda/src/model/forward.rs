@@ -377,7 +377,7 @@ impl CudaModel {
         let hidden = cfg.hidden_size;
         let ws = &self.ws;
         let mb = ws.moe.as_ref().expect("MoE buffers exist when a layer is MoE");
-        let r = mb.routing(t, cfg);
+        let r = mb.routing(t, cfg, k.moe_tile_m(t, cfg.num_experts_per_tok, cfg.n_routed_experts));
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         k.bf16_to_f32(s, ws.h.slice(), mb.h_f32.slice(), t * hidden)?;
         dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
@@ -389,8 +389,7 @@ impl CudaModel {
         k.moe_route(s, mb.router_logits.slice(), w.bias.as_ref().map(|b| b.slice()), &r, method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor as f32)?;
         k.moe_align(s, &r)?;
         k.moe_gather(s, ws.h.slice(), &r, mb.grouped_x.slice(), hidden)?;
-        k.moe_grouped_gemm(s, mb.grouped_x.slice(), w.gate_up.slice(), mb.grouped_gate_up.slice(), 2 * im, hidden, &r)?;
-        k.silu_mul(s, mb.grouped_gate_up.slice(), mb.grouped_act.slice(), t * cfg.num_experts_per_tok, im)?;
+        k.moe_gate_up_act(s, mb.grouped_x.slice(), w.gate_up.slice(), mb.grouped_gate_up.slice(), mb.grouped_act.slice(), im, hidden, &r)?;
         k.moe_grouped_gemm(s, mb.grouped_act.slice(), w.down.slice(), mb.grouped_y.slice(), hidden, im, &r)?;
         let shared = match &w.shared {
             Some(sh) => {

@@ -50,10 +50,12 @@ pub struct MoeBuffers {
 }
 
 impl MoeBuffers {
-    pub fn routing(&self, tokens: usize, cfg: &ModelConfig) -> MoeRouting {
+    /// The routing of `tokens` tokens with grouped-GEMM tiles of `tile_m` rows
+    /// (`Kernels::moe_tile_m`).
+    pub fn routing(&self, tokens: usize, cfg: &ModelConfig, tile_m: usize) -> MoeRouting {
         MoeRouting {
             tokens,
-            tile_m: MoeRouting::pick_tile_m(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts),
+            tile_m,
             experts: cfg.n_routed_experts,
             top_k: cfg.num_experts_per_tok,
             topk_ids: self.topk_ids.slice(),

@@ -5,10 +5,16 @@ use crate::gpu::{Arg, DSlice};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 
-/// Rows per grouped-GEMM tile of the two kernel variants (kernels/grouped_gemm.cu): 64 for
-/// prefill, 16 for decode batches.
+/// Rows per grouped-GEMM tile of the kernel variants: 64 for prefill and 16 for decode batches
+/// (mma.sync, kernels/grouped_gemm.cu), 128 for the wgmma kernels that replace the 64-row one on
+/// sm_90 (kernels/grouped_gemm_sm90.cu).
 pub const GROUPED_TILE_M: usize = 64;
 pub const GROUPED_TILE_M_SMALL: usize = 16;
+pub const GROUPED_TILE_M_SM90: usize = 128;
+
+/// Dynamic shared memory of the wgmma grouped GEMMs: 4 stages x (A [128 x 64] + W [256 x 64]) bf16
+/// plus 1024 bytes of alignment slack (kernels/grouped_gemm_sm90.cu).
+pub const GROUPED_SM90_SMEM_BYTES: usize = 4 * (128 + 256) * 64 * 2 + 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RouteMethod {
@@ -20,7 +26,8 @@ pub enum RouteMethod {
 /// Device buffers of one MoE routing: sized for `max_tokens` tokens.
 pub struct MoeRouting {
     pub tokens: usize,
-    /// Rows per tile: GROUPED_TILE_M or GROUPED_TILE_M_SMALL (picks the GEMM variant).
+    /// Rows per tile: GROUPED_TILE_M, GROUPED_TILE_M_SMALL or GROUPED_TILE_M_SM90 (picks the GEMM
+    /// variant; `Kernels::moe_tile_m` chooses).
     pub tile_m: usize,
     pub experts: usize,
     pub top_k: usize,
@@ -41,17 +48,25 @@ impl MoeRouting {
         assignments.div_ceil(tile_m) + experts.min(assignments)
     }
 
-    /// The tile height for a batch: small tiles when experts get few rows each (decode).
-    pub fn pick_tile_m(tokens: usize, top_k: usize, experts: usize) -> usize {
+    /// The tile height for a batch: small tiles when experts get few rows each (decode),
+    /// `large_tile_m` otherwise.
+    pub fn pick_tile_m(tokens: usize, top_k: usize, experts: usize, large_tile_m: usize) -> usize {
         if tokens * top_k <= GROUPED_TILE_M_SMALL * experts {
             GROUPED_TILE_M_SMALL
         } else {
-            GROUPED_TILE_M
+            large_tile_m
         }
     }
 }
 
 impl Kernels {
+    /// The grouped-GEMM tile height for a batch on this GPU: 16-row mma.sync tiles when experts
+    /// get at most 16 rows on average, otherwise the wgmma kernel's 128-row tiles on sm_90 and
+    /// mma.sync's 64-row tiles elsewhere.
+    pub fn moe_tile_m(&self, tokens: usize, top_k: usize, experts: usize) -> usize {
+        MoeRouting::pick_tile_m(tokens, top_k, experts, if self.moe_wgmma { GROUPED_TILE_M_SM90 } else { GROUPED_TILE_M })
+    }
+
     /// Router top-k from f32 logits [tokens, experts].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_route(
@@ -112,7 +127,7 @@ impl Kernels {
         ensure_len!(r.expert_off, r.experts + 1, "expert offsets");
         ensure_len!(r.perm_src, a, "grouped row sources");
         ensure_len!(r.inv_row, a, "assignment rows");
-        anyhow::ensure!(r.tile_m == GROUPED_TILE_M || r.tile_m == GROUPED_TILE_M_SMALL, "tile height {} has no GEMM variant", r.tile_m);
+        anyhow::ensure!([GROUPED_TILE_M, GROUPED_TILE_M_SMALL, GROUPED_TILE_M_SM90].contains(&r.tile_m), "tile height {} has no GEMM variant", r.tile_m);
         let tiles = MoeRouting::max_tiles(a, r.experts, r.tile_m);
         for (b, n) in [(r.tile_expert, "tile experts"), (r.tile_row0, "tile rows"), (r.tile_rows, "tile sizes")] {
             ensure_len!(b, tiles, n);
@@ -165,13 +180,45 @@ impl Kernels {
         ensure_len!(a, rows * k, "grouped GEMM input");
         ensure_len!(w, r.experts * n * k, "expert weights");
         ensure_len!(c, rows * n, "grouped GEMM output");
-        let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile_m);
-        let (kernel, tile_n) = if r.tile_m == GROUPED_TILE_M_SMALL { (&self.moe_grouped_gemm_small, 64) } else { (&self.moe_grouped_gemm, 128) };
+        let (kernel, tile_n, threads, smem) = match r.tile_m {
+            GROUPED_TILE_M_SMALL => (&self.moe_grouped_gemm_small, 64, 128, 0),
+            GROUPED_TILE_M => (&self.moe_grouped_gemm, 128, 128, 0),
+            _ => {
+                anyhow::ensure!(self.moe_wgmma, "the wgmma grouped GEMM (tiles of {} rows) needs compute capability 9.0", r.tile_m);
+                (&self.moe_grouped_gemm_sm90, 256, 256, GROUPED_SM90_SMEM_BYTES)
+            }
+        };
+        self.launch_grouped(s, kernel, (n.div_ceil(tile_n), threads, smem), a, w, c, n, k, r)
+    }
+
+    /// act[rows of e] = silu(A · gate[e]ᵀ) · (A · up[e]ᵀ) over all experts, W [experts, 2·inter, k]
+    /// (gate rows then up rows). With 128-row tiles one wgmma kernel computes it with SiLU·mul in
+    /// its epilogue; otherwise the grouped GEMM writes [rows, 2·inter] into `gate_up` and
+    /// silu_mul reduces it (`gate_up` is unused on the fused path).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_act(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, gate_up: DSlice<bf16>, act: DSlice<bf16>, inter: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
+        let rows = r.tokens * r.top_k;
+        if r.tile_m != GROUPED_TILE_M_SM90 {
+            self.moe_grouped_gemm(s, a, w, gate_up, 2 * inter, k, r)?;
+            return self.silu_mul(s, gate_up, act, rows, inter);
+        }
+        anyhow::ensure!(self.moe_wgmma, "the wgmma grouped GEMM (tiles of {} rows) needs compute capability 9.0", r.tile_m);
+        anyhow::ensure!(inter % 8 == 0 && k % 8 == 0 && inter > 0 && k > 0, "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}");
+        ensure_len!(a, rows * k, "grouped GEMM input");
+        ensure_len!(w, r.experts * 2 * inter * k, "expert gate/up weights");
+        ensure_len!(act, rows * inter, "expert activations");
+        self.launch_grouped(s, &self.moe_grouped_gemm_silu_sm90, (inter.div_ceil(128), 256, GROUPED_SM90_SMEM_BYTES), a, w, act, inter, k, r)
+    }
+
+    /// One launch of a grouped-GEMM kernel: grid (column blocks, worst-case tiles); idle tiles exit.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_grouped(&self, s: CUstream, kernel: &crate::gpu::Kernel, (col_blocks, threads, smem): (usize, u32, usize), a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
+        let tiles = MoeRouting::max_tiles(r.tokens * r.top_k, r.experts, r.tile_m);
         kernel.launch(
             s,
-            (n.div_ceil(tile_n) as u32, tiles as u32, 1),
-            128,
-            0,
+            (col_blocks as u32, tiles as u32, 1),
+            threads,
+            smem as u32,
             &[
                 Arg::Ptr(a.ptr),
                 Arg::Ptr(w.ptr),
