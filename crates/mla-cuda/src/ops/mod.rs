@@ -12,7 +12,7 @@ pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPas
 pub use elementwise::Normal;
 pub use latent::RopeCache;
 pub use linear::Linear;
-pub use moe::{MoeRouting, RouteMethod, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
+pub use moe::{MoeRouting, RouteMethod, GROUPED_SM90_ITEM_ROWS, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
 pub use sampling::{SampleParamsRaw, SamplerOutputs, MAX_TOP_LOGPROBS};
 
 use crate::gpu::{GpuInfo, Kernel, Modules};
@@ -44,6 +44,8 @@ pub struct Kernels {
     pub moe_grouped_gemm_small: Kernel,
     pub moe_grouped_gemm_sm90: Kernel,
     pub moe_grouped_gemm_silu_sm90: Kernel,
+    pub moe_grouped_gemm_sm90_n128: Kernel,
+    pub moe_grouped_gemm_silu_sm90_n128: Kernel,
     /// Whether batches with more than 16 rows per expert run the wgmma grouped GEMMs (128-row
     /// tiles, sm_90) instead of mma.sync's 64-row tiles.
     pub moe_wgmma: bool,
@@ -81,6 +83,8 @@ impl Kernels {
             moe_grouped_gemm_small: m.kernel("grouped_gemm", "moe_grouped_gemm_small")?,
             moe_grouped_gemm_sm90: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_sm90")?,
             moe_grouped_gemm_silu_sm90: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_silu_sm90")?,
+            moe_grouped_gemm_sm90_n128: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_sm90_n128")?,
+            moe_grouped_gemm_silu_sm90_n128: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_silu_sm90_n128")?,
             // Like the wgmma attention kernels, these exist only in the sm_90a cubin.
             moe_wgmma: info.compute_capability == (9, 0),
             sample_tokens: m.kernel("sampling", "sample_tokens")?,
@@ -104,8 +108,9 @@ impl Kernels {
         }
         if k.moe_wgmma {
             anyhow::ensure!(info.max_smem_per_block_optin >= GROUPED_SM90_SMEM_BYTES, "{} offers {} bytes of shared memory per block; the wgmma grouped GEMM needs {GROUPED_SM90_SMEM_BYTES}", info.name, info.max_smem_per_block_optin);
-            k.moe_grouped_gemm_sm90.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
-            k.moe_grouped_gemm_silu_sm90.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
+            for kernel in [&k.moe_grouped_gemm_sm90, &k.moe_grouped_gemm_silu_sm90, &k.moe_grouped_gemm_sm90_n128, &k.moe_grouped_gemm_silu_sm90_n128] {
+                kernel.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
+            }
         }
         Ok(k)
     }

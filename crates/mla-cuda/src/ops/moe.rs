@@ -13,8 +13,14 @@ pub const GROUPED_TILE_M_SMALL: usize = 16;
 pub const GROUPED_TILE_M_SM90: usize = 128;
 
 /// Dynamic shared memory of the wgmma grouped GEMMs: 4 stages x (A [128 x 64] + W [256 x 64]) bf16
-/// plus 1024 bytes of alignment slack (kernels/grouped_gemm_sm90.cu).
+/// (6 stages of W [128 x 64] for the 128-row items: the same bytes) plus 1024 bytes of alignment
+/// slack (kernels/grouped_gemm_sm90.cu).
 pub const GROUPED_SM90_SMEM_BYTES: usize = 4 * (128 + 256) * 64 * 2 + 1024;
+
+/// Weight rows per work item of the wgmma grouped GEMMs: 256, or 128 (twice the items, for
+/// batches whose experts get at most 64 rows, so a decode step's weight stream spreads evenly
+/// over the SMs).
+pub const GROUPED_SM90_ITEM_ROWS: [usize; 2] = [256, 128];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RouteMethod {
@@ -172,23 +178,39 @@ impl Kernels {
         Ok(())
     }
 
+    /// Weight rows per work item of the wgmma kernels for this routing: 128 when the experts get
+    /// at most 64 rows on average (decode-sized batches: more, smaller items), else 256.
+    pub fn moe_sm90_item_rows(&self, r: &MoeRouting) -> usize {
+        if r.tokens * r.top_k <= 64 * r.experts {
+            128
+        } else {
+            256
+        }
+    }
+
     /// C[rows of e] = A[rows of e] · W[e]ᵀ over all experts, W [experts, n, k].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_grouped_gemm(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
+        self.moe_grouped_gemm_with(s, a, w, c, n, k, r, self.moe_sm90_item_rows(r))
+    }
+
+    /// `moe_grouped_gemm` with the wgmma kernels' item size chosen (tests and benchmarks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_grouped_gemm_with(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting, item_rows: usize) -> anyhow::Result<()> {
         anyhow::ensure!(n % 8 == 0 && k % 8 == 0 && n > 0 && k > 0, "grouped GEMM needs N and K positive multiples of 8, got N={n} K={k}");
         let rows = r.tokens * r.top_k;
         ensure_len!(a, rows * k, "grouped GEMM input");
         ensure_len!(w, r.experts * n * k, "expert weights");
         ensure_len!(c, rows * n, "grouped GEMM output");
-        let (kernel, tile_n, threads, smem) = match r.tile_m {
-            GROUPED_TILE_M_SMALL => (&self.moe_grouped_gemm_small, 64, 128, 0),
-            GROUPED_TILE_M => (&self.moe_grouped_gemm, 128, 128, 0),
+        let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile_m) as u32;
+        match r.tile_m {
+            GROUPED_TILE_M_SMALL => self.launch_grouped(s, &self.moe_grouped_gemm_small, ((n.div_ceil(64)) as u32, tiles), 128, 0, a, w, c, n, k, r),
+            GROUPED_TILE_M => self.launch_grouped(s, &self.moe_grouped_gemm, ((n.div_ceil(128)) as u32, tiles), 128, 0, a, w, c, n, k, r),
             _ => {
-                anyhow::ensure!(self.moe_wgmma, "the wgmma grouped GEMM (tiles of {} rows) needs compute capability 9.0", r.tile_m);
-                (&self.moe_grouped_gemm_sm90, 256, 256, GROUPED_SM90_SMEM_BYTES)
+                let kernel = self.sm90_kernel(r, item_rows, false)?;
+                self.launch_grouped(s, kernel, (self.sm90_grid(r, n.div_ceil(item_rows)), 1), 256, GROUPED_SM90_SMEM_BYTES, a, w, c, n, k, r)
             }
-        };
-        self.launch_grouped(s, kernel, (n.div_ceil(tile_n), threads, smem), a, w, c, n, k, r)
+        }
     }
 
     /// act[rows of e] = silu(A · gate[e]ᵀ) · (A · up[e]ᵀ) over all experts, W [experts, 2·inter, k]
@@ -197,26 +219,49 @@ impl Kernels {
     /// silu_mul reduces it (`gate_up` is unused on the fused path).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_act(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, gate_up: DSlice<bf16>, act: DSlice<bf16>, inter: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
+        self.moe_gate_up_act_with(s, a, w, gate_up, act, inter, k, r, self.moe_sm90_item_rows(r))
+    }
+
+    /// `moe_gate_up_act` with the wgmma kernels' item size chosen (tests and benchmarks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_act_with(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, gate_up: DSlice<bf16>, act: DSlice<bf16>, inter: usize, k: usize, r: &MoeRouting, item_rows: usize) -> anyhow::Result<()> {
         let rows = r.tokens * r.top_k;
         if r.tile_m != GROUPED_TILE_M_SM90 {
             self.moe_grouped_gemm(s, a, w, gate_up, 2 * inter, k, r)?;
             return self.silu_mul(s, gate_up, act, rows, inter);
         }
-        anyhow::ensure!(self.moe_wgmma, "the wgmma grouped GEMM (tiles of {} rows) needs compute capability 9.0", r.tile_m);
         anyhow::ensure!(inter % 8 == 0 && k % 8 == 0 && inter > 0 && k > 0, "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}");
         ensure_len!(a, rows * k, "grouped GEMM input");
         ensure_len!(w, r.experts * 2 * inter * k, "expert gate/up weights");
         ensure_len!(act, rows * inter, "expert activations");
-        self.launch_grouped(s, &self.moe_grouped_gemm_silu_sm90, (inter.div_ceil(128), 256, GROUPED_SM90_SMEM_BYTES), a, w, act, inter, k, r)
+        let kernel = self.sm90_kernel(r, item_rows, true)?;
+        // An item covers item_rows / 2 gate rows and as many up rows: that many act columns.
+        self.launch_grouped(s, kernel, (self.sm90_grid(r, inter.div_ceil(item_rows / 2)), 1), 256, GROUPED_SM90_SMEM_BYTES, a, w, act, inter, k, r)
     }
 
-    /// One launch of a grouped-GEMM kernel: grid (column blocks, worst-case tiles); idle tiles exit.
+    fn sm90_kernel(&self, r: &MoeRouting, item_rows: usize, silu: bool) -> anyhow::Result<&crate::gpu::Kernel> {
+        anyhow::ensure!(self.moe_wgmma, "the wgmma grouped GEMM (tiles of {} rows) needs compute capability 9.0", r.tile_m);
+        Ok(match (item_rows, silu) {
+            (256, false) => &self.moe_grouped_gemm_sm90,
+            (256, true) => &self.moe_grouped_gemm_silu_sm90,
+            (128, false) => &self.moe_grouped_gemm_sm90_n128,
+            (128, true) => &self.moe_grouped_gemm_silu_sm90_n128,
+            _ => anyhow::bail!("the wgmma grouped GEMM has items of 256 or 128 weight rows, not {item_rows}"),
+        })
+    }
+
+    /// Persistent grid of the wgmma kernels: one block per SM, at most one per worst-case item.
+    fn sm90_grid(&self, r: &MoeRouting, col_blocks: usize) -> u32 {
+        let items = MoeRouting::max_tiles(r.tokens * r.top_k, r.experts, r.tile_m) * col_blocks;
+        items.clamp(1, self.sm_count) as u32
+    }
+
+    /// One launch of a grouped-GEMM kernel (the tile map and its count are read on the device).
     #[allow(clippy::too_many_arguments)]
-    fn launch_grouped(&self, s: CUstream, kernel: &crate::gpu::Kernel, (col_blocks, threads, smem): (usize, u32, usize), a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
-        let tiles = MoeRouting::max_tiles(r.tokens * r.top_k, r.experts, r.tile_m);
+    fn launch_grouped(&self, s: CUstream, kernel: &crate::gpu::Kernel, grid: (u32, u32), threads: u32, smem: usize, a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
         kernel.launch(
             s,
-            (col_blocks as u32, tiles as u32, 1),
+            (grid.0, grid.1, 1),
             threads,
             smem as u32,
             &[
