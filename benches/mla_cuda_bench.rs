@@ -272,14 +272,14 @@ fn bench_moe_experts(dev: &Device) -> anyhow::Result<Value> {
         let gu = DeviceBuffer::<bf16>::alloc(a * 2 * im)?;
         let act = DeviceBuffer::<bf16>::alloc(a * im)?;
         let y = DeviceBuffer::<bf16>::alloc(a * h)?;
-        let mut variants = vec![(GROUPED_TILE_M, 0)];
+        let mut variants = vec![(GROUPED_TILE_M, Sm90Schedule::ALL[0])];
         if k.moe_wgmma {
-            variants.extend(GROUPED_SM90_ITEM_ROWS.map(|n| (GROUPED_TILE_M_SM90, n)));
+            variants.extend(Sm90Schedule::ALL.map(|sc| (GROUPED_TILE_M_SM90, sc)));
         }
         let default_tile = k.moe_tile_m(tokens, top, e);
         let flops = 2.0 * a as f64 * (2 * im * h + h * im) as f64;
         let mut outputs: Vec<Vec<f32>> = vec![];
-        for (tile_m, item_rows) in variants {
+        for (tile_m, sched) in variants {
             let r = MoeRouting {
                 tokens,
                 tile_m,
@@ -298,15 +298,15 @@ fn bench_moe_experts(dev: &Device) -> anyhow::Result<Value> {
             k.moe_align(s, &r)?;
             dev.gpu.sync()?;
             y.upload(&vec![bf16::NAN; a * h])?;
-            let default = tile_m == default_tile && (tile_m != GROUPED_TILE_M_SM90 || item_rows == k.moe_sm90_item_rows(&r));
-            let gate_up_ms = time_ms(dev, 5, 9, |_| k.moe_gate_up_act_with(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r, item_rows))?;
-            let down_ms = time_ms(dev, 5, 9, |_| k.moe_grouped_gemm_with(s, act.slice(), w_down.slice(), y.slice(), h, im, &r, item_rows))?;
+            let default = tile_m == default_tile && (tile_m != GROUPED_TILE_M_SM90 || sched == k.moe_sm90_schedule(&r));
+            let gate_up_ms = time_ms(dev, 5, 9, |_| k.moe_gate_up_act_with(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r, sched))?;
+            let down_ms = time_ms(dev, 5, 9, |_| k.moe_grouped_gemm_with(s, act.slice(), w_down.slice(), y.slice(), h, im, &r, sched))?;
             let ms = gate_up_ms + down_ms;
             let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);
-            println!("MoE experts {tokens} tokens, tiles of {tile_m}, wgmma items {item_rows}{}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s", if default { " (default)" } else { "" });
+            println!("MoE experts {tokens} tokens, tiles of {tile_m}{}{}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s", if tile_m == GROUPED_TILE_M_SM90 { format!(", items of {} rows, {}", sched.item_rows, if sched.persistent { "persistent" } else { "one block per item" }) } else { String::new() }, if default { " (default)" } else { "" });
             dev.gpu.sync()?;
             outputs.push(y.download()?.iter().map(|v| v.to_f32()).collect());
-            rows_json.push(json!({"tokens": tokens, "assignments": a, "tile_m": tile_m, "wgmma_item_rows": item_rows, "default": default, "gate_up_silu_ms": gate_up_ms, "down_ms": down_ms, "time_ms": ms, "flops": flops, "TFLOPs": tflops, "expert_weight_bytes": weight_bytes, "weight_TBps": tbps}));
+            rows_json.push(json!({"tokens": tokens, "assignments": a, "tile_m": tile_m, "wgmma_item_rows": if tile_m == GROUPED_TILE_M_SM90 { sched.item_rows } else { 0 }, "wgmma_persistent": tile_m == GROUPED_TILE_M_SM90 && sched.persistent, "default": default, "gate_up_silu_ms": gate_up_ms, "down_ms": down_ms, "time_ms": ms, "flops": flops, "TFLOPs": tflops, "expert_weight_bytes": weight_bytes, "weight_TBps": tbps}));
         }
         // Same function whatever the tiles (the CPU-reference checks are in tests/gpu_kernels.rs).
         for b in &outputs[1..] {

@@ -16,3 +16,7 @@ for t in gpu_graphs gpu_model; do stamp $t; timeout 200 $D/$t --ignored --test-t
 stamp engine
 timeout 200 $D/mla-bench engine --decode 256x4096x64 --out $OUT/engine.json 2>&1 | grep -E "^(prefill|decode)"
 stamp done
+# One launch of the fused gate/up kernel at 4096 tokens (one block per item), for the time breakdown.
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+timeout 120 $NCU --clock-control none -k moe_grouped_gemm_silu_sm90 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy $D/mla_cuda_bench --only moe_experts --out /tmp/ncu-bench.json > $OUT/ncu.txt 2>&1; grep -E "Throughput|Duration|Busy|Hit Rate|Stall|Issue|Active Warps|Achieved" $OUT/ncu.txt | head -40
+stamp ncu_done

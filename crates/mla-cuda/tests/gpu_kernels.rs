@@ -514,12 +514,13 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
         }
     }
     // Every GEMM variant this GPU has: mma.sync 64- and 16-row tiles, and on sm_90 the wgmma
-    // kernels (128-row tiles, SiLU·mul fused into the gate/up GEMM) with both item sizes.
-    let mut variants = vec![(GROUPED_TILE_M, 0), (GROUPED_TILE_M_SMALL, 0)];
+    // kernels (128-row tiles, SiLU·mul fused into the gate/up GEMM) with every schedule.
+    let any = Sm90Schedule::ALL[0];
+    let mut variants = vec![(GROUPED_TILE_M, any), (GROUPED_TILE_M_SMALL, any)];
     if k.moe_wgmma {
-        variants.extend(GROUPED_SM90_ITEM_ROWS.map(|n| (GROUPED_TILE_M_SM90, n)));
+        variants.extend(Sm90Schedule::ALL.map(|sc| (GROUPED_TILE_M_SM90, sc)));
     }
-    for (tile_m, item_rows) in variants {
+    for (tile_m, sched) in variants {
     let r = bufs.routing_tiles(t, e, top, tile_m);
     let (d_x, d_gu, d_down, d_shared) = (up_bf16(&x), up_bf16(&gate_up), up_bf16(&down_w), up_bf16(&shared));
     let a = t * top;
@@ -532,8 +533,8 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     let out = nan(t * hidden);
     k.moe_align(s, &r).unwrap();
     k.moe_gather(s, d_x.slice(), &r, gx.slice(), hidden).unwrap();
-    k.moe_gate_up_act_with(s, gx.slice(), d_gu.slice(), ggu.slice(), gact.slice(), inter, hidden, &r, item_rows).unwrap();
-    k.moe_grouped_gemm_with(s, gact.slice(), d_down.slice(), gy.slice(), hidden, inter, &r, item_rows).unwrap();
+    k.moe_gate_up_act_with(s, gx.slice(), d_gu.slice(), ggu.slice(), gact.slice(), inter, hidden, &r, sched).unwrap();
+    k.moe_grouped_gemm_with(s, gact.slice(), d_down.slice(), gy.slice(), hidden, inter, &r, sched).unwrap();
     k.moe_combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
     dev.gpu.sync().unwrap();
     // The grouping itself: offsets are a prefix sum of the counts, every row used once.
@@ -551,8 +552,8 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     let got = down_bf16(out.slice());
     assert!(got.iter().all(|v| v.is_finite()), "MoE output has non-finite values with tiles of {tile_m}");
     let err = rel_l2(&got, &want);
-    println!("MoE experts (tiles of {tile_m} rows, wgmma items {item_rows}) rel err {err:.2e}");
-    assert!(err < 1.5e-2, "MoE rel err {err} with tiles of {tile_m}, wgmma items {item_rows}");
+    println!("MoE experts (tiles of {tile_m} rows, {sched:?}) rel err {err:.2e}");
+    assert!(err < 1.5e-2, "MoE rel err {err} with tiles of {tile_m}, {sched:?}");
     }
 }
 

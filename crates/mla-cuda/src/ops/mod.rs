@@ -12,7 +12,7 @@ pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPas
 pub use elementwise::Normal;
 pub use latent::RopeCache;
 pub use linear::Linear;
-pub use moe::{MoeRouting, RouteMethod, GROUPED_SM90_ITEM_ROWS, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
+pub use moe::{MoeRouting, RouteMethod, Sm90Schedule, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
 pub use sampling::{SampleParamsRaw, SamplerOutputs, MAX_TOP_LOGPROBS};
 
 use crate::gpu::{GpuInfo, Kernel, Modules};

@@ -17,10 +17,25 @@ pub const GROUPED_TILE_M_SM90: usize = 128;
 /// slack (kernels/grouped_gemm_sm90.cu).
 pub const GROUPED_SM90_SMEM_BYTES: usize = 4 * (128 + 256) * 64 * 2 + 1024;
 
-/// Weight rows per work item of the wgmma grouped GEMMs: 256, or 128 (twice the items, for
-/// batches whose experts get at most 64 rows, so a decode step's weight stream spreads evenly
-/// over the SMs).
-pub const GROUPED_SM90_ITEM_ROWS: [usize; 2] = [256, 128];
+/// How the wgmma grouped GEMMs split and schedule their work: `item_rows` weight rows per work
+/// item (256, or 128: twice the items, so a decode step's weight stream spreads evenly over the
+/// SMs), and a `persistent` grid of one block per SM whose K-slice stream crosses items (the next
+/// item's loads fly during an epilogue) or one block per worst-case item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sm90Schedule {
+    pub item_rows: usize,
+    pub persistent: bool,
+}
+
+impl Sm90Schedule {
+    /// Every schedule the kernels support (tests and benchmarks run each).
+    pub const ALL: [Sm90Schedule; 4] = [
+        Sm90Schedule { item_rows: 256, persistent: false },
+        Sm90Schedule { item_rows: 256, persistent: true },
+        Sm90Schedule { item_rows: 128, persistent: false },
+        Sm90Schedule { item_rows: 128, persistent: true },
+    ];
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RouteMethod {
@@ -178,25 +193,26 @@ impl Kernels {
         Ok(())
     }
 
-    /// Weight rows per work item of the wgmma kernels for this routing: 128 when the experts get
-    /// at most 64 rows on average (decode-sized batches: more, smaller items), else 256.
-    pub fn moe_sm90_item_rows(&self, r: &MoeRouting) -> usize {
+    /// The wgmma kernels' schedule for this routing (H200, docs/cuda-notes.md runs M1-M3): when
+    /// the experts get at most 64 rows on average (decode-sized, memory-bound) 128-row items on a
+    /// persistent grid; otherwise (prefill-sized, compute-bound) 256-row items, one block each.
+    pub fn moe_sm90_schedule(&self, r: &MoeRouting) -> Sm90Schedule {
         if r.tokens * r.top_k <= 64 * r.experts {
-            128
+            Sm90Schedule { item_rows: 128, persistent: true }
         } else {
-            256
+            Sm90Schedule { item_rows: 256, persistent: false }
         }
     }
 
     /// C[rows of e] = A[rows of e] · W[e]ᵀ over all experts, W [experts, n, k].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_grouped_gemm(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
-        self.moe_grouped_gemm_with(s, a, w, c, n, k, r, self.moe_sm90_item_rows(r))
+        self.moe_grouped_gemm_with(s, a, w, c, n, k, r, self.moe_sm90_schedule(r))
     }
 
-    /// `moe_grouped_gemm` with the wgmma kernels' item size chosen (tests and benchmarks).
+    /// `moe_grouped_gemm` with the wgmma kernels' schedule chosen (tests and benchmarks).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_grouped_gemm_with(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting, item_rows: usize) -> anyhow::Result<()> {
+    pub fn moe_grouped_gemm_with(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, c: DSlice<bf16>, n: usize, k: usize, r: &MoeRouting, sched: Sm90Schedule) -> anyhow::Result<()> {
         anyhow::ensure!(n % 8 == 0 && k % 8 == 0 && n > 0 && k > 0, "grouped GEMM needs N and K positive multiples of 8, got N={n} K={k}");
         let rows = r.tokens * r.top_k;
         ensure_len!(a, rows * k, "grouped GEMM input");
@@ -207,8 +223,8 @@ impl Kernels {
             GROUPED_TILE_M_SMALL => self.launch_grouped(s, &self.moe_grouped_gemm_small, ((n.div_ceil(64)) as u32, tiles), 128, 0, a, w, c, n, k, r),
             GROUPED_TILE_M => self.launch_grouped(s, &self.moe_grouped_gemm, ((n.div_ceil(128)) as u32, tiles), 128, 0, a, w, c, n, k, r),
             _ => {
-                let kernel = self.sm90_kernel(r, item_rows, false)?;
-                self.launch_grouped(s, kernel, (self.sm90_grid(r, n.div_ceil(item_rows)), 1), 256, GROUPED_SM90_SMEM_BYTES, a, w, c, n, k, r)
+                let kernel = self.sm90_kernel(r, sched.item_rows, false)?;
+                self.launch_grouped(s, kernel, (self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent), 1), 256, GROUPED_SM90_SMEM_BYTES, a, w, c, n, k, r)
             }
         }
     }
@@ -219,12 +235,12 @@ impl Kernels {
     /// silu_mul reduces it (`gate_up` is unused on the fused path).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_act(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, gate_up: DSlice<bf16>, act: DSlice<bf16>, inter: usize, k: usize, r: &MoeRouting) -> anyhow::Result<()> {
-        self.moe_gate_up_act_with(s, a, w, gate_up, act, inter, k, r, self.moe_sm90_item_rows(r))
+        self.moe_gate_up_act_with(s, a, w, gate_up, act, inter, k, r, self.moe_sm90_schedule(r))
     }
 
-    /// `moe_gate_up_act` with the wgmma kernels' item size chosen (tests and benchmarks).
+    /// `moe_gate_up_act` with the wgmma kernels' schedule chosen (tests and benchmarks).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_gate_up_act_with(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, gate_up: DSlice<bf16>, act: DSlice<bf16>, inter: usize, k: usize, r: &MoeRouting, item_rows: usize) -> anyhow::Result<()> {
+    pub fn moe_gate_up_act_with(&self, s: CUstream, a: DSlice<bf16>, w: DSlice<bf16>, gate_up: DSlice<bf16>, act: DSlice<bf16>, inter: usize, k: usize, r: &MoeRouting, sched: Sm90Schedule) -> anyhow::Result<()> {
         let rows = r.tokens * r.top_k;
         if r.tile_m != GROUPED_TILE_M_SM90 {
             self.moe_grouped_gemm(s, a, w, gate_up, 2 * inter, k, r)?;
@@ -234,9 +250,9 @@ impl Kernels {
         ensure_len!(a, rows * k, "grouped GEMM input");
         ensure_len!(w, r.experts * 2 * inter * k, "expert gate/up weights");
         ensure_len!(act, rows * inter, "expert activations");
-        let kernel = self.sm90_kernel(r, item_rows, true)?;
+        let kernel = self.sm90_kernel(r, sched.item_rows, true)?;
         // An item covers item_rows / 2 gate rows and as many up rows: that many act columns.
-        self.launch_grouped(s, kernel, (self.sm90_grid(r, inter.div_ceil(item_rows / 2)), 1), 256, GROUPED_SM90_SMEM_BYTES, a, w, act, inter, k, r)
+        self.launch_grouped(s, kernel, (self.sm90_grid(r, inter.div_ceil(sched.item_rows / 2), sched.persistent), 1), 256, GROUPED_SM90_SMEM_BYTES, a, w, act, inter, k, r)
     }
 
     fn sm90_kernel(&self, r: &MoeRouting, item_rows: usize, silu: bool) -> anyhow::Result<&crate::gpu::Kernel> {
@@ -250,10 +266,15 @@ impl Kernels {
         })
     }
 
-    /// Persistent grid of the wgmma kernels: one block per SM, at most one per worst-case item.
-    fn sm90_grid(&self, r: &MoeRouting, col_blocks: usize) -> u32 {
+    /// Grid of the wgmma kernels: one block per worst-case item, or persistent, one block per SM
+    /// (the kernels loop over their items either way; blocks past the device's item count exit).
+    fn sm90_grid(&self, r: &MoeRouting, col_blocks: usize, persistent: bool) -> u32 {
         let items = MoeRouting::max_tiles(r.tokens * r.top_k, r.experts, r.tile_m) * col_blocks;
-        items.clamp(1, self.sm_count) as u32
+        if persistent {
+            items.clamp(1, self.sm_count) as u32
+        } else {
+            items.max(1) as u32
+        }
     }
 
     /// One launch of a grouped-GEMM kernel (the tile map and its count are read on the device).
