@@ -6,12 +6,15 @@
 // experts get at most 64 rows, so that decode steps have twice as many items to spread over the
 // SMs). Two warpgroups of 64 rows each issue wgmma m64nBNk16 with both operands in shared memory
 // (K-major, 128-byte swizzle); a warpgroup whose 64 rows are all past the tile's end issues none,
-// so a tile's ragged tail costs half. The grid is persistent (one block per SM, items
-// round-robin in tile-major order, the count read from the device tile map): each block runs one
-// continuous stream of 64-wide K slices over all its items through a cp.async ring of STAGES
-// slices (192 KB), copying slice g + STAGES - 2 while slice g is multiplied and slice g - 1's
-// wgmma may still be in flight (wait_group 1). The stream crosses item boundaries, so the next
-// item's first slices are already in flight while an item's epilogue stores its results.
+// so a tile's ragged tail costs half. Blocks take items round-robin in tile-major order, the
+// count read from the device tile map; each block runs one continuous stream of 64-wide K slices
+// over all its items through a cp.async ring of STAGES slices (192 KB, one block per SM), copying
+// slice g + STAGES - 2 while slice g is multiplied and slice g - 1's wgmma may still be in flight
+// (wait_group 1). The grid decides the schedule (Kernels::moe_sm90_schedule): persistent, one
+// block per SM, whose stream crosses item boundaries so the next item's first slices are in
+// flight while an item's epilogue stores its results (decode-sized batches, memory-bound), or
+// one block per worst-case item, each running a single item (prefill-sized batches; measured
+// faster there on the H200, docs/cuda-notes.md).
 //
 // moe_grouped_gemm_silu_sm90* are the gate/up GEMM with SiLU·mul in the epilogue: an item's BN
 // weight rows are BN/2 gate rows [n0, n0+BN/2) and the matching BN/2 up rows [I+n0, ...) of the
@@ -182,7 +185,7 @@ DEVICE_INLINE void grouped_gemm_sm90(const bf16* __restrict__ A, const bf16* __r
         const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
         const int *__restrict__ num_tiles
 
-// Persistent grid: at most one block per SM. C = A · W[e]ᵀ (N output columns per row), or with
+// Grid: one block per SM (persistent) or per worst-case item. C = A · W[e]ᵀ (N output columns per row), or with
 // _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GG_BODY(SILU, BN) grouped_gemm_sm90<SILU, BN>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
