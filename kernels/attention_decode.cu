@@ -21,7 +21,11 @@ constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
 // Q tile + two KV pages + P tile + reduction scratch.
 // Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
+// QK_CHAINS: how many independent accumulator chains each warp's S = Q K^T is split into (k-steps
+// round-robin over the chains, summed at the end). With one warp per SM sub-partition nothing
+// hides the latency of a dependent mma chain; 1 chain is 36 mma steps deep, 4 chains 9.
+template <int QK_CHAINS>
+__device__ __forceinline__ void decode_attention_body(
     const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
     const bf16* __restrict__ cache,                 // [blocks * 64, 576]
     const int* __restrict__ block_tables,           // [B, *bt_stride]
@@ -31,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
     bf16* __restrict__ out,                         // [B, H, 512] when num_splits == 1
     float* __restrict__ part_o,                     // [B, num_splits, H, 512]
     float* __restrict__ part_lse) {                 // [B, num_splits, H] (log2 units)
+    static_assert(KSTEPS % QK_CHAINS == 0, "k-steps split evenly over the chains");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* KVs = Qs + HT * KV_STRIDE;
@@ -85,20 +90,53 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
 
         // S = Q K^T for this warp's 16 keys.
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        if constexpr (QK_CHAINS == 1) {
 #pragma unroll 4
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            uint32_t a[4];
-            const bf16* q_lo = Qs + g * KV_STRIDE + ks * 16 + 2 * t4;
-            const bf16* q_hi = q_lo + 8 * KV_STRIDE;
-            a[0] = lds32(q_lo);
-            a[1] = lds32(q_hi);
-            a[2] = lds32(q_lo + 8);
-            a[3] = lds32(q_hi + 8);
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                uint32_t a[4];
+                const bf16* q_lo = Qs + g * KV_STRIDE + ks * 16 + 2 * t4;
+                const bf16* q_hi = q_lo + 8 * KV_STRIDE;
+                a[0] = lds32(q_lo);
+                a[1] = lds32(q_hi);
+                a[2] = lds32(q_lo + 8);
+                a[3] = lds32(q_hi + 8);
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
-                mma_bf16_16816(sc[n], a, lds32(kr), lds32(kr + 8));
+                for (int n = 0; n < 2; ++n) {
+                    const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                    mma_bf16_16816(sc[n], a, lds32(kr), lds32(kr + 8));
+                }
             }
+        } else {
+            float acc[QK_CHAINS][2][4];
+#pragma unroll
+            for (int c = 0; c < QK_CHAINS; ++c)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) acc[c][n][0] = acc[c][n][1] = acc[c][n][2] = acc[c][n][3] = 0.f;
+#pragma unroll 2
+            for (int k0 = 0; k0 < KSTEPS; k0 += QK_CHAINS) {
+#pragma unroll
+                for (int c = 0; c < QK_CHAINS; ++c) {
+                    const int ks = k0 + c;
+                    uint32_t a[4];
+                    const bf16* q_lo = Qs + g * KV_STRIDE + ks * 16 + 2 * t4;
+                    const bf16* q_hi = q_lo + 8 * KV_STRIDE;
+                    a[0] = lds32(q_lo);
+                    a[1] = lds32(q_hi);
+                    a[2] = lds32(q_lo + 8);
+                    a[3] = lds32(q_hi + 8);
+#pragma unroll
+                    for (int n = 0; n < 2; ++n) {
+                        const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                        mma_bf16_16816(acc[c][n], a, lds32(kr), lds32(kr + 8));
+                    }
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < QK_CHAINS; ++c)
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sc[n][e] += acc[c][n][e];
         }
         float wmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -210,6 +248,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(
             if (warp == 0 && t4 == 0) part_lse[row] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
         }
     }
+}
+
+#define MLA_DECODE_PARAMS                                                                             \
+    const bf16* __restrict__ q, int q_stride, const bf16* __restrict__ cache,                         \
+        const int* __restrict__ block_tables, const int* __restrict__ bt_stride_ptr,                   \
+        const int* __restrict__ seq_lens, int heads, float scale_log2, int num_splits,                 \
+        bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse
+#define MLA_DECODE_ARGS \
+    q, q_stride, cache, block_tables, bt_stride_ptr, seq_lens, heads, scale_log2, num_splits, out, part_o, part_lse
+
+// The kernel of the kernel round: one QK^T accumulator chain per key tile.
+extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(MLA_DECODE_PARAMS) {
+    decode_attention_body<1>(MLA_DECODE_ARGS);
+}
+
+// Same kernel with QK^T over four independent accumulator chains (9 mma steps deep instead of 36).
+extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_ilp4(MLA_DECODE_PARAMS) {
+    decode_attention_body<4>(MLA_DECODE_ARGS);
 }
 
 // out[b, h, :] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Grid (H, B, 4): each

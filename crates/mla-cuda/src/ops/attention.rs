@@ -48,6 +48,20 @@ impl PrefillKernel {
     }
 }
 
+/// The implementations of decode attention (same function, same arguments, same shared memory;
+/// kernels/attention_decode.cu). They differ only in how each warp's S = Q·Kᵀ is accumulated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// One mma accumulator chain per key tile (36 dependent steps): the kernel round's kernel.
+    OneChain,
+    /// Four independent chains over the k-steps, summed at the end (9 dependent steps each).
+    FourChains,
+}
+
+impl DecodeKernel {
+    pub const ALL: [DecodeKernel; 2] = [DecodeKernel::OneChain, DecodeKernel::FourChains];
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct PrefillPass {
     /// Continue from the (o, m, l) state a previous pass left.
@@ -184,6 +198,10 @@ impl Kernels {
     }
 
     pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
+        self.decode_attention_with(s, p, self.decode_kernel)
+    }
+
+    pub fn decode_attention_with(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
         anyhow::ensure!(p.cache.len % d == 0, "latent cache length {} is not a multiple of {d}", p.cache.len);
@@ -197,7 +215,11 @@ impl Kernels {
         }
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
-        self.mla_decode_attention.launch(
+        let kernel = match which {
+            DecodeKernel::OneChain => &self.mla_decode_attention,
+            DecodeKernel::FourChains => &self.mla_decode_attention_ilp4,
+        };
+        kernel.launch(
             s,
             grid,
             128,

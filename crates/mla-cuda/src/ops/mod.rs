@@ -8,7 +8,7 @@ mod linear;
 mod moe;
 mod sampling;
 
-pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
+pub use attention::{DecodeAttention, DecodeKernel, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
 pub use elementwise::Normal;
 pub use latent::RopeCache;
 pub use linear::Linear;
@@ -35,6 +35,9 @@ pub struct Kernels {
     /// Which prefill attention kernel `prefill_attention` launches on this GPU.
     pub prefill_kernel: PrefillKernel,
     pub mla_decode_attention: Kernel,
+    pub mla_decode_attention_ilp4: Kernel,
+    /// Which decode attention kernel `decode_attention` launches.
+    pub decode_kernel: DecodeKernel,
     pub mla_decode_combine: Kernel,
     pub moe_route: Kernel,
     pub moe_align: Kernel,
@@ -74,6 +77,8 @@ impl Kernels {
             // than the warp-specialised one on the H200 (docs/cuda-notes.md).
             prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::WgmmaLockstep } else { PrefillKernel::MmaSync },
             mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
+            mla_decode_attention_ilp4: m.kernel("attention_decode", "mla_decode_attention_ilp4")?,
+            decode_kernel: DecodeKernel::OneChain,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
             moe_route: m.kernel("moe", "moe_route")?,
             moe_align: m.kernel("moe", "moe_align")?,
@@ -102,6 +107,7 @@ impl Kernels {
         );
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
         k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
+        k.mla_decode_attention_ilp4.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         if k.prefill_kernel != PrefillKernel::MmaSync {
             k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
