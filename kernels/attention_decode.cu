@@ -19,12 +19,12 @@ constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
 }  // namespace
 
 // Q tile + two KV pages + P tile + reduction scratch.
-// Dynamic shared memory (the Rust wrapper computes the same, for the largest NW = 8): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NW * HT * 4
+// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4
 
 // QK_CHAINS: how many independent accumulator chains each warp's S = Q K^T is split into (k-steps
 // round-robin over the chains, summed at the end). With one warp per SM sub-partition nothing
 // hides the latency of a dependent mma chain; 1 chain is 36 mma steps deep, 4 chains 9.
-template <int QK_CHAINS, int NW>
+template <int QK_CHAINS>
 __device__ __forceinline__ void decode_attention_body(
     const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
     const bf16* __restrict__ cache,                 // [blocks * 64, 576]
@@ -36,15 +36,12 @@ __device__ __forceinline__ void decode_attention_body(
     float* __restrict__ part_o,                     // [B, num_splits, H, 512]
     float* __restrict__ part_lse) {                 // [B, num_splits, H] (log2 units)
     static_assert(KSTEPS % QK_CHAINS == 0, "k-steps split evenly over the chains");
-    // NW warps: warp w computes S for keys [w * KPW, (w + 1) * KPW) of a page and O for dims
-    // [w * DPW, (w + 1) * DPW).
-    constexpr int NT = NW * 32, KPW = PAGE / NW, QK_NT = KPW / 8, DPW = DL / NW, O_NT = DPW / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* KVs = Qs + HT * KV_STRIDE;
     bf16* Ps = KVs + 2 * PAGE * KV_STRIDE;
     float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);
-    float* red_sum = red_max + NW * HT;
+    float* red_sum = red_max + NWARPS * HT;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int split = blockIdx.x, h0 = blockIdx.y * HT, b = blockIdx.z;
@@ -55,7 +52,7 @@ __device__ __forceinline__ void decode_attention_body(
     const int p_begin = min(n_pages, split * per_split), p_end = min(n_pages, p_begin + per_split);
     const int* table = block_tables + (size_t)b * bt_stride;
 
-    for (int c = tid; c < HT * (D / 8); c += NT) {
+    for (int c = tid; c < HT * (D / 8); c += NTHREADS) {
         const int r = c / (D / 8), d = (c % (D / 8)) * 8;
         const bool ok = h0 + r < heads;
         cp_async_16(Qs + r * KV_STRIDE + d, q + (size_t)b * q_stride + (size_t)(h0 + (ok ? r : 0)) * D + d, ok);
@@ -64,7 +61,7 @@ __device__ __forceinline__ void decode_attention_body(
         bf16* dst = KVs + stage * PAGE * KV_STRIDE;
         const size_t base = (size_t)table[p] * PAGE;
         const int valid = min(PAGE, len - p * PAGE);
-        for (int c = tid; c < PAGE * (D / 8); c += NT) {
+        for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
             const int r = c / (D / 8), d = (c % (D / 8)) * 8;
             const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
             cp_async_16(dst + r * KV_STRIDE + d, cache + (base + (ok ? r : 0)) * D + d, ok);
@@ -73,9 +70,9 @@ __device__ __forceinline__ void decode_attention_body(
     if (p_begin < p_end) load_page(p_begin, 0);
     cp_async_commit();
 
-    float o[O_NT][4];
+    float o[O_NTILES][4];
 #pragma unroll
-    for (int n = 0; n < O_NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int n = 0; n < O_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int mi = lane >> 3, ri = lane & 7;
 
@@ -92,9 +89,7 @@ __device__ __forceinline__ void decode_attention_body(
         const bf16* KV = KVs + stage * PAGE * KV_STRIDE;
 
         // S = Q K^T for this warp's 16 keys.
-        float sc[QK_NT][4];
-#pragma unroll
-        for (int n = 0; n < QK_NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         if constexpr (QK_CHAINS == 1) {
 #pragma unroll 4
             for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -106,17 +101,17 @@ __device__ __forceinline__ void decode_attention_body(
                 a[2] = lds32(q_lo + 8);
                 a[3] = lds32(q_hi + 8);
 #pragma unroll
-                for (int n = 0; n < QK_NT; ++n) {
-                    const bf16* kr = KV + (warp * KPW + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                for (int n = 0; n < 2; ++n) {
+                    const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
                     mma_bf16_16816(sc[n], a, lds32(kr), lds32(kr + 8));
                 }
             }
         } else {
-            float acc[QK_CHAINS][QK_NT][4];
+            float acc[QK_CHAINS][2][4];
 #pragma unroll
             for (int c = 0; c < QK_CHAINS; ++c)
 #pragma unroll
-                for (int n = 0; n < QK_NT; ++n) acc[c][n][0] = acc[c][n][1] = acc[c][n][2] = acc[c][n][3] = 0.f;
+                for (int n = 0; n < 2; ++n) acc[c][n][0] = acc[c][n][1] = acc[c][n][2] = acc[c][n][3] = 0.f;
 #pragma unroll 2
             for (int k0 = 0; k0 < KSTEPS; k0 += QK_CHAINS) {
 #pragma unroll
@@ -130,8 +125,8 @@ __device__ __forceinline__ void decode_attention_body(
                     a[2] = lds32(q_lo + 8);
                     a[3] = lds32(q_hi + 8);
 #pragma unroll
-                    for (int n = 0; n < QK_NT; ++n) {
-                        const bf16* kr = KV + (warp * KPW + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                    for (int n = 0; n < 2; ++n) {
+                        const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
                         mma_bf16_16816(acc[c][n], a, lds32(kr), lds32(kr + 8));
                     }
                 }
@@ -139,16 +134,16 @@ __device__ __forceinline__ void decode_attention_body(
 #pragma unroll
             for (int c = 0; c < QK_CHAINS; ++c)
 #pragma unroll
-                for (int n = 0; n < QK_NT; ++n)
+                for (int n = 0; n < 2; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) sc[n][e] += acc[c][n][e];
         }
         float wmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int n = 0; n < QK_NT; ++n)
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = p * PAGE + warp * KPW + n * 8 + 2 * t4 + (e & 1);
+                const int key = p * PAGE + warp * 16 + n * 8 + 2 * t4 + (e & 1);
                 sc[n][e] = key < len ? sc[n][e] * scale_log2 : -INFINITY;
                 wmax[e >> 1] = fmaxf(wmax[e >> 1], sc[n][e]);
             }
@@ -168,7 +163,7 @@ __device__ __forceinline__ void decode_attention_body(
             const int row = g + 8 * i;
             float tm = red_max[row];
 #pragma unroll
-            for (int w = 1; w < NW; ++w) tm = fmaxf(tm, red_max[w * HT + row]);
+            for (int w = 1; w < NWARPS; ++w) tm = fmaxf(tm, red_max[w * HT + row]);
             const float m_new = fmaxf(m[i], tm);
             m_use[i] = m_new == -INFINITY ? 0.f : m_new;
             alpha[i] = exp2f(m[i] - m_use[i]);
@@ -176,12 +171,12 @@ __device__ __forceinline__ void decode_attention_body(
         }
         float wsum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int n = 0; n < QK_NT; ++n) {
+        for (int n = 0; n < 2; ++n) {
             const float p0 = exp2f(sc[n][0] - m_use[0]), p1 = exp2f(sc[n][1] - m_use[0]);
             const float p2 = exp2f(sc[n][2] - m_use[1]), p3 = exp2f(sc[n][3] - m_use[1]);
             wsum[0] += p0 + p1;
             wsum[1] += p2 + p3;
-            const int col = warp * KPW + n * 8 + 2 * t4;
+            const int col = warp * 16 + n * 8 + 2 * t4;
             *reinterpret_cast<uint32_t*>(Ps + g * P_STRIDE + col) = pack_bf16(p0, p1);
             *reinterpret_cast<uint32_t*>(Ps + (g + 8) * P_STRIDE + col) = pack_bf16(p2, p3);
         }
@@ -200,11 +195,11 @@ __device__ __forceinline__ void decode_attention_body(
             const int row = g + 8 * i;
             float ts = 0.f;
 #pragma unroll
-            for (int w = 0; w < NW; ++w) ts += red_sum[w * HT + row];
+            for (int w = 0; w < NWARPS; ++w) ts += red_sum[w * HT + row];
             l[i] = l[i] * alpha[i] + ts;
         }
 #pragma unroll
-        for (int n = 0; n < O_NT; ++n) {
+        for (int n = 0; n < O_NTILES; ++n) {
             o[n][0] *= alpha[0];
             o[n][1] *= alpha[0];
             o[n][2] *= alpha[1];
@@ -221,9 +216,9 @@ __device__ __forceinline__ void decode_attention_body(
             pa[2] = lds32(p_lo + 8);
             pa[3] = lds32(p_lo + 8 * P_STRIDE + 8);
 #pragma unroll
-            for (int vn = 0; vn < O_NT / 2; ++vn) {
+            for (int vn = 0; vn < O_NTILES / 2; ++vn) {
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, KV + (kk * 16 + ri + (mi & 1) * 8) * KV_STRIDE + warp * DPW + vn * 16 + (mi >> 1) * 8);
+                ldmatrix_x4_trans(bv, KV + (kk * 16 + ri + (mi & 1) * 8) * KV_STRIDE + warp * DIMS_PER_WARP + vn * 16 + (mi >> 1) * 8);
                 mma_bf16_16816(o[2 * vn], pa, bv[0], bv[1]);
                 mma_bf16_16816(o[2 * vn + 1], pa, bv[2], bv[3]);
             }
@@ -238,15 +233,15 @@ __device__ __forceinline__ void decode_attention_body(
         if (hh >= heads) continue;
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
         if (num_splits == 1) {
-            bf16* dst = out + ((size_t)b * heads + hh) * DL + warp * DPW;
+            bf16* dst = out + ((size_t)b * heads + hh) * DL + warp * DIMS_PER_WARP;
 #pragma unroll
-            for (int n = 0; n < O_NT; ++n)
+            for (int n = 0; n < O_NTILES; ++n)
                 *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) = pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
         } else {
             const size_t row = ((size_t)b * num_splits + split) * heads + hh;
-            float* dst = part_o + row * DL + warp * DPW;
+            float* dst = part_o + row * DL + warp * DIMS_PER_WARP;
 #pragma unroll
-            for (int n = 0; n < O_NT; ++n) {
+            for (int n = 0; n < O_NTILES; ++n) {
                 dst[n * 8 + 2 * t4] = o[n][2 * i] * inv;
                 dst[n * 8 + 2 * t4 + 1] = o[n][2 * i + 1] * inv;
             }
@@ -265,18 +260,12 @@ __device__ __forceinline__ void decode_attention_body(
 
 // The kernel of the kernel round: one QK^T accumulator chain per key tile.
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(MLA_DECODE_PARAMS) {
-    decode_attention_body<1, 4>(MLA_DECODE_ARGS);
+    decode_attention_body<1>(MLA_DECODE_ARGS);
 }
 
 // Same kernel with QK^T over four independent accumulator chains (9 mma steps deep instead of 36).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_ilp4(MLA_DECODE_PARAMS) {
-    decode_attention_body<4, 4>(MLA_DECODE_ARGS);
-}
-
-// Eight warps (two per SM sub-partition, so one hides the other's latencies): each computes S
-// for 8 keys (four chains) and O for 64 dims.
-extern "C" __global__ void __launch_bounds__(2 * NTHREADS) mla_decode_attention_w8(MLA_DECODE_PARAMS) {
-    decode_attention_body<4, 8>(MLA_DECODE_ARGS);
+    decode_attention_body<4>(MLA_DECODE_ARGS);
 }
 
 // out[b, h, :] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Grid (H, B, 4): each

@@ -22,8 +22,7 @@ pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 *
 /// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes for the 1024-byte
 /// alignment and the pipeline's mbarriers (kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-/// Q + two pages + P tile, bf16, and the per-warp max/sum scratch for up to 8 warps.
-pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 8 * 16 * 4;
+pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
 
 /// The two implementations of prefill attention (same function, same arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,13 +56,10 @@ pub enum DecodeKernel {
     OneChain,
     /// Four independent chains over the k-steps, summed at the end (9 dependent steps each).
     FourChains,
-    /// Eight warps (two per SM sub-partition) with four chains each: a warp computes S for 8 keys
-    /// of the page and O for 64 of the 512 dims.
-    EightWarps,
 }
 
 impl DecodeKernel {
-    pub const ALL: [DecodeKernel; 3] = [DecodeKernel::OneChain, DecodeKernel::FourChains, DecodeKernel::EightWarps];
+    pub const ALL: [DecodeKernel; 2] = [DecodeKernel::OneChain, DecodeKernel::FourChains];
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -219,15 +215,14 @@ impl Kernels {
         }
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
-        let (kernel, threads) = match which {
-            DecodeKernel::OneChain => (&self.mla_decode_attention, 128),
-            DecodeKernel::FourChains => (&self.mla_decode_attention_ilp4, 128),
-            DecodeKernel::EightWarps => (&self.mla_decode_attention_w8, 256),
+        let kernel = match which {
+            DecodeKernel::OneChain => &self.mla_decode_attention,
+            DecodeKernel::FourChains => &self.mla_decode_attention_ilp4,
         };
         kernel.launch(
             s,
             grid,
-            threads,
+            128,
             DECODE_SMEM_BYTES as u32,
             &[
                 Arg::Ptr(p.q.ptr),

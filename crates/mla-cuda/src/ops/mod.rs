@@ -36,7 +36,6 @@ pub struct Kernels {
     pub prefill_kernel: PrefillKernel,
     pub mla_decode_attention: Kernel,
     pub mla_decode_attention_ilp4: Kernel,
-    pub mla_decode_attention_w8: Kernel,
     /// Which decode attention kernel `decode_attention` launches.
     pub decode_kernel: DecodeKernel,
     pub mla_decode_combine: Kernel,
@@ -79,7 +78,6 @@ impl Kernels {
             prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::WgmmaLockstep } else { PrefillKernel::MmaSync },
             mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
             mla_decode_attention_ilp4: m.kernel("attention_decode", "mla_decode_attention_ilp4")?,
-            mla_decode_attention_w8: m.kernel("attention_decode", "mla_decode_attention_w8")?,
             decode_kernel: DecodeKernel::OneChain,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
             moe_route: m.kernel("moe", "moe_route")?,
@@ -110,7 +108,6 @@ impl Kernels {
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
         k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         k.mla_decode_attention_ilp4.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
-        k.mla_decode_attention_w8.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         if k.prefill_kernel != PrefillKernel::MmaSync {
             k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
