@@ -258,12 +258,13 @@ __device__ __forceinline__ void decode_attention_body(
 #define MLA_DECODE_ARGS \
     q, q_stride, cache, block_tables, bt_stride_ptr, seq_lens, heads, scale_log2, num_splits, out, part_o, part_lse
 
-// The kernel of the kernel round: one QK^T accumulator chain per key tile.
+// The kernel of the kernel round: one QK^T accumulator chain per key tile (kept for comparison).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(MLA_DECODE_PARAMS) {
     decode_attention_body<1>(MLA_DECODE_ARGS);
 }
 
-// Same kernel with QK^T over four independent accumulator chains (9 mma steps deep instead of 36).
+// Same kernel with QK^T over four independent accumulator chains (9 mma steps deep instead of 36):
+// the default (DecodeKernel::FourChains).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_ilp4(MLA_DECODE_PARAMS) {
     decode_attention_body<4>(MLA_DECODE_ARGS);
 }

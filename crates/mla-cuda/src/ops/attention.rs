@@ -54,7 +54,8 @@ impl PrefillKernel {
 pub enum DecodeKernel {
     /// One mma accumulator chain per key tile (36 dependent steps): the kernel round's kernel.
     OneChain,
-    /// Four independent chains over the k-steps, summed at the end (9 dependent steps each).
+    /// Four independent chains over the k-steps, summed at the end (9 dependent steps each): the
+    /// default (docs/cuda-notes.md, runs D1-D3).
     FourChains,
 }
 
