@@ -18,13 +18,17 @@ constexpr int DIMS_PER_WARP = DL / NWARPS;  // 128
 constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
 }  // namespace
 
-// Q tile + two KV pages + P tile + reduction scratch.
-// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4
+// Q tile + two KV pages + P tile + reduction scratch + the partial-S exchange of the Q_IN_REGS kernel.
+// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4 + NWARPS * 8 * 32 * 16
 
 // QK_CHAINS: how many independent accumulator chains each warp's S = Q K^T is split into (k-steps
 // round-robin over the chains, summed at the end). With one warp per SM sub-partition nothing
 // hides the latency of a dependent mma chain; 1 chain is 36 mma steps deep, 4 chains 9.
-template <int QK_CHAINS>
+// Q_IN_REGS: QK^T split over the 576 dims across the warps instead of over the keys: warp w holds
+// Q's fragments of k-steps [9w, 9w + 9) in registers for the whole block (no re-reads of Q from
+// shared memory per page), computes those dims' partial S for all 64 keys (8 independent chains
+// 9 deep), and the partials are summed through shared memory into each warp's 16 keys.
+template <int QK_CHAINS, bool Q_IN_REGS = false>
 __device__ __forceinline__ void decode_attention_body(
     const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
     const bf16* __restrict__ cache,                 // [blocks * 64, 576]
@@ -42,6 +46,7 @@ __device__ __forceinline__ void decode_attention_body(
     bf16* Ps = KVs + 2 * PAGE * KV_STRIDE;
     float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);
     float* red_sum = red_max + NWARPS * HT;
+    float4* s_part = reinterpret_cast<float4*>(red_sum + NWARPS * HT);  // [NWARPS][8 key tiles][32 lanes]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int split = blockIdx.x, h0 = blockIdx.y * HT, b = blockIdx.z;
@@ -75,6 +80,8 @@ __device__ __forceinline__ void decode_attention_body(
     for (int n = 0; n < O_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int mi = lane >> 3, ri = lane & 7;
+    constexpr int KS_PER_WARP = KSTEPS / NWARPS;  // 9
+    uint32_t qa[Q_IN_REGS ? KS_PER_WARP : 1][4];
 
     for (int p = p_begin; p < p_end; ++p) {
         const int stage = (p - p_begin) & 1;
@@ -90,7 +97,44 @@ __device__ __forceinline__ void decode_attention_body(
 
         // S = Q K^T for this warp's 16 keys.
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        if constexpr (QK_CHAINS == 1) {
+        if constexpr (Q_IN_REGS) {
+            if (p == p_begin) {
+#pragma unroll
+                for (int j = 0; j < KS_PER_WARP; ++j) {
+                    const bf16* q_lo = Qs + g * KV_STRIDE + (warp * KS_PER_WARP + j) * 16 + 2 * t4;
+                    qa[j][0] = lds32(q_lo);
+                    qa[j][1] = lds32(q_lo + 8 * KV_STRIDE);
+                    qa[j][2] = lds32(q_lo + 8);
+                    qa[j][3] = lds32(q_lo + 8 * KV_STRIDE + 8);
+                }
+            }
+            float part[PAGE / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < PAGE / 8; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+#pragma unroll
+            for (int j = 0; j < KS_PER_WARP; ++j) {
+                const int ks = warp * KS_PER_WARP + j;
+#pragma unroll
+                for (int nt = 0; nt < PAGE / 8; ++nt) {
+                    const bf16* kr = KV + (nt * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                    mma_bf16_16816(part[nt], qa[j], lds32(kr), lds32(kr + 8));
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < PAGE / 8; ++nt)
+                s_part[(warp * (PAGE / 8) + nt) * 32 + lane] = make_float4(part[nt][0], part[nt][1], part[nt][2], part[nt][3]);
+            __syncthreads();
+#pragma unroll
+            for (int src = 0; src < NWARPS; ++src)
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const float4 v = s_part[(src * (PAGE / 8) + warp * 2 + n) * 32 + lane];
+                    sc[n][0] += v.x;
+                    sc[n][1] += v.y;
+                    sc[n][2] += v.z;
+                    sc[n][3] += v.w;
+                }
+        } else if constexpr (QK_CHAINS == 1) {
 #pragma unroll 4
             for (int ks = 0; ks < KSTEPS; ++ks) {
                 uint32_t a[4];
@@ -267,6 +311,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(MLA_
 // the default (DecodeKernel::FourChains).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_ilp4(MLA_DECODE_PARAMS) {
     decode_attention_body<4>(MLA_DECODE_ARGS);
+}
+
+// QK^T split over the dims across the warps with Q's fragments in registers.
+extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qregs(MLA_DECODE_PARAMS) {
+    decode_attention_body<1, true>(MLA_DECODE_ARGS);
 }
 
 // out[b, h, :] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Grid (H, B, 4): each

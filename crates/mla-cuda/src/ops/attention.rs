@@ -22,7 +22,8 @@ pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 *
 /// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes for the 1024-byte
 /// alignment and the pipeline's mbarriers (kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4;
+/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange of `QInRegisters`.
+pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4 + 4 * 8 * 32 * 16;
 
 /// The two implementations of prefill attention (same function, same arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,10 +58,13 @@ pub enum DecodeKernel {
     /// Four independent chains over the k-steps, summed at the end (9 dependent steps each): the
     /// default (docs/cuda-notes.md, runs D1-D3).
     FourChains,
+    /// QKᵀ split over the 576 dims across the warps, Q's fragments held in registers, partial S
+    /// summed through shared memory.
+    QInRegisters,
 }
 
 impl DecodeKernel {
-    pub const ALL: [DecodeKernel; 2] = [DecodeKernel::OneChain, DecodeKernel::FourChains];
+    pub const ALL: [DecodeKernel; 3] = [DecodeKernel::OneChain, DecodeKernel::FourChains, DecodeKernel::QInRegisters];
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -219,6 +223,7 @@ impl Kernels {
         let kernel = match which {
             DecodeKernel::OneChain => &self.mla_decode_attention,
             DecodeKernel::FourChains => &self.mla_decode_attention_ilp4,
+            DecodeKernel::QInRegisters => &self.mla_decode_attention_qregs,
         };
         kernel.launch(
             s,

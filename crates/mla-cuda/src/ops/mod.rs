@@ -36,6 +36,7 @@ pub struct Kernels {
     pub prefill_kernel: PrefillKernel,
     pub mla_decode_attention: Kernel,
     pub mla_decode_attention_ilp4: Kernel,
+    pub mla_decode_attention_qregs: Kernel,
     /// Which decode attention kernel `decode_attention` launches.
     pub decode_kernel: DecodeKernel,
     pub mla_decode_combine: Kernel,
@@ -78,6 +79,7 @@ impl Kernels {
             prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::WgmmaLockstep } else { PrefillKernel::MmaSync },
             mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
             mla_decode_attention_ilp4: m.kernel("attention_decode", "mla_decode_attention_ilp4")?,
+            mla_decode_attention_qregs: m.kernel("attention_decode", "mla_decode_attention_qregs")?,
             // Four QK chains: faster at every batch size measured (B=32 by 3%), same tests (runs D1-D3).
             decode_kernel: DecodeKernel::FourChains,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
@@ -109,6 +111,7 @@ impl Kernels {
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
         k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         k.mla_decode_attention_ilp4.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
+        k.mla_decode_attention_qregs.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         if k.prefill_kernel != PrefillKernel::MmaSync {
             k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
