@@ -308,12 +308,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(MLA_
 }
 
 // Same kernel with QK^T over four independent accumulator chains (9 mma steps deep instead of 36):
-// the default (DecodeKernel::FourChains).
+// DecodeKernel::FourChains.
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_ilp4(MLA_DECODE_PARAMS) {
     decode_attention_body<4>(MLA_DECODE_ARGS);
 }
 
-// QK^T split over the dims across the warps with Q's fragments in registers.
+// QK^T split over the dims across the warps with Q's fragments in registers: the default
+// (DecodeKernel::QInRegisters).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qregs(MLA_DECODE_PARAMS) {
     decode_attention_body<1, true>(MLA_DECODE_ARGS);
 }

@@ -80,8 +80,9 @@ impl Kernels {
             mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
             mla_decode_attention_ilp4: m.kernel("attention_decode", "mla_decode_attention_ilp4")?,
             mla_decode_attention_qregs: m.kernel("attention_decode", "mla_decode_attention_qregs")?,
-            // Four QK chains: faster at every batch size measured (B=32 by 3%), same tests (runs D1-D3).
-            decode_kernel: DecodeKernel::FourChains,
+            // Q in registers, QKᵀ split over the dims: 6-9% faster than the one-chain kernel at
+            // B=32/128/256 in run D4, same tests (docs/cuda-notes.md, "Decode attention").
+            decode_kernel: DecodeKernel::QInRegisters,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
             moe_route: m.kernel("moe", "moe_route")?,
             moe_align: m.kernel("moe", "moe_align")?,
