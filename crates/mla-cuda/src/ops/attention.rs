@@ -20,7 +20,8 @@ pub const PREFILL_TILE_Q: usize = 128;
 // Must match the kernels' shared-memory layout (see the comments next to the kernels).
 pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 * 136) * 2;
 /// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes for the 1024-byte
-/// alignment and the pipeline's mbarriers (kernels/attention_prefill_sm90.cu).
+/// alignment (the other 1024 held the mbarriers of the removed warp-specialised kernel; kept so the
+/// launch is unchanged; kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
 /// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange of `QInRegisters`.
 pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4 + 4 * 8 * 32 * 16;
@@ -30,10 +31,6 @@ pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) 
 pub enum PrefillKernel {
     /// mma.sync m16n8k16, 64-row blocks: any GPU of compute capability 8.0+.
     MmaSync,
-    /// wgmma, 128-row blocks of a producer and two consumer warpgroups (mbarrier pipeline,
-    /// deferred P·V, ping-pong): sm_90a only; slower than `WgmmaLockstep` on the H200 so far, kept
-    /// in the benchmark to measure the next steps of that design.
-    Wgmma,
     /// wgmma with shared-memory operands, 128-row blocks of two warpgroups that load and compute
     /// in lockstep: sm_90a only; the default on compute capability 9.0.
     WgmmaLockstep,
@@ -44,7 +41,7 @@ impl PrefillKernel {
     pub fn available(k: &Kernels) -> Vec<PrefillKernel> {
         match k.prefill_kernel {
             PrefillKernel::MmaSync => vec![PrefillKernel::MmaSync],
-            _ => vec![PrefillKernel::MmaSync, PrefillKernel::WgmmaLockstep, PrefillKernel::Wgmma],
+            PrefillKernel::WgmmaLockstep => vec![PrefillKernel::MmaSync, PrefillKernel::WgmmaLockstep],
         }
     }
 }
@@ -139,8 +136,8 @@ impl Kernels {
 
     /// Prefill attention through a chosen implementation (tests and benchmarks compare both).
     pub fn prefill_attention_with(&self, s: CUstream, p: &PrefillAttention, which: PrefillKernel) -> anyhow::Result<()> {
-        // The wgmma kernels are in the sm_90a cubin only (the default is MmaSync everywhere else).
-        anyhow::ensure!(which == PrefillKernel::MmaSync || self.prefill_kernel != PrefillKernel::MmaSync, "the wgmma prefill attention kernels need compute capability 9.0");
+        // The wgmma kernel is in the sm_90a cubin only (the default is MmaSync everywhere else).
+        anyhow::ensure!(which == PrefillKernel::MmaSync || self.prefill_kernel != PrefillKernel::MmaSync, "the wgmma prefill attention kernel needs compute capability 9.0");
         let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
         anyhow::ensure!(p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD, "prefill attention: row strides too small");
         ensure_len!(p.q, p.q_rows * p.q_stride, "prefill queries");
@@ -163,7 +160,6 @@ impl Kernels {
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let (kernel, grid, threads, smem) = match which {
             PrefillKernel::MmaSync => (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES),
-            PrefillKernel::Wgmma => (&self.mla_prefill_attention_sm90, (p.tiles as u32, p.heads as u32, 1), 384, PREFILL_SM90_SMEM_BYTES),
             PrefillKernel::WgmmaLockstep => (&self.mla_prefill_attention_sm90_sync, (p.tiles as u32, p.heads as u32, 1), 256, PREFILL_SM90_SMEM_BYTES),
         };
         kernel.launch(

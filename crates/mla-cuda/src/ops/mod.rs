@@ -30,7 +30,6 @@ pub struct Kernels {
     pub mla_rope_cache: Kernel,
     pub gather_latent: Kernel,
     pub mla_prefill_attention: Kernel,
-    pub mla_prefill_attention_sm90: Kernel,
     pub mla_prefill_attention_sm90_sync: Kernel,
     /// Which prefill attention kernel `prefill_attention` launches on this GPU.
     pub prefill_kernel: PrefillKernel,
@@ -71,11 +70,9 @@ impl Kernels {
             mla_rope_cache: m.kernel("latent_cache", "mla_rope_cache")?,
             gather_latent: m.kernel("latent_cache", "gather_latent")?,
             mla_prefill_attention: m.kernel("attention_prefill", "mla_prefill_attention")?,
-            mla_prefill_attention_sm90: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90")?,
             mla_prefill_attention_sm90_sync: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90_sync")?,
-            // The wgmma kernels exist only in the sm_90a cubin, which is what compute capability 9.0
-            // loads; every other GPU runs the mma.sync kernel from PTX. Lockstep measured faster
-            // than the warp-specialised one on the H200 (docs/cuda-notes.md).
+            // The wgmma kernel exists only in the sm_90a cubin, which is what compute capability 9.0
+            // loads; every other GPU runs the mma.sync kernel from PTX.
             prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::WgmmaLockstep } else { PrefillKernel::MmaSync },
             mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
             mla_decode_attention_ilp4: m.kernel("attention_decode", "mla_decode_attention_ilp4")?,
@@ -94,7 +91,7 @@ impl Kernels {
             moe_grouped_gemm_silu_sm90: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_silu_sm90")?,
             moe_grouped_gemm_sm90_n128: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_sm90_n128")?,
             moe_grouped_gemm_silu_sm90_n128: m.kernel("grouped_gemm_sm90", "moe_grouped_gemm_silu_sm90_n128")?,
-            // Like the wgmma attention kernels, these exist only in the sm_90a cubin.
+            // Like the wgmma attention kernel, these exist only in the sm_90a cubin.
             moe_wgmma: info.compute_capability == (9, 0),
             sample_tokens: m.kernel("sampling", "sample_tokens")?,
             sm_count: info.sm_count,
@@ -114,7 +111,6 @@ impl Kernels {
         k.mla_decode_attention_ilp4.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         k.mla_decode_attention_qregs.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         if k.prefill_kernel != PrefillKernel::MmaSync {
-            k.mla_prefill_attention_sm90.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
         }
         if k.moe_wgmma {
