@@ -18,17 +18,15 @@ constexpr int DIMS_PER_WARP = DL / NWARPS;  // 128
 constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
 }  // namespace
 
-// Q tile + two KV pages + P tile + reduction scratch + the partial-S exchange of the Q_IN_REGS kernel.
+// Q tile + two KV pages + P tile + reduction scratch + the partial-S exchange.
 // Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4 + NWARPS * 8 * 32 * 16
 
-// QK_CHAINS: how many independent accumulator chains each warp's S = Q K^T is split into (k-steps
-// round-robin over the chains, summed at the end). With one warp per SM sub-partition nothing
-// hides the latency of a dependent mma chain; 1 chain is 36 mma steps deep, 4 chains 9.
-// Q_IN_REGS: QK^T split over the 576 dims across the warps instead of over the keys: warp w holds
-// Q's fragments of k-steps [9w, 9w + 9) in registers for the whole block (no re-reads of Q from
-// shared memory per page), computes those dims' partial S for all 64 keys (8 independent chains
-// 9 deep), and the partials are summed through shared memory into each warp's 16 keys.
-template <int QK_CHAINS, bool Q_IN_REGS = false>
+// QK^T is split over the 576 dims across the warps rather than over the keys: warp w holds Q's
+// fragments of k-steps [9w, 9w + 9) in registers for the whole block (no re-reads of Q from shared
+// memory per page), computes those dims' partial S for all 64 keys (8 independent chains 9 deep),
+// and the partials are summed through shared memory into each warp's 16 keys. This beat one chain
+// per key tile over all 576 dims (and the same split into four chains) by 6-9% in run D4; those
+// variants were removed after runs D4/F5 (docs/cuda-notes.md).
 __device__ __forceinline__ void decode_attention_body(
     const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
     const bf16* __restrict__ cache,                 // [blocks * 64, 576]
@@ -39,7 +37,6 @@ __device__ __forceinline__ void decode_attention_body(
     bf16* __restrict__ out,                         // [B, H, 512] when num_splits == 1
     float* __restrict__ part_o,                     // [B, num_splits, H, 512]
     float* __restrict__ part_lse) {                 // [B, num_splits, H] (log2 units)
-    static_assert(KSTEPS % QK_CHAINS == 0, "k-steps split evenly over the chains");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* KVs = Qs + HT * KV_STRIDE;
@@ -81,7 +78,7 @@ __device__ __forceinline__ void decode_attention_body(
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int mi = lane >> 3, ri = lane & 7;
     constexpr int KS_PER_WARP = KSTEPS / NWARPS;  // 9
-    uint32_t qa[Q_IN_REGS ? KS_PER_WARP : 1][4];
+    uint32_t qa[KS_PER_WARP][4];
 
     for (int p = p_begin; p < p_end; ++p) {
         const int stage = (p - p_begin) & 1;
@@ -97,91 +94,42 @@ __device__ __forceinline__ void decode_attention_body(
 
         // S = Q K^T for this warp's 16 keys.
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        if constexpr (Q_IN_REGS) {
-            if (p == p_begin) {
-#pragma unroll
-                for (int j = 0; j < KS_PER_WARP; ++j) {
-                    const bf16* q_lo = Qs + g * KV_STRIDE + (warp * KS_PER_WARP + j) * 16 + 2 * t4;
-                    qa[j][0] = lds32(q_lo);
-                    qa[j][1] = lds32(q_lo + 8 * KV_STRIDE);
-                    qa[j][2] = lds32(q_lo + 8);
-                    qa[j][3] = lds32(q_lo + 8 * KV_STRIDE + 8);
-                }
-            }
-            float part[PAGE / 8][4];
-#pragma unroll
-            for (int nt = 0; nt < PAGE / 8; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+        if (p == p_begin) {
 #pragma unroll
             for (int j = 0; j < KS_PER_WARP; ++j) {
-                const int ks = warp * KS_PER_WARP + j;
-#pragma unroll
-                for (int nt = 0; nt < PAGE / 8; ++nt) {
-                    const bf16* kr = KV + (nt * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
-                    mma_bf16_16816(part[nt], qa[j], lds32(kr), lds32(kr + 8));
-                }
+                const bf16* q_lo = Qs + g * KV_STRIDE + (warp * KS_PER_WARP + j) * 16 + 2 * t4;
+                qa[j][0] = lds32(q_lo);
+                qa[j][1] = lds32(q_lo + 8 * KV_STRIDE);
+                qa[j][2] = lds32(q_lo + 8);
+                qa[j][3] = lds32(q_lo + 8 * KV_STRIDE + 8);
             }
-#pragma unroll
-            for (int nt = 0; nt < PAGE / 8; ++nt)
-                s_part[(warp * (PAGE / 8) + nt) * 32 + lane] = make_float4(part[nt][0], part[nt][1], part[nt][2], part[nt][3]);
-            __syncthreads();
-#pragma unroll
-            for (int src = 0; src < NWARPS; ++src)
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const float4 v = s_part[(src * (PAGE / 8) + warp * 2 + n) * 32 + lane];
-                    sc[n][0] += v.x;
-                    sc[n][1] += v.y;
-                    sc[n][2] += v.z;
-                    sc[n][3] += v.w;
-                }
-        } else if constexpr (QK_CHAINS == 1) {
-#pragma unroll 4
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                uint32_t a[4];
-                const bf16* q_lo = Qs + g * KV_STRIDE + ks * 16 + 2 * t4;
-                const bf16* q_hi = q_lo + 8 * KV_STRIDE;
-                a[0] = lds32(q_lo);
-                a[1] = lds32(q_hi);
-                a[2] = lds32(q_lo + 8);
-                a[3] = lds32(q_hi + 8);
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
-                    mma_bf16_16816(sc[n], a, lds32(kr), lds32(kr + 8));
-                }
-            }
-        } else {
-            float acc[QK_CHAINS][2][4];
-#pragma unroll
-            for (int c = 0; c < QK_CHAINS; ++c)
-#pragma unroll
-                for (int n = 0; n < 2; ++n) acc[c][n][0] = acc[c][n][1] = acc[c][n][2] = acc[c][n][3] = 0.f;
-#pragma unroll 2
-            for (int k0 = 0; k0 < KSTEPS; k0 += QK_CHAINS) {
-#pragma unroll
-                for (int c = 0; c < QK_CHAINS; ++c) {
-                    const int ks = k0 + c;
-                    uint32_t a[4];
-                    const bf16* q_lo = Qs + g * KV_STRIDE + ks * 16 + 2 * t4;
-                    const bf16* q_hi = q_lo + 8 * KV_STRIDE;
-                    a[0] = lds32(q_lo);
-                    a[1] = lds32(q_hi);
-                    a[2] = lds32(q_lo + 8);
-                    a[3] = lds32(q_hi + 8);
-#pragma unroll
-                    for (int n = 0; n < 2; ++n) {
-                        const bf16* kr = KV + (warp * 16 + n * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
-                        mma_bf16_16816(acc[c][n], a, lds32(kr), lds32(kr + 8));
-                    }
-                }
-            }
-#pragma unroll
-            for (int c = 0; c < QK_CHAINS; ++c)
-#pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) sc[n][e] += acc[c][n][e];
         }
+        float part[PAGE / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < PAGE / 8; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < KS_PER_WARP; ++j) {
+            const int ks = warp * KS_PER_WARP + j;
+#pragma unroll
+            for (int nt = 0; nt < PAGE / 8; ++nt) {
+                const bf16* kr = KV + (nt * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                mma_bf16_16816(part[nt], qa[j], lds32(kr), lds32(kr + 8));
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < PAGE / 8; ++nt)
+            s_part[(warp * (PAGE / 8) + nt) * 32 + lane] = make_float4(part[nt][0], part[nt][1], part[nt][2], part[nt][3]);
+        __syncthreads();
+#pragma unroll
+        for (int src = 0; src < NWARPS; ++src)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float4 v = s_part[(src * (PAGE / 8) + warp * 2 + n) * 32 + lane];
+                sc[n][0] += v.x;
+                sc[n][1] += v.y;
+                sc[n][2] += v.z;
+                sc[n][3] += v.w;
+            }
         float wmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < 2; ++n)
@@ -302,21 +250,10 @@ __device__ __forceinline__ void decode_attention_body(
 #define MLA_DECODE_ARGS \
     q, q_stride, cache, block_tables, bt_stride_ptr, seq_lens, heads, scale_log2, num_splits, out, part_o, part_lse
 
-// The kernel of the kernel round: one QK^T accumulator chain per key tile (kept for comparison).
-extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention(MLA_DECODE_PARAMS) {
-    decode_attention_body<1>(MLA_DECODE_ARGS);
-}
-
-// Same kernel with QK^T over four independent accumulator chains (9 mma steps deep instead of 36):
-// DecodeKernel::FourChains.
-extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_ilp4(MLA_DECODE_PARAMS) {
-    decode_attention_body<4>(MLA_DECODE_ARGS);
-}
-
-// QK^T split over the dims across the warps with Q's fragments in registers: the default
-// (DecodeKernel::QInRegisters).
+// QK^T split over the dims across the warps with Q's fragments in registers (see above); the one
+// decode attention kernel, on every GPU (sm_90a cubin and compute_80 PTX).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qregs(MLA_DECODE_PARAMS) {
-    decode_attention_body<1, true>(MLA_DECODE_ARGS);
+    decode_attention_body(MLA_DECODE_ARGS);
 }
 
 // out[b, h, :] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse). Grid (H, B, 4): each

@@ -23,7 +23,7 @@ pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 *
 /// alignment (the other 1024 held the mbarriers of the removed warp-specialised kernel; kept so the
 /// launch is unchanged; kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange of `QInRegisters`.
+/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange across the warps.
 pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4 + 4 * 8 * 32 * 16;
 
 /// The two implementations of prefill attention (same function, same arguments).
@@ -44,24 +44,6 @@ impl PrefillKernel {
             PrefillKernel::WgmmaLockstep => vec![PrefillKernel::MmaSync, PrefillKernel::WgmmaLockstep],
         }
     }
-}
-
-/// The implementations of decode attention (same function, same arguments, same shared memory;
-/// kernels/attention_decode.cu). They differ only in how each warp's S = Q·Kᵀ is accumulated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeKernel {
-    /// One mma accumulator chain per key tile (36 dependent steps): the kernel round's kernel.
-    OneChain,
-    /// Four independent chains over the k-steps, summed at the end (9 dependent steps each):
-    /// 0-4% faster than `OneChain` (docs/cuda-notes.md, runs D1-D4).
-    FourChains,
-    /// QKᵀ split over the 576 dims across the warps, Q's fragments held in registers, partial S
-    /// summed through shared memory: the default (run D4: 6-9% faster than `OneChain`).
-    QInRegisters,
-}
-
-impl DecodeKernel {
-    pub const ALL: [DecodeKernel; 3] = [DecodeKernel::OneChain, DecodeKernel::FourChains, DecodeKernel::QInRegisters];
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -198,11 +180,9 @@ impl Kernels {
         choose_decode_splits(self.sm_count, batch, heads, max_pages)
     }
 
+    /// Decode attention (kernels/attention_decode.cu: QKᵀ split over the 576 dims across the warps,
+    /// Q's fragments in registers), one kernel on every GPU.
     pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
-        self.decode_attention_with(s, p, self.decode_kernel)
-    }
-
-    pub fn decode_attention_with(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
         anyhow::ensure!(p.cache.len % d == 0, "latent cache length {} is not a multiple of {d}", p.cache.len);
@@ -216,12 +196,7 @@ impl Kernels {
         }
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
-        let kernel = match which {
-            DecodeKernel::OneChain => &self.mla_decode_attention,
-            DecodeKernel::FourChains => &self.mla_decode_attention_ilp4,
-            DecodeKernel::QInRegisters => &self.mla_decode_attention_qregs,
-        };
-        kernel.launch(
+        self.mla_decode_attention_qregs.launch(
             s,
             grid,
             128,

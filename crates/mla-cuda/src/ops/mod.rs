@@ -8,7 +8,7 @@ mod linear;
 mod moe;
 mod sampling;
 
-pub use attention::{DecodeAttention, DecodeKernel, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
+pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
 pub use elementwise::Normal;
 pub use latent::RopeCache;
 pub use linear::Linear;
@@ -33,11 +33,7 @@ pub struct Kernels {
     pub mla_prefill_attention_sm90_sync: Kernel,
     /// Which prefill attention kernel `prefill_attention` launches on this GPU.
     pub prefill_kernel: PrefillKernel,
-    pub mla_decode_attention: Kernel,
-    pub mla_decode_attention_ilp4: Kernel,
     pub mla_decode_attention_qregs: Kernel,
-    /// Which decode attention kernel `decode_attention` launches.
-    pub decode_kernel: DecodeKernel,
     pub mla_decode_combine: Kernel,
     pub moe_route: Kernel,
     pub moe_align: Kernel,
@@ -74,12 +70,10 @@ impl Kernels {
             // The wgmma kernel exists only in the sm_90a cubin, which is what compute capability 9.0
             // loads; every other GPU runs the mma.sync kernel from PTX.
             prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::WgmmaLockstep } else { PrefillKernel::MmaSync },
-            mla_decode_attention: m.kernel("attention_decode", "mla_decode_attention")?,
-            mla_decode_attention_ilp4: m.kernel("attention_decode", "mla_decode_attention_ilp4")?,
+            // Q in registers, QKᵀ split over the dims, on every GPU (cubin and PTX): 6-9% faster
+            // than the one-chain kernel it replaced at B=32/128/256 in run D4 (docs/cuda-notes.md,
+            // "Decode attention").
             mla_decode_attention_qregs: m.kernel("attention_decode", "mla_decode_attention_qregs")?,
-            // Q in registers, QKᵀ split over the dims: 6-9% faster than the one-chain kernel at
-            // B=32/128/256 in run D4, same tests (docs/cuda-notes.md, "Decode attention").
-            decode_kernel: DecodeKernel::QInRegisters,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
             moe_route: m.kernel("moe", "moe_route")?,
             moe_align: m.kernel("moe", "moe_align")?,
@@ -107,8 +101,6 @@ impl Kernels {
             info.max_smem_per_block_optin
         );
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
-        k.mla_decode_attention.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
-        k.mla_decode_attention_ilp4.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         k.mla_decode_attention_qregs.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
         if k.prefill_kernel != PrefillKernel::MmaSync {
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
