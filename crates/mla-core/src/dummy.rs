@@ -22,9 +22,15 @@ impl DummyWeights {
         DummyWeights { seed }
     }
 
+    /// Seed of one tensor's own stream: the source seed mixed with the tensor name. Backends that
+    /// draw dummy weights on a device use it too, so every draw is keyed the same way.
+    pub fn tensor_seed(&self, name: &str) -> u64 {
+        self.seed ^ fnv1a(name.as_bytes())
+    }
+
     /// Standard-normal stream for one tensor.
     fn normals(&self, name: &str, n: usize) -> Vec<f32> {
-        let mut rng = SplitMix64::new(self.seed ^ fnv1a(name.as_bytes()));
+        let mut rng = SplitMix64::new(self.tensor_seed(name));
         let mut out = Vec::with_capacity(n + 1);
         while out.len() < n {
             // Box-Muller: two independent normals from two uniforms; 1 - u avoids ln(0).
@@ -44,23 +50,25 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
+/// `(mean, std)` of the normal distribution a tensor is drawn from, by role (see the module doc).
+pub fn dummy_distribution(spec: &TensorSpec) -> (f32, f32) {
+    let fan_in = *spec.shape.last().unwrap_or(&1) as f32;
+    match spec.role {
+        TensorRole::Embedding => (0.0, 1.0),
+        TensorRole::Linear | TensorRole::LmHead | TensorRole::Router => (0.0, fan_in.powf(-0.5)),
+        TensorRole::Norm => (1.0, 0.1),
+        TensorRole::Bias => (0.0, 0.1),
+    }
+}
+
 impl WeightSource for DummyWeights {
     fn describe(&self) -> String {
         format!("dummy weights (seed {})", self.seed)
     }
 
     fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
-        let z = self.normals(&spec.name, spec.numel());
-        let fan_in = *spec.shape.last().unwrap_or(&1) as f32;
-        Ok(match spec.role {
-            TensorRole::Embedding => z,
-            TensorRole::Linear | TensorRole::LmHead | TensorRole::Router => {
-                let std = fan_in.powf(-0.5);
-                z.into_iter().map(|x| x * std).collect()
-            }
-            TensorRole::Norm => z.into_iter().map(|x| 1.0 + 0.1 * x).collect(),
-            TensorRole::Bias => z.into_iter().map(|x| 0.1 * x).collect(),
-        })
+        let (mean, std) = dummy_distribution(spec);
+        Ok(self.normals(&spec.name, spec.numel()).into_iter().map(|x| mean + std * x).collect())
     }
 
     fn read_fp8(&self, _spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {

@@ -13,7 +13,8 @@ use anyhow::Context;
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 use mla_core::config::{ModelConfig, TopkMethod};
-use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorRole, TensorSpec};
+use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
+use mla_core::dummy::{dummy_distribution, DummyWeights};
 use mla_core::WeightSource;
 
 /// A bf16 matrix `[out, inp]`.
@@ -225,15 +226,10 @@ impl DeviceWeights {
     pub fn dummy(cfg: &ModelConfig, k: &Kernels, stream: CUstream, seed: u64) -> anyhow::Result<Self> {
         let w = Self::alloc(cfg)?;
         let spec = ModelSpec::new(cfg);
+        let source = DummyWeights::new(seed);
         for (t, d) in w.destinations(&spec) {
-            let fan_in = *t.shape.last().unwrap_or(&1) as f32;
-            let (mean, std) = match t.role {
-                TensorRole::Embedding => (0.0, 1.0),
-                TensorRole::Linear | TensorRole::LmHead | TensorRole::Router => (0.0, fan_in.powf(-0.5)),
-                TensorRole::Norm => (1.0, 0.1),
-                TensorRole::Bias => (0.0, 0.1),
-            };
-            let dist = Normal { mean, std, seed: seed ^ fnv1a(t.name.as_bytes()) };
+            let (mean, std) = dummy_distribution(t);
+            let dist = Normal { mean, std, seed: source.tensor_seed(&t.name) };
             match d {
                 Dest::Bf16(s) => k.fill_normal_bf16(stream, s, dist)?,
                 Dest::F32(s) => k.fill_normal_f32(stream, s, dist)?,
@@ -261,8 +257,4 @@ impl Dest {
 fn upload<T>(dst: DSlice<T>, data: &[T]) -> anyhow::Result<()> {
     anyhow::ensure!(dst.len == data.len(), "upload of {} elements into {}", data.len(), dst.len);
     unsafe { cudarc::driver::result::memcpy_htod_sync(dst.ptr, data) }.map_err(|e| anyhow::anyhow!("copying weights to the device: {e:?}"))
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
