@@ -253,6 +253,7 @@ __device__ __forceinline__ void decode_attention_body(
 // QK^T split over the dims across the warps with Q's fragments in registers (see above); the one
 // decode attention kernel, on every GPU (sm_90a cubin and compute_80 PTX).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qregs(MLA_DECODE_PARAMS) {
+    PDL_ENTRY();
     decode_attention_body(MLA_DECODE_ARGS);
 }
 
@@ -262,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qreg
 // version was latency-bound: 15 us for 32 splits at batch 1).
 extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                               int heads, int num_splits, bf16* __restrict__ out) {
+    PDL_ENTRY();
     __shared__ float w[64];
     __shared__ float total;
     const int h = blockIdx.x, b = blockIdx.y, d = blockIdx.z * NTHREADS + threadIdx.x;

@@ -37,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_prefill_attention(
     const int* __restrict__ k_pos0,                // [S] absolute position of that key
     const int* __restrict__ k_len,                 // [S] keys in this pass's window
     int heads, float scale_log2, int flags) {
+    PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* Ks = Qs + BM * QK_STRIDE;       // 2 stages

@@ -53,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_prefill_attention_sm90_
     const int* __restrict__ tile_seq, const int* __restrict__ tile_q0,
     const int* __restrict__ cu_q, const int* __restrict__ q_pos0, const int* __restrict__ k_row0,
     const int* __restrict__ k_pos0, const int* __restrict__ k_len, int heads, float scale_log2, int flags) {
+    PDL_ENTRY();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;

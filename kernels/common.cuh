@@ -16,6 +16,39 @@ DEVICE_INLINE bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
 // Rounds through bf16 and back, to mirror PyTorch where it materialises a bf16 intermediate.
 DEVICE_INLINE float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// Programmatic dependent launch (Hopper). The host launches our kernels with the
+// programmatic-stream-serialization attribute on sm_90 (crates/mla-cuda/src/gpu/module.rs), so a
+// kernel may start while its predecessor in the stream is still running. Every kernel therefore
+// calls PDL_ENTRY() before it reads or writes anything a predecessor may touch: `pdl_wait` blocks
+// until the predecessor grid has completed and its writes are visible, and `pdl_trigger` then
+// lets the next kernel's blocks be scheduled so that their launch and any weight prefetch before
+// their own wait overlap this kernel's work. Waiting before triggering keeps at most one kernel
+// ahead and makes every kernel's completion imply its predecessors' (each passed its wait). Both
+// are no-ops when the kernel was launched without the attribute, and absent from the compute_80
+// PTX, where the host never sets it.
+DEVICE_INLINE void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+DEVICE_INLINE void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// Starts pulling `bytes` (a multiple of 16, below 4 GiB) at `p` (16-byte aligned) into L2 without
+// waiting: the bulk-copy engine's prefetch on sm_90, nothing elsewhere.
+DEVICE_INLINE void prefetch_l2(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+#define PDL_ENTRY() \
+    do {            \
+        pdl_wait();    \
+        pdl_trigger(); \
+    } while (0)
+
 DEVICE_INLINE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -6,6 +6,7 @@
 // residual[t, :] = table[ids[t], :] (f32 residual stream; bf16 values are exact in f32).
 extern "C" __global__ void embedding_gather(const bf16* __restrict__ table, const int* __restrict__ ids,
                                             float* __restrict__ residual, int hidden) {
+    PDL_ENTRY();
     const int t = blockIdx.x;
     const bf16* row = table + (size_t)ids[t] * hidden;
     float* out = residual + (size_t)t * hidden;
@@ -55,6 +56,7 @@ DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const bf16* __
 // out = rmsnorm(residual) (first layer: nothing to add yet).
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict__ residual, const bf16* __restrict__ w,
                                                               bf16* __restrict__ out, int hidden, float eps) {
+    PDL_ENTRY();
     residual_rmsnorm<false>(residual, nullptr, w, out, hidden, eps);
 }
 
@@ -62,12 +64,14 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict_
 // to f32 instead of re-rounding it to bf16 after every block.
 extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
                                                               const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    PDL_ENTRY();
     residual_rmsnorm<true>(residual, delta, w, out, hidden, eps);
 }
 
 // RMSNorm of a strided bf16 input (q_a_layernorm of V2/V3 queries).
 extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, int x_stride, const bf16* __restrict__ w,
                                         bf16* __restrict__ out, int out_stride, int n, float eps) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     const size_t t = blockIdx.x;
     const bf16* xr = x + t * x_stride;
@@ -85,6 +89,7 @@ extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, int x_stride
 // out[r, i] = silu(gate[r, i]) * up[r, i] with gate_up[r] = [gate (inter) | up (inter)].
 // HF rounds silu's output to bf16 before the product; so do we.
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __restrict__ out, int inter, long long total) {
+    PDL_ENTRY();
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {
         const long long r = idx / inter, i = idx - r * inter;
@@ -96,6 +101,7 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __re
 }
 
 extern "C" __global__ void bf16_to_f32(const bf16* __restrict__ x, float* __restrict__ y, long long n) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = to_f32(x[i]);
 }
@@ -104,6 +110,7 @@ extern "C" __global__ void bf16_to_f32(const bf16* __restrict__ x, float* __rest
 // values depend only on (seed, index), never on the launch shape.
 extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ out, long long n, unsigned long long seed,
                                             float mean, float std) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const uint64_t pair = (uint64_t)(i >> 1);
         const double u1 = uniform_open(mix64(seed ^ mix64(2 * pair)));
@@ -117,6 +124,7 @@ extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ out, long long n,
 
 extern "C" __global__ void fill_normal_f32(float* __restrict__ out, long long n, unsigned long long seed,
                                            float mean, float std) {
+    PDL_ENTRY();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const uint64_t pair = (uint64_t)(i >> 1);
         const double u1 = uniform_open(mix64(seed ^ mix64(2 * pair)));

@@ -6,8 +6,7 @@
 // cuBLAS's M = 1 kernels take about as long; B=1 decode 279 -> 289 tok/s, B=4 slower than cuBLAS
 // (687 -> 601), and a K-split-over-the-block variant was no faster at B=1 and slower on the
 // lm_head. The model uses it for single-row steps only.
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
 constexpr int MAXM = 4, ROWS = 2, UNROLL = 2, WARPS = 4;
@@ -31,6 +30,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
     void* __restrict__ y, int y_stride, int out_f32) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
+    // The weights do not depend on the previous kernel: pull this warp's rows towards L2 while
+    // that kernel is still running (programmatic dependent launch, common.cuh), then wait for x.
+    if (row0 < n_rows && lane == 0) prefetch_l2(w + (size_t)row0 * k_len, (unsigned)(min(ROWS, n_rows - row0) * k_len * 2));
+    PDL_ENTRY();
     if (row0 >= n_rows) return;
     float acc[ROWS][MAXM];
 #pragma unroll

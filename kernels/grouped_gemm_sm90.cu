@@ -192,7 +192,7 @@ DEVICE_INLINE void grouped_gemm_sm90(const bf16* __restrict__ A, const bf16* __r
 #else
 #define GG_BODY(SILU, BN)
 #endif
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) { GG_BODY(false, 256); }
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) { GG_BODY(true, 256); }
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) { GG_BODY(false, 128); }
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) { GG_BODY(true, 128); }
+extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 256); }
+extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 256); }
+extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 128); }
+extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 128); }

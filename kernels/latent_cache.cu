@@ -14,6 +14,7 @@ extern "C" __global__ void mla_rope_cache(
     const float* __restrict__ inv_freq, float attn_factor, float eps,
     bf16* __restrict__ cache,                              // [slots, R + P]
     int heads, int nope, int R, int P) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     __shared__ float rot_cos[64], rot_sin[64];  // rope dim <= 128
     const int t = blockIdx.x;
@@ -69,6 +70,7 @@ extern "C" __global__ void mla_rope_cache(
 // out[i, :] = cache[slots[i], :], 16 bytes per thread step; width * 2 must be a multiple of 16.
 extern "C" __global__ void gather_latent(const bf16* __restrict__ cache, const int* __restrict__ slots,
                                          bf16* __restrict__ out, int n, int width) {
+    PDL_ENTRY();
     const int vec = width / 8;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < (long long)n * vec;
          idx += (long long)gridDim.x * blockDim.x) {

@@ -26,6 +26,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
                                      int experts, int top_k, int n_group, int topk_group, int method,
                                      int norm_topk, float routed_scale, int* __restrict__ topk_ids,
                                      float* __restrict__ topk_w) {
+    PDL_ENTRY();
     const int warps = blockDim.x >> 5;
     const int t = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -165,6 +166,7 @@ extern "C" __global__ void moe_align(const int* __restrict__ topk_ids, int assig
                                      int* __restrict__ inv_row, int* __restrict__ tile_expert,
                                      int* __restrict__ tile_row0, int* __restrict__ tile_rows,
                                      int* __restrict__ num_tiles) {
+    PDL_ENTRY();
     __shared__ int count[1024], offset[1025], tile_off[1025], cursor[1024];
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         count[e] = 0;
@@ -207,6 +209,7 @@ extern "C" __global__ void moe_align(const int* __restrict__ topk_ids, int assig
 // grouped[row, :] = x[perm_src[row], :], 16 bytes at a time (hidden % 8 == 0).
 extern "C" __global__ void moe_gather(const bf16* __restrict__ x, const int* __restrict__ perm_src,
                                       bf16* __restrict__ grouped, int rows, int hidden) {
+    PDL_ENTRY();
     const int vec = hidden / 8;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < (long long)rows * vec;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -222,6 +225,7 @@ extern "C" __global__ void moe_gather(const bf16* __restrict__ x, const int* __r
 extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ inv_row,
                                        const float* __restrict__ topk_w, const bf16* __restrict__ shared,
                                        bf16* __restrict__ out, int top_k, int hidden) {
+    PDL_ENTRY();
     __shared__ int rows[32];
     __shared__ float ws[32];
     const int t = blockIdx.x;

@@ -81,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
     const int* __restrict__ pen,  // penalty entries: (token, output count, seen in prompt or output)
     float* __restrict__ work, int* __restrict__ out_token, float* __restrict__ out_logprob,
     int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
+    PDL_ENTRY();
     __shared__ float sf[32];
     __shared__ int si[32];
     __shared__ double sd[32];

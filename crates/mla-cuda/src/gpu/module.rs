@@ -32,20 +32,62 @@ impl Arg {
 pub struct Kernel {
     pub name: &'static str,
     func: sys::CUfunction,
+    /// Launch with programmatic stream serialization (see `Modules::pdl`).
+    pdl: bool,
 }
 
 impl Kernel {
     /// Queues the kernel on `stream`. Launch-configuration errors are reported here; faults
     /// inside the kernel surface at the next synchronisation.
-    pub fn launch(&self, stream: sys::CUstream, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+    pub fn launch(
+        &self,
+        stream: sys::CUstream,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
         // Little-endian: a 4-byte parameter reads the low half of its 8-byte slot.
         let mut store: Vec<u64> = args.iter().map(|a| a.bits()).collect();
-        let mut ptrs: Vec<*mut c_void> = store.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        unsafe { result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs) }
-            .ctx(&format!("launching {}", self.name))
+        let mut ptrs: Vec<*mut c_void> = store
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        if !self.pdl {
+            return unsafe {
+                result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs)
+            }
+            .ctx(&format!("launching {}", self.name));
+        }
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `ptrs` points at one live 8-byte slot per kernel parameter; the config and its
+        // attribute outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(&config, self.func, ptrs.as_mut_ptr(), std::ptr::null_mut())
+        }
+        .result()
+        .ctx(&format!("launching {}", self.name))
     }
 
     /// Allows `bytes` of dynamic shared memory (above the 48 KB default).
@@ -65,6 +107,12 @@ impl Kernel {
 pub struct Modules {
     modules: HashMap<&'static str, sys::CUmodule>,
     pub used_ptx: bool,
+    /// Programmatic dependent launch: on the sm_90a cubin every kernel begins with
+    /// `PDL_ENTRY()` (kernels/common.cuh), so it may be launched while its predecessor runs and
+    /// its launch latency (and the GEMV's weight prefetch) overlaps that kernel's tail. Off for
+    /// the PTX fallback (the PTX has no griddepcontrol) and when `MLA_DISABLE_PDL=1` (A/B
+    /// measurements, docs/performance.md).
+    pub pdl: bool,
 }
 
 impl Modules {
@@ -80,7 +128,12 @@ impl Modules {
         for m in MODULES {
             modules.insert(m.name, load_one(m, use_cubin)?);
         }
-        Ok(Modules { modules, used_ptx: !use_cubin })
+        let disabled = std::env::var("MLA_DISABLE_PDL").is_ok_and(|v| v == "1");
+        Ok(Modules {
+            modules,
+            used_ptx: !use_cubin,
+            pdl: use_cubin && !disabled,
+        })
     }
 
     pub fn kernel(&self, module: &str, name: &'static str) -> Result<Kernel> {
@@ -89,19 +142,26 @@ impl Modules {
             detail: format!("no module {module} was embedded"),
         })?;
         let cname = CString::new(name).unwrap();
-        let func = unsafe { result::module::get_function(*m, cname) }.ctx(&format!("finding kernel {module}::{name}"))?;
-        Ok(Kernel { name, func })
+        let func = unsafe { result::module::get_function(*m, cname) }
+            .ctx(&format!("finding kernel {module}::{name}"))?;
+        Ok(Kernel {
+            name,
+            func,
+            pdl: self.pdl,
+        })
     }
 }
 
 fn load_one(m: &EmbeddedModule, use_cubin: bool) -> Result<sys::CUmodule> {
     if use_cubin {
-        unsafe { result::module::load_data(m.cubin_sm90a.as_ptr() as *const c_void) }.ctx(&format!("loading {}.cubin", m.name))
+        unsafe { result::module::load_data(m.cubin_sm90a.as_ptr() as *const c_void) }
+            .ctx(&format!("loading {}.cubin", m.name))
     } else {
         // The driver JIT-compiles PTX; it needs a NUL-terminated image.
         let mut ptx = m.ptx.to_vec();
         ptx.push(0);
-        unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }.ctx(&format!("JIT-compiling {}.ptx", m.name))
+        unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }
+            .ctx(&format!("JIT-compiling {}.ptx", m.name))
     }
 }
 
