@@ -22,14 +22,26 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
 }
 }  // namespace
 
-// Grid: ceil(N / (WARPS * ROWS)) blocks of 32 * WARPS threads. K % 8 == 0, x_stride % 8 == 0,
+// Grid: ceil(N / (WARPS * ROWS)) (+ ceil(N2 / (WARPS * ROWS))) blocks of 32 * WARPS threads. K % 8 == 0, x_stride % 8 == 0,
 // W, x 16-byte aligned (the wrapper checks).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
     const __nv_bfloat16* __restrict__ w, int n_rows, int k_len,
     const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows,
-    void* __restrict__ y, int y_stride, int out_f32) {
+    void* __restrict__ y, int y_stride, int out_f32,
+    const __nv_bfloat16* __restrict__ w2, int n_rows2, void* __restrict__ y2, int y2_stride) {
+    // Blocks past the first matrix's take a second one over the same x (q and kv_a of a layer
+    // both read the normed hidden state: one launch instead of two).
+    int block = blockIdx.x;
+    const int blocks1 = (n_rows + WARPS * ROWS - 1) / (WARPS * ROWS);
+    if (block >= blocks1) {
+        block -= blocks1;
+        w = w2;
+        n_rows = n_rows2;
+        y = y2;
+        y_stride = y2_stride;
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
+    const int row0 = (block * WARPS + warp) * ROWS;
     // The weights do not depend on the previous kernel: pull this warp's rows towards L2 while
     // that kernel is still running (programmatic dependent launch, common.cuh), then wait for x.
     if (row0 < n_rows && lane == 0) prefetch_l2(w + (size_t)row0 * k_len, (unsigned)(min(ROWS, n_rows - row0) * k_len * 2));

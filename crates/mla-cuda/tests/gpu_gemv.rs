@@ -63,3 +63,27 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
         }
     }
 }
+
+/// q_proj and kv_a in one launch (`Gemv::linear_pair`): each output against the f64 reference.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn paired_gemv_writes_both_outputs() {
+    let dev = device();
+    let gemv = Gemv::load(&dev, true).unwrap();
+    let mut rng = Rng::new(22);
+    let k = 2048;
+    let (na, nb) = (3072, 576);
+    let (wa, wb) = (round(&rng.uniform(na * k, 0.05)), round(&rng.uniform(nb * k, 0.05)));
+    let (da, db) = (up_bf16(&wa), up_bf16(&wb));
+    let (la, lb) = (Linear::new(da.slice(), na, k), Linear::new(db.slice(), nb, k));
+    let x = round(&rng.uniform(k, 1.0));
+    let xd = up_bf16(&x);
+    let (ya, yb) = (up_bf16(&vec![f32::NAN; na]), up_bf16(&vec![f32::NAN; nb]));
+    gemv.linear_pair(&dev, xd.slice(), k, 1, (&la, ya.slice(), na), (&lb, yb.slice(), nb)).unwrap();
+    dev.gpu.sync().unwrap();
+    for (name, got, w, n) in [("a", down_bf16(ya.slice()), &wa, na), ("b", down_bf16(yb.slice()), &wb, nb)] {
+        let e = rel(&got, &reference(w, &x, n, k, 1, k));
+        println!("paired gemv {name} [{n}, {k}]: rel {e:.2e}");
+        assert!(got.iter().all(|v| v.is_finite()) && e < 4e-3, "paired gemv output {name}: rel {e}");
+    }
+}

@@ -6,6 +6,7 @@
 //! reads of device data, so a decode step can be captured as a CUDA graph as is.
 
 use super::meta::{MetaLimits, StepMeta};
+use super::moe_small::{MoeSmall, MoeSmallIo};
 use super::weights::{DeviceWeights, FfnWeights, MlpWeights, MoeWeights, QueryWeights};
 use super::workspace::{Limits, Workspace};
 use crate::device::Device;
@@ -59,6 +60,8 @@ pub struct CudaModel {
     pub decode_splits_override: Option<usize>,
     /// Linear layers of steps with at most 4 rows (decode at small batch).
     pub gemv: super::gemv::Gemv,
+    /// MoE layers of steps with at most `MOE_GEMV_MAX_TOKENS` tokens.
+    pub moe_small: MoeSmall,
 }
 
 fn meta_len(l: &Limits, max_blocks_per_seq: usize) -> usize {
@@ -135,6 +138,7 @@ impl CudaModel {
             activation_bytes,
             decode_splits_override: None,
             gemv: super::gemv::Gemv::load(dev, true)?,
+            moe_small: MoeSmall::load(dev, true)?,
         })
     }
 
@@ -266,16 +270,17 @@ impl CudaModel {
         let (t, hidden, heads) = (m.tokens, cfg.hidden_size, cfg.num_attention_heads);
         let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
         let h = ws.h.slice();
+        // q (or q_a) and kv_a both read h: one launch at small batch.
+        let kv_a = (&lw.kv_a.lin(), ws.kva.slice(), lat);
         match &lw.query {
-            QueryWeights::Direct(q) => self.gemv.linear(dev, &q.lin(), h, hidden, t, ws.q.slice(), heads * qd)?,
+            QueryWeights::Direct(q) => self.gemv.linear_pair(dev, h, hidden, t, (&q.lin(), ws.q.slice(), heads * qd), kv_a)?,
             QueryWeights::LowRank { a, a_norm, b } => {
                 let r = a.out;
-                self.gemv.linear(dev, &a.lin(), h, hidden, t, ws.q_a.slice(), r)?;
+                self.gemv.linear_pair(dev, h, hidden, t, (&a.lin(), ws.q_a.slice(), r), kv_a)?;
                 k.rmsnorm_bf16(s, ws.q_a.slice(), r, a_norm.slice(), ws.q_a_normed.slice(), r, t, r, self.eps)?;
                 self.gemv.linear(dev, &b.lin(), ws.q_a_normed.slice(), r, t, ws.q.slice(), heads * qd)?;
             }
         }
-        self.gemv.linear(dev, &lw.kv_a.lin(), h, hidden, t, ws.kva.slice(), lat)?;
         let cache = self.layer_cache(l);
         let decode = m.kind == StepKind::Decode;
         k.rope_cache(
@@ -379,14 +384,31 @@ impl CudaModel {
         let mb = ws.moe.as_ref().expect("MoE buffers exist when a layer is MoE");
         let r = mb.routing(t, cfg, k.moe_tile_m(t, cfg.num_experts_per_tok, cfg.n_routed_experts));
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
-        k.bf16_to_f32(s, ws.h.slice(), mb.h_f32.slice(), t * hidden)?;
-        dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
         let method = match (cfg.topk_method, cfg.n_group) {
             (TopkMethod::Greedy, _) => RouteMethod::Greedy,
             (TopkMethod::GroupLimitedGreedy, _) => RouteMethod::GroupLimited,
             (TopkMethod::NoauxTc, _) => RouteMethod::NoauxTc,
         };
-        k.moe_route(s, mb.router_logits.slice(), w.bias.as_ref().map(|b| b.slice()), &r, method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor as f32)?;
+        let route = |logits: DSlice<f32>| {
+            k.moe_route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor as f32)
+        };
+        if self.moe_small.takes(cfg, w, t) {
+            let io = MoeSmallIo {
+                tokens: t,
+                x: ws.h.slice(),
+                router_logits: mb.router_logits.slice(),
+                routing: &r,
+                act: mb.grouped_act.slice(),
+                act_shared: mb.grouped_gate_up.slice(),
+                out: ws.ffn_out.slice(),
+            };
+            self.moe_small.router(dev, cfg, w, &io)?;
+            route(mb.router_logits.slice())?;
+            return self.moe_small.experts(dev, cfg, w, &io);
+        }
+        k.bf16_to_f32(s, ws.h.slice(), mb.h_f32.slice(), t * hidden)?;
+        dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
+        route(mb.router_logits.slice())?;
         k.moe_align(s, &r)?;
         k.moe_gather(s, ws.h.slice(), &r, mb.grouped_x.slice(), hidden)?;
         k.moe_gate_up_act(s, mb.grouped_x.slice(), w.gate_up.slice(), mb.grouped_gate_up.slice(), mb.grouped_act.slice(), im, hidden, &r)?;

@@ -5,6 +5,7 @@ mod forward;
 pub mod gemv;
 pub mod graph;
 pub mod meta;
+pub mod moe_small;
 pub mod weights;
 pub mod workspace;
 

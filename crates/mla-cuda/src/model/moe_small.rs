@@ -1,0 +1,136 @@
+//! DeepSeekMoE for steps of a few tokens as weight-streaming GEMVs (`kernels/moe_gemv.cu`):
+//! router, routing, gate/up with SiLU·mul, down with the weighted combine; routed and shared
+//! experts in the same launches. Four launches per layer instead of the grouped path's twelve,
+//! which at B=1 are each a few microseconds of latency for little work.
+
+use super::weights::MoeWeights;
+use crate::device::Device;
+use crate::gpu::{Arg, DSlice, Kernel};
+use crate::ops::MoeRouting;
+use half::bf16;
+use mla_core::ModelConfig;
+
+/// Most tokens a step may have for this path. Each routed slot reads its expert's weights, so
+/// past a few tokens (experts shared between tokens) the grouped GEMMs read less.
+pub const MOE_GEMV_MAX_TOKENS: usize = 4;
+const WARPS: usize = 4; // WARPS in moe_gemv.cu
+
+pub struct MoeSmall {
+    router: Kernel,
+    gate_up: Kernel,
+    down: Kernel,
+    pub enabled: bool,
+}
+
+/// Buffers of one layer's small-step MoE.
+pub struct MoeSmallIo<'a> {
+    pub tokens: usize,
+    pub x: DSlice<bf16>,
+    pub router_logits: DSlice<f32>,
+    pub routing: &'a MoeRouting,
+    /// [tokens * top_k, I]
+    pub act: DSlice<bf16>,
+    /// [tokens, Is]
+    pub act_shared: DSlice<bf16>,
+    pub out: DSlice<bf16>,
+}
+
+impl MoeSmall {
+    pub fn load(dev: &Device, enabled: bool) -> anyhow::Result<Self> {
+        Ok(MoeSmall {
+            router: dev.kernel("moe_gemv", "moe_router_gemv")?,
+            gate_up: dev.kernel("moe_gemv", "moe_gemv_gate_up")?,
+            down: dev.kernel("moe_gemv", "moe_gemv_down")?,
+            enabled,
+        })
+    }
+
+    /// Slices of the shared experts' intermediate each down-projection warp takes (Is = pieces ·
+    /// I), or None when the shape does not split evenly (the grouped path runs then).
+    fn shared_pieces(cfg: &ModelConfig, w: &MoeWeights) -> Option<usize> {
+        match &w.shared {
+            None => Some(0),
+            Some(sh) => {
+                let (ims, im) = (sh.down.inp, cfg.moe_intermediate_size);
+                (ims % im == 0).then_some(ims / im)
+            }
+        }
+    }
+
+    /// Whether this path takes a step of `tokens` tokens for this layer.
+    pub fn takes(&self, cfg: &ModelConfig, w: &MoeWeights, tokens: usize) -> bool {
+        self.enabled
+            && (1..=MOE_GEMV_MAX_TOKENS).contains(&tokens)
+            && cfg.hidden_size % 8 == 0
+            && cfg.moe_intermediate_size % 8 == 0
+            && Self::shared_pieces(cfg, w).is_some_and(|p| cfg.num_experts_per_tok + p <= 32)
+    }
+
+    /// Router logits (f32, as HF) for `io.tokens` rows of `io.x`.
+    pub fn router(&self, dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo) -> anyhow::Result<()> {
+        let (t, e, h) = (io.tokens, cfg.n_routed_experts, cfg.hidden_size);
+        anyhow::ensure!(io.x.len >= t * h && io.router_logits.len >= t * e && w.router.len() >= e * h, "moe router: buffers too small");
+        self.router.launch(
+            dev.stream(),
+            ((t * e).div_ceil(WARPS) as u32, 1, 1),
+            (32 * WARPS) as u32,
+            0,
+            &[Arg::Ptr(io.x.ptr), Arg::Ptr(w.router.slice().ptr), Arg::I32(t as i32), Arg::I32(e as i32), Arg::I32(h as i32), Arg::Ptr(io.router_logits.ptr)],
+        )?;
+        Ok(())
+    }
+
+    /// Gate/up with SiLU·mul, then down with the combine into `io.out`, after routing filled
+    /// `io.routing`'s top-k ids and weights.
+    pub fn experts(&self, dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo) -> anyhow::Result<()> {
+        let (t, k, h, im) = (io.tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size);
+        let pieces = Self::shared_pieces(cfg, w).ok_or_else(|| anyhow::anyhow!("shared experts do not split into moe_intermediate_size slices"))?;
+        let ims = pieces * im;
+        anyhow::ensure!(io.act.len >= t * k * im && io.act_shared.len >= t * ims && io.out.len >= t * h, "moe gemv: buffers too small");
+        let (sh_gu, sh_down) = match &w.shared {
+            Some(sh) => (sh.gate_up.buf.slice().ptr, sh.down.buf.slice().ptr),
+            None => (0, 0),
+        };
+        let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
+        self.gate_up.launch(
+            dev.stream(),
+            (items.div_ceil(WARPS) as u32, 1, 1),
+            (32 * WARPS) as u32,
+            0,
+            &[
+                Arg::Ptr(io.x.ptr),
+                Arg::I32(h as i32),
+                Arg::I32(t as i32),
+                Arg::Ptr(io.routing.topk_ids.ptr),
+                Arg::I32(k as i32),
+                Arg::Ptr(w.gate_up.slice().ptr),
+                Arg::I32(im as i32),
+                Arg::Ptr(sh_gu),
+                Arg::I32(ims as i32),
+                Arg::Ptr(io.act.ptr),
+                Arg::Ptr(io.act_shared.ptr),
+            ],
+        )?;
+        self.down.launch(
+            dev.stream(),
+            ((h / 2) as u32, t as u32, 1),
+            (32 * (k + pieces)) as u32,
+            0,
+            &[
+                Arg::Ptr(io.act.ptr),
+                Arg::I32(im as i32),
+                Arg::Ptr(w.down.slice().ptr),
+                Arg::Ptr(io.routing.topk_ids.ptr),
+                Arg::Ptr(io.routing.topk_w.ptr),
+                Arg::I32(k as i32),
+                Arg::Ptr(io.act_shared.ptr),
+                Arg::I32(ims as i32),
+                Arg::Ptr(sh_down),
+                Arg::I32(pieces as i32),
+                Arg::Ptr(io.out.ptr),
+                Arg::I32(h as i32),
+            ],
+        )?;
+        Ok(())
+    }
+}

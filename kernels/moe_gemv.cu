@@ -1,0 +1,180 @@
+// DeepSeekMoE for steps of a few tokens (decode at small batch), as weight-streaming GEMVs: a
+// B=1 step reads 6 of 64 experts per layer, and the grouped-GEMM path spends 12 launches per
+// layer on it (f32 conversion, cuBLAS router, routing, alignment, gather, two grouped GEMMs, the
+// shared expert's three kernels, combine), each a few microseconds of latency. Here the layer is
+// router GEMV -> moe_route (moe.cu) -> gate/up GEMV -> down GEMV, with the routed experts and the
+// shared experts in the same launches, SiLU·mul in the gate/up epilogue and the weighted combine
+// in the down epilogue. Rounding follows HF as the grouped path does (moe.cu, elementwise.cu):
+// gate, up and silu rounded to bf16, each expert's output rounded to bf16 before its weight, the
+// routed sum rounded to bf16 before the shared experts' bf16 output is added.
+#include "common.cuh"
+
+namespace {
+constexpr int WARPS = 4;  // warps per block of the router and gate/up kernels
+constexpr int U = 4;      // 16-byte chunks in flight per lane and row
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 p = __bfloat1622float2(x[i]), q = __bfloat1622float2(y[i]);
+        s = fmaf(p.x, q.x, s);
+        s = fmaf(p.y, q.y, s);
+    }
+    return s;
+}
+
+// Per-lane partial dots of two weight rows with one vector, `chunks` 16-byte chunks long.
+__device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const uint4* __restrict__ r1,
+                                          const uint4* __restrict__ v, int chunks, int lane, float& a0,
+                                          float& a1) {
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 w0[U], w1[U], x[U];
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int c = c0 + 32 * i;
+            const bool in = c < chunks;
+            w0[i] = in ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+            w1[i] = in ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+            x[i] = in ? __ldg(v + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            a0 += dot8(w0[i], x[i]);
+            a1 += dot8(w1[i], x[i]);
+        }
+    }
+}
+}  // namespace
+
+// logits[m, e] = f32(x[m, :]) · w[e, :] with f32 router weights, as HF computes the gate
+// (hidden states cast to f32). One warp per (token, expert); hidden % 4 == 0.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_router_gemv(const bf16* __restrict__ x, const float* __restrict__ w,
+                                                                        int tokens, int experts, int hidden,
+                                                                        float* __restrict__ logits) {
+    const int lane = threadIdx.x & 31;
+    const int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int m = item / experts, e = item - m * experts;
+    if (m < tokens && lane == 0) prefetch_l2(w + (size_t)e * hidden, (unsigned)(hidden * 4));
+    PDL_ENTRY();
+    if (m >= tokens) return;
+    const float4* wr = reinterpret_cast<const float4*>(w + (size_t)e * hidden);
+    const uint2* xr = reinterpret_cast<const uint2*>(x + (size_t)m * hidden);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int c = lane; c < hidden / 4; c += 32) {
+        const float4 wv = __ldg(wr + c);
+        const uint2 xv = __ldg(xr + c);
+        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv.x));
+        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv.y));
+        acc = fmaf(wv.x, x01.x, acc);
+        acc = fmaf(wv.y, x01.y, acc);
+        acc = fmaf(wv.z, x23.x, acc);
+        acc = fmaf(wv.w, x23.y, acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) logits[(size_t)m * experts + e] = acc;
+}
+
+// act[slot, n] = silu(x[m] · gate_e[n]) * (x[m] · up_e[n]) for every routed slot (token m =
+// slot / top_k, expert e = topk_ids[slot]; w_gu = [E, 2I, H]), then act_sh[m, n] likewise with
+// the shared experts' [2 * Is, H] (when w_sh is not null). One warp per output element, reading
+// the gate and up rows together; hidden % 8 == 0, rows 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_gemv_gate_up(
+    const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
+    const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims, bf16* __restrict__ act,
+    bf16* __restrict__ act_sh) {
+    const int lane = threadIdx.x & 31;
+    const long long item = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const long long routed = (long long)tokens * top_k * im;
+    const long long shared = w_sh ? (long long)tokens * ims : 0;
+    // The shared experts' rows do not depend on the routing: start pulling them now.
+    if (item >= routed && item < routed + shared && lane == 0) {
+        const int n = (int)((item - routed) % ims);
+        prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * 2));
+        prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * 2));
+    }
+    PDL_ENTRY();
+    if (item >= routed + shared) return;
+    const bf16 *g_row, *u_row;
+    bf16* out;
+    int m;
+    if (item < routed) {
+        const int slot = (int)(item / im), n = (int)(item - (long long)slot * im);
+        m = slot / top_k;
+        const size_t e = (size_t)topk_ids[slot];
+        g_row = w_gu + (e * 2 * im + n) * hidden;
+        u_row = w_gu + (e * 2 * im + im + n) * hidden;
+        out = act + (size_t)slot * im + n;
+    } else {
+        const long long i = item - routed;
+        m = (int)(i / ims);
+        const int n = (int)(i - (long long)m * ims);
+        g_row = w_sh + (size_t)n * hidden;
+        u_row = w_sh + (size_t)(ims + n) * hidden;
+        out = act_sh + (size_t)m * ims + n;
+    }
+    float g = 0.f, u = 0.f;
+    dot2_rows(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row),
+              reinterpret_cast<const uint4*>(x + (size_t)m * hidden), hidden / 8, lane, g, u);
+    g = round_bf16(warp_sum(g));
+    u = round_bf16(warp_sum(u));
+    if (lane == 0) *out = to_bf16(round_bf16(g / (1.f + __expf(-g))) * u);
+}
+
+// out[m, n] = bf16( bf16(sum_j w[m, j] * bf16(act[m * top_k + j] · down_e(j)[n]))
+//                   + bf16(act_sh[m] · down_sh[n]) ) with w_d = [E, H, I], w_sh_d = [H, Is].
+// A block covers two output rows of one token (grid (hidden / 2, tokens)); its warps are the
+// top_k routed experts and `pieces` equal slices of the shared experts' Is = pieces * I
+// columns, so every warp streams two I-long row slices. hidden even, I % 8 == 0.
+extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, const bf16* __restrict__ w_d,
+                                         const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                                         int top_k, const bf16* __restrict__ act_sh, int ims,
+                                         const bf16* __restrict__ w_sh_d, int pieces, bf16* __restrict__ out,
+                                         int hidden) {
+    __shared__ float part[32][2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x * 2, m = blockIdx.y;
+    const bool is_shared = warp >= top_k;
+    const int p = warp - top_k;
+    if (is_shared && lane == 0) {
+        prefetch_l2(w_sh_d + (size_t)n * ims + (size_t)p * im, (unsigned)(im * 2));
+        prefetch_l2(w_sh_d + (size_t)(n + 1) * ims + (size_t)p * im, (unsigned)(im * 2));
+    }
+    PDL_ENTRY();
+    const bf16 *r0, *r1, *v;
+    if (!is_shared) {
+        const int slot = m * top_k + warp;
+        const size_t e = (size_t)topk_ids[slot];
+        r0 = w_d + (e * hidden + n) * im;
+        r1 = r0 + im;
+        v = act + (size_t)slot * im;
+    } else {
+        r0 = w_sh_d + (size_t)n * ims + (size_t)p * im;
+        r1 = r0 + ims;
+        v = act_sh + (size_t)m * ims + (size_t)p * im;
+    }
+    float a0 = 0.f, a1 = 0.f;
+    dot2_rows(reinterpret_cast<const uint4*>(r0), reinterpret_cast<const uint4*>(r1), reinterpret_cast<const uint4*>(v),
+              im / 8, lane, a0, a1);
+    a0 = warp_sum(a0);
+    a1 = warp_sum(a1);
+    if (lane == 0) {
+        part[warp][0] = a0;
+        part[warp][1] = a1;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 2) return;
+    const int r = threadIdx.x;
+    float routed = 0.f;
+    for (int j = 0; j < top_k; ++j) routed += topk_w[m * top_k + j] * round_bf16(part[j][r]);
+    float y = round_bf16(routed);
+    if (pieces > 0) {
+        float sh = 0.f;
+        for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
+        y += round_bf16(sh);
+    }
+    out[(size_t)m * hidden + n + r] = to_bf16(y);
+}
