@@ -4,17 +4,21 @@
 //
 // Work item = one 128-row tile x BN weight rows (BN = 256 for prefill-sized batches, 128 when
 // experts get at most 64 rows, so that decode steps have twice as many items to spread over the
-// SMs). Two warpgroups of 64 rows each issue wgmma m64nBNk16 with both operands in shared memory
-// (K-major, 128-byte swizzle); a warpgroup whose 64 rows are all past the tile's end issues none,
-// so a tile's ragged tail costs half. Blocks take items round-robin in tile-major order, the
-// count read from the device tile map; each block runs one continuous stream of 64-wide K slices
-// over all its items through a cp.async ring of STAGES slices (192 KB, one block per SM), copying
-// slice g + STAGES - 2 while slice g is multiplied and slice g - 1's wgmma may still be in flight
-// (wait_group 1). The grid decides the schedule (Kernels::moe_sm90_schedule): persistent, one
-// block per SM, whose stream crosses item boundaries so the next item's first slices are in
-// flight while an item's epilogue stores its results (decode-sized batches, memory-bound), or
-// one block per worst-case item, each running a single item (prefill-sized batches; measured
-// faster there on the H200, docs/cuda-notes.md).
+// SMs). Blocks of 384 threads, warp-specialised: warpgroup 0 is the producer, copying every
+// 64-wide K slice of the block's items (A rows and weight rows, K-major, 128-byte swizzle) into a
+// ring of STAGES slices with cp.async, each thread signalling the stage's full mbarrier when its
+// copies land (cp.async.mbarrier.arrive), so every stage of the ring can be in flight;
+// warpgroups 1 and 2 (64 rows each) only wait on the full barrier, issue wgmma m64nBNk16 with
+// both operands in shared memory, keep one wgmma group in flight (wait_group 1) and hand a stage
+// back on its empty mbarrier once the wgmma that read it has retired, then store the item's
+// results from registers. A consumer warpgroup whose 64 rows are all past the tile's end issues
+// no MMAs (a tile's ragged tail costs half) but keeps the barrier protocol. No block barrier in
+// the loop; the producer runs up to STAGES slices ahead, across item boundaries, so the next
+// item's loads fly during an epilogue.
+//
+// Blocks take items round-robin in tile-major order, the count read from the device tile map.
+// The grid decides the schedule (Kernels::moe_sm90_schedule): persistent, one block per SM
+// (decode-sized batches, memory-bound), or one block per worst-case item (prefill-sized).
 //
 // moe_grouped_gemm_silu_sm90* are the gate/up GEMM with SiLU·mul in the epilogue: an item's BN
 // weight rows are BN/2 gate rows [n0, n0+BN/2) and the matching BN/2 up rows [I+n0, ...) of the
@@ -27,8 +31,10 @@
 // multiples of 8 (16-byte copies; checked by the Rust wrapper).
 #include "wgmma.cuh"
 
+
 // Dynamic shared memory (the Rust wrapper computes the same): STAGES x (128 + BN) x 128 bytes
-// (BN 256: 4 stages, BN 128: 6 stages; 192 KB either way) + 1024 bytes of alignment slack.
+// (BN 256: 4 stages, BN 128: 6 stages; 192 KB either way) + 1024 bytes of alignment slack + 128
+// bytes for the 2 x STAGES mbarriers.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace {
@@ -38,27 +44,33 @@ constexpr int GG_BM = 128, GG_BK = 64;
 // SILU == false: W is [E, N, K], C is [rows, N], item columns n0 = BN · column block.
 // SILU == true:  W is [E, 2N, K] (gate rows then up rows), C is [rows, N] = act, n0 = BN/2 · block.
 template <bool SILU, int BN>
-DEVICE_INLINE void grouped_gemm_sm90(const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C, int N,
-                                     int K, const int* __restrict__ tile_expert, const int* __restrict__ tile_row0,
-                                     const int* __restrict__ tile_rows, const int* __restrict__ num_tiles) {
-    constexpr int STAGES = BN == 256 ? 4 : 6, LEAD = STAGES - 2, NACC = BN / 2;
-    constexpr int COLS = SILU ? BN / 2 : BN;  // output columns per item
+DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C,
+                                        int N, int K, const int* __restrict__ tile_expert,
+                                        const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
+                                        const int* __restrict__ num_tiles) {
+    constexpr int STAGES = BN == 256 ? 4 : 6, NACC = BN / 2;
+    constexpr int COLS = SILU ? BN / 2 : BN;
     constexpr uint32_t A_BYTES = GG_BM * GG_BK * 2, STAGE_BYTES = (GG_BM + BN) * GG_BK * 2;
     const int col_blocks = (N + COLS - 1) / COLS;
     const int items = num_tiles[0] * col_blocks;
     const int my_items = blockIdx.x < items ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     if (my_items == 0) return;
     const int KT = (K + GG_BK - 1) / GG_BK;
-    const int slices = my_items * KT;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const int w_rows = SILU ? 2 * N : N;
+    // full[s] at bars + 8 s (one noinc arrival per producer thread), empty[s] at bars + 8 (STAGES + s)
+    // (one arrival per consumer thread).
+    const uint32_t bars = s_base + STAGES * STAGE_BYTES;
     const int tid = threadIdx.x;
-    // Uniform per warp through a shuffle, so ptxas does not serialise the wgmmas under it.
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-
-    // The item of this block's j-th turn: (expert, first grouped row, rows, first column).
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bars + 8 * s, 128);
+            mbar_init(bars + 8 * (STAGES + s), 256);
+        }
+    }
+    __syncthreads();
+    const int w_rows = SILU ? 2 * N : N;
     struct Item {
         int e, row0, rows, n0;
     };
@@ -66,117 +78,118 @@ DEVICE_INLINE void grouped_gemm_sm90(const bf16* __restrict__ A, const bf16* __r
         const int it = blockIdx.x + j * gridDim.x, tile = it / col_blocks;
         return Item{tile_expert[tile], tile_row0[tile], tile_rows[tile], (it - tile * col_blocks) * COLS};
     };
-
-    // Loader: slice g of the stream = K slice g % KT of turn g / KT. Chunk c = tid + 256 i covers
-    // row c / 8, 16-byte chunk c % 8 of the 64-wide slice.
-    Item li = item_of(0);
-    int l_turn = 0;
-    auto load = [&](int g) {
-        const int turn = g / KT, kt = g - turn * KT;
-        if (turn != l_turn) {
-            li = item_of(turn);
-            l_turn = turn;
-        }
-        const int k0 = kt * GG_BK;
-        const uint32_t sA = s_base + (g % STAGES) * STAGE_BYTES, sB = sA + A_BYTES;
-        const bf16* We = W + (size_t)li.e * w_rows * K;
+    const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (role == 0) {
+        set_max_regs_dec<40>();
+        // Thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i (the same swizzle for every i).
+        // The row pointers advance one after another behind an empty asm, so that ptxas keeps
+        // one running pointer per operand instead of hoisting 24 (the producer has 40 registers).
+        const int ch = tid & 7, r0 = tid >> 3;
+        const uint32_t soff = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
+        const size_t step = (size_t)16 * K;
+        for (int turn = 0, g = 0; turn < my_items; ++turn) {
+            const Item li = item_of(turn);
+            // Rows r0 + 16 i of A exist for 16 i < a_left; weight rows for 16 i < w_left.
+            const int a_left = li.rows - r0, w_left = N - li.n0 - r0;
+            const bf16* a_row = A + (size_t)(li.row0 + r0) * K + ch * 8;
+            const bf16* w_row = W + ((size_t)li.e * w_rows + li.n0 + r0) * K + ch * 8;
+            for (int kt = 0; kt < KT; ++kt, ++g) {
+                const int st = g % STAGES, fill = g / STAGES;
+                if (fill > 0) mbar_wait(bars + 8 * (STAGES + st), (fill + 1) & 1);
+                const bool kok = kt * GG_BK + ch * 8 < K;
+                const uint32_t sA = s_base + st * STAGE_BYTES + soff, sB = sA + A_BYTES;
+                const bf16* p = a_row + kt * GG_BK;
 #pragma unroll
-        for (int i = 0; i < GG_BM * 8 / 256; ++i) {
-            const int c = tid + 256 * i, r = c >> 3, ch = c & 7;
-            const bool ok = r < li.rows && k0 + ch * 8 < K;
-            cp_async_16s(sA + sw128_offset(GG_BM, r, ch), ok ? A + (size_t)(li.row0 + r) * K + k0 + ch * 8 : A, ok);
-        }
-#pragma unroll
-        for (int i = 0; i < BN * 8 / 256; ++i) {
-            const int c = tid + 256 * i, r = c >> 3, ch = c & 7;
-            int n;
-            bool ok;
-            if (SILU) {
-                const int j = li.n0 + (r % (BN / 2));  // gate/up column of this row
-                ok = j < N;
-                n = r < BN / 2 ? j : N + j;
-            } else {
-                n = li.n0 + r;
-                ok = n < N;
-            }
-            ok = ok && k0 + ch * 8 < K;
-            cp_async_16s(sB + sw128_offset(BN, r, ch), ok ? We + (size_t)n * K + k0 + ch * 8 : W, ok);
-        }
-    };
-
-    float acc[NACC];
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-
-    // LEAD slices ahead: the stage refilled at slice g was last read by slice g - 2's wgmma, which
-    // every warpgroup has retired (wait_group 1 at slice g - 1) before the barrier of slice g.
-#pragma unroll
-    for (int s = 0; s < LEAD; ++s) {
-        if (s < slices) load(s);
-        cp_async_commit();
-    }
-    const int lane = tid & 31, warp = (tid >> 5) & 3, gq = lane >> 2, t4 = lane & 3;
-    for (int turn = 0, g = 0; turn < my_items; ++turn) {
-        const Item ci = item_of(turn);
-        // A warpgroup with no rows in this tile skips its MMAs (block-uniform, hence warp-uniform).
-        const bool active = __shfl_sync(0xffffffffu, wg * 64 < ci.rows, 0);
-        for (int kt = 0; kt < KT; ++kt, ++g) {
-            cp_async_wait<LEAD - 1>();  // this thread's copies of slice g have landed
-            fence_proxy_async();        // generic-proxy writes before the async-proxy reads
-            __syncthreads();            // everyone's copies of g landed; slice g - 2 retired
-            if (g + LEAD < slices) load(g + LEAD);
-            cp_async_commit();
-            if (active) {
-                const uint32_t sA = s_base + (g % STAGES) * STAGE_BYTES, sB = sA + A_BYTES;
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < GG_BK / 16; ++kk) {
-                    const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
-                    const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
-                    if constexpr (BN == 256)
-                        wgmma_m64n256k16_ss(acc, da, db, 1);
-                    else
-                        wgmma_m64n128k16_ss(acc, da, db, 1);
+                for (int i = 0; i < GG_BM / 16; ++i) {
+                    const bool ok = kok && 16 * i < a_left;
+                    cp_async_16s(sA + i * 2048, ok ? p : A, ok);
+                    p += step;
+                    asm volatile("" : "+l"(p));
                 }
-                wgmma_commit();
-                wgmma_wait<1>();
-                reg_fence(acc);
-            }
-        }
-        // Retire the item's last slice and store (the next item's first slices are in flight).
-        wgmma_wait<0>();
-        reg_fence(acc);
-        if (!active) continue;
-        // Accumulator i: row 16·warp + gq (+8 for i % 4 >= 2), column 8·(i / 4) + 2·t4 + (i % 2).
+                // SILU: gate rows for i < BN / 32, then the matching up rows N rows further on.
+                constexpr int WI = SILU ? BN / 32 : BN / 16;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = wg * 64 + warp * 16 + gq + half * 8;
-            if (r >= ci.rows) continue;
-            bf16* dst = C + (size_t)(ci.row0 + r) * N + ci.n0 + 2 * t4;
-            if constexpr (SILU) {
+                for (int half = 0; half < (SILU ? 2 : 1); ++half) {
+                    const bf16* q = w_row + kt * GG_BK + (half ? (size_t)N * K : 0);
 #pragma unroll
-                for (int j = 0; j < BN / 16; ++j) {
-                    if (ci.n0 + j * 8 + 2 * t4 >= N) continue;
-                    float o[2];
-#pragma unroll
-                    for (int b = 0; b < 2; ++b) {
-                        const float gt = round_bf16(acc[4 * j + 2 * half + b]);
-                        const float up = round_bf16(acc[BN / 4 + 4 * j + 2 * half + b]);
-                        o[b] = round_bf16(gt / (1.f + __expf(-gt))) * up;
+                    for (int i = 0; i < WI; ++i) {
+                        const bool ok = kok && 16 * i < w_left;
+                        cp_async_16s(sB + (half * WI + i) * 2048, ok ? q : W, ok);
+                        q += step;
+                        asm volatile("" : "+l"(q));
                     }
-                    *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(o[0], o[1]);
                 }
-            } else {
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-                    if (ci.n0 + j * 8 + 2 * t4 < N)
-                        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+                cp_async_arrive_noinc(bars + 8 * st);
             }
         }
+        cp_async_commit();
+        cp_async_wait<0>();
+    } else {
+        set_max_regs_inc<232>();
+        const int wg = role - 1, ctid = tid - 128;
+        const int lane = ctid & 31, warp = (ctid >> 5) & 3, gq = lane >> 2, t4 = lane & 3;
+        float acc[NACC];
+        for (int turn = 0, g = 0; turn < my_items; ++turn) {
+            const Item ci = item_of(turn);
+            // A warpgroup with no rows in this tile skips its MMAs but keeps the barrier protocol.
+            const bool active = __shfl_sync(0xffffffffu, wg * 64 < ci.rows, 0);
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+            for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+            for (int kt = 0; kt < KT; ++kt, ++g) {
+                const int st = g % STAGES;
+                mbar_wait(bars + 8 * st, (g / STAGES) & 1);
+                if (active) {
+                    fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
+                    const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < GG_BK / 16; ++kk) {
+                        const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
+                        const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
+                        if constexpr (BN == 256)
+                            wgmma_m64n256k16_ss(acc, da, db, 1);
+                        else
+                            wgmma_m64n128k16_ss(acc, da, db, 1);
+                    }
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                    reg_fence(acc);
+                }
+                // Slice g - 1's wgmma has retired: its stage goes back to the producer.
+                if (kt > 0) mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
+            }
+            wgmma_wait<0>();
+            reg_fence(acc);
+            mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
+            if (!active) continue;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = wg * 64 + warp * 16 + gq + half * 8;
+                if (r >= ci.rows) continue;
+                bf16* dst = C + (size_t)(ci.row0 + r) * N + ci.n0 + 2 * t4;
+                if constexpr (SILU) {
+#pragma unroll
+                    for (int j = 0; j < BN / 16; ++j) {
+                        if (ci.n0 + j * 8 + 2 * t4 >= N) continue;
+                        float o[2];
+#pragma unroll
+                        for (int b = 0; b < 2; ++b) {
+                            const float gt = round_bf16(acc[4 * j + 2 * half + b]);
+                            const float up = round_bf16(acc[BN / 4 + 4 * j + 2 * half + b]);
+                            o[b] = round_bf16(gt / (1.f + __expf(-gt))) * up;
+                        }
+                        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(o[0], o[1]);
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+                        if (ci.n0 + j * 8 + 2 * t4 < N)
+                            *reinterpret_cast<uint32_t*>(dst + j * 8) =
+                                pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+                }
+            }
+        }
     }
-    cp_async_wait<0>();
 }
 #endif
 
@@ -185,14 +198,15 @@ DEVICE_INLINE void grouped_gemm_sm90(const bf16* __restrict__ A, const bf16* __r
         const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
         const int *__restrict__ num_tiles
 
-// Grid: one block per SM (persistent) or per worst-case item. C = A · W[e]ᵀ (N output columns per row), or with
-// _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows.
+// Grid: one block per SM (persistent) or per worst-case item, 384 threads. C = A · W[e]ᵀ (N output columns per
+// row), or with _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(SILU, BN) grouped_gemm_sm90<SILU, BN>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
+#define GG_BODY(SILU, BN) \
+    grouped_gemm_ws_sm90<SILU, BN>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
 #else
 #define GG_BODY(SILU, BN)
 #endif
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 256); }
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 256); }
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 128); }
-extern "C" __global__ void __launch_bounds__(256, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 128); }
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 256); }
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 256); }
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 128); }
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 128); }
