@@ -19,9 +19,8 @@ pub const PREFILL_TILE_Q: usize = 128;
 
 // Must match the kernels' shared-memory layout (see the comments next to the kernels).
 pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 * 136) * 2;
-/// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes for the 1024-byte
-/// alignment (the other 1024 held the mbarriers of the removed warp-specialised kernel; kept so the
-/// launch is unchanged; kernels/attention_prefill_sm90.cu).
+/// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes: the 1024-byte
+/// alignment and the mbarriers (kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
 /// Q + two pages + P tile, bf16; per-key-group max/sum scratch; the partial-S exchange between
 /// the two warps of each key group (8 warps x 2 key tiles x 32 lanes x float4).
@@ -34,8 +33,9 @@ const DECODE_THREADS: u32 = 256;
 pub enum PrefillKernel {
     /// mma.sync m16n8k16, 64-row blocks: any GPU of compute capability 8.0+.
     MmaSync,
-    /// wgmma with shared-memory operands, 128-row blocks of two warpgroups that load and compute
-    /// in lockstep: sm_90a only; the default on compute capability 9.0.
+    /// wgmma, 128-row blocks of 384 threads: a cp.async producer warpgroup and two consumer
+    /// warpgroups (the name is that of the lockstep kernel it replaced): sm_90a only; the default
+    /// on compute capability 9.0.
     WgmmaLockstep,
 }
 
@@ -145,7 +145,7 @@ impl Kernels {
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let (kernel, grid, threads, smem) = match which {
             PrefillKernel::MmaSync => (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES),
-            PrefillKernel::WgmmaLockstep => (&self.mla_prefill_attention_sm90_sync, (p.tiles as u32, p.heads as u32, 1), 256, PREFILL_SM90_SMEM_BYTES),
+            PrefillKernel::WgmmaLockstep => (&self.mla_prefill_attention_sm90_sync, (p.tiles as u32, p.heads as u32, 1), 384, PREFILL_SM90_SMEM_BYTES),
         };
         kernel.launch(
             s,
