@@ -1,7 +1,12 @@
-//! The interface every compute backend (cpu, cuda) implements.
+//! The interface every compute backend (cpu, cuda) implements, and `StepThread`, the thread a
+//! device backend runs its steps on.
 
 use crate::config::ModelConfig;
 use crate::plan::{StepOutput, StepPlan};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Shape of the paged latent KV cache a backend owns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,4 +34,231 @@ pub trait Backend: Send {
     /// sampled tokens as the plan asks. An error leaves the cache contents of the fed positions
     /// unspecified but everything else intact.
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput>;
+
+    /// Starts `plan` and returns without waiting for it, for backends that run steps on a thread
+    /// of their own (see `StepThread`): the engine then does the previous step's bookkeeping
+    /// (sending tokens to clients, statistics) while the device works, and collects this step's
+    /// output with `finish_step` before it starts another. The contract is `step`'s.
+    ///
+    /// Returns false, the default, when the backend computes on the caller's thread: nothing was
+    /// started and the engine calls `step` instead.
+    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
+        let _ = plan;
+        false
+    }
+
+    /// Waits for the step `start_step` started and returns its output; errors as `step`.
+    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
+        anyhow::bail!("{}: finish_step without a started step (this backend runs steps synchronously)", self.device_name())
+    }
+}
+
+/// What a `StepThread` runs: the device state, created on that thread and never leaving it.
+pub trait StepRunner: 'static {
+    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput>;
+}
+
+type Job<W> = Box<dyn FnOnce(&mut W) + Send>;
+
+enum Msg<W> {
+    Step(Arc<StepPlan>),
+    Job(Job<W>),
+}
+
+/// How long the step thread polls for the next step after finishing one before it blocks, and
+/// how early the caller starts polling for a step's output. Waking a blocked thread costs tens
+/// of microseconds on a server (futex wake, idle core leaving its sleep state), twice per step;
+/// the device idles for all of it, so both sides poll around the hand-over instead.
+const HANDOFF_SPIN: Duration = Duration::from_micros(1000);
+/// Steps shorter than this are awaited by polling from the start.
+const MIN_SLEEP: Duration = Duration::from_micros(200);
+
+/// A thread that owns a backend's device state `W` (a CUDA context is bound to the thread that
+/// created it) and runs the steps and jobs handed to it, in order. `start_step` /
+/// `finish_step` implement `Backend`'s asynchronous pair; `step` is both in one call.
+///
+/// The hand-over is tuned for the gap between two steps, when the device waits for the host:
+/// after a step the thread polls for the next one for a while before it blocks, and
+/// `finish_step` sleeps only until shortly before the step is expected to end (from the last
+/// step of the same kind and size) and polls from there.
+pub struct StepThread<W: StepRunner> {
+    msgs: Option<Sender<Msg<W>>>,
+    results: Receiver<anyhow::Result<StepOutput>>,
+    thread: Option<JoinHandle<()>>,
+    in_flight: Option<InFlight>,
+    /// The last step's duration as the caller saw it, by shape.
+    last: Option<(StepShape, Duration)>,
+}
+
+struct InFlight {
+    started: Instant,
+    shape: StepShape,
+    /// Why the step never started.
+    error: Option<anyhow::Error>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StepShape {
+    decode: bool,
+    seqs: usize,
+    tokens: usize,
+}
+
+impl StepShape {
+    fn of(plan: &StepPlan) -> Self {
+        StepShape { decode: plan.kind == crate::plan::StepKind::Decode, seqs: plan.seqs.len(), tokens: plan.num_tokens() }
+    }
+}
+
+impl<W: StepRunner> StepThread<W> {
+    /// Spawns the thread, creates `W` on it with `init`, and returns once `init` has finished,
+    /// with what `init` reported besides `W` (or its error).
+    pub fn spawn<R, F>(name: String, init: F) -> anyhow::Result<(Self, R)>
+    where
+        R: Send + 'static,
+        F: FnOnce() -> anyhow::Result<(W, R)> + Send + 'static,
+    {
+        let (msgs_tx, msgs_rx) = mpsc::channel::<Msg<W>>();
+        let (results_tx, results_rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<R>>();
+        let thread = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                let mut w = match init() {
+                    Ok((w, r)) => {
+                        if ready_tx.send(Ok(r)).is_err() {
+                            return;
+                        }
+                        w
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                serve(&mut w, &msgs_rx, &results_tx);
+            })
+            .map_err(|e| anyhow::anyhow!("spawning thread {name}: {e}"))?;
+        let ready = ready_rx.recv().map_err(|_| anyhow::anyhow!("thread {name} died while starting"))??;
+        let t = StepThread { msgs: Some(msgs_tx), results: results_rx, thread: Some(thread), in_flight: None, last: None };
+        Ok((t, ready))
+    }
+
+    fn send(&self, msg: Msg<W>) -> anyhow::Result<()> {
+        self.msgs
+            .as_ref()
+            .expect("the channel lives as long as the thread")
+            .send(msg)
+            .map_err(|_| anyhow::anyhow!("the backend's thread has stopped"))
+    }
+
+    /// Hands `plan` to the thread; `finish_step` returns its output, or the reason it could not
+    /// start (the thread is gone, or a step is already in flight).
+    pub fn start_step(&mut self, plan: &Arc<StepPlan>) {
+        let started = match self.in_flight {
+            Some(_) => Err(anyhow::anyhow!("a step is already in flight")),
+            None => self.send(Msg::Step(plan.clone())),
+        };
+        self.in_flight = Some(InFlight { started: Instant::now(), shape: StepShape::of(plan), error: started.err() });
+    }
+
+    /// The output of the step in flight.
+    pub fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
+        let f = self.in_flight.take().ok_or_else(|| anyhow::anyhow!("finish_step without a started step"))?;
+        if let Some(e) = f.error {
+            return Err(e);
+        }
+        let expected = self.last.filter(|(s, _)| *s == f.shape).map(|(_, d)| d);
+        let out = self.wait(f.started, expected);
+        self.last = Some((f.shape, f.started.elapsed()));
+        out
+    }
+
+    fn wait(&self, started: Instant, expected: Option<Duration>) -> anyhow::Result<StepOutput> {
+        let died = || anyhow::anyhow!("the backend's thread stopped during a step (it panicked)");
+        // Sleep through most of the step, then poll, then (a step far longer than the last) block.
+        if let Some(sleep) = expected.and_then(|e| e.checked_sub(HANDOFF_SPIN)).filter(|&s| s >= MIN_SLEEP) {
+            let left = sleep.saturating_sub(started.elapsed());
+            match self.results.recv_timeout(left) {
+                Ok(r) => return r,
+                Err(RecvTimeoutError::Disconnected) => return Err(died()),
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+        let poll_until = Instant::now() + 2 * HANDOFF_SPIN;
+        while Instant::now() < poll_until {
+            match self.results.try_recv() {
+                Ok(r) => return r,
+                Err(TryRecvError::Disconnected) => return Err(died()),
+                Err(TryRecvError::Empty) => std::thread::yield_now(),
+            }
+        }
+        self.results.recv().map_err(|_| died())?
+    }
+
+    /// Runs one step and waits for it (`start_step` + `finish_step`).
+    pub fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.start_step(&Arc::new(plan.clone()));
+        self.finish_step()
+    }
+
+    /// Runs `f` on the thread with the device state (tests, benchmarks), after any step in
+    /// flight.
+    pub fn with<R, F>(&self, f: F) -> anyhow::Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut W) -> R + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        self.send(Msg::Job(Box::new(move |w| {
+            let _ = tx.send(f(w));
+        })))?;
+        rx.recv().map_err(|_| anyhow::anyhow!("the backend's thread stopped during a job (it panicked)"))
+    }
+}
+
+/// The thread's loop: steps and jobs in order, polling for a while after each step.
+fn serve<W: StepRunner>(w: &mut W, msgs: &Receiver<Msg<W>>, results: &Sender<anyhow::Result<StepOutput>>) {
+    let mut poll = false;
+    loop {
+        let msg = if poll { next_polling(msgs) } else { msgs.recv().ok() };
+        let Some(msg) = msg else { return };
+        poll = match msg {
+            Msg::Step(plan) => {
+                let out = w.run_step(&plan);
+                // The caller may reuse the plan's buffers once it has the output.
+                drop(plan);
+                if results.send(out).is_err() {
+                    return;
+                }
+                true
+            }
+            Msg::Job(job) => {
+                job(w);
+                false
+            }
+        };
+    }
+}
+
+fn next_polling<W>(msgs: &Receiver<Msg<W>>) -> Option<Msg<W>> {
+    let until = Instant::now() + HANDOFF_SPIN;
+    while Instant::now() < until {
+        match msgs.try_recv() {
+            Ok(m) => return Some(m),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => std::thread::yield_now(),
+        }
+    }
+    msgs.recv().ok()
+}
+
+impl<W: StepRunner> Drop for StepThread<W> {
+    fn drop(&mut self) {
+        // Closing the channel ends the loop; `W` is dropped on its own thread.
+        self.msgs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }

@@ -121,10 +121,14 @@ impl StepPlan {
                     need_blocks,
                 });
             }
-            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
+            // One branch-free pass (the maximum) per table: this runs every step over every
+            // block of the batch; the search for the culprit only runs when there is one.
+            if s.block_table.iter().copied().max().is_some_and(|b| b as usize >= num_blocks) {
+                let &b = s.block_table.iter().find(|&&b| b as usize >= num_blocks).expect("the maximum is out of range");
                 return Err(PlanError::BlockOutOfRange { seq_id: s.seq_id, block: b, num_blocks });
             }
-            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            if s.tokens.iter().copied().max().is_some_and(|t| t as usize >= vocab_size) {
+                let &t = s.tokens.iter().find(|&&t| t as usize >= vocab_size).expect("the maximum is out of range");
                 return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
             }
         }
