@@ -120,6 +120,10 @@ impl BlockTable {
     /// Grows the table until it holds positions `0 .. tokens`, all or nothing.
     pub fn reserve(&mut self, tokens: usize) -> Result<(), OutOfBlocks> {
         let needed = self.missing_blocks(tokens);
+        if needed == 0 {
+            // The common decode case (the next token lands in the last block): no pool access.
+            return Ok(());
+        }
         let mut pool = self.manager.lock();
         if pool.free.len() < needed {
             return Err(OutOfBlocks { needed, free: pool.free.len() });

@@ -23,6 +23,7 @@
 pub mod api;
 pub mod block_manager;
 mod engine;
+mod id_map;
 mod metrics;
 pub mod scheduler;
 mod sequence;

@@ -26,10 +26,11 @@
 
 use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockManager;
+use crate::id_map::IdMap;
 use crate::sequence::{Group, Seq, SeqKey, SeqState, Slot};
-use mla_core::plan::{SampledToken, StepOutput};
+use mla_core::plan::{SampledToken, SeqStep, StepOutput};
 use mla_core::{CacheLayout, StepKind, StepPlan};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 mod admission;
 mod steps;
@@ -73,7 +74,7 @@ pub enum EarlyFinish {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     blocks: BlockManager,
-    groups: HashMap<u64, Group>,
+    groups: IdMap<Group>,
     /// New requests in arrival order.
     new_queue: VecDeque<u64>,
     /// Preempted completions, admitted before any new request.
@@ -82,6 +83,9 @@ pub struct Scheduler {
     running: Vec<SeqKey>,
     last_kind: Option<StepKind>,
     preemptions: u64,
+    /// Entries of finished plans (`recycle`), refilled by the next ones so that a step's token
+    /// and block-table vectors do not cost an allocation per sequence.
+    spare: Vec<SeqStep>,
 }
 
 impl Scheduler {
@@ -89,12 +93,13 @@ impl Scheduler {
         Scheduler {
             cfg,
             blocks: BlockManager::new(layout),
-            groups: HashMap::new(),
+            groups: IdMap::default(),
             new_queue: VecDeque::new(),
             resume_queue: VecDeque::new(),
             running: Vec::new(),
             last_kind: None,
             preemptions: 0,
+            spare: Vec::new(),
         }
     }
 
@@ -195,9 +200,14 @@ impl Scheduler {
         None
     }
 
+    /// Takes back a plan the backend is done with; its vectors are reused by later plans.
+    pub fn recycle(&mut self, plan: StepPlan) {
+        self.spare.extend(plan.seqs);
+    }
+
     /// Records a successful step. `out` must answer `plan` seq by seq (the engine checks).
     pub fn apply(&mut self, plan: &StepPlan, out: &StepOutput) -> Applied {
-        let mut applied = Applied::default();
+        let mut applied = Applied { tokens: Vec::with_capacity(plan.seqs.len()), finished_requests: Vec::new() };
         for (step, res) in plan.seqs.iter().zip(&out.seqs) {
             let key = SeqKey::from_seq_id(step.seq_id);
             let Some(g) = self.groups.get_mut(&key.request) else { continue };

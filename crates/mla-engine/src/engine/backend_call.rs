@@ -28,7 +28,7 @@ pub(super) fn split_by_request(plan: &StepPlan) -> Vec<(u64, StepPlan)> {
 }
 
 /// The backend must answer every sequence, in order, with a token exactly where one was asked.
-fn check_output(plan: &StepPlan, out: &StepOutput) -> anyhow::Result<()> {
+pub(super) fn check_output(plan: &StepPlan, out: &StepOutput) -> anyhow::Result<()> {
     if out.seqs.len() != plan.seqs.len() {
         anyhow::bail!("backend answered {} sequences of {}", out.seqs.len(), plan.seqs.len());
     }
@@ -40,6 +40,6 @@ fn check_output(plan: &StepPlan, out: &StepOutput) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+pub(super) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default()
 }

@@ -7,10 +7,7 @@ use mla_core::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
 impl Scheduler {
     /// A completion that has sampled a token and now only has to feed it.
     pub(super) fn is_decodable(&self, key: SeqKey) -> bool {
-        let Slot::Completion(i) = key.slot else { return false };
-        let g = &self.groups[&key.request];
-        let s = &g.completions[i];
-        g.prefix.is_none() && s.state == SeqState::Running && s.computed > 0 && s.uncomputed() == 1
+        decodable(&self.groups[&key.request], key.slot)
     }
 
     /// Resident and still short of its first (or, after preemption, next) sample. Completions
@@ -30,7 +27,7 @@ impl Scheduler {
     pub(super) fn build_prefill(&mut self) -> Vec<SeqStep> {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut steps = Vec::new();
-        let mut add = |this: &Self, key: SeqKey, budget: &mut usize| {
+        let mut add = |this: &mut Self, key: SeqKey, budget: &mut usize| {
             if *budget > 0 && this.needs_prefill(key) {
                 let step = this.chunk(key, *budget);
                 *budget -= step.tokens.len();
@@ -52,16 +49,23 @@ impl Scheduler {
     /// One token for every decodable sequence, oldest first, preempting the newest sequences
     /// when a block boundary needs a block and none is free.
     pub(super) fn build_decode(&mut self) -> Vec<SeqStep> {
-        let mut steps = Vec::new();
+        let mut steps = Vec::with_capacity(self.running.len());
         let mut i = 0;
         while i < self.running.len() {
             let key = self.running[i];
-            if self.is_decodable(key) {
-                if !self.make_room(key) {
+            // One lookup per sequence in the common case: decodable, and its next token fits
+            // the blocks it holds or the free ones.
+            let g = self.groups.get_mut(&key.request).expect("running sequence exists");
+            if decodable(g, key.slot) {
+                let seq = g.seq_mut(key.slot).expect("running sequence exists");
+                if seq.table.reserve(seq.tokens.len()).is_ok() {
+                    steps.push(entry(g, key, 1, &mut self.spare));
+                } else if self.make_room(key) {
+                    steps.push(self.chunk(key, 1));
+                } else {
                     // `key` was the newest resident sequence, so nothing follows it.
                     break;
                 }
-                steps.push(self.chunk(key, 1));
             }
             i += 1;
         }
@@ -86,23 +90,36 @@ impl Scheduler {
     }
 
     /// The next `at_most` uncomputed tokens of `key`, sampling when they reach its end.
-    fn chunk(&self, key: SeqKey, at_most: usize) -> SeqStep {
-        let g = &self.groups[&key.request];
-        let seq = g.seq(key.slot).expect("resident sequence exists");
-        let end = seq.computed + seq.uncomputed().min(at_most);
-        let sample = match key.slot {
-            Slot::Completion(i) if end == seq.tokens.len() => Some(sample_request(g, i)),
-            _ => None,
-        };
-        SeqStep {
-            seq_id: key.seq_id(),
-            tokens: seq.tokens[seq.computed..end].to_vec(),
-            context_len: seq.computed,
-            block_table: seq.table.blocks().to_vec(),
-            logits: LogitsRequest::None,
-            sample,
-        }
+    fn chunk(&mut self, key: SeqKey, at_most: usize) -> SeqStep {
+        entry(&self.groups[&key.request], key, at_most, &mut self.spare)
     }
+}
+
+/// See `Scheduler::is_decodable`.
+fn decodable(g: &Group, slot: Slot) -> bool {
+    let Slot::Completion(i) = slot else { return false };
+    let s = &g.completions[i];
+    g.prefix.is_none() && s.state == SeqState::Running && s.computed > 0 && s.uncomputed() == 1
+}
+
+/// The plan entry of `Scheduler::chunk`, reusing the vectors of a recycled entry when there is
+/// any (`Scheduler::recycle`).
+fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> SeqStep {
+    let seq = g.seq(key.slot).expect("resident sequence exists");
+    let end = seq.computed + seq.uncomputed().min(at_most);
+    let sample = match key.slot {
+        Slot::Completion(i) if end == seq.tokens.len() => Some(sample_request(g, i)),
+        _ => None,
+    };
+    let (mut tokens, mut block_table) = match spare.pop() {
+        Some(s) => (s.tokens, s.block_table),
+        None => (Vec::new(), Vec::new()),
+    };
+    tokens.clear();
+    tokens.extend_from_slice(&seq.tokens[seq.computed..end]);
+    block_table.clear();
+    block_table.extend_from_slice(seq.table.blocks());
+    SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits: LogitsRequest::None, sample }
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {

@@ -7,10 +7,12 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context};
+use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{slot_of, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
 use mla_core::sampling::{sample, SplitMix64};
 use mla_core::{Backend, CacheLayout, ModelConfig, SamplingParams, StepKind, StepPlan};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -174,6 +176,59 @@ impl Backend for HistoryBackend {
             seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
         }
         Ok(StepOutput { seqs })
+    }
+}
+
+impl StepRunner for HistoryBackend {
+    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.step(plan)
+    }
+}
+
+/// `HistoryBackend` on a `StepThread` of its own, as the CUDA backend runs: the engine starts
+/// each step and collects it later (`Backend::start_step`), delivering the previous step's
+/// events in between.
+pub struct Threaded {
+    thread: StepThread<HistoryBackend>,
+    model: ModelConfig,
+    layout: CacheLayout,
+    /// Steps the engine started asynchronously.
+    pub started: Arc<AtomicUsize>,
+}
+
+impl Threaded {
+    pub fn new(b: HistoryBackend) -> Self {
+        let (model, layout) = (b.model.clone(), b.layout);
+        let (thread, ()) = StepThread::spawn("threaded-history-backend".into(), move || Ok((b, ()))).unwrap();
+        Threaded { thread, model, layout, started: Arc::default() }
+    }
+}
+
+impl Backend for Threaded {
+    fn device_name(&self) -> String {
+        "threaded history test backend".into()
+    }
+
+    fn model_config(&self) -> &ModelConfig {
+        &self.model
+    }
+
+    fn cache_layout(&self) -> CacheLayout {
+        self.layout
+    }
+
+    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.thread.step(plan)
+    }
+
+    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.thread.start_step(plan);
+        true
+    }
+
+    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
+        self.thread.finish_step()
     }
 }
 
