@@ -1,18 +1,19 @@
-//! `CudaBackend`: the `mla_core::Backend` the engine drives. One worker thread owns the CUDA
-//! context, the stream, cuBLAS, the weights, the activation workspace and the KV cache; the
-//! backend handle only passes it work over a channel and waits for the answer, so nothing
-//! device-related ever crosses threads.
+//! `CudaBackend`: the `mla_core::Backend` the engine drives. One worker thread (mla-core's
+//! `StepThread`) owns the CUDA context, the stream, cuBLAS, the weights, the activation workspace
+//! and the KV cache; the backend handle only passes it work over a channel and collects the
+//! answer, so nothing device-related ever crosses threads. Steps are started asynchronously
+//! (`Backend::start_step`), so the engine's bookkeeping of one step overlaps the next.
 
 use crate::device::Device;
 use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions};
 use crate::ops::PAGE_SIZE;
 use anyhow::Context;
+use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, Checkpoint, ModelConfig, WeightSource};
 use std::path::PathBuf;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use std::thread::JoinHandle;
 
 /// Where the weights come from.
 pub enum WeightsFrom {
@@ -51,8 +52,10 @@ pub struct CudaOptions {
 }
 
 /// The default decode graph buckets: fine steps at small batches, where padding costs most.
-pub const DEFAULT_GRAPH_BATCH_SIZES: &[usize] =
-    &[1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256];
+pub const DEFAULT_GRAPH_BATCH_SIZES: &[usize] = &[
+    1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
+    240, 256,
+];
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -78,7 +81,12 @@ impl CudaOptions {
         if self.cuda_graph_batch_sizes.is_empty() {
             return vec![];
         }
-        let mut v: Vec<usize> = self.cuda_graph_batch_sizes.iter().copied().filter(|&b| b >= 1 && b <= self.max_num_seqs).collect();
+        let mut v: Vec<usize> = self
+            .cuda_graph_batch_sizes
+            .iter()
+            .copied()
+            .filter(|&b| b >= 1 && b <= self.max_num_seqs)
+            .collect();
         v.push(self.max_num_seqs);
         v.sort_unstable();
         v.dedup();
@@ -129,14 +137,17 @@ const CLOCK_LOG_EVERY: u64 = 2000;
 
 impl Worker {
     /// One engine step: a captured graph when one fits, else eager.
-    fn step(&mut self, mut plan: StepPlan) -> anyhow::Result<StepOutput> {
+    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         let start = Instant::now();
-        let (out, launched) = match self.model.step_with_graphs(&self.dev, &mut self.graphs, &mut plan) {
+        let (out, launched) = match self
+            .model
+            .step_with_graphs(&self.dev, &mut self.graphs, plan)
+        {
             Some(r) => {
                 let (out, t) = r?;
                 (out, Some(t.launched))
             }
-            None => (self.model.step(&self.dev, &plan)?, None),
+            None => (self.model.step(&self.dev, plan)?, None),
         };
         let end = Instant::now();
         let mut c = self.clock.lock().expect("the step clock is never poisoned");
@@ -167,14 +178,18 @@ impl Worker {
     }
 }
 
-type Job = Box<dyn FnOnce(&mut Worker) + Send>;
+impl StepRunner for Worker {
+    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.step(plan)
+    }
+}
 
 pub struct CudaBackend {
     cfg: ModelConfig,
     layout: CacheLayout,
     name: String,
-    jobs: Option<mpsc::Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    /// Dropping it ends the worker thread, which frees device memory on its own thread.
+    thread: StepThread<Worker>,
     clock: Arc<Mutex<StepClock>>,
     graph_sizes: Vec<usize>,
 }
@@ -190,19 +205,10 @@ struct Ready {
 impl CudaBackend {
     pub fn new(cfg: ModelConfig, weights: WeightsFrom, opts: CudaOptions) -> anyhow::Result<Self> {
         crate::model::check_supported(&cfg)?;
-        let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
-        let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<Ready>>();
         let wcfg = cfg.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("cuda-worker-{}", opts.device))
-            .spawn(move || {
-                let mut worker = match start_worker(wcfg, weights, &opts) {
-                    Ok(w) => w,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
+        let (thread, ready) =
+            StepThread::spawn(format!("cuda-worker-{}", opts.device), move || {
+                let worker = start_worker(wcfg, weights, &opts)?;
                 let ready = Ready {
                     name: format!(
                         "cuda:{} ({}, sm_{}{}{})",
@@ -216,21 +222,17 @@ impl CudaBackend {
                     clock: worker.clock.clone(),
                     graph_sizes: worker.graphs.batch_sizes(),
                 };
-                if ready_tx.send(Ok(ready)).is_err() {
-                    return;
-                }
-                while let Ok(job) = jobs_rx.recv() {
-                    job(&mut worker);
-                }
+                Ok((worker, ready))
             })
-            .context("spawning the CUDA worker thread")?;
-        let ready = ready_rx.recv().map_err(|_| anyhow::anyhow!("the CUDA worker thread died while starting"))??;
+            .context("starting the CUDA worker thread")?;
         Ok(CudaBackend {
             cfg,
-            layout: CacheLayout { block_size: PAGE_SIZE, num_blocks: ready.num_blocks },
+            layout: CacheLayout {
+                block_size: PAGE_SIZE,
+                num_blocks: ready.num_blocks,
+            },
             name: ready.name,
-            jobs: Some(jobs_tx),
-            thread: Some(thread),
+            thread,
             clock: ready.clock,
             graph_sizes: ready.graph_sizes,
         })
@@ -252,28 +254,29 @@ impl CudaBackend {
         R: Send + 'static,
         F: FnOnce(&mut Worker) -> R + Send + 'static,
     {
-        let (tx, rx) = mpsc::channel();
-        let job: Job = Box::new(move |w| {
-            let _ = tx.send(f(w));
-        });
-        self.jobs
-            .as_ref()
-            .expect("jobs channel lives as long as the backend")
-            .send(job)
-            .map_err(|_| anyhow::anyhow!("the CUDA worker thread has stopped"))?;
-        rx.recv().map_err(|_| anyhow::anyhow!("the CUDA worker thread stopped during a job (it panicked)"))
+        self.thread.with(f)
     }
 }
 
-fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> anyhow::Result<Worker> {
+fn start_worker(
+    cfg: ModelConfig,
+    weights: WeightsFrom,
+    opts: &CudaOptions,
+) -> anyhow::Result<Worker> {
     let dev = Device::new(opts.device)?;
     let t0 = std::time::Instant::now();
     let (w, source) = match weights {
         WeightsFrom::Checkpoint(dir) => {
             let ckpt = Checkpoint::open(&dir, &cfg)?;
-            (DeviceWeights::load(&cfg, &ckpt)?, format!("checkpoint {}", dir.display()))
+            (
+                DeviceWeights::load(&cfg, &ckpt)?,
+                format!("checkpoint {}", dir.display()),
+            )
         }
-        WeightsFrom::DummyOnDevice { seed } => (DeviceWeights::dummy(&cfg, &dev.k, dev.stream(), seed)?, format!("dummy weights drawn on the device (seed {seed})")),
+        WeightsFrom::DummyOnDevice { seed } => (
+            DeviceWeights::dummy(&cfg, &dev.k, dev.stream(), seed)?,
+            format!("dummy weights drawn on the device (seed {seed})"),
+        ),
         WeightsFrom::Host(src) => (DeviceWeights::load(&cfg, src.as_ref())?, src.describe()),
     };
     dev.gpu.sync()?;
@@ -284,7 +287,12 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
         max_logit_rows: opts.max_num_seqs + opts.max_extra_logit_rows,
         max_kv_chunk: opts.max_num_batched_tokens.max(16384),
     };
-    let mopts = ModelOptions { limits, gpu_memory_utilization: opts.gpu_memory_utilization, num_blocks: opts.num_blocks, max_model_len };
+    let mopts = ModelOptions {
+        limits,
+        gpu_memory_utilization: opts.gpu_memory_utilization,
+        num_blocks: opts.num_blocks,
+        max_model_len,
+    };
     let weight_bytes = w.bytes();
     let model = CudaModel::new(&dev, cfg, w, &mopts)?;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
@@ -311,7 +319,14 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
             graphs.bytes as f64 / (1u64 << 20) as f64
         );
     }
-    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
+    Ok(Worker {
+        graphs,
+        model,
+        dev,
+        clock: Arc::default(),
+        last_end: None,
+        logged: StepClock::default(),
+    })
 }
 
 impl Backend for CudaBackend {
@@ -328,17 +343,15 @@ impl Backend for CudaBackend {
     }
 
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        let plan = plan.clone();
-        self.with_worker(move |w| w.step(plan))?
+        self.thread.step(plan)
     }
-}
 
-impl Drop for CudaBackend {
-    fn drop(&mut self) {
-        // Closing the channel ends the worker loop; it frees device memory on its own thread.
-        self.jobs.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
+        self.thread.start_step(plan);
+        true
+    }
+
+    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
+        self.thread.finish_step()
     }
 }

@@ -2,7 +2,7 @@
 //! uploads its metadata, launches the graph and reads the sampled tokens.
 
 use super::forward::CudaModel;
-use super::meta::StepMeta;
+use super::meta::{MetaLimits, StepMeta};
 use crate::device::Device;
 use crate::gpu::Graph;
 use crate::ops::PAGE_SIZE;
@@ -20,15 +20,30 @@ pub struct DecodeGraph {
 
 impl CudaModel {
     fn decode_meta(&self, plan: &StepPlan) -> anyhow::Result<StepMeta> {
-        anyhow::ensure!(plan.kind == StepKind::Decode, "only decode steps are captured as graphs");
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
-        anyhow::ensure!(!plan.seqs.is_empty(), "an empty step has nothing to capture");
+        anyhow::ensure!(
+            plan.kind == StepKind::Decode,
+            "only decode steps are captured as graphs"
+        );
+        plan.validate(
+            PAGE_SIZE,
+            self.num_blocks,
+            self.cfg.vocab_size,
+            self.max_model_len,
+        )?;
+        anyhow::ensure!(
+            !plan.seqs.is_empty(),
+            "an empty step has nothing to capture"
+        );
         StepMeta::build(plan, &self.lim)
     }
 
     /// Captures the decode step of `plan` (any plan of the same batch size and output shape
     /// replays it), runs it once and returns its output.
-    pub fn capture_decode(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<(DecodeGraph, StepOutput)> {
+    pub fn capture_decode(
+        &mut self,
+        dev: &Device,
+        plan: &StepPlan,
+    ) -> anyhow::Result<(DecodeGraph, StepOutput)> {
         let meta = self.decode_meta(plan)?;
         self.upload_meta(dev, &meta)?;
         // Splits sized for the longest context the model accepts; shorter ones leave splits empty.
@@ -47,10 +62,17 @@ impl CudaModel {
         Ok((g, out))
     }
 
-    pub fn replay_decode(&mut self, dev: &Device, g: &DecodeGraph, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+    pub fn replay_decode(
+        &mut self,
+        dev: &Device,
+        g: &DecodeGraph,
+        plan: &StepPlan,
+    ) -> anyhow::Result<StepOutput> {
         let meta = self.decode_meta(plan)?;
         anyhow::ensure!(
-            meta.seqs == g.batch && meta.sample_rows == g.sample_rows && meta.logit_rows == g.logit_rows,
+            meta.seqs == g.batch
+                && meta.sample_rows == g.sample_rows
+                && meta.logit_rows == g.logit_rows,
             "graph captured for {} sequences ({} sampled, {} logit rows); step has {} ({}, {})",
             g.batch,
             g.sample_rows,
@@ -60,7 +82,10 @@ impl CudaModel {
             meta.logit_rows
         );
         self.upload_meta(dev, &meta)?;
-        anyhow::ensure!(self.meta_generation == g.generation, "the metadata buffer moved since capture; capture again");
+        anyhow::ensure!(
+            self.meta_generation == g.generation,
+            "the metadata buffer moved since capture; capture again"
+        );
         g.graph.launch(dev.stream())?;
         self.read_outputs(dev, &meta)
     }
@@ -82,6 +107,15 @@ pub struct DecodeGraphs {
     budget: usize,
     /// Times the set was captured again.
     pub recaptures: u64,
+    /// Padding rows `0 .. largest batch` (`pad_rows`); a step of `n` borrows `n .. batch`.
+    pads: Vec<SeqStep>,
+    /// The last replay's metadata words, whose allocation the next replay reuses.
+    spare_words: Vec<i32>,
+}
+
+/// Padding rows `0 .. batch`: row `i` is what a graph replay pads position `i` of its batch with.
+pub fn pad_rows(batch: usize, pad_block: usize) -> Vec<SeqStep> {
+    (0..batch).map(|i| pad_row(i, pad_block)).collect()
 }
 
 /// One padding row: token 0 at position 0 of the padding block, greedy, nothing returned.
@@ -93,7 +127,10 @@ fn pad_row(i: usize, pad_block: usize) -> SeqStep {
         block_table: vec![pad_block as u32],
         logits: LogitsRequest::None,
         sample: Some(SampleRequest {
-            params: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
+            params: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
             seed: 0,
             top_logprobs: None,
             penalty: None,
@@ -114,7 +151,10 @@ impl DecodeGraphs {
     fn pick(&self, plan: &StepPlan) -> Option<usize> {
         let expressible = plan.kind == StepKind::Decode
             && !plan.seqs.is_empty()
-            && plan.seqs.iter().all(|s| s.sample.is_some() && s.logits == LogitsRequest::None);
+            && plan
+                .seqs
+                .iter()
+                .all(|s| s.sample.is_some() && s.logits == LogitsRequest::None);
         if !expressible {
             return None;
         }
@@ -131,22 +171,63 @@ pub struct ReplayTimes {
     pub done: std::time::Instant,
 }
 
+/// The metadata of decode `plan` replayed by the graph of `batch` rows: its rows, then
+/// `pads[n..batch]` (see `pad_rows`), whose outputs are dropped; written into `words` (reused).
+/// Pure host work, so the host benchmark times exactly this.
+pub fn graph_step_meta(
+    plan: &StepPlan,
+    pads: &[SeqStep],
+    batch: usize,
+    lim: &MetaLimits,
+    words: Vec<i32>,
+) -> anyhow::Result<StepMeta> {
+    let n = plan.seqs.len();
+    anyhow::ensure!(
+        plan.kind == StepKind::Decode && n <= batch && batch <= pads.len(),
+        "a graph of {batch} rows ({} padding rows) cannot replay this step of {n}",
+        pads.len()
+    );
+    let mut meta = StepMeta::build_rows(StepKind::Decode, &plan.seqs, &pads[n..batch], lim, words)?;
+    meta.outputs.truncate(n);
+    Ok(meta)
+}
+
 impl CudaModel {
     fn padded_plan(&self, plan: &StepPlan, batch: usize) -> StepPlan {
         let mut seqs = plan.seqs.clone();
         let pad = self.pad_block();
         seqs.extend((plan.seqs.len()..batch).map(|i| pad_row(i, pad)));
-        StepPlan { kind: StepKind::Decode, seqs }
+        StepPlan {
+            kind: StepKind::Decode,
+            seqs,
+        }
     }
 
     /// Captures one graph per batch size in `sizes` (ascending, each <= max_num_seqs) while the
     /// captures' device memory stays within `budget` bytes; returns what was captured. Each
     /// capture is run once on padding rows, so a broken capture fails here, at startup.
-    pub fn capture_decode_buckets(&mut self, dev: &Device, sizes: &[usize], budget: usize) -> anyhow::Result<DecodeGraphs> {
-        let mut set = DecodeGraphs { sizes: sizes.to_vec(), budget, ..Default::default() };
-        let empty = StepPlan { kind: StepKind::Decode, seqs: vec![] };
+    pub fn capture_decode_buckets(
+        &mut self,
+        dev: &Device,
+        sizes: &[usize],
+        budget: usize,
+    ) -> anyhow::Result<DecodeGraphs> {
+        let mut set = DecodeGraphs {
+            sizes: sizes.to_vec(),
+            budget,
+            pads: pad_rows(sizes.iter().copied().max().unwrap_or(0), self.pad_block()),
+            ..Default::default()
+        };
+        let empty = StepPlan {
+            kind: StepKind::Decode,
+            seqs: vec![],
+        };
         for &b in sizes {
-            anyhow::ensure!(b >= 1 && b <= self.lim.max_seqs, "graph batch size {b} outside 1..={}", self.lim.max_seqs);
+            anyhow::ensure!(
+                b >= 1 && b <= self.lim.max_seqs,
+                "graph batch size {b} outside 1..={}",
+                self.lim.max_seqs
+            );
             dev.gpu.sync()?;
             let (free0, _) = dev.gpu.mem_info()?;
             let plan = self.padded_plan(&empty, b);
@@ -183,35 +264,44 @@ impl CudaModel {
         &mut self,
         dev: &Device,
         set: &mut DecodeGraphs,
-        plan: &mut StepPlan,
+        plan: &StepPlan,
     ) -> Option<anyhow::Result<(StepOutput, ReplayTimes)>> {
         let mut i = set.pick(plan)?;
         if set.graphs[i].generation != self.meta_generation {
             let t = std::time::Instant::now();
-            let (sizes, budget, recaptures) = (std::mem::take(&mut set.sizes), set.budget, set.recaptures);
+            let (sizes, budget, recaptures) =
+                (std::mem::take(&mut set.sizes), set.budget, set.recaptures);
             // Free the old graphs first: their memory counts against the same budget.
             *set = DecodeGraphs::default();
             match self.capture_decode_buckets(dev, &sizes, budget) {
-                Ok(fresh) => *set = DecodeGraphs { recaptures: recaptures + 1, ..fresh },
+                Ok(fresh) => {
+                    *set = DecodeGraphs {
+                        recaptures: recaptures + 1,
+                        ..fresh
+                    }
+                }
                 Err(e) => {
                     tracing::error!("capturing the CUDA graphs again failed ({e:#}); decode runs eagerly from now on");
                     return None;
                 }
             }
-            tracing::info!("the step metadata buffer grew: CUDA graphs captured again in {:.2}s", t.elapsed().as_secs_f64());
+            tracing::info!(
+                "the step metadata buffer grew: CUDA graphs captured again in {:.2}s",
+                t.elapsed().as_secs_f64()
+            );
             i = set.pick(plan)?;
         }
-        if let Err(e) = plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len) {
+        if let Err(e) = plan.validate(
+            PAGE_SIZE,
+            self.num_blocks,
+            self.cfg.vocab_size,
+            self.max_model_len,
+        ) {
             return Some(Err(e.into()));
         }
+        let words = std::mem::take(&mut set.spare_words);
         let g = &set.graphs[i];
-        let n = plan.seqs.len();
-        // Pad in place (no copy of the batch's block tables), build, and restore the plan.
-        let pad = self.pad_block();
-        plan.seqs.extend((n..g.batch).map(|i| pad_row(i, pad)));
-        let meta = StepMeta::build(plan, &self.lim);
-        plan.seqs.truncate(n);
-        let mut meta = match meta {
+        let meta = match graph_step_meta(plan, &set.pads, g.batch, &self.lim, words) {
             Ok(m) => m,
             Err(e) => return Some(Err(e)),
         };
@@ -219,18 +309,24 @@ impl CudaModel {
             // Uploading would move the buffer under the graphs: the eager path grows it.
             return None;
         }
-        meta.outputs.truncate(n);
         let run = |me: &mut Self| -> anyhow::Result<(StepOutput, ReplayTimes)> {
             me.upload_meta(dev, &meta)?;
             g.graph.launch(dev.stream())?;
             let launched = std::time::Instant::now();
             let out = me.read_outputs(dev, &meta)?;
-            Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
+            Ok((
+                out,
+                ReplayTimes {
+                    launched,
+                    done: std::time::Instant::now(),
+                },
+            ))
         };
         let r = run(self);
         if r.is_err() {
             let _ = dev.gpu.sync();
         }
+        set.spare_words = meta.words;
         Some(r)
     }
 }

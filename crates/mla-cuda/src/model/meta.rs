@@ -5,8 +5,7 @@
 //! tables, sampling parameters) is data the kernels read, never a launch argument.
 
 use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE};
-use mla_core::plan::{slot_of, LogitsRequest, StepKind, StepPlan};
-use std::collections::HashMap;
+use mla_core::plan::{slot_of, LogitsRequest, SeqStep, StepKind, StepPlan};
 
 /// One prefill pass over a window of cached keys per sequence.
 #[derive(Debug, Clone)]
@@ -97,31 +96,80 @@ impl Arena {
     }
 }
 
+/// The rows of a step: the plan's sequences, then the padding rows of a graph replay.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    seqs: &'a [SeqStep],
+    pads: &'a [SeqStep],
+}
+
+impl<'a> Rows<'a> {
+    fn len(&self) -> usize {
+        self.seqs.len() + self.pads.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &'a SeqStep> + 'a {
+        self.seqs.iter().chain(self.pads.iter())
+    }
+}
+
 impl StepMeta {
     pub fn build(plan: &StepPlan, lim: &MetaLimits) -> anyhow::Result<StepMeta> {
-        let t = plan.num_tokens();
-        let s = plan.seqs.len();
-        anyhow::ensure!(t <= lim.max_tokens, "step feeds {t} tokens; this backend was sized for {} (max_num_batched_tokens)", lim.max_tokens);
-        anyhow::ensure!(s <= lim.max_seqs, "step has {s} sequences; this backend was sized for {} (max_num_seqs)", lim.max_seqs);
-        let mut a = Arena { words: Vec::with_capacity(8 * t + 64) };
-        let mut toks = Vec::with_capacity(t);
-        let mut poss = Vec::with_capacity(t);
-        let mut slots = Vec::with_capacity(t);
-        for sq in &plan.seqs {
-            anyhow::ensure!(sq.block_table.len() <= lim.max_blocks_per_seq, "sequence {}: {} blocks exceed max_model_len", sq.seq_id, sq.block_table.len());
-            for (i, &tok) in sq.tokens.iter().enumerate() {
+        Self::build_rows(plan.kind, &plan.seqs, &[], lim, Vec::new())
+    }
+
+    /// `build` for a step whose rows are `seqs` followed by `pads` (decode only), written into
+    /// `words`, whose contents are dropped and whose allocation is reused. Padding rows are
+    /// borrowed rather than appended to a plan, so a graph replay needs no copy of the batch.
+    pub fn build_rows(
+        kind: StepKind,
+        seqs: &[SeqStep],
+        pads: &[SeqStep],
+        lim: &MetaLimits,
+        mut words: Vec<i32>,
+    ) -> anyhow::Result<StepMeta> {
+        anyhow::ensure!(
+            pads.is_empty() || kind == StepKind::Decode,
+            "only decode steps are padded"
+        );
+        let rows = Rows { seqs, pads };
+        let t: usize = rows.iter().map(|sq| sq.tokens.len()).sum();
+        let s = rows.len();
+        anyhow::ensure!(
+            t <= lim.max_tokens,
+            "step feeds {t} tokens; this backend was sized for {} (max_num_batched_tokens)",
+            lim.max_tokens
+        );
+        anyhow::ensure!(
+            s <= lim.max_seqs,
+            "step has {s} sequences; this backend was sized for {} (max_num_seqs)",
+            lim.max_seqs
+        );
+        words.clear();
+        words.reserve(8 * t + 64);
+        let mut a = Arena { words };
+        // Tokens, positions and slots: three sections of `t` words.
+        let tok = a.reserve(3 * t);
+        let (pos, slot) = (tok + t, tok + 2 * t);
+        let mut k = 0;
+        for sq in rows.iter() {
+            anyhow::ensure!(
+                sq.block_table.len() <= lim.max_blocks_per_seq,
+                "sequence {}: {} blocks exceed max_model_len",
+                sq.seq_id,
+                sq.block_table.len()
+            );
+            for (i, &tk) in sq.tokens.iter().enumerate() {
                 let p = sq.context_len + i;
-                toks.push(tok as i32);
-                poss.push(p as i32);
-                slots.push(slot_of(&sq.block_table, PAGE_SIZE, p) as i32);
+                a.words[tok + k] = tk as i32;
+                a.words[pos + k] = p as i32;
+                a.words[slot + k] = slot_of(&sq.block_table, PAGE_SIZE, p) as i32;
+                k += 1;
             }
         }
-        let tok = a.push(&toks);
-        let pos = a.push(&poss);
-        let slot = a.push(&slots);
 
         let mut m = StepMeta {
-            kind: plan.kind,
+            kind,
             tokens: t,
             seqs: s,
             words: vec![],
@@ -147,54 +195,56 @@ impl StepMeta {
             outputs: vec![],
         };
 
-        // Output rows: sampled rows first (row b = b-th sampling sequence), then asked-for logits.
-        let mut first_row = Vec::with_capacity(s);
-        let mut acc = 0;
-        for sq in &plan.seqs {
-            first_row.push(acc);
-            acc += sq.tokens.len();
+        // Output rows, written straight into their section: sampled rows first (row b = b-th
+        // sampling sequence), then asked-for logits.
+        let src = a.words.len();
+        let mut outputs: Vec<SeqOut> = Vec::with_capacity(s);
+        let mut first_row = 0;
+        for sq in rows.iter() {
+            let sample_row = sq.sample.as_ref().map(|_| {
+                a.words.push((first_row + sq.tokens.len() - 1) as i32);
+                a.words.len() - 1 - src
+            });
+            outputs.push(SeqOut {
+                seq_id: sq.seq_id,
+                sample_row,
+                top_logprobs: sq.sample.as_ref().and_then(|r| r.top_logprobs),
+                logit_rows: vec![],
+            });
+            first_row += sq.tokens.len();
         }
-        let mut src = Vec::new();
-        let mut outputs: Vec<SeqOut> = plan
-            .seqs
-            .iter()
-            .enumerate()
-            .map(|(i, sq)| {
-                let sample_row = sq.sample.as_ref().map(|_| {
-                    src.push((first_row[i] + sq.tokens.len() - 1) as i32);
-                    src.len() - 1
-                });
-                SeqOut { seq_id: sq.seq_id, sample_row, top_logprobs: sq.sample.as_ref().and_then(|r| r.top_logprobs), logit_rows: vec![] }
-            })
-            .collect();
-        let sample_rows = src.len();
-        for (i, sq) in plan.seqs.iter().enumerate() {
-            let last = first_row[i] + sq.tokens.len() - 1;
-            outputs[i].logit_rows = match sq.logits {
-                LogitsRequest::None => vec![],
-                LogitsRequest::Last => vec![outputs[i].sample_row.unwrap_or_else(|| {
-                    src.push(last as i32);
-                    src.len() - 1
-                })],
-                LogitsRequest::All => (first_row[i]..=last)
-                    .map(|r| {
-                        src.push(r as i32);
-                        src.len() - 1
-                    })
-                    .collect(),
+        let sample_rows = a.words.len() - src;
+        first_row = 0;
+        for (o, sq) in outputs.iter_mut().zip(rows.iter()) {
+            let last = first_row + sq.tokens.len() - 1;
+            let mut push = |r: usize| {
+                a.words.push(r as i32);
+                a.words.len() - 1 - src
             };
+            o.logit_rows = match sq.logits {
+                LogitsRequest::None => vec![],
+                LogitsRequest::Last => vec![o.sample_row.unwrap_or_else(|| push(last))],
+                LogitsRequest::All => (first_row..=last).map(push).collect(),
+            };
+            first_row += sq.tokens.len();
         }
-        anyhow::ensure!(src.len() <= lim.max_logit_rows, "step asks for {} rows of logits; this backend was sized for {}", src.len(), lim.max_logit_rows);
-        m.logit_rows = src.len();
+        let logit_rows = a.words.len() - src;
+        anyhow::ensure!(
+            logit_rows <= lim.max_logit_rows,
+            "step asks for {logit_rows} rows of logits; this backend was sized for {}",
+            lim.max_logit_rows
+        );
+        m.logit_rows = logit_rows;
         m.sample_rows = sample_rows;
-        m.logit_src = a.push(&src);
+        m.logit_src = src;
 
         // Sampling parameters and penalty entries (unique tokens of the history).
         a.align2();
         m.params = a.reserve(sample_rows * 12);
         let mut pen: Vec<i32> = Vec::new();
+        let mut history: Vec<(u32, bool)> = Vec::new();
         let mut row = 0;
-        for sq in &plan.seqs {
+        for sq in rows.iter() {
             let Some(req) = &sq.sample else { continue };
             let p = &req.params;
             let n_logprobs = match req.top_logprobs {
@@ -209,20 +259,7 @@ impl StepMeta {
             let begin = (pen.len() / 3) as i32;
             if p.has_penalties() {
                 if let Some(h) = &req.penalty {
-                    let mut entries: HashMap<u32, (i32, bool)> = HashMap::new();
-                    for &tk in &h.prompt {
-                        entries.entry(tk).or_insert((0, false)).1 = true;
-                    }
-                    for &tk in &h.output {
-                        let e = entries.entry(tk).or_insert((0, false));
-                        e.0 += 1;
-                        e.1 = true;
-                    }
-                    let mut sorted: Vec<_> = entries.into_iter().filter(|(tk, _)| (*tk as usize) < lim.vocab).collect();
-                    sorted.sort_by_key(|e| e.0);
-                    for (tk, (c, seen)) in sorted {
-                        pen.extend_from_slice(&[tk as i32, c, seen as i32]);
-                    }
+                    penalty_entries(&h.prompt, &h.output, lim.vocab, &mut history, &mut pen);
                 }
             }
             let raw = SampleParamsRaw {
@@ -244,32 +281,47 @@ impl StepMeta {
             row += 1;
         }
 
-        match plan.kind {
+        match kind {
             StepKind::Decode => {
                 // Fixed offsets for a given batch size (see the module comment).
-                let lens: Vec<i32> = plan.seqs.iter().map(|sq| sq.end_pos() as i32).collect();
-                m.seq_lens = a.push(&lens);
-                let stride = plan.seqs.iter().map(|sq| sq.end_pos().div_ceil(PAGE_SIZE)).max().unwrap_or(1).max(1);
+                m.seq_lens = a.words.len();
+                a.words.extend(rows.iter().map(|sq| sq.end_pos() as i32));
+                let stride = rows
+                    .iter()
+                    .map(|sq| sq.end_pos().div_ceil(PAGE_SIZE))
+                    .max()
+                    .unwrap_or(1)
+                    .max(1);
                 m.max_pages = stride;
                 m.bt_stride = a.push(&[stride as i32]);
-                m.block_tables = a.reserve(s * lim.max_blocks_per_seq);
-                for (b, sq) in plan.seqs.iter().enumerate() {
+                // The block-table region holds `max_blocks_per_seq` entries per row; only the
+                // first `stride` of each row's worth are written and uploaded.
+                m.block_tables = a.reserve(s * stride);
+                for (b, sq) in rows.iter().enumerate() {
                     let n = sq.end_pos().div_ceil(PAGE_SIZE);
-                    for (j, &blk) in sq.block_table[..n].iter().enumerate() {
-                        a.words[m.block_tables + b * stride + j] = blk as i32;
+                    let row = &mut a.words[m.block_tables + b * stride..][..n];
+                    for (w, &blk) in row.iter_mut().zip(&sq.block_table[..n]) {
+                        *w = blk as i32;
                     }
                 }
                 let used_end = m.block_tables + s * stride;
-                let pen_start = a.words.len();
-                m.pen = a.push(&pen);
-                m.upload = vec![(0, used_end), (pen_start, a.words.len())];
+                let pen_start = m.block_tables + s * lim.max_blocks_per_seq;
+                m.pen = pen_start;
+                m.upload = vec![(0, used_end)];
+                // Without penalties the words end with the used tables: the unused rest of the
+                // region is neither zeroed nor copied.
+                if !pen.is_empty() {
+                    a.words.resize(pen_start, 0);
+                    a.push(&pen);
+                    m.upload.push((pen_start, a.words.len()));
+                }
             }
             StepKind::Prefill => {
                 let mut cu = vec![0i32];
                 let mut qp0 = Vec::with_capacity(s);
                 // (keys the tile's last query sees, sequence, first row)
                 let mut tiles = Vec::new();
-                for (i, sq) in plan.seqs.iter().enumerate() {
+                for (i, sq) in seqs.iter().enumerate() {
                     cu.push(cu[i] + sq.tokens.len() as i32);
                     qp0.push(sq.context_len as i32);
                     for q0 in (0..sq.tokens.len()).step_by(crate::ops::PREFILL_TILE_Q) {
@@ -287,7 +339,7 @@ impl StepMeta {
                 m.tiles = tile_seq.len();
                 m.tile_seq = a.push(&tile_seq);
                 m.tile_q0 = a.push(&tile_q0);
-                m.passes = build_passes(&mut a, plan, lim.max_kv_chunk);
+                m.passes = build_passes(&mut a, seqs, lim.max_kv_chunk);
                 m.pen = a.push(&pen);
                 m.upload = vec![(0, a.words.len())];
             }
@@ -298,10 +350,31 @@ impl StepMeta {
     }
 }
 
+/// Appends the penalty entries of one history, three words each (token, occurrences in the
+/// output, seen flag), one per distinct token of prompt and output inside the vocabulary, in
+/// token order. `scratch` is reused between rows.
+fn penalty_entries(
+    prompt: &[u32],
+    output: &[u32],
+    vocab: usize,
+    scratch: &mut Vec<(u32, bool)>,
+    pen: &mut Vec<i32>,
+) {
+    scratch.clear();
+    scratch.extend(prompt.iter().map(|&tk| (tk, false)));
+    scratch.extend(output.iter().map(|&tk| (tk, true)));
+    scratch.retain(|&(tk, _)| (tk as usize) < vocab);
+    scratch.sort_unstable();
+    for run in scratch.chunk_by(|x, y| x.0 == y.0) {
+        let in_output = run.iter().filter(|e| e.1).count() as i32;
+        pen.extend_from_slice(&[run[0].0 as i32, in_output, 1]);
+    }
+}
+
 /// Splits every sequence's keys `0 .. end_pos` into windows so that one pass decompresses at most
 /// `cap` keys; a sequence has at most one window per pass, windows in position order.
-fn build_passes(a: &mut Arena, plan: &StepPlan, cap: usize) -> Vec<PassMeta> {
-    let s = plan.seqs.len();
+fn build_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
+    let s = seqs.len();
     struct Window {
         row0: i32,
         pos0: i32,
@@ -311,7 +384,7 @@ fn build_passes(a: &mut Arena, plan: &StepPlan, cap: usize) -> Vec<PassMeta> {
     let mut pass_slots: Vec<Vec<i32>> = vec![];
     let mut cur: Vec<Option<Window>> = (0..s).map(|_| None).collect();
     let mut cur_slots: Vec<i32> = vec![];
-    for (i, sq) in plan.seqs.iter().enumerate() {
+    for (i, sq) in seqs.iter().enumerate() {
         let end = sq.end_pos();
         let mut p = 0;
         while p < end {
@@ -320,7 +393,11 @@ fn build_passes(a: &mut Arena, plan: &StepPlan, cap: usize) -> Vec<PassMeta> {
                 pass_slots.push(std::mem::take(&mut cur_slots));
             }
             let take = (end - p).min(cap - cur_slots.len());
-            cur[i] = Some(Window { row0: cur_slots.len() as i32, pos0: p as i32, len: take as i32 });
+            cur[i] = Some(Window {
+                row0: cur_slots.len() as i32,
+                pos0: p as i32,
+                len: take as i32,
+            });
             for q in p..p + take {
                 cur_slots.push(slot_of(&sq.block_table, PAGE_SIZE, q) as i32);
             }
@@ -337,10 +414,27 @@ fn build_passes(a: &mut Arena, plan: &StepPlan, cap: usize) -> Vec<PassMeta> {
         .map(|(j, (wins, slots))| {
             let keys = slots.len();
             let slots_off = a.push(&slots);
-            let row0: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.row0)).collect();
-            let pos0: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.pos0)).collect();
-            let len: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.len)).collect();
-            PassMeta { keys, slots: slots_off, k_row0: a.push(&row0), k_pos0: a.push(&pos0), k_len: a.push(&len), load_state: j > 0, last: j + 1 == n }
+            let row0: Vec<i32> = wins
+                .iter()
+                .map(|w| w.as_ref().map_or(0, |w| w.row0))
+                .collect();
+            let pos0: Vec<i32> = wins
+                .iter()
+                .map(|w| w.as_ref().map_or(0, |w| w.pos0))
+                .collect();
+            let len: Vec<i32> = wins
+                .iter()
+                .map(|w| w.as_ref().map_or(0, |w| w.len))
+                .collect();
+            PassMeta {
+                keys,
+                slots: slots_off,
+                k_row0: a.push(&row0),
+                k_pos0: a.push(&pos0),
+                k_len: a.push(&len),
+                load_state: j > 0,
+                last: j + 1 == n,
+            }
         })
         .collect()
 }
@@ -348,44 +442,191 @@ fn build_passes(a: &mut Arena, plan: &StepPlan, cap: usize) -> Vec<PassMeta> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mla_core::plan::SeqStep;
+    use mla_core::plan::{PenaltyTokens, SampleRequest};
+    use mla_core::SamplingParams;
 
     fn seq(id: u64, ctx: usize, n: usize, table: Vec<u32>) -> SeqStep {
-        SeqStep { seq_id: id, tokens: vec![3; n], context_len: ctx, block_table: table, logits: LogitsRequest::None, sample: None }
+        SeqStep {
+            seq_id: id,
+            tokens: vec![3; n],
+            context_len: ctx,
+            block_table: table,
+            logits: LogitsRequest::None,
+            sample: None,
+        }
     }
 
     fn lim() -> MetaLimits {
-        MetaLimits { max_tokens: 256, max_seqs: 8, max_logit_rows: 64, max_kv_chunk: 100, max_blocks_per_seq: 8, vocab: 512 }
+        MetaLimits {
+            max_tokens: 256,
+            max_seqs: 8,
+            max_logit_rows: 64,
+            max_kv_chunk: 100,
+            max_blocks_per_seq: 8,
+            vocab: 512,
+        }
     }
 
     #[test]
     fn passes_cover_every_key_once_in_position_order() {
-        let plan = StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, 70, 10, vec![5, 2]), seq(2, 0, 90, vec![7, 1])] };
+        let plan = StepPlan {
+            kind: StepKind::Prefill,
+            seqs: vec![seq(1, 70, 10, vec![5, 2]), seq(2, 0, 90, vec![7, 1])],
+        };
         let m = StepMeta::build(&plan, &lim()).unwrap();
         // 80 + 90 keys with a cap of 100: [s1 0..80, s2 0..20], [s2 20..90].
         assert_eq!(m.passes.len(), 2);
         let w = &m.words;
         let p0 = &m.passes[0];
-        assert_eq!((p0.keys, w[p0.k_len], w[p0.k_len + 1], w[p0.k_pos0 + 1], w[p0.k_row0 + 1]), (100, 80, 20, 0, 80));
+        assert_eq!(
+            (
+                p0.keys,
+                w[p0.k_len],
+                w[p0.k_len + 1],
+                w[p0.k_pos0 + 1],
+                w[p0.k_row0 + 1]
+            ),
+            (100, 80, 20, 0, 80)
+        );
         let p1 = &m.passes[1];
-        assert_eq!((p1.keys, w[p1.k_len], w[p1.k_len + 1], w[p1.k_pos0 + 1], w[p1.k_row0 + 1]), (70, 0, 70, 20, 0));
+        assert_eq!(
+            (
+                p1.keys,
+                w[p1.k_len],
+                w[p1.k_len + 1],
+                w[p1.k_pos0 + 1],
+                w[p1.k_row0 + 1]
+            ),
+            (70, 0, 70, 20, 0)
+        );
         assert!(p1.load_state && p1.last && !p0.load_state && !p0.last);
         // Position 64 of sequence 1 lives in its second block (2), offset 0.
         assert_eq!(w[p0.slots + 64], 2 * 64);
         // Tiles of 128 queries: one per sequence, the one whose last query sees more keys first
         // (sequence 2: 90 keys; sequence 1: 70 + 10 = 80).
         assert_eq!(m.tiles, 2);
-        assert_eq!((w[m.tile_seq], w[m.tile_seq + 1], w[m.tile_q0], w[m.tile_q0 + 1]), (1, 0, 0, 0));
+        assert_eq!(
+            (
+                w[m.tile_seq],
+                w[m.tile_seq + 1],
+                w[m.tile_q0],
+                w[m.tile_q0 + 1]
+            ),
+            (1, 0, 0, 0)
+        );
     }
 
     #[test]
     fn decode_offsets_depend_only_on_the_batch_size() {
-        let a = StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 5, 1, vec![0]), seq(2, 130, 1, vec![3, 4, 6])] };
-        let b = StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 300, 1, vec![0, 1, 2, 3, 4]), seq(2, 1, 1, vec![3])] };
-        let (ma, mb) = (StepMeta::build(&a, &lim()).unwrap(), StepMeta::build(&b, &lim()).unwrap());
-        assert_eq!((ma.block_tables, ma.pen, ma.params, ma.seq_lens), (mb.block_tables, mb.pen, mb.params, mb.seq_lens));
+        let a = StepPlan {
+            kind: StepKind::Decode,
+            seqs: vec![seq(1, 5, 1, vec![0]), seq(2, 130, 1, vec![3, 4, 6])],
+        };
+        let b = StepPlan {
+            kind: StepKind::Decode,
+            seqs: vec![seq(1, 300, 1, vec![0, 1, 2, 3, 4]), seq(2, 1, 1, vec![3])],
+        };
+        let (ma, mb) = (
+            StepMeta::build(&a, &lim()).unwrap(),
+            StepMeta::build(&b, &lim()).unwrap(),
+        );
+        assert_eq!(
+            (ma.block_tables, ma.pen, ma.params, ma.seq_lens),
+            (mb.block_tables, mb.pen, mb.params, mb.seq_lens)
+        );
         assert_eq!(ma.words[ma.bt_stride], 3);
-        assert_eq!(&ma.words[ma.block_tables + 3..ma.block_tables + 6], &[3, 4, 6]);
+        assert_eq!(
+            &ma.words[ma.block_tables + 3..ma.block_tables + 6],
+            &[3, 4, 6]
+        );
         assert_eq!(ma.words[ma.seq_lens + 1], 131);
+    }
+
+    fn sampled(mut s: SeqStep, penalty: Option<PenaltyTokens>) -> SeqStep {
+        s.sample = Some(SampleRequest {
+            params: SamplingParams {
+                repetition_penalty: if penalty.is_some() { 1.2 } else { 1.0 },
+                ..SamplingParams::default()
+            },
+            seed: 9,
+            top_logprobs: None,
+            penalty,
+        });
+        s
+    }
+
+    #[test]
+    fn penalty_entries_are_the_distinct_tokens_with_output_counts() {
+        // Vocabulary 512: token 700 is dropped. Distinct tokens 3, 5, 9; in the output 3 twice
+        // and 9 once; every entry is "seen".
+        let history = PenaltyTokens {
+            prompt: vec![5, 3, 5, 700],
+            output: vec![3, 9, 3],
+        };
+        let plan = StepPlan {
+            kind: StepKind::Decode,
+            seqs: vec![
+                sampled(seq(1, 7, 1, vec![0]), Some(history)),
+                sampled(seq(2, 7, 1, vec![1]), None),
+            ],
+        };
+        let m = StepMeta::build(&plan, &lim()).unwrap();
+        assert_eq!(&m.words[m.pen..], &[3, 2, 1, 5, 0, 1, 9, 1, 1]);
+        // pen_begin / pen_end of each row (words 10 and 11 of its 12).
+        let row = |r: usize| {
+            (
+                m.words[m.params + 12 * r + 10],
+                m.words[m.params + 12 * r + 11],
+            )
+        };
+        assert_eq!((row(0), row(1)), ((0, 3), (3, 3)));
+        // The penalty region sits after the whole block-table region and is uploaded.
+        assert_eq!(m.pen, m.block_tables + 2 * lim().max_blocks_per_seq);
+        assert_eq!(m.upload, vec![(0, m.block_tables + 2), (m.pen, m.pen + 9)]);
+    }
+
+    #[test]
+    fn decode_without_penalties_stops_at_the_used_block_tables() {
+        let plan = StepPlan {
+            kind: StepKind::Decode,
+            seqs: vec![seq(1, 70, 1, vec![4, 2]), seq(2, 3, 1, vec![6])],
+        };
+        let m = StepMeta::build(&plan, &lim()).unwrap();
+        // Two rows of stride 2 (71 positions need two blocks); the second row's unused entry is 0.
+        assert_eq!(&m.words[m.block_tables..], &[4, 2, 6, 0]);
+        assert_eq!(m.upload, vec![(0, m.block_tables + 4)]);
+        assert_eq!(m.pen, m.block_tables + 2 * lim().max_blocks_per_seq);
+    }
+
+    #[test]
+    fn borrowed_padding_rows_equal_appended_ones() {
+        let seqs = vec![
+            sampled(seq(1, 70, 1, vec![4, 2]), None),
+            sampled(seq(2, 3, 1, vec![6]), None),
+        ];
+        let pads: Vec<SeqStep> = (0..3)
+            .map(|i| sampled(seq(100 + i, 0, 1, vec![7]), None))
+            .collect();
+        let appended = StepPlan {
+            kind: StepKind::Decode,
+            seqs: seqs.iter().chain(&pads).cloned().collect(),
+        };
+        let want = StepMeta::build(&appended, &lim()).unwrap();
+        // A dirty, too short buffer to reuse: its contents must not leak into the result.
+        let got =
+            StepMeta::build_rows(StepKind::Decode, &seqs, &pads, &lim(), vec![-1; 7]).unwrap();
+        assert_eq!(
+            (got.seqs, got.sample_rows, got.upload.clone()),
+            (5, 5, want.upload.clone())
+        );
+        assert_eq!(got.words, want.words);
+        let ids = |m: &StepMeta| {
+            m.outputs
+                .iter()
+                .map(|o| (o.seq_id, o.sample_row))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ids(&got), ids(&want));
+        assert!(StepMeta::build_rows(StepKind::Prefill, &seqs, &pads, &lim(), vec![]).is_err());
     }
 }
