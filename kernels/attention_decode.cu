@@ -10,34 +10,23 @@
 
 namespace {
 constexpr int DL = 512, DP = 64, D = DL + DP, PAGE = 64, HT = 16;
-constexpr int NWARPS = 8, NTHREADS = NWARPS * 32;
+constexpr int NWARPS = 4, NTHREADS = NWARPS * 32;
 constexpr int KV_STRIDE = D + 8;   // 1168 bytes per row: conflict-free fragment and ldmatrix loads
 constexpr int P_STRIDE = PAGE + 8;
 constexpr int KSTEPS = D / 16;     // 36
-// QK^T: warp w covers keys [16 (w % 4), +16) of a page over the dims of k-steps [18 (w / 4), +18).
-constexpr int KEY_GROUPS = 4, DIM_GROUPS = NWARPS / KEY_GROUPS;  // 4 x 2
-constexpr int KS_PER_WARP = KSTEPS / DIM_GROUPS;                  // 18
-constexpr int DIMS_PER_WARP = DL / NWARPS;  // 64 dims of O per warp
-constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 8
+constexpr int DIMS_PER_WARP = DL / NWARPS;  // 128
+constexpr int O_NTILES = DIMS_PER_WARP / 8;  // 16
 }  // namespace
 
-// Q tile + two KV pages + P tile + row max/sum scratch + the partial-S exchange.
-// Dynamic shared memory (the Rust wrapper computes the same):
-// (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + (KEY_GROUPS + KEY_GROUPS) * HT * 4 + NWARPS * 2 * 32 * 16
+// Q tile + two KV pages + P tile + reduction scratch + the partial-S exchange.
+// Dynamic shared memory (the Rust wrapper computes the same): (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4 + NWARPS * 8 * 32 * 16
 
-// Eight warps, two per SM sub-partition, so one warp's mma, shared-memory and barrier latencies
-// overlap the other's. Q's fragments stay in registers for the whole block (each warp holds the
-// 18 k-steps of its dim half: 72 registers, loaded once), so no warp re-reads Q per page and
-// each K element is read from shared memory once per page. The two warps of a key group sum
-// their partial S through 8 KB of shared memory (each writes its half, reads the other's; a + b
-// in both, so both hold the same S) and both run that group's softmax; the dim-half-0 warp
-// publishes the group's row max and P. The row sums stay per lane and are reduced once at the end
-// (the rescale factor is the same in every warp), which saves a barrier per page. P V: each warp
-// owns 64 of the 512 output dims. This replaced a four-warp kernel (QK^T split over the dims
-// only, four partials per key through 32 KB, five barriers per page; git 0e58904..aa3c42b): batch 1
-// 11.4 -> 10.1 us, batch 32 -2.7%, batch 128 equal within the spread, batch 256 ~2% slower, where
-// both are bound by DRAM (runs E1-E3 in docs/cuda-notes.md, which also has the variants that lost:
-// the combine fused into the last split block, a five-slot ring of half pages).
+// QK^T is split over the 576 dims across the warps rather than over the keys: warp w holds Q's
+// fragments of k-steps [9w, 9w + 9) in registers for the whole block (no re-reads of Q from shared
+// memory per page), computes those dims' partial S for all 64 keys (8 independent chains 9 deep),
+// and the partials are summed through shared memory into each warp's 16 keys. This beat one chain
+// per key tile over all 576 dims (and the same split into four chains) by 6-9% in run D4; those
+// variants were removed after runs D4/F5 (docs/cuda-notes.md).
 __device__ __forceinline__ void decode_attention_body(
     const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
     const bf16* __restrict__ cache,                 // [blocks * 64, 576]
@@ -52,12 +41,11 @@ __device__ __forceinline__ void decode_attention_body(
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* KVs = Qs + HT * KV_STRIDE;
     bf16* Ps = KVs + 2 * PAGE * KV_STRIDE;
-    float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);  // [KEY_GROUPS][HT]
-    float* red_sum = red_max + KEY_GROUPS * HT;                      // [KEY_GROUPS][HT]
-    float4* s_part = reinterpret_cast<float4*>(red_sum + KEY_GROUPS * HT);  // [NWARPS][2 key tiles][32 lanes]
+    float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);
+    float* red_sum = red_max + NWARPS * HT;
+    float4* s_part = reinterpret_cast<float4*>(red_sum + NWARPS * HT);  // [NWARPS][8 key tiles][32 lanes]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int kg = warp % KEY_GROUPS, dg = warp / KEY_GROUPS;
     const int split = blockIdx.x, h0 = blockIdx.y * HT, b = blockIdx.z;
     const int len = seq_lens[b];
     const int bt_stride = *bt_stride_ptr;
@@ -75,7 +63,6 @@ __device__ __forceinline__ void decode_attention_body(
         bf16* dst = KVs + stage * PAGE * KV_STRIDE;
         const size_t base = (size_t)table[p] * PAGE;
         const int valid = min(PAGE, len - p * PAGE);
-#pragma unroll 2
         for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
             const int r = c / (D / 8), d = (c % (D / 8)) * 8;
             const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
@@ -88,9 +75,9 @@ __device__ __forceinline__ void decode_attention_body(
     float o[O_NTILES][4];
 #pragma unroll
     for (int n = 0; n < O_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    // m: the running row max (the same in every warp); l: this lane's share of the row sums.
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const int mi = lane >> 3, ri = lane & 7;
+    constexpr int KS_PER_WARP = KSTEPS / NWARPS;  // 9
     uint32_t qa[KS_PER_WARP][4];
 
     for (int p = p_begin; p < p_end; ++p) {
@@ -105,62 +92,61 @@ __device__ __forceinline__ void decode_attention_body(
         __syncthreads();
         const bf16* KV = KVs + stage * PAGE * KV_STRIDE;
 
+        // S = Q K^T for this warp's 16 keys.
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         if (p == p_begin) {
 #pragma unroll
             for (int j = 0; j < KS_PER_WARP; ++j) {
-                const bf16* q_lo = Qs + g * KV_STRIDE + (dg * KS_PER_WARP + j) * 16 + 2 * t4;
+                const bf16* q_lo = Qs + g * KV_STRIDE + (warp * KS_PER_WARP + j) * 16 + 2 * t4;
                 qa[j][0] = lds32(q_lo);
                 qa[j][1] = lds32(q_lo + 8 * KV_STRIDE);
                 qa[j][2] = lds32(q_lo + 8);
                 qa[j][3] = lds32(q_lo + 8 * KV_STRIDE + 8);
             }
         }
-        // Partial S of this warp's 16 keys over its 288 dims: four independent chains 9 deep.
-        float acc[2][2][4];
+        float part[PAGE / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) acc[nt][c][0] = acc[nt][c][1] = acc[nt][c][2] = acc[nt][c][3] = 0.f;
+        for (int nt = 0; nt < PAGE / 8; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
 #pragma unroll
         for (int j = 0; j < KS_PER_WARP; ++j) {
-            const int ks = dg * KS_PER_WARP + j;
+            const int ks = warp * KS_PER_WARP + j;
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                const bf16* kr = KV + (kg * 16 + nt * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
-                mma_bf16_16816(acc[nt][j & 1], qa[j], lds32(kr), lds32(kr + 8));
+            for (int nt = 0; nt < PAGE / 8; ++nt) {
+                const bf16* kr = KV + (nt * 8 + g) * KV_STRIDE + ks * 16 + 2 * t4;
+                mma_bf16_16816(part[nt], qa[j], lds32(kr), lds32(kr + 8));
             }
         }
-        float sc[2][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sc[nt][e] = acc[nt][0][e] + acc[nt][1][e];
-            s_part[(warp * 2 + nt) * 32 + lane] = make_float4(sc[nt][0], sc[nt][1], sc[nt][2], sc[nt][3]);
-        }
+        for (int nt = 0; nt < PAGE / 8; ++nt)
+            s_part[(warp * (PAGE / 8) + nt) * 32 + lane] = make_float4(part[nt][0], part[nt][1], part[nt][2], part[nt][3]);
         __syncthreads();
+#pragma unroll
+        for (int src = 0; src < NWARPS; ++src)
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float4 v = s_part[(src * (PAGE / 8) + warp * 2 + n) * 32 + lane];
+                sc[n][0] += v.x;
+                sc[n][1] += v.y;
+                sc[n][2] += v.z;
+                sc[n][3] += v.w;
+            }
         float wmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const float4 v = s_part[((warp ^ KEY_GROUPS) * 2 + nt) * 32 + lane];
-            sc[nt][0] += v.x;
-            sc[nt][1] += v.y;
-            sc[nt][2] += v.z;
-            sc[nt][3] += v.w;
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = p * PAGE + kg * 16 + nt * 8 + 2 * t4 + (e & 1);
-                sc[nt][e] = key < len ? sc[nt][e] * scale_log2 : -INFINITY;
-                wmax[e >> 1] = fmaxf(wmax[e >> 1], sc[nt][e]);
+                const int key = p * PAGE + warp * 16 + n * 8 + 2 * t4 + (e & 1);
+                sc[n][e] = key < len ? sc[n][e] * scale_log2 : -INFINITY;
+                wmax[e >> 1] = fmaxf(wmax[e >> 1], sc[n][e]);
             }
-        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 1));
             wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 2));
         }
-        if (dg == 0 && t4 == 0) {
-            red_max[kg * HT + g] = wmax[0];
-            red_max[kg * HT + g + 8] = wmax[1];
+        if (t4 == 0) {
+            red_max[warp * HT + g] = wmax[0];
+            red_max[warp * HT + g + 8] = wmax[1];
         }
         __syncthreads();
         float m_use[2], alpha[2];
@@ -169,24 +155,40 @@ __device__ __forceinline__ void decode_attention_body(
             const int row = g + 8 * i;
             float tm = red_max[row];
 #pragma unroll
-            for (int w = 1; w < KEY_GROUPS; ++w) tm = fmaxf(tm, red_max[w * HT + row]);
+            for (int w = 1; w < NWARPS; ++w) tm = fmaxf(tm, red_max[w * HT + row]);
             const float m_new = fmaxf(m[i], tm);
             m_use[i] = m_new == -INFINITY ? 0.f : m_new;
             alpha[i] = exp2f(m[i] - m_use[i]);
             m[i] = m_new;
-            l[i] *= alpha[i];
+        }
+        float wsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const float p0 = exp2f(sc[n][0] - m_use[0]), p1 = exp2f(sc[n][1] - m_use[0]);
+            const float p2 = exp2f(sc[n][2] - m_use[1]), p3 = exp2f(sc[n][3] - m_use[1]);
+            wsum[0] += p0 + p1;
+            wsum[1] += p2 + p3;
+            const int col = warp * 16 + n * 8 + 2 * t4;
+            *reinterpret_cast<uint32_t*>(Ps + g * P_STRIDE + col) = pack_bf16(p0, p1);
+            *reinterpret_cast<uint32_t*>(Ps + (g + 8) * P_STRIDE + col) = pack_bf16(p2, p3);
         }
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const float p0 = exp2f(sc[nt][0] - m_use[0]), p1 = exp2f(sc[nt][1] - m_use[0]);
-            const float p2 = exp2f(sc[nt][2] - m_use[1]), p3 = exp2f(sc[nt][3] - m_use[1]);
-            l[0] += p0 + p1;
-            l[1] += p2 + p3;
-            if (dg == 0) {
-                const int col = kg * 16 + nt * 8 + 2 * t4;
-                *reinterpret_cast<uint32_t*>(Ps + g * P_STRIDE + col) = pack_bf16(p0, p1);
-                *reinterpret_cast<uint32_t*>(Ps + (g + 8) * P_STRIDE + col) = pack_bf16(p2, p3);
-            }
+        for (int i = 0; i < 2; ++i) {
+            wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 1);
+            wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 2);
+        }
+        if (t4 == 0) {
+            red_sum[warp * HT + g] = wsum[0];
+            red_sum[warp * HT + g + 8] = wsum[1];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = g + 8 * i;
+            float ts = 0.f;
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) ts += red_sum[w * HT + row];
+            l[i] = l[i] * alpha[i] + ts;
         }
 #pragma unroll
         for (int n = 0; n < O_NTILES; ++n) {
@@ -195,9 +197,8 @@ __device__ __forceinline__ void decode_attention_body(
             o[n][2] *= alpha[1];
             o[n][3] *= alpha[1];
         }
-        __syncthreads();
 
-        // O[:, warp's 64 dims] += P V, V = the c_kv part of the page.
+        // O[:, warp's 128 dims] += P V, V = the c_kv part of the page.
 #pragma unroll
         for (int kk = 0; kk < PAGE / 16; ++kk) {
             uint32_t pa[4];
@@ -218,26 +219,6 @@ __device__ __forceinline__ void decode_attention_body(
     }
     cp_async_wait<0>();
 
-    // Row sums: the four lanes of a row, then the four key groups (dim-half-0 warps).
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    }
-    if (dg == 0 && t4 == 0) {
-        red_sum[kg * HT + g] = l[0];
-        red_sum[kg * HT + g + 8] = l[1];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int row = g + 8 * i;
-        float ts = 0.f;
-#pragma unroll
-        for (int w = 0; w < KEY_GROUPS; ++w) ts += red_sum[w * HT + row];
-        l[i] = ts;
-    }
-
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int hh = h0 + g + 8 * i;
@@ -252,8 +233,10 @@ __device__ __forceinline__ void decode_attention_body(
             const size_t row = ((size_t)b * num_splits + split) * heads + hh;
             float* dst = part_o + row * DL + warp * DIMS_PER_WARP;
 #pragma unroll
-            for (int n = 0; n < O_NTILES; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8 + 2 * t4) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+            for (int n = 0; n < O_NTILES; ++n) {
+                dst[n * 8 + 2 * t4] = o[n][2 * i] * inv;
+                dst[n * 8 + 2 * t4 + 1] = o[n][2 * i + 1] * inv;
+            }
             if (warp == 0 && t4 == 0) part_lse[row] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
         }
     }
@@ -267,8 +250,8 @@ __device__ __forceinline__ void decode_attention_body(
 #define MLA_DECODE_ARGS \
     q, q_stride, cache, block_tables, bt_stride_ptr, seq_lens, heads, scale_log2, num_splits, out, part_o, part_lse
 
-// Eight warps, Q's fragments in registers (see above); the one decode attention kernel, on every
-// GPU (sm_90a cubin and compute_80 PTX).
+// QK^T split over the dims across the warps with Q's fragments in registers (see above); the one
+// decode attention kernel, on every GPU (sm_90a cubin and compute_80 PTX).
 extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qregs(MLA_DECODE_PARAMS) {
     PDL_ENTRY();
     decode_attention_body(MLA_DECODE_ARGS);
@@ -281,10 +264,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_decode_attention_qreg
 extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                               int heads, int num_splits, bf16* __restrict__ out) {
     PDL_ENTRY();
-    constexpr int DIMS_PER_BLOCK = 128;  // one thread per dim, launched with 128 threads
     __shared__ float w[64];
     __shared__ float total;
-    const int h = blockIdx.x, b = blockIdx.y, d = blockIdx.z * DIMS_PER_BLOCK + threadIdx.x;
+    const int h = blockIdx.x, b = blockIdx.y, d = blockIdx.z * NTHREADS + threadIdx.x;
     if (threadIdx.x < 32) {
         float l0 = threadIdx.x < num_splits ? part_lse[((size_t)b * num_splits + threadIdx.x) * heads + h] : -INFINITY;
         float l1 = threadIdx.x + 32 < num_splits ? part_lse[((size_t)b * num_splits + threadIdx.x + 32) * heads + h] : -INFINITY;

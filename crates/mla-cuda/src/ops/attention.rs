@@ -22,11 +22,8 @@ pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 *
 /// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes: the 1024-byte
 /// alignment and the mbarriers (kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-/// Q + two pages + P tile, bf16; per-key-group max/sum scratch; the partial-S exchange between
-/// the two warps of each key group (8 warps x 2 key tiles x 32 lanes x float4).
-pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4 + 8 * 2 * 32 * 16;
-/// Threads of a decode attention block (8 warps).
-const DECODE_THREADS: u32 = 256;
+/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange across the warps.
+pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4 + 4 * 8 * 32 * 16;
 
 /// The two implementations of prefill attention (same function, same arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +101,7 @@ pub struct DecodeAttention {
 }
 
 /// Splits of the KV length per request. One block per (request, head tile, split) holds a whole
-/// SM (175 KB of shared memory), so splitting only pays while all blocks fit in one wave: the
+/// SM (171 KB of shared memory), so splitting only pays while all blocks fit in one wave: the
 /// most splits that keep `batch x head tiles x splits` within the SM count (one split once the
 /// batch alone fills the GPU), at least two pages per split, at most 64. This also bounds the
 /// partial-output workspace by `SMs + batch` rows.
@@ -183,8 +180,8 @@ impl Kernels {
         choose_decode_splits(self.sm_count, batch, heads, max_pages)
     }
 
-    /// Decode attention (kernels/attention_decode.cu: eight warps, QKᵀ split over two halves of
-    /// the 576 dims and four groups of 16 keys, Q's fragments in registers), one kernel on every GPU.
+    /// Decode attention (kernels/attention_decode.cu: QKᵀ split over the 576 dims across the warps,
+    /// Q's fragments in registers), one kernel on every GPU.
     pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
@@ -202,7 +199,7 @@ impl Kernels {
         self.mla_decode_attention_qregs.launch(
             s,
             grid,
-            DECODE_THREADS,
+            128,
             DECODE_SMEM_BYTES as u32,
             &[
                 Arg::Ptr(p.q.ptr),
