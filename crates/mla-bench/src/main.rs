@@ -1,6 +1,7 @@
 //! `mla-bench`: the project's benchmark tool.
 //! - `kernels`: decode and prefill attention micro-benchmarks on the GPU.
 //! - `engine`: the real engine + CUDA backend offline (no HTTP): prefill and decode throughput.
+//! - `host`: the host work between decode steps on the CPU alone (real engine, instant backend).
 //! - `serve`: a load generator against any OpenAI-compatible server, with `vllm bench serve`'s
 //!   metric definitions, as a table and as JSON.
 //!
@@ -8,6 +9,7 @@
 
 mod dataset;
 mod engine_bench;
+mod host_bench;
 mod kernels;
 mod metrics;
 mod profile;
@@ -62,6 +64,37 @@ enum Cmd {
         /// Small-batch linear layers through cuBLAS instead of the GEMV kernel.
         #[arg(long)]
         no_gemv: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Host time between decode steps without a GPU: the real engine and an instant backend
+    /// (optionally doing the CUDA backend's host-side metadata work and thread hand-off).
+    Host {
+        #[arg(long, default_value = "configs/deepseek-v2-lite.json")]
+        config: PathBuf,
+        #[arg(long, default_value_t = 256)]
+        batch: usize,
+        #[arg(long, default_value_t = 4096)]
+        context: usize,
+        #[arg(long, default_value_t = 200)]
+        steps: usize,
+        #[arg(long, default_value_t = 256)]
+        max_num_seqs: usize,
+        #[arg(long, default_value_t = 8192)]
+        max_num_batched_tokens: usize,
+        #[arg(long, default_value_t = 8192)]
+        max_model_len: usize,
+        /// Skip the CUDA backend's host work (validate, pad, StepMeta::build, staging copy).
+        #[arg(long)]
+        no_cuda_meta: bool,
+        /// Run steps on the engine thread instead of a worker thread (as CudaBackend does).
+        #[arg(long)]
+        inline: bool,
+        /// Simulated device time per step in microseconds (the worker sleeps).
+        #[arg(long, default_value_t = 0)]
+        step_us: u64,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -148,6 +181,33 @@ fn main() -> anyhow::Result<()> {
             let r = engine_bench::run(&args)?;
             let gpu = r["gpu"].as_str().unwrap_or("unknown").to_string();
             let v = report::envelope(&gpu, r);
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            report::write(out.as_deref(), &v)
+        }
+        Cmd::Host { config, batch, context, steps, max_num_seqs, max_num_batched_tokens, max_model_len, no_cuda_meta, inline, step_us, seed, out } => {
+            let args = host_bench::HostArgs {
+                config,
+                batch,
+                context,
+                steps,
+                max_num_seqs,
+                max_num_batched_tokens,
+                max_model_len,
+                cuda_meta: !no_cuda_meta,
+                thread: !inline,
+                step_us,
+                seed,
+            };
+            let r = host_bench::run(&args)?;
+            eprintln!(
+                "host B={batch} ctx={context}: between steps median {:.1} us (p90 {:.1}), CUDA metadata prep median {:.1} us (p90 {:.1}), total median {:.1} us",
+                r["between_steps_us"]["median"].as_f64().unwrap_or(0.0),
+                r["between_steps_us"]["p90"].as_f64().unwrap_or(0.0),
+                r["cuda_meta_prep_us"]["median"].as_f64().unwrap_or(0.0),
+                r["cuda_meta_prep_us"]["p90"].as_f64().unwrap_or(0.0),
+                r["host_total_us"]["median"].as_f64().unwrap_or(0.0),
+            );
+            let v = report::envelope("none (CPU only)", r);
             println!("{}", serde_json::to_string_pretty(&v)?);
             report::write(out.as_deref(), &v)
         }
