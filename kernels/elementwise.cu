@@ -15,7 +15,8 @@ extern "C" __global__ void embedding_gather(const bf16* __restrict__ table, cons
 
 // HF DeepseekV2RMSNorm: x * rsqrt(mean(x²) + eps) rounded to bf16, times the bf16 gain, rounded.
 // One block of 256 threads per row; each thread keeps its (at most 32) values in registers, so
-// the row is read once and every load of a thread is independent (hidden <= 8192).
+// the row is read once and every load of a thread is independent (hidden <= 8192). Calls
+// PDL_ENTRY itself, after loading the gain.
 constexpr int NORM_THREADS = 256, NORM_MAX_PER_THREAD = 32;
 
 template <bool ADD>
@@ -24,6 +25,14 @@ DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const bf16* __
     __shared__ float scratch[32];
     const size_t t = blockIdx.x;
     float* x = residual + t * hidden;
+    // The gain does not depend on the previous kernel: load it before waiting for it.
+    float g[NORM_MAX_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < NORM_MAX_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * NORM_THREADS;
+        g[k] = i < hidden ? to_f32(w[i]) : 0.f;
+    }
+    PDL_ENTRY();
     float v[NORM_MAX_PER_THREAD];
     float ss = 0.f;
 #pragma unroll
@@ -49,14 +58,13 @@ DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const bf16* __
 #pragma unroll
     for (int k = 0; k < NORM_MAX_PER_THREAD; ++k) {
         const int i = threadIdx.x + k * NORM_THREADS;
-        if (i < hidden) out[t * hidden + i] = to_bf16(to_f32(w[i]) * round_bf16(v[k] * r));
+        if (i < hidden) out[t * hidden + i] = to_bf16(g[k] * round_bf16(v[k] * r));
     }
 }
 
 // out = rmsnorm(residual) (first layer: nothing to add yet).
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict__ residual, const bf16* __restrict__ w,
                                                               bf16* __restrict__ out, int hidden, float eps) {
-    PDL_ENTRY();
     residual_rmsnorm<false>(residual, nullptr, w, out, hidden, eps);
 }
 
@@ -64,7 +72,6 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict_
 // to f32 instead of re-rounding it to bf16 after every block.
 extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
                                                               const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
-    PDL_ENTRY();
     residual_rmsnorm<true>(residual, delta, w, out, hidden, eps);
 }
 

@@ -5,11 +5,14 @@
 // S4/S5): the lm_head (419 MB) at 4.3 TB/s, but 2-25 MB projections at 6-10 us per launch, where
 // cuBLAS's M = 1 kernels take about as long; B=1 decode 279 -> 289 tok/s, B=4 slower than cuBLAS
 // (687 -> 601), and a K-split-over-the-block variant was no faster at B=1 and slower on the
-// lm_head. The model uses it for single-row steps only.
+// lm_head. The model uses it for single-row steps only. UNROLL went 2 -> 8 (a whole 2048-wide
+// row in flight per lane: one memory round trip instead of four), with the MoE GEMVs' U 4 -> 8
+// and the norm gain loaded before the PDL wait: B=1 decode 2.70 -> 2.61 ms per step (H200,
+// 2026-11-22, part of it from the decode-attention kernel in the same build).
 #include "common.cuh"
 
 namespace {
-constexpr int MAXM = 4, ROWS = 2, UNROLL = 2, WARPS = 4;
+constexpr int MAXM = 4, ROWS = 2, UNROLL = 8, WARPS = 4;
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

@@ -11,7 +11,7 @@
 
 namespace {
 constexpr int WARPS = 4;  // warps per block of the router and gate/up kernels
-constexpr int U = 4;      // 16-byte chunks in flight per lane and row
+constexpr int U = 8;      // 16-byte chunks in flight per lane and row (a whole 2048-wide row: one round trip)
 
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
     const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
