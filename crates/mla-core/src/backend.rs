@@ -152,14 +152,14 @@ impl<W: StepRunner> StepThread<W> {
             .map_err(|_| anyhow::anyhow!("the backend's thread has stopped"))
     }
 
-    /// Hands `plan` to the thread; `finish_step` returns its output, or the reason it could not
-    /// start (the thread is gone, or a step is already in flight).
+    /// Hands `plan` to the thread; `finish_step` returns its output, or why it could not start
+    /// (the thread is gone).
+    ///
+    /// Panics if a step is already in flight (its output would be taken for this one's).
     pub fn start_step(&mut self, plan: &Arc<StepPlan>) {
-        let started = match self.in_flight {
-            Some(_) => Err(anyhow::anyhow!("a step is already in flight")),
-            None => self.send(Msg::Step(plan.clone())),
-        };
-        self.in_flight = Some(InFlight { started: Instant::now(), shape: StepShape::of(plan), error: started.err() });
+        assert!(self.in_flight.is_none(), "start_step while a step is in flight; call finish_step first");
+        let sent = self.send(Msg::Step(plan.clone()));
+        self.in_flight = Some(InFlight { started: Instant::now(), shape: StepShape::of(plan), error: sent.err() });
     }
 
     /// The output of the step in flight.
