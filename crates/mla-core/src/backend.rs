@@ -262,3 +262,75 @@ impl<W: StepRunner> Drop for StepThread<W> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{SampledToken, SeqResult, SeqStep, StepKind};
+    use crate::LogitsRequest;
+
+    /// Answers each sequence with its context length as the token; panics on a 0-sequence plan.
+    struct Echo {
+        steps: usize,
+    }
+
+    impl StepRunner for Echo {
+        fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+            assert!(!plan.seqs.is_empty(), "empty plan");
+            self.steps += 1;
+            let sampled = |s: &SeqStep| Some(SampledToken { token: s.context_len as u32, logprob: 0.0, top_logprobs: vec![] });
+            Ok(StepOutput { seqs: plan.seqs.iter().map(|s| SeqResult { seq_id: s.seq_id, logits: vec![], sampled: sampled(s) }).collect() })
+        }
+    }
+
+    fn plan(ctx: &[usize]) -> Arc<StepPlan> {
+        let seq = |(i, &c): (usize, &usize)| SeqStep {
+            seq_id: i as u64,
+            tokens: vec![1],
+            context_len: c,
+            block_table: vec![0],
+            logits: LogitsRequest::None,
+            sample: None,
+        };
+        Arc::new(StepPlan { kind: StepKind::Decode, seqs: ctx.iter().enumerate().map(seq).collect() })
+    }
+
+    fn tokens(out: &StepOutput) -> Vec<u32> {
+        out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect()
+    }
+
+    #[test]
+    fn steps_and_jobs_run_in_order_on_the_thread() {
+        let (mut t, ready) = StepThread::spawn("test-step-thread".into(), || Ok((Echo { steps: 0 }, 7u32))).unwrap();
+        assert_eq!(ready, 7);
+        let caller = std::thread::current().id();
+        for ctx in [3usize, 4, 5] {
+            let p = plan(&[ctx, ctx + 10]);
+            t.start_step(&p);
+            assert_eq!(tokens(&t.finish_step().unwrap()), vec![ctx as u32, ctx as u32 + 10]);
+            // The thread let go of the plan before answering.
+            assert_eq!(Arc::strong_count(&p), 1);
+        }
+        assert_eq!(tokens(&t.step(&plan(&[9])).unwrap()), vec![9]);
+        // A job queued behind a step in flight runs after it, on the step thread.
+        t.start_step(&plan(&[1]));
+        let (steps, on) = t.with(|e| (e.steps, std::thread::current().id())).unwrap();
+        assert_eq!(steps, 5);
+        assert_ne!(on, caller);
+        assert_eq!(tokens(&t.finish_step().unwrap()), vec![1]);
+    }
+
+    #[test]
+    fn failures_are_errors_not_hangs() {
+        let failed = StepThread::<Echo>::spawn::<(), _>("test-step-thread".into(), || anyhow::bail!("no device"));
+        assert!(failed.err().unwrap().to_string().contains("no device"));
+        let (mut t, ()) = StepThread::spawn("test-step-thread".into(), || Ok((Echo { steps: 0 }, ()))).unwrap();
+        assert!(t.finish_step().is_err(), "nothing was started");
+        // The runner panics on an empty plan: the thread is gone, and so is every later step.
+        t.start_step(&plan(&[]));
+        assert!(t.finish_step().unwrap_err().to_string().contains("panicked"));
+        t.start_step(&plan(&[1]));
+        assert!(t.finish_step().is_err());
+        assert!(t.with(|e| e.steps).is_err());
+    }
+}
