@@ -19,7 +19,7 @@
 // diagonal or the window end (a tile with no visible key for a row gives p = 0 and alpha = 1).
 // This replaced a lockstep kernel (all 256 threads loading, one block barrier per key tile, each
 // warpgroup's softmax with the tensor cores idle): 4x4096 causal 307 -> 604 TFLOP/s on the H200
-// (docs/cuda-notes.md, runs P1-P2). The name `_sync` and PrefillKernel::WgmmaLockstep are that
+// (docs/cuda-notes.md, "Prefill attention, warp-specialised"). The name `_sync` and PrefillKernel::WgmmaLockstep are that
 // kernel's.
 //
 // Shared memory: Q [128 x 192] + 2 x K [128 x 192] + 2 x V [128 x 128] bf16 = 208 KB, each operand
