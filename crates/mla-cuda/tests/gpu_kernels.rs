@@ -128,6 +128,7 @@ fn rope_and_latent_cache_write_match_the_cpu_reference() {
             attn_factor: factor,
             eps,
             cache: cache.slice(),
+            absorb: None,
         },
     )
     .unwrap();

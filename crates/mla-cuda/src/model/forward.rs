@@ -12,7 +12,7 @@ use super::workspace::{Limits, Workspace};
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    DecodeAttention, PrefillAttention, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs, LATENT,
+    AbsorbQ, DecodeAttention, PrefillAttention, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs, LATENT,
     MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
@@ -30,6 +30,10 @@ pub struct ModelOptions {
     /// Longest sequence (prompt + output) the backend accepts.
     pub max_model_len: usize,
 }
+
+/// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
+/// (one launch instead of two; the cuBLAS batched GEMM wins beyond a few tokens).
+const SMALL_DECODE_TOKENS: usize = 4;
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
@@ -283,6 +287,9 @@ impl CudaModel {
         }
         let cache = self.layer_cache(l);
         let decode = m.kind == StepKind::Decode;
+        let kv_b = lw.kv_b.lin();
+        // Small decode steps absorb the queries in the rope/cache launch (latent_cache.cu).
+        let absorb_in_rope = decode && t <= SMALL_DECODE_TOKENS;
         k.rope_cache(
             s,
             &RopeCache {
@@ -303,11 +310,13 @@ impl CudaModel {
                 attn_factor: self.attn_factor,
                 eps: self.eps,
                 cache,
+                absorb: absorb_in_rope.then(|| AbsorbQ { kv_b: kv_b.w, v_dim: V_HEAD, q_abs: ws.q_abs.slice(), row_stride: heads * lat, head_stride: lat }),
             },
         )?;
-        let kv_b = lw.kv_b.lin();
         if decode {
-            blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
+            if !absorb_in_rope {
+                blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
+            }
             k.decode_attention(
                 s,
                 &DecodeAttention {

@@ -28,7 +28,23 @@ pub struct RopeCache {
     pub attn_factor: f32,
     pub eps: f32,
     pub cache: DSlice<bf16>,
+    /// Decode steps of a few tokens: also absorb the queries in the same launch.
+    pub absorb: Option<AbsorbQ>,
 }
+
+/// `q_abs[t, h, :512] = W_UK[h]ᵀ · q_nope[t, h]` done by `mla_rope_absorb_q` (as `Blas::absorb_q`).
+pub struct AbsorbQ {
+    /// kv_b_proj, [heads * (nope + v_dim), kv_lora_rank].
+    pub kv_b: DSlice<bf16>,
+    pub v_dim: usize,
+    /// Destination rows (stride, head stride); its first kv_lora_rank values per head.
+    pub q_abs: DSlice<bf16>,
+    pub row_stride: usize,
+    pub head_stride: usize,
+}
+
+/// Threads of `mla_rope_absorb_q` (ABSORB_THREADS in latent_cache.cu: one per latent column).
+const ABSORB_THREADS: u32 = 512;
 
 impl Kernels {
     pub fn rope_cache(&self, s: CUstream, p: &RopeCache) -> anyhow::Result<()> {
@@ -51,12 +67,7 @@ impl Kernels {
             }
             None => (0, 0, 0),
         };
-        self.mla_rope_cache.launch(
-            s,
-            (t as u32, 1, 1),
-            128,
-            0,
-            &[
+        let mut args = vec![
                 Arg::Ptr(p.kva.ptr),
                 Arg::I32(p.kva_stride as i32),
                 Arg::Ptr(p.kv_norm_w.ptr),
@@ -75,8 +86,16 @@ impl Kernels {
                 Arg::I32(p.nope as i32),
                 Arg::I32(p.kv_lora_rank as i32),
                 Arg::I32(p.rope_dim as i32),
-            ],
-        )?;
+        ];
+        let Some(a) = &p.absorb else {
+            self.mla_rope_cache.launch(s, (t as u32, 1, 1), 128, 0, &args)?;
+            return Ok(());
+        };
+        anyhow::ensure!(p.nope == 128 && p.kv_lora_rank == 512, "mla_rope_absorb_q is built for nope 128 and kv_lora_rank 512");
+        ensure_len!(a.kv_b, p.heads * (p.nope + a.v_dim) * p.kv_lora_rank, "kv_b_proj");
+        ensure_len!(a.q_abs, (t - 1) * a.row_stride + (p.heads - 1) * a.head_stride + p.kv_lora_rank, "absorbed queries");
+        args.extend([Arg::Ptr(a.kv_b.ptr), Arg::I32(a.v_dim as i32), Arg::Ptr(a.q_abs.ptr), Arg::I32(a.row_stride as i32), Arg::I32(a.head_stride as i32)]);
+        self.mla_rope_absorb_q.launch(s, (p.heads as u32 + 1, t as u32, 1), ABSORB_THREADS, 0, &args)?;
         Ok(())
     }
 

@@ -10,7 +10,7 @@ mod sampling;
 
 pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
 pub use elementwise::Normal;
-pub use latent::RopeCache;
+pub use latent::{AbsorbQ, RopeCache};
 pub use linear::Linear;
 pub use moe::{MoeRouting, RouteMethod, Sm90Schedule, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
 pub use sampling::{SampleParamsRaw, SamplerOutputs, MAX_TOP_LOGPROBS};
@@ -28,6 +28,7 @@ pub struct Kernels {
     pub fill_normal_bf16: Kernel,
     pub fill_normal_f32: Kernel,
     pub mla_rope_cache: Kernel,
+    pub mla_rope_absorb_q: Kernel,
     pub gather_latent: Kernel,
     pub mla_prefill_attention: Kernel,
     pub mla_prefill_attention_sm90_sync: Kernel,
@@ -64,6 +65,7 @@ impl Kernels {
             fill_normal_bf16: m.kernel("elementwise", "fill_normal_bf16")?,
             fill_normal_f32: m.kernel("elementwise", "fill_normal_f32")?,
             mla_rope_cache: m.kernel("latent_cache", "mla_rope_cache")?,
+            mla_rope_absorb_q: m.kernel("latent_cache", "mla_rope_absorb_q")?,
             gather_latent: m.kernel("latent_cache", "gather_latent")?,
             mla_prefill_attention: m.kernel("attention_prefill", "mla_prefill_attention")?,
             mla_prefill_attention_sm90_sync: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90_sync")?,
