@@ -294,10 +294,16 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
     let (dec, nor) = both_paths(&mut b, &pre, &[11, 12, 13, 14], &tabs);
     for (i, (d, p)) in dec.iter().zip(&nor).enumerate() {
         // real_dims (2 layers) shows rel ~1.2e-2 between the paths, the size of either path's
-        // distance to HF f32 there; 27 layers of bf16 noise get 3e-2.
+        // distance to HF f32 there. Over 27 layers of dummy weights one-ulp rounding changes
+        // grow to a few 1e-2 (H200, 2026-11-22: 1.17-2.38e-2 with the four-warp decode kernel,
+        // up to 3.42e-2 with only the order of four of its f32 additions reversed, 3.89e-2 with
+        // the eight-warp kernel, which matches an f64 reference as closely; cuda-notes runs T1-T3).
+        // So this only guards against gross errors of the absorbed path (a wrong slot, a missing
+        // rescale: 0.1 and up); its precision is checked by gpu_kernels' decode test against f64
+        // and by the HF fixtures.
         let e = rel_l2(d, p);
         println!("V2-Lite seq {i}: absorbed vs normal rel {e:.2e}, max {:.3}", max_abs(d, p));
-        assert!(e < 3e-2, "V2-Lite seq {i}: absorbed vs normal rel {e}");
+        assert!(e < 6e-2, "V2-Lite seq {i}: absorbed vs normal rel {e}");
     }
 }
 
