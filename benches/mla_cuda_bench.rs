@@ -1,7 +1,8 @@
 //! First performance figures of the CUDA backend on the DeepSeek-V2-Lite shape (16 heads,
 //! kv_lora 512 + rope 64, page 64), written as JSON and compared with DESIGN.md's yardsticks:
 //! - decode attention (absorbed MQA over the paged cache, split-KV + combine): kernel time and
-//!   effective bandwidth at batch 1, 32, 128 (and 256), context 4096;
+//!   effective bandwidth of both kernels at batch 1, 2, 4, 8, 16, 32, 64, 128, 256, context 4096, and at
+//!   batch 1-4 the attention + absorb_o tail with and without the fused combine + absorb_o;
 //! - prefill attention (causal, qk 192 / v 128): TFLOP/s for 4 x 4096 and 1 x 4096 tokens;
 //! - MoE expert GEMMs (gate/up + SiLU·mul + down over the device tile map) on the V2-Lite shape
 //!   at 4096 tokens (prefill) and 256 (decode B=256): TFLOP/s and expert-weight bandwidth, every
@@ -100,10 +101,16 @@ fn fill(dev: &Device, n: usize, std: f32, seed: u64) -> anyhow::Result<DeviceBuf
     Ok(b)
 }
 
+/// Both decode kernels at each batch (the dispatch picks `DecodeKernel::for_batch`); for batches
+/// up to 4 also the whole attention tail in its two forms: `decode_attention` (kernel + merge) +
+/// cuBLAS `absorb_o`, against `decode_attention_partials` + `decode_combine_absorb_o`.
 fn bench_decode_attention(dev: &Device) -> anyhow::Result<Value> {
     let lat = LATENT + ROPE;
+    let kvw = HEADS * (NOPE + V_HEAD);
+    let kv_b_w = fill(dev, kvw * LATENT, 0.04, 3)?;
+    let kv_b = Linear::new(kv_b_w.slice(), kvw, LATENT);
     let mut rows = vec![];
-    for batch in [1usize, 32, 128, 256] {
+    for batch in [1usize, 2, 4, 8, 16, 32, 64, 128, 256] {
         let pages = CTX / PAGE_SIZE;
         let set_bytes = batch * pages * PAGE_SIZE * lat * 2;
         // Several block-table sets over disjoint cache regions, rotated so that the L2 (60 MB)
@@ -122,34 +129,45 @@ fn bench_decode_attention(dev: &Device) -> anyhow::Result<Value> {
         let lens = DeviceBuffer::from_host(&vec![CTX as i32; batch])?;
         let q = fill(dev, batch * HEADS * lat, 1.0, 2)?;
         let out = DeviceBuffer::<bf16>::alloc(batch * HEADS * LATENT)?;
+        let attn_out = DeviceBuffer::<bf16>::alloc(batch * HEADS * V_HEAD)?;
         let splits = dev.k.decode_splits(batch, HEADS, pages);
         let part_o = DeviceBuffer::<f32>::alloc(batch * splits * HEADS * LATENT)?;
         let part_lse = DeviceBuffer::<f32>::alloc(batch * splits * HEADS)?;
-        let ms = time_ms(dev, 20, 15, |i| {
-            let set = i % sets;
-            dev.k.decode_attention(
-                dev.stream(),
-                &DecodeAttention {
-                    batch,
-                    heads: HEADS,
-                    q: q.slice(),
-                    cache: cache.slice(),
-                    block_tables: d_tables.tail(set * batch * pages),
-                    bt_stride: stride.slice(),
-                    seq_lens: lens.slice(),
-                    num_splits: splits,
-                    out: out.slice(),
-                    part_o: part_o.slice(),
-                    part_lse: part_lse.slice(),
-                    scale: 0.1147,
-                },
-            )
-        })?;
+        let params = |i: usize| DecodeAttention {
+            batch,
+            heads: HEADS,
+            q: q.slice(),
+            cache: cache.slice(),
+            block_tables: d_tables.tail((i % sets) * batch * pages),
+            bt_stride: stride.slice(),
+            seq_lens: lens.slice(),
+            num_splits: splits,
+            out: out.slice(),
+            part_o: part_o.slice(),
+            part_lse: part_lse.slice(),
+            scale: 0.1147,
+        };
         let bytes = (batch * CTX * lat * 2 + batch * HEADS * (lat + LATENT) * 2) as f64;
-        let tbps = bytes / (ms * 1e-3) / 1e12;
-        println!("decode attention B={batch:<4} ctx {CTX}: {:8.1} us  {tbps:.2} TB/s  ({splits} splits)", ms * 1e3);
-        // "kernel" names the implementation as the JSON of earlier runs did (when several were timed).
-        rows.push(json!({"kernel": "QInRegisters", "batch": batch, "context": CTX, "heads": HEADS, "splits": splits, "time_us": ms * 1e3, "bytes": bytes, "effective_TBps": tbps}));
+        for which in DecodeKernel::ALL {
+            let ms = time_ms(dev, 20, 15, |i| dev.k.decode_attention_with(dev.stream(), &params(i), which))?;
+            let tbps = bytes / (ms * 1e-3) / 1e12;
+            let chosen = which == DecodeKernel::for_batch(batch);
+            println!("decode attention {which:?} B={batch:<4} ctx {CTX}: {:8.1} us  {tbps:.2} TB/s  ({splits} splits){}", ms * 1e3, if chosen { "  (dispatched)" } else { "" });
+            rows.push(json!({"kernel": format!("{which:?}"), "dispatched": chosen, "batch": batch, "context": CTX, "heads": HEADS, "splits": splits, "time_us": ms * 1e3, "bytes": bytes, "effective_TBps": tbps}));
+        }
+        if batch <= COMBINE_ABSORB_MAX_BATCH {
+            let two = time_ms(dev, 20, 15, |i| {
+                dev.k.decode_attention(dev.stream(), &params(i))?;
+                dev.blas.absorb_o(&kv_b, HEADS, out.slice(), batch, attn_out.slice())
+            })?;
+            let fused = time_ms(dev, 20, 15, |i| {
+                dev.k.decode_attention_partials(dev.stream(), &params(i))?;
+                dev.k.decode_combine_absorb_o(dev.stream(), part_o.slice(), part_lse.slice(), HEADS, splits, batch, &kv_b, attn_out.slice())
+            })?;
+            println!("decode attention + absorb_o B={batch}: two launches after the kernel {:6.1} us, fused combine+absorb_o {:6.1} us", two * 1e3, fused * 1e3);
+            rows.push(json!({"tail": "decode_attention+absorb_o", "batch": batch, "context": CTX, "heads": HEADS, "splits": splits, "time_us": two * 1e3}));
+            rows.push(json!({"tail": "decode_attention_partials+decode_combine_absorb_o", "batch": batch, "context": CTX, "heads": HEADS, "splits": splits, "time_us": fused * 1e3}));
+        }
     }
     Ok(json!(rows))
 }

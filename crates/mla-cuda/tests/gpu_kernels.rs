@@ -325,7 +325,7 @@ fn prefill_attention_long_context() {
     run_prefill_case(16, &[8200], &[70], 3000, 7);
 }
 
-/// Decode attention twice over: (1) the whole absorbed path (absorb_q, the kernel, absorb_o)
+/// Decode attention twice over, through both kernels (four and eight warps): (1) the whole absorbed path (absorb_q, the kernel, absorb_o)
 /// against mla-cpu on small random logits (std ≈ 0.5: nearly uniform attention over long
 /// contexts, the row max almost never moves between pages; 1.7-1.8e-3 expected); (2) the kernel
 /// alone on realistic logits, see `decode_latent_case`, at the split counts the model uses for
@@ -365,13 +365,13 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
             .flat_map(|i| absorbed_attention(&c.d, &q[i * heads * qd..(i + 1) * heads * qd], &[lens[i] - 1], &c.latent_of(i, lens[i]), &kv_b_m, scale))
             .collect();
         let default_splits = k.decode_splits(b, heads, meta.max_pages);
-        for splits in [1, default_splits, 5, 64] {
+        for (splits, which) in [1, default_splits, 5, 64].into_iter().flat_map(|n| DecodeKernel::ALL.map(|w| (n, w))) {
             dev.blas.absorb_q(&kv_b, heads, d_q.slice(), b, d_qabs.slice()).unwrap();
             // Poisoned outputs: whatever a launch leaves unwritten reads as NaN in the check.
             o_lat.upload(&vec![bf16::NAN; b * heads * LATENT]).unwrap();
             part_o.upload(&vec![f32::NAN; b * 64 * heads * LATENT]).unwrap();
             part_lse.upload(&vec![f32::NAN; b * 64 * heads]).unwrap();
-            k.decode_attention(
+            k.decode_attention_with(
                 s,
                 &DecodeAttention {
                     batch: b,
@@ -387,14 +387,15 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
                     part_lse: part_lse.slice(),
                     scale,
                 },
+                which,
             )
             .unwrap();
             dev.blas.absorb_o(&kv_b, heads, o_lat.slice(), b, out.slice()).unwrap();
             dev.gpu.sync().unwrap();
             let e = rel_l2(&down_bf16(out.slice()), &want);
-            println!("decode heads {heads} lens {lens:?} splits {splits}: rel err {e:.2e}");
+            println!("decode {which:?} heads {heads} lens {lens:?} splits {splits}: rel err {e:.2e}");
             if e >= 5e-3 {
-                failures.push(format!("absorbed path, heads {heads}, {splits} splits: rel err {e:.2e}"));
+                failures.push(format!("absorbed path, {which:?}, heads {heads}, {splits} splits: rel err {e:.2e}"));
             }
         }
     }
@@ -467,11 +468,11 @@ fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], spli
     let part_o = DeviceBuffer::<f32>::alloc(b * 64 * heads * LATENT).unwrap();
     let part_lse = DeviceBuffer::<f32>::alloc(b * 64 * heads).unwrap();
     let mut failures = Vec::new();
-    for &n in splits {
+    for (n, which) in splits.iter().flat_map(|&n| DecodeKernel::ALL.map(|w| (n, w))) {
         o_lat.upload(&vec![bf16::NAN; b * heads * LATENT]).unwrap();
         part_o.upload(&vec![f32::NAN; b * 64 * heads * LATENT]).unwrap();
         part_lse.upload(&vec![f32::NAN; b * 64 * heads]).unwrap();
-        k.decode_attention(
+        k.decode_attention_with(
             s,
             &DecodeAttention {
                 batch: b,
@@ -487,15 +488,16 @@ fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], spli
                 part_lse: part_lse.slice(),
                 scale,
             },
+            which,
         )
         .unwrap();
         dev.gpu.sync().unwrap();
         let got = down_bf16(o_lat.slice());
         let per_seq: Vec<f64> = (0..b).map(|i| rel_l2(&got[i * heads * LATENT..][..heads * LATENT], &want[i * heads * LATENT..][..heads * LATENT])).collect();
         let shown = per_seq.iter().map(|e| format!("{e:.2e}")).collect::<Vec<_>>().join(" ");
-        println!("decode latent heads {heads} lens {lens:?} splits {n}: rel err per sequence {shown}");
+        println!("decode latent {which:?} heads {heads} lens {lens:?} splits {n}: rel err per sequence {shown}");
         if per_seq.iter().any(|&e| e >= 4e-3) {
-            failures.push(format!("latent, heads {heads}, lens {lens:?}, {n} splits: rel err per sequence {shown}"));
+            failures.push(format!("latent, {which:?}, heads {heads}, lens {lens:?}, {n} splits: rel err per sequence {shown}"));
         }
     }
     failures

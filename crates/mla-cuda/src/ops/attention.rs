@@ -2,7 +2,7 @@
 //! published DeepSeek model uses (kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128); the
 //! backend rejects other configs up front.
 
-use super::{ensure_len, Kernels};
+use super::{ensure_len, Kernels, Linear};
 use crate::gpu::{Arg, DSlice};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
@@ -22,8 +22,42 @@ pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 *
 /// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes: the 1024-byte
 /// alignment and the mbarriers (kernels/attention_prefill_sm90.cu).
 pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange across the warps.
-pub(crate) const DECODE_SMEM_BYTES: usize = (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * 4 * 16 * 4 + 4 * 8 * 32 * 16;
+/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange across the warps
+/// (4 warps x 8 key tiles or 8 warps x 2 key tiles, 32 lanes x float4).
+const fn decode_smem_bytes(warps: usize) -> usize {
+    (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * warps * 16 * 4 + warps * (if warps == 4 { 8 } else { 2 }) * 32 * 16
+}
+/// The four-warp decode kernel's; the eight-warp kernel needs less.
+pub(crate) const DECODE_SMEM_BYTES: usize = decode_smem_bytes(4);
+pub(crate) const DECODE_W8_SMEM_BYTES: usize = decode_smem_bytes(8);
+/// Largest batch of [`Kernels::decode_combine_absorb_o`].
+pub const COMBINE_ABSORB_MAX_BATCH: usize = 4;
+/// Output dims per block of `mla_decode_combine_absorb_o` (`absorb::DQ` in the kernel).
+const COMBINE_ABSORB_DIMS: usize = 32;
+
+/// The two implementations of decode attention (same function, same arguments; both on every GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// Four warps, QKᵀ split over the 576 dims: batches 2-31 and over 64 (run S2: 1-7% ahead at
+    /// 2 and 4, level to 5% ahead at 128, level at 256).
+    FourWarps,
+    /// Eight warps, QKᵀ over 2 dim halves x 4 key groups: batch 1 and 32-64 (run S2: -1% at 1,
+    /// -2% at 32 and 64).
+    EightWarps,
+}
+
+impl DecodeKernel {
+    pub const ALL: [DecodeKernel; 2] = [DecodeKernel::FourWarps, DecodeKernel::EightWarps];
+
+    /// The faster one for `batch` requests.
+    pub fn for_batch(batch: usize) -> DecodeKernel {
+        if batch == 1 || (32..=64).contains(&batch) {
+            DecodeKernel::EightWarps
+        } else {
+            DecodeKernel::FourWarps
+        }
+    }
+}
 
 /// The two implementations of prefill attention (same function, same arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,27 +214,59 @@ impl Kernels {
         choose_decode_splits(self.sm_count, batch, heads, max_pages)
     }
 
-    /// Decode attention (kernels/attention_decode.cu: QKᵀ split over the 576 dims across the warps,
-    /// Q's fragments in registers), one kernel on every GPU.
+    /// Decode attention (kernels/attention_decode.cu) through the kernel for this batch size
+    /// ([`DecodeKernel::for_batch`]), merging the splits into `out`.
     pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
+        self.decode_attention_with(s, p, DecodeKernel::for_batch(p.batch))
+    }
+
+    /// Decode attention through a chosen implementation (tests and benchmarks compare both).
+    pub fn decode_attention_with(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel) -> anyhow::Result<()> {
+        self.decode_attention_launch(s, p, which, p.num_splits == 1)?;
+        if p.num_splits > 1 {
+            self.mla_decode_combine.launch(
+                s,
+                (p.heads as u32, p.batch as u32, (LATENT / 128) as u32),
+                128,
+                0,
+                &[Arg::Ptr(p.part_o.ptr), Arg::Ptr(p.part_lse.ptr), Arg::I32(p.heads as i32), Arg::I32(p.num_splits as i32), Arg::Ptr(p.out.ptr)],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The attention kernel alone, writing the per-split partials (`part_o`, `part_lse`) even for
+    /// one split and leaving `out` untouched: the first half of a small decode step whose second is
+    /// [`Kernels::decode_combine_absorb_o`].
+    pub fn decode_attention_partials(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
+        self.decode_attention_launch(s, p, DecodeKernel::for_batch(p.batch), false)
+    }
+
+    fn decode_attention_launch(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel, write_out: bool) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
         anyhow::ensure!(p.cache.len % d == 0, "latent cache length {} is not a multiple of {d}", p.cache.len);
         ensure_len!(p.bt_stride, 1, "block-table stride");
         ensure_len!(p.seq_lens, p.batch, "sequence lengths");
-        ensure_len!(p.out, p.batch * p.heads * LATENT, "decode output");
         anyhow::ensure!((1..=64).contains(&p.num_splits), "decode splits {} outside 1..=64", p.num_splits);
-        if p.num_splits > 1 {
+        if write_out {
+            ensure_len!(p.out, p.batch * p.heads * LATENT, "decode output");
+        }
+        if p.num_splits > 1 || !write_out {
             ensure_len!(p.part_o, p.batch * p.num_splits * p.heads * LATENT, "split outputs");
             ensure_len!(p.part_lse, p.batch * p.num_splits * p.heads, "split log-sum-exps");
         }
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
-        self.mla_decode_attention_qregs.launch(
+        let (kernel, threads, smem) = match which {
+            DecodeKernel::FourWarps => (&self.mla_decode_attention_qregs, 128, DECODE_SMEM_BYTES),
+            DecodeKernel::EightWarps => (&self.mla_decode_attention_w8, 256, DECODE_W8_SMEM_BYTES),
+        };
+        kernel.launch(
             s,
             grid,
-            128,
-            DECODE_SMEM_BYTES as u32,
+            threads,
+            smem as u32,
             &[
                 Arg::Ptr(p.q.ptr),
                 Arg::I32((p.heads * d) as i32),
@@ -211,20 +277,43 @@ impl Kernels {
                 Arg::I32(p.heads as i32),
                 Arg::F32(scale_log2),
                 Arg::I32(p.num_splits as i32),
-                Arg::Ptr(p.out.ptr),
+                // A null output makes the kernel write the partials.
+                Arg::Ptr(if write_out { p.out.ptr } else { 0 }),
                 Arg::Ptr(p.part_o.ptr),
                 Arg::Ptr(p.part_lse.ptr),
             ],
         )?;
-        if p.num_splits > 1 {
-            self.mla_decode_combine.launch(
-                s,
-                (p.heads as u32, p.batch as u32, (LATENT / 128) as u32),
-                128,
-                0,
-                &[Arg::Ptr(p.part_o.ptr), Arg::Ptr(p.part_lse.ptr), Arg::I32(p.heads as i32), Arg::I32(p.num_splits as i32), Arg::Ptr(p.out.ptr)],
-            )?;
-        }
+        Ok(())
+    }
+
+    /// For decode steps of 1 to [`COMBINE_ABSORB_MAX_BATCH`] tokens, in one launch: the merge of
+    /// [`Kernels::decode_attention_partials`]' splits into o_lat (rounded to bf16 as
+    /// `decode_attention` writes it) and [`crate::gpu::Blas::absorb_o`] of it: `out[b, h * 128 + d]
+    /// = Σ_c W_UV[h][d][c] · o_lat[b, h, c]` ([batch, heads * 128] bf16), `kv_b` = kv_b_proj
+    /// [heads * 256, 512]. W_UV is loaded before the PDL wait.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_combine_absorb_o(&self, s: CUstream, part_o: DSlice<f32>, part_lse: DSlice<f32>, heads: usize, num_splits: usize, batch: usize, kv_b: &Linear, out: DSlice<bf16>) -> anyhow::Result<()> {
+        anyhow::ensure!((1..=COMBINE_ABSORB_MAX_BATCH).contains(&batch), "combine + absorb_o takes 1..={COMBINE_ABSORB_MAX_BATCH} tokens, not {batch}");
+        anyhow::ensure!((1..=64).contains(&num_splits), "decode splits {num_splits} outside 1..=64");
+        anyhow::ensure!(kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT, "kv_b_proj is [{}, {}]", kv_b.out, kv_b.inp);
+        ensure_len!(part_o, batch * num_splits * heads * LATENT, "split outputs");
+        ensure_len!(part_lse, batch * num_splits * heads, "split log-sum-exps");
+        ensure_len!(out, batch * heads * V_HEAD, "attention output");
+        self.mla_decode_combine_absorb_o.launch(
+            s,
+            ((V_HEAD / COMBINE_ABSORB_DIMS) as u32, heads as u32, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(part_o.ptr),
+                Arg::Ptr(part_lse.ptr),
+                Arg::I32(heads as i32),
+                Arg::I32(num_splits as i32),
+                Arg::I32(batch as i32),
+                Arg::Ptr(kv_b.w.ptr),
+                Arg::Ptr(out.ptr),
+            ],
+        )?;
         Ok(())
     }
 }

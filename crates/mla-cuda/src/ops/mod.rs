@@ -8,7 +8,7 @@ mod linear;
 mod moe;
 mod sampling;
 
-pub use attention::{DecodeAttention, PrefillAttention, PrefillKernel, PrefillPass, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
+pub use attention::{DecodeAttention, DecodeKernel, PrefillAttention, PrefillKernel, PrefillPass, COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
 pub use elementwise::Normal;
 pub use latent::{AbsorbQ, RopeCache};
 pub use linear::Linear;
@@ -35,7 +35,9 @@ pub struct Kernels {
     /// Which prefill attention kernel `prefill_attention` launches on this GPU.
     pub prefill_kernel: PrefillKernel,
     pub mla_decode_attention_qregs: Kernel,
+    pub mla_decode_attention_w8: Kernel,
     pub mla_decode_combine: Kernel,
+    pub mla_decode_combine_absorb_o: Kernel,
     pub moe_route: Kernel,
     pub moe_align: Kernel,
     pub moe_gather: Kernel,
@@ -76,7 +78,9 @@ impl Kernels {
             // than the one-chain kernel it replaced at B=32/128/256 in run D4 (docs/cuda-notes.md,
             // "Decode attention").
             mla_decode_attention_qregs: m.kernel("attention_decode", "mla_decode_attention_qregs")?,
+            mla_decode_attention_w8: m.kernel("attention_decode", "mla_decode_attention_w8")?,
             mla_decode_combine: m.kernel("attention_decode", "mla_decode_combine")?,
+            mla_decode_combine_absorb_o: m.kernel("attention_decode", "mla_decode_combine_absorb_o")?,
             moe_route: m.kernel("moe", "moe_route")?,
             moe_align: m.kernel("moe", "moe_align")?,
             moe_gather: m.kernel("moe", "moe_gather")?,
@@ -104,6 +108,7 @@ impl Kernels {
         );
         k.mla_prefill_attention.set_max_dynamic_smem(attention::PREFILL_SMEM_BYTES)?;
         k.mla_decode_attention_qregs.set_max_dynamic_smem(attention::DECODE_SMEM_BYTES)?;
+        k.mla_decode_attention_w8.set_max_dynamic_smem(attention::DECODE_W8_SMEM_BYTES)?;
         if k.prefill_kernel != PrefillKernel::MmaSync {
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
         }
