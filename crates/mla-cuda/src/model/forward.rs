@@ -12,7 +12,7 @@ use super::workspace::{Limits, Workspace};
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, DecodeAttention, PrefillAttention, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs, LATENT,
+    AbsorbQ, DecodeAttention, PrefillAttention, COMBINE_ABSORB_MAX_BATCH, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs, LATENT,
     MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
@@ -317,24 +317,28 @@ impl CudaModel {
             if !absorb_in_rope {
                 blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
             }
-            k.decode_attention(
-                s,
-                &DecodeAttention {
-                    batch: t,
-                    heads,
-                    q: ws.q_abs.slice(),
-                    cache,
-                    block_tables: self.meta_dev.tail(m.block_tables),
-                    bt_stride: self.meta(m.bt_stride, 1),
-                    seq_lens: self.meta(m.seq_lens, t),
-                    num_splits: decode_splits,
-                    out: ws.o_lat.slice(),
-                    part_o: ws.part_o.slice(),
-                    part_lse: ws.part_lse.slice(),
-                    scale: self.scale,
-                },
-            )?;
-            blas.absorb_o(&kv_b, heads, ws.o_lat.slice(), t, ws.attn_out.slice())?;
+            let p = DecodeAttention {
+                batch: t,
+                heads,
+                q: ws.q_abs.slice(),
+                cache,
+                block_tables: self.meta_dev.tail(m.block_tables),
+                bt_stride: self.meta(m.bt_stride, 1),
+                seq_lens: self.meta(m.seq_lens, t),
+                num_splits: decode_splits,
+                out: ws.o_lat.slice(),
+                part_o: ws.part_o.slice(),
+                part_lse: ws.part_lse.slice(),
+                scale: self.scale,
+            };
+            if t <= COMBINE_ABSORB_MAX_BATCH {
+                // Small steps: the split merge and W_UV in one launch after the partials.
+                k.decode_attention_partials(s, &p)?;
+                k.decode_combine_absorb_o(s, p.part_o, p.part_lse, heads, p.num_splits, t, &kv_b, ws.attn_out.slice())?;
+            } else {
+                k.decode_attention(s, &p)?;
+                blas.absorb_o(&kv_b, heads, ws.o_lat.slice(), t, ws.attn_out.slice())?;
+            }
         } else {
             let kvw = heads * (NOPE + V_HEAD);
             for p in &m.passes {
