@@ -80,55 +80,61 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_router_gemv(const b
 
 // act[slot, n] = silu(x[m] · gate_e[n]) * (x[m] · up_e[n]) for every routed slot (token m =
 // slot / top_k, expert e = topk_ids[slot]; w_gu = [E, 2I, H]), then act_sh[m, n] likewise with
-// the shared experts' [2 * Is, H] (when w_sh is not null). One warp per output element, reading
-// the gate and up rows together; hidden % 8 == 0, rows 16-byte aligned.
+// the shared experts' [2 * Is, H] (when w_sh is not null). One warp per output element at a time,
+// reading the gate and up rows together; the grid is one wave of resident blocks and each warp
+// strides over the items, so the last wave is not a ragged tail. hidden % 8 == 0, rows 16-byte
+// aligned.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_gemv_gate_up(
     const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
     const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims, bf16* __restrict__ act,
     bf16* __restrict__ act_sh) {
     const int lane = threadIdx.x & 31;
-    const long long item = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const long long first = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const long long stride = (long long)gridDim.x * WARPS;
     const long long routed = (long long)tokens * top_k * im;
-    const long long shared = w_sh ? (long long)tokens * ims : 0;
-    // The shared experts' rows do not depend on the routing: start pulling them now.
-    if (item >= routed && item < routed + shared && lane == 0) {
-        const int n = (int)((item - routed) % ims);
-        prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * 2));
-        prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * 2));
-    }
+    const long long total = routed + (w_sh ? (long long)tokens * ims : 0);
+    // The shared experts' rows do not depend on the routing: start pulling this warp's now.
+    if (lane == 0)
+        for (long long item = first < routed ? first + ((routed - first + stride - 1) / stride) * stride : first; item < total; item += stride) {
+            const int n = (int)((item - routed) % ims);
+            prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * 2));
+            prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * 2));
+        }
     PDL_ENTRY();
-    if (item >= routed + shared) return;
-    const bf16 *g_row, *u_row;
-    bf16* out;
-    int m;
-    if (item < routed) {
-        const int slot = (int)(item / im), n = (int)(item - (long long)slot * im);
-        m = slot / top_k;
-        const size_t e = (size_t)topk_ids[slot];
-        g_row = w_gu + (e * 2 * im + n) * hidden;
-        u_row = w_gu + (e * 2 * im + im + n) * hidden;
-        out = act + (size_t)slot * im + n;
-    } else {
-        const long long i = item - routed;
-        m = (int)(i / ims);
-        const int n = (int)(i - (long long)m * ims);
-        g_row = w_sh + (size_t)n * hidden;
-        u_row = w_sh + (size_t)(ims + n) * hidden;
-        out = act_sh + (size_t)m * ims + n;
+    for (long long item = first; item < total; item += stride) {
+        const bf16 *g_row, *u_row;
+        bf16* out;
+        int m;
+        if (item < routed) {
+            const int slot = (int)(item / im), n = (int)(item - (long long)slot * im);
+            m = slot / top_k;
+            const size_t e = (size_t)topk_ids[slot];
+            g_row = w_gu + (e * 2 * im + n) * hidden;
+            u_row = w_gu + (e * 2 * im + im + n) * hidden;
+            out = act + (size_t)slot * im + n;
+        } else {
+            const long long i = item - routed;
+            m = (int)(i / ims);
+            const int n = (int)(i - (long long)m * ims);
+            g_row = w_sh + (size_t)n * hidden;
+            u_row = w_sh + (size_t)(ims + n) * hidden;
+            out = act_sh + (size_t)m * ims + n;
+        }
+        float g = 0.f, u = 0.f;
+        dot2_rows(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row),
+                  reinterpret_cast<const uint4*>(x + (size_t)m * hidden), hidden / 8, lane, g, u);
+        g = round_bf16(warp_sum(g));
+        u = round_bf16(warp_sum(u));
+        if (lane == 0) *out = to_bf16(round_bf16(g / (1.f + __expf(-g))) * u);
     }
-    float g = 0.f, u = 0.f;
-    dot2_rows(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row),
-              reinterpret_cast<const uint4*>(x + (size_t)m * hidden), hidden / 8, lane, g, u);
-    g = round_bf16(warp_sum(g));
-    u = round_bf16(warp_sum(u));
-    if (lane == 0) *out = to_bf16(round_bf16(g / (1.f + __expf(-g))) * u);
 }
 
 // out[m, n] = bf16( bf16(sum_j w[m, j] * bf16(act[m * top_k + j] · down_e(j)[n]))
 //                   + bf16(act_sh[m] · down_sh[n]) ) with w_d = [E, H, I], w_sh_d = [H, Is].
-// A block covers two output rows of one token (grid (hidden / 2, tokens)); its warps are the
-// top_k routed experts and `pieces` equal slices of the shared experts' Is = pieces * I
-// columns, so every warp streams two I-long row slices. hidden even, I % 8 == 0.
+// A block covers two output rows of one token at a time (grid (blocks, tokens), one wave; the
+// block strides over the row pairs); its warps are the top_k routed experts and `pieces` equal
+// slices of the shared experts' Is = pieces * I columns, so every warp streams two I-long row
+// slices. hidden even, I % 8 == 0.
 extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, const bf16* __restrict__ w_d,
                                          const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
                                          int top_k, const bf16* __restrict__ act_sh, int ims,
@@ -136,45 +142,50 @@ extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, c
                                          int hidden) {
     __shared__ float part[32][2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = blockIdx.x * 2, m = blockIdx.y;
+    const int m = blockIdx.y;
     const bool is_shared = warp >= top_k;
     const int p = warp - top_k;
-    if (is_shared && lane == 0) {
-        prefetch_l2(w_sh_d + (size_t)n * ims + (size_t)p * im, (unsigned)(im * 2));
-        prefetch_l2(w_sh_d + (size_t)(n + 1) * ims + (size_t)p * im, (unsigned)(im * 2));
-    }
+    if (is_shared && lane == 0)
+        for (int n = blockIdx.x * 2; n < hidden; n += gridDim.x * 2) {
+            prefetch_l2(w_sh_d + (size_t)n * ims + (size_t)p * im, (unsigned)(im * 2));
+            prefetch_l2(w_sh_d + (size_t)(n + 1) * ims + (size_t)p * im, (unsigned)(im * 2));
+        }
     PDL_ENTRY();
-    const bf16 *r0, *r1, *v;
-    if (!is_shared) {
-        const int slot = m * top_k + warp;
-        const size_t e = (size_t)topk_ids[slot];
-        r0 = w_d + (e * hidden + n) * im;
-        r1 = r0 + im;
-        v = act + (size_t)slot * im;
-    } else {
-        r0 = w_sh_d + (size_t)n * ims + (size_t)p * im;
-        r1 = r0 + ims;
-        v = act_sh + (size_t)m * ims + (size_t)p * im;
+    for (int n = blockIdx.x * 2; n < hidden; n += gridDim.x * 2) {
+        const bf16 *r0, *r1, *v;
+        if (!is_shared) {
+            const int slot = m * top_k + warp;
+            const size_t e = (size_t)topk_ids[slot];
+            r0 = w_d + (e * hidden + n) * im;
+            r1 = r0 + im;
+            v = act + (size_t)slot * im;
+        } else {
+            r0 = w_sh_d + (size_t)n * ims + (size_t)p * im;
+            r1 = r0 + ims;
+            v = act_sh + (size_t)m * ims + (size_t)p * im;
+        }
+        float a0 = 0.f, a1 = 0.f;
+        dot2_rows(reinterpret_cast<const uint4*>(r0), reinterpret_cast<const uint4*>(r1),
+                  reinterpret_cast<const uint4*>(v), im / 8, lane, a0, a1);
+        a0 = warp_sum(a0);
+        a1 = warp_sum(a1);
+        if (lane == 0) {
+            part[warp][0] = a0;
+            part[warp][1] = a1;
+        }
+        __syncthreads();
+        if (threadIdx.x < 2) {
+            const int r = threadIdx.x;
+            float routed = 0.f;
+            for (int j = 0; j < top_k; ++j) routed += topk_w[m * top_k + j] * round_bf16(part[j][r]);
+            float y = round_bf16(routed);
+            if (pieces > 0) {
+                float sh = 0.f;
+                for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
+                y += round_bf16(sh);
+            }
+            out[(size_t)m * hidden + n + r] = to_bf16(y);
+        }
+        __syncthreads();  // part is rewritten by the next row pair
     }
-    float a0 = 0.f, a1 = 0.f;
-    dot2_rows(reinterpret_cast<const uint4*>(r0), reinterpret_cast<const uint4*>(r1), reinterpret_cast<const uint4*>(v),
-              im / 8, lane, a0, a1);
-    a0 = warp_sum(a0);
-    a1 = warp_sum(a1);
-    if (lane == 0) {
-        part[warp][0] = a0;
-        part[warp][1] = a1;
-    }
-    __syncthreads();
-    if (threadIdx.x >= 2) return;
-    const int r = threadIdx.x;
-    float routed = 0.f;
-    for (int j = 0; j < top_k; ++j) routed += topk_w[m * top_k + j] * round_bf16(part[j][r]);
-    float y = round_bf16(routed);
-    if (pieces > 0) {
-        float sh = 0.f;
-        for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
-        y += round_bf16(sh);
-    }
-    out[(size_t)m * hidden + n + r] = to_bf16(y);
 }

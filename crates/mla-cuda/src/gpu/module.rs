@@ -90,6 +90,17 @@ impl Kernel {
         .ctx(&format!("launching {}", self.name))
     }
 
+    /// How many blocks of `block` threads (and `smem` dynamic shared memory) fit on one SM at
+    /// once, for grids sized to exactly one wave.
+    pub fn max_active_blocks_per_sm(&self, block: u32, smem: usize) -> Result<usize> {
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `n` outlives the call; `func` is a loaded function.
+        unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.func, block as std::ffi::c_int, smem) }
+            .result()
+            .ctx(&format!("querying the occupancy of {}", self.name))?;
+        Ok(n.max(1) as usize)
+    }
+
     /// Allows `bytes` of dynamic shared memory (above the 48 KB default).
     pub fn set_max_dynamic_smem(&self, bytes: usize) -> Result<()> {
         unsafe {

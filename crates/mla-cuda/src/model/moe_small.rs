@@ -19,6 +19,11 @@ pub struct MoeSmall {
     router: Kernel,
     gate_up: Kernel,
     down: Kernel,
+    /// Blocks of the gate/up kernel that fit on the GPU at once (its grid is one wave).
+    gate_up_wave: usize,
+    /// The same for the down kernel, whose block size depends on the model (set at first use).
+    down_wave: std::cell::OnceCell<usize>,
+    sm_count: usize,
     pub enabled: bool,
 }
 
@@ -37,10 +42,15 @@ pub struct MoeSmallIo<'a> {
 
 impl MoeSmall {
     pub fn load(dev: &Device, enabled: bool) -> anyhow::Result<Self> {
+        let gate_up = dev.kernel("moe_gemv", "moe_gemv_gate_up")?;
+        let sm_count = dev.k.sm_count;
         Ok(MoeSmall {
             router: dev.kernel("moe_gemv", "moe_router_gemv")?,
-            gate_up: dev.kernel("moe_gemv", "moe_gemv_gate_up")?,
+            gate_up_wave: sm_count * gate_up.max_active_blocks_per_sm((32 * WARPS) as u32, 0)?,
+            gate_up,
             down: dev.kernel("moe_gemv", "moe_gemv_down")?,
+            down_wave: std::cell::OnceCell::new(),
+            sm_count,
             enabled,
         })
     }
@@ -92,9 +102,10 @@ impl MoeSmall {
             None => (0, 0),
         };
         let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
+        // One wave of blocks whose warps stride over the items (no ragged last wave).
         self.gate_up.launch(
             dev.stream(),
-            (items.div_ceil(WARPS) as u32, 1, 1),
+            (items.div_ceil(WARPS).min(self.gate_up_wave) as u32, 1, 1),
             (32 * WARPS) as u32,
             0,
             &[
@@ -111,10 +122,20 @@ impl MoeSmall {
                 Arg::Ptr(io.act_shared.ptr),
             ],
         )?;
+        let down_threads = (32 * (k + pieces)) as u32;
+        // Same for the down kernel; its block size is fixed per model, so ask once.
+        let wave = match self.down_wave.get() {
+            Some(&w) => w,
+            None => {
+                let w = self.sm_count * self.down.max_active_blocks_per_sm(down_threads, 0)?;
+                let _ = self.down_wave.set(w);
+                w
+            }
+        };
         self.down.launch(
             dev.stream(),
-            ((h / 2) as u32, t as u32, 1),
-            (32 * (k + pieces)) as u32,
+            ((h / 2).min(wave.div_ceil(t).max(1)) as u32, t as u32, 1),
+            down_threads,
             0,
             &[
                 Arg::Ptr(io.act.ptr),
