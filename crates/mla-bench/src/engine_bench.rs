@@ -96,6 +96,7 @@ fn submit_all(rt: &tokio::runtime::Runtime, h: &EngineHandle, reqs: Vec<Generate
 }
 
 fn prefill(rt: &tokio::runtime::Runtime, h: &EngineHandle, a: &EngineArgs, vocab: usize, rng: &mut rand::rngs::StdRng) -> anyhow::Result<Value> {
+    anyhow::ensure!(a.prefill_reps >= 1, "--prefill-reps must be at least 1 (the prefill row is a median)");
     let mut times = vec![];
     for _ in 0..a.prefill_reps {
         let (t0, mut rx) = submit_all(rt, h, vec![request(rng, a.prefill_len, vocab, 1)])?;
