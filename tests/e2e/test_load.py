@@ -93,18 +93,24 @@ def test_queue_limit_of_one_answers_503():
         server.stop()
 
 
-def test_dropped_non_streaming_request_is_aborted(demo):
+def test_dropped_non_streaming_request_is_aborted():
     import requests
 
-    key = 'mla:request_success_total{model_name="demo",finished_reason="abort"}'
-    before = demo.metrics()
-    with pytest.raises(requests.Timeout):
-        requests.post(
-            demo.base + "/v1/completions",
-            json={"prompt": [0, 9], "max_tokens": 1000, "ignore_eos": True},
-            timeout=0.3,
-        )
-    wait_for(lambda: demo.metrics()[key] == before.get(key, 0) + 1, what="the abort to be counted")
-    wait_for(lambda: demo.metrics()["mla:num_requests_running"] == 0, what="nothing running")
-    generated = demo.metrics()["mla:generation_tokens_total"] - before["mla:generation_tokens_total"]
-    assert generated < 1000
+    # Its own server, so the request can ask for a generation far longer than the client waits
+    # (the shared demo server's 1024-token limit let a fast machine finish 1000 tokens in 0.3 s).
+    server = Server("--max-model-len", "4096")
+    try:
+        key = 'mla:request_success_total{model_name="demo",finished_reason="abort"}'
+        before = server.metrics()
+        with pytest.raises(requests.Timeout):
+            requests.post(
+                server.base + "/v1/completions",
+                json={"prompt": [0, 9], "max_tokens": 4000, "ignore_eos": True},
+                timeout=0.1,
+            )
+        wait_for(lambda: server.metrics().get(key, 0) == before.get(key, 0) + 1, what="the abort to be counted")
+        wait_for(lambda: server.metrics()["mla:num_requests_running"] == 0, what="nothing running")
+        generated = server.metrics()["mla:generation_tokens_total"] - before["mla:generation_tokens_total"]
+        assert generated < 4000
+    finally:
+        server.stop()
