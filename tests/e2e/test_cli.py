@@ -80,16 +80,22 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0():
     client = server.client()
     result = {}
 
+    started = threading.Event()
+
     def long_request():
         stream = client.completions.create(
-            model="demo", prompt="x", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+            model="demo", prompt="x", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
         )
-        chunks = list(stream)
+        chunks = []
+        for c in stream:
+            chunks.append(c)
+            started.set()
         result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.3)
+    # Signal once the request is streaming, so it is in flight however fast the machine is.
+    assert started.wait(timeout=30)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     with pytest.raises(requests.ConnectionError):
