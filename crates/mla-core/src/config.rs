@@ -160,7 +160,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.n_routed_experts > 0
             && layer >= self.first_k_dense_replace
-            && layer % self.moe_layer_freq == 0
+            && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     /// Width of the always-on shared-expert MLP.
@@ -574,7 +574,7 @@ impl<'a> Reader<'a> {
                 return Err(self.err(name, "must be positive, found 0"));
             }
         }
-        if c.qk_rope_head_dim == 0 || c.qk_rope_head_dim % 2 != 0 {
+        if c.qk_rope_head_dim == 0 || !c.qk_rope_head_dim.is_multiple_of(2) {
             return Err(self.err("qk_rope_head_dim", format!("must be a positive even number, found {}", c.qk_rope_head_dim)));
         }
         if c.q_lora_rank == Some(0) {
@@ -590,7 +590,7 @@ impl<'a> Reader<'a> {
             if c.moe_intermediate_size == 0 {
                 return Err(self.err("moe_intermediate_size", "must be positive when n_routed_experts > 0"));
             }
-            if c.n_routed_experts % c.n_group != 0 {
+            if !c.n_routed_experts.is_multiple_of(c.n_group) {
                 return Err(self.err(
                     "n_group",
                     format!("{} does not divide n_routed_experts ({})", c.n_group, c.n_routed_experts),

@@ -441,7 +441,7 @@ fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], spli
     let mut q_abs = rng.uniform(b * heads * lat, 2.0);
     for bh in 0..b * heads {
         let h = bh % heads;
-        q_abs[bh * lat + LATENT] = if h % 2 == 0 { 1.0 } else { -1.0 } * (4 + h % 8) as f32;
+        q_abs[bh * lat + LATENT] = if h.is_multiple_of(2) { 1.0 } else { -1.0 } * (4 + h % 8) as f32;
         q_abs[bh * lat + LATENT + 1] = 6.0;
     }
     let q_abs = round(&q_abs);
