@@ -55,7 +55,8 @@ fn clock_delta(a: &StepClock, b: &StepClock) -> Value {
     })
 }
 
-fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, max_tokens: usize) -> GenerateRequest {
+/// A greedy request for a random prompt of `len` tokens, no stop token (also the host benchmark's).
+pub(crate) fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
         prompt_tokens: (0..len).map(|_| rng.random_range(0..vocab as u32)).collect(),
         n: 1,

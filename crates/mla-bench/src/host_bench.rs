@@ -14,12 +14,12 @@
 
 use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{SampledToken, SeqResult, SeqStep, StepOutput};
-use mla_core::{Backend, CacheLayout, ModelConfig, SamplingParams, StepKind, StepPlan};
+use mla_core::{Backend, CacheLayout, ModelConfig, StepKind, StepPlan};
 use mla_cuda::model::graph::{graph_step_meta, pad_rows};
 use mla_cuda::model::{MetaLimits, StepMeta};
 use mla_cuda::DEFAULT_GRAPH_BATCH_SIZES;
-use mla_engine::{Engine, EngineConfig, EngineEvent, GenerateRequest};
-use rand::{Rng, SeedableRng};
+use mla_engine::{Engine, EngineConfig, EngineEvent};
+use rand::SeedableRng;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
@@ -267,15 +267,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
     let (done_tx, done_rx) = mpsc::channel::<usize>();
     let t0 = Instant::now();
     for _ in 0..a.batch {
-        let req = GenerateRequest {
-            prompt_tokens: (0..a.context).map(|_| rng.random_range(0..vocab as u32)).collect(),
-            n: 1,
-            sampling: SamplingParams::greedy(),
-            seed: Some(1),
-            max_tokens,
-            stop_token_ids: vec![],
-            logprobs: None,
-        };
+        let req = crate::engine_bench::request(&mut rng, a.context, vocab, max_tokens);
         let mut stream = h.submit(req).map_err(|e| anyhow::anyhow!("submit: {e}"))?;
         let done = done_tx.clone();
         rt.spawn(async move {
