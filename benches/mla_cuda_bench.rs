@@ -76,7 +76,12 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Median of `reps` timings (ms) of `iters` back-to-back runs of `f`, per run.
-fn time_ms(dev: &Device, iters: usize, reps: usize, mut f: impl FnMut(usize) -> anyhow::Result<()>) -> anyhow::Result<f64> {
+fn time_ms(
+    dev: &Device,
+    iters: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
     for i in 0..3 {
         f(i)?;
     }
@@ -152,7 +157,11 @@ fn bench_decode_attention(dev: &Device) -> anyhow::Result<Value> {
             let ms = time_ms(dev, 20, 15, |i| dev.k.decode_attention_with(dev.stream(), &params(i), which))?;
             let tbps = bytes / (ms * 1e-3) / 1e12;
             let chosen = which == DecodeKernel::for_batch(batch);
-            println!("decode attention {which:?} B={batch:<4} ctx {CTX}: {:8.1} us  {tbps:.2} TB/s  ({splits} splits){}", ms * 1e3, if chosen { "  (dispatched)" } else { "" });
+            println!(
+                "decode attention {which:?} B={batch:<4} ctx {CTX}: {:8.1} us  {tbps:.2} TB/s  ({splits} splits){}",
+                ms * 1e3,
+                if chosen { "  (dispatched)" } else { "" }
+            );
             rows.push(json!({"kernel": format!("{which:?}"), "dispatched": chosen, "batch": batch, "context": CTX, "heads": HEADS, "splits": splits, "time_us": ms * 1e3, "bytes": bytes, "effective_TBps": tbps}));
         }
         if batch <= COMBINE_ABSORB_MAX_BATCH {
@@ -162,7 +171,16 @@ fn bench_decode_attention(dev: &Device) -> anyhow::Result<Value> {
             })?;
             let fused = time_ms(dev, 20, 15, |i| {
                 dev.k.decode_attention_partials(dev.stream(), &params(i))?;
-                dev.k.decode_combine_absorb_o(dev.stream(), part_o.slice(), part_lse.slice(), HEADS, splits, batch, &kv_b, attn_out.slice())
+                dev.k.decode_combine_absorb_o(
+                    dev.stream(),
+                    part_o.slice(),
+                    part_lse.slice(),
+                    HEADS,
+                    splits,
+                    batch,
+                    &kv_b,
+                    attn_out.slice(),
+                )
             })?;
             println!("decode attention + absorb_o B={batch}: two launches after the kernel {:6.1} us, fused combine+absorb_o {:6.1} us", two * 1e3, fused * 1e3);
             rows.push(json!({"tail": "decode_attention+absorb_o", "batch": batch, "context": CTX, "heads": HEADS, "splits": splits, "time_us": two * 1e3}));
@@ -198,7 +216,14 @@ fn bench_prefill_shape(dev: &Device, seqs: usize, len: usize) -> anyhow::Result<
             })
             .collect(),
     };
-    let lim = MetaLimits { max_tokens: t, max_seqs: seqs, max_logit_rows: seqs, max_kv_chunk: t, max_blocks_per_seq: len / PAGE_SIZE, vocab: 512 };
+    let lim = MetaLimits {
+        max_tokens: t,
+        max_seqs: seqs,
+        max_logit_rows: seqs,
+        max_kv_chunk: t,
+        max_blocks_per_seq: len / PAGE_SIZE,
+        vocab: 512,
+    };
     let meta = StepMeta::build(&plan, &lim)?;
     let d_meta = DeviceBuffer::from_host(&meta.words)?;
     let q = fill(dev, t * HEADS * qd, 1.0, 3)?;
@@ -262,7 +287,10 @@ fn bench_prefill_shape(dev: &Device, seqs: usize, len: usize) -> anyhow::Result<
         let rel = (num / den).sqrt();
         let finite = b.iter().all(|x| x.is_finite());
         println!("prefill attention: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");
-        anyhow::ensure!(finite && rel < 1e-2, "wgmma and mma.sync prefill attention disagree: rel {rel}, finite {finite}");
+        anyhow::ensure!(
+            finite && rel < 1e-2,
+            "wgmma and mma.sync prefill attention disagree: rel {rel}, finite {finite}"
+        );
     }
     Ok(rows)
 }
@@ -294,7 +322,16 @@ fn bench_moe_experts(dev: &Device) -> anyhow::Result<Value> {
         }
         let i32s = |n: usize| DeviceBuffer::<i32>::alloc(n);
         let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
-        let (d_ids, off, perm, inv, te, tr0, trs, nt) = (DeviceBuffer::from_host(&ids)?, i32s(e + 1)?, i32s(a)?, i32s(a)?, i32s(tiles)?, i32s(tiles)?, i32s(tiles)?, i32s(1)?);
+        let (d_ids, off, perm, inv, te, tr0, trs, nt) = (
+            DeviceBuffer::from_host(&ids)?,
+            i32s(e + 1)?,
+            i32s(a)?,
+            i32s(a)?,
+            i32s(tiles)?,
+            i32s(tiles)?,
+            i32s(tiles)?,
+            i32s(1)?,
+        );
         let w = DeviceBuffer::<f32>::alloc(a)?;
         let x = fill(dev, a * h, 1.0, 13)?;
         let gu = DeviceBuffer::<bf16>::alloc(a * 2 * im)?;
@@ -327,8 +364,12 @@ fn bench_moe_experts(dev: &Device) -> anyhow::Result<Value> {
             dev.gpu.sync()?;
             y.upload(&vec![bf16::NAN; a * h])?;
             let default = tile_m == default_tile && (tile_m != GROUPED_TILE_M_SM90 || sched == k.moe_sm90_schedule(&r));
-            let gate_up_ms = time_ms(dev, 5, 9, |_| k.moe_gate_up_act_with(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r, sched))?;
-            let down_ms = time_ms(dev, 5, 9, |_| k.moe_grouped_gemm_with(s, act.slice(), w_down.slice(), y.slice(), h, im, &r, sched))?;
+            let gate_up_ms = time_ms(dev, 5, 9, |_| {
+                k.moe_gate_up_act_with(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r, sched)
+            })?;
+            let down_ms = time_ms(dev, 5, 9, |_| {
+                k.moe_grouped_gemm_with(s, act.slice(), w_down.slice(), y.slice(), h, im, &r, sched)
+            })?;
             let ms = gate_up_ms + down_ms;
             let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);
             println!("MoE experts {tokens} tokens, tiles of {tile_m}{}{}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s", if tile_m == GROUPED_TILE_M_SM90 { format!(", items of {} rows, {}", sched.item_rows, if sched.persistent { "persistent" } else { "one block per item" }) } else { String::new() }, if default { " (default)" } else { "" });
@@ -347,7 +388,9 @@ fn bench_moe_experts(dev: &Device) -> anyhow::Result<Value> {
             anyhow::ensure!(finite && rel < 1e-2, "grouped GEMM variants disagree: rel {rel}, finite {finite}");
         }
     }
-    Ok(json!({"shape": "deepseek-v2-lite routed experts: hidden 2048, moe_intermediate 1408, 64 experts, top-6, uniform random routing", "rows": rows_json}))
+    Ok(
+        json!({"shape": "deepseek-v2-lite routed experts: hidden 2048, moe_intermediate 1408, 64 experts, top-6, uniform random routing", "rows": rows_json}),
+    )
 }
 
 fn decode_plan(batch: usize, j: usize, vocab: usize) -> StepPlan {
@@ -361,7 +404,12 @@ fn decode_plan(batch: usize, j: usize, vocab: usize) -> StepPlan {
                 context_len: CTX - 1,
                 block_table: ((i * (pages + 1)) as u32..((i + 1) * (pages + 1)) as u32).collect(),
                 logits: LogitsRequest::None,
-                sample: Some(SampleRequest { params: SamplingParams::greedy(), seed: i as u64, top_logprobs: None, penalty: None }),
+                sample: Some(SampleRequest {
+                    params: SamplingParams::greedy(),
+                    seed: i as u64,
+                    top_logprobs: None,
+                    penalty: None,
+                }),
             })
             .collect(),
     }
@@ -424,10 +472,14 @@ fn bench_decode_step(dev: Device, cfg: ModelConfig) -> anyhow::Result<Value> {
         }
         let graph_ms = t.elapsed().as_secs_f64() * 1e3 / n as f64;
         let tok_s = batch as f64 / (graph_ms * 1e-3);
-        println!("decode step B={batch:<3} ctx {CTX}: eager {eager_ms:.2} ms, graph {graph_ms:.2} ms = {tok_s:.0} tok/s");
+        println!(
+            "decode step B={batch:<3} ctx {CTX}: eager {eager_ms:.2} ms, graph {graph_ms:.2} ms = {tok_s:.0} tok/s"
+        );
         rows.push(json!({"batch": batch, "context": CTX, "eager_ms": eager_ms, "graph_ms": graph_ms, "graph_splits": graph.splits, "tokens_per_s_graph": tok_s, "tokens_per_s_eager": batch as f64 / (eager_ms * 1e-3)}));
     }
-    Ok(json!({"model": "deepseek-v2-lite shape, dummy weights drawn on the device", "dummy_weights_and_cache_fill_s": load_s, "weights_GiB": model.weights.bytes() as f64 / (1u64 << 30) as f64, "steps": rows}))
+    Ok(
+        json!({"model": "deepseek-v2-lite shape, dummy weights drawn on the device", "dummy_weights_and_cache_fill_s": load_s, "weights_GiB": model.weights.bytes() as f64 / (1u64 << 30) as f64, "steps": rows}),
+    )
 }
 
 /// Today's UTC date as YYYY-MM-DD (days-to-civil conversion, no date crate needed).

@@ -61,9 +61,8 @@ fn main() {
         }
     };
 
-    let extra: Vec<String> = env::var("MLA_NVCC_FLAGS")
-        .map(|s| s.split_whitespace().map(String::from).collect())
-        .unwrap_or_default();
+    let extra: Vec<String> =
+        env::var("MLA_NVCC_FLAGS").map(|s| s.split_whitespace().map(String::from).collect()).unwrap_or_default();
 
     // Two compiles per kernel file, run in parallel threads (nvcc is single-threaded).
     let jobs: Vec<(PathBuf, PathBuf, Vec<String>)> = sources
@@ -127,7 +126,14 @@ fn write_without_kernels(path: &Path, why: &str) {
     std::fs::write(path, code).unwrap();
 }
 
-fn compile(nvcc: &Path, include: &Path, src: &Path, out: &Path, mode: &[String], extra: &[String]) -> Result<(), String> {
+fn compile(
+    nvcc: &Path,
+    include: &Path,
+    src: &Path,
+    out: &Path,
+    mode: &[String],
+    extra: &[String],
+) -> Result<(), String> {
     let mut cmd = Command::new(nvcc);
     cmd.args(mode)
         .arg("-O3")

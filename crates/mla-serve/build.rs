@@ -13,7 +13,9 @@ fn main() {
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     entries.sort();
-    let mut code = String::from("/// (preset name, config.json text) for every file in configs/.\npub const PRESETS: &[(&str, &str)] = &[\n");
+    let mut code = String::from(
+        "/// (preset name, config.json text) for every file in configs/.\npub const PRESETS: &[(&str, &str)] = &[\n",
+    );
     for p in &entries {
         println!("cargo:rerun-if-changed={}", p.display());
         let name = p.file_stem().unwrap().to_string_lossy();

@@ -38,7 +38,8 @@ pub fn from_file(path: &Path, n: usize, default_output: usize) -> anyhow::Result
     let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
     let mut out = vec![];
     for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let line: Line = serde_json::from_str(l).map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), i + 1))?;
+        let line: Line =
+            serde_json::from_str(l).map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), i + 1))?;
         let prompt_tokens = match &line.prompt {
             Value::String(_) => None,
             Value::Array(a) if a.iter().all(|v| v.is_u64()) => Some(a.len()),

@@ -32,8 +32,15 @@ pub fn parse_decode(s: &str) -> anyhow::Result<Vec<(usize, usize, usize)>> {
     s.split(',')
         .filter(|x| !x.is_empty())
         .map(|item| {
-            let v: Vec<usize> = item.split('x').map(|p| p.trim().parse()).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("--decode {item}: {e}"))?;
-            anyhow::ensure!(v.len() == 3 && v.iter().all(|&x| x > 0), "--decode {item}: expected BATCHxCONTEXTxSTEPS, all positive");
+            let v: Vec<usize> = item
+                .split('x')
+                .map(|p| p.trim().parse())
+                .collect::<Result<_, _>>()
+                .map_err(|e| anyhow::anyhow!("--decode {item}: {e}"))?;
+            anyhow::ensure!(
+                v.len() == 3 && v.iter().all(|&x| x > 0),
+                "--decode {item}: expected BATCHxCONTEXTxSTEPS, all positive"
+            );
             Ok((v[0], v[1], v[2]))
         })
         .collect()
@@ -72,7 +79,11 @@ pub(crate) fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, ma
 type Arrival = (usize, Instant, bool);
 
 /// Submits every request at once and forwards each token's arrival to one channel.
-fn submit_all(rt: &tokio::runtime::Runtime, h: &EngineHandle, reqs: Vec<GenerateRequest>) -> anyhow::Result<(Instant, tokio::sync::mpsc::UnboundedReceiver<Arrival>)> {
+fn submit_all(
+    rt: &tokio::runtime::Runtime,
+    h: &EngineHandle,
+    reqs: Vec<GenerateRequest>,
+) -> anyhow::Result<(Instant, tokio::sync::mpsc::UnboundedReceiver<Arrival>)> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let t0 = Instant::now();
     for (i, r) in reqs.into_iter().enumerate() {
@@ -96,7 +107,13 @@ fn submit_all(rt: &tokio::runtime::Runtime, h: &EngineHandle, reqs: Vec<Generate
     Ok((t0, rx))
 }
 
-fn prefill(rt: &tokio::runtime::Runtime, h: &EngineHandle, a: &EngineArgs, vocab: usize, rng: &mut rand::rngs::StdRng) -> anyhow::Result<Value> {
+fn prefill(
+    rt: &tokio::runtime::Runtime,
+    h: &EngineHandle,
+    a: &EngineArgs,
+    vocab: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> anyhow::Result<Value> {
     anyhow::ensure!(a.prefill_reps >= 1, "--prefill-reps must be at least 1 (the prefill row is a median)");
     let mut times = vec![];
     for _ in 0..a.prefill_reps {
@@ -132,7 +149,11 @@ fn decode_case(
     // first finish]: every step in it is a full decode batch of `batch` sequences.
     let prefill_steps = (batch * ctx).div_ceil(a.max_num_batched_tokens);
     let max_tokens = steps + prefill_steps + 2;
-    anyhow::ensure!(ctx + max_tokens <= a.max_model_len, "context {ctx} + {max_tokens} tokens exceeds --max-model-len {}", a.max_model_len);
+    anyhow::ensure!(
+        ctx + max_tokens <= a.max_model_len,
+        "context {ctx} + {max_tokens} tokens exceeds --max-model-len {}",
+        a.max_model_len
+    );
     let reqs = (0..batch).map(|_| request(rng, ctx, vocab, max_tokens)).collect();
     let (t0, mut rx) = submit_all(rt, h, reqs)?;
     let mut first = vec![None::<Instant>; batch];
@@ -207,7 +228,12 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     let (_, mut rx) = submit_all(&rt, &h, vec![request(&mut rng, 300, vocab, 16)])?;
     while rt.block_on(rx.recv()).is_some() {}
     let pre = prefill(&rt, &h, a, vocab, &mut rng)?;
-    eprintln!("prefill {} tokens: {:.0} tok/s (median TTFT {:.2} ms)", a.prefill_len, pre["tokens_per_s"].as_f64().unwrap(), pre["ttft_ms_median"].as_f64().unwrap());
+    eprintln!(
+        "prefill {} tokens: {:.0} tok/s (median TTFT {:.2} ms)",
+        a.prefill_len,
+        pre["tokens_per_s"].as_f64().unwrap(),
+        pre["ttft_ms_median"].as_f64().unwrap()
+    );
     let mut dec = vec![];
     for &case in &a.decode {
         let r = decode_case(&rt, &h, &clock, case, a, vocab, &mut rng)?;

@@ -110,7 +110,11 @@ impl HostStep {
             .map(|s| SeqResult {
                 seq_id: s.seq_id,
                 logits: vec![],
-                sampled: s.sample.as_ref().map(|_| SampledToken { token: self.token(s.seq_id), logprob: 0.0, top_logprobs: vec![] }),
+                sampled: s.sample.as_ref().map(|_| SampledToken {
+                    token: self.token(s.seq_id),
+                    logprob: 0.0,
+                    top_logprobs: vec![],
+                }),
             })
             .collect();
         StepOutput { seqs }
@@ -136,7 +140,11 @@ impl HostStep {
             .map(|o| SeqResult {
                 seq_id: o.seq_id,
                 logits: vec![],
-                sampled: o.sample_row.map(|_| SampledToken { token: self.token(o.seq_id), logprob: 0.0, top_logprobs: vec![] }),
+                sampled: o.sample_row.map(|_| SampledToken {
+                    token: self.token(o.seq_id),
+                    logprob: 0.0,
+                    top_logprobs: vec![],
+                }),
             })
             .collect();
         self.spare_words = meta.words;
@@ -216,7 +224,12 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
     anyhow::ensure!(a.batch >= 1 && a.batch <= a.max_num_seqs, "--batch must be in 1..=--max-num-seqs");
     let prefill_steps = (a.batch * a.context).div_ceil(a.max_num_batched_tokens);
     let max_tokens = a.steps + 2 * prefill_steps + 4;
-    anyhow::ensure!(a.context + max_tokens <= a.max_model_len, "context {} + {max_tokens} tokens exceeds --max-model-len {}", a.context, a.max_model_len);
+    anyhow::ensure!(
+        a.context + max_tokens <= a.max_model_len,
+        "context {} + {max_tokens} tokens exceeds --max-model-len {}",
+        a.context,
+        a.max_model_len
+    );
     // Room for every sequence to its end, so nothing is preempted (as on the H200's cache).
     let num_blocks = (a.batch * (a.context + max_tokens).div_ceil(page)).max(a.max_model_len.div_ceil(page)) + 64;
     let layout = CacheLayout { block_size: page, num_blocks };

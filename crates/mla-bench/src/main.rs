@@ -161,10 +161,28 @@ fn parse_range(s: &str) -> anyhow::Result<(u32, u32)> {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
     match Cli::parse().cmd {
-        Cmd::Kernels { bench_bin, only, out } => kernels::run(&bench_bin.unwrap_or_else(kernels::default_bench_bin), out.as_deref(), &only),
-        Cmd::Engine { config, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, max_model_len, prefill_len, prefill_reps, decode, no_cuda_graphs, no_gemv, seed, out } => {
+        Cmd::Kernels { bench_bin, only, out } => {
+            kernels::run(&bench_bin.unwrap_or_else(kernels::default_bench_bin), out.as_deref(), &only)
+        }
+        Cmd::Engine {
+            config,
+            gpu_memory_utilization,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            prefill_len,
+            prefill_reps,
+            decode,
+            no_cuda_graphs,
+            no_gemv,
+            seed,
+            out,
+        } => {
             let args = engine_bench::EngineArgs {
                 config,
                 gpu_memory_utilization,
@@ -184,7 +202,20 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
             report::write(out.as_deref(), &v)
         }
-        Cmd::Host { config, batch, context, steps, max_num_seqs, max_num_batched_tokens, max_model_len, no_cuda_meta, inline, step_us, seed, out } => {
+        Cmd::Host {
+            config,
+            batch,
+            context,
+            steps,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            no_cuda_meta,
+            inline,
+            step_us,
+            seed,
+            out,
+        } => {
             let args = host_bench::HostArgs {
                 config,
                 batch,
@@ -231,7 +262,11 @@ fn main() -> anyhow::Result<()> {
         } => {
             let prompts = match ds.as_str() {
                 "random" => dataset::random(num_prompts, input_len, output_len, parse_range(&token_id_range)?, seed),
-                "file" => dataset::from_file(&dataset_path.ok_or_else(|| anyhow::anyhow!("--dataset file needs --dataset-path"))?, num_prompts, output_len)?,
+                "file" => dataset::from_file(
+                    &dataset_path.ok_or_else(|| anyhow::anyhow!("--dataset file needs --dataset-path"))?,
+                    num_prompts,
+                    output_len,
+                )?,
                 other => anyhow::bail!("--dataset {other}: expected random or file"),
             };
             let target = serve::Target::parse(&base_url)?;
@@ -240,7 +275,14 @@ fn main() -> anyhow::Result<()> {
                 Some(m) => m,
                 None => rt.block_on(serve::first_model(&target))?,
             };
-            let o = serve::LoadOptions { model: model.clone(), request_rate, max_concurrency, ignore_eos, temperature, seed };
+            let o = serve::LoadOptions {
+                model: model.clone(),
+                request_rate,
+                max_concurrency,
+                ignore_eos,
+                temperature,
+                seed,
+            };
             let (records, dur) = rt.block_on(serve::run(target, o, prompts));
             if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
                 eprintln!("first failure: {e}");

@@ -71,8 +71,11 @@ pub fn calculate(records: &[RequestRecord], duration_s: f64) -> ServeMetrics {
     let total_in: usize = ok.iter().map(|r| r.prompt_tokens).sum();
     let total_out: usize = ok.iter().map(|r| r.output_tokens).sum();
     let ttfts: Vec<f64> = ok.iter().map(|r| r.ttft).collect();
-    let tpots: Vec<f64> =
-        ok.iter().filter(|r| r.output_tokens > 1).map(|r| (r.latency - r.ttft) / (r.output_tokens - 1) as f64).collect();
+    let tpots: Vec<f64> = ok
+        .iter()
+        .filter(|r| r.output_tokens > 1)
+        .map(|r| (r.latency - r.ttft) / (r.output_tokens - 1) as f64)
+        .collect();
     let itls: Vec<f64> = ok.iter().flat_map(|r| r.itl.iter().copied()).collect();
     let e2els: Vec<f64> = ok.iter().map(|r| r.latency).collect();
     ServeMetrics {
@@ -119,7 +122,15 @@ mod tests {
 
     fn rec(out: usize, ttft: f64, itl: &[f64]) -> RequestRecord {
         let latency = ttft + itl.iter().sum::<f64>();
-        RequestRecord { success: true, prompt_tokens: 10, output_tokens: out, ttft, itl: itl.to_vec(), latency, error: None }
+        RequestRecord {
+            success: true,
+            prompt_tokens: 10,
+            output_tokens: out,
+            ttft,
+            itl: itl.to_vec(),
+            latency,
+            error: None,
+        }
     }
 
     #[test]
@@ -175,7 +186,8 @@ mod tests {
     #[test]
     fn table_lists_every_metric() {
         let t = table(&calculate(&[rec(3, 0.5, &[0.1, 0.1])], 1.0));
-        for k in ["Successful requests:", "Output token throughput", "Median TTFT", "P99 TPOT", "Mean ITL", "P99 E2EL"] {
+        for k in ["Successful requests:", "Output token throughput", "Median TTFT", "P99 TPOT", "Mean ITL", "P99 E2EL"]
+        {
             assert!(t.contains(k), "{k} missing from\n{t}");
         }
     }

@@ -22,7 +22,12 @@ pub fn run(config: &Path, batch: usize, context: usize, prefill_len: usize) -> a
     let pages = (context + 1).div_ceil(PAGE_SIZE);
     let max_len = context.max(prefill_len) + PAGE_SIZE;
     let opts = ModelOptions {
-        limits: Limits { max_tokens: prefill_len.max(batch), max_seqs: batch, max_logit_rows: batch, max_kv_chunk: prefill_len.max(16384) },
+        limits: Limits {
+            max_tokens: prefill_len.max(batch),
+            max_seqs: batch,
+            max_logit_rows: batch,
+            max_kv_chunk: prefill_len.max(16384),
+        },
         gpu_memory_utilization: 0.9,
         num_blocks: Some(batch * pages + prefill_len.div_ceil(PAGE_SIZE)),
         max_model_len: max_len,

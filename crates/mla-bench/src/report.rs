@@ -14,7 +14,8 @@ pub fn envelope(gpu: &str, results: Value) -> Value {
 
 pub fn write(path: Option<&std::path::Path>, v: &Value) -> anyhow::Result<()> {
     if let Some(p) = path {
-        std::fs::write(p, serde_json::to_string_pretty(v)? + "\n").map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
+        std::fs::write(p, serde_json::to_string_pretty(v)? + "\n")
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", p.display()))?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())

@@ -25,7 +25,9 @@ pub struct Target {
 
 impl Target {
     pub fn parse(url: &str) -> anyhow::Result<Target> {
-        let rest = url.strip_prefix("http://").ok_or_else(|| anyhow::anyhow!("--base-url {url}: only plain http:// URLs are supported"))?;
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| anyhow::anyhow!("--base-url {url}: only plain http:// URLs are supported"))?;
         let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
         anyhow::ensure!(!authority.is_empty(), "--base-url {url}: no host");
         let authority = if authority.contains(':') { authority.to_string() } else { format!("{authority}:80") };
@@ -45,7 +47,12 @@ pub struct LoadOptions {
     pub seed: u64,
 }
 
-async fn send(target: &Target, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
+async fn send(
+    target: &Target,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<hyper::Response<hyper::body::Incoming>> {
     let stream = TcpStream::connect(&target.authority).await?;
     stream.set_nodelay(true)?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;

@@ -49,7 +49,10 @@ pub trait Backend: Send {
 
     /// Waits for the step `start_step` started and returns its output; errors as `step`.
     fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
-        anyhow::bail!("{}: finish_step without a started step (this backend runs steps synchronously)", self.device_name())
+        anyhow::bail!(
+            "{}: finish_step without a started step (this backend runs steps synchronously)",
+            self.device_name()
+        )
     }
 }
 
@@ -106,7 +109,11 @@ struct StepShape {
 
 impl StepShape {
     fn of(plan: &StepPlan) -> Self {
-        StepShape { decode: plan.kind == crate::plan::StepKind::Decode, seqs: plan.seqs.len(), tokens: plan.num_tokens() }
+        StepShape {
+            decode: plan.kind == crate::plan::StepKind::Decode,
+            seqs: plan.seqs.len(),
+            tokens: plan.num_tokens(),
+        }
     }
 }
 
@@ -140,7 +147,8 @@ impl<W: StepRunner> StepThread<W> {
             })
             .map_err(|e| anyhow::anyhow!("spawning thread {name}: {e}"))?;
         let ready = ready_rx.recv().map_err(|_| anyhow::anyhow!("thread {name} died while starting"))??;
-        let t = StepThread { msgs: Some(msgs_tx), results: results_rx, thread: Some(thread), in_flight: None, last: None };
+        let t =
+            StepThread { msgs: Some(msgs_tx), results: results_rx, thread: Some(thread), in_flight: None, last: None };
         Ok((t, ready))
     }
 
@@ -278,8 +286,15 @@ mod tests {
         fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
             assert!(!plan.seqs.is_empty(), "empty plan");
             self.steps += 1;
-            let sampled = |s: &SeqStep| Some(SampledToken { token: s.context_len as u32, logprob: 0.0, top_logprobs: vec![] });
-            Ok(StepOutput { seqs: plan.seqs.iter().map(|s| SeqResult { seq_id: s.seq_id, logits: vec![], sampled: sampled(s) }).collect() })
+            let sampled =
+                |s: &SeqStep| Some(SampledToken { token: s.context_len as u32, logprob: 0.0, top_logprobs: vec![] });
+            Ok(StepOutput {
+                seqs: plan
+                    .seqs
+                    .iter()
+                    .map(|s| SeqResult { seq_id: s.seq_id, logits: vec![], sampled: sampled(s) })
+                    .collect(),
+            })
         }
     }
 

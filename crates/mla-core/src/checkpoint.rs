@@ -51,9 +51,8 @@ impl Shard {
         // SAFETY: the mapping is read-only; a checkpoint must not be rewritten while a server
         // has it open, as with every mmap-based loader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
-            CheckpointError::BadSafetensors { path: path.to_path_buf(), message: e.to_string() }
-        })?;
+        let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+            .map_err(|e| CheckpointError::BadSafetensors { path: path.to_path_buf(), message: e.to_string() })?;
         Ok(Shard { path: path.to_path_buf(), mmap, header_len, meta })
     }
 
@@ -104,10 +103,8 @@ impl Checkpoint {
         let text = std::fs::read_to_string(index_path)
             .map_err(|source| CheckpointError::Io { path: index_path.to_path_buf(), source })?;
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-        let map = json
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| bad("no `weight_map` object".into()))?;
+        let map =
+            json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map` object".into()))?;
         let mut shard_of_file: HashMap<String, usize> = HashMap::new();
         let mut shards = Vec::new();
         let mut location = HashMap::new();
@@ -208,12 +205,13 @@ impl Checkpoint {
         let grid = scale_grid(rows, cols, quant.block);
         let scale_spec = TensorSpec { name: spec.scale_inv_name(), shape: grid.to_vec(), role: spec.role };
         let (s_shard, s_info) = self.find_checked(&scale_spec)?;
-        let scale_inv = float_values(s_shard.bytes(s_info), s_info.dtype).ok_or_else(|| CheckpointError::WrongDtype {
-            name: scale_spec.name.clone(),
-            path: s_shard.path.clone(),
-            expected: "F32, BF16 or F16".into(),
-            found: s_info.dtype.to_string(),
-        })?;
+        let scale_inv =
+            float_values(s_shard.bytes(s_info), s_info.dtype).ok_or_else(|| CheckpointError::WrongDtype {
+                name: scale_spec.name.clone(),
+                path: s_shard.path.clone(),
+                expected: "F32, BF16 or F16".into(),
+                found: s_info.dtype.to_string(),
+            })?;
         Ok(Fp8Tensor { data: shard.bytes(info).to_vec(), rows, cols, scale_inv, block: quant.block })
     }
 }

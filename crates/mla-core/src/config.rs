@@ -158,9 +158,7 @@ impl ModelConfig {
 
     /// Whether decoder layer `layer` uses the MoE block (otherwise the dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.n_routed_experts > 0
-            && layer >= self.first_k_dense_replace
-            && layer.is_multiple_of(self.moe_layer_freq)
+        self.n_routed_experts > 0 && layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     /// Width of the always-on shared-expert MLP.
@@ -195,9 +193,7 @@ impl ModelConfig {
             RopeScaling::Yarn(y) => {
                 let correction_dim = |rotations: f64| {
                     dim as f64
-                        * (y.original_max_position_embeddings as f64
-                            / (rotations * 2.0 * std::f64::consts::PI))
-                            .ln()
+                        * (y.original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
                         / (2.0 * base.ln())
                 };
                 let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
@@ -249,9 +245,9 @@ impl<'a> Reader<'a> {
 
     fn usize_req(&self, field: &str) -> Result<usize, ConfigError> {
         let v = self.present(field).ok_or_else(|| self.err(field, "missing"))?;
-        v.as_u64().map(|x| x as usize).ok_or_else(|| {
-            self.err(field, format!("expected a non-negative integer, found {v}"))
-        })
+        v.as_u64()
+            .map(|x| x as usize)
+            .ok_or_else(|| self.err(field, format!("expected a non-negative integer, found {v}")))
     }
 
     fn usize_or(&self, field: &str, default: usize) -> Result<usize, ConfigError> {
@@ -271,28 +267,21 @@ impl<'a> Reader<'a> {
     fn f64_or(&self, field: &str, default: f64) -> Result<f64, ConfigError> {
         match self.present(field) {
             None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+            Some(v) => v.as_f64().ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
         }
     }
 
     fn bool_or(&self, field: &str, default: bool) -> Result<bool, ConfigError> {
         match self.present(field) {
             None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
+            Some(v) => v.as_bool().ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
         }
     }
 
     fn str_opt(&self, field: &str) -> Result<Option<&'a str>, ConfigError> {
         match self.present(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("expected a string, found {v}"))),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.err(field, format!("expected a string, found {v}"))),
         }
     }
 
@@ -333,7 +322,9 @@ impl<'a> Reader<'a> {
             }
         }
         if self.bool_or("attention_bias", false)? {
-            return Err(self.err("attention_bias", "unsupported value true (no published DeepSeek model has attention biases)"));
+            return Err(
+                self.err("attention_bias", "unsupported value true (no published DeepSeek model has attention biases)")
+            );
         }
         if !self.bool_or("rope_interleave", true)? {
             return Err(self.err("rope_interleave", "unsupported value false (DeepSeek rotates consecutive pairs)"));
@@ -372,7 +363,9 @@ impl<'a> Reader<'a> {
             "softmax" => ScoringFunc::Softmax,
             "sigmoid" => ScoringFunc::Sigmoid,
             other => {
-                return Err(self.err("scoring_func", format!("unsupported value \"{other}\" (expected softmax or sigmoid)")))
+                return Err(
+                    self.err("scoring_func", format!("unsupported value \"{other}\" (expected softmax or sigmoid)"))
+                )
             }
         };
         // HF transformers (the oracle) implements exactly these pairings; anything else would be a
@@ -508,10 +501,8 @@ impl<'a> Reader<'a> {
                     }),
                 ))
             }
-            other => Err(self.err(
-                &format!("{field}.type"),
-                format!("unsupported value \"{other}\" (expected \"yarn\" or none)"),
-            )),
+            other => Err(self
+                .err(&format!("{field}.type"), format!("unsupported value \"{other}\" (expected \"yarn\" or none)"))),
         }
     }
 
@@ -575,7 +566,9 @@ impl<'a> Reader<'a> {
             }
         }
         if c.qk_rope_head_dim == 0 || !c.qk_rope_head_dim.is_multiple_of(2) {
-            return Err(self.err("qk_rope_head_dim", format!("must be a positive even number, found {}", c.qk_rope_head_dim)));
+            return Err(
+                self.err("qk_rope_head_dim", format!("must be a positive even number, found {}", c.qk_rope_head_dim))
+            );
         }
         if c.q_lora_rank == Some(0) {
             return Err(self.err("q_lora_rank", "must be null or positive, found 0"));
@@ -584,7 +577,10 @@ impl<'a> Reader<'a> {
             if c.num_experts_per_tok == 0 || c.num_experts_per_tok > c.n_routed_experts {
                 return Err(self.err(
                     "num_experts_per_tok",
-                    format!("must be in 1..={} (n_routed_experts), found {}", c.n_routed_experts, c.num_experts_per_tok),
+                    format!(
+                        "must be in 1..={} (n_routed_experts), found {}",
+                        c.n_routed_experts, c.num_experts_per_tok
+                    ),
                 ));
             }
             if c.moe_intermediate_size == 0 {
@@ -601,12 +597,18 @@ impl<'a> Reader<'a> {
             }
             let per_group = c.n_routed_experts / c.n_group;
             if c.topk_method == TopkMethod::NoauxTc && per_group < 2 {
-                return Err(self.err("n_group", "noaux_tc needs at least two experts per group (groups are ranked by their top-2 sum)"));
+                return Err(self.err(
+                    "n_group",
+                    "noaux_tc needs at least two experts per group (groups are ranked by their top-2 sum)",
+                ));
             }
             if c.topk_method != TopkMethod::Greedy && c.topk_group * per_group < c.num_experts_per_tok {
                 return Err(self.err(
                     "topk_group",
-                    format!("{} groups of {per_group} experts cannot supply num_experts_per_tok = {}", c.topk_group, c.num_experts_per_tok),
+                    format!(
+                        "{} groups of {per_group} experts cannot supply num_experts_per_tok = {}",
+                        c.topk_group, c.num_experts_per_tok
+                    ),
                 ));
             }
         }

@@ -27,13 +27,7 @@ pub fn scale_grid(rows: usize, cols: usize, block: [usize; 2]) -> [usize; 2] {
 /// Dequantizes a row-major `[rows, cols]` E4M3 weight with its `scale_grid` of fp32 scales.
 /// Panics if the slices do not have the sizes the shape implies (callers check shapes first
 /// and report them by tensor name).
-pub fn dequantize_block_fp8(
-    data: &[u8],
-    rows: usize,
-    cols: usize,
-    scale_inv: &[f32],
-    block: [usize; 2],
-) -> Vec<f32> {
+pub fn dequantize_block_fp8(data: &[u8], rows: usize, cols: usize, scale_inv: &[f32], block: [usize; 2]) -> Vec<f32> {
     let [_, grid_cols] = scale_grid(rows, cols, block);
     assert_eq!(data.len(), rows * cols, "fp8 data size");
     assert_eq!(scale_inv.len(), rows.div_ceil(block[0]) * grid_cols, "fp8 scale grid size");

@@ -80,7 +80,9 @@ pub enum PlanError {
     EmptySequence { seq_id: u64 },
     #[error("sequence {seq_id}: a decode step feeds exactly one token, found {found}")]
     DecodeNeedsOneToken { seq_id: u64, found: usize },
-    #[error("sequence {seq_id}: block table has {have} blocks of {block_size} tokens, {need} positions need {need_blocks}")]
+    #[error(
+        "sequence {seq_id}: block table has {have} blocks of {block_size} tokens, {need} positions need {need_blocks}"
+    )]
     BlockTableTooShort { seq_id: u64, have: usize, block_size: usize, need: usize, need_blocks: usize },
     #[error("sequence {seq_id}: block {block} is outside the cache (0..{num_blocks})")]
     BlockOutOfRange { seq_id: u64, block: u32, num_blocks: usize },
@@ -124,7 +126,8 @@ impl StepPlan {
             // One branch-free pass (the maximum) per table: this runs every step over every
             // block of the batch; the search for the culprit only runs when there is one.
             if s.block_table.iter().copied().max().is_some_and(|b| b as usize >= num_blocks) {
-                let &b = s.block_table.iter().find(|&&b| b as usize >= num_blocks).expect("the maximum is out of range");
+                let &b =
+                    s.block_table.iter().find(|&&b| b as usize >= num_blocks).expect("the maximum is out of range");
                 return Err(PlanError::BlockOutOfRange { seq_id: s.seq_id, block: b, num_blocks });
             }
             if s.tokens.iter().copied().max().is_some_and(|t| t as usize >= vocab_size) {

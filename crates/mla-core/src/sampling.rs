@@ -99,9 +99,7 @@ pub fn top_k_entries(values: &[f32], k: usize) -> Vec<(u32, f32)> {
         return vec![];
     }
     let mut idx: Vec<u32> = (0..values.len() as u32).collect();
-    let cmp = |a: &u32, b: &u32| {
-        values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b))
-    };
+    let cmp = |a: &u32, b: &u32| values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, cmp);
         idx.truncate(k);
@@ -153,11 +151,7 @@ pub fn sample(logits: &[f32], req: &SampleRequest) -> SampledToken {
     if let Some(h) = &req.penalty {
         apply_penalties(&mut work, p, h);
     }
-    let token = if p.is_greedy() {
-        argmax(&work)
-    } else {
-        draw(&work, p, req.seed)
-    };
+    let token = if p.is_greedy() { argmax(&work) } else { draw(&work, p, req.seed) };
     let logprob = raw_lp.map_or(logprob, |lp| lp[token as usize]);
     SampledToken { token, logprob, top_logprobs }
 }

@@ -177,7 +177,8 @@ impl ModelSpec {
 
 impl MlpSpec {
     fn new(prefix: &str, hidden: usize, inter: usize) -> Self {
-        let lin = |n: &str, shape: Vec<usize>| TensorSpec::new(format!("{prefix}.{n}.weight"), shape, TensorRole::Linear);
+        let lin =
+            |n: &str, shape: Vec<usize>| TensorSpec::new(format!("{prefix}.{n}.weight"), shape, TensorRole::Linear);
         MlpSpec {
             gate_proj: lin("gate_proj", vec![inter, hidden]),
             up_proj: lin("up_proj", vec![inter, hidden]),
@@ -208,19 +209,15 @@ fn layer_spec(cfg: &ModelConfig, i: usize) -> LayerSpec {
         query,
         kv_a_proj_with_mqa: lin("self_attn.kv_a_proj_with_mqa", vec![cfg.kv_cache_dim(), h]),
         kv_a_layernorm: norm("self_attn.kv_a_layernorm", cfg.kv_lora_rank),
-        kv_b_proj: lin(
-            "self_attn.kv_b_proj",
-            vec![heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank],
-        ),
+        kv_b_proj: lin("self_attn.kv_b_proj", vec![heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank]),
         o_proj: lin("self_attn.o_proj", vec![h, heads * cfg.v_head_dim]),
     };
     let mlp = if cfg.is_moe_layer(i) {
         let n = cfg.n_routed_experts;
         FfnSpec::Moe(MoeSpec {
             gate: TensorSpec::new(format!("{p}.mlp.gate.weight"), vec![n, h], TensorRole::Router),
-            e_score_correction_bias: (cfg.topk_method == crate::config::TopkMethod::NoauxTc).then(|| {
-                TensorSpec::new(format!("{p}.mlp.gate.e_score_correction_bias"), vec![n], TensorRole::Bias)
-            }),
+            e_score_correction_bias: (cfg.topk_method == crate::config::TopkMethod::NoauxTc)
+                .then(|| TensorSpec::new(format!("{p}.mlp.gate.e_score_correction_bias"), vec![n], TensorRole::Bias)),
             experts: (0..n)
                 .map(|e| MlpSpec::new(&format!("{p}.mlp.experts.{e}"), h, cfg.moe_intermediate_size))
                 .collect(),
@@ -272,6 +269,8 @@ mod tests {
         assert!((670.5..671.5).contains(&n), "{n}");
         let fp8: Vec<&str> = spec.tensors().iter().filter(|t| t.fp8_quantizable()).map(|t| t.name.as_str()).collect();
         assert!(fp8.contains(&"model.layers.0.self_attn.q_a_proj.weight"));
-        assert!(!fp8.iter().any(|n| n.contains("norm") || n.contains("embed") || n.contains("lm_head") || n.ends_with("gate.weight")));
+        assert!(!fp8
+            .iter()
+            .any(|n| n.contains("norm") || n.contains("embed") || n.contains("lm_head") || n.ends_with("gate.weight")));
     }
 }

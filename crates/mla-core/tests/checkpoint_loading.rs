@@ -98,7 +98,12 @@ fn complete_single_file_reads_back_exact_bf16_values() {
     let dir = temp_dir("complete");
     let mut tensors = model_tensors(&cfg);
     // An unused extra tensor (like V3's MTP layer) must be ignored.
-    tensors.push(Raw { name: "model.layers.2.extra.weight".into(), dtype: Dtype::F32, shape: vec![2], bytes: f32_bytes(&[1.0, 2.0]) });
+    tensors.push(Raw {
+        name: "model.layers.2.extra.weight".into(),
+        dtype: Dtype::F32,
+        shape: vec![2],
+        bytes: f32_bytes(&[1.0, 2.0]),
+    });
     write_single(&dir, &tensors);
     let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
     let dummy = DummyWeights::new(3);
@@ -146,7 +151,7 @@ fn wrong_dtype_names_expected_kinds_and_found() {
     let mut tensors = model_tensors(&cfg);
     let norm = tensors.iter_mut().find(|r| r.name == "model.norm.weight").unwrap();
     norm.dtype = Dtype::I16; // same byte size as bf16, so the file itself is valid
-    // FP8 is only acceptable for linear weights, never for the router.
+                             // FP8 is only acceptable for linear weights, never for the router.
     let router = tensors.iter_mut().find(|r| r.name == "model.layers.1.mlp.gate.weight").unwrap();
     router.dtype = Dtype::F8_E4M3;
     router.bytes.truncate(router.bytes.len() / 2);
@@ -155,7 +160,10 @@ fn wrong_dtype_names_expected_kinds_and_found() {
     let msg = read_err(&ckpt, &find_spec(&cfg, "model.norm.weight"));
     assert!(msg.contains("`model.norm.weight`") && msg.contains("dtype I16, expected BF16, F16 or F32"), "{msg}");
     let msg = read_err(&ckpt, &find_spec(&cfg, "model.layers.1.mlp.gate.weight"));
-    assert!(msg.contains("`model.layers.1.mlp.gate.weight`") && msg.contains("dtype F8_E4M3, expected BF16, F16 or F32"), "{msg}");
+    assert!(
+        msg.contains("`model.layers.1.mlp.gate.weight`") && msg.contains("dtype F8_E4M3, expected BF16, F16 or F32"),
+        "{msg}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -229,7 +237,8 @@ fn tensor_absent_from_index_is_named_with_the_index() {
     let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
     let msg = read_err(&ckpt, &find_spec(&cfg, "model.layers.0.self_attn.o_proj.weight"));
     assert!(
-        msg.contains("tensor `model.layers.0.self_attn.o_proj.weight` is missing from") && msg.contains("model.safetensors.index.json"),
+        msg.contains("tensor `model.layers.0.self_attn.o_proj.weight` is missing from")
+            && msg.contains("model.safetensors.index.json"),
         "{msg}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
@@ -292,7 +301,10 @@ fn fp8_scale_problems_are_named() {
 #[test]
 fn fp8_weight_without_scale_is_named() {
     let dir = temp_dir("fp8-no-scale");
-    write_single(&dir, &[Raw { name: "w.weight".into(), dtype: Dtype::F8_E4M3, shape: vec![3, 5], bytes: vec![0x38; 15] }]);
+    write_single(
+        &dir,
+        &[Raw { name: "w.weight".into(), dtype: Dtype::F8_E4M3, shape: vec![3, 5], bytes: vec![0x38; 15] }],
+    );
     let ckpt = Checkpoint::open(&dir, &fp8_config()).unwrap();
     let msg = read_err(&ckpt, &fp8_weight_spec());
     assert!(msg.contains("tensor `w.weight_scale_inv` is missing"), "{msg}");

@@ -100,26 +100,90 @@ fn expect_error(mutate: impl FnOnce(&mut serde_json::Map<String, Value>), field:
 
 #[test]
 fn bad_configs_name_the_file_field_and_value() {
-    expect_error(|o| { o.insert("model_type".into(), json!("llama")); }, "model_type", "\"llama\"");
-    expect_error(|o| { o.insert("topk_method".into(), json!("random")); }, "topk_method", "\"random\"");
     expect_error(
-        |o| { o.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2})); },
+        |o| {
+            o.insert("model_type".into(), json!("llama"));
+        },
+        "model_type",
+        "\"llama\"",
+    );
+    expect_error(
+        |o| {
+            o.insert("topk_method".into(), json!("random"));
+        },
+        "topk_method",
+        "\"random\"",
+    );
+    expect_error(
+        |o| {
+            o.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2}));
+        },
         "rope_scaling.type",
         "\"linear\"",
     );
-    expect_error(|o| { o.insert("scoring_func".into(), json!("softmax")); }, "topk_method", "combination");
-    expect_error(|o| { o.remove("kv_lora_rank"); }, "kv_lora_rank", "missing");
-    expect_error(|o| { o.insert("hidden_size".into(), json!("big")); }, "hidden_size", "\"big\"");
-    expect_error(|o| { o.insert("num_key_value_heads".into(), json!(1)); }, "num_key_value_heads", "1");
-    expect_error(|o| { o.insert("n_group".into(), json!(7)); }, "n_group", "7");
-    expect_error(|o| { o.insert("moe_layer_freq".into(), json!(2)); }, "moe_layer_freq", "2");
-    expect_error(|o| { o.insert("hidden_act".into(), json!("gelu")); }, "hidden_act", "\"gelu\"");
     expect_error(
-        |o| { o.insert("quantization_config".into(), json!({"quant_method": "awq"})); },
+        |o| {
+            o.insert("scoring_func".into(), json!("softmax"));
+        },
+        "topk_method",
+        "combination",
+    );
+    expect_error(
+        |o| {
+            o.remove("kv_lora_rank");
+        },
+        "kv_lora_rank",
+        "missing",
+    );
+    expect_error(
+        |o| {
+            o.insert("hidden_size".into(), json!("big"));
+        },
+        "hidden_size",
+        "\"big\"",
+    );
+    expect_error(
+        |o| {
+            o.insert("num_key_value_heads".into(), json!(1));
+        },
+        "num_key_value_heads",
+        "1",
+    );
+    expect_error(
+        |o| {
+            o.insert("n_group".into(), json!(7));
+        },
+        "n_group",
+        "7",
+    );
+    expect_error(
+        |o| {
+            o.insert("moe_layer_freq".into(), json!(2));
+        },
+        "moe_layer_freq",
+        "2",
+    );
+    expect_error(
+        |o| {
+            o.insert("hidden_act".into(), json!("gelu"));
+        },
+        "hidden_act",
+        "\"gelu\"",
+    );
+    expect_error(
+        |o| {
+            o.insert("quantization_config".into(), json!({"quant_method": "awq"}));
+        },
         "quantization_config.quant_method",
         "\"awq\"",
     );
-    expect_error(|o| { o.insert("num_experts_per_tok".into(), json!(300)); }, "num_experts_per_tok", "300");
+    expect_error(
+        |o| {
+            o.insert("num_experts_per_tok".into(), json!(300));
+        },
+        "num_experts_per_tok",
+        "300",
+    );
 }
 
 #[test]

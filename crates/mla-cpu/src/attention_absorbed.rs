@@ -12,7 +12,14 @@ use rayon::prelude::*;
 /// [`crate::attention_normal::normal_attention`]: `q [n_q, heads, qk_nope + qk_rope]`,
 /// `latent [n_kv, kv_lora_rank + qk_rope]`, query `i` sees rows `0..=q_pos[i]`; returns
 /// `[n_q, heads, v_head_dim]`. Reference for GPU decode kernels.
-pub fn absorbed_attention(d: &MlaDims, q: &[f32], q_pos: &[usize], latent: &[f32], kv_b: &Matrix, scale: f32) -> Vec<f32> {
+pub fn absorbed_attention(
+    d: &MlaDims,
+    q: &[f32],
+    q_pos: &[usize],
+    latent: &[f32],
+    kv_b: &Matrix,
+    scale: f32,
+) -> Vec<f32> {
     d.check(q, q_pos, latent, kv_b);
     let (nope, rank, ld) = (d.qk_nope_head_dim, d.kv_lora_rank, d.latent_dim());
     let mut out = vec![0.0; q_pos.len() * d.num_heads * d.v_head_dim];

@@ -47,9 +47,8 @@ pub fn causal_attention(
         let (i, h) = (qh / heads, qh % heads);
         let qv = &q[qh * qk_dim..][..qk_dim];
         let visible = q_pos[i] + 1;
-        let mut scores: Vec<f32> = (0..visible)
-            .map(|t| crate::linear::dot(qv, &k[(t * heads + h) * qk_dim..][..qk_dim]) * scale)
-            .collect();
+        let mut scores: Vec<f32> =
+            (0..visible).map(|t| crate::linear::dot(qv, &k[(t * heads + h) * qk_dim..][..qk_dim]) * scale).collect();
         softmax_in_place(&mut scores);
         for (t, p) in scores.iter().enumerate() {
             crate::linear::axpy(*p, &v[(t * heads + h) * v_dim..][..v_dim], o);
@@ -61,7 +60,14 @@ pub fn causal_attention(
 /// Normal-path MLA over a sequence's latent rows. `q [n_q, heads, qk_nope + qk_rope]` with q_pe
 /// already rotated; `latent [n_kv, kv_lora_rank + qk_rope]` (normed c_kv, rotated k_pe) as the
 /// cache holds it; query `i` sees rows `0..=q_pos[i]`. Returns `[n_q, heads, v_head_dim]`.
-pub fn normal_attention(d: &MlaDims, q: &[f32], q_pos: &[usize], latent: &[f32], kv_b: &Matrix, scale: f32) -> Vec<f32> {
+pub fn normal_attention(
+    d: &MlaDims,
+    q: &[f32],
+    q_pos: &[usize],
+    latent: &[f32],
+    kv_b: &Matrix,
+    scale: f32,
+) -> Vec<f32> {
     d.check(q, q_pos, latent, kv_b);
     let (keys, values) = decompress_latent(d, latent, kv_b);
     causal_attention(q, &keys, &values, q_pos, d.num_heads, d.q_head_dim(), d.v_head_dim, scale)

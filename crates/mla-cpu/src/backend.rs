@@ -16,7 +16,12 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Loads `cfg`'s weights from `weights` (a checkpoint or dummy weights) and allocates a
     /// zeroed latent cache of `num_blocks` blocks of `block_size` tokens per layer.
-    pub fn new(cfg: ModelConfig, weights: &dyn WeightSource, block_size: usize, num_blocks: usize) -> anyhow::Result<Self> {
+    pub fn new(
+        cfg: ModelConfig,
+        weights: &dyn WeightSource,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(block_size > 0, "block_size must be positive");
         anyhow::ensure!(num_blocks > 0, "num_blocks must be positive");
         tracing::info!(source = %weights.describe(), block_size, num_blocks, "loading cpu backend");
@@ -59,19 +64,27 @@ impl Backend for CpuBackend {
         let mut spans = Vec::with_capacity(plan.seqs.len());
         let mut want = Vec::with_capacity(plan.num_tokens());
         for s in &plan.seqs {
-            spans.push(SeqSpan { start: tokens.len(), len: s.tokens.len(), context_len: s.context_len, block_table: &s.block_table });
+            spans.push(SeqSpan {
+                start: tokens.len(),
+                len: s.tokens.len(),
+                context_len: s.context_len,
+                block_table: &s.block_table,
+            });
             tokens.extend_from_slice(&s.tokens);
             let last_needed = s.logits == LogitsRequest::Last || s.sample.is_some();
-            want.extend((0..s.tokens.len()).map(|j| s.logits == LogitsRequest::All || (last_needed && j + 1 == s.tokens.len())));
+            want.extend(
+                (0..s.tokens.len()).map(|j| s.logits == LogitsRequest::All || (last_needed && j + 1 == s.tokens.len())),
+            );
         }
         let mut logits = self.model.forward(&tokens, &spans, &mut self.cache, path, &want);
 
         let mut out = StepOutput::default();
         for (s, span) in plan.seqs.iter().zip(&spans) {
             let rows = &mut logits[span.start..span.start + span.len];
-            let sampled = s.sample.as_ref().map(|req| {
-                sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req)
-            });
+            let sampled = s
+                .sample
+                .as_ref()
+                .map(|req| sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req));
             let logits = match s.logits {
                 LogitsRequest::None => vec![],
                 LogitsRequest::Last => vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")],

@@ -46,7 +46,11 @@ impl MlaDims {
 
     /// Checks the argument sizes every attention reference function shares.
     pub(crate) fn check(&self, q: &[f32], q_pos: &[usize], latent: &[f32], kv_b: &Matrix) -> usize {
-        assert_eq!(q.len(), q_pos.len() * self.num_heads * self.q_head_dim(), "queries must be [n_q, heads, q_head_dim]");
+        assert_eq!(
+            q.len(),
+            q_pos.len() * self.num_heads * self.q_head_dim(),
+            "queries must be [n_q, heads, q_head_dim]"
+        );
         assert_eq!(latent.len() % self.latent_dim(), 0, "latent must be [n_kv, kv_lora_rank + qk_rope_head_dim]");
         assert_eq!(
             (kv_b.rows, kv_b.cols),

@@ -56,7 +56,12 @@ impl CpuModel {
         let (hidden_size, eps) = (cfg.hidden_size, cfg.rms_norm_eps as f32);
         let mut hidden: Vec<f32> =
             tokens.iter().flat_map(|&t| self.weights.embed_tokens.row(t as usize).iter().copied()).collect();
-        let ctx = MlaContext { dims: self.dims, rope: &self.rope, softmax_scale: self.softmax_scale, block_size: cache.block_size() };
+        let ctx = MlaContext {
+            dims: self.dims,
+            rope: &self.rope,
+            softmax_scale: self.softmax_scale,
+            block_size: cache.block_size(),
+        };
         for (i, layer) in self.weights.layers.iter().enumerate() {
             let x = rms_norm_rows(&hidden, &layer.input_layernorm, eps);
             let attn = mla_forward(&layer.self_attn, &ctx, i, &x, seqs, cache, path);

@@ -64,7 +64,11 @@ impl ModelWeights {
                             FfnSpec::Dense(m) => FfnWeights::Dense(loader.mlp(m)?),
                             FfnSpec::Moe(moe) => FfnWeights::Moe(MoeBlock {
                                 gate: loader.matrix(&moe.gate)?,
-                                correction_bias: moe.e_score_correction_bias.as_ref().map(|b| loader.vector(b)).transpose()?,
+                                correction_bias: moe
+                                    .e_score_correction_bias
+                                    .as_ref()
+                                    .map(|b| loader.vector(b))
+                                    .transpose()?,
                                 experts: moe.experts.iter().map(|e| loader.mlp(e)).collect::<Result<_, _>>()?,
                                 shared_experts: moe.shared_experts.as_ref().map(|s| loader.mlp(s)).transpose()?,
                             }),
@@ -103,7 +107,11 @@ impl Loader<'_> {
     }
 
     fn mlp(&self, m: &MlpSpec) -> Result<SiluMlp, CheckpointError> {
-        Ok(SiluMlp { gate_proj: self.matrix(&m.gate_proj)?, up_proj: self.matrix(&m.up_proj)?, down_proj: self.matrix(&m.down_proj)? })
+        Ok(SiluMlp {
+            gate_proj: self.matrix(&m.gate_proj)?,
+            up_proj: self.matrix(&m.up_proj)?,
+            down_proj: self.matrix(&m.down_proj)?,
+        })
     }
 
     fn attention(&self, a: &AttentionSpec) -> Result<MlaWeights, CheckpointError> {

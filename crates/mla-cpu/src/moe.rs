@@ -85,17 +85,16 @@ impl MoeBlock {
         let hidden = cfg.hidden_size;
         let logits = self.gate.forward(x);
         let mut out = vec![0.0; x.len()];
-        out.par_chunks_mut(hidden)
-            .zip(x.par_chunks(hidden))
-            .zip(logits.par_chunks(cfg.n_routed_experts))
-            .for_each(|((o, xt), lt)| {
+        out.par_chunks_mut(hidden).zip(x.par_chunks(hidden)).zip(logits.par_chunks(cfg.n_routed_experts)).for_each(
+            |((o, xt), lt)| {
                 let mut chosen = route(cfg, lt, self.correction_bias.as_deref());
                 chosen.sort_by_key(|c| c.0);
                 let outputs: Vec<Vec<f32>> = chosen.par_iter().map(|&(e, _)| self.experts[e].forward(xt)).collect();
                 for ((_, w), y) in chosen.iter().zip(outputs) {
                     crate::linear::axpy(*w, &y, o);
                 }
-            });
+            },
+        );
         if let Some(shared) = &self.shared_experts {
             for (o, s) in out.iter_mut().zip(shared.forward(x)) {
                 *o += s;

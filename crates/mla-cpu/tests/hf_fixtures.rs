@@ -39,7 +39,9 @@ fn load_prompts(dir: &std::path::Path, vocab: usize) -> Vec<Prompt> {
         serde_json::from_str(&std::fs::read_to_string(dir.join("oracle.json")).unwrap()).unwrap();
     let bytes = std::fs::read(dir.join("oracle_f32.safetensors")).unwrap();
     let logits = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
     oracle["prompts"]
         .as_array()
         .unwrap()
@@ -48,7 +50,8 @@ fn load_prompts(dir: &std::path::Path, vocab: usize) -> Vec<Prompt> {
             let name = p["name"].as_str().unwrap().to_string();
             let t = logits.tensor(&name).unwrap();
             assert_eq!(t.dtype(), safetensors::Dtype::F32);
-            let values: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let values: Vec<f32> =
+                t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
             let (prompt, continuation) = (ids(&p["prompt"]), ids(&p["continuation"]));
             assert_eq!(t.shape(), [prompt.len() + continuation.len(), vocab]);
             Prompt {
@@ -69,9 +72,13 @@ fn backend(dir: &std::path::Path, cfg: &ModelConfig, blocks: usize) -> CpuBacken
 
 /// Worst per-row error, with the row index, for the report.
 fn worst_row(ours: &[Vec<f32>], oracle: &[Vec<f32>]) -> (f32, usize) {
-    (0..ours.len())
-        .map(|i| (max_abs_diff(&ours[i..=i], &oracle[i..=i]), i))
-        .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a })
+    (0..ours.len()).map(|i| (max_abs_diff(&ours[i..=i], &oracle[i..=i]), i)).fold((0.0, 0), |a, b| {
+        if b.0 > a.0 {
+            b
+        } else {
+            a
+        }
+    })
 }
 
 fn greedy_request() -> SampleRequest {
@@ -81,7 +88,10 @@ fn greedy_request() -> SampleRequest {
 fn check_variant(variant: &str) {
     let dir = fixture_dir(variant);
     if !dir.is_dir() {
-        eprintln!("SKIPPED {variant}: fixture directory {} is absent (the HF fixtures must be generated and committed)", dir.display());
+        eprintln!(
+            "SKIPPED {variant}: fixture directory {} is absent (the HF fixtures must be generated and committed)",
+            dir.display()
+        );
         return;
     }
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
@@ -105,7 +115,10 @@ fn check_variant(variant: &str) {
 
         // Prompt prefill, then teacher-forced decode of HF's continuation on the absorbed path.
         let mut b = backend(&dir, &cfg, blocks);
-        let mut rows = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &p.prompt, 0, &table)] }).unwrap().seqs[0].logits.clone();
+        let mut rows =
+            b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &p.prompt, 0, &table)] }).unwrap().seqs[0]
+                .logits
+                .clone();
         for (j, &t) in p.continuation.iter().enumerate() {
             let out = b.step(&StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, &[t], n + j, &table)] }).unwrap();
             rows.extend(out.seqs[0].logits.iter().cloned());
@@ -119,20 +132,35 @@ fn check_variant(variant: &str) {
         let mut first = seq(1, &p.prompt, 0, &table);
         first.logits = LogitsRequest::None;
         first.sample = Some(greedy_request());
-        let mut token = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![first] }).unwrap().seqs[0].sampled.as_ref().unwrap().token;
+        let mut token = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![first] }).unwrap().seqs[0]
+            .sampled
+            .as_ref()
+            .unwrap()
+            .token;
         for j in 0..p.continuation.len() {
             if p.gaps[j] < GAP_FLOOR {
                 println!("{variant}/{}: greedy comparison stops at step {j} (HF gap {:.1e})", p.name, p.gaps[j]);
                 break;
             }
-            assert_eq!(token, p.continuation[j], "{variant}/{}: greedy token {j} differs from HF (gap {})", p.name, p.gaps[j]);
+            assert_eq!(
+                token, p.continuation[j],
+                "{variant}/{}: greedy token {j} differs from HF (gap {})",
+                p.name, p.gaps[j]
+            );
             let mut s = seq(1, &[token], n + j, &table);
             s.logits = LogitsRequest::None;
             s.sample = Some(greedy_request());
-            token = b.step(&StepPlan { kind: StepKind::Decode, seqs: vec![s] }).unwrap().seqs[0].sampled.as_ref().unwrap().token;
+            token = b.step(&StepPlan { kind: StepKind::Decode, seqs: vec![s] }).unwrap().seqs[0]
+                .sampled
+                .as_ref()
+                .unwrap()
+                .token;
         }
     }
-    println!("{variant}: worst |logit - HF f32| prefill {worst_prefill:.3e}, prefill+decode {worst_decode:.3e} ({} prompts)", prompts.len());
+    println!(
+        "{variant}: worst |logit - HF f32| prefill {worst_prefill:.3e}, prefill+decode {worst_decode:.3e} ({} prompts)",
+        prompts.len()
+    );
 }
 
 #[test]

@@ -10,7 +10,8 @@ use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::sampling::argmax;
 use mla_core::{Backend, SamplingParams};
 
-const CONFIGS: [(&str, &str); 3] = [("v2-lite-like", V2_LITE_LIKE), ("v3-like", V3_LIKE), ("v2-grouped-tied", V2_GROUPED_TIED)];
+const CONFIGS: [(&str, &str); 3] =
+    [("v2-lite-like", V2_LITE_LIKE), ("v3-like", V3_LIKE), ("v2-grouped-tied", V2_GROUPED_TIED)];
 
 /// Same-math comparisons (only the memory layout differs) must agree to f32 rounding.
 const SAME_MATH: f32 = 1e-5;
@@ -50,12 +51,15 @@ fn chunked_prefill_matches_one_piece() {
     for (name, json) in CONFIGS {
         let prompt = tokens(40, 5, 64);
         let table: Vec<u32> = (0..3).collect();
-        let whole = step(&mut dummy_backend(json, 16, 3), StepKind::Prefill, vec![seq(1, &prompt, 0, &table)]).remove(0);
+        let whole =
+            step(&mut dummy_backend(json, 16, 3), StepKind::Prefill, vec![seq(1, &prompt, 0, &table)]).remove(0);
         let mut b = dummy_backend(json, 16, 3);
         let mut chunked = Vec::new();
         let mut start = 0;
         for len in [13, 1, 20, 6] {
-            chunked.extend(step(&mut b, StepKind::Prefill, vec![seq(1, &prompt[start..start + len], start, &table)]).remove(0));
+            chunked.extend(
+                step(&mut b, StepKind::Prefill, vec![seq(1, &prompt[start..start + len], start, &table)]).remove(0),
+            );
             start += len;
         }
         let d = max_abs_diff(&whole, &chunked);

@@ -52,10 +52,8 @@ pub struct CudaOptions {
 }
 
 /// The default decode graph buckets: fine steps at small batches, where padding costs most.
-pub const DEFAULT_GRAPH_BATCH_SIZES: &[usize] = &[
-    1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
-    240, 256,
-];
+pub const DEFAULT_GRAPH_BATCH_SIZES: &[usize] =
+    &[1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256];
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -81,12 +79,8 @@ impl CudaOptions {
         if self.cuda_graph_batch_sizes.is_empty() {
             return vec![];
         }
-        let mut v: Vec<usize> = self
-            .cuda_graph_batch_sizes
-            .iter()
-            .copied()
-            .filter(|&b| b >= 1 && b <= self.max_num_seqs)
-            .collect();
+        let mut v: Vec<usize> =
+            self.cuda_graph_batch_sizes.iter().copied().filter(|&b| b >= 1 && b <= self.max_num_seqs).collect();
         v.push(self.max_num_seqs);
         v.sort_unstable();
         v.dedup();
@@ -139,10 +133,7 @@ impl Worker {
     /// One engine step: a captured graph when one fits, else eager.
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         let start = Instant::now();
-        let (out, launched) = match self
-            .model
-            .step_with_graphs(&self.dev, &mut self.graphs, plan)
-        {
+        let (out, launched) = match self.model.step_with_graphs(&self.dev, &mut self.graphs, plan) {
             Some(r) => {
                 let (out, t) = r?;
                 (out, Some(t.launched))
@@ -206,31 +197,27 @@ impl CudaBackend {
     pub fn new(cfg: ModelConfig, weights: WeightsFrom, opts: CudaOptions) -> anyhow::Result<Self> {
         crate::model::check_supported(&cfg)?;
         let wcfg = cfg.clone();
-        let (thread, ready) =
-            StepThread::spawn(format!("cuda-worker-{}", opts.device), move || {
-                let worker = start_worker(wcfg, weights, &opts)?;
-                let ready = Ready {
-                    name: format!(
-                        "cuda:{} ({}, sm_{}{}{})",
-                        opts.device,
-                        worker.dev.gpu.info.name,
-                        worker.dev.gpu.info.compute_capability.0,
-                        worker.dev.gpu.info.compute_capability.1,
-                        if worker.dev.jit() { ", PTX JIT" } else { "" }
-                    ),
-                    num_blocks: worker.model.num_blocks,
-                    clock: worker.clock.clone(),
-                    graph_sizes: worker.graphs.batch_sizes(),
-                };
-                Ok((worker, ready))
-            })
-            .context("starting the CUDA worker thread")?;
+        let (thread, ready) = StepThread::spawn(format!("cuda-worker-{}", opts.device), move || {
+            let worker = start_worker(wcfg, weights, &opts)?;
+            let ready = Ready {
+                name: format!(
+                    "cuda:{} ({}, sm_{}{}{})",
+                    opts.device,
+                    worker.dev.gpu.info.name,
+                    worker.dev.gpu.info.compute_capability.0,
+                    worker.dev.gpu.info.compute_capability.1,
+                    if worker.dev.jit() { ", PTX JIT" } else { "" }
+                ),
+                num_blocks: worker.model.num_blocks,
+                clock: worker.clock.clone(),
+                graph_sizes: worker.graphs.batch_sizes(),
+            };
+            Ok((worker, ready))
+        })
+        .context("starting the CUDA worker thread")?;
         Ok(CudaBackend {
             cfg,
-            layout: CacheLayout {
-                block_size: PAGE_SIZE,
-                num_blocks: ready.num_blocks,
-            },
+            layout: CacheLayout { block_size: PAGE_SIZE, num_blocks: ready.num_blocks },
             name: ready.name,
             thread,
             clock: ready.clock,
@@ -258,20 +245,13 @@ impl CudaBackend {
     }
 }
 
-fn start_worker(
-    cfg: ModelConfig,
-    weights: WeightsFrom,
-    opts: &CudaOptions,
-) -> anyhow::Result<Worker> {
+fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> anyhow::Result<Worker> {
     let dev = Device::new(opts.device)?;
     let t0 = std::time::Instant::now();
     let (w, source) = match weights {
         WeightsFrom::Checkpoint(dir) => {
             let ckpt = Checkpoint::open(&dir, &cfg)?;
-            (
-                DeviceWeights::load(&cfg, &ckpt)?,
-                format!("checkpoint {}", dir.display()),
-            )
+            (DeviceWeights::load(&cfg, &ckpt)?, format!("checkpoint {}", dir.display()))
         }
         WeightsFrom::DummyOnDevice { seed } => (
             DeviceWeights::dummy(&cfg, &dev.k, dev.stream(), seed)?,
@@ -319,14 +299,7 @@ fn start_worker(
             graphs.bytes as f64 / (1u64 << 20) as f64
         );
     }
-    Ok(Worker {
-        graphs,
-        model,
-        dev,
-        clock: Arc::default(),
-        last_end: None,
-        logged: StepClock::default(),
-    })
+    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
 }
 
 impl Backend for CudaBackend {

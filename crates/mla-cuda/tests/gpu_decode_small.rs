@@ -22,12 +22,24 @@ const HEADS: usize = 16;
 fn beyond_one_step(got: &[f32], want: &[f32]) -> usize {
     let rms = (want.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / want.len() as f64).sqrt() as f32;
     let step = |x: f32| 2f32.powi(x.max(f32::MIN_POSITIVE).log2().floor() as i32 - 7);
-    got.iter().zip(want).filter(|&(&a, &b)| !a.is_finite() || (a - b).abs() > step(a.abs().max(b.abs())) + step(rms) / 64.0).count()
+    got.iter()
+        .zip(want)
+        .filter(|&(&a, &b)| !a.is_finite() || (a - b).abs() > step(a.abs().max(b.abs())) + step(rms) / 64.0)
+        .count()
 }
 
 /// The two-launch path: the merge kernel into o_lat, then cuBLAS.
 #[allow(clippy::too_many_arguments)]
-fn two_launches(dev: &mla_cuda::Device, part_o: DSlice<f32>, part_lse: DSlice<f32>, splits: usize, batch: usize, kv_b: &Linear, o_lat: DSlice<bf16>, out: DSlice<bf16>) {
+fn two_launches(
+    dev: &mla_cuda::Device,
+    part_o: DSlice<f32>,
+    part_lse: DSlice<f32>,
+    splits: usize,
+    batch: usize,
+    kv_b: &Linear,
+    o_lat: DSlice<bf16>,
+    out: DSlice<bf16>,
+) {
     dev.k
         .mla_decode_combine
         .launch(
@@ -35,7 +47,13 @@ fn two_launches(dev: &mla_cuda::Device, part_o: DSlice<f32>, part_lse: DSlice<f3
             (HEADS as u32, batch as u32, (LATENT / 128) as u32),
             128,
             0,
-            &[Arg::Ptr(part_o.ptr), Arg::Ptr(part_lse.ptr), Arg::I32(HEADS as i32), Arg::I32(splits as i32), Arg::Ptr(o_lat.ptr)],
+            &[
+                Arg::Ptr(part_o.ptr),
+                Arg::Ptr(part_lse.ptr),
+                Arg::I32(HEADS as i32),
+                Arg::I32(splits as i32),
+                Arg::Ptr(o_lat.ptr),
+            ],
         )
         .unwrap();
     dev.blas.absorb_o(kv_b, HEADS, o_lat, batch, out).unwrap();
@@ -77,10 +95,13 @@ fn combine_absorb_matches_two_launches_and_f64() {
                 for h in 0..HEADS {
                     let lse: Vec<f64> = (0..splits).map(|s| part_lse[(b * splits + s) * HEADS + h] as f64).collect();
                     let mx = lse.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let w: Vec<f64> = lse.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { (l - mx).exp2() }).collect();
+                    let w: Vec<f64> =
+                        lse.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { (l - mx).exp2() }).collect();
                     let total: f64 = w.iter().sum();
                     for c in 0..LATENT {
-                        let acc: f64 = (0..splits).map(|s| w[s] * part_o[((b * splits + s) * HEADS + h) * LATENT + c] as f64).sum();
+                        let acc: f64 = (0..splits)
+                            .map(|s| w[s] * part_o[((b * splits + s) * HEADS + h) * LATENT + c] as f64)
+                            .sum();
                         o_lat[(b * HEADS + h) * LATENT + c] = bf16::from_f64(acc / total).to_f32();
                     }
                 }
@@ -91,14 +112,26 @@ fn combine_absorb_matches_two_launches_and_f64() {
                     for d in 0..V_HEAD {
                         let wrow = &kv_b_h[(h * (NOPE + V_HEAD) + NOPE + d) * LATENT..][..LATENT];
                         let o = &o_lat[(b * HEADS + h) * LATENT..][..LATENT];
-                        want[b * HEADS * V_HEAD + h * V_HEAD + d] = wrow.iter().zip(o).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>() as f32;
+                        want[b * HEADS * V_HEAD + h * V_HEAD + d] =
+                            wrow.iter().zip(o).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>() as f32;
                     }
                 }
             }
             let (d_po, d_lse) = (up(&part_o), up(&part_lse));
             let rows = batch * HEADS * V_HEAD;
             let fused = up(&vec![bf16::NAN; rows + HEADS * V_HEAD]);
-            dev.k.decode_combine_absorb_o(dev.stream(), d_po.slice(), d_lse.slice(), HEADS, splits, batch, &kv_b, fused.slice()).unwrap();
+            dev.k
+                .decode_combine_absorb_o(
+                    dev.stream(),
+                    d_po.slice(),
+                    d_lse.slice(),
+                    HEADS,
+                    splits,
+                    batch,
+                    &kv_b,
+                    fused.slice(),
+                )
+                .unwrap();
             let d_olat = up(&vec![bf16::NAN; batch * HEADS * LATENT]);
             let two = up(&vec![bf16::NAN; rows]);
             two_launches(&dev, d_po.slice(), d_lse.slice(), splits, batch, &kv_b, d_olat.slice(), two.slice());
@@ -174,13 +207,18 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
             part_lse.upload(&vec![f32::NAN; batch * splits * HEADS]).unwrap();
             let got = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
             k.decode_attention_partials(s, &p).unwrap();
-            k.decode_combine_absorb_o(s, part_o.slice(), part_lse.slice(), HEADS, splits, batch, &kv_b, got.slice()).unwrap();
+            k.decode_combine_absorb_o(s, part_o.slice(), part_lse.slice(), HEADS, splits, batch, &kv_b, got.slice())
+                .unwrap();
             dev.gpu.sync().unwrap();
             let (got, want) = (down_bf16(got.slice()), down_bf16(want.slice()));
             let off = beyond_one_step(&got, &want);
             let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
             let untouched = down_bf16(o_lat.slice()).iter().all(|x| x.is_nan());
-            println!("attention batch {batch} splits {splits}: {same}/{} equal, {off} beyond one bf16 step, rel {:.2e}", got.len(), rel_l2(&got, &want));
+            println!(
+                "attention batch {batch} splits {splits}: {same}/{} equal, {off} beyond one bf16 step, rel {:.2e}",
+                got.len(),
+                rel_l2(&got, &want)
+            );
             if off > 0 || !untouched || want.iter().any(|x| !x.is_finite()) {
                 failures.push(format!("batch {batch}, {splits} splits: {off} beyond one step, o_lat untouched by the partials path: {untouched}"));
             }

@@ -35,7 +35,9 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
     gemv.max_rows = mla_cuda::model::gemv::GEMV_KERNEL_MAX_ROWS;
     let mut rng = Rng::new(21);
     // (out, in): q_proj, kv_a, o_proj, shared gate_up, shared down, dense down, lm_head slice.
-    for (n, k) in [(3072, 2048), (576, 2048), (2048, 2048), (5632, 2048), (2048, 2816), (2048, 10944), (12800, 2048), (13, 24)] {
+    for (n, k) in
+        [(3072, 2048), (576, 2048), (2048, 2048), (5632, 2048), (2048, 2816), (2048, 10944), (12800, 2048), (13, 24)]
+    {
         let w = round(&rng.uniform(n * k, 0.05));
         let wd = up_bf16(&w);
         let lin = Linear::new(wd.slice(), n, k);

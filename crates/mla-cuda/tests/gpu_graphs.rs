@@ -28,14 +28,25 @@ fn backend(graph_sizes: Vec<usize>) -> CudaBackend {
 
 fn sample(i: usize) -> Option<SampleRequest> {
     // Greedy rows and seeded top-p rows: a replay must reproduce both.
-    let params = if i % 2 == 0 { SamplingParams::greedy() } else { SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() } };
+    let params = if i % 2 == 0 {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() }
+    };
     Some(SampleRequest { params, seed: 77 + i as u64, top_logprobs: Some(2), penalty: None })
 }
 
 fn decode(active: &[usize], lens: &[usize], last: &[u32], tables: &[Vec<u32>]) -> StepPlan {
     let seqs = active
         .iter()
-        .map(|&i| SeqStep { seq_id: i as u64, tokens: vec![last[i]], context_len: lens[i], block_table: tables[i].clone(), logits: LogitsRequest::None, sample: sample(i) })
+        .map(|&i| SeqStep {
+            seq_id: i as u64,
+            tokens: vec![last[i]],
+            context_len: lens[i],
+            block_table: tables[i].clone(),
+            logits: LogitsRequest::None,
+            sample: sample(i),
+        })
         .collect();
     StepPlan { kind: StepKind::Decode, seqs }
 }
@@ -54,7 +65,16 @@ fn graph_replay_gives_the_eager_tokens_with_padding_and_fallback() {
     let tables: Vec<Vec<u32>> = (0..n as u32).map(|i| vec![2 * i + 1, 40 + i]).collect();
     let prefill = StepPlan {
         kind: StepKind::Prefill,
-        seqs: (0..n).map(|i| SeqStep { seq_id: i as u64, tokens: prompts[i].clone(), context_len: 0, block_table: tables[i].clone(), logits: LogitsRequest::None, sample: sample(i) }).collect(),
+        seqs: (0..n)
+            .map(|i| SeqStep {
+                seq_id: i as u64,
+                tokens: prompts[i].clone(),
+                context_len: 0,
+                block_table: tables[i].clone(),
+                logits: LogitsRequest::None,
+                sample: sample(i),
+            })
+            .collect(),
     };
     let pe = eager.step(&prefill).unwrap();
     let pg = graphs.step(&prefill).unwrap();
@@ -110,7 +130,14 @@ fn unpadded_replay_is_bitwise_the_eager_step_with_the_same_split_count() {
     let first = b
         .step(&StepPlan {
             kind: StepKind::Prefill,
-            seqs: vec![SeqStep { seq_id: 0, tokens: prompt.clone(), context_len: 0, block_table: table.clone(), logits: LogitsRequest::None, sample: sample(1) }],
+            seqs: vec![SeqStep {
+                seq_id: 0,
+                tokens: prompt.clone(),
+                context_len: 0,
+                block_table: table.clone(),
+                logits: LogitsRequest::None,
+                sample: sample(1),
+            }],
         })
         .unwrap();
     let tok = first.seqs[0].sampled.as_ref().unwrap().token;
@@ -150,7 +177,16 @@ fn graphs_are_captured_again_when_a_long_penalty_history_grows_the_metadata() {
     let tables = [vec![0u32, 1], vec![2u32, 3]];
     let prefill = StepPlan {
         kind: StepKind::Prefill,
-        seqs: (0..2).map(|i| SeqStep { seq_id: i as u64, tokens: vec![5 + i as u32; 20], context_len: 0, block_table: tables[i].clone(), logits: LogitsRequest::None, sample: sample(0) }).collect(),
+        seqs: (0..2)
+            .map(|i| SeqStep {
+                seq_id: i as u64,
+                tokens: vec![5 + i as u32; 20],
+                context_len: 0,
+                block_table: tables[i].clone(),
+                logits: LogitsRequest::None,
+                sample: sample(0),
+            })
+            .collect(),
     };
     let out = b.step(&prefill).unwrap();
     let mut last: Vec<u32> = out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();

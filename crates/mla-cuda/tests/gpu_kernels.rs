@@ -34,7 +34,11 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     dev.gpu.sync().unwrap();
     let res = down(residual.slice());
     for (r, &id) in ids.iter().enumerate() {
-        assert_eq!(&res[r * hidden..(r + 1) * hidden], &table[id as usize * hidden..(id as usize + 1) * hidden], "embedding row {r}");
+        assert_eq!(
+            &res[r * hidden..(r + 1) * hidden],
+            &table[id as usize * hidden..(id as usize + 1) * hidden],
+            "embedding row {r}"
+        );
     }
     let want: Vec<f32> = res.chunks(hidden).flat_map(|x| rms_norm(x, &w, eps)).collect();
     let e = rel_l2(&down_bf16(out.slice()), &want);
@@ -170,7 +174,10 @@ fn rope_and_latent_cache_write_match_the_cpu_reference() {
     let written: Vec<usize> = slots.iter().filter(|&&x| x >= 0).map(|&x| x as usize).collect();
     for sl in 0..n_slots {
         if !written.contains(&sl) {
-            assert!(cache_h[sl * lat..(sl + 1) * lat].iter().all(|&x| x == -7.5), "slot {sl} written without being asked");
+            assert!(
+                cache_h[sl * lat..(sl + 1) * lat].iter().all(|&x| x == -7.5),
+                "slot {sl} written without being asked"
+            );
         }
     }
 }
@@ -187,7 +194,13 @@ struct PagedCase {
 /// Random latent cache for sequences of `ctx[i] + new[i]` positions on scattered blocks; every
 /// row no sequence owns holds NaN, so reading one poisons the result.
 fn paged_case(rng: &mut Rng, heads: usize, ctx: &[usize], new: &[usize]) -> PagedCase {
-    let d = MlaDims { num_heads: heads, qk_nope_head_dim: NOPE, qk_rope_head_dim: ROPE, v_head_dim: V_HEAD, kv_lora_rank: LATENT };
+    let d = MlaDims {
+        num_heads: heads,
+        qk_nope_head_dim: NOPE,
+        qk_rope_head_dim: ROPE,
+        v_head_dim: V_HEAD,
+        kv_lora_rank: LATENT,
+    };
     let lat = d.latent_dim();
     let blocks: Vec<usize> = ctx.iter().zip(new).map(|(c, n)| (c + n).div_ceil(PAGE_SIZE)).collect();
     let num_blocks = blocks.iter().sum::<usize>() + 7;
@@ -237,7 +250,14 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
     let mut rng = Rng::new(seed);
     let c = paged_case(&mut rng, heads, ctx, new);
     let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
-    let lim = MetaLimits { max_tokens: 4096, max_seqs: 16, max_logit_rows: 16, max_kv_chunk: kv_chunk, max_blocks_per_seq: 4096, vocab: 512 };
+    let lim = MetaLimits {
+        max_tokens: 4096,
+        max_seqs: 16,
+        max_logit_rows: 16,
+        max_kv_chunk: kv_chunk,
+        max_blocks_per_seq: 4096,
+        vocab: 512,
+    };
     let meta = StepMeta::build(&c.plan(StepKind::Prefill), &lim).unwrap();
     let t = meta.tokens;
     let q = round(&rng.uniform(t * heads * qd, 1.0));
@@ -256,7 +276,14 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
         let n = new[i];
         let q_pos: Vec<usize> = (0..n).map(|j| ctx[i] + j).collect();
         let latent = c.latent_of(i, ctx[i] + n);
-        want.extend(normal_attention(&c.d, &q[row * heads * qd..(row + n) * heads * qd], &q_pos, &latent, &kv_b_m, scale));
+        want.extend(normal_attention(
+            &c.d,
+            &q[row * heads * qd..(row + n) * heads * qd],
+            &q_pos,
+            &latent,
+            &kv_b_m,
+            scale,
+        ));
         row += n;
     }
     for which in PrefillKernel::available(k) {
@@ -301,7 +328,10 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
         dev.gpu.sync().unwrap();
         let got = down_bf16(out.slice());
         let e = rel_l2(&got, &want);
-        println!("prefill {which:?} heads {heads} ctx {ctx:?} new {new:?} passes {}: rel err {e:.2e}", meta.passes.len());
+        println!(
+            "prefill {which:?} heads {heads} ctx {ctx:?} new {new:?} passes {}: rel err {e:.2e}",
+            meta.passes.len()
+        );
         assert!(e < 1.5e-2, "prefill attention ({which:?}) rel err {e}");
     }
 }
@@ -345,7 +375,14 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
         let c = paged_case(&mut rng, heads, &ctx, &vec![1; lens.len()]);
         let b = lens.len();
         let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
-        let lim = MetaLimits { max_tokens: 64, max_seqs: 16, max_logit_rows: 16, max_kv_chunk: 64, max_blocks_per_seq: 256, vocab: 512 };
+        let lim = MetaLimits {
+            max_tokens: 64,
+            max_seqs: 16,
+            max_logit_rows: 16,
+            max_kv_chunk: 64,
+            max_blocks_per_seq: 256,
+            vocab: 512,
+        };
         let meta = StepMeta::build(&c.plan(StepKind::Decode), &lim).unwrap();
         let q = round(&rng.uniform(b * heads * qd, 1.0));
         // q_abs rows: NaN where absorb_q must write, q_pe where the RoPE kernel would have.
@@ -353,7 +390,8 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
         for bh in 0..b * heads {
             q_abs[bh * lat + LATENT..(bh + 1) * lat].copy_from_slice(&q[bh * qd + NOPE..(bh + 1) * qd]);
         }
-        let (d_q, d_qabs, d_cache, d_kvb, d_meta) = (up_bf16(&q), up_bf16(&q_abs), up_bf16(&c.cache), up_bf16(&c.kv_b), up(&meta.words));
+        let (d_q, d_qabs, d_cache, d_kvb, d_meta) =
+            (up_bf16(&q), up_bf16(&q_abs), up_bf16(&c.cache), up_bf16(&c.kv_b), up(&meta.words));
         let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
         let o_lat = DeviceBuffer::<bf16>::alloc(b * heads * LATENT).unwrap();
         let out = DeviceBuffer::<bf16>::alloc(b * heads * V_HEAD).unwrap();
@@ -362,7 +400,16 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
         let scale = 0.1147f32;
         let kv_b_m = Matrix::new(kvw, LATENT, c.kv_b.clone());
         let want: Vec<f32> = (0..b)
-            .flat_map(|i| absorbed_attention(&c.d, &q[i * heads * qd..(i + 1) * heads * qd], &[lens[i] - 1], &c.latent_of(i, lens[i]), &kv_b_m, scale))
+            .flat_map(|i| {
+                absorbed_attention(
+                    &c.d,
+                    &q[i * heads * qd..(i + 1) * heads * qd],
+                    &[lens[i] - 1],
+                    &c.latent_of(i, lens[i]),
+                    &kv_b_m,
+                    scale,
+                )
+            })
             .collect();
         let default_splits = k.decode_splits(b, heads, meta.max_pages);
         for (splits, which) in [1, default_splits, 5, 64].into_iter().flat_map(|n| DecodeKernel::ALL.map(|w| (n, w))) {
@@ -423,7 +470,13 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
 /// that are not page multiples leave a partial last page; unowned cache rows hold NaN. Per
 /// sequence rel err of o_lat (bf16 output, P rounded to bf16: 1.5-1.7e-3 measured); a rescale
 /// that is wrong when the max moves shows as 0.17 or more. Returns the failures.
-fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], splits: &[usize], seed: u64) -> Vec<String> {
+fn decode_latent_case(
+    dev: &mla_cuda::Device,
+    heads: usize,
+    lens: &[usize],
+    splits: &[usize],
+    seed: u64,
+) -> Vec<String> {
     let (s, k) = (dev.stream(), &dev.k);
     let mut rng = Rng::new(seed);
     let ctx: Vec<usize> = lens.iter().map(|l| l - 1).collect();
@@ -451,7 +504,10 @@ fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], spli
         let rows = c.latent_of(i, len);
         for h in 0..heads {
             let q = &q_abs[(i * heads + h) * lat..][..lat];
-            let logits: Vec<f64> = rows.chunks(lat).map(|r| scale as f64 * r.iter().zip(q).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>()).collect();
+            let logits: Vec<f64> = rows
+                .chunks(lat)
+                .map(|r| scale as f64 * r.iter().zip(q).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>())
+                .collect();
             let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = logits.iter().map(|x| (x - mx).exp()).collect();
             let sum: f64 = w.iter().sum();
@@ -461,7 +517,14 @@ fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], spli
             }
         }
     }
-    let lim = MetaLimits { max_tokens: 64, max_seqs: 16, max_logit_rows: 16, max_kv_chunk: 64, max_blocks_per_seq: 256, vocab: 512 };
+    let lim = MetaLimits {
+        max_tokens: 64,
+        max_seqs: 16,
+        max_logit_rows: 16,
+        max_kv_chunk: 64,
+        max_blocks_per_seq: 256,
+        vocab: 512,
+    };
     let meta = StepMeta::build(&c.plan(StepKind::Decode), &lim).unwrap();
     let (d_qabs, d_cache, d_meta) = (up_bf16(&q_abs), up_bf16(&c.cache), up(&meta.words));
     let o_lat = DeviceBuffer::<bf16>::alloc(b * heads * LATENT).unwrap();
@@ -493,11 +556,17 @@ fn decode_latent_case(dev: &mla_cuda::Device, heads: usize, lens: &[usize], spli
         .unwrap();
         dev.gpu.sync().unwrap();
         let got = down_bf16(o_lat.slice());
-        let per_seq: Vec<f64> = (0..b).map(|i| rel_l2(&got[i * heads * LATENT..][..heads * LATENT], &want[i * heads * LATENT..][..heads * LATENT])).collect();
+        let per_seq: Vec<f64> = (0..b)
+            .map(|i| {
+                rel_l2(&got[i * heads * LATENT..][..heads * LATENT], &want[i * heads * LATENT..][..heads * LATENT])
+            })
+            .collect();
         let shown = per_seq.iter().map(|e| format!("{e:.2e}")).collect::<Vec<_>>().join(" ");
         println!("decode latent {which:?} heads {heads} lens {lens:?} splits {n}: rel err per sequence {shown}");
         if per_seq.iter().any(|&e| e >= 4e-3) {
-            failures.push(format!("latent, {which:?}, heads {heads}, lens {lens:?}, {n} splits: rel err per sequence {shown}"));
+            failures.push(format!(
+                "latent, {which:?}, heads {heads}, lens {lens:?}, {n} splits: rel err per sequence {shown}"
+            ));
         }
     }
     failures
@@ -523,18 +592,39 @@ fn moe_routing_matches_the_cpu_reference_for_every_method() {
             mla_core::config::TopkMethod::GroupLimitedGreedy => RouteMethod::GroupLimited,
             mla_core::config::TopkMethod::NoauxTc => RouteMethod::NoauxTc,
         };
-        k.moe_route(s, d_logits.slice(), d_bias.as_ref().map(|b| b.slice()), &r, method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor as f32).unwrap();
+        k.moe_route(
+            s,
+            d_logits.slice(),
+            d_bias.as_ref().map(|b| b.slice()),
+            &r,
+            method,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor as f32,
+        )
+        .unwrap();
         dev.gpu.sync().unwrap();
         let ids = down(bufs.ids.slice());
         let ws = down(bufs.w.slice());
         for tok in 0..t {
             let mut want = mla_cpu::route(&cfg, &logits[tok * e..(tok + 1) * e], bias.as_deref());
             want.sort_by_key(|x| x.0);
-            let mut got: Vec<(usize, f32)> = (0..top).map(|j| (ids[tok * top + j] as usize, ws[tok * top + j])).collect();
+            let mut got: Vec<(usize, f32)> =
+                (0..top).map(|j| (ids[tok * top + j] as usize, ws[tok * top + j])).collect();
             got.sort_by_key(|x| x.0);
-            assert_eq!(got.iter().map(|x| x.0).collect::<Vec<_>>(), want.iter().map(|x| x.0).collect::<Vec<_>>(), "{name} token {tok}");
+            assert_eq!(
+                got.iter().map(|x| x.0).collect::<Vec<_>>(),
+                want.iter().map(|x| x.0).collect::<Vec<_>>(),
+                "{name} token {tok}"
+            );
             for (g, w) in got.iter().zip(&want) {
-                assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs().max(1.0), "{name} token {tok}: weight {} vs {}", g.1, w.1);
+                assert!(
+                    (g.1 - w.1).abs() <= 1e-5 * w.1.abs().max(1.0),
+                    "{name} token {tok}: weight {} vs {}",
+                    g.1,
+                    w.1
+                );
             }
         }
     }
@@ -558,7 +648,17 @@ impl RoutingBufs {
         let a = t * top;
         let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
         let i = |n| DeviceBuffer::<i32>::alloc(n).unwrap();
-        RoutingBufs { ids: i(a), w: DeviceBuffer::alloc(a).unwrap(), off: i(e + 1), perm: i(a), inv: i(a), te: i(tiles), tr0: i(tiles), trs: i(tiles), nt: i(1) }
+        RoutingBufs {
+            ids: i(a),
+            w: DeviceBuffer::alloc(a).unwrap(),
+            off: i(e + 1),
+            perm: i(a),
+            inv: i(a),
+            te: i(tiles),
+            tr0: i(tiles),
+            trs: i(tiles),
+            nt: i(1),
+        }
     }
     fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting {
         self.routing_tiles(t, e, top, GROUPED_TILE_M)
@@ -614,7 +714,9 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     bufs.w.upload(&wts).unwrap();
     // Expert outputs.
     let mlp = |ex: usize, xt: &[f32]| -> Vec<f32> {
-        let gu = Matrix::new(2 * inter, hidden, gate_up[ex * 2 * inter * hidden..(ex + 1) * 2 * inter * hidden].to_vec()).forward(xt);
+        let gu =
+            Matrix::new(2 * inter, hidden, gate_up[ex * 2 * inter * hidden..(ex + 1) * 2 * inter * hidden].to_vec())
+                .forward(xt);
         let act: Vec<f32> = (0..inter).map(|j| gu[j] / (1.0 + (-gu[j]).exp()) * gu[inter + j]).collect();
         Matrix::new(hidden, inter, down_w[ex * hidden * inter..(ex + 1) * hidden * inter].to_vec()).forward(&act)
     };
@@ -627,7 +729,8 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
                 *o += wts[tok * top + j] * v;
             }
         }
-        for (o, sh) in want[tok * hidden..(tok + 1) * hidden].iter_mut().zip(&shared[tok * hidden..(tok + 1) * hidden]) {
+        for (o, sh) in want[tok * hidden..(tok + 1) * hidden].iter_mut().zip(&shared[tok * hidden..(tok + 1) * hidden])
+        {
             *o += sh;
         }
     }
@@ -639,39 +742,43 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
         variants.extend(Sm90Schedule::ALL.map(|sc| (GROUPED_TILE_M_SM90, sc)));
     }
     for (tile_m, sched) in variants {
-    let r = bufs.routing_tiles(t, e, top, tile_m);
-    let (d_x, d_gu, d_down, d_shared) = (up_bf16(&x), up_bf16(&gate_up), up_bf16(&down_w), up_bf16(&shared));
-    let a = t * top;
-    // Poisoned outputs: every element the kernels own must be rewritten.
-    let nan = |n: usize| DeviceBuffer::from_host(&vec![bf16::NAN; n]).unwrap();
-    let gx = nan(a * hidden);
-    let ggu = nan(a * 2 * inter);
-    let gact = nan(a * inter);
-    let gy = nan(a * hidden);
-    let out = nan(t * hidden);
-    k.moe_align(s, &r).unwrap();
-    k.moe_gather(s, d_x.slice(), &r, gx.slice(), hidden).unwrap();
-    k.moe_gate_up_act_with(s, gx.slice(), d_gu.slice(), ggu.slice(), gact.slice(), inter, hidden, &r, sched).unwrap();
-    k.moe_grouped_gemm_with(s, gact.slice(), d_down.slice(), gy.slice(), hidden, inter, &r, sched).unwrap();
-    k.moe_combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
-    dev.gpu.sync().unwrap();
-    // The grouping itself: offsets are a prefix sum of the counts, every row used once.
-    let off = down(bufs.off.slice());
-    let mut counts = vec![0i32; e];
-    ids.iter().for_each(|&i| counts[i as usize] += 1);
-    for ex in 0..e {
-        assert_eq!(off[ex + 1] - off[ex], counts[ex], "expert {ex} row count");
-    }
-    let mut inv = down(bufs.inv.slice());
-    inv.sort();
-    assert_eq!(inv, (0..a as i32).collect::<Vec<_>>());
-    // Several tiles per expert at this height, and an empty expert.
-    assert!(counts[..4].iter().all(|&c| c as usize > tile_m) && counts[13] == 0, "routing does not exercise the tile map: {counts:?}");
-    let got = down_bf16(out.slice());
-    assert!(got.iter().all(|v| v.is_finite()), "MoE output has non-finite values with tiles of {tile_m}");
-    let err = rel_l2(&got, &want);
-    println!("MoE experts (tiles of {tile_m} rows, {sched:?}) rel err {err:.2e}");
-    assert!(err < 1.5e-2, "MoE rel err {err} with tiles of {tile_m}, {sched:?}");
+        let r = bufs.routing_tiles(t, e, top, tile_m);
+        let (d_x, d_gu, d_down, d_shared) = (up_bf16(&x), up_bf16(&gate_up), up_bf16(&down_w), up_bf16(&shared));
+        let a = t * top;
+        // Poisoned outputs: every element the kernels own must be rewritten.
+        let nan = |n: usize| DeviceBuffer::from_host(&vec![bf16::NAN; n]).unwrap();
+        let gx = nan(a * hidden);
+        let ggu = nan(a * 2 * inter);
+        let gact = nan(a * inter);
+        let gy = nan(a * hidden);
+        let out = nan(t * hidden);
+        k.moe_align(s, &r).unwrap();
+        k.moe_gather(s, d_x.slice(), &r, gx.slice(), hidden).unwrap();
+        k.moe_gate_up_act_with(s, gx.slice(), d_gu.slice(), ggu.slice(), gact.slice(), inter, hidden, &r, sched)
+            .unwrap();
+        k.moe_grouped_gemm_with(s, gact.slice(), d_down.slice(), gy.slice(), hidden, inter, &r, sched).unwrap();
+        k.moe_combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
+        dev.gpu.sync().unwrap();
+        // The grouping itself: offsets are a prefix sum of the counts, every row used once.
+        let off = down(bufs.off.slice());
+        let mut counts = vec![0i32; e];
+        ids.iter().for_each(|&i| counts[i as usize] += 1);
+        for ex in 0..e {
+            assert_eq!(off[ex + 1] - off[ex], counts[ex], "expert {ex} row count");
+        }
+        let mut inv = down(bufs.inv.slice());
+        inv.sort();
+        assert_eq!(inv, (0..a as i32).collect::<Vec<_>>());
+        // Several tiles per expert at this height, and an empty expert.
+        assert!(
+            counts[..4].iter().all(|&c| c as usize > tile_m) && counts[13] == 0,
+            "routing does not exercise the tile map: {counts:?}"
+        );
+        let got = down_bf16(out.slice());
+        assert!(got.iter().all(|v| v.is_finite()), "MoE output has non-finite values with tiles of {tile_m}");
+        let err = rel_l2(&got, &want);
+        println!("MoE experts (tiles of {tile_m} rows, {sched:?}) rel err {err:.2e}");
+        assert!(err < 1.5e-2, "MoE rel err {err} with tiles of {tile_m}, {sched:?}");
     }
 }
 
@@ -685,10 +792,24 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
         seqs: reqs
             .iter()
             .enumerate()
-            .map(|(i, r)| SeqStep { seq_id: i as u64, tokens: vec![0], context_len: 0, block_table: vec![0], logits: LogitsRequest::None, sample: Some(r.clone()) })
+            .map(|(i, r)| SeqStep {
+                seq_id: i as u64,
+                tokens: vec![0],
+                context_len: 0,
+                block_table: vec![0],
+                logits: LogitsRequest::None,
+                sample: Some(r.clone()),
+            })
             .collect(),
     };
-    let lim = MetaLimits { max_tokens: rows, max_seqs: rows, max_logit_rows: rows, max_kv_chunk: rows, max_blocks_per_seq: 1, vocab };
+    let lim = MetaLimits {
+        max_tokens: rows,
+        max_seqs: rows,
+        max_logit_rows: rows,
+        max_kv_chunk: rows,
+        max_blocks_per_seq: 1,
+        vocab,
+    };
     let meta = StepMeta::build(&plan, &lim).unwrap();
     let d_meta = up(&meta.words);
     let d_logits = up(logits);
@@ -697,9 +818,12 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
     let lp = DeviceBuffer::<f32>::alloc(rows).unwrap();
     let tids = DeviceBuffer::<i32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
     let tlps = DeviceBuffer::<f32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
-    let params = unsafe { mla_cuda::gpu::DSlice::<SampleParamsRaw>::from_raw(d_meta.sub(meta.params, rows * 12).ptr, rows) };
+    let params =
+        unsafe { mla_cuda::gpu::DSlice::<SampleParamsRaw>::from_raw(d_meta.sub(meta.params, rows * 12).ptr, rows) };
     let out = SamplerOutputs { token: tok.slice(), logprob: lp.slice(), top_ids: tids.slice(), top_lps: tlps.slice() };
-    dev.k.sample(dev.stream(), d_logits.slice(), vocab, rows, vocab, params, d_meta.tail(meta.pen), work.slice(), &out).unwrap();
+    dev.k
+        .sample(dev.stream(), d_logits.slice(), vocab, rows, vocab, params, d_meta.tail(meta.pen), work.slice(), &out)
+        .unwrap();
     dev.gpu.sync().unwrap();
     let (t, l, ti, tl) = (down(tok.slice()), down(lp.slice()), down(tids.slice()), down(tlps.slice()));
     (0..rows)
@@ -729,7 +853,10 @@ fn sampling_greedy_logprobs_filters_penalties_and_seeds() {
     reqs[1].penalty = Some(mla_core::plan::PenaltyTokens { prompt: vec![best, 7], output: vec![] });
     reqs[2].params.frequency_penalty = 0.7;
     reqs[2].params.presence_penalty = 0.4;
-    reqs[2].penalty = Some(mla_core::plan::PenaltyTokens { prompt: vec![], output: vec![mla_core::sampling::argmax(&logits[2 * vocab..3 * vocab]); 30] });
+    reqs[2].penalty = Some(mla_core::plan::PenaltyTokens {
+        prompt: vec![],
+        output: vec![mla_core::sampling::argmax(&logits[2 * vocab..3 * vocab]); 30],
+    });
     reqs[3].params = SamplingParams { top_k: Some(1), ..Default::default() };
     let got = sample_rows(&dev, &logits, vocab, &reqs);
     for r in 0..rows {
@@ -737,9 +864,18 @@ fn sampling_greedy_logprobs_filters_penalties_and_seeds() {
         let want = mla_core::sampling::sample(row, &reqs[r]);
         assert_eq!(got[r].0 as u32, want.token, "row {r}: token");
         let lp = log_softmax(row);
-        assert!((got[r].1 - lp[want.token as usize]).abs() < 1e-3, "row {r}: logprob {} vs {}", got[r].1, lp[want.token as usize]);
+        assert!(
+            (got[r].1 - lp[want.token as usize]).abs() < 1e-3,
+            "row {r}: logprob {} vs {}",
+            got[r].1,
+            lp[want.token as usize]
+        );
         let top = top_k_entries(&lp, 5);
-        assert_eq!(got[r].2.iter().map(|x| x.0 as u32).collect::<Vec<_>>(), top.iter().map(|x| x.0).collect::<Vec<_>>(), "row {r}: top ids");
+        assert_eq!(
+            got[r].2.iter().map(|x| x.0 as u32).collect::<Vec<_>>(),
+            top.iter().map(|x| x.0).collect::<Vec<_>>(),
+            "row {r}: top ids"
+        );
         for (g, w) in got[r].2.iter().zip(&top) {
             assert!((g.1 - w.1).abs() < 1e-3);
         }

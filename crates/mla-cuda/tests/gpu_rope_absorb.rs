@@ -17,7 +17,8 @@ fn fused_rope_absorb_matches_rope_cache_and_an_f64_absorption() {
     let dev = device();
     let (s, k) = (dev.stream(), &dev.k);
     let cfg = config("deepseek-v2-lite.json");
-    let (heads, r, p, nope, v) = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let (heads, r, p, nope, v) =
+        (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim);
     let (lat, qd) = (r + p, cfg.q_head_dim());
     let mut rng = Rng::new(31);
     let kv_b = round(&rng.uniform(heads * (nope + v) * r, 0.1));
@@ -53,7 +54,13 @@ fn fused_rope_absorb_matches_rope_cache_and_an_f64_absorption() {
                 attn_factor: cfg.rope_attention_factor() as f32,
                 eps: cfg.rms_norm_eps as f32,
                 cache: cache.slice(),
-                absorb: absorb.then(|| AbsorbQ { kv_b: d_kv_b.slice(), v_dim: v, q_abs: q_abs.slice(), row_stride: heads * lat, head_stride: lat }),
+                absorb: absorb.then(|| AbsorbQ {
+                    kv_b: d_kv_b.slice(),
+                    v_dim: v,
+                    q_abs: q_abs.slice(),
+                    row_stride: heads * lat,
+                    head_stride: lat,
+                }),
             };
             k.rope_cache(s, &rope).unwrap();
             dev.gpu.sync().unwrap();
@@ -61,8 +68,14 @@ fn fused_rope_absorb_matches_rope_cache_and_an_f64_absorption() {
         };
         let (cache_ref, q_ref, qabs_ref) = run(false);
         let (cache_got, q_got, qabs_got) = run(true);
-        assert!(cache_got.iter().zip(&cache_ref).all(|(a, b)| a.to_bits() == b.to_bits()), "t={t}: cache rows differ from mla_rope_cache");
-        assert!(q_got.iter().zip(&q_ref).all(|(a, b)| a.to_bits() == b.to_bits()), "t={t}: roped q differs from mla_rope_cache");
+        assert!(
+            cache_got.iter().zip(&cache_ref).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "t={t}: cache rows differ from mla_rope_cache"
+        );
+        assert!(
+            q_got.iter().zip(&q_ref).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "t={t}: roped q differs from mla_rope_cache"
+        );
         let (mut got, mut want) = (vec![], vec![]);
         for i in 0..t {
             for h in 0..heads {

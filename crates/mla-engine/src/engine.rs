@@ -20,11 +20,22 @@ mod worker;
 /// What the handle tells the engine thread.
 #[derive(Debug)]
 pub(crate) enum Command {
-    Submit { id: u64, req: GenerateRequest, events: UnboundedSender<EngineEvent>, arrived: Instant },
+    Submit {
+        id: u64,
+        req: GenerateRequest,
+        events: UnboundedSender<EngineEvent>,
+        arrived: Instant,
+    },
     Abort(u64),
     /// End one completion of a request (the caller found a stop string), keeping the others.
-    FinishChoice { id: u64, index: usize, reason: FinishReason },
-    Shutdown { deadline: Instant },
+    FinishChoice {
+        id: u64,
+        index: usize,
+        reason: FinishReason,
+    },
+    Shutdown {
+        deadline: Instant,
+    },
 }
 
 /// Starts engines; see `Engine::start`.

@@ -135,7 +135,12 @@ impl Scheduler {
     pub fn add(&mut self, id: u64, req: GenerateRequest, seed: u64) {
         assert!(!self.groups.contains_key(&id), "request {id} added twice");
         // More completions than `max_num_seqs` could never be admitted; the engine refuses them.
-        assert!(req.n >= 1 && req.n <= self.cfg.max_num_seqs, "request {id}: n = {} outside 1..={}", req.n, self.cfg.max_num_seqs);
+        assert!(
+            req.n >= 1 && req.n <= self.cfg.max_num_seqs,
+            "request {id}: n = {} outside 1..={}",
+            req.n,
+            self.cfg.max_num_seqs
+        );
         let completions = (0..req.n)
             .map(|_| Seq {
                 tokens: req.prompt_tokens.clone(),
@@ -182,11 +187,8 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Option<StepPlan> {
         let decodable = self.running.iter().any(|&k| self.is_decodable(k));
         let prefill_first = !decodable || self.last_kind == Some(StepKind::Decode);
-        let order = if prefill_first {
-            [StepKind::Prefill, StepKind::Decode]
-        } else {
-            [StepKind::Decode, StepKind::Prefill]
-        };
+        let order =
+            if prefill_first { [StepKind::Prefill, StepKind::Decode] } else { [StepKind::Decode, StepKind::Prefill] };
         for kind in order {
             let seqs = match kind {
                 StepKind::Prefill => self.build_prefill(),

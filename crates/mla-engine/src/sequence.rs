@@ -44,7 +44,8 @@ impl SeqKey {
 /// Seed of draw `output_index` of completion `completion`. It depends on nothing else, so the
 /// tokens a seeded request gets do not depend on batching, step kinds or preemption.
 pub fn draw_seed(request_seed: u64, completion: usize, output_index: usize) -> u64 {
-    let per_completion = SplitMix64::new(request_seed ^ (completion as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64();
+    let per_completion =
+        SplitMix64::new(request_seed ^ (completion as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64();
     SplitMix64::new(per_completion ^ (output_index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
 }
 

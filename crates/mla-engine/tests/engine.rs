@@ -56,7 +56,13 @@ fn greedy_outputs_with_forced_preemption_equal_the_unpreempted_run() {
 
 #[test]
 fn seeded_sampling_does_not_depend_on_batching_or_preemption() {
-    let params = SamplingParams { temperature: 0.9, top_k: Some(40), top_p: 0.95, repetition_penalty: 1.3, ..Default::default() };
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: Some(40),
+        top_p: 0.95,
+        repetition_penalty: 1.3,
+        ..Default::default()
+    };
     // The last request brings no seed: the engine draws one from its own seed, in arrival order.
     let seeds = [Some(11), Some(12), Some(13), Some(14), Some(15), None];
     let (tiny, tiny_stats) = run_all(16, &params, &seeds);
@@ -66,7 +72,8 @@ fn seeded_sampling_does_not_depend_on_batching_or_preemption() {
     for (i, p) in prompts(5).iter().enumerate() {
         assert_eq!(tiny[i], reference(p, 0, &params, seeds[i].unwrap(), 40, &[], MAX_LEN), "request {i}");
     }
-    let greedy: Vec<Vec<u32>> = prompts(5).iter().map(|p| reference(p, 0, &SamplingParams::greedy(), 0, 40, &[], MAX_LEN)).collect();
+    let greedy: Vec<Vec<u32>> =
+        prompts(5).iter().map(|p| reference(p, 0, &SamplingParams::greedy(), 0, 40, &[], MAX_LEN)).collect();
     assert_ne!(&tiny[..5], &greedy[..], "sampling should differ from greedy");
 }
 

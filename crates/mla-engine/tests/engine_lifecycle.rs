@@ -47,7 +47,8 @@ fn dropping_a_stream_aborts_it_within_a_step_and_frees_its_blocks() {
     drop(gone);
     wait_until("the abort", || engine.stats().finished_abort == 1);
     // At most the step in flight at the drop, and one that may start before the drop lands.
-    let later = log.lock().unwrap().seqs[steps_at_drop..].iter().filter(|s| s.iter().any(|&q| q >> 16 == gone_id)).count();
+    let later =
+        log.lock().unwrap().seqs[steps_at_drop..].iter().filter(|s| s.iter().any(|&q| q >> 16 == gone_id)).count();
     assert!(later <= 2, "the dropped request ran {later} more steps");
     let c = collect(&mut keep, 1);
     assert_eq!(c.tokens[0], expect(&ps[0], 60), "the other request is unaffected");
@@ -137,7 +138,12 @@ fn a_backend_error_fails_only_the_affected_request() {
     assert!(bad_c.tokens[0].is_empty());
     assert_eq!(collect(&mut ok1, 1).tokens[0], expect(&ps[0], 6));
     assert_eq!(collect(&mut ok2, 1).tokens[0], expect(&ps[1], 6));
-    let together = log.lock().unwrap().seqs.iter().any(|s| [ok1.id, bad.id, ok2.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
+    let together = log
+        .lock()
+        .unwrap()
+        .seqs
+        .iter()
+        .any(|s| [ok1.id, bad.id, ok2.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
     assert!(together, "the failing step should have batched all three");
     // The engine is still serving and nothing leaked.
     let p = prompts(3).remove(2);

@@ -25,7 +25,13 @@ fn start(num_blocks: usize, delay_ms: u64) -> (EngineHandle, Arc<Mutex<Log>>, Ar
 
 #[test]
 fn outputs_with_preemption_and_seeds_equal_the_reference() {
-    let params = SamplingParams { temperature: 0.9, top_k: Some(40), top_p: 0.95, repetition_penalty: 1.3, ..Default::default() };
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: Some(40),
+        top_p: 0.95,
+        repetition_penalty: 1.3,
+        ..Default::default()
+    };
     for (sampling, seeds) in [(SamplingParams::greedy(), [None; 6]), (params, [11, 12, 13, 14, 15, 16].map(Some))] {
         // 16 blocks of 4 hold 64 tokens; six requests growing to ~50 tokens each must preempt.
         let (engine, log, started) = start(16, 0);
@@ -37,13 +43,20 @@ fn outputs_with_preemption_and_seeds_equal_the_reference() {
         for (i, (s, p)) in streams.iter_mut().zip(prompts(6)).enumerate() {
             let c = collect(s, 1);
             assert_eq!((c.error.as_deref(), c.finish[0]), (None, Some(FinishReason::Length)));
-            assert_eq!(c.tokens[0], reference(&p, 0, &sampling, seeds[i].unwrap_or(0), 40, &[], MAX_LEN), "request {i}");
+            assert_eq!(
+                c.tokens[0],
+                reference(&p, 0, &sampling, seeds[i].unwrap_or(0), 40, &[], MAX_LEN),
+                "request {i}"
+            );
         }
         wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
         let stats = engine.stats();
         assert!(stats.preemptions_total > 0, "the tiny cache did not force preemption");
         assert_eq!((stats.generation_tokens_total, stats.finished_length), (240, 6));
-        assert_eq!((stats.time_to_first_token.count, stats.e2e_latency.count, stats.inter_token_latency.count), (6, 6, 234));
+        assert_eq!(
+            (stats.time_to_first_token.count, stats.e2e_latency.count, stats.inter_token_latency.count),
+            (6, 6, 234)
+        );
         assert_eq!(started.load(Ordering::SeqCst), log.lock().unwrap().steps, "every step was started asynchronously");
         engine.shutdown(Duration::from_secs(1));
     }
@@ -83,7 +96,9 @@ fn finishing_one_choice_mid_stream_ends_it_cleanly_and_leaves_the_other_untouche
     let mut stream = engine.submit(req).unwrap();
     let mut early: Vec<Vec<u32>> = vec![vec![]; 2];
     while early[0].len() < 3 {
-        let Some(EngineEvent::Token { index, token, finish: None, .. }) = stream.events.blocking_recv() else { panic!("stream ended early") };
+        let Some(EngineEvent::Token { index, token, finish: None, .. }) = stream.events.blocking_recv() else {
+            panic!("stream ended early")
+        };
         early[index].push(token);
     }
     stream.finish_choice(0, FinishReason::Stop);
@@ -126,7 +141,8 @@ fn aborts_and_dropped_streams_end_cleanly() {
     wait_until("the abort", || engine.stats().finished_abort == 3);
     // The step in flight at the drop, one that may start before the drop lands, and one more
     // started before the departure is noticed.
-    let later = log.lock().unwrap().seqs[steps_at_drop..].iter().filter(|s| s.iter().any(|&q| q >> 16 == gone_id)).count();
+    let later =
+        log.lock().unwrap().seqs[steps_at_drop..].iter().filter(|s| s.iter().any(|&q| q >> 16 == gone_id)).count();
     assert!(later <= 3, "the dropped request ran {later} more steps");
     assert_eq!(collect(&mut keep, 1).tokens[0], reference(&ps[2], 0, &SamplingParams::greedy(), 0, 30, &[], MAX_LEN));
     wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
@@ -156,7 +172,12 @@ fn a_failed_step_fails_only_the_affected_request() {
     assert!(bad_c.error.as_deref().is_some_and(|m| m.contains("poison")), "{:?}", bad_c.error);
     assert_eq!(collect(&mut ok1, 1).tokens[0], reference(&ps[0], 0, &greedy, 0, 6, &[], MAX_LEN));
     assert_eq!(collect(&mut ok2, 1).tokens[0], reference(&ps[1], 0, &greedy, 0, 6, &[], MAX_LEN));
-    let together = log.lock().unwrap().seqs.iter().any(|s| [ok1.id, bad.id, ok2.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
+    let together = log
+        .lock()
+        .unwrap()
+        .seqs
+        .iter()
+        .any(|s| [ok1.id, bad.id, ok2.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
     assert!(together, "the failing step should have batched all three");
     wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
     engine.shutdown(Duration::from_secs(1));

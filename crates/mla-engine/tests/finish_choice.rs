@@ -87,7 +87,10 @@ fn finishing_one_choice_frees_it_within_a_step_and_leaves_the_other_untouched() 
     assert_eq!(got0, 4, "three tokens before the finish, one from the step already built");
     assert_eq!(c.tokens[0], full0[..got0]);
     assert_eq!(c.tokens[1], reference(&prompt, 1, &params, 7, 30, &[], MAX_LEN), "as if choice 0 had run on");
-    assert_eq!(collect(&mut other_stream, 1).tokens[0], reference(&other, 0, &SamplingParams::greedy(), 0, 8, &[], MAX_LEN));
+    assert_eq!(
+        collect(&mut other_stream, 1).tokens[0],
+        reference(&other, 0, &SamplingParams::greedy(), 0, 8, &[], MAX_LEN)
+    );
     wait_until("blocks freed", || engine.stats().kv_usage == 0.0 && engine.stats().running == 0);
     let s = engine.stats();
     assert_eq!((s.finished_stop, s.finished_length, s.finished_abort), (1, 2, 0));

@@ -39,7 +39,11 @@ fn step(s: &mut Scheduler) -> (StepPlan, Applied) {
         .map(|q| SeqResult {
             seq_id: q.seq_id,
             logits: vec![],
-            sampled: q.sample.as_ref().map(|_| SampledToken { token: token_at(q.end_pos()), logprob: 0.0, top_logprobs: vec![] }),
+            sampled: q.sample.as_ref().map(|_| SampledToken {
+                token: token_at(q.end_pos()),
+                logprob: 0.0,
+                top_logprobs: vec![],
+            }),
         })
         .collect();
     let applied = s.apply(&plan, &StepOutput { seqs });
@@ -250,8 +254,13 @@ fn finishing_one_completion_frees_its_blocks_and_keeps_the_others() {
     assert_eq!(s.finish_completion(8, 0, FinishReason::Stop), None, "no such request");
     let log = run_to_end(&mut s);
     assert!(log.iter().all(|(p, _)| p.seqs.iter().all(|q| q.seq_id != (7 << 16 | 1))), "completion 0 ran again");
-    let survivor: Vec<u32> =
-        tails.tokens.iter().chain(log.iter().flat_map(|(_, a)| &a.tokens)).filter(|t| t.index == 1).map(|t| t.token.token).collect();
+    let survivor: Vec<u32> = tails
+        .tokens
+        .iter()
+        .chain(log.iter().flat_map(|(_, a)| &a.tokens))
+        .filter(|t| t.index == 1)
+        .map(|t| t.token.token)
+        .collect();
     // Outputs follow positions alone: the survivor samples at ends 10..16 as if alone.
     assert_eq!(survivor, (10..16).map(token_at).collect::<Vec<_>>());
     assert_eq!(log.last().unwrap().1.finished_requests, vec![7]);
@@ -265,7 +274,9 @@ fn finishing_a_preempted_completion_drops_it_from_the_resume_queue() {
     s.add(1, req(4, 1, 16), 0);
     s.add(2, req(4, 2, 16), 0);
     let mut outputs: HashMap<(u64, usize), Vec<u32>> = HashMap::new();
-    let mut record = |a: &Applied| a.tokens.iter().for_each(|t| outputs.entry((t.request, t.index)).or_default().push(t.token.token));
+    let mut record = |a: &Applied| {
+        a.tokens.iter().for_each(|t| outputs.entry((t.request, t.index)).or_default().push(t.token.token))
+    };
     while s.preemptions() == 0 {
         record(&step(&mut s).1);
     }
@@ -274,7 +285,10 @@ fn finishing_a_preempted_completion_drops_it_from_the_resume_queue() {
     assert_eq!(s.finish_completion(2, 1, FinishReason::Stop), None);
     let log = run_to_end(&mut s);
     log.iter().for_each(|(_, a)| record(a));
-    assert!(log.iter().all(|(p, _)| p.seqs.iter().all(|q| q.seq_id != (2 << 16 | 2))), "the finished completion came back");
+    assert!(
+        log.iter().all(|(p, _)| p.seqs.iter().all(|q| q.seq_id != (2 << 16 | 2))),
+        "the finished completion came back"
+    );
     let expect: Vec<u32> = (4..20).map(token_at).collect();
     assert_eq!(outputs[&(1, 0)], expect);
     assert_eq!(outputs[&(2, 0)], expect, "its sibling ran to the end, recomputed if preempted too");

@@ -42,7 +42,12 @@ pub fn resolve_device(requested: Device, config: &ModelConfig, args: &Args) -> a
 }
 
 /// Builds the backend for a resolved device (`resolve_device` first).
-pub fn load(device: Device, source: &ModelSource, args: &Args, params: usize) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
+pub fn load(
+    device: Device,
+    source: &ModelSource,
+    args: &Args,
+    params: usize,
+) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
     match device {
         Device::Cuda => cuda(source, args),
         Device::Cpu => cpu(source, args, params),
@@ -59,7 +64,9 @@ fn cpu(source: &ModelSource, args: &Args, params: usize) -> anyhow::Result<(Box<
             let checkpoint = Checkpoint::open(dir, &cfg)?;
             CpuBackend::new(cfg, &checkpoint, sizing.block_size, sizing.num_blocks)?
         }
-        WeightsFrom::Dummy { seed } => CpuBackend::new(cfg, &DummyWeights::new(*seed), sizing.block_size, sizing.num_blocks)?,
+        WeightsFrom::Dummy { seed } => {
+            CpuBackend::new(cfg, &DummyWeights::new(*seed), sizing.block_size, sizing.num_blocks)?
+        }
     };
     Ok((Box::new(backend), sizing))
 }
@@ -77,7 +84,9 @@ fn cuda(source: &ModelSource, args: &Args) -> anyhow::Result<(Box<dyn Backend>, 
         WeightsFrom::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
         // The demo draws the same host-side weights as on the CPU, so both give the same replies;
         // big dummy models are drawn on the device, which is much faster.
-        WeightsFrom::Dummy { seed } if source.is_demo => mla_cuda::WeightsFrom::Host(Box::new(DummyWeights::new(*seed))),
+        WeightsFrom::Dummy { seed } if source.is_demo => {
+            mla_cuda::WeightsFrom::Host(Box::new(DummyWeights::new(*seed)))
+        }
         WeightsFrom::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
     };
     let options = CudaOptions {
@@ -100,6 +109,7 @@ fn cuda(source: &ModelSource, args: &Args) -> anyhow::Result<(Box<dyn Backend>, 
     };
     // The CUDA cache holds bf16 values.
     let bytes_per_token = cfg.num_hidden_layers * cfg.kv_cache_dim() * 2;
-    let sizing = Sizing { num_blocks: layout.num_blocks, block_size: layout.block_size, max_model_len, bytes_per_token };
+    let sizing =
+        Sizing { num_blocks: layout.num_blocks, block_size: layout.block_size, max_model_len, bytes_per_token };
     Ok((Box::new(backend), sizing))
 }

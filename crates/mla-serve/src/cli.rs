@@ -149,7 +149,10 @@ impl Args {
     /// Resolves `--device auto` and refuses flags the chosen device cannot honour.
     pub fn check_supported(&self) -> anyhow::Result<Device> {
         if self.tp != 1 {
-            anyhow::bail!("--tp {}: multi-GPU tensor parallelism is not implemented yet; only --tp 1 works today", self.tp);
+            anyhow::bail!(
+                "--tp {}: multi-GPU tensor parallelism is not implemented yet; only --tp 1 works today",
+                self.tp
+            );
         }
         if self.enable_dp_attention {
             anyhow::bail!("--enable-dp-attention: multi-GPU data-parallel attention is not implemented yet");

@@ -39,5 +39,10 @@ fn init_logging(level: cli::LogLevel) {
     let filter = tracing_subscriber::EnvFilter::new(level.as_str());
     // Colours only on a terminal: log files and CI output stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_ansi(ansi).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .init();
 }

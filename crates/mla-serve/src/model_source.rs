@@ -28,7 +28,9 @@ pub enum WeightsFrom {
     Checkpoint(PathBuf),
     /// Deterministic random weights; the seed is fixed so a model gives the same replies on
     /// every start.
-    Dummy { seed: u64 },
+    Dummy {
+        seed: u64,
+    },
 }
 
 /// Seed of the demo and `--load-format dummy` weights.

@@ -110,7 +110,10 @@ mod tests {
         let s = sizing(&["--kv-cache-tokens", "1000", "--block-size", "16"]).unwrap();
         assert_eq!((s.num_blocks, s.kv_tokens(), s.max_model_len), (63, 1008, 1008));
         assert!(sizing(&["--max-model-len", "5000"]).unwrap_err().to_string().contains("max_position_embeddings"));
-        assert!(sizing(&["--max-model-len", "2048", "--kv-cache-tokens", "1024"]).unwrap_err().to_string().contains("--kv-cache-tokens"));
+        assert!(sizing(&["--max-model-len", "2048", "--kv-cache-tokens", "1024"])
+            .unwrap_err()
+            .to_string()
+            .contains("--kv-cache-tokens"));
     }
 
     #[test]

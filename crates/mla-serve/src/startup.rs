@@ -1,8 +1,8 @@
 //! Everything done once before serving: resolve the model, load tokenizer and weights, size the
 //! KV cache, start the engine, and describe it all in the startup log.
 
-use crate::cli::Args;
 use crate::backends;
+use crate::cli::Args;
 use crate::model_source::{self, ModelSource};
 use crate::sizing::Sizing;
 use anyhow::Context;
@@ -48,7 +48,12 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     )?;
 
     let model_name = args.served_model_name.clone().unwrap_or_else(|| source.name.clone());
-    tracing::info!("model: {model_name} from {} ({:?}, {} parameters)", source.origin, source.config.model_type, human(params));
+    tracing::info!(
+        "model: {model_name} from {} ({:?}, {} parameters)",
+        source.origin,
+        source.config.model_type,
+        human(params)
+    );
     tracing::info!("device: {device}");
     tracing::info!(
         "KV cache: {} tokens ({} blocks of {}, {:.1} MiB); max model length {} tokens",
@@ -81,7 +86,9 @@ fn load_text(args: &Args, source: &ModelSource) -> anyhow::Result<TextPipeline> 
         );
     }
     let template = match &args.chat_template {
-        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("--chat-template {}", path.display()))?),
+        Some(path) => {
+            Some(std::fs::read_to_string(path).with_context(|| format!("--chat-template {}", path.display()))?)
+        }
         None => None,
     };
     let text = TextPipeline::new(tokenizer, template).context("compiling the chat template")?;
@@ -91,7 +98,12 @@ fn load_text(args: &Args, source: &ModelSource) -> anyhow::Result<TextPipeline> 
     Ok(text)
 }
 
-fn model_limits(source: &ModelSource, text: &TextPipeline, defaults: &GenerationDefaults, sizing: &Sizing) -> ModelLimits {
+fn model_limits(
+    source: &ModelSource,
+    text: &TextPipeline,
+    defaults: &GenerationDefaults,
+    sizing: &Sizing,
+) -> ModelLimits {
     // End-of-sequence ids from every place a model declares them; any of them ends a completion.
     let mut eos = source.config.eos_token_ids.clone();
     eos.extend(&defaults.eos_token_ids);

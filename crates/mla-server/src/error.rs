@@ -111,9 +111,13 @@ impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> Self {
         match e {
             SubmitError::QueueFull { limit } => ApiError::QueueFull { limit },
-            SubmitError::TooLong { prompt, needed, limit } => {
-                ApiError::ContextTooLong { field: None, limit, needed, prompt, completion: needed.saturating_sub(prompt) }
-            }
+            SubmitError::TooLong { prompt, needed, limit } => ApiError::ContextTooLong {
+                field: None,
+                limit,
+                needed,
+                prompt,
+                completion: needed.saturating_sub(prompt),
+            },
             SubmitError::ExceedsCache { .. } => ApiError::InvalidRequest { message: e.to_string(), param: None },
             SubmitError::Invalid(message) => ApiError::InvalidRequest { message, param: None },
             SubmitError::ShuttingDown => ApiError::ShuttingDown,

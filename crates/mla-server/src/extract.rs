@@ -27,7 +27,10 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::PayloadTooLarge { limit }
             } else {
-                ApiError::InvalidJson { message: format!("cannot read the request body: {}", r.body_text()), param: None }
+                ApiError::InvalidJson {
+                    message: format!("cannot read the request body: {}", r.body_text()),
+                    param: None,
+                }
             }
         })?;
         let value: Value = serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson {
@@ -35,7 +38,10 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
             param: None,
         })?;
         if !value.is_object() {
-            return Err(ApiError::InvalidJson { message: "the request body must be a JSON object".into(), param: None });
+            return Err(ApiError::InvalidJson {
+                message: "the request body must be a JSON object".into(),
+                param: None,
+            });
         }
         Ok(JsonObject(value))
     }

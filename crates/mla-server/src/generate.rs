@@ -91,7 +91,12 @@ impl Generation {
         let mut choices = vec![];
         let mut prompt_tokens = 0;
         for s in submitted {
-            runs.push(PromptRun { stream: Some(s.stream), base: choices.len(), n: s.n, stop_token_ids: s.stop_token_ids });
+            runs.push(PromptRun {
+                stream: Some(s.stream),
+                base: choices.len(),
+                n: s.n,
+                stop_token_ids: s.stop_token_ids,
+            });
             prompt_tokens += s.prompt_len;
             choices.extend((0..s.n).map(|_| Choice { text: make_text(), completion_tokens: 0, finished: false }));
         }
@@ -151,7 +156,9 @@ impl Generation {
             }
             Some(EngineEvent::Finished { index, reason }) if index < n => self.finish(base + index, reason, vec![]),
             Some(EngineEvent::Error { message }) => return Err(ApiError::Internal(message)),
-            Some(other) => return Err(ApiError::Internal(format!("engine sent an event for an unknown completion: {other:?}"))),
+            Some(other) => {
+                return Err(ApiError::Internal(format!("engine sent an event for an unknown completion: {other:?}")))
+            }
             None => {
                 // The engine dropped the request without finishing every choice (it is gone):
                 // the rest are reported as aborted.

@@ -49,7 +49,11 @@ pub fn render(model: &str, stats: &EngineStats) -> String {
     }
 
     let hists = [
-        ("mla:time_to_first_token_seconds", "Time from arrival to the first generated token.", &stats.time_to_first_token),
+        (
+            "mla:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            &stats.time_to_first_token,
+        ),
         ("mla:inter_token_latency_seconds", "Time between consecutive generated tokens.", &stats.inter_token_latency),
         ("mla:e2e_request_latency_seconds", "Time from arrival to the last token.", &stats.e2e_latency),
         ("mla:request_queue_time_seconds", "Time from arrival to first scheduling.", &stats.queue_time),
@@ -88,7 +92,11 @@ fn number(v: f64) -> String {
     if v.is_nan() {
         "NaN".into()
     } else if v.is_infinite() {
-        if v > 0.0 { "+Inf".into() } else { "-Inf".into() }
+        if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
     } else {
         format!("{v}")
     }
@@ -122,10 +130,14 @@ mod tests {
             ..Default::default()
         };
         let text = render("demo", &stats);
-        assert!(text.contains("# TYPE mla:num_requests_running gauge\nmla:num_requests_running{model_name=\"demo\"} 3\n"));
+        assert!(
+            text.contains("# TYPE mla:num_requests_running gauge\nmla:num_requests_running{model_name=\"demo\"} 3\n")
+        );
         assert!(text.contains("mla:num_requests_waiting{model_name=\"demo\"} 2\n"));
         assert!(text.contains("mla:kv_cache_usage_perc{model_name=\"demo\"} 0.25\n"));
-        assert!(text.contains("# TYPE mla:prompt_tokens_total counter\nmla:prompt_tokens_total{model_name=\"demo\"} 120\n"));
+        assert!(
+            text.contains("# TYPE mla:prompt_tokens_total counter\nmla:prompt_tokens_total{model_name=\"demo\"} 120\n")
+        );
         assert!(text.contains("mla:generation_tokens_total{model_name=\"demo\"} 45\n"));
         assert!(text.contains("mla:num_preemptions_total{model_name=\"demo\"} 1\n"));
         assert_eq!(

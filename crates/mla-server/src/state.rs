@@ -35,7 +35,11 @@ impl AppState {
 
     /// Submits one engine request per prompt. If one is refused (queue full, too long), the
     /// ones already submitted are dropped, which aborts them.
-    pub fn start_generation(&self, requests: Vec<GenerateRequest>, params: &ValidatedParams) -> Result<Generation, ApiError> {
+    pub fn start_generation(
+        &self,
+        requests: Vec<GenerateRequest>,
+        params: &ValidatedParams,
+    ) -> Result<Generation, ApiError> {
         let mut submitted = Vec::with_capacity(requests.len());
         for req in requests {
             let (prompt_len, n, stop_token_ids) = (req.prompt_tokens.len(), req.n, req.stop_token_ids.clone());
@@ -55,8 +59,8 @@ impl AppState {
 }
 
 /// Runs CPU-heavy text work (template rendering, tokenization) off the async runtime.
-pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::Internal(format!("tokenizer task failed: {e}")))?
 }

@@ -108,10 +108,7 @@ fn raise_exception(message: String) -> Result<Value, Error> {
 fn strftime_now(format: String) -> Result<Value, Error> {
     let items: Vec<Item> = StrftimeItems::new(&format).collect();
     if items.iter().any(|item| matches!(item, Item::Error)) {
-        return Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!("strftime_now: unsupported format {format:?}"),
-        ));
+        return Err(Error::new(ErrorKind::InvalidOperation, format!("strftime_now: unsupported format {format:?}")));
     }
     let mut out = String::new();
     write!(out, "{}", chrono::Local::now().format_with_items(items.iter()))

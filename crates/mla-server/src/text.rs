@@ -40,7 +40,10 @@ impl TextPipeline {
     /// adding special tokens: the template wrote BOS itself.
     pub fn chat_prompt(&self, messages: &[Value]) -> Result<Vec<u32>, ApiError> {
         let template = self.template.as_ref().ok_or_else(|| {
-            ApiError::invalid("messages", "this model has no chat template; start the server with --chat-template FILE or use /v1/completions")
+            ApiError::invalid(
+                "messages",
+                "this model has no chat template; start the server with --chat-template FILE or use /v1/completions",
+            )
         })?;
         let options = RenderOptions {
             add_generation_prompt: true,

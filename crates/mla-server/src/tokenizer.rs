@@ -55,9 +55,14 @@ impl TextTokenizer {
     }
 
     /// Builds from `tokenizer.json` bytes and a parsed config; `source_name` names errors.
-    pub fn from_parts(tokenizer_json: &[u8], config: TokenizerConfig, source_name: &str) -> Result<Self, TokenizerError> {
+    pub fn from_parts(
+        tokenizer_json: &[u8],
+        config: TokenizerConfig,
+        source_name: &str,
+    ) -> Result<Self, TokenizerError> {
         let load_err = |message: String| TokenizerError::Load { source_name: source_name.into(), message };
-        let inner = Tokenizer::from_bytes(tokenizer_json).map_err(|e| load_err(format!("not a tokenizer.json: {e}")))?;
+        let inner =
+            Tokenizer::from_bytes(tokenizer_json).map_err(|e| load_err(format!("not a tokenizer.json: {e}")))?;
         if config.clean_up_tokenization_spaces {
             if !matches!(inner.get_model(), ModelWrapper::BPE(_)) {
                 return Err(load_err(
@@ -75,12 +80,8 @@ impl TextTokenizer {
         };
         let bos = resolve("bos_token")?;
         let eos = resolve("eos_token")?;
-        let special_ids = inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, token)| token.special)
-            .map(|(id, _)| id)
-            .collect();
+        let special_ids =
+            inner.get_added_tokens_decoder().into_iter().filter(|(_, token)| token.special).map(|(id, _)| id).collect();
         let tokenizer = Self { inner, config, bos, eos, special_ids };
         tokenizer.cross_check_bos_flag()?;
         Ok(tokenizer)
@@ -89,10 +90,8 @@ impl TextTokenizer {
     /// Token ids of `text`. `add_special_tokens` applies `tokenizer.json`'s post-processor
     /// (BOS for DeepSeek), as `tokenizer(text)` does in transformers.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        let encoding = self
-            .inner
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let encoding =
+            self.inner.encode_fast(text, add_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 

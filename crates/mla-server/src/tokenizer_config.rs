@@ -179,7 +179,10 @@ mod tests {
             "test",
         )
         .unwrap();
-        assert_eq!(config.special_tokens, vec![("bos_token".into(), "<s>".into()), ("eos_token".into(), "</s>".into())]);
+        assert_eq!(
+            config.special_tokens,
+            vec![("bos_token".into(), "<s>".into()), ("eos_token".into(), "</s>".into())]
+        );
         assert_eq!(config.add_bos_token, Some(true));
         assert_eq!(config.add_eos_token, None);
         assert!(!config.clean_up_tokenization_spaces);

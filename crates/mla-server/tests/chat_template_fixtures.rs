@@ -25,7 +25,8 @@ fn check_case(template: &ChatTemplate, tokenizer: &TextTokenizer, case: &Value) 
     match (case.get("rendered").and_then(Value::as_str), result) {
         (Some(want), Ok(got)) if want != got => Some(format!("{name}: rendered\n  {got:?}\nHF rendered\n  {want:?}")),
         (Some(want), Ok(_)) => {
-            let want_ids: Option<Vec<u32>> = case.get("token_ids").map(|ids| serde_json::from_value(ids.clone()).unwrap());
+            let want_ids: Option<Vec<u32>> =
+                case.get("token_ids").map(|ids| serde_json::from_value(ids.clone()).unwrap());
             let got_ids = tokenizer.encode_chat_prompt(want).unwrap();
             match want_ids {
                 Some(want_ids) if want_ids != got_ids => {
@@ -43,9 +44,10 @@ fn check_case(template: &ChatTemplate, tokenizer: &TextTokenizer, case: &Value) 
 fn check_fixture_file(file: &str) {
     let fixture = read_json(template_fixtures_dir().join(file));
     let tokenizer = demo_tokenizer();
-    let shared_template = fixture.get("template").and_then(Value::as_str).map(|name| {
-        std::fs::read_to_string(template_fixtures_dir().join(name)).unwrap()
-    });
+    let shared_template = fixture
+        .get("template")
+        .and_then(Value::as_str)
+        .map(|name| std::fs::read_to_string(template_fixtures_dir().join(name)).unwrap());
     let cases = fixture["cases"].as_array().unwrap();
     assert!(cases.len() >= 10, "{file}: too few cases to mean anything");
     let failures: Vec<String> = cases
@@ -59,7 +61,13 @@ fn check_fixture_file(file: &str) {
             }
         })
         .collect();
-    assert!(failures.is_empty(), "{file}: {} of {} cases differ from transformers:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{file}: {} of {} cases differ from transformers:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -103,10 +111,9 @@ fn demo_tokenizer_ships_the_published_v3_template() {
 #[test]
 fn non_text_content_parts_are_refused() {
     let template = ChatTemplate::new("{{ messages[0].content }}").unwrap();
-    let messages: Vec<Value> = serde_json::from_str(
-        r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#,
-    )
-    .unwrap();
+    let messages: Vec<Value> =
+        serde_json::from_str(r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#)
+            .unwrap();
     let err = template.render(&messages, &RenderOptions::default()).unwrap_err();
     assert!(matches!(err, ChatTemplateError::InvalidMessages(_)), "{err:?}");
 }

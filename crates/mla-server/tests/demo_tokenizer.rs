@@ -17,7 +17,11 @@ fn encodings_match_transformers() {
     let tokenizer = demo_tokenizer();
     for case in fixture["encodings"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(tokenizer.encode(text, true).unwrap(), ids(&case["with_special_tokens"]), "{text:?} with special tokens");
+        assert_eq!(
+            tokenizer.encode(text, true).unwrap(),
+            ids(&case["with_special_tokens"]),
+            "{text:?} with special tokens"
+        );
         assert_eq!(tokenizer.encode(text, false).unwrap(), ids(&case["without_special_tokens"]), "{text:?} without");
     }
 }
@@ -28,8 +32,16 @@ fn decodings_match_transformers_with_and_without_special_tokens() {
     let tokenizer = demo_tokenizer();
     for case in fixture["decodings"].as_array().unwrap() {
         let token_ids = ids(&case["ids"]);
-        assert_eq!(tokenizer.decode(&token_ids, true).unwrap(), case["skip_special_tokens"].as_str().unwrap(), "{token_ids:?} skipping");
-        assert_eq!(tokenizer.decode(&token_ids, false).unwrap(), case["keep_special_tokens"].as_str().unwrap(), "{token_ids:?} keeping");
+        assert_eq!(
+            tokenizer.decode(&token_ids, true).unwrap(),
+            case["skip_special_tokens"].as_str().unwrap(),
+            "{token_ids:?} skipping"
+        );
+        assert_eq!(
+            tokenizer.decode(&token_ids, false).unwrap(),
+            case["keep_special_tokens"].as_str().unwrap(),
+            "{token_ids:?} keeping"
+        );
     }
 }
 
@@ -100,7 +112,10 @@ fn demo_config_agrees_with_the_tokenizer() {
     assert_eq!(config.bos_token_id, Some(tokenizer.bos().unwrap().id));
     assert_eq!(config.eos_token_ids, vec![tokenizer.eos().unwrap().id]);
     assert_eq!(config.model_type, mla_core::config::ModelType::DeepseekV3);
-    assert_eq!((config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim), (64, 16, 32, 32));
+    assert_eq!(
+        (config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim),
+        (64, 16, 32, 32)
+    );
     assert_eq!((config.n_routed_experts, config.num_hidden_layers), (8, 2));
     assert!(config.q_lora_rank.is_some());
     assert!(matches!(config.rope_scaling, mla_core::config::RopeScaling::Yarn(_)));

@@ -29,7 +29,10 @@ async fn chat_completion_shape_text_and_usage() {
     assert!(c["logprobs"].is_null());
     // The V3 template renders one user turn as BOS + <｜User｜> + text + <｜Assistant｜>.
     let prompt = tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>", false).unwrap();
-    assert_eq!(v["usage"], json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5})
+    );
 }
 
 #[tokio::test]
@@ -57,7 +60,10 @@ async fn eos_ends_with_stop_unless_ignored() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 4);
     let v = s
-        .post("/v1/chat/completions", chat("x", json!({"max_tokens": 4, "ignore_eos": true, "skip_special_tokens": false})))
+        .post(
+            "/v1/chat/completions",
+            chat("x", json!({"max_tokens": 4, "ignore_eos": true, "skip_special_tokens": false})),
+        )
         .await
         .json();
     let four: Vec<u32> = script.iter().copied().cycle().take(4).collect();
@@ -107,7 +113,14 @@ async fn completions_with_token_prompts_echo_and_logprobs() {
     let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
     assert_eq!(tokens.concat(), v["choices"][0]["text"].as_str().unwrap());
     assert_eq!(lp["token_logprobs"], json!([-0.5, -0.5, -0.5]));
-    let offsets: Vec<usize> = tokens.iter().scan(0, |o, t| { let at = *o; *o += t.chars().count(); Some(at) }).collect();
+    let offsets: Vec<usize> = tokens
+        .iter()
+        .scan(0, |o, t| {
+            let at = *o;
+            *o += t.chars().count();
+            Some(at)
+        })
+        .collect();
     assert_eq!(lp["text_offset"], json!(offsets));
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
 
@@ -263,7 +276,8 @@ async fn stop_strings_ending_every_choice_count_as_stops_not_aborts() {
     // long before the engine would reach max_tokens (see `metrics` for the race when it does not).
     let s = server(Options { delay: std::time::Duration::from_millis(5), ..Options::default() });
     for stream in [false, true] {
-        let body = json!({"prompt": "x", "n": 3, "max_tokens": 40, "stop": "STOP", "ignore_eos": true, "stream": stream});
+        let body =
+            json!({"prompt": "x", "n": 3, "max_tokens": 40, "stop": "STOP", "ignore_eos": true, "stream": stream});
         let r = s.post("/v1/completions", body).await;
         assert_eq!(r.status, 200, "{}", r.text);
     }

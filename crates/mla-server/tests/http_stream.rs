@@ -46,7 +46,8 @@ async fn usage_chunk_when_asked_and_n_choices_each_finish() {
     for index in [0, 1] {
         let mine: Vec<&Value> = rest.iter().filter(|c| c["choices"][0]["index"] == index).collect();
         assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant");
-        let finishes: Vec<&Value> = mine.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+        let finishes: Vec<&Value> =
+            mine.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
         assert_eq!(finishes, vec![&json!("length")]);
     }
 }
@@ -93,7 +94,10 @@ async fn dropped_streams_free_everything_and_count_as_aborted() {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     let metrics = s.call("GET", "/metrics", None, &[]).await.text;
-    assert!(metrics.contains("mla:request_success_total{model_name=\"demo\",finished_reason=\"abort\"} 5"), "{metrics}");
+    assert!(
+        metrics.contains("mla:request_success_total{model_name=\"demo\",finished_reason=\"abort\"} 5"),
+        "{metrics}"
+    );
     assert!(metrics.contains("mla:num_requests_running{model_name=\"demo\"} 0"));
 }
 

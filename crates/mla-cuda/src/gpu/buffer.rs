@@ -183,8 +183,13 @@ impl<T: Copy + Default> PinnedBuffer<T> {
             return Ok(());
         }
         unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst.ptr, self.ptr.add(start) as *const _, count * std::mem::size_of::<T>(), stream)
-                .result()
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.ptr,
+                self.ptr.add(start) as *const _,
+                count * std::mem::size_of::<T>(),
+                stream,
+            )
+            .result()
         }
         .ctx("queueing a host-to-device copy")
     }
@@ -196,8 +201,13 @@ impl<T: Copy + Default> PinnedBuffer<T> {
             return Ok(());
         }
         unsafe {
-            sys::cuMemcpyDtoHAsync_v2(self.ptr.add(start) as *mut _, src.ptr, src.len * std::mem::size_of::<T>(), stream)
-                .result()
+            sys::cuMemcpyDtoHAsync_v2(
+                self.ptr.add(start) as *mut _,
+                src.ptr,
+                src.len * std::mem::size_of::<T>(),
+                stream,
+            )
+            .result()
         }
         .ctx("queueing a device-to-host copy")
     }

@@ -28,13 +28,17 @@ impl Gpu {
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError {
                 what: "loading the driver".into(),
-                detail: "libcuda.so was not found (no NVIDIA driver on this machine, or LD_LIBRARY_PATH lacks it)".into(),
+                detail: "libcuda.so was not found (no NVIDIA driver on this machine, or LD_LIBRARY_PATH lacks it)"
+                    .into(),
             });
         }
         result::init().ctx("cuInit")?;
         let count = result::device::get_count().ctx("counting devices")?;
         if ordinal as i32 >= count {
-            return Err(CudaError { what: "selecting a device".into(), detail: format!("device {ordinal} requested, {count} present") });
+            return Err(CudaError {
+                what: "selecting a device".into(),
+                detail: format!("device {ordinal} requested, {count} present"),
+            });
         }
         let device = result::device::get(ordinal as i32).ctx("cuDeviceGet")?;
         // SAFETY: `device` came from cuDeviceGet; the context is released in Drop.

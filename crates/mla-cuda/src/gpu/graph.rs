@@ -15,10 +15,8 @@ impl Graph {
     where
         F: FnOnce() -> anyhow::Result<()>,
     {
-        unsafe {
-            result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        }
-        .ctx("beginning graph capture")?;
+        unsafe { result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
+            .ctx("beginning graph capture")?;
         let recorded = record();
         // End the capture whatever happened, so the stream is usable again.
         let graph = unsafe { result::stream::end_capture(stream) }.ctx("ending graph capture");

@@ -15,7 +15,7 @@ mod graph;
 mod module;
 
 pub use blas::{Blas, Gemm, GemmOut};
-pub use buffer::{download as download_slice, DeviceBuffer, DSlice, PinnedBuffer};
+pub use buffer::{download as download_slice, DSlice, DeviceBuffer, PinnedBuffer};
 pub use context::{Gpu, GpuInfo};
 pub use event::Event;
 pub use graph::Graph;

@@ -52,22 +52,15 @@ impl Kernel {
         }
         // Little-endian: a 4-byte parameter reads the low half of its 8-byte slot.
         let mut store: Vec<u64> = args.iter().map(|a| a.bits()).collect();
-        let mut ptrs: Vec<*mut c_void> = store
-            .iter_mut()
-            .map(|v| v as *mut u64 as *mut c_void)
-            .collect();
+        let mut ptrs: Vec<*mut c_void> = store.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         if !self.pdl {
-            return unsafe {
-                result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs)
-            }
-            .ctx(&format!("launching {}", self.name));
+            return unsafe { result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs) }
+                .ctx(&format!("launching {}", self.name));
         }
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
         };
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
@@ -83,11 +76,9 @@ impl Kernel {
         };
         // SAFETY: `ptrs` points at one live 8-byte slot per kernel parameter; the config and its
         // attribute outlive the call.
-        unsafe {
-            sys::cuLaunchKernelEx(&config, self.func, ptrs.as_mut_ptr(), std::ptr::null_mut())
-        }
-        .result()
-        .ctx(&format!("launching {}", self.name))
+        unsafe { sys::cuLaunchKernelEx(&config, self.func, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .ctx(&format!("launching {}", self.name))
     }
 
     /// How many blocks of `block` threads (and `smem` dynamic shared memory) fit on one SM at
@@ -131,7 +122,9 @@ impl Modules {
         if !KERNELS_BUILT {
             return Err(CudaError {
                 what: "loading kernels".into(),
-                detail: format!("built without CUDA kernels ({NVCC}); install nvcc (scripts/install_nvcc.sh) and rebuild"),
+                detail: format!(
+                    "built without CUDA kernels ({NVCC}); install nvcc (scripts/install_nvcc.sh) and rebuild"
+                ),
             });
         }
         let use_cubin = compute_capability == (9, 0);
@@ -140,11 +133,7 @@ impl Modules {
             modules.insert(m.name, load_one(m, use_cubin)?);
         }
         let disabled = std::env::var("MLA_DISABLE_PDL").is_ok_and(|v| v == "1");
-        Ok(Modules {
-            modules,
-            used_ptx: !use_cubin,
-            pdl: use_cubin && !disabled,
-        })
+        Ok(Modules { modules, used_ptx: !use_cubin, pdl: use_cubin && !disabled })
     }
 
     pub fn kernel(&self, module: &str, name: &'static str) -> Result<Kernel> {
@@ -153,13 +142,9 @@ impl Modules {
             detail: format!("no module {module} was embedded"),
         })?;
         let cname = CString::new(name).unwrap();
-        let func = unsafe { result::module::get_function(*m, cname) }
-            .ctx(&format!("finding kernel {module}::{name}"))?;
-        Ok(Kernel {
-            name,
-            func,
-            pdl: self.pdl,
-        })
+        let func =
+            unsafe { result::module::get_function(*m, cname) }.ctx(&format!("finding kernel {module}::{name}"))?;
+        Ok(Kernel { name, func, pdl: self.pdl })
     }
 }
 

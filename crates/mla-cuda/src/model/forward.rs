@@ -12,8 +12,8 @@ use super::workspace::{Limits, Workspace};
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, DecodeAttention, PrefillAttention, COMBINE_ABSORB_MAX_BATCH, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs, LATENT,
-    MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    AbsorbQ, DecodeAttention, PrefillAttention, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs,
+    COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
 use mla_core::config::TopkMethod;
@@ -70,7 +70,12 @@ pub struct CudaModel {
 
 fn meta_len(l: &Limits, max_blocks_per_seq: usize) -> usize {
     // tokens/positions/slots, prefill tables and passes, decode block tables, sampling params.
-    8 * l.max_tokens + 16 * l.max_seqs + l.max_seqs * max_blocks_per_seq + 4 * l.max_kv_chunk + 2 * l.max_logit_rows + 64
+    8 * l.max_tokens
+        + 16 * l.max_seqs
+        + l.max_seqs * max_blocks_per_seq
+        + 4 * l.max_kv_chunk
+        + 2 * l.max_logit_rows
+        + 64
 }
 
 impl CudaModel {
@@ -191,7 +196,8 @@ impl CudaModel {
     }
 
     pub fn default_decode_splits(&self, dev: &Device, meta: &StepMeta) -> usize {
-        self.decode_splits_override.unwrap_or_else(|| dev.k.decode_splits(meta.seqs, self.cfg.num_attention_heads, meta.max_pages))
+        self.decode_splits_override
+            .unwrap_or_else(|| dev.k.decode_splits(meta.seqs, self.cfg.num_attention_heads, meta.max_pages))
     }
 
     /// Decode splits a graph captured for `batch` sequences uses (valid for any context length).
@@ -224,33 +230,81 @@ impl CudaModel {
         let (t, hidden) = (m.tokens, cfg.hidden_size);
         let ws = &self.ws;
         let eps = self.eps;
-        k.embedding(s, self.weights.embed.buf.slice(), cfg.vocab_size, self.meta(m.tok, t), ws.residual.slice(), t, hidden)?;
+        k.embedding(
+            s,
+            self.weights.embed.buf.slice(),
+            cfg.vocab_size,
+            self.meta(m.tok, t),
+            ws.residual.slice(),
+            t,
+            hidden,
+        )?;
         for (l, lw) in self.weights.layers.iter().enumerate() {
             if l == 0 {
                 k.rmsnorm_f32(s, ws.residual.slice(), lw.input_norm.slice(), ws.h.slice(), t, hidden, eps)?;
             } else {
-                k.add_rmsnorm(s, ws.residual.slice(), ws.ffn_out.slice(), lw.input_norm.slice(), ws.h.slice(), t, hidden, eps)?;
+                k.add_rmsnorm(
+                    s,
+                    ws.residual.slice(),
+                    ws.ffn_out.slice(),
+                    lw.input_norm.slice(),
+                    ws.h.slice(),
+                    t,
+                    hidden,
+                    eps,
+                )?;
             }
             self.attention(dev, l, m, decode_splits)?;
-            k.add_rmsnorm(s, ws.residual.slice(), ws.delta.slice(), lw.post_norm.slice(), ws.h.slice(), t, hidden, eps)?;
+            k.add_rmsnorm(
+                s,
+                ws.residual.slice(),
+                ws.delta.slice(),
+                lw.post_norm.slice(),
+                ws.h.slice(),
+                t,
+                hidden,
+                eps,
+            )?;
             match &lw.ffn {
                 FfnWeights::Dense(mlp) => self.mlp(dev, mlp, t, ws.ffn_out.slice())?,
                 FfnWeights::Moe(moe) => self.moe(dev, moe, t)?,
             }
         }
-        k.add_rmsnorm(s, ws.residual.slice(), ws.ffn_out.slice(), self.weights.norm.slice(), ws.h.slice(), t, hidden, eps)?;
+        k.add_rmsnorm(
+            s,
+            ws.residual.slice(),
+            ws.ffn_out.slice(),
+            self.weights.norm.slice(),
+            ws.h.slice(),
+            t,
+            hidden,
+            eps,
+        )?;
         if m.logit_rows > 0 {
             let r = m.logit_rows;
             k.gather_rows(s, ws.h.slice(), self.meta(m.logit_src, r), ws.h_rows.slice(), r, hidden)?;
             let v = cfg.vocab_size;
-            self.gemv.linear_f32_out(dev, &self.weights.output_projection(), ws.h_rows.slice(), hidden, r, ws.logits.slice(), v)?;
+            self.gemv.linear_f32_out(
+                dev,
+                &self.weights.output_projection(),
+                ws.h_rows.slice(),
+                hidden,
+                r,
+                ws.logits.slice(),
+                v,
+            )?;
         }
         if m.sample_rows > 0 {
             let n = m.sample_rows;
             let params = self.meta(m.params, n * 12);
             // SAFETY: the params section holds `n` SampleParamsRaw (12 words each, 8-byte aligned).
             let params = unsafe { DSlice::<SampleParamsRaw>::from_raw(params.ptr, n) };
-            let out = SamplerOutputs { token: ws.sampled_token.slice(), logprob: ws.sampled_logprob.slice(), top_ids: ws.top_ids.slice(), top_lps: ws.top_lps.slice() };
+            let out = SamplerOutputs {
+                token: ws.sampled_token.slice(),
+                logprob: ws.sampled_logprob.slice(),
+                top_ids: ws.top_ids.slice(),
+                top_lps: ws.top_lps.slice(),
+            };
             k.sample(
                 s,
                 ws.logits.slice(),
@@ -277,7 +331,9 @@ impl CudaModel {
         // q (or q_a) and kv_a both read h: one launch at small batch.
         let kv_a = (&lw.kv_a.lin(), ws.kva.slice(), lat);
         match &lw.query {
-            QueryWeights::Direct(q) => self.gemv.linear_pair(dev, h, hidden, t, (&q.lin(), ws.q.slice(), heads * qd), kv_a)?,
+            QueryWeights::Direct(q) => {
+                self.gemv.linear_pair(dev, h, hidden, t, (&q.lin(), ws.q.slice(), heads * qd), kv_a)?
+            }
             QueryWeights::LowRank { a, a_norm, b } => {
                 let r = a.out;
                 self.gemv.linear_pair(dev, h, hidden, t, (&a.lin(), ws.q_a.slice(), r), kv_a)?;
@@ -310,7 +366,13 @@ impl CudaModel {
                 attn_factor: self.attn_factor,
                 eps: self.eps,
                 cache,
-                absorb: absorb_in_rope.then(|| AbsorbQ { kv_b: kv_b.w, v_dim: V_HEAD, q_abs: ws.q_abs.slice(), row_stride: heads * lat, head_stride: lat }),
+                absorb: absorb_in_rope.then(|| AbsorbQ {
+                    kv_b: kv_b.w,
+                    v_dim: V_HEAD,
+                    q_abs: ws.q_abs.slice(),
+                    row_stride: heads * lat,
+                    head_stride: lat,
+                }),
             },
         )?;
         if decode {
@@ -403,7 +465,17 @@ impl CudaModel {
             (TopkMethod::NoauxTc, _) => RouteMethod::NoauxTc,
         };
         let route = |logits: DSlice<f32>| {
-            k.moe_route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor as f32)
+            k.moe_route(
+                s,
+                logits,
+                w.bias.as_ref().map(|b| b.slice()),
+                &r,
+                method,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor as f32,
+            )
         };
         if self.moe_small.takes(cfg, w, t) {
             let io = MoeSmallIo {
@@ -424,7 +496,16 @@ impl CudaModel {
         route(mb.router_logits.slice())?;
         k.moe_align(s, &r)?;
         k.moe_gather(s, ws.h.slice(), &r, mb.grouped_x.slice(), hidden)?;
-        k.moe_gate_up_act(s, mb.grouped_x.slice(), w.gate_up.slice(), mb.grouped_gate_up.slice(), mb.grouped_act.slice(), im, hidden, &r)?;
+        k.moe_gate_up_act(
+            s,
+            mb.grouped_x.slice(),
+            w.gate_up.slice(),
+            mb.grouped_gate_up.slice(),
+            mb.grouped_act.slice(),
+            im,
+            hidden,
+            &r,
+        )?;
         k.moe_grouped_gemm(s, mb.grouped_act.slice(), w.down.slice(), mb.grouped_y.slice(), hidden, im, &r)?;
         let shared = match &w.shared {
             Some(sh) => {

@@ -60,8 +60,23 @@ impl Gemv {
     /// One launch for `lin` and, when given, a second matrix over the same input (same K and
     /// output type).
     #[allow(clippy::too_many_arguments)]
-    fn launch(&self, dev: &Device, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: Out, y_stride: usize, second: Option<(&Linear, Out, usize)>) -> anyhow::Result<()> {
-        anyhow::ensure!(x.len >= (rows - 1) * x_stride + lin.inp, "gemv input: {} elements, {} needed", x.len, (rows - 1) * x_stride + lin.inp);
+    fn launch(
+        &self,
+        dev: &Device,
+        lin: &Linear,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        y: Out,
+        y_stride: usize,
+        second: Option<(&Linear, Out, usize)>,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            x.len >= (rows - 1) * x_stride + lin.inp,
+            "gemv input: {} elements, {} needed",
+            x.len,
+            (rows - 1) * x_stride + lin.inp
+        );
         let (ptr, f32_out) = Self::output(lin, rows, y, y_stride)?;
         let mut grid = lin.out.div_ceil(ROWS_PER_BLOCK);
         let (mut w2, mut n2, mut ptr2, mut stride2) = (0, 0, 0, 0);
@@ -99,7 +114,15 @@ impl Gemv {
     /// `ya = x · aᵀ` and `yb = x · bᵀ` (bf16 out) in one launch when the kernel takes both,
     /// as two `linear` calls otherwise.
     #[allow(clippy::too_many_arguments)]
-    pub fn linear_pair(&self, dev: &Device, x: DSlice<bf16>, x_stride: usize, rows: usize, a: (&Linear, DSlice<bf16>, usize), b: (&Linear, DSlice<bf16>, usize)) -> anyhow::Result<()> {
+    pub fn linear_pair(
+        &self,
+        dev: &Device,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        a: (&Linear, DSlice<bf16>, usize),
+        b: (&Linear, DSlice<bf16>, usize),
+    ) -> anyhow::Result<()> {
         if self.fits(a.0, &x, x_stride, rows) && self.fits(b.0, &x, x_stride, rows) && a.0.inp == b.0.inp {
             return self.launch(dev, a.0, x, x_stride, rows, Out::Bf16(a.1), a.2, Some((b.0, Out::Bf16(b.1), b.2)));
         }
@@ -109,7 +132,16 @@ impl Gemv {
 
     /// `y[r, :] = x[r, :] · Wᵀ` (bf16 out), as `Blas::linear`.
     #[allow(clippy::too_many_arguments)]
-    pub fn linear(&self, dev: &Device, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: DSlice<bf16>, y_stride: usize) -> anyhow::Result<()> {
+    pub fn linear(
+        &self,
+        dev: &Device,
+        lin: &Linear,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        y: DSlice<bf16>,
+        y_stride: usize,
+    ) -> anyhow::Result<()> {
         if self.fits(lin, &x, x_stride, rows) {
             self.launch(dev, lin, x, x_stride, rows, Out::Bf16(y), y_stride, None)
         } else {
@@ -119,7 +151,16 @@ impl Gemv {
 
     /// Same with f32 output (logits), as `Blas::linear_f32_out`.
     #[allow(clippy::too_many_arguments)]
-    pub fn linear_f32_out(&self, dev: &Device, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: DSlice<f32>, y_stride: usize) -> anyhow::Result<()> {
+    pub fn linear_f32_out(
+        &self,
+        dev: &Device,
+        lin: &Linear,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        y: DSlice<f32>,
+        y_stride: usize,
+    ) -> anyhow::Result<()> {
         if self.fits(lin, &x, x_stride, rows) {
             self.launch(dev, lin, x, x_stride, rows, Out::F32(y), y_stride, None)
         } else {

@@ -20,30 +20,15 @@ pub struct DecodeGraph {
 
 impl CudaModel {
     fn decode_meta(&self, plan: &StepPlan) -> anyhow::Result<StepMeta> {
-        anyhow::ensure!(
-            plan.kind == StepKind::Decode,
-            "only decode steps are captured as graphs"
-        );
-        plan.validate(
-            PAGE_SIZE,
-            self.num_blocks,
-            self.cfg.vocab_size,
-            self.max_model_len,
-        )?;
-        anyhow::ensure!(
-            !plan.seqs.is_empty(),
-            "an empty step has nothing to capture"
-        );
+        anyhow::ensure!(plan.kind == StepKind::Decode, "only decode steps are captured as graphs");
+        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        anyhow::ensure!(!plan.seqs.is_empty(), "an empty step has nothing to capture");
         StepMeta::build(plan, &self.lim)
     }
 
     /// Captures the decode step of `plan` (any plan of the same batch size and output shape
     /// replays it), runs it once and returns its output.
-    pub fn capture_decode(
-        &mut self,
-        dev: &Device,
-        plan: &StepPlan,
-    ) -> anyhow::Result<(DecodeGraph, StepOutput)> {
+    pub fn capture_decode(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<(DecodeGraph, StepOutput)> {
         let meta = self.decode_meta(plan)?;
         self.upload_meta(dev, &meta)?;
         // Splits sized for the longest context the model accepts; shorter ones leave splits empty.
@@ -62,17 +47,10 @@ impl CudaModel {
         Ok((g, out))
     }
 
-    pub fn replay_decode(
-        &mut self,
-        dev: &Device,
-        g: &DecodeGraph,
-        plan: &StepPlan,
-    ) -> anyhow::Result<StepOutput> {
+    pub fn replay_decode(&mut self, dev: &Device, g: &DecodeGraph, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         let meta = self.decode_meta(plan)?;
         anyhow::ensure!(
-            meta.seqs == g.batch
-                && meta.sample_rows == g.sample_rows
-                && meta.logit_rows == g.logit_rows,
+            meta.seqs == g.batch && meta.sample_rows == g.sample_rows && meta.logit_rows == g.logit_rows,
             "graph captured for {} sequences ({} sampled, {} logit rows); step has {} ({}, {})",
             g.batch,
             g.sample_rows,
@@ -82,10 +60,7 @@ impl CudaModel {
             meta.logit_rows
         );
         self.upload_meta(dev, &meta)?;
-        anyhow::ensure!(
-            self.meta_generation == g.generation,
-            "the metadata buffer moved since capture; capture again"
-        );
+        anyhow::ensure!(self.meta_generation == g.generation, "the metadata buffer moved since capture; capture again");
         g.graph.launch(dev.stream())?;
         self.read_outputs(dev, &meta)
     }
@@ -127,10 +102,7 @@ fn pad_row(i: usize, pad_block: usize) -> SeqStep {
         block_table: vec![pad_block as u32],
         logits: LogitsRequest::None,
         sample: Some(SampleRequest {
-            params: SamplingParams {
-                temperature: 0.0,
-                ..SamplingParams::default()
-            },
+            params: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
             seed: 0,
             top_logprobs: None,
             penalty: None,
@@ -151,10 +123,7 @@ impl DecodeGraphs {
     fn pick(&self, plan: &StepPlan) -> Option<usize> {
         let expressible = plan.kind == StepKind::Decode
             && !plan.seqs.is_empty()
-            && plan
-                .seqs
-                .iter()
-                .all(|s| s.sample.is_some() && s.logits == LogitsRequest::None);
+            && plan.seqs.iter().all(|s| s.sample.is_some() && s.logits == LogitsRequest::None);
         if !expressible {
             return None;
         }
@@ -197,10 +166,7 @@ impl CudaModel {
         let mut seqs = plan.seqs.clone();
         let pad = self.pad_block();
         seqs.extend((plan.seqs.len()..batch).map(|i| pad_row(i, pad)));
-        StepPlan {
-            kind: StepKind::Decode,
-            seqs,
-        }
+        StepPlan { kind: StepKind::Decode, seqs }
     }
 
     /// Captures one graph per batch size in `sizes` (ascending, each <= max_num_seqs) while the
@@ -218,16 +184,9 @@ impl CudaModel {
             pads: pad_rows(sizes.iter().copied().max().unwrap_or(0), self.pad_block()),
             ..Default::default()
         };
-        let empty = StepPlan {
-            kind: StepKind::Decode,
-            seqs: vec![],
-        };
+        let empty = StepPlan { kind: StepKind::Decode, seqs: vec![] };
         for &b in sizes {
-            anyhow::ensure!(
-                b >= 1 && b <= self.lim.max_seqs,
-                "graph batch size {b} outside 1..={}",
-                self.lim.max_seqs
-            );
+            anyhow::ensure!(b >= 1 && b <= self.lim.max_seqs, "graph batch size {b} outside 1..={}", self.lim.max_seqs);
             dev.gpu.sync()?;
             let (free0, _) = dev.gpu.mem_info()?;
             let plan = self.padded_plan(&empty, b);
@@ -269,17 +228,11 @@ impl CudaModel {
         let mut i = set.pick(plan)?;
         if set.graphs[i].generation != self.meta_generation {
             let t = std::time::Instant::now();
-            let (sizes, budget, recaptures) =
-                (std::mem::take(&mut set.sizes), set.budget, set.recaptures);
+            let (sizes, budget, recaptures) = (std::mem::take(&mut set.sizes), set.budget, set.recaptures);
             // Free the old graphs first: their memory counts against the same budget.
             *set = DecodeGraphs::default();
             match self.capture_decode_buckets(dev, &sizes, budget) {
-                Ok(fresh) => {
-                    *set = DecodeGraphs {
-                        recaptures: recaptures + 1,
-                        ..fresh
-                    }
-                }
+                Ok(fresh) => *set = DecodeGraphs { recaptures: recaptures + 1, ..fresh },
                 Err(e) => {
                     tracing::error!("capturing the CUDA graphs again failed ({e:#}); decode runs eagerly from now on");
                     return None;
@@ -291,12 +244,7 @@ impl CudaModel {
             );
             i = set.pick(plan)?;
         }
-        if let Err(e) = plan.validate(
-            PAGE_SIZE,
-            self.num_blocks,
-            self.cfg.vocab_size,
-            self.max_model_len,
-        ) {
+        if let Err(e) = plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len) {
             return Some(Err(e.into()));
         }
         let words = std::mem::take(&mut set.spare_words);
@@ -314,13 +262,7 @@ impl CudaModel {
             g.graph.launch(dev.stream())?;
             let launched = std::time::Instant::now();
             let out = me.read_outputs(dev, &meta)?;
-            Ok((
-                out,
-                ReplayTimes {
-                    launched,
-                    done: std::time::Instant::now(),
-                },
-            ))
+            Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
         };
         let r = run(self);
         if r.is_err() {

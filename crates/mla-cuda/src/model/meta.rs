@@ -128,10 +128,7 @@ impl StepMeta {
         lim: &MetaLimits,
         mut words: Vec<i32>,
     ) -> anyhow::Result<StepMeta> {
-        anyhow::ensure!(
-            pads.is_empty() || kind == StepKind::Decode,
-            "only decode steps are padded"
-        );
+        anyhow::ensure!(pads.is_empty() || kind == StepKind::Decode, "only decode steps are padded");
         let rows = Rows { seqs, pads };
         let t: usize = rows.iter().map(|sq| sq.tokens.len()).sum();
         let s = rows.len();
@@ -248,7 +245,10 @@ impl StepMeta {
             let Some(req) = &sq.sample else { continue };
             let p = &req.params;
             let n_logprobs = match req.top_logprobs {
-                Some(k) if k > MAX_TOP_LOGPROBS => anyhow::bail!("sequence {}: {k} top logprobs requested; the CUDA sampler returns at most {MAX_TOP_LOGPROBS}", sq.seq_id),
+                Some(k) if k > MAX_TOP_LOGPROBS => anyhow::bail!(
+                    "sequence {}: {k} top logprobs requested; the CUDA sampler returns at most {MAX_TOP_LOGPROBS}",
+                    sq.seq_id
+                ),
                 Some(k) => k as i32,
                 None => -1,
             };
@@ -286,12 +286,7 @@ impl StepMeta {
                 // Fixed offsets for a given batch size (see the module comment).
                 m.seq_lens = a.words.len();
                 a.words.extend(rows.iter().map(|sq| sq.end_pos() as i32));
-                let stride = rows
-                    .iter()
-                    .map(|sq| sq.end_pos().div_ceil(PAGE_SIZE))
-                    .max()
-                    .unwrap_or(1)
-                    .max(1);
+                let stride = rows.iter().map(|sq| sq.end_pos().div_ceil(PAGE_SIZE)).max().unwrap_or(1).max(1);
                 m.max_pages = stride;
                 m.bt_stride = a.push(&[stride as i32]);
                 // The block-table region holds `max_blocks_per_seq` entries per row; only the
@@ -353,13 +348,7 @@ impl StepMeta {
 /// Appends the penalty entries of one history, three words each (token, occurrences in the
 /// output, seen flag), one per distinct token of prompt and output inside the vocabulary, in
 /// token order. `scratch` is reused between rows.
-fn penalty_entries(
-    prompt: &[u32],
-    output: &[u32],
-    vocab: usize,
-    scratch: &mut Vec<(u32, bool)>,
-    pen: &mut Vec<i32>,
-) {
+fn penalty_entries(prompt: &[u32], output: &[u32], vocab: usize, scratch: &mut Vec<(u32, bool)>, pen: &mut Vec<i32>) {
     scratch.clear();
     scratch.extend(prompt.iter().map(|&tk| (tk, false)));
     scratch.extend(output.iter().map(|&tk| (tk, true)));
@@ -393,11 +382,7 @@ fn build_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
                 pass_slots.push(std::mem::take(&mut cur_slots));
             }
             let take = (end - p).min(cap - cur_slots.len());
-            cur[i] = Some(Window {
-                row0: cur_slots.len() as i32,
-                pos0: p as i32,
-                len: take as i32,
-            });
+            cur[i] = Some(Window { row0: cur_slots.len() as i32, pos0: p as i32, len: take as i32 });
             for q in p..p + take {
                 cur_slots.push(slot_of(&sq.block_table, PAGE_SIZE, q) as i32);
             }
@@ -414,18 +399,9 @@ fn build_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
         .map(|(j, (wins, slots))| {
             let keys = slots.len();
             let slots_off = a.push(&slots);
-            let row0: Vec<i32> = wins
-                .iter()
-                .map(|w| w.as_ref().map_or(0, |w| w.row0))
-                .collect();
-            let pos0: Vec<i32> = wins
-                .iter()
-                .map(|w| w.as_ref().map_or(0, |w| w.pos0))
-                .collect();
-            let len: Vec<i32> = wins
-                .iter()
-                .map(|w| w.as_ref().map_or(0, |w| w.len))
-                .collect();
+            let row0: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.row0)).collect();
+            let pos0: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.pos0)).collect();
+            let len: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.len)).collect();
             PassMeta {
                 keys,
                 slots: slots_off,
@@ -469,76 +445,37 @@ mod tests {
 
     #[test]
     fn passes_cover_every_key_once_in_position_order() {
-        let plan = StepPlan {
-            kind: StepKind::Prefill,
-            seqs: vec![seq(1, 70, 10, vec![5, 2]), seq(2, 0, 90, vec![7, 1])],
-        };
+        let plan =
+            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, 70, 10, vec![5, 2]), seq(2, 0, 90, vec![7, 1])] };
         let m = StepMeta::build(&plan, &lim()).unwrap();
         // 80 + 90 keys with a cap of 100: [s1 0..80, s2 0..20], [s2 20..90].
         assert_eq!(m.passes.len(), 2);
         let w = &m.words;
         let p0 = &m.passes[0];
-        assert_eq!(
-            (
-                p0.keys,
-                w[p0.k_len],
-                w[p0.k_len + 1],
-                w[p0.k_pos0 + 1],
-                w[p0.k_row0 + 1]
-            ),
-            (100, 80, 20, 0, 80)
-        );
+        assert_eq!((p0.keys, w[p0.k_len], w[p0.k_len + 1], w[p0.k_pos0 + 1], w[p0.k_row0 + 1]), (100, 80, 20, 0, 80));
         let p1 = &m.passes[1];
-        assert_eq!(
-            (
-                p1.keys,
-                w[p1.k_len],
-                w[p1.k_len + 1],
-                w[p1.k_pos0 + 1],
-                w[p1.k_row0 + 1]
-            ),
-            (70, 0, 70, 20, 0)
-        );
+        assert_eq!((p1.keys, w[p1.k_len], w[p1.k_len + 1], w[p1.k_pos0 + 1], w[p1.k_row0 + 1]), (70, 0, 70, 20, 0));
         assert!(p1.load_state && p1.last && !p0.load_state && !p0.last);
         // Position 64 of sequence 1 lives in its second block (2), offset 0.
         assert_eq!(w[p0.slots + 64], 2 * 64);
         // Tiles of 128 queries: one per sequence, the one whose last query sees more keys first
         // (sequence 2: 90 keys; sequence 1: 70 + 10 = 80).
         assert_eq!(m.tiles, 2);
-        assert_eq!(
-            (
-                w[m.tile_seq],
-                w[m.tile_seq + 1],
-                w[m.tile_q0],
-                w[m.tile_q0 + 1]
-            ),
-            (1, 0, 0, 0)
-        );
+        assert_eq!((w[m.tile_seq], w[m.tile_seq + 1], w[m.tile_q0], w[m.tile_q0 + 1]), (1, 0, 0, 0));
     }
 
     #[test]
     fn decode_offsets_depend_only_on_the_batch_size() {
-        let a = StepPlan {
-            kind: StepKind::Decode,
-            seqs: vec![seq(1, 5, 1, vec![0]), seq(2, 130, 1, vec![3, 4, 6])],
-        };
-        let b = StepPlan {
-            kind: StepKind::Decode,
-            seqs: vec![seq(1, 300, 1, vec![0, 1, 2, 3, 4]), seq(2, 1, 1, vec![3])],
-        };
-        let (ma, mb) = (
-            StepMeta::build(&a, &lim()).unwrap(),
-            StepMeta::build(&b, &lim()).unwrap(),
-        );
+        let a = StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 5, 1, vec![0]), seq(2, 130, 1, vec![3, 4, 6])] };
+        let b =
+            StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 300, 1, vec![0, 1, 2, 3, 4]), seq(2, 1, 1, vec![3])] };
+        let (ma, mb) = (StepMeta::build(&a, &lim()).unwrap(), StepMeta::build(&b, &lim()).unwrap());
         assert_eq!(
             (ma.block_tables, ma.pen, ma.params, ma.seq_lens),
             (mb.block_tables, mb.pen, mb.params, mb.seq_lens)
         );
         assert_eq!(ma.words[ma.bt_stride], 3);
-        assert_eq!(
-            &ma.words[ma.block_tables + 3..ma.block_tables + 6],
-            &[3, 4, 6]
-        );
+        assert_eq!(&ma.words[ma.block_tables + 3..ma.block_tables + 6], &[3, 4, 6]);
         assert_eq!(ma.words[ma.seq_lens + 1], 131);
     }
 
@@ -559,26 +496,15 @@ mod tests {
     fn penalty_entries_are_the_distinct_tokens_with_output_counts() {
         // Vocabulary 512: token 700 is dropped. Distinct tokens 3, 5, 9; in the output 3 twice
         // and 9 once; every entry is "seen".
-        let history = PenaltyTokens {
-            prompt: vec![5, 3, 5, 700],
-            output: vec![3, 9, 3],
-        };
+        let history = PenaltyTokens { prompt: vec![5, 3, 5, 700], output: vec![3, 9, 3] };
         let plan = StepPlan {
             kind: StepKind::Decode,
-            seqs: vec![
-                sampled(seq(1, 7, 1, vec![0]), Some(history)),
-                sampled(seq(2, 7, 1, vec![1]), None),
-            ],
+            seqs: vec![sampled(seq(1, 7, 1, vec![0]), Some(history)), sampled(seq(2, 7, 1, vec![1]), None)],
         };
         let m = StepMeta::build(&plan, &lim()).unwrap();
         assert_eq!(&m.words[m.pen..], &[3, 2, 1, 5, 0, 1, 9, 1, 1]);
         // pen_begin / pen_end of each row (words 10 and 11 of its 12).
-        let row = |r: usize| {
-            (
-                m.words[m.params + 12 * r + 10],
-                m.words[m.params + 12 * r + 11],
-            )
-        };
+        let row = |r: usize| (m.words[m.params + 12 * r + 10], m.words[m.params + 12 * r + 11]);
         assert_eq!((row(0), row(1)), ((0, 3), (3, 3)));
         // The penalty region sits after the whole block-table region and is uploaded.
         assert_eq!(m.pen, m.block_tables + 2 * lim().max_blocks_per_seq);
@@ -587,10 +513,7 @@ mod tests {
 
     #[test]
     fn decode_without_penalties_stops_at_the_used_block_tables() {
-        let plan = StepPlan {
-            kind: StepKind::Decode,
-            seqs: vec![seq(1, 70, 1, vec![4, 2]), seq(2, 3, 1, vec![6])],
-        };
+        let plan = StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 70, 1, vec![4, 2]), seq(2, 3, 1, vec![6])] };
         let m = StepMeta::build(&plan, &lim()).unwrap();
         // Two rows of stride 2 (71 positions need two blocks); the second row's unused entry is 0.
         assert_eq!(&m.words[m.block_tables..], &[4, 2, 6, 0]);
@@ -600,32 +523,15 @@ mod tests {
 
     #[test]
     fn borrowed_padding_rows_equal_appended_ones() {
-        let seqs = vec![
-            sampled(seq(1, 70, 1, vec![4, 2]), None),
-            sampled(seq(2, 3, 1, vec![6]), None),
-        ];
-        let pads: Vec<SeqStep> = (0..3)
-            .map(|i| sampled(seq(100 + i, 0, 1, vec![7]), None))
-            .collect();
-        let appended = StepPlan {
-            kind: StepKind::Decode,
-            seqs: seqs.iter().chain(&pads).cloned().collect(),
-        };
+        let seqs = vec![sampled(seq(1, 70, 1, vec![4, 2]), None), sampled(seq(2, 3, 1, vec![6]), None)];
+        let pads: Vec<SeqStep> = (0..3).map(|i| sampled(seq(100 + i, 0, 1, vec![7]), None)).collect();
+        let appended = StepPlan { kind: StepKind::Decode, seqs: seqs.iter().chain(&pads).cloned().collect() };
         let want = StepMeta::build(&appended, &lim()).unwrap();
         // A dirty, too short buffer to reuse: its contents must not leak into the result.
-        let got =
-            StepMeta::build_rows(StepKind::Decode, &seqs, &pads, &lim(), vec![-1; 7]).unwrap();
-        assert_eq!(
-            (got.seqs, got.sample_rows, got.upload.clone()),
-            (5, 5, want.upload.clone())
-        );
+        let got = StepMeta::build_rows(StepKind::Decode, &seqs, &pads, &lim(), vec![-1; 7]).unwrap();
+        assert_eq!((got.seqs, got.sample_rows, got.upload.clone()), (5, 5, want.upload.clone()));
         assert_eq!(got.words, want.words);
-        let ids = |m: &StepMeta| {
-            m.outputs
-                .iter()
-                .map(|o| (o.seq_id, o.sample_row))
-                .collect::<Vec<_>>()
-        };
+        let ids = |m: &StepMeta| m.outputs.iter().map(|o| (o.seq_id, o.sample_row)).collect::<Vec<_>>();
         assert_eq!(ids(&got), ids(&want));
         assert!(StepMeta::build_rows(StepKind::Prefill, &seqs, &pads, &lim(), vec![]).is_err());
     }

@@ -29,11 +29,22 @@ pub fn check_supported(cfg: &ModelConfig) -> anyhow::Result<()> {
     ] {
         anyhow::ensure!(have == want, "the CUDA backend's attention kernels are built for {name} = {want} (every published DeepSeek-V2/V3 model); this config has {have}");
     }
-    for (name, v) in [("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size), ("moe_intermediate_size", cfg.moe_intermediate_size)] {
+    for (name, v) in [
+        ("hidden_size", cfg.hidden_size),
+        ("intermediate_size", cfg.intermediate_size),
+        ("moe_intermediate_size", cfg.moe_intermediate_size),
+    ] {
         anyhow::ensure!(v % 8 == 0, "the CUDA backend needs {name} to be a multiple of 8, found {v}");
     }
-    anyhow::ensure!(cfg.n_routed_experts <= 256, "the CUDA router handles at most 256 routed experts, found {}", cfg.n_routed_experts);
-    anyhow::ensure!(cfg.num_experts_per_tok <= 32 && cfg.n_group <= 32, "the CUDA router handles top-k and n_group up to 32");
+    anyhow::ensure!(
+        cfg.n_routed_experts <= 256,
+        "the CUDA router handles at most 256 routed experts, found {}",
+        cfg.n_routed_experts
+    );
+    anyhow::ensure!(
+        cfg.num_experts_per_tok <= 32 && cfg.n_group <= 32,
+        "the CUDA router handles top-k and n_group up to 32"
+    );
     anyhow::ensure!(cfg.vocab_size < i32::MAX as usize, "vocabulary too large");
     Ok(())
 }

@@ -79,13 +79,23 @@ impl MoeSmall {
     /// Router logits (f32, as HF) for `io.tokens` rows of `io.x`.
     pub fn router(&self, dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo) -> anyhow::Result<()> {
         let (t, e, h) = (io.tokens, cfg.n_routed_experts, cfg.hidden_size);
-        anyhow::ensure!(io.x.len >= t * h && io.router_logits.len >= t * e && w.router.len() >= e * h, "moe router: buffers too small");
+        anyhow::ensure!(
+            io.x.len >= t * h && io.router_logits.len >= t * e && w.router.len() >= e * h,
+            "moe router: buffers too small"
+        );
         self.router.launch(
             dev.stream(),
             ((t * e).div_ceil(WARPS) as u32, 1, 1),
             (32 * WARPS) as u32,
             0,
-            &[Arg::Ptr(io.x.ptr), Arg::Ptr(w.router.slice().ptr), Arg::I32(t as i32), Arg::I32(e as i32), Arg::I32(h as i32), Arg::Ptr(io.router_logits.ptr)],
+            &[
+                Arg::Ptr(io.x.ptr),
+                Arg::Ptr(w.router.slice().ptr),
+                Arg::I32(t as i32),
+                Arg::I32(e as i32),
+                Arg::I32(h as i32),
+                Arg::Ptr(io.router_logits.ptr),
+            ],
         )?;
         Ok(())
     }
@@ -94,9 +104,13 @@ impl MoeSmall {
     /// `io.routing`'s top-k ids and weights.
     pub fn experts(&self, dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo) -> anyhow::Result<()> {
         let (t, k, h, im) = (io.tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size);
-        let pieces = Self::shared_pieces(cfg, w).ok_or_else(|| anyhow::anyhow!("shared experts do not split into moe_intermediate_size slices"))?;
+        let pieces = Self::shared_pieces(cfg, w)
+            .ok_or_else(|| anyhow::anyhow!("shared experts do not split into moe_intermediate_size slices"))?;
         let ims = pieces * im;
-        anyhow::ensure!(io.act.len >= t * k * im && io.act_shared.len >= t * ims && io.out.len >= t * h, "moe gemv: buffers too small");
+        anyhow::ensure!(
+            io.act.len >= t * k * im && io.act_shared.len >= t * ims && io.out.len >= t * h,
+            "moe gemv: buffers too small"
+        );
         let (sh_gu, sh_down) = match &w.shared {
             Some(sh) => (sh.gate_up.buf.slice().ptr, sh.down.buf.slice().ptr),
             None => (0, 0),

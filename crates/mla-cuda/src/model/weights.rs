@@ -13,8 +13,8 @@ use anyhow::Context;
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 use mla_core::config::{ModelConfig, TopkMethod};
-use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
 use mla_core::dummy::{dummy_distribution, DummyWeights};
+use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
 use mla_core::WeightSource;
 
 /// A bf16 matrix `[out, inp]`.
@@ -88,7 +88,12 @@ impl DeviceWeights {
     pub fn bytes(&self) -> usize {
         let mut n = self.embed.buf.bytes() + self.norm.bytes() + self.lm_head.as_ref().map_or(0, |m| m.buf.bytes());
         for l in &self.layers {
-            n += l.input_norm.bytes() + l.kv_a.buf.bytes() + l.kv_a_norm.bytes() + l.kv_b.buf.bytes() + l.o_proj.buf.bytes() + l.post_norm.bytes();
+            n += l.input_norm.bytes()
+                + l.kv_a.buf.bytes()
+                + l.kv_a_norm.bytes()
+                + l.kv_b.buf.bytes()
+                + l.o_proj.buf.bytes()
+                + l.post_norm.bytes();
             n += match &l.query {
                 QueryWeights::Direct(m) => m.buf.bytes(),
                 QueryWeights::LowRank { a, a_norm, b } => a.buf.bytes() + a_norm.bytes() + b.buf.bytes(),
@@ -97,7 +102,11 @@ impl DeviceWeights {
             n += match &l.ffn {
                 FfnWeights::Dense(m) => mlp(m),
                 FfnWeights::Moe(m) => {
-                    m.router.bytes() + m.bias.as_ref().map_or(0, |b| b.bytes()) + m.gate_up.bytes() + m.down.bytes() + m.shared.as_ref().map_or(0, mlp)
+                    m.router.bytes()
+                        + m.bias.as_ref().map_or(0, |b| b.bytes())
+                        + m.gate_up.bytes()
+                        + m.down.bytes()
+                        + m.shared.as_ref().map_or(0, mlp)
                 }
             };
         }
@@ -108,12 +117,18 @@ impl DeviceWeights {
     fn alloc(cfg: &ModelConfig) -> anyhow::Result<Self> {
         let h = cfg.hidden_size;
         let heads = cfg.num_attention_heads;
-        let mlp = |inter: usize| -> anyhow::Result<MlpWeights> { Ok(MlpWeights { gate_up: Mat::alloc(2 * inter, h)?, down: Mat::alloc(h, inter)? }) };
+        let mlp = |inter: usize| -> anyhow::Result<MlpWeights> {
+            Ok(MlpWeights { gate_up: Mat::alloc(2 * inter, h)?, down: Mat::alloc(h, inter)? })
+        };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let query = match cfg.q_lora_rank {
                 None => QueryWeights::Direct(Mat::alloc(heads * cfg.q_head_dim(), h)?),
-                Some(r) => QueryWeights::LowRank { a: Mat::alloc(r, h)?, a_norm: DeviceBuffer::alloc(r)?, b: Mat::alloc(heads * cfg.q_head_dim(), r)? },
+                Some(r) => QueryWeights::LowRank {
+                    a: Mat::alloc(r, h)?,
+                    a_norm: DeviceBuffer::alloc(r)?,
+                    b: Mat::alloc(heads * cfg.q_head_dim(), r)?,
+                },
             };
             let ffn = if cfg.is_moe_layer(i) {
                 let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
@@ -122,7 +137,11 @@ impl DeviceWeights {
                     bias: if cfg.topk_method == TopkMethod::NoauxTc { Some(DeviceBuffer::alloc(e)?) } else { None },
                     gate_up: DeviceBuffer::alloc(e * 2 * im * h)?,
                     down: DeviceBuffer::alloc(e * h * im)?,
-                    shared: if cfg.n_shared_experts > 0 { Some(mlp(cfg.shared_expert_intermediate_size())?) } else { None },
+                    shared: if cfg.n_shared_experts > 0 {
+                        Some(mlp(cfg.shared_expert_intermediate_size())?)
+                    } else {
+                        None
+                    },
                 })
             } else {
                 FfnWeights::Dense(mlp(cfg.intermediate_size)?)
@@ -158,7 +177,9 @@ impl DeviceWeights {
         for (ls, lw) in spec.layers.iter().zip(&self.layers) {
             out.push((&ls.input_layernorm, Dest::Bf16(lw.input_norm.slice())));
             match (&ls.self_attn.query, &lw.query) {
-                (QuerySpec::Direct { q_proj }, QueryWeights::Direct(m)) => out.push((q_proj, Dest::Bf16(m.buf.slice()))),
+                (QuerySpec::Direct { q_proj }, QueryWeights::Direct(m)) => {
+                    out.push((q_proj, Dest::Bf16(m.buf.slice())))
+                }
                 (QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj }, QueryWeights::LowRank { a, a_norm, b }) => {
                     out.push((q_a_proj, Dest::Bf16(a.buf.slice())));
                     out.push((q_a_layernorm, Dest::Bf16(a_norm.slice())));
@@ -173,7 +194,9 @@ impl DeviceWeights {
             out.push((&a.o_proj, Dest::Bf16(lw.o_proj.buf.slice())));
             out.push((&ls.post_attention_layernorm, Dest::Bf16(lw.post_norm.slice())));
             match (&ls.mlp, &lw.ffn) {
-                (FfnSpec::Dense(s), FfnWeights::Dense(w)) => mlp(&mut out, s, w.gate_up.buf.slice(), w.down.buf.slice()),
+                (FfnSpec::Dense(s), FfnWeights::Dense(w)) => {
+                    mlp(&mut out, s, w.gate_up.buf.slice(), w.down.buf.slice())
+                }
                 (FfnSpec::Moe(s), FfnWeights::Moe(w)) => {
                     out.push((&s.gate, Dest::F32(w.router.slice())));
                     if let (Some(bs), Some(bw)) = (&s.e_score_correction_bias, &w.bias) {
@@ -256,5 +279,6 @@ impl Dest {
 
 fn upload<T>(dst: DSlice<T>, data: &[T]) -> anyhow::Result<()> {
     anyhow::ensure!(dst.len == data.len(), "upload of {} elements into {}", data.len(), dst.len);
-    unsafe { cudarc::driver::result::memcpy_htod_sync(dst.ptr, data) }.map_err(|e| anyhow::anyhow!("copying weights to the device: {e:?}"))
+    unsafe { cudarc::driver::result::memcpy_htod_sync(dst.ptr, data) }
+        .map_err(|e| anyhow::anyhow!("copying weights to the device: {e:?}"))
 }

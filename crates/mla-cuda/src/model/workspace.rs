@@ -23,9 +23,24 @@ pub struct Limits {
 impl Limits {
     pub fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.max_tokens > 0 && self.max_seqs > 0, "limits must be positive: {self:?}");
-        anyhow::ensure!(self.max_seqs <= self.max_tokens, "max_seqs {} exceeds max_tokens {}", self.max_seqs, self.max_tokens);
-        anyhow::ensure!(self.max_logit_rows >= self.max_seqs, "max_logit_rows {} below max_seqs {}", self.max_logit_rows, self.max_seqs);
-        anyhow::ensure!(self.max_kv_chunk >= self.max_tokens, "max_kv_chunk {} below max_tokens {}", self.max_kv_chunk, self.max_tokens);
+        anyhow::ensure!(
+            self.max_seqs <= self.max_tokens,
+            "max_seqs {} exceeds max_tokens {}",
+            self.max_seqs,
+            self.max_tokens
+        );
+        anyhow::ensure!(
+            self.max_logit_rows >= self.max_seqs,
+            "max_logit_rows {} below max_seqs {}",
+            self.max_logit_rows,
+            self.max_seqs
+        );
+        anyhow::ensure!(
+            self.max_kv_chunk >= self.max_tokens,
+            "max_kv_chunk {} below max_tokens {}",
+            self.max_kv_chunk,
+            self.max_tokens
+        );
         Ok(())
     }
 }
@@ -116,7 +131,11 @@ impl Workspace {
         let qd = cfg.q_head_dim();
         let lat = cfg.kv_cache_dim();
         let kvw = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim);
-        let dense_inter = (0..cfg.num_hidden_layers).filter(|&i| !cfg.is_moe_layer(i)).map(|_| cfg.intermediate_size).max().unwrap_or(0);
+        let dense_inter = (0..cfg.num_hidden_layers)
+            .filter(|&i| !cfg.is_moe_layer(i))
+            .map(|_| cfg.intermediate_size)
+            .max()
+            .unwrap_or(0);
         let inter = dense_inter.max(cfg.shared_expert_intermediate_size());
         let split_rows = sm_count + s;
         let moe = if cfg.n_routed_experts > 0 && (0..cfg.num_hidden_layers).any(|i| cfg.is_moe_layer(i)) {

@@ -151,11 +151,22 @@ impl Kernels {
     }
 
     /// Prefill attention through a chosen implementation (tests and benchmarks compare both).
-    pub fn prefill_attention_with(&self, s: CUstream, p: &PrefillAttention, which: PrefillKernel) -> anyhow::Result<()> {
+    pub fn prefill_attention_with(
+        &self,
+        s: CUstream,
+        p: &PrefillAttention,
+        which: PrefillKernel,
+    ) -> anyhow::Result<()> {
         // The wgmma kernel is in the sm_90a cubin only (the default is MmaSync everywhere else).
-        anyhow::ensure!(which == PrefillKernel::MmaSync || self.prefill_kernel != PrefillKernel::MmaSync, "the wgmma prefill attention kernel needs compute capability 9.0");
+        anyhow::ensure!(
+            which == PrefillKernel::MmaSync || self.prefill_kernel != PrefillKernel::MmaSync,
+            "the wgmma prefill attention kernel needs compute capability 9.0"
+        );
         let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
-        anyhow::ensure!(p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD, "prefill attention: row strides too small");
+        anyhow::ensure!(
+            p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD,
+            "prefill attention: row strides too small"
+        );
         ensure_len!(p.q, p.q_rows * p.q_stride, "prefill queries");
         ensure_len!(p.out, p.q_rows * p.out_stride, "prefill output");
         ensure_len!(p.kv, p.k_rows * p.kv_stride, "decompressed keys/values");
@@ -169,14 +180,26 @@ impl Kernels {
         ensure_len!(p.tile_seq, p.tiles, "tile map");
         ensure_len!(p.tile_q0, p.tiles, "tile map");
         ensure_len!(p.cu_q, p.seqs + 1, "query offsets");
-        for (b, n) in [(p.q_pos0, "query positions"), (p.k_row0, "key rows"), (p.k_pos0, "key positions"), (p.k_len, "key counts")] {
+        for (b, n) in [
+            (p.q_pos0, "query positions"),
+            (p.k_row0, "key rows"),
+            (p.k_pos0, "key positions"),
+            (p.k_len, "key counts"),
+        ] {
             ensure_len!(b, p.seqs, n);
         }
         let flags = (p.pass.load_state as i32) | ((p.pass.last as i32) << 1);
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let (kernel, grid, threads, smem) = match which {
-            PrefillKernel::MmaSync => (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES),
-            PrefillKernel::WgmmaLockstep => (&self.mla_prefill_attention_sm90_sync, (p.tiles as u32, p.heads as u32, 1), 384, PREFILL_SM90_SMEM_BYTES),
+            PrefillKernel::MmaSync => {
+                (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES)
+            }
+            PrefillKernel::WgmmaLockstep => (
+                &self.mla_prefill_attention_sm90_sync,
+                (p.tiles as u32, p.heads as u32, 1),
+                384,
+                PREFILL_SM90_SMEM_BYTES,
+            ),
         };
         kernel.launch(
             s,
@@ -229,7 +252,13 @@ impl Kernels {
                 (p.heads as u32, p.batch as u32, (LATENT / 128) as u32),
                 128,
                 0,
-                &[Arg::Ptr(p.part_o.ptr), Arg::Ptr(p.part_lse.ptr), Arg::I32(p.heads as i32), Arg::I32(p.num_splits as i32), Arg::Ptr(p.out.ptr)],
+                &[
+                    Arg::Ptr(p.part_o.ptr),
+                    Arg::Ptr(p.part_lse.ptr),
+                    Arg::I32(p.heads as i32),
+                    Arg::I32(p.num_splits as i32),
+                    Arg::Ptr(p.out.ptr),
+                ],
             )?;
         }
         Ok(())
@@ -242,7 +271,13 @@ impl Kernels {
         self.decode_attention_launch(s, p, DecodeKernel::for_batch(p.batch), false)
     }
 
-    fn decode_attention_launch(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel, write_out: bool) -> anyhow::Result<()> {
+    fn decode_attention_launch(
+        &self,
+        s: CUstream,
+        p: &DecodeAttention,
+        which: DecodeKernel,
+        write_out: bool,
+    ) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
         anyhow::ensure!(p.cache.len % d == 0, "latent cache length {} is not a multiple of {d}", p.cache.len);
@@ -292,10 +327,28 @@ impl Kernels {
     /// = Σ_c W_UV[h][d][c] · o_lat[b, h, c]` ([batch, heads * 128] bf16), `kv_b` = kv_b_proj
     /// [heads * 256, 512]. W_UV is loaded before the PDL wait.
     #[allow(clippy::too_many_arguments)]
-    pub fn decode_combine_absorb_o(&self, s: CUstream, part_o: DSlice<f32>, part_lse: DSlice<f32>, heads: usize, num_splits: usize, batch: usize, kv_b: &Linear, out: DSlice<bf16>) -> anyhow::Result<()> {
-        anyhow::ensure!((1..=COMBINE_ABSORB_MAX_BATCH).contains(&batch), "combine + absorb_o takes 1..={COMBINE_ABSORB_MAX_BATCH} tokens, not {batch}");
+    pub fn decode_combine_absorb_o(
+        &self,
+        s: CUstream,
+        part_o: DSlice<f32>,
+        part_lse: DSlice<f32>,
+        heads: usize,
+        num_splits: usize,
+        batch: usize,
+        kv_b: &Linear,
+        out: DSlice<bf16>,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            (1..=COMBINE_ABSORB_MAX_BATCH).contains(&batch),
+            "combine + absorb_o takes 1..={COMBINE_ABSORB_MAX_BATCH} tokens, not {batch}"
+        );
         anyhow::ensure!((1..=64).contains(&num_splits), "decode splits {num_splits} outside 1..=64");
-        anyhow::ensure!(kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT, "kv_b_proj is [{}, {}]", kv_b.out, kv_b.inp);
+        anyhow::ensure!(
+            kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT,
+            "kv_b_proj is [{}, {}]",
+            kv_b.out,
+            kv_b.inp
+        );
         ensure_len!(part_o, batch * num_splits * heads * LATENT, "split outputs");
         ensure_len!(part_lse, batch * num_splits * heads, "split log-sum-exps");
         ensure_len!(out, batch * heads * V_HEAD, "attention output");

@@ -49,7 +49,11 @@ const ABSORB_THREADS: u32 = 512;
 impl Kernels {
     pub fn rope_cache(&self, s: CUstream, p: &RopeCache) -> anyhow::Result<()> {
         let (t, w) = (p.tokens, p.kv_lora_rank + p.rope_dim);
-        anyhow::ensure!(p.rope_dim % 2 == 0 && p.rope_dim <= 128, "rope dim {} must be even and at most 128", p.rope_dim);
+        anyhow::ensure!(
+            p.rope_dim % 2 == 0 && p.rope_dim <= 128,
+            "rope dim {} must be even and at most 128",
+            p.rope_dim
+        );
         if t == 0 {
             return Ok(());
         }
@@ -68,44 +72,71 @@ impl Kernels {
             None => (0, 0, 0),
         };
         let mut args = vec![
-                Arg::Ptr(p.kva.ptr),
-                Arg::I32(p.kva_stride as i32),
-                Arg::Ptr(p.kv_norm_w.ptr),
-                Arg::Ptr(p.q.ptr),
-                Arg::I32(p.q_stride as i32),
-                Arg::Ptr(qo),
-                Arg::I32(qo_stride as i32),
-                Arg::I32(qo_head as i32),
-                Arg::Ptr(p.positions.ptr),
-                Arg::Ptr(p.slots.ptr),
-                Arg::Ptr(p.inv_freq.ptr),
-                Arg::F32(p.attn_factor),
-                Arg::F32(p.eps),
-                Arg::Ptr(p.cache.ptr),
-                Arg::I32(p.heads as i32),
-                Arg::I32(p.nope as i32),
-                Arg::I32(p.kv_lora_rank as i32),
-                Arg::I32(p.rope_dim as i32),
+            Arg::Ptr(p.kva.ptr),
+            Arg::I32(p.kva_stride as i32),
+            Arg::Ptr(p.kv_norm_w.ptr),
+            Arg::Ptr(p.q.ptr),
+            Arg::I32(p.q_stride as i32),
+            Arg::Ptr(qo),
+            Arg::I32(qo_stride as i32),
+            Arg::I32(qo_head as i32),
+            Arg::Ptr(p.positions.ptr),
+            Arg::Ptr(p.slots.ptr),
+            Arg::Ptr(p.inv_freq.ptr),
+            Arg::F32(p.attn_factor),
+            Arg::F32(p.eps),
+            Arg::Ptr(p.cache.ptr),
+            Arg::I32(p.heads as i32),
+            Arg::I32(p.nope as i32),
+            Arg::I32(p.kv_lora_rank as i32),
+            Arg::I32(p.rope_dim as i32),
         ];
         let Some(a) = &p.absorb else {
             self.mla_rope_cache.launch(s, (t as u32, 1, 1), 128, 0, &args)?;
             return Ok(());
         };
-        anyhow::ensure!(p.nope == 128 && p.kv_lora_rank == 512, "mla_rope_absorb_q is built for nope 128 and kv_lora_rank 512");
+        anyhow::ensure!(
+            p.nope == 128 && p.kv_lora_rank == 512,
+            "mla_rope_absorb_q is built for nope 128 and kv_lora_rank 512"
+        );
         ensure_len!(a.kv_b, p.heads * (p.nope + a.v_dim) * p.kv_lora_rank, "kv_b_proj");
-        ensure_len!(a.q_abs, (t - 1) * a.row_stride + (p.heads - 1) * a.head_stride + p.kv_lora_rank, "absorbed queries");
-        args.extend([Arg::Ptr(a.kv_b.ptr), Arg::I32(a.v_dim as i32), Arg::Ptr(a.q_abs.ptr), Arg::I32(a.row_stride as i32), Arg::I32(a.head_stride as i32)]);
+        ensure_len!(
+            a.q_abs,
+            (t - 1) * a.row_stride + (p.heads - 1) * a.head_stride + p.kv_lora_rank,
+            "absorbed queries"
+        );
+        args.extend([
+            Arg::Ptr(a.kv_b.ptr),
+            Arg::I32(a.v_dim as i32),
+            Arg::Ptr(a.q_abs.ptr),
+            Arg::I32(a.row_stride as i32),
+            Arg::I32(a.head_stride as i32),
+        ]);
         self.mla_rope_absorb_q.launch(s, (p.heads as u32 + 1, t as u32, 1), ABSORB_THREADS, 0, &args)?;
         Ok(())
     }
 
     /// out[i] = cache[slots[i]] for `n` rows of `width` bf16 values (width % 8 == 0).
-    pub fn gather_latent(&self, s: CUstream, cache: DSlice<bf16>, slots: DSlice<i32>, out: DSlice<bf16>, n: usize, width: usize) -> anyhow::Result<()> {
+    pub fn gather_latent(
+        &self,
+        s: CUstream,
+        cache: DSlice<bf16>,
+        slots: DSlice<i32>,
+        out: DSlice<bf16>,
+        n: usize,
+        width: usize,
+    ) -> anyhow::Result<()> {
         anyhow::ensure!(width % 8 == 0, "latent width {width} is not a multiple of 8");
         ensure_len!(slots, n, "gather slots");
         ensure_len!(out, n * width, "gathered latents");
         let work = n * width / 8;
-        self.gather_latent.launch(s, (grid_for(self, work, 256), 1, 1), 256, 0, &[Arg::Ptr(cache.ptr), Arg::Ptr(slots.ptr), Arg::Ptr(out.ptr), Arg::I32(n as i32), Arg::I32(width as i32)])?;
+        self.gather_latent.launch(
+            s,
+            (grid_for(self, work, 256), 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(cache.ptr), Arg::Ptr(slots.ptr), Arg::Ptr(out.ptr), Arg::I32(n as i32), Arg::I32(width as i32)],
+        )?;
         Ok(())
     }
 }

@@ -22,23 +22,58 @@ impl Linear {
 
 impl Blas {
     /// `y[r, :] = x[r, :] · Wᵀ` for `rows` rows; x and y rows at the given strides.
-    pub fn linear(&self, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: DSlice<bf16>, y_stride: usize) -> anyhow::Result<()> {
+    pub fn linear(
+        &self,
+        lin: &Linear,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        y: DSlice<bf16>,
+        y_stride: usize,
+    ) -> anyhow::Result<()> {
         self.linear_any(lin, x, x_stride, rows, y.ptr, y.len, y_stride, GemmOut::Bf16)
     }
 
     /// Same with f32 output (logits).
-    pub fn linear_f32_out(&self, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: DSlice<f32>, y_stride: usize) -> anyhow::Result<()> {
+    pub fn linear_f32_out(
+        &self,
+        lin: &Linear,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        y: DSlice<f32>,
+        y_stride: usize,
+    ) -> anyhow::Result<()> {
         self.linear_any(lin, x, x_stride, rows, y.ptr, y.len, y_stride, GemmOut::F32)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn linear_any(&self, lin: &Linear, x: DSlice<bf16>, x_stride: usize, rows: usize, y: u64, y_len: usize, y_stride: usize, out: GemmOut) -> anyhow::Result<()> {
+    fn linear_any(
+        &self,
+        lin: &Linear,
+        x: DSlice<bf16>,
+        x_stride: usize,
+        rows: usize,
+        y: u64,
+        y_len: usize,
+        y_stride: usize,
+        out: GemmOut,
+    ) -> anyhow::Result<()> {
         if rows == 0 {
             return Ok(());
         }
-        anyhow::ensure!(x_stride >= lin.inp && y_stride >= lin.out, "linear [{}, {}]: strides {x_stride}/{y_stride} too small", lin.out, lin.inp);
+        anyhow::ensure!(
+            x_stride >= lin.inp && y_stride >= lin.out,
+            "linear [{}, {}]: strides {x_stride}/{y_stride} too small",
+            lin.out,
+            lin.inp
+        );
         ensure_len!(x, (rows - 1) * x_stride + lin.inp, "linear input");
-        anyhow::ensure!(y_len >= (rows - 1) * y_stride + lin.out, "linear output: {y_len} elements, {} needed", (rows - 1) * y_stride + lin.out);
+        anyhow::ensure!(
+            y_len >= (rows - 1) * y_stride + lin.out,
+            "linear output: {y_len} elements, {} needed",
+            (rows - 1) * y_stride + lin.out
+        );
         self.gemm(&Gemm {
             trans_a: true,
             trans_b: false,
@@ -60,7 +95,15 @@ impl Blas {
 
     /// f32 `y = x · Wᵀ` with x [rows, inp] and W [out, inp] contiguous (the MoE router, which HF
     /// runs in f32).
-    pub fn linear_f32(&self, w: DSlice<f32>, out_features: usize, inp: usize, x: DSlice<f32>, rows: usize, y: DSlice<f32>) -> anyhow::Result<()> {
+    pub fn linear_f32(
+        &self,
+        w: DSlice<f32>,
+        out_features: usize,
+        inp: usize,
+        x: DSlice<f32>,
+        rows: usize,
+        y: DSlice<f32>,
+    ) -> anyhow::Result<()> {
         if rows == 0 {
             return Ok(());
         }
@@ -89,12 +132,24 @@ impl Blas {
     /// Absorbed query: for each head h, `q_lat[b, h] = W_UK[h]ᵀ · q_nope[b, h]`, written to the
     /// first 512 values of each 576-wide row of `q_abs` ([batch, heads, 576]). `q` holds rows of
     /// `heads * 192` ([q_nope 128 | q_pe 64] per head); `kv_b` is kv_b_proj [heads * 256, 512].
-    pub fn absorb_q(&self, kv_b: &Linear, heads: usize, q: DSlice<bf16>, batch: usize, q_abs: DSlice<bf16>) -> anyhow::Result<()> {
+    pub fn absorb_q(
+        &self,
+        kv_b: &Linear,
+        heads: usize,
+        q: DSlice<bf16>,
+        batch: usize,
+        q_abs: DSlice<bf16>,
+    ) -> anyhow::Result<()> {
         if batch == 0 {
             return Ok(());
         }
         let (qd, d) = (NOPE + ROPE, LATENT + ROPE);
-        anyhow::ensure!(kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT, "kv_b_proj is [{}, {}]", kv_b.out, kv_b.inp);
+        anyhow::ensure!(
+            kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT,
+            "kv_b_proj is [{}, {}]",
+            kv_b.out,
+            kv_b.inp
+        );
         ensure_len!(q, batch * heads * qd, "queries");
         ensure_len!(q_abs, batch * heads * d, "absorbed queries");
         // Column-major: q_lat_hᵀ [512, B] = W_UK_hᵀ [512, 128] · q_nope_hᵀ [128, B].
@@ -118,11 +173,23 @@ impl Blas {
     }
 
     /// Absorbed output: `o[b, h] = W_UV[h] · o_lat[b, h]` into rows of `heads * 128`.
-    pub fn absorb_o(&self, kv_b: &Linear, heads: usize, o_lat: DSlice<bf16>, batch: usize, o: DSlice<bf16>) -> anyhow::Result<()> {
+    pub fn absorb_o(
+        &self,
+        kv_b: &Linear,
+        heads: usize,
+        o_lat: DSlice<bf16>,
+        batch: usize,
+        o: DSlice<bf16>,
+    ) -> anyhow::Result<()> {
         if batch == 0 {
             return Ok(());
         }
-        anyhow::ensure!(kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT, "kv_b_proj is [{}, {}]", kv_b.out, kv_b.inp);
+        anyhow::ensure!(
+            kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT,
+            "kv_b_proj is [{}, {}]",
+            kv_b.out,
+            kv_b.inp
+        );
         ensure_len!(o_lat, batch * heads * LATENT, "latent attention output");
         ensure_len!(o, batch * heads * V_HEAD, "attention output");
         // Column-major: o_hᵀ [128, B] = (W_UV_h as [512, 128] col-major)ᵀ · o_lat_hᵀ [512, B].

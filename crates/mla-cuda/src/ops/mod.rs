@@ -8,11 +8,17 @@ mod linear;
 mod moe;
 mod sampling;
 
-pub use attention::{DecodeAttention, DecodeKernel, PrefillAttention, PrefillKernel, PrefillPass, COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD};
+pub use attention::{
+    DecodeAttention, DecodeKernel, PrefillAttention, PrefillKernel, PrefillPass, COMBINE_ABSORB_MAX_BATCH,
+    DECODE_HEAD_TILE, LATENT, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
+};
 pub use elementwise::Normal;
 pub use latent::{AbsorbQ, RopeCache};
 pub use linear::Linear;
-pub use moe::{MoeRouting, RouteMethod, Sm90Schedule, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
+pub use moe::{
+    MoeRouting, RouteMethod, Sm90Schedule, GROUPED_SM90_SMEM_BYTES, GROUPED_TILE_M, GROUPED_TILE_M_SM90,
+    GROUPED_TILE_M_SMALL,
+};
 pub use sampling::{SampleParamsRaw, SamplerOutputs, MAX_TOP_LOGPROBS};
 
 use crate::gpu::{GpuInfo, Kernel, Modules};
@@ -73,7 +79,11 @@ impl Kernels {
             mla_prefill_attention_sm90_sync: m.kernel("attention_prefill_sm90", "mla_prefill_attention_sm90_sync")?,
             // The wgmma kernel exists only in the sm_90a cubin, which is what compute capability 9.0
             // loads; every other GPU runs the mma.sync kernel from PTX.
-            prefill_kernel: if info.compute_capability == (9, 0) { PrefillKernel::WgmmaLockstep } else { PrefillKernel::MmaSync },
+            prefill_kernel: if info.compute_capability == (9, 0) {
+                PrefillKernel::WgmmaLockstep
+            } else {
+                PrefillKernel::MmaSync
+            },
             // Q in registers, QKᵀ split over the dims, on every GPU (cubin and PTX): 6-9% faster
             // than the one-chain kernel it replaced at B=32/128/256 in run D4 (docs/cuda-notes.md,
             // "Decode attention").
@@ -113,8 +123,18 @@ impl Kernels {
             k.mla_prefill_attention_sm90_sync.set_max_dynamic_smem(attention::PREFILL_SM90_SMEM_BYTES)?;
         }
         if k.moe_wgmma {
-            anyhow::ensure!(info.max_smem_per_block_optin >= GROUPED_SM90_SMEM_BYTES, "{} offers {} bytes of shared memory per block; the wgmma grouped GEMM needs {GROUPED_SM90_SMEM_BYTES}", info.name, info.max_smem_per_block_optin);
-            for kernel in [&k.moe_grouped_gemm_sm90, &k.moe_grouped_gemm_silu_sm90, &k.moe_grouped_gemm_sm90_n128, &k.moe_grouped_gemm_silu_sm90_n128] {
+            anyhow::ensure!(
+                info.max_smem_per_block_optin >= GROUPED_SM90_SMEM_BYTES,
+                "{} offers {} bytes of shared memory per block; the wgmma grouped GEMM needs {GROUPED_SM90_SMEM_BYTES}",
+                info.name,
+                info.max_smem_per_block_optin
+            );
+            for kernel in [
+                &k.moe_grouped_gemm_sm90,
+                &k.moe_grouped_gemm_silu_sm90,
+                &k.moe_grouped_gemm_sm90_n128,
+                &k.moe_grouped_gemm_silu_sm90_n128,
+            ] {
                 kernel.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
             }
         }
@@ -129,13 +149,7 @@ pub(crate) fn grid_for(k: &Kernels, work: usize, block: usize) -> u32 {
 
 macro_rules! ensure_len {
     ($slice:expr, $need:expr, $what:expr) => {
-        anyhow::ensure!(
-            $slice.len >= $need,
-            "{}: buffer holds {} elements, {} needed",
-            $what,
-            $slice.len,
-            $need
-        )
+        anyhow::ensure!($slice.len >= $need, "{}: buffer holds {} elements, {} needed", $what, $slice.len, $need)
     };
 }
 pub(crate) use ensure_len;

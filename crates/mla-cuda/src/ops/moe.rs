@@ -30,22 +30,10 @@ pub struct Sm90Schedule {
 impl Sm90Schedule {
     /// Every schedule the kernels support (tests and benchmarks run each).
     pub const ALL: [Sm90Schedule; 4] = [
-        Sm90Schedule {
-            item_rows: 256,
-            persistent: false,
-        },
-        Sm90Schedule {
-            item_rows: 256,
-            persistent: true,
-        },
-        Sm90Schedule {
-            item_rows: 128,
-            persistent: false,
-        },
-        Sm90Schedule {
-            item_rows: 128,
-            persistent: true,
-        },
+        Sm90Schedule { item_rows: 256, persistent: false },
+        Sm90Schedule { item_rows: 256, persistent: true },
+        Sm90Schedule { item_rows: 128, persistent: false },
+        Sm90Schedule { item_rows: 128, persistent: true },
     ];
 }
 
@@ -105,11 +93,7 @@ impl Kernels {
             tokens,
             top_k,
             experts,
-            if self.moe_wgmma {
-                GROUPED_TILE_M_SM90
-            } else {
-                GROUPED_TILE_M
-            },
+            if self.moe_wgmma { GROUPED_TILE_M_SM90 } else { GROUPED_TILE_M },
         )
     }
 
@@ -127,11 +111,7 @@ impl Kernels {
         norm_topk: bool,
         routed_scale: f32,
     ) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            r.experts <= 256,
-            "{} routed experts: the router kernel handles at most 256",
-            r.experts
-        );
+        anyhow::ensure!(r.experts <= 256, "{} routed experts: the router kernel handles at most 256", r.experts);
         anyhow::ensure!(
             r.top_k <= 32 && n_group <= 32 && r.experts % n_group.max(1) == 0,
             "router: top_k {} / n_group {n_group} unsupported",
@@ -141,10 +121,7 @@ impl Kernels {
         ensure_len!(r.topk_ids, r.tokens * r.top_k, "top-k ids");
         ensure_len!(r.topk_w, r.tokens * r.top_k, "top-k weights");
         if method == RouteMethod::NoauxTc {
-            anyhow::ensure!(
-                bias.is_some(),
-                "noaux_tc routing needs e_score_correction_bias"
-            );
+            anyhow::ensure!(bias.is_some(), "noaux_tc routing needs e_score_correction_bias");
         }
         let bias_ptr = match bias {
             Some(b) => {
@@ -190,11 +167,7 @@ impl Kernels {
             r.tile_m
         );
         let tiles = MoeRouting::max_tiles(a, r.experts, r.tile_m);
-        for (b, n) in [
-            (r.tile_expert, "tile experts"),
-            (r.tile_row0, "tile rows"),
-            (r.tile_rows, "tile sizes"),
-        ] {
+        for (b, n) in [(r.tile_expert, "tile experts"), (r.tile_row0, "tile rows"), (r.tile_rows, "tile sizes")] {
             ensure_len!(b, tiles, n);
         }
         ensure_len!(r.num_tiles, 1, "tile count");
@@ -231,10 +204,7 @@ impl Kernels {
         hidden: usize,
     ) -> anyhow::Result<()> {
         let rows = r.tokens * r.top_k;
-        anyhow::ensure!(
-            hidden % 8 == 0,
-            "hidden size {hidden} is not a multiple of 8"
-        );
+        anyhow::ensure!(hidden % 8 == 0, "hidden size {hidden} is not a multiple of 8");
         ensure_len!(x, r.tokens * hidden, "MoE input");
         ensure_len!(grouped, rows * hidden, "grouped rows");
         self.moe_gather.launch(
@@ -259,15 +229,9 @@ impl Kernels {
     /// items, one block each.
     pub fn moe_sm90_schedule(&self, r: &MoeRouting) -> Sm90Schedule {
         if r.tokens * r.top_k <= 64 * r.experts {
-            Sm90Schedule {
-                item_rows: 128,
-                persistent: true,
-            }
+            Sm90Schedule { item_rows: 128, persistent: true }
         } else {
-            Sm90Schedule {
-                item_rows: 256,
-                persistent: false,
-            }
+            Sm90Schedule { item_rows: 256, persistent: false }
         }
     }
 
@@ -340,10 +304,7 @@ impl Kernels {
                 self.launch_grouped(
                     s,
                     kernel,
-                    (
-                        self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent),
-                        1,
-                    ),
+                    (self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent), 1),
                     SM90_THREADS,
                     GROUPED_SM90_SMEM_BYTES,
                     a,
@@ -373,17 +334,7 @@ impl Kernels {
         k: usize,
         r: &MoeRouting,
     ) -> anyhow::Result<()> {
-        self.moe_gate_up_act_with(
-            s,
-            a,
-            w,
-            gate_up,
-            act,
-            inter,
-            k,
-            r,
-            self.moe_sm90_schedule(r),
-        )
+        self.moe_gate_up_act_with(s, a, w, gate_up, act, inter, k, r, self.moe_sm90_schedule(r))
     }
 
     /// `moe_gate_up_act` with the wgmma kernels' schedule chosen (tests and benchmarks).
@@ -417,10 +368,7 @@ impl Kernels {
         self.launch_grouped(
             s,
             kernel,
-            (
-                self.sm90_grid(r, inter.div_ceil(sched.item_rows / 2), sched.persistent),
-                1,
-            ),
+            (self.sm90_grid(r, inter.div_ceil(sched.item_rows / 2), sched.persistent), 1),
             SM90_THREADS,
             GROUPED_SM90_SMEM_BYTES,
             a,
@@ -432,12 +380,7 @@ impl Kernels {
         )
     }
 
-    fn sm90_kernel(
-        &self,
-        r: &MoeRouting,
-        item_rows: usize,
-        silu: bool,
-    ) -> anyhow::Result<&crate::gpu::Kernel> {
+    fn sm90_kernel(&self, r: &MoeRouting, item_rows: usize, silu: bool) -> anyhow::Result<&crate::gpu::Kernel> {
         anyhow::ensure!(
             self.moe_wgmma,
             "the wgmma grouped GEMM (tiles of {} rows) needs compute capability 9.0",
@@ -448,9 +391,7 @@ impl Kernels {
             (256, true) => &self.moe_grouped_gemm_silu_sm90,
             (128, false) => &self.moe_grouped_gemm_sm90_n128,
             (128, true) => &self.moe_grouped_gemm_silu_sm90_n128,
-            _ => anyhow::bail!(
-                "the wgmma grouped GEMM has items of 256 or 128 weight rows, not {item_rows}"
-            ),
+            _ => anyhow::bail!("the wgmma grouped GEMM has items of 256 or 128 weight rows, not {item_rows}"),
         })
     }
 
@@ -511,10 +452,7 @@ impl Kernels {
         out: DSlice<bf16>,
         hidden: usize,
     ) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            hidden % 2 == 0 && r.top_k <= 32,
-            "moe_combine needs an even hidden size and top_k <= 32"
-        );
+        anyhow::ensure!(hidden % 2 == 0 && r.top_k <= 32, "moe_combine needs an even hidden size and top_k <= 32");
         ensure_len!(y, r.tokens * r.top_k * hidden, "expert outputs");
         ensure_len!(out, r.tokens * hidden, "MoE output");
         let shared_ptr = match shared {
@@ -562,13 +500,7 @@ impl Kernels {
             (grid_for(self, rows * width / 8, 256), 1, 1),
             256,
             0,
-            &[
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(idx.ptr),
-                Arg::Ptr(out.ptr),
-                Arg::I32(rows as i32),
-                Arg::I32(width as i32),
-            ],
+            &[Arg::Ptr(x.ptr), Arg::Ptr(idx.ptr), Arg::Ptr(out.ptr), Arg::I32(rows as i32), Arg::I32(width as i32)],
         )?;
         Ok(())
     }

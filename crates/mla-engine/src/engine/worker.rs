@@ -70,7 +70,17 @@ impl Worker {
         };
         let sched = Scheduler::new(limits, backend.cache_layout());
         let seeds = SplitMix64::new(cfg.seed);
-        Worker { backend, sched, inbox, clients: IdMap::default(), metrics, queued, seeds, deadline: None, undelivered: None }
+        Worker {
+            backend,
+            sched,
+            inbox,
+            clients: IdMap::default(),
+            metrics,
+            queued,
+            seeds,
+            deadline: None,
+            undelivered: None,
+        }
     }
 
     pub fn run(mut self) {
@@ -93,7 +103,8 @@ impl Worker {
                     // the stuck requests keeps it visible instead of hanging their clients.
                     tracing::error!("the scheduler has work but built no step");
                     let ids: Vec<u64> = self.clients.keys().copied().collect();
-                    ids.into_iter().for_each(|id| self.fail(id, "internal error: the scheduler made no progress".into()));
+                    ids.into_iter()
+                        .for_each(|id| self.fail(id, "internal error: the scheduler made no progress".into()));
                 }
                 None => {}
             }
@@ -109,7 +120,8 @@ impl Worker {
             if let Command::Submit { req, events, .. } = cmd {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
                 self.metrics.count_finished(FinishReason::Abort, req.n as u64);
-                (0..req.n).for_each(|index| drop(events.send(EngineEvent::Finished { index, reason: FinishReason::Abort })));
+                (0..req.n)
+                    .for_each(|index| drop(events.send(EngineEvent::Finished { index, reason: FinishReason::Abort })));
             }
         }
         self.publish();
@@ -288,7 +300,8 @@ impl Worker {
         let now = Instant::now();
         let mut stats = self.metrics.lock();
         for s in &plan.seqs {
-            let client = self.clients.get_mut(&SeqKey::from_seq_id(s.seq_id).request).expect("scheduled request has a client");
+            let client =
+                self.clients.get_mut(&SeqKey::from_seq_id(s.seq_id).request).expect("scheduled request has a client");
             if client.timings.first_scheduled.is_none() {
                 client.timings.first_scheduled = Some(now);
                 self.queued.fetch_sub(1, Ordering::SeqCst);
@@ -315,7 +328,8 @@ impl Worker {
         let at = *at;
         let (tokens, rest) = std::mem::take(&mut applied.tokens).into_iter().partition(|t| t.request == id);
         applied.tokens = rest;
-        let (finished_requests, rest) = std::mem::take(&mut applied.finished_requests).into_iter().partition(|&r| r == id);
+        let (finished_requests, rest) =
+            std::mem::take(&mut applied.finished_requests).into_iter().partition(|&r| r == id);
         applied.finished_requests = rest;
         self.deliver(Applied { tokens, finished_requests }, at);
     }
@@ -344,8 +358,14 @@ impl Worker {
                 Some(FinishReason::Length) => stats.finished_length += 1,
                 Some(FinishReason::Abort) | None => {}
             }
-            let logprobs = client.wants_logprobs.then_some(TokenLogprobs { logprob: t.token.logprob, top: t.token.top_logprobs });
-            let _ = client.events.send(EngineEvent::Token { index: t.index, token: t.token.token, logprobs, finish: t.finish });
+            let logprobs =
+                client.wants_logprobs.then_some(TokenLogprobs { logprob: t.token.logprob, top: t.token.top_logprobs });
+            let _ = client.events.send(EngineEvent::Token {
+                index: t.index,
+                token: t.token.token,
+                logprobs,
+                finish: t.finish,
+            });
         }
         for id in applied.finished_requests {
             let client = self.clients.remove(&id).expect("request has a client");

@@ -119,16 +119,22 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> Se
     tokens.extend_from_slice(&seq.tokens[seq.computed..end]);
     block_table.clear();
     block_table.extend_from_slice(seq.table.blocks());
-    SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits: LogitsRequest::None, sample }
+    SeqStep {
+        seq_id: key.seq_id(),
+        tokens,
+        context_len: seq.computed,
+        block_table,
+        logits: LogitsRequest::None,
+        sample,
+    }
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {
     let outputs = g.outputs(i);
     let params = &g.req.sampling;
     // Penalty history is copied only when a penalty needs it: it grows with every token.
-    let penalty = params
-        .has_penalties()
-        .then(|| PenaltyTokens { prompt: g.req.prompt_tokens.clone(), output: outputs.to_vec() });
+    let penalty =
+        params.has_penalties().then(|| PenaltyTokens { prompt: g.req.prompt_tokens.clone(), output: outputs.to_vec() });
     SampleRequest {
         params: params.clone(),
         seed: draw_seed(g.seed, i, outputs.len()),

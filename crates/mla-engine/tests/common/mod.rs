@@ -122,7 +122,10 @@ pub fn logits_for(history: &[u32]) -> Vec<f32> {
         h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01B3);
     }
     (0..VOCAB as u64)
-        .map(|v| (SplitMix64::new(h ^ v.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0)
+        .map(|v| {
+            (SplitMix64::new(h ^ v.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64() >> 40) as f32 / (1u64 << 24) as f32
+                * 4.0
+        })
         .collect()
 }
 
@@ -170,7 +173,10 @@ impl Backend for HistoryBackend {
         let mut seqs = vec![];
         for s in &plan.seqs {
             let history = (0..s.end_pos())
-                .map(|p| self.cache[slot_of(&s.block_table, bs, p)].with_context(|| format!("seq {} reads unwritten position {p}", s.seq_id)))
+                .map(|p| {
+                    self.cache[slot_of(&s.block_table, bs, p)]
+                        .with_context(|| format!("seq {} reads unwritten position {p}", s.seq_id))
+                })
                 .collect::<anyhow::Result<Vec<u32>>>()?;
             let sampled = s.sample.as_ref().map(|r| sample(&logits_for(&history), r));
             seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
@@ -314,8 +320,21 @@ pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
     }
 }
 
-pub fn request(prompt: Vec<u32>, sampling: SamplingParams, seed: Option<u64>, max_tokens: usize) -> mla_engine::GenerateRequest {
-    mla_engine::GenerateRequest { prompt_tokens: prompt, n: 1, sampling, seed, max_tokens, stop_token_ids: vec![], logprobs: None }
+pub fn request(
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    seed: Option<u64>,
+    max_tokens: usize,
+) -> mla_engine::GenerateRequest {
+    mla_engine::GenerateRequest {
+        prompt_tokens: prompt,
+        n: 1,
+        sampling,
+        seed,
+        max_tokens,
+        stop_token_ids: vec![],
+        logprobs: None,
+    }
 }
 
 /// Distinct prompts of lengths 3, 4, ...

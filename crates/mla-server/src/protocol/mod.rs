@@ -29,10 +29,7 @@ pub fn parse_fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
 
 /// Seconds since the Unix epoch, for `created`.
 pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// A fresh response id such as `chatcmpl-3f9a…`; random so ids from restarts never collide.

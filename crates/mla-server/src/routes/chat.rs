@@ -5,7 +5,7 @@ use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
 use crate::protocol::chat::*;
-use crate::protocol::common::{SamplingWire, Usage, UsageField, UnsupportedWire};
+use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, AppState};
@@ -114,7 +114,10 @@ impl StreamFormat for ChatStream {
         (0..num_choices)
             .map(|index| {
                 let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
-                self.chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], UsageField::Absent)
+                self.chunk(
+                    vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }],
+                    UsageField::Absent,
+                )
             })
             .collect()
     }

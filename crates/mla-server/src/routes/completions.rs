@@ -4,7 +4,7 @@ use super::output::{self, CollectedChoice, StreamFormat};
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
-use crate::protocol::common::{SamplingWire, Usage, UsageField, UnsupportedWire};
+use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::completions::*;
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
@@ -55,7 +55,12 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
     let mut echoes = Vec::new();
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
         let field = if single { "prompt".to_string() } else { format!("prompt[{i}]") };
-        requests.push(state.limits.engine_request(&params, tokens, MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS), &field)?);
+        requests.push(state.limits.engine_request(
+            &params,
+            tokens,
+            MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS),
+            &field,
+        )?);
         // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
         echoes.extend(std::iter::repeat_n(if echo { prompt_text } else { String::new() }, params.n));
     }
@@ -75,17 +80,22 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
         .enumerate()
         .map(|(index, (c, echo_text))| choice(index, c, echo_text, want_logprobs))
         .collect();
-    let body = Completion { id: meta.id, object: "text_completion", created: meta.created, model: meta.model, choices, usage };
+    let body =
+        Completion { id: meta.id, object: "text_completion", created: meta.created, model: meta.model, choices, usage };
     Ok(Json(body).into_response())
 }
 
 /// serde's message for an untagged enum says nothing useful; say what `prompt` may be.
 fn explain_prompt_error(e: ApiError, body: &Value) -> ApiError {
     match &e {
-        ApiError::InvalidJson { param: Some(p), .. } if p == "prompt" && body.get("prompt").is_some() => ApiError::InvalidJson {
-            message: "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids".into(),
-            param: Some("prompt".into()),
-        },
+        ApiError::InvalidJson { param: Some(p), .. } if p == "prompt" && body.get("prompt").is_some() => {
+            ApiError::InvalidJson {
+                message:
+                    "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+                        .into(),
+                param: Some("prompt".into()),
+            }
+        }
         _ => e,
     }
 }
@@ -168,7 +178,8 @@ impl StreamFormat for CompletionStream {
         }
         let logprobs = (self.want_logprobs && !u.logprobs.is_empty())
             .then(|| legacy_logprobs(&u.logprobs, &mut self.offsets[u.index]));
-        let c = CompletionChoice { index: u.index, text: u.text, logprobs, finish_reason: u.finish.map(|f| f.as_str()) };
+        let c =
+            CompletionChoice { index: u.index, text: u.text, logprobs, finish_reason: u.finish.map(|f| f.as_str()) };
         Some(self.chunk(vec![c], UsageField::Absent))
     }
 

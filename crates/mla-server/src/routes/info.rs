@@ -24,7 +24,10 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> 
     Json(ModelList { object: "list", data: vec![card(&state)] })
 }
 
-pub async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<ModelCard>, ApiError> {
+pub async fn get_model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
     state.check_model(Some(&id))?;
     Ok(Json(card(&state)))
 }

@@ -36,7 +36,10 @@ impl ModelLimits {
     ) -> Result<GenerateRequest, ApiError> {
         let prompt = prompt_tokens.len();
         if prompt == 0 {
-            return Err(ApiError::invalid(prompt_field, format!("{prompt_field} is empty: it must have at least one token")));
+            return Err(ApiError::invalid(
+                prompt_field,
+                format!("{prompt_field} is empty: it must have at least one token"),
+            ));
         }
         let room = self.max_model_len.saturating_sub(prompt);
         let max_tokens = match (params.max_tokens, self.default_max_new_tokens, default) {

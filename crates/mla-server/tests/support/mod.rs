@@ -109,7 +109,16 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         let script = tokenizer().encode(SCRIPT_TEXT, false).unwrap();
-        Options { script, sibling_script: None, api_key: None, body_limit: 1 << 20, max_queued: 64, delay: Duration::ZERO, max_num_seqs: 16, fail_after: None }
+        Options {
+            script,
+            sibling_script: None,
+            api_key: None,
+            body_limit: 1 << 20,
+            max_queued: 64,
+            delay: Duration::ZERO,
+            max_num_seqs: 16,
+            fail_after: None,
+        }
     }
 }
 
