@@ -10,9 +10,9 @@
 
 namespace {
 constexpr int DL = 512, DP = 64, D = DL + DP, PAGE = 64, HT = 16;
-constexpr int KV_STRIDE = D + 8;   // 1168 bytes per row: conflict-free fragment and ldmatrix loads
+constexpr int KV_STRIDE = D + 8;  // 1168 bytes per row: conflict-free fragment and ldmatrix loads
 constexpr int P_STRIDE = PAGE + 8;
-constexpr int KSTEPS = D / 16;     // 36
+constexpr int KSTEPS = D / 16;         // 36
 constexpr int KEY_GROUPS = PAGE / 16;  // softmax and P: warp w handles keys [16 (w % 4), +16)
 }  // namespace
 
@@ -41,19 +41,19 @@ constexpr int KEY_GROUPS = PAGE / 16;  // softmax and P: warp w handles keys [16
 // (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4 + NWARPS * (NWARPS == 4 ? 8 : 2) * 32 * 16
 template <int NWARPS>
 __device__ __forceinline__ void decode_attention_body(
-    const bf16* __restrict__ q, int q_stride,       // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
-    const bf16* __restrict__ cache,                 // [blocks * 64, 576]
-    const int* __restrict__ block_tables,           // [B, *bt_stride]
-    const int* __restrict__ bt_stride_ptr,          // row stride of block_tables (device scalar)
-    const int* __restrict__ seq_lens,               // [B] keys per request, the fed token included
+    const bf16* __restrict__ q, int q_stride,  // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
+    const bf16* __restrict__ cache,            // [blocks * 64, 576]
+    const int* __restrict__ block_tables,      // [B, *bt_stride]
+    const int* __restrict__ bt_stride_ptr,     // row stride of block_tables (device scalar)
+    const int* __restrict__ seq_lens,          // [B] keys per request, the fed token included
     int heads, float scale_log2, int num_splits,
-    bf16* __restrict__ out,                         // [B, H, 512], or null: write the partials even for one split
-    float* __restrict__ part_o,                     // [B, num_splits, H, 512]
-    float* __restrict__ part_lse) {                 // [B, num_splits, H] (log2 units)
+    bf16* __restrict__ out,          // [B, H, 512], or null: write the partials even for one split
+    float* __restrict__ part_o,      // [B, num_splits, H, 512]
+    float* __restrict__ part_lse) {  // [B, num_splits, H] (log2 units)
     constexpr int NTHREADS = NWARPS * 32;
-    constexpr int DIM_GROUPS = NWARPS / KEY_GROUPS;       // 1 or 2 halves of the 576 dims for QK^T
+    constexpr int DIM_GROUPS = NWARPS / KEY_GROUPS;  // 1 or 2 halves of the 576 dims for QK^T
     constexpr int KS_PER_WARP = NWARPS == 4 ? KSTEPS / 4 : KSTEPS / DIM_GROUPS;  // 9 (all 64 keys) or 18 (16 keys)
-    constexpr int DIMS_PER_WARP = DL / NWARPS;  // of O: 128 or 64
+    constexpr int DIMS_PER_WARP = DL / NWARPS;                                   // of O: 128 or 64
     constexpr int O_NTILES = DIMS_PER_WARP / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -140,7 +140,8 @@ __device__ __forceinline__ void decode_attention_body(
             }
 #pragma unroll
             for (int nt = 0; nt < PAGE / 8; ++nt)
-                s_part[(warp * (PAGE / 8) + nt) * 32 + lane] = make_float4(part[nt][0], part[nt][1], part[nt][2], part[nt][3]);
+                s_part[(warp * (PAGE / 8) + nt) * 32 + lane] =
+                    make_float4(part[nt][0], part[nt][1], part[nt][2], part[nt][3]);
             __syncthreads();
 #pragma unroll
             for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
@@ -275,7 +276,9 @@ __device__ __forceinline__ void decode_attention_body(
 #pragma unroll
             for (int vn = 0; vn < O_NTILES / 2; ++vn) {
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, KV + (kk * 16 + ri + (mi & 1) * 8) * KV_STRIDE + warp * DIMS_PER_WARP + vn * 16 + (mi >> 1) * 8);
+                ldmatrix_x4_trans(
+                    bv,
+                    KV + (kk * 16 + ri + (mi & 1) * 8) * KV_STRIDE + warp * DIMS_PER_WARP + vn * 16 + (mi >> 1) * 8);
                 mma_bf16_16816(o[2 * vn], pa, bv[0], bv[1]);
                 mma_bf16_16816(o[2 * vn + 1], pa, bv[2], bv[3]);
             }
@@ -314,23 +317,24 @@ __device__ __forceinline__ void decode_attention_body(
             bf16* dst = out + ((size_t)b * heads + hh) * DL + warp * DIMS_PER_WARP;
 #pragma unroll
             for (int n = 0; n < O_NTILES; ++n)
-                *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) = pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+                *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) =
+                    pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
         } else {
             const size_t row = ((size_t)b * num_splits + split) * heads + hh;
             float* dst = part_o + row * DL + warp * DIMS_PER_WARP;
 #pragma unroll
             for (int n = 0; n < O_NTILES; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8 + 2 * t4) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+                *reinterpret_cast<float2*>(dst + n * 8 + 2 * t4) =
+                    make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
             if (warp == 0 && t4 == 0) part_lse[row] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
         }
     }
 }
 
-#define MLA_DECODE_PARAMS                                                                             \
-    const bf16* __restrict__ q, int q_stride, const bf16* __restrict__ cache,                         \
-        const int* __restrict__ block_tables, const int* __restrict__ bt_stride_ptr,                   \
-        const int* __restrict__ seq_lens, int heads, float scale_log2, int num_splits,                 \
-        bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse
+#define MLA_DECODE_PARAMS                                                                                           \
+    const bf16 *__restrict__ q, int q_stride, const bf16 *__restrict__ cache, const int *__restrict__ block_tables, \
+        const int *__restrict__ bt_stride_ptr, const int *__restrict__ seq_lens, int heads, float scale_log2,       \
+        int num_splits, bf16 *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_lse
 #define MLA_DECODE_ARGS \
     q, q_stride, cache, block_tables, bt_stride_ptr, seq_lens, heads, scale_log2, num_splits, out, part_o, part_lse
 
@@ -346,8 +350,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_decode_attention_w8(MLA_DE
 
 // The merge weights of one (request, head): w[s] = 2^(lse_s - max lse) for s < 64, *total = their
 // sum; run by one warp. Shared by both merges so that they round identically.
-__device__ __forceinline__ void split_weights(const float* __restrict__ part_lse, int b, int h, int heads, int num_splits,
-                                              float* w, float* total) {
+__device__ __forceinline__ void split_weights(const float* __restrict__ part_lse, int b, int h, int heads,
+                                              int num_splits, float* w, float* total) {
     const int lane = threadIdx.x & 31;
     float l0 = lane < num_splits ? part_lse[((size_t)b * num_splits + lane) * heads + h] : -INFINITY;
     float l1 = lane + 32 < num_splits ? part_lse[((size_t)b * num_splits + lane + 32) * heads + h] : -INFINITY;
@@ -403,12 +407,13 @@ extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, 
 // partial products are summed in warp order. The blocks of a head merge the same o_lat (from L2).
 namespace absorb {
 constexpr int MAXB = 4, DQ = 32, MT = DQ / 16, NWARPS = 8, KS = DL / 16 / NWARPS;  // KS = 4 k-steps per warp
-constexpr int STRIDE = DL + 8;                                       // bf16 rows; conflict-free fragments
+constexpr int STRIDE = DL + 8;                                                     // bf16 rows; conflict-free fragments
 
 // acc[b] (latent dims c, c + 1 of token b) = sum over the splits in order of w[b][s] o_s, NB tokens,
 // 32 / NB splits per token in flight.
 template <int NB>
-__device__ __forceinline__ void merge(const float2* const* base, size_t step, int num_splits, const float (*w)[64], float2* acc) {
+__device__ __forceinline__ void merge(const float2* const* base, size_t step, int num_splits, const float (*w)[64],
+                                      float2* acc) {
     constexpr int U = 32 / NB;
     int s = 0;
 #pragma unroll 1
@@ -438,9 +443,9 @@ __device__ __forceinline__ void merge(const float2* const* base, size_t step, in
 }  // namespace absorb
 
 // At most 128 registers, no spills.
-extern "C" __global__ void __launch_bounds__(256, 2) mla_decode_combine_absorb_o(
-    const float* __restrict__ part_o, const float* __restrict__ part_lse, int heads, int num_splits, int batch,
-    const bf16* __restrict__ kv_b, bf16* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mla_decode_combine_absorb_o(const float* __restrict__ part_o, const float* __restrict__ part_lse, int heads,
+                                int num_splits, int batch, const bf16* __restrict__ kv_b, bf16* __restrict__ out) {
     using namespace absorb;
     __shared__ __align__(16) bf16 w_s[DQ][STRIDE];
     __shared__ __align__(16) bf16 o_s[MAXB][STRIDE];
@@ -451,7 +456,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mla_decode_combine_absorb_o
     const int d0 = blockIdx.x * DQ, h = blockIdx.y;
 
     const bf16* wuv = kv_b + ((size_t)h * 256 + 128 + d0) * DL;
-    for (int i = tid; i < DQ * DL / 8; i += 256) cp_async_16(&w_s[i / (DL / 8)][i % (DL / 8) * 8], wuv + (size_t)i * 8, true);
+    for (int i = tid; i < DQ * DL / 8; i += 256)
+        cp_async_16(&w_s[i / (DL / 8)][i % (DL / 8) * 8], wuv + (size_t)i * 8, true);
     cp_async_commit();
     PDL_ENTRY();
 
@@ -465,13 +471,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) mla_decode_combine_absorb_o
 #pragma unroll
     for (int bb = 0; bb < MAXB; ++bb) {
         acc[bb] = make_float2(0.f, 0.f);
-        base[bb] = reinterpret_cast<const float2*>(part_o + ((size_t)min(bb, batch - 1) * num_splits * heads + h) * DL + c);
+        base[bb] =
+            reinterpret_cast<const float2*>(part_o + ((size_t)min(bb, batch - 1) * num_splits * heads + h) * DL + c);
     }
     switch (batch) {
-        case 1: merge<1>(base, step, num_splits, w, acc); break;
-        case 2: merge<2>(base, step, num_splits, w, acc); break;
-        case 3: merge<3>(base, step, num_splits, w, acc); break;
-        default: merge<4>(base, step, num_splits, w, acc); break;
+        case 1:
+            merge<1>(base, step, num_splits, w, acc);
+            break;
+        case 2:
+            merge<2>(base, step, num_splits, w, acc);
+            break;
+        case 3:
+            merge<3>(base, step, num_splits, w, acc);
+            break;
+        default:
+            merge<4>(base, step, num_splits, w, acc);
+            break;
     }
 #pragma unroll
     for (int bb = 0; bb < MAXB; ++bb) {
@@ -498,7 +513,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mla_decode_combine_absorb_o
         }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) red[warp][mt][lane] = make_float4(cacc[mt][0], cacc[mt][1], cacc[mt][2], cacc[mt][3]);
+    for (int mt = 0; mt < MT; ++mt)
+        red[warp][mt][lane] = make_float4(cacc[mt][0], cacc[mt][1], cacc[mt][2], cacc[mt][3]);
     __syncthreads();
     // Thread (mt, lane) sums the eight warps' C fragments: rows (dims) d0 + 16 mt + {g, g + 8},
     // columns (tokens) 2 t4, 2 t4 + 1.

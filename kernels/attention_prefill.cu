@@ -14,34 +14,34 @@ constexpr int NOPE = 128, PE = 64, DQK = NOPE + PE, DV = 128;
 constexpr int BM = 64, BN = 64, NWARPS = 4, NTHREADS = NWARPS * 32;
 constexpr int QK_STRIDE = DQK + 8;  // +16 bytes per row: conflict-free 32-bit fragment loads
 constexpr int V_STRIDE = DV + 8;
-constexpr int KSTEPS = DQK / 16;    // 12
-constexpr int S_NTILES = BN / 8;    // 8
-constexpr int O_NTILES = DV / 8;    // 16
+constexpr int KSTEPS = DQK / 16;  // 12
+constexpr int S_NTILES = BN / 8;  // 8
+constexpr int O_NTILES = DV / 8;  // 16
 }  // namespace
 
 // Dynamic shared memory (the Rust wrapper computes the same): (BM * QK_STRIDE + 2 * BN * QK_STRIDE + 2 * BN * V_STRIDE) * 2
 
 enum : int { PASS_LOAD_STATE = 1, PASS_FINAL = 2 };
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) mla_prefill_attention(
-    const bf16* __restrict__ q, int q_stride,      // [Tq, H * 192], per head [q_nope | q_pe(roped)]
-    const bf16* __restrict__ kv, int kv_stride,    // [Tk, H * 256], per head [k_nope | v]
-    const bf16* __restrict__ kpe, int kpe_stride,  // [Tk, 64] (latent rows offset to k_pe)
-    bf16* __restrict__ out, int out_stride,        // [Tq, H * 128]
-    float* __restrict__ state_o,                   // [Tq, H, 128] running output (multi-pass)
-    float* __restrict__ state_ml,                  // [Tq, H, 2] running max (log2 units) and sum
-    const int* __restrict__ tile_seq, const int* __restrict__ tile_q0,
-    const int* __restrict__ cu_q,                  // [S + 1] query row offsets
-    const int* __restrict__ q_pos0,                // [S] absolute position of each first query
-    const int* __restrict__ k_row0,                // [S] row of the window's first key in kv/kpe
-    const int* __restrict__ k_pos0,                // [S] absolute position of that key
-    const int* __restrict__ k_len,                 // [S] keys in this pass's window
-    int heads, float scale_log2, int flags) {
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    mla_prefill_attention(const bf16* __restrict__ q, int q_stride,    // [Tq, H * 192], per head [q_nope | q_pe(roped)]
+                          const bf16* __restrict__ kv, int kv_stride,  // [Tk, H * 256], per head [k_nope | v]
+                          const bf16* __restrict__ kpe, int kpe_stride,  // [Tk, 64] (latent rows offset to k_pe)
+                          bf16* __restrict__ out, int out_stride,        // [Tq, H * 128]
+                          float* __restrict__ state_o,                   // [Tq, H, 128] running output (multi-pass)
+                          float* __restrict__ state_ml,                  // [Tq, H, 2] running max (log2 units) and sum
+                          const int* __restrict__ tile_seq, const int* __restrict__ tile_q0,
+                          const int* __restrict__ cu_q,    // [S + 1] query row offsets
+                          const int* __restrict__ q_pos0,  // [S] absolute position of each first query
+                          const int* __restrict__ k_row0,  // [S] row of the window's first key in kv/kpe
+                          const int* __restrict__ k_pos0,  // [S] absolute position of that key
+                          const int* __restrict__ k_len,   // [S] keys in this pass's window
+                          int heads, float scale_log2, int flags) {
     PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
-    bf16* Ks = Qs + BM * QK_STRIDE;       // 2 stages
-    bf16* Vs = Ks + 2 * BN * QK_STRIDE;   // 2 stages
+    bf16* Ks = Qs + BM * QK_STRIDE;      // 2 stages
+    bf16* Vs = Ks + 2 * BN * QK_STRIDE;  // 2 stages
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     // Each tile-map entry covers 128 query rows (the wgmma kernel's block); this kernel takes them
@@ -50,7 +50,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_prefill_attention(
     const int s = tile_seq[tile], q0 = tile_q0[tile] + BM * (blockIdx.x & 1);
     const int q_begin = cu_q[s], q_len = cu_q[s + 1] - q_begin;
     const int rows = min(BM, q_len - q0);
-    if (rows <= 0) return;  // the second half of a short tile
+    if (rows <= 0) return;           // the second half of a short tile
     const int qp0 = q_pos0[s] + q0;  // absolute position of the tile's first query
     const int kr0 = k_row0[s], kp0 = k_pos0[s], klen = k_len[s];
     // Causal: the tile's last query sees keys up to its own position.
@@ -73,8 +73,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_prefill_attention(
             const int key = kt * BN + r;
             const bool ok = key < n_keys;
             const size_t row = (size_t)(kr0 + (ok ? key : 0));
-            const bf16* src = d < NOPE ? kv + row * kv_stride + h * (NOPE + DV) + d
-                                       : kpe + row * kpe_stride + (d - NOPE);
+            const bf16* src =
+                d < NOPE ? kv + row * kv_stride + h * (NOPE + DV) + d : kpe + row * kpe_stride + (d - NOPE);
             cp_async_16(K + r * QK_STRIDE + d, src, ok);
         }
         for (int c = tid; c < BN * (DV / 8); c += NTHREADS) {
@@ -225,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) mla_prefill_attention(
             bf16* dst = out + tok * out_stride + h * DV;
 #pragma unroll
             for (int n = 0; n < O_NTILES; ++n)
-                *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) = pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+                *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) =
+                    pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
         } else {
             const size_t row = tok * heads + h;
 #pragma unroll

@@ -60,9 +60,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) mla_prefill_attention_sm90_
     bf16* __restrict__ out, int out_stride,        // [Tq, H * 128]
     float* __restrict__ state_o,                   // [Tq, H, 128] running output (multi-pass)
     float* __restrict__ state_ml,                  // [Tq, H, 2] running max (log2 units) and sum
-    const int* __restrict__ tile_seq, const int* __restrict__ tile_q0,
-    const int* __restrict__ cu_q, const int* __restrict__ q_pos0, const int* __restrict__ k_row0,
-    const int* __restrict__ k_pos0, const int* __restrict__ k_len, int heads, float scale_log2, int flags) {
+    const int* __restrict__ tile_seq, const int* __restrict__ tile_q0, const int* __restrict__ cu_q,
+    const int* __restrict__ q_pos0, const int* __restrict__ k_row0, const int* __restrict__ k_pos0,
+    const int* __restrict__ k_len, int heads, float scale_log2, int flags) {
     PDL_ENTRY();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -332,7 +332,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) mla_prefill_attention_sm90_
                 bf16* dst = out + tok * out_stride + h * DV;
 #pragma unroll
                 for (int n = 0; n < 16; ++n)
-                    *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) = pack_bf16(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+                    *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * t4) =
+                        pack_bf16(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
             } else {
                 const size_t row = tok * heads + h;
 #pragma unroll

@@ -43,8 +43,8 @@ DEVICE_INLINE void prefetch_l2(const void* p, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
-#define PDL_ENTRY() \
-    do {            \
+#define PDL_ENTRY()    \
+    do {               \
         pdl_wait();    \
         pdl_trigger(); \
     } while (0)
@@ -109,9 +109,7 @@ DEVICE_INLINE void mma_bf16_16816(float c[4], const uint32_t a[4], uint32_t b0, 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-DEVICE_INLINE uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+DEVICE_INLINE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 // Four 8x8 b16 matrices, transposed on the way: lanes 8i..8i+7 give the row addresses of matrix i;
 // register i of a lane receives (row 2t..2t+1, column g) of matrix i.
@@ -135,7 +133,9 @@ DEVICE_INLINE void cp_async_16(void* smem, const void* gmem, bool valid) {
 }
 DEVICE_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-DEVICE_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+DEVICE_INLINE void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // ---- misc ----------------------------------------------------------------------------------
 
@@ -157,6 +157,4 @@ DEVICE_INLINE uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 // Uniform in the open interval (0, 1) with 53 bits.
-DEVICE_INLINE double uniform_open(uint64_t h) {
-    return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
+DEVICE_INLINE double uniform_open(uint64_t h) { return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0); }

@@ -70,8 +70,9 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict_
 
 // residual += delta; out = rmsnorm(residual). The f32 residual keeps the sum of many layers exact
 // to f32 instead of re-rounding it to bf16 after every block.
-extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                                              const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+extern "C" __global__ void __launch_bounds__(256)
+    add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta, const bf16* __restrict__ w,
+                bf16* __restrict__ out, int hidden, float eps) {
     residual_rmsnorm<true>(residual, delta, w, out, hidden, eps);
 }
 
@@ -95,7 +96,8 @@ extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, int x_stride
 
 // out[r, i] = silu(gate[r, i]) * up[r, i] with gate_up[r] = [gate (inter) | up (inter)].
 // HF rounds silu's output to bf16 before the product; so do we.
-extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __restrict__ out, int inter, long long total) {
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, bf16* __restrict__ out, int inter,
+                                    long long total) {
     PDL_ENTRY();
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -115,10 +117,11 @@ extern "C" __global__ void bf16_to_f32(const bf16* __restrict__ x, float* __rest
 
 // Random weights on the device (--load-format dummy): mean + std * N(0,1), counter-based so the
 // values depend only on (seed, index), never on the launch shape.
-extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ out, long long n, unsigned long long seed,
-                                            float mean, float std) {
+extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ out, long long n, unsigned long long seed, float mean,
+                                            float std) {
     PDL_ENTRY();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         const uint64_t pair = (uint64_t)(i >> 1);
         const double u1 = uniform_open(mix64(seed ^ mix64(2 * pair)));
         const double u2 = uniform_open(mix64(seed ^ mix64(2 * pair + 1)));
@@ -129,10 +132,11 @@ extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ out, long long n,
     }
 }
 
-extern "C" __global__ void fill_normal_f32(float* __restrict__ out, long long n, unsigned long long seed,
-                                           float mean, float std) {
+extern "C" __global__ void fill_normal_f32(float* __restrict__ out, long long n, unsigned long long seed, float mean,
+                                           float std) {
     PDL_ENTRY();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         const uint64_t pair = (uint64_t)(i >> 1);
         const double u1 = uniform_open(mix64(seed ^ mix64(2 * pair)));
         const double u2 = uniform_open(mix64(seed ^ mix64(2 * pair + 1)));

@@ -27,11 +27,10 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
 
 // Grid: ceil(N / (WARPS * ROWS)) (+ ceil(N2 / (WARPS * ROWS))) blocks of 32 * WARPS threads. K % 8 == 0, x_stride % 8 == 0,
 // W, x 16-byte aligned (the wrapper checks).
-extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
-    const __nv_bfloat16* __restrict__ w, int n_rows, int k_len,
-    const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows,
-    void* __restrict__ y, int y_stride, int out_f32,
-    const __nv_bfloat16* __restrict__ w2, int n_rows2, void* __restrict__ y2, int y2_stride) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    gemv_bf16(const __nv_bfloat16* __restrict__ w, int n_rows, int k_len, const __nv_bfloat16* __restrict__ x,
+              int x_stride, int m_rows, void* __restrict__ y, int y_stride, int out_f32,
+              const __nv_bfloat16* __restrict__ w2, int n_rows2, void* __restrict__ y2, int y2_stride) {
     // Blocks past the first matrix's take a second one over the same x (q and kv_a of a layer
     // both read the normed hidden state: one launch instead of two).
     int block = blockIdx.x;
@@ -47,7 +46,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
     const int row0 = (block * WARPS + warp) * ROWS;
     // The weights do not depend on the previous kernel: pull this warp's rows towards L2 while
     // that kernel is still running (programmatic dependent launch, common.cuh), then wait for x.
-    if (row0 < n_rows && lane == 0) prefetch_l2(w + (size_t)row0 * k_len, (unsigned)(min(ROWS, n_rows - row0) * k_len * 2));
+    if (row0 < n_rows && lane == 0)
+        prefetch_l2(w + (size_t)row0 * k_len, (unsigned)(min(ROWS, n_rows - row0) * k_len * 2));
     PDL_ENTRY();
     if (row0 >= n_rows) return;
     float acc[ROWS][MAXM];
@@ -57,7 +57,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.f;
     const uint4* wv[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) wv[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, n_rows - 1) * k_len);
+    for (int r = 0; r < ROWS; ++r)
+        wv[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, n_rows - 1) * k_len);
     const int chunks = k_len / 8;  // 16-byte chunks per row
     for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
         uint4 wc[UNROLL][ROWS];
@@ -102,8 +103,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_bf16(
         for (int m = 0; m < MAXM; ++m) {
             if (m >= m_rows) break;
             const size_t at = (size_t)m * y_stride + n;
-            if (out_f32) reinterpret_cast<float*>(y)[at] = acc[r][m];
-            else reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(acc[r][m]);
+            if (out_f32)
+                reinterpret_cast<float*>(y)[at] = acc[r][m];
+            else
+                reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(acc[r][m]);
         }
     }
 }

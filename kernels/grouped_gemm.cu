@@ -12,8 +12,8 @@
 // deeper pipeline (decode: a handful of rows per expert, so the weights' stream must be spread over
 // many blocks to reach memory bandwidth). The tile map (moe_align) is built for the same BM.
 template <int BM, int BN, int BK, int WM, int WN, int STAGES>
-__device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C,
-                                             int N, int K, const int* __restrict__ tile_expert,
+__device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const bf16* __restrict__ W,
+                                             bf16* __restrict__ C, int N, int K, const int* __restrict__ tile_expert,
                                              const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
                                              const int* __restrict__ num_tiles) {
     constexpr int NTHREADS = 128, SSTRIDE = BK + 8;  // +16 bytes per row: conflict-free fragments
@@ -96,13 +96,14 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const b
 #pragma unroll
             for (int j = 0; j < NT; ++j)
                 if (n0 + wn + j * 8 + 2 * t4 < N)
-                    *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * t4) = pack_bf16(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+                    *reinterpret_cast<uint32_t*>(dst + j * 8 + 2 * t4) =
+                        pack_bf16(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
         }
     }
 }
 
-#define GROUPED_GEMM_ARGS                                                                                     \
-    const bf16 *__restrict__ A, const bf16 *__restrict__ W, bf16 *__restrict__ C, int N, int K,             \
+#define GROUPED_GEMM_ARGS                                                                                          \
+    const bf16 *__restrict__ A, const bf16 *__restrict__ W, bf16 *__restrict__ C, int N, int K,                    \
         const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
         const int *__restrict__ num_tiles
 

@@ -31,7 +31,6 @@
 // multiples of 8 (16-byte copies; checked by the Rust wrapper).
 #include "wgmma.cuh"
 
-
 // Dynamic shared memory (the Rust wrapper computes the same): STAGES x (128 + BN) x 128 bytes
 // (BN 256: 4 stages, BN 128: 6 stages; 192 KB either way) + 1024 bytes of alignment slack + 128
 // bytes for the 2 x STAGES mbarriers.
@@ -193,20 +192,31 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* 
 }
 #endif
 
-#define GROUPED_GEMM_SM90_ARGS                                                                                \
-    const bf16 *__restrict__ A, const bf16 *__restrict__ W, bf16 *__restrict__ C, int N, int K,             \
+#define GROUPED_GEMM_SM90_ARGS                                                                                     \
+    const bf16 *__restrict__ A, const bf16 *__restrict__ W, bf16 *__restrict__ C, int N, int K,                    \
         const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
         const int *__restrict__ num_tiles
 
 // Grid: one block per SM (persistent) or per worst-case item, 384 threads. C = A · W[e]ᵀ (N output columns per
 // row), or with _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(SILU, BN) \
-    grouped_gemm_ws_sm90<SILU, BN>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
+#define GG_BODY(SILU, BN) grouped_gemm_ws_sm90<SILU, BN>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
 #else
 #define GG_BODY(SILU, BN)
 #endif
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 256); }
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 256); }
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(false, 128); }
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) { PDL_ENTRY(); GG_BODY(true, 128); }
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) {
+    PDL_ENTRY();
+    GG_BODY(false, 256);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) {
+    PDL_ENTRY();
+    GG_BODY(true, 256);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
+    PDL_ENTRY();
+    GG_BODY(false, 128);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
+    PDL_ENTRY();
+    GG_BODY(true, 128);
+}

@@ -3,16 +3,17 @@
 // latents into a contiguous buffer for the prefill (decompressed) path.
 #include "common.cuh"
 
-#define ROPE_CACHE_PARAMS                                                                         \
-    const bf16 *__restrict__ kva, int kva_stride,   /* [T, R + P]: c_kv (pre-norm) | k_pe */          \
-        const bf16 *__restrict__ kv_norm_w,         /* [R] */                                         \
-        bf16 *__restrict__ q, int q_stride,         /* [T, H * (nope + P)], q_pe roped in place */    \
-        bf16 *__restrict__ q_pe_out, int qo_stride, int qo_head_stride, /* optional roped q_pe copy */ \
-        const int *__restrict__ positions, const int *__restrict__ slots, const float *__restrict__ inv_freq, \
-        float attn_factor, float eps, bf16 *__restrict__ cache, /* [slots, R + P] */                  \
+#define ROPE_CACHE_PARAMS                                                                                              \
+    const bf16 *__restrict__ kva, int kva_stride,                       /* [T, R + P]: c_kv (pre-norm) | k_pe */       \
+        const bf16 *__restrict__ kv_norm_w,                             /* [R] */                                      \
+        bf16 *__restrict__ q, int q_stride,                             /* [T, H * (nope + P)], q_pe roped in place */ \
+        bf16 *__restrict__ q_pe_out, int qo_stride, int qo_head_stride, /* optional roped q_pe copy */                 \
+        const int *__restrict__ positions, const int *__restrict__ slots, const float *__restrict__ inv_freq,          \
+        float attn_factor, float eps, bf16 *__restrict__ cache, /* [slots, R + P] */                                   \
         int heads, int nope, int R, int P
-#define ROPE_CACHE_ARGS \
-    kva, kva_stride, kv_norm_w, q, q_stride, q_pe_out, qo_stride, qo_head_stride, positions, slots, inv_freq, attn_factor, eps, cache, heads, nope, R, P
+#define ROPE_CACHE_ARGS                                                                                       \
+    kva, kva_stride, kv_norm_w, q, q_stride, q_pe_out, qo_stride, qo_head_stride, positions, slots, inv_freq, \
+        attn_factor, eps, cache, heads, nope, R, P
 
 // Token t's kv_a_layernorm, RoPE and cache write, by the whole block. RoPE rotates consecutive
 // pairs (x[2i], x[2i+1]) by pos * inv_freq[i], with cos/sin scaled by `attn_factor`, in f32 as
@@ -84,9 +85,9 @@ extern "C" __global__ void mla_rope_cache(ROPE_CACHE_PARAMS) {
 // absorb block owns nope / 16 rows of W_UK[h] and every lane 16 of the R = 512 columns, loaded
 // into registers before the PDL wait (weights do not depend on the previous kernel).
 constexpr int ABSORB_THREADS = 512, ABSORB_WARPS = ABSORB_THREADS / 32, ABSORB_ROWS = 8;  // nope = 128
-extern "C" __global__ void __launch_bounds__(ABSORB_THREADS) mla_rope_absorb_q(ROPE_CACHE_PARAMS, const bf16* __restrict__ kv_b,
-                                                                              int v_dim, bf16* __restrict__ q_abs,
-                                                                              int qa_stride, int qa_head_stride) {
+extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
+    mla_rope_absorb_q(ROPE_CACHE_PARAMS, const bf16* __restrict__ kv_b, int v_dim, bf16* __restrict__ q_abs,
+                      int qa_stride, int qa_head_stride) {
     const int h = blockIdx.x, t = blockIdx.y;
     if (h == heads) {
         PDL_ENTRY();

@@ -23,9 +23,8 @@ DEVICE_INLINE void warp_argmax(float& v, int& idx) {
 
 // One warp per token; expert e lives in lane e % 32, slot e / 32.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens,
-                                     int experts, int top_k, int n_group, int topk_group, int method,
-                                     int norm_topk, float routed_scale, int* __restrict__ topk_ids,
-                                     float* __restrict__ topk_w) {
+                                     int experts, int top_k, int n_group, int topk_group, int method, int norm_topk,
+                                     float routed_scale, int* __restrict__ topk_ids, float* __restrict__ topk_w) {
     PDL_ENTRY();
     const int warps = blockDim.x >> 5;
     const int t = blockIdx.x * warps + (threadIdx.x >> 5);

@@ -31,8 +31,7 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 
 // Per-lane partial dots of two weight rows with one vector, `chunks` 16-byte chunks long.
 __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const uint4* __restrict__ r1,
-                                          const uint4* __restrict__ v, int chunks, int lane, float& a0,
-                                          float& a1) {
+                                          const uint4* __restrict__ v, int chunks, int lane, float& a0, float& a1) {
     for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
         uint4 w0[U], w1[U], x[U];
 #pragma unroll
@@ -54,9 +53,9 @@ __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const ui
 
 // logits[m, e] = f32(x[m, :]) · w[e, :] with f32 router weights, as HF computes the gate
 // (hidden states cast to f32). One warp per (token, expert); hidden % 4 == 0.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_router_gemv(const bf16* __restrict__ x, const float* __restrict__ w,
-                                                                        int tokens, int experts, int hidden,
-                                                                        float* __restrict__ logits) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    moe_router_gemv(const bf16* __restrict__ x, const float* __restrict__ w, int tokens, int experts, int hidden,
+                    float* __restrict__ logits) {
     const int lane = threadIdx.x & 31;
     const int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int m = item / experts, e = item - m * experts;
@@ -87,10 +86,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_router_gemv(const b
 // reading the gate and up rows together; the grid is one wave of resident blocks and each warp
 // strides over the items, so the last wave is not a ragged tail. hidden % 8 == 0, rows 16-byte
 // aligned.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_gemv_gate_up(
-    const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
-    const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims, bf16* __restrict__ act,
-    bf16* __restrict__ act_sh) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    moe_gemv_gate_up(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
+                     const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims,
+                     bf16* __restrict__ act, bf16* __restrict__ act_sh) {
     const int lane = threadIdx.x & 31;
     const long long first = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     const long long stride = (long long)gridDim.x * WARPS;
@@ -98,7 +97,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_gemv_gate_up(
     const long long total = routed + (w_sh ? (long long)tokens * ims : 0);
     // The shared experts' rows do not depend on the routing: start pulling this warp's now.
     if (lane == 0)
-        for (long long item = first < routed ? first + ((routed - first + stride - 1) / stride) * stride : first; item < total; item += stride) {
+        for (long long item = first < routed ? first + ((routed - first + stride - 1) / stride) * stride : first;
+             item < total; item += stride) {
             const int n = (int)((item - routed) % ims);
             prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * 2));
             prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * 2));
@@ -139,10 +139,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_gemv_gate_up(
 // slices of the shared experts' Is = pieces * I columns, so every warp streams two I-long row
 // slices. hidden even, I % 8 == 0.
 extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, const bf16* __restrict__ w_d,
-                                         const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
-                                         int top_k, const bf16* __restrict__ act_sh, int ims,
-                                         const bf16* __restrict__ w_sh_d, int pieces, bf16* __restrict__ out,
-                                         int hidden) {
+                                         const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int top_k,
+                                         const bf16* __restrict__ act_sh, int ims, const bf16* __restrict__ w_sh_d,
+                                         int pieces, bf16* __restrict__ out, int hidden) {
     __shared__ float part[32][2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m = blockIdx.y;

@@ -17,7 +17,7 @@ struct __align__(8) SampleParams {
     float min_p;        // 0: off
     int top_k;          // 0: off
     float repetition_penalty, frequency_penalty, presence_penalty;
-    int n_logprobs;     // top alternatives to report (0..=20); < 0: no log-probabilities
+    int n_logprobs;  // top alternatives to report (0..=20); < 0: no log-probabilities
     unsigned long long seed;
     int pen_begin, pen_end;  // range of this row's penalty entries
 };
@@ -76,11 +76,12 @@ DEVICE_INLINE void for_row(const float* __restrict__ x, int n, F f) {
     for (; i < n; i += bd) f(i, x[i]);
 }
 
-extern "C" __global__ void __launch_bounds__(512) sample_tokens(
-    const float* __restrict__ logits, long long logits_stride, int vocab, const SampleParams* __restrict__ params,
-    const int* __restrict__ pen,  // penalty entries: (token, output count, seen in prompt or output)
-    float* __restrict__ work, int* __restrict__ out_token, float* __restrict__ out_logprob,
-    int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
+extern "C" __global__ void __launch_bounds__(512)
+    sample_tokens(const float* __restrict__ logits, long long logits_stride, int vocab,
+                  const SampleParams* __restrict__ params,
+                  const int* __restrict__ pen,  // penalty entries: (token, output count, seen in prompt or output)
+                  float* __restrict__ work, int* __restrict__ out_token, float* __restrict__ out_logprob,
+                  int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
     PDL_ENTRY();
     __shared__ float sf[32];
     __shared__ int si[32];
@@ -131,8 +132,7 @@ extern "C" __global__ void __launch_bounds__(512) sample_tokens(
         for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
             const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
             float v = wr[tok];
-            if (seen && p.repetition_penalty != 1.f)
-                v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
+            if (seen && p.repetition_penalty != 1.f) v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
             if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
             wr[tok] = v;
         }
