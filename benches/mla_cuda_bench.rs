@@ -438,10 +438,12 @@ fn profile_steps(dev: Device, cfg: ModelConfig) -> anyhow::Result<()> {
             model.step(&dev, &decode_plan(b, j, cfg.vocab_size))?;
         }
     }
+    // SAFETY: plain driver calls on the current context; they only toggle profiling.
     unsafe { cudarc::driver::sys::cuProfilerStart() };
     for b in [1, 64] {
         model.step(&dev, &decode_plan(b, 9, cfg.vocab_size))?;
     }
+    // SAFETY: as cuProfilerStart above.
     unsafe { cudarc::driver::sys::cuProfilerStop() };
     Ok(())
 }

@@ -4,7 +4,7 @@
 # official OpenAI Python SDK. Installs what it needs (the CUDA compiler from PyPI, the Python test
 # dependencies) on first use, so it works on a fresh machine with Rust and Python 3.
 #
-# GPU tests are marked #[ignore] and run on a GPU machine (see docs/cuda-notes.md).
+# GPU tests are marked #[ignore] and run on a GPU machine (see docs/cuda-backend.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,9 @@ if [ -x scripts/install_nvcc.sh ]; then
   export NVCC="${nvcc_path}"
   export MLA_REQUIRE_NVCC="${MLA_REQUIRE_NVCC:-1}"
 fi
+
+echo "== House rules (scripts/lint.sh: rustfmt, clang-format, clippy -D warnings, commit subjects)"
+scripts/lint.sh
 
 echo "== Python test dependencies"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt

@@ -75,6 +75,7 @@ pub fn run(config: &Path, batch: usize, context: usize, prefill_len: usize) -> a
     unsafe { cudarc::driver::sys::cuProfilerStart() };
     model.step(&dev, &decode(9))?;
     model.step(&dev, &prefill(9))?;
+    // SAFETY: as cuProfilerStart above.
     unsafe { cudarc::driver::sys::cuProfilerStop() };
     Ok(())
 }

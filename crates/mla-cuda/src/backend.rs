@@ -152,7 +152,7 @@ impl Worker {
         }
         c.in_step_s += (end - start).as_secs_f64();
         self.last_end = Some(end);
-        if c.steps % CLOCK_LOG_EVERY == 0 {
+        if c.steps.is_multiple_of(CLOCK_LOG_EVERY) {
             // Serving telemetry: how much of each step the GPU waited for the host.
             let w = c.since(&self.logged);
             tracing::info!(

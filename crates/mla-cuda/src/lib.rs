@@ -1,9 +1,6 @@
 //! CUDA backend of mla-serve: kernels compiled by build.rs and embedded in the binary, cuBLAS for
 //! dense projections, a paged latent KV cache on the device, device-side sampling, and a worker
-//! thread that owns the context. See docs/cuda-notes.md.
-
-// The MSRV (1.85) predates `usize::is_multiple_of`; size checks read "holds at least n + 1".
-#![allow(clippy::manual_is_multiple_of, clippy::int_plus_one)]
+//! thread that owns the context. See docs/cuda-backend.md.
 
 pub mod backend;
 pub mod device;

@@ -818,6 +818,7 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
     let lp = DeviceBuffer::<f32>::alloc(rows).unwrap();
     let tids = DeviceBuffer::<i32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
     let tlps = DeviceBuffer::<f32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
+    // SAFETY: the params section holds `rows` SampleParamsRaw (12 words each, 8-byte aligned).
     let params =
         unsafe { mla_cuda::gpu::DSlice::<SampleParamsRaw>::from_raw(d_meta.sub(meta.params, rows * 12).ptr, rows) };
     let out = SamplerOutputs { token: tok.slice(), logprob: lp.slice(), top_ids: tids.slice(), top_lps: tlps.slice() };

@@ -43,6 +43,7 @@ pub struct Gemm {
 
 impl Blas {
     pub fn new(stream: drv::CUstream) -> Result<Self> {
+        // SAFETY: probing for libcublas only opens the library.
         if !unsafe { cbs::is_culib_present() } {
             return Err(super::CudaError {
                 what: "loading cuBLAS".into(),
@@ -50,8 +51,10 @@ impl Blas {
             });
         }
         let handle = cb::create_handle().ctx("cublasCreate")?;
+        // SAFETY: `handle` was just created; the stream outlives it (the Device drops Blas before its Gpu).
         unsafe { cb::set_stream(handle, stream as cbs::cudaStream_t) }.ctx("cublasSetStream")?;
         let workspace = DeviceBuffer::<u8>::alloc(WORKSPACE_BYTES)?;
+        // SAFETY: the workspace holds WORKSPACE_BYTES and lives in `Blas` as long as the handle.
         unsafe { cbs::cublasSetWorkspace_v2(handle, workspace.ptr() as *mut c_void, WORKSPACE_BYTES).result() }
             .ctx("cublasSetWorkspace")?;
         Ok(Blas { handle, _workspace: workspace })
@@ -68,6 +71,8 @@ impl Blas {
         let beta = 0.0f32;
         let compute = cbs::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let algo = cbs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        // SAFETY: the wrappers that build `Gemm` check every operand's size against m, n, k and the
+        // leading dimensions; alpha and beta outlive the call, which only queues work.
         unsafe {
             match g.batch {
                 None => cb::gemm_ex(
@@ -124,6 +129,7 @@ impl Blas {
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        // SAFETY: the handle is destroyed once, here.
         unsafe {
             let _ = cb::destroy_handle(self.handle);
         }

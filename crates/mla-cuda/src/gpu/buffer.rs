@@ -61,6 +61,7 @@ impl<T> DeviceBuffer<T> {
 
     pub fn alloc_zeroed(len: usize) -> Result<Self> {
         let b = Self::alloc(len)?;
+        // SAFETY: `b` was just allocated with room for `len.max(1)` elements.
         unsafe { result::memset_d8_sync(b.ptr, 0, len.max(1) * std::mem::size_of::<T>()) }.ctx("zeroing a buffer")?;
         Ok(b)
     }
@@ -111,6 +112,7 @@ impl<T> DeviceBuffer<T> {
             return Ok(());
         }
         let dst = self.ptr + (start * std::mem::size_of::<T>()) as u64;
+        // SAFETY: the assertion above keeps the copy inside the allocation.
         unsafe { result::memcpy_htod_sync(dst, data) }.ctx("copying host to device")
     }
 
@@ -127,6 +129,7 @@ impl<T> DeviceBuffer<T> {
 pub fn download<T: Copy + Default>(s: DSlice<T>) -> Result<Vec<T>> {
     let mut out = vec![T::default(); s.len];
     if s.len > 0 {
+        // SAFETY: `out` has exactly `s.len` elements, the slice's size.
         unsafe { result::memcpy_dtoh_sync(&mut out, s.ptr) }.ctx("copying device to host")?;
     }
     Ok(out)
@@ -152,19 +155,23 @@ pub struct PinnedBuffer<T> {
 impl<T: Copy + Default> PinnedBuffer<T> {
     pub fn alloc(len: usize) -> Result<Self> {
         let bytes = len.max(1) * std::mem::size_of::<T>();
+        // SAFETY: a plain pinned allocation of `bytes`, initialised just below and freed in Drop.
         let ptr = unsafe { result::malloc_host(bytes, 0) }.ctx(&format!("allocating {bytes} pinned bytes"))? as *mut T;
         let b = PinnedBuffer { ptr, len };
         for i in 0..len {
+            // SAFETY: `i < len` and the allocation holds `len.max(1)` elements of `T`.
             unsafe { ptr.add(i).write(T::default()) };
         }
         Ok(b)
     }
 
     pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `ptr` holds `len` initialised elements (see `alloc`) for as long as `self` lives.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as `as_slice`, and `&mut self` makes the borrow exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 
@@ -182,6 +189,8 @@ impl<T: Copy + Default> PinnedBuffer<T> {
         if count == 0 {
             return Ok(());
         }
+        // SAFETY: the assertion keeps both ranges in bounds; the pinned memory stays allocated until
+        // the copy has run because every owner synchronises the stream before freeing it.
         unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 dst.ptr,
@@ -200,6 +209,7 @@ impl<T: Copy + Default> PinnedBuffer<T> {
         if src.len == 0 {
             return Ok(());
         }
+        // SAFETY: as `copy_to_device`: both ranges are checked and the buffer outlives the queued copy.
         unsafe {
             sys::cuMemcpyDtoHAsync_v2(
                 self.ptr.add(start) as *mut _,
@@ -215,6 +225,7 @@ impl<T: Copy + Default> PinnedBuffer<T> {
 
 impl<T> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
+        // SAFETY: allocated by malloc_host and freed once, here.
         unsafe {
             let _ = result::free_host(self.ptr as *mut _);
         }

@@ -43,8 +43,10 @@ impl Gpu {
         let device = result::device::get(ordinal as i32).ctx("cuDeviceGet")?;
         // SAFETY: `device` came from cuDeviceGet; the context is released in Drop.
         let ctx = unsafe { result::primary_ctx::retain(device) }.ctx("retaining the primary context")?;
+        // SAFETY: `ctx` was just retained and stays alive until Drop releases it.
         unsafe { result::ctx::set_current(ctx) }.ctx("making the context current")?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking).ctx("creating the stream")?;
+        // SAFETY: `device` came from cuDeviceGet; reading an attribute has no other precondition.
         let attr = |a| unsafe { result::device::get_attribute(device, a) }.ctx("reading a device attribute");
         use sys::CUdevice_attribute::*;
         let info = GpuInfo {
@@ -55,6 +57,7 @@ impl Gpu {
                 attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
             ),
             sm_count: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
+            // SAFETY: as for the attributes: a valid device handle.
             total_memory: unsafe { result::device::total_mem(device) }.ctx("reading the memory size")?,
             max_smem_per_block_optin: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
         };
@@ -67,6 +70,7 @@ impl Gpu {
 
     /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.
     pub fn sync(&self) -> Result<()> {
+        // SAFETY: the stream lives until Drop.
         unsafe { result::stream::synchronize(self.stream) }.ctx("synchronizing the stream")
     }
 
@@ -77,6 +81,7 @@ impl Gpu {
 
     /// Makes this context current on the calling thread (tests that move a Gpu between threads).
     pub fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained until Drop.
         unsafe { result::ctx::set_current(self.ctx) }.ctx("making the context current")
     }
 }

@@ -54,6 +54,7 @@ impl Kernel {
         let mut store: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut ptrs: Vec<*mut c_void> = store.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         if !self.pdl {
+            // SAFETY: as below for cuLaunchKernelEx: one live 8-byte slot per kernel parameter.
             return unsafe { result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs) }
                 .ctx(&format!("launching {}", self.name));
         }
@@ -94,6 +95,7 @@ impl Kernel {
 
     /// Allows `bytes` of dynamic shared memory (above the 48 KB default).
     pub fn set_max_dynamic_smem(&self, bytes: usize) -> Result<()> {
+        // SAFETY: `func` is a loaded function; the attribute is a plain integer.
         unsafe {
             result::function::set_function_attribute(
                 self.func,
@@ -143,6 +145,7 @@ impl Modules {
         })?;
         let cname = CString::new(name).unwrap();
         let func =
+            // SAFETY: `m` is a loaded module that `Modules` keeps until its Drop.
             unsafe { result::module::get_function(*m, cname) }.ctx(&format!("finding kernel {module}::{name}"))?;
         Ok(Kernel { name, func, pdl: self.pdl })
     }
@@ -150,12 +153,14 @@ impl Modules {
 
 fn load_one(m: &EmbeddedModule, use_cubin: bool) -> Result<sys::CUmodule> {
     if use_cubin {
+        // SAFETY: the cubin is a complete ELF image embedded in the binary ('static).
         unsafe { result::module::load_data(m.cubin_sm90a.as_ptr() as *const c_void) }
             .ctx(&format!("loading {}.cubin", m.name))
     } else {
         // The driver JIT-compiles PTX; it needs a NUL-terminated image.
         let mut ptx = m.ptx.to_vec();
         ptx.push(0);
+        // SAFETY: `ptx` is NUL-terminated and outlives the call, which copies the image.
         unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }
             .ctx(&format!("JIT-compiling {}.ptx", m.name))
     }
@@ -164,6 +169,8 @@ fn load_one(m: &EmbeddedModule, use_cubin: bool) -> Result<sys::CUmodule> {
 impl Drop for Modules {
     fn drop(&mut self) {
         for (_, m) in self.modules.drain() {
+            // SAFETY: each module is unloaded once, here; the kernels of it are not used afterwards (the
+            // Device drops its Kernels before its Modules).
             unsafe {
                 let _ = result::module::unload(m);
             }

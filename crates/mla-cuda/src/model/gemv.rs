@@ -37,10 +37,10 @@ impl Gemv {
     fn fits(&self, lin: &Linear, x: &DSlice<bf16>, x_stride: usize, rows: usize) -> bool {
         self.enabled
             && (1..=self.max_rows).contains(&rows)
-            && lin.inp % 8 == 0
-            && x_stride % 8 == 0
-            && x.ptr % 16 == 0
-            && lin.w.ptr % 16 == 0
+            && lin.inp.is_multiple_of(8)
+            && x_stride.is_multiple_of(8)
+            && x.ptr.is_multiple_of(16)
+            && lin.w.ptr.is_multiple_of(16)
             && lin.out < i32::MAX as usize
             && lin.inp < i32::MAX as usize
     }

@@ -71,8 +71,8 @@ impl MoeSmall {
     pub fn takes(&self, cfg: &ModelConfig, w: &MoeWeights, tokens: usize) -> bool {
         self.enabled
             && (1..=MOE_GEMV_MAX_TOKENS).contains(&tokens)
-            && cfg.hidden_size % 8 == 0
-            && cfg.moe_intermediate_size % 8 == 0
+            && cfg.hidden_size.is_multiple_of(8)
+            && cfg.moe_intermediate_size.is_multiple_of(8)
             && Self::shared_pieces(cfg, w).is_some_and(|p| cfg.num_experts_per_tok + p <= 32)
     }
 

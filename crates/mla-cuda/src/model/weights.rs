@@ -279,6 +279,7 @@ impl Dest {
 
 fn upload<T>(dst: DSlice<T>, data: &[T]) -> anyhow::Result<()> {
     anyhow::ensure!(dst.len == data.len(), "upload of {} elements into {}", data.len(), dst.len);
+    // SAFETY: the lengths are equal (checked above), so the copy stays inside `dst`.
     unsafe { cudarc::driver::result::memcpy_htod_sync(dst.ptr, data) }
         .map_err(|e| anyhow::anyhow!("copying weights to the device: {e:?}"))
 }

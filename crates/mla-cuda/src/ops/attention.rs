@@ -280,7 +280,7 @@ impl Kernels {
     ) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
-        anyhow::ensure!(p.cache.len % d == 0, "latent cache length {} is not a multiple of {d}", p.cache.len);
+        anyhow::ensure!(p.cache.len.is_multiple_of(d), "latent cache length {} is not a multiple of {d}", p.cache.len);
         ensure_len!(p.bt_stride, 1, "block-table stride");
         ensure_len!(p.seq_lens, p.batch, "sequence lengths");
         anyhow::ensure!((1..=64).contains(&p.num_splits), "decode splits {} outside 1..=64", p.num_splits);

@@ -50,7 +50,7 @@ impl Kernels {
     pub fn rope_cache(&self, s: CUstream, p: &RopeCache) -> anyhow::Result<()> {
         let (t, w) = (p.tokens, p.kv_lora_rank + p.rope_dim);
         anyhow::ensure!(
-            p.rope_dim % 2 == 0 && p.rope_dim <= 128,
+            p.rope_dim.is_multiple_of(2) && p.rope_dim <= 128,
             "rope dim {} must be even and at most 128",
             p.rope_dim
         );
@@ -63,7 +63,11 @@ impl Kernels {
         ensure_len!(p.positions, t, "positions");
         ensure_len!(p.slots, t, "slot mapping");
         ensure_len!(p.inv_freq, p.rope_dim / 2, "inverse frequencies");
-        anyhow::ensure!(p.cache.len % w == 0, "cache length {} is not a multiple of the row width {w}", p.cache.len);
+        anyhow::ensure!(
+            p.cache.len.is_multiple_of(w),
+            "cache length {} is not a multiple of the row width {w}",
+            p.cache.len
+        );
         let (qo, qo_stride, qo_head) = match p.q_pe_out {
             Some((b, rs, hs)) => {
                 ensure_len!(b, (t - 1) * rs + (p.heads - 1) * hs + p.rope_dim, "q_pe destination");
@@ -126,7 +130,7 @@ impl Kernels {
         n: usize,
         width: usize,
     ) -> anyhow::Result<()> {
-        anyhow::ensure!(width % 8 == 0, "latent width {width} is not a multiple of 8");
+        anyhow::ensure!(width.is_multiple_of(8), "latent width {width} is not a multiple of 8");
         ensure_len!(slots, n, "gather slots");
         ensure_len!(out, n * width, "gathered latents");
         let work = n * width / 8;

@@ -149,7 +149,8 @@ pub(crate) fn grid_for(k: &Kernels, work: usize, block: usize) -> u32 {
 
 macro_rules! ensure_len {
     ($slice:expr, $need:expr, $what:expr) => {
-        anyhow::ensure!($slice.len >= $need, "{}: buffer holds {} elements, {} needed", $what, $slice.len, $need)
+        let need: usize = $need;
+        anyhow::ensure!($slice.len >= need, "{}: buffer holds {} elements, {} needed", $what, $slice.len, need)
     };
 }
 pub(crate) use ensure_len;

@@ -113,7 +113,7 @@ impl Kernels {
     ) -> anyhow::Result<()> {
         anyhow::ensure!(r.experts <= 256, "{} routed experts: the router kernel handles at most 256", r.experts);
         anyhow::ensure!(
-            r.top_k <= 32 && n_group <= 32 && r.experts % n_group.max(1) == 0,
+            r.top_k <= 32 && n_group <= 32 && r.experts.is_multiple_of(n_group.max(1)),
             "router: top_k {} / n_group {n_group} unsupported",
             r.top_k
         );
@@ -204,7 +204,7 @@ impl Kernels {
         hidden: usize,
     ) -> anyhow::Result<()> {
         let rows = r.tokens * r.top_k;
-        anyhow::ensure!(hidden % 8 == 0, "hidden size {hidden} is not a multiple of 8");
+        anyhow::ensure!(hidden.is_multiple_of(8), "hidden size {hidden} is not a multiple of 8");
         ensure_len!(x, r.tokens * hidden, "MoE input");
         ensure_len!(grouped, rows * hidden, "grouped rows");
         self.moe_gather.launch(
@@ -264,7 +264,7 @@ impl Kernels {
         sched: Sm90Schedule,
     ) -> anyhow::Result<()> {
         anyhow::ensure!(
-            n % 8 == 0 && k % 8 == 0 && n > 0 && k > 0,
+            n.is_multiple_of(8) && k.is_multiple_of(8) && n > 0 && k > 0,
             "grouped GEMM needs N and K positive multiples of 8, got N={n} K={k}"
         );
         let rows = r.tokens * r.top_k;
@@ -357,7 +357,7 @@ impl Kernels {
             return self.silu_mul(s, gate_up, act, rows, inter);
         }
         anyhow::ensure!(
-            inter % 8 == 0 && k % 8 == 0 && inter > 0 && k > 0,
+            inter.is_multiple_of(8) && k.is_multiple_of(8) && inter > 0 && k > 0,
             "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}"
         );
         ensure_len!(a, rows * k, "grouped GEMM input");
@@ -452,7 +452,10 @@ impl Kernels {
         out: DSlice<bf16>,
         hidden: usize,
     ) -> anyhow::Result<()> {
-        anyhow::ensure!(hidden % 2 == 0 && r.top_k <= 32, "moe_combine needs an even hidden size and top_k <= 32");
+        anyhow::ensure!(
+            hidden.is_multiple_of(2) && r.top_k <= 32,
+            "moe_combine needs an even hidden size and top_k <= 32"
+        );
         ensure_len!(y, r.tokens * r.top_k * hidden, "expert outputs");
         ensure_len!(out, r.tokens * hidden, "MoE output");
         let shared_ptr = match shared {
@@ -492,7 +495,7 @@ impl Kernels {
         rows: usize,
         width: usize,
     ) -> anyhow::Result<()> {
-        anyhow::ensure!(width % 8 == 0, "row width {width} is not a multiple of 8");
+        anyhow::ensure!(width.is_multiple_of(8), "row width {width} is not a multiple of 8");
         ensure_len!(idx, rows, "row indices");
         ensure_len!(out, rows * width, "gathered rows");
         self.moe_gather.launch(
