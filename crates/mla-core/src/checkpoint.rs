@@ -4,7 +4,7 @@
 
 use crate::config::{Fp8BlockQuant, ModelConfig};
 use crate::fp8::{dequantize_block_fp8, scale_grid};
-use crate::weight_source::{Fp8Tensor, WeightSource};
+use crate::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
 use crate::weights::{ModelSpec, TensorSpec};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
@@ -13,28 +13,6 @@ use std::path::{Path, PathBuf};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
-
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error("{dir}: no {SINGLE_FILE} and no {INDEX_FILE}")]
-    NoWeightFiles { dir: PathBuf },
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("{path}: not a valid safetensors index: {message}")]
-    BadIndex { path: PathBuf, message: String },
-    #[error("{index}: maps tensor `{tensor}` to shard {shard}, which does not exist")]
-    MissingShard { index: PathBuf, shard: PathBuf, tensor: String },
-    #[error("{path}: not a valid safetensors file: {message}")]
-    BadSafetensors { path: PathBuf, message: String },
-    #[error("tensor `{name}` is missing from {location}")]
-    MissingTensor { name: String, location: String },
-    #[error("tensor `{name}` in {path}: shape {found:?}, expected {expected:?}")]
-    WrongShape { name: String, path: PathBuf, expected: Vec<usize>, found: Vec<usize> },
-    #[error("tensor `{name}` in {path}: dtype {found}, expected {expected}")]
-    WrongDtype { name: String, path: PathBuf, expected: String, found: String },
-    #[error("tensor `{name}` in {path} is F8_E4M3 but config.json has no quantization_config with weight_block_size")]
-    Fp8WithoutQuantization { name: String, path: PathBuf },
-}
 
 /// One memory-mapped safetensors file with its parsed header.
 struct Shard {

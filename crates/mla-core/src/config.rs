@@ -3,6 +3,7 @@
 //! Every field that changes the math is read explicitly so that an unsupported value is an error
 //! naming the file, the field and the value, instead of a silently different model.
 
+use crate::rope;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -98,7 +99,6 @@ pub struct ModelConfig {
     pub norm_topk_prob: bool,
     pub routed_scaling_factor: f64,
     pub first_k_dense_replace: usize,
-    pub moe_layer_freq: usize,
     pub quantization: Option<Fp8BlockQuant>,
     pub num_nextn_predict_layers: usize,
 }
@@ -143,22 +143,13 @@ impl ModelConfig {
     /// Softmax scale of both attention paths: `q_head_dim^-0.5`, times `mscale²` under YaRN with
     /// `mscale_all_dim` (HF `yarn_apply_mscale`).
     pub fn softmax_scale(&self) -> f64 {
-        let base = (self.q_head_dim() as f64).powf(-0.5);
-        match &self.rope_scaling {
-            RopeScaling::Yarn(y) => match y.mscale_all_dim {
-                Some(m) if m != 0.0 => {
-                    let s = yarn_get_mscale(y.factor, m);
-                    base * s * s
-                }
-                _ => base,
-            },
-            RopeScaling::None => base,
-        }
+        (self.q_head_dim() as f64).powf(-0.5) * rope::softmax_mscale_squared(&self.rope_scaling)
     }
 
-    /// Whether decoder layer `layer` uses the MoE block (otherwise the dense MLP).
+    /// Whether decoder layer `layer` uses the MoE block (otherwise the dense MLP). `moe_layer_freq`
+    /// is refused unless 1 when parsing, so every layer from `first_k_dense_replace` on is MoE.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.n_routed_experts > 0 && layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
+        self.n_routed_experts > 0 && layer >= self.first_k_dense_replace
     }
 
     /// Width of the always-on shared-expert MLP.
@@ -168,64 +159,12 @@ impl ModelConfig {
 
     /// Multiplier applied to RoPE cos/sin (HF's `attention_scaling`).
     pub fn rope_attention_factor(&self) -> f64 {
-        match &self.rope_scaling {
-            RopeScaling::None => 1.0,
-            RopeScaling::Yarn(y) => match y.attention_factor {
-                Some(a) => a,
-                None => match (y.mscale, y.mscale_all_dim) {
-                    (Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => {
-                        yarn_get_mscale(y.factor, m) / yarn_get_mscale(y.factor, ma)
-                    }
-                    _ => yarn_get_mscale(y.factor, 1.0),
-                },
-            },
-        }
+        rope::attention_factor(&self.rope_scaling)
     }
 
     /// Inverse RoPE frequencies for the `qk_rope_head_dim / 2` rotated pairs, YaRN-corrected.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let dim = self.qk_rope_head_dim;
-        let base = self.rope_theta;
-        let pos_freq = |i: usize| base.powf((2 * i) as f64 / dim as f64);
-        let half = dim / 2;
-        match &self.rope_scaling {
-            RopeScaling::None => (0..half).map(|i| (1.0 / pos_freq(i)) as f32).collect(),
-            RopeScaling::Yarn(y) => {
-                let correction_dim = |rotations: f64| {
-                    dim as f64
-                        * (y.original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
-                        / (2.0 * base.ln())
-                };
-                let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
-                if y.truncate {
-                    low = low.floor();
-                    high = high.ceil();
-                }
-                let low = low.max(0.0);
-                let mut high = high.min(dim as f64 - 1.0);
-                if low == high {
-                    high += 0.001;
-                }
-                (0..half)
-                    .map(|i| {
-                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
-                        let extrapolation = 1.0 - ramp;
-                        let inv_extra = 1.0 / pos_freq(i);
-                        let inv_inter = 1.0 / (y.factor * pos_freq(i));
-                        (inv_inter * (1.0 - extrapolation) + inv_extra * extrapolation) as f32
-                    })
-                    .collect()
-            }
-        }
-    }
-}
-
-/// YaRN magnitude correction `0.1·m·ln(scale) + 1` (1 when not extending).
-pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
-    if scale <= 1.0 {
-        1.0
-    } else {
-        0.1 * mscale * scale.ln() + 1.0
+        rope::inv_freq(&self.rope_scaling, self.qk_rope_head_dim, self.rope_theta)
     }
 }
 
@@ -433,7 +372,6 @@ impl<'a> Reader<'a> {
             norm_topk_prob,
             routed_scaling_factor: self.f64_or("routed_scaling_factor", 1.0)?,
             first_k_dense_replace: self.usize_or("first_k_dense_replace", 0)?,
-            moe_layer_freq,
             quantization,
             num_nextn_predict_layers: self.usize_or("num_nextn_predict_layers", 0)?,
         };

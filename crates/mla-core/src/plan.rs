@@ -3,7 +3,50 @@
 //! The scheduler builds one per step; backends execute it. Nothing here refers to devices,
 //! strings or HTTP, so both sides can be tested alone.
 
-use crate::sampling::SamplingParams;
+/// How a sequence draws its next token (the order of operations is in `sampling`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 selects greedy decoding.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; `None` disables.
+    pub top_k: Option<usize>,
+    /// Drop tokens whose probability is below `min_p` times the best one; 0 disables.
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Multiplicative penalty on tokens seen in the prompt or output; 1 disables.
+    pub repetition_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < 1e-5
+    }
+
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+}
 
 /// Which attention formulation the step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

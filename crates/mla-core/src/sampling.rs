@@ -1,77 +1,11 @@
-//! Sampling parameters (plain data carried by `StepPlan`) and the host reference sampler.
+//! The host reference sampler (the parameters it reads are plain data in `plan.rs`).
 //!
 //! Order of operations follows vLLM: penalties, then temperature (0 means greedy), then top-k,
 //! top-p and min-p filtering, then one draw from the renormalised distribution. Log-probabilities
 //! returned to users are of the unmodified model distribution.
 
-use crate::plan::{PenaltyTokens, SampleRequest, SampledToken};
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// 0 selects greedy decoding.
-    pub temperature: f32,
-    /// Nucleus mass in (0, 1]; 1 disables.
-    pub top_p: f32,
-    /// Keep the k most likely tokens; `None` disables.
-    pub top_k: Option<usize>,
-    /// Drop tokens whose probability is below `min_p` times the best one; 0 disables.
-    pub min_p: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    /// Multiplicative penalty on tokens seen in the prompt or output; 1 disables.
-    pub repetition_penalty: f32,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: None,
-            min_p: 0.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            repetition_penalty: 1.0,
-        }
-    }
-}
-
-impl SamplingParams {
-    pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
-    }
-
-    pub fn is_greedy(&self) -> bool {
-        self.temperature < 1e-5
-    }
-
-    pub fn has_penalties(&self) -> bool {
-        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
-    }
-}
-
-/// Small, fast, reproducible generator (SplitMix64); one instance per draw.
-#[derive(Debug, Clone)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 53 bits of precision.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+use crate::plan::{PenaltyTokens, SampleRequest, SampledToken, SamplingParams};
+use crate::rng::SplitMix64;
 
 /// Log-softmax in f64 for stability, returned as f32.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {

@@ -1,9 +1,32 @@
 //! Where weights come from: a checkpoint on disk or deterministic dummy weights. Backends build
 //! themselves from a `WeightSource` and a `ModelSpec` and never care which one it is.
 
-use crate::checkpoint::CheckpointError;
 use crate::weights::TensorSpec;
 use std::io::IsTerminal;
+use std::path::PathBuf;
+
+/// Why a tensor could not be read, from a checkpoint directory or any other `WeightSource`.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{dir}: no model.safetensors and no model.safetensors.index.json")]
+    NoWeightFiles { dir: PathBuf },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a valid safetensors index: {message}")]
+    BadIndex { path: PathBuf, message: String },
+    #[error("{index}: maps tensor `{tensor}` to shard {shard}, which does not exist")]
+    MissingShard { index: PathBuf, shard: PathBuf, tensor: String },
+    #[error("{path}: not a valid safetensors file: {message}")]
+    BadSafetensors { path: PathBuf, message: String },
+    #[error("tensor `{name}` is missing from {location}")]
+    MissingTensor { name: String, location: String },
+    #[error("tensor `{name}` in {path}: shape {found:?}, expected {expected:?}")]
+    WrongShape { name: String, path: PathBuf, expected: Vec<usize>, found: Vec<usize> },
+    #[error("tensor `{name}` in {path}: dtype {found}, expected {expected}")]
+    WrongDtype { name: String, path: PathBuf, expected: String, found: String },
+    #[error("tensor `{name}` in {path} is F8_E4M3 but config.json has no quantization_config with weight_block_size")]
+    Fp8WithoutQuantization { name: String, path: PathBuf },
+}
 
 /// A block-FP8 weight as stored: E4M3 bytes `[rows, cols]` and fp32 scales over `block` tiles.
 #[derive(Debug, Clone, PartialEq)]

@@ -54,7 +54,7 @@ pub fn absorbed_attention(
 mod tests {
     use super::*;
     use crate::attention_normal::normal_attention;
-    use mla_core::sampling::SplitMix64;
+    use mla_core::SplitMix64;
 
     fn random(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
         (0..n).map(|_| (rng.next_f64() * 2.0 - 1.0) as f32).collect()

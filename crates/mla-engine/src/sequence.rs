@@ -3,7 +3,7 @@
 
 use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockTable;
-use mla_core::sampling::SplitMix64;
+use mla_core::SplitMix64;
 
 /// Which sequence of a request: the shared prompt prefix (`n > 1` only) or completion `i`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

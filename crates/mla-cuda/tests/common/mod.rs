@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use half::bf16;
-use mla_core::sampling::SplitMix64;
+use mla_core::SplitMix64;
 use mla_cuda::gpu::{DSlice, DeviceBuffer};
 use mla_cuda::Device;
 use std::path::PathBuf;

@@ -9,7 +9,8 @@
 use anyhow::{bail, Context};
 use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{slot_of, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
-use mla_core::sampling::{sample, SplitMix64};
+use mla_core::sampling::sample;
+use mla_core::SplitMix64;
 use mla_core::{Backend, CacheLayout, ModelConfig, SamplingParams, StepKind, StepPlan};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
