@@ -384,7 +384,7 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
         // up to 3.42e-2 with only the order of four of its f32 additions reversed, 3.89e-2 with
         // the eight-warp kernel, which matches an f64 reference as closely; cuda-notes runs T1-T3).
         // So this only guards against gross errors of the absorbed path (a wrong slot, a missing
-        // rescale: 0.1 and up); its precision is checked by gpu_kernels' decode test against f64
+        // rescale: 0.1 and up); its precision is checked by gpu_attention's decode test against f64
         // and by the HF fixtures.
         let e = rel_l2(d, p);
         println!("V2-Lite seq {i}: absorbed vs normal rel {e:.2e}, max {:.3}", max_abs(d, p));
