@@ -9,12 +9,14 @@ mod common;
 
 use common::*;
 use half::bf16;
-use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
+use mla_core::plan::{LogitsRequest, StepKind, StepPlan};
 use mla_cpu::{absorbed_attention, normal_attention, Matrix, MlaDims};
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::{MetaLimits, StepMeta};
 use mla_cuda::ops::*;
 
+/// A latent cache on scattered blocks holding `ctx[i] + new[i]` random positions of each
+/// sequence, and a kv_b_proj for it.
 struct PagedCase {
     d: MlaDims,
     ctx: Vec<usize>,
@@ -24,33 +26,48 @@ struct PagedCase {
     kv_b: Vec<f32>,
 }
 
-/// Random latent cache for sequences of `ctx[i] + new[i]` positions on scattered blocks; every
-/// row no sequence owns holds NaN, so reading one poisons the result.
-fn paged_case(rng: &mut Rng, heads: usize, ctx: &[usize], new: &[usize]) -> PagedCase {
-    let d = MlaDims {
-        num_heads: heads,
-        qk_nope_head_dim: NOPE,
-        qk_rope_head_dim: ROPE,
-        v_head_dim: V_HEAD,
-        kv_lora_rank: LATENT,
-    };
-    let lat = d.latent_dim();
-    let blocks: Vec<usize> = ctx.iter().zip(new).map(|(c, n)| (c + n).div_ceil(PAGE_SIZE)).collect();
-    let num_blocks = blocks.iter().sum::<usize>() + 7;
-    let tables = scattered_tables(rng, &blocks, num_blocks);
-    let mut cache = vec![f32::NAN; num_blocks * PAGE_SIZE * lat];
-    for (i, t) in tables.iter().enumerate() {
-        for pos in 0..ctx[i] + new[i] {
-            let slot = t[pos / PAGE_SIZE] as usize * PAGE_SIZE + pos % PAGE_SIZE;
-            let v = round(&rng.uniform(lat, 1.0));
-            cache[slot * lat..(slot + 1) * lat].copy_from_slice(&v);
-        }
-    }
-    let kv_b = round(&rng.uniform(heads * (NOPE + V_HEAD) * LATENT, 3f32.sqrt() / (LATENT as f32).sqrt()));
-    PagedCase { d, ctx: ctx.to_vec(), new: new.to_vec(), tables, cache, kv_b }
-}
+/// Metadata limits of the decode steps below: room for their batches and contexts.
+const DECODE_LIMITS: MetaLimits = MetaLimits {
+    max_tokens: 64,
+    max_seqs: 16,
+    max_logit_rows: 16,
+    max_kv_chunk: 64,
+    max_blocks_per_seq: 256,
+    vocab: 512,
+};
 
 impl PagedCase {
+    /// Every row no sequence owns holds NaN, so reading one poisons the result.
+    fn new(rng: &mut Rng, heads: usize, ctx: &[usize], new: &[usize]) -> PagedCase {
+        let d = MlaDims {
+            num_heads: heads,
+            qk_nope_head_dim: NOPE,
+            qk_rope_head_dim: ROPE,
+            v_head_dim: V_HEAD,
+            kv_lora_rank: LATENT,
+        };
+        let lat = d.latent_dim();
+        let blocks: Vec<usize> = ctx.iter().zip(new).map(|(c, n)| (c + n).div_ceil(PAGE_SIZE)).collect();
+        let num_blocks = blocks.iter().sum::<usize>() + 7;
+        let tables = scattered_tables(rng, &blocks, num_blocks);
+        let mut cache = vec![f32::NAN; num_blocks * PAGE_SIZE * lat];
+        for (i, t) in tables.iter().enumerate() {
+            for pos in 0..ctx[i] + new[i] {
+                let slot = t[pos / PAGE_SIZE] as usize * PAGE_SIZE + pos % PAGE_SIZE;
+                let v = round(&rng.uniform(lat, 1.0));
+                cache[slot * lat..(slot + 1) * lat].copy_from_slice(&v);
+            }
+        }
+        let kv_b = random_kv_b(rng, heads);
+        PagedCase { d, ctx: ctx.to_vec(), new: new.to_vec(), tables, cache, kv_b }
+    }
+
+    /// A decode step: one new token after `lens[i] - 1` cached ones.
+    fn decode(rng: &mut Rng, heads: usize, lens: &[usize]) -> PagedCase {
+        let ctx: Vec<usize> = lens.iter().map(|l| l - 1).collect();
+        PagedCase::new(rng, heads, &ctx, &vec![1; lens.len()])
+    }
+
     fn latent_of(&self, i: usize, len: usize) -> Vec<f32> {
         let lat = self.d.latent_dim();
         (0..len)
@@ -60,20 +77,18 @@ impl PagedCase {
             })
             .collect()
     }
+
     fn plan(&self, kind: StepKind) -> StepPlan {
         StepPlan {
             kind,
             seqs: (0..self.ctx.len())
-                .map(|i| SeqStep {
-                    seq_id: i as u64,
-                    tokens: vec![0; self.new[i]],
-                    context_len: self.ctx[i],
-                    block_table: self.tables[i].clone(),
-                    logits: LogitsRequest::None,
-                    sample: None,
-                })
+                .map(|i| seq(i as u64, &vec![0; self.new[i]], self.ctx[i], &self.tables[i], LogitsRequest::None, None))
                 .collect(),
         }
+    }
+
+    fn decode_meta(&self) -> StepMeta {
+        StepMeta::build(&self.plan(StepKind::Decode), &DECODE_LIMITS).unwrap()
     }
 }
 
@@ -81,7 +96,7 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
     let dev = device();
     let (s, k) = (dev.stream(), &dev.k);
     let mut rng = Rng::new(seed);
-    let c = paged_case(&mut rng, heads, ctx, new);
+    let c = PagedCase::new(&mut rng, heads, ctx, new);
     let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
     let lim = MetaLimits {
         max_tokens: 4096,
@@ -204,19 +219,10 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
     for (heads, seed) in [(16usize, 8u64), (20, 9)] {
         let mut rng = Rng::new(seed);
         let lens = [1usize, 63, 64, 65, 300, 4097, 9000];
-        let ctx: Vec<usize> = lens.iter().map(|l| l - 1).collect();
-        let c = paged_case(&mut rng, heads, &ctx, &vec![1; lens.len()]);
+        let c = PagedCase::decode(&mut rng, heads, &lens);
         let b = lens.len();
         let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
-        let lim = MetaLimits {
-            max_tokens: 64,
-            max_seqs: 16,
-            max_logit_rows: 16,
-            max_kv_chunk: 64,
-            max_blocks_per_seq: 256,
-            vocab: 512,
-        };
-        let meta = StepMeta::build(&c.plan(StepKind::Decode), &lim).unwrap();
+        let meta = c.decode_meta();
         let q = round(&rng.uniform(b * heads * qd, 1.0));
         // q_abs rows: NaN where absorb_q must write, q_pe where the RoPE kernel would have.
         let mut q_abs = vec![f32::NAN; b * heads * lat];
@@ -226,11 +232,10 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
         let (d_q, d_qabs, d_cache, d_kvb, d_meta) =
             (up_bf16(&q), up_bf16(&q_abs), up_bf16(&c.cache), up_bf16(&c.kv_b), up(&meta.words));
         let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
-        let o_lat = DeviceBuffer::<bf16>::alloc(b * heads * LATENT).unwrap();
+        let outputs = DecodeOutputs::poisoned(b, heads, 64);
         let out = DeviceBuffer::<bf16>::alloc(b * heads * V_HEAD).unwrap();
-        let part_o = DeviceBuffer::<f32>::alloc(b * 64 * heads * LATENT).unwrap();
-        let part_lse = DeviceBuffer::<f32>::alloc(b * 64 * heads).unwrap();
         let scale = 0.1147f32;
+        let case = DecodeCase::from_meta(&meta, &d_meta, heads, d_qabs.slice(), d_cache.slice(), scale);
         let kv_b_m = Matrix::new(kvw, LATENT, c.kv_b.clone());
         let want: Vec<f32> = (0..b)
             .flat_map(|i| {
@@ -248,29 +253,9 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
         for (splits, which) in [1, default_splits, 5, 64].into_iter().flat_map(|n| DecodeKernel::ALL.map(|w| (n, w))) {
             dev.blas.absorb_q(&kv_b, heads, d_q.slice(), b, d_qabs.slice()).unwrap();
             // Poisoned outputs: whatever a launch leaves unwritten reads as NaN in the check.
-            o_lat.upload(&vec![bf16::NAN; b * heads * LATENT]).unwrap();
-            part_o.upload(&vec![f32::NAN; b * 64 * heads * LATENT]).unwrap();
-            part_lse.upload(&vec![f32::NAN; b * 64 * heads]).unwrap();
-            k.decode_attention_with(
-                s,
-                &DecodeAttention {
-                    batch: b,
-                    heads,
-                    q: d_qabs.slice(),
-                    cache: d_cache.slice(),
-                    block_tables: d_meta.tail(meta.block_tables),
-                    bt_stride: d_meta.sub(meta.bt_stride, 1),
-                    seq_lens: d_meta.sub(meta.seq_lens, b),
-                    num_splits: splits,
-                    out: o_lat.slice(),
-                    part_o: part_o.slice(),
-                    part_lse: part_lse.slice(),
-                    scale,
-                },
-                which,
-            )
-            .unwrap();
-            dev.blas.absorb_o(&kv_b, heads, o_lat.slice(), b, out.slice()).unwrap();
+            outputs.poison();
+            k.decode_attention_with(s, &case.params(splits, &outputs), which).unwrap();
+            dev.blas.absorb_o(&kv_b, heads, outputs.o_lat.slice(), b, out.slice()).unwrap();
             dev.gpu.sync().unwrap();
             let e = rel_l2(&down_bf16(out.slice()), &want);
             println!("decode {which:?} heads {heads} lens {lens:?} splits {splits}: rel err {e:.2e}");
@@ -312,8 +297,7 @@ fn decode_latent_case(
 ) -> Vec<String> {
     let (s, k) = (dev.stream(), &dev.k);
     let mut rng = Rng::new(seed);
-    let ctx: Vec<usize> = lens.iter().map(|l| l - 1).collect();
-    let mut c = paged_case(&mut rng, heads, &ctx, &vec![1; lens.len()]);
+    let mut c = PagedCase::decode(&mut rng, heads, lens);
     let (b, lat) = (lens.len(), LATENT + ROPE);
     for (i, &len) in lens.iter().enumerate() {
         for t in 0..len {
@@ -350,45 +334,16 @@ fn decode_latent_case(
             }
         }
     }
-    let lim = MetaLimits {
-        max_tokens: 64,
-        max_seqs: 16,
-        max_logit_rows: 16,
-        max_kv_chunk: 64,
-        max_blocks_per_seq: 256,
-        vocab: 512,
-    };
-    let meta = StepMeta::build(&c.plan(StepKind::Decode), &lim).unwrap();
+    let meta = c.decode_meta();
     let (d_qabs, d_cache, d_meta) = (up_bf16(&q_abs), up_bf16(&c.cache), up(&meta.words));
-    let o_lat = DeviceBuffer::<bf16>::alloc(b * heads * LATENT).unwrap();
-    let part_o = DeviceBuffer::<f32>::alloc(b * 64 * heads * LATENT).unwrap();
-    let part_lse = DeviceBuffer::<f32>::alloc(b * 64 * heads).unwrap();
+    let outputs = DecodeOutputs::poisoned(b, heads, 64);
+    let case = DecodeCase::from_meta(&meta, &d_meta, heads, d_qabs.slice(), d_cache.slice(), scale);
     let mut failures = Vec::new();
     for (n, which) in splits.iter().flat_map(|&n| DecodeKernel::ALL.map(|w| (n, w))) {
-        o_lat.upload(&vec![bf16::NAN; b * heads * LATENT]).unwrap();
-        part_o.upload(&vec![f32::NAN; b * 64 * heads * LATENT]).unwrap();
-        part_lse.upload(&vec![f32::NAN; b * 64 * heads]).unwrap();
-        k.decode_attention_with(
-            s,
-            &DecodeAttention {
-                batch: b,
-                heads,
-                q: d_qabs.slice(),
-                cache: d_cache.slice(),
-                block_tables: d_meta.tail(meta.block_tables),
-                bt_stride: d_meta.sub(meta.bt_stride, 1),
-                seq_lens: d_meta.sub(meta.seq_lens, b),
-                num_splits: n,
-                out: o_lat.slice(),
-                part_o: part_o.slice(),
-                part_lse: part_lse.slice(),
-                scale,
-            },
-            which,
-        )
-        .unwrap();
+        outputs.poison();
+        k.decode_attention_with(s, &case.params(n, &outputs), which).unwrap();
         dev.gpu.sync().unwrap();
-        let got = down_bf16(o_lat.slice());
+        let got = down_bf16(outputs.o_lat.slice());
         let per_seq: Vec<f64> = (0..b)
             .map(|i| {
                 rel_l2(&got[i * heads * LATENT..][..heads * LATENT], &want[i * heads * LATENT..][..heads * LATENT])

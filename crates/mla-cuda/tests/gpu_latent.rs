@@ -11,7 +11,6 @@ use common::*;
 use half::bf16;
 use mla_cpu::{apply_rope, rms_norm};
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::ops::RopeCache;
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -39,30 +38,19 @@ fn rope_and_latent_cache_write_match_the_cpu_reference() {
     let inv_freq = cfg.rope_inv_freq();
     let d_inv = up(&inv_freq);
     let (factor, eps) = (cfg.rope_attention_factor() as f32, cfg.rms_norm_eps as f32);
-    k.rope_cache(
-        s,
-        &RopeCache {
-            tokens: t,
-            heads,
-            nope: cfg.qk_nope_head_dim,
-            kv_lora_rank: r,
-            rope_dim: p,
-            kva: d_kva.slice(),
-            kva_stride: lat,
-            kv_norm_w: d_w.slice(),
-            q: d_q.slice(),
-            q_stride: heads * qd,
-            q_pe_out: Some((q_abs.slice().tail(r), heads * lat, lat)),
-            positions: d_pos.slice(),
-            slots: d_slots.slice(),
-            inv_freq: d_inv.slice(),
-            attn_factor: factor,
-            eps,
-            cache: cache.slice(),
-            absorb: None,
-        },
-    )
-    .unwrap();
+    let rope = RopeCase {
+        cfg: &cfg,
+        tokens: t,
+        kva: d_kva.slice(),
+        kv_norm_w: d_w.slice(),
+        q: d_q.slice(),
+        q_abs: q_abs.slice(),
+        positions: d_pos.slice(),
+        slots: d_slots.slice(),
+        inv_freq: d_inv.slice(),
+        cache: cache.slice(),
+    };
+    k.rope_cache(s, &rope.params(None)).unwrap();
     dev.gpu.sync().unwrap();
     let cache_h = down_bf16(cache.slice());
     let q_h = down_bf16(d_q.slice());

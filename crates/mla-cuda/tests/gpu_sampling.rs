@@ -6,10 +6,10 @@
 mod common;
 
 use common::*;
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
+use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::sampling::{log_softmax, top_k_entries};
 use mla_core::SamplingParams;
-use mla_cuda::gpu::DeviceBuffer;
+use mla_cuda::gpu::{DSlice, DeviceBuffer};
 use mla_cuda::model::{MetaLimits, StepMeta};
 use mla_cuda::ops::*;
 
@@ -23,14 +23,7 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
         seqs: reqs
             .iter()
             .enumerate()
-            .map(|(i, r)| SeqStep {
-                seq_id: i as u64,
-                tokens: vec![0],
-                context_len: 0,
-                block_table: vec![0],
-                logits: LogitsRequest::None,
-                sample: Some(r.clone()),
-            })
+            .map(|(i, r)| seq(i as u64, &[0], 0, &[0], LogitsRequest::None, Some(r.clone())))
             .collect(),
     };
     let lim = MetaLimits {
@@ -49,11 +42,11 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
     let lp = DeviceBuffer::<f32>::alloc(rows).unwrap();
     let tids = DeviceBuffer::<i32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
     let tlps = DeviceBuffer::<f32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
+    let params_words = d_meta.sub(meta.params, rows * 12);
     // SAFETY: the params section of the uploaded words holds `rows` SampleParamsRaw of 12 words
     // each at an 8-byte aligned offset (as forward.rs reads it), and `d_meta` outlives every use
     // of the slice.
-    let params =
-        unsafe { mla_cuda::gpu::DSlice::<SampleParamsRaw>::from_raw(d_meta.sub(meta.params, rows * 12).ptr, rows) };
+    let params = unsafe { DSlice::<SampleParamsRaw>::from_raw(params_words.ptr, rows) };
     let out = SamplerOutputs { token: tok.slice(), logprob: lp.slice(), top_ids: tids.slice(), top_lps: tlps.slice() };
     dev.k
         .sample(dev.stream(), d_logits.slice(), vocab, rows, vocab, params, d_meta.tail(meta.pen), work.slice(), &out)
