@@ -3,9 +3,6 @@
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_graphs -- --ignored --test-threads 1`.
 
-// The MSRV (1.85) predates `usize::is_multiple_of`.
-#![allow(clippy::manual_is_multiple_of)]
-
 mod common;
 
 use common::*;
@@ -28,7 +25,7 @@ fn backend(graph_sizes: Vec<usize>) -> CudaBackend {
 
 fn sample(i: usize) -> Option<SampleRequest> {
     // Greedy rows and seeded top-p rows: a replay must reproduce both.
-    let params = if i % 2 == 0 {
+    let params = if i.is_multiple_of(2) {
         SamplingParams::greedy()
     } else {
         SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() }
