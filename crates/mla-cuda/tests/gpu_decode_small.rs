@@ -69,7 +69,7 @@ fn combine_absorb_matches_two_launches_and_f64() {
     let dev = device();
     let mut rng = Rng::new(51);
     let kvw = HEADS * (NOPE + V_HEAD);
-    let kv_b_h = round(&rng.uniform(kvw * LATENT, 3f32.sqrt() / (LATENT as f32).sqrt()));
+    let kv_b_h = random_kv_b(&mut rng, HEADS);
     let d_kvb = up_bf16(&kv_b_h);
     let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
     let mut failures = Vec::new();
@@ -164,7 +164,7 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
     let mut rng = Rng::new(52);
     let lat = LATENT + ROPE;
     let kvw = HEADS * (NOPE + V_HEAD);
-    let d_kvb = up_bf16(&round(&rng.uniform(kvw * LATENT, 3f32.sqrt() / (LATENT as f32).sqrt())));
+    let d_kvb = up_bf16(&random_kv_b(&mut rng, HEADS));
     let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
     let all_lens = [1usize, 70, 300, 1000];
     let stride = 1000usize.div_ceil(PAGE_SIZE);
@@ -178,42 +178,35 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
     for batch in 1..=COMBINE_ABSORB_MAX_BATCH {
         let lens = up(&all_lens[..batch].iter().map(|&l| l as i32).collect::<Vec<_>>());
         let q = up_bf16(&rng.uniform(batch * HEADS * lat, 2.0));
+        let case = DecodeCase {
+            batch,
+            heads: HEADS,
+            q: q.slice(),
+            cache: cache.slice(),
+            block_tables: tables.slice(),
+            bt_stride: bt_stride.slice(),
+            seq_lens: lens.slice(),
+            scale: 0.1147,
+        };
         for splits in [1usize, 8, 33, 64] {
-            let part_o = up(&vec![f32::NAN; batch * splits * HEADS * LATENT]);
-            let part_lse = up(&vec![f32::NAN; batch * splits * HEADS]);
-            let o_lat = up(&vec![bf16::NAN; batch * HEADS * LATENT]);
-            let p = DecodeAttention {
-                batch,
-                heads: HEADS,
-                q: q.slice(),
-                cache: cache.slice(),
-                block_tables: tables.slice(),
-                bt_stride: bt_stride.slice(),
-                seq_lens: lens.slice(),
-                num_splits: splits,
-                out: o_lat.slice(),
-                part_o: part_o.slice(),
-                part_lse: part_lse.slice(),
-                scale: 0.1147,
-            };
+            let outputs = DecodeOutputs::poisoned(batch, HEADS, splits);
+            let p = case.params(splits, &outputs);
             let want = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
             k.decode_attention(s, &p).unwrap();
-            dev.blas.absorb_o(&kv_b, HEADS, o_lat.slice(), batch, want.slice()).unwrap();
+            dev.blas.absorb_o(&kv_b, HEADS, outputs.o_lat.slice(), batch, want.slice()).unwrap();
             // The uploads below do not wait for the stream.
             dev.gpu.sync().unwrap();
             // The fused path must not need o_lat: poison it again.
-            o_lat.upload(&vec![bf16::NAN; batch * HEADS * LATENT]).unwrap();
-            part_o.upload(&vec![f32::NAN; batch * splits * HEADS * LATENT]).unwrap();
-            part_lse.upload(&vec![f32::NAN; batch * splits * HEADS]).unwrap();
+            outputs.poison();
             let got = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
             k.decode_attention_partials(s, &p).unwrap();
-            k.decode_combine_absorb_o(s, part_o.slice(), part_lse.slice(), HEADS, splits, batch, &kv_b, got.slice())
-                .unwrap();
+            let (part_o, part_lse) = (outputs.part_o.slice(), outputs.part_lse.slice());
+            k.decode_combine_absorb_o(s, part_o, part_lse, HEADS, splits, batch, &kv_b, got.slice()).unwrap();
             dev.gpu.sync().unwrap();
             let (got, want) = (down_bf16(got.slice()), down_bf16(want.slice()));
             let off = beyond_one_step(&got, &want);
             let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-            let untouched = down_bf16(o_lat.slice()).iter().all(|x| x.is_nan());
+            let untouched = down_bf16(outputs.o_lat.slice()).iter().all(|x| x.is_nan());
             println!(
                 "attention batch {batch} splits {splits}: {same}/{} equal, {off} beyond one bf16 step, rel {:.2e}",
                 got.len(),

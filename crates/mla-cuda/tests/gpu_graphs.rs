@@ -3,18 +3,15 @@
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_graphs -- --ignored --test-threads 1`.
 
-// The MSRV (1.85) predates `usize::is_multiple_of`.
-#![allow(clippy::manual_is_multiple_of)]
-
 mod common;
 
 use common::*;
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
+use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
 
 fn backend(graph_sizes: Vec<usize>) -> CudaBackend {
-    let dir = repo_root().join("tests/fixtures/real_dims");
+    let dir = real_dims_dir();
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let opts = CudaOptions {
         max_num_batched_tokens: 512,
@@ -28,7 +25,7 @@ fn backend(graph_sizes: Vec<usize>) -> CudaBackend {
 
 fn sample(i: usize) -> Option<SampleRequest> {
     // Greedy rows and seeded top-p rows: a replay must reproduce both.
-    let params = if i % 2 == 0 {
+    let params = if i.is_multiple_of(2) {
         SamplingParams::greedy()
     } else {
         SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() }
@@ -39,14 +36,7 @@ fn sample(i: usize) -> Option<SampleRequest> {
 fn decode(active: &[usize], lens: &[usize], last: &[u32], tables: &[Vec<u32>]) -> StepPlan {
     let seqs = active
         .iter()
-        .map(|&i| SeqStep {
-            seq_id: i as u64,
-            tokens: vec![last[i]],
-            context_len: lens[i],
-            block_table: tables[i].clone(),
-            logits: LogitsRequest::None,
-            sample: sample(i),
-        })
+        .map(|&i| seq(i as u64, &[last[i]], lens[i], &tables[i], LogitsRequest::None, sample(i)))
         .collect();
     StepPlan { kind: StepKind::Decode, seqs }
 }
@@ -65,16 +55,7 @@ fn graph_replay_gives_the_eager_tokens_with_padding_and_fallback() {
     let tables: Vec<Vec<u32>> = (0..n as u32).map(|i| vec![2 * i + 1, 40 + i]).collect();
     let prefill = StepPlan {
         kind: StepKind::Prefill,
-        seqs: (0..n)
-            .map(|i| SeqStep {
-                seq_id: i as u64,
-                tokens: prompts[i].clone(),
-                context_len: 0,
-                block_table: tables[i].clone(),
-                logits: LogitsRequest::None,
-                sample: sample(i),
-            })
-            .collect(),
+        seqs: (0..n).map(|i| seq(i as u64, &prompts[i], 0, &tables[i], LogitsRequest::None, sample(i))).collect(),
     };
     let pe = eager.step(&prefill).unwrap();
     let pg = graphs.step(&prefill).unwrap();
@@ -130,14 +111,7 @@ fn unpadded_replay_is_bitwise_the_eager_step_with_the_same_split_count() {
     let first = b
         .step(&StepPlan {
             kind: StepKind::Prefill,
-            seqs: vec![SeqStep {
-                seq_id: 0,
-                tokens: prompt.clone(),
-                context_len: 0,
-                block_table: table.clone(),
-                logits: LogitsRequest::None,
-                sample: sample(1),
-            }],
+            seqs: vec![seq(0, &prompt, 0, &table, LogitsRequest::None, sample(1))],
         })
         .unwrap();
     let tok = first.seqs[0].sampled.as_ref().unwrap().token;
@@ -178,14 +152,7 @@ fn graphs_are_captured_again_when_a_long_penalty_history_grows_the_metadata() {
     let prefill = StepPlan {
         kind: StepKind::Prefill,
         seqs: (0..2)
-            .map(|i| SeqStep {
-                seq_id: i as u64,
-                tokens: vec![5 + i as u32; 20],
-                context_len: 0,
-                block_table: tables[i].clone(),
-                logits: LogitsRequest::None,
-                sample: sample(0),
-            })
+            .map(|i| seq(i as u64, &[5 + i as u32; 20], 0, &tables[i], LogitsRequest::None, sample(0)))
             .collect(),
     };
     let out = b.step(&prefill).unwrap();

@@ -15,14 +15,8 @@ use mla_core::weights::TensorSpec;
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_core::{CheckpointError, DummyWeights, Fp8Tensor, WeightSource};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
-use std::path::PathBuf;
-
-fn fixture_dir() -> PathBuf {
-    repo_root().join("tests/fixtures/real_dims")
-}
-
 fn fixture_backend() -> (CudaBackend, ModelConfig) {
-    let cfg = ModelConfig::from_file(&fixture_dir().join("config.json")).unwrap();
+    let cfg = ModelConfig::from_file(&real_dims_dir().join("config.json")).unwrap();
     let opts = CudaOptions {
         max_num_batched_tokens: 256,
         max_num_seqs: 8,
@@ -30,7 +24,7 @@ fn fixture_backend() -> (CudaBackend, ModelConfig) {
         num_blocks: Some(64),
         ..Default::default()
     };
-    (CudaBackend::new(cfg.clone(), WeightsFrom::Checkpoint(fixture_dir()), opts).unwrap(), cfg)
+    (CudaBackend::new(cfg.clone(), WeightsFrom::Checkpoint(real_dims_dir()), opts).unwrap(), cfg)
 }
 
 struct Prompt {
@@ -41,7 +35,7 @@ struct Prompt {
 }
 
 fn oracle() -> Vec<Prompt> {
-    let text = std::fs::read_to_string(fixture_dir().join("oracle.json")).unwrap();
+    let text = std::fs::read_to_string(real_dims_dir().join("oracle.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids =
         |x: &serde_json::Value| x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
@@ -60,24 +54,13 @@ fn oracle() -> Vec<Prompt> {
 
 /// Rows of `name` in an oracle safetensors file: [len, vocab] f32.
 fn oracle_logits(file: &str, name: &str) -> Vec<Vec<f32>> {
-    let bytes = std::fs::read(fixture_dir().join(file)).unwrap();
+    let bytes = std::fs::read(real_dims_dir().join(file)).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let t = st.tensor(name).unwrap();
     assert_eq!(t.dtype(), safetensors::Dtype::F32);
     let (rows, cols) = (t.shape()[0], t.shape()[1]);
     let data: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     (0..rows).map(|r| data[r * cols..(r + 1) * cols].to_vec()).collect()
-}
-
-fn seq(
-    id: u64,
-    tokens: &[u32],
-    ctx: usize,
-    table: &[u32],
-    logits: LogitsRequest,
-    sample: Option<SampleRequest>,
-) -> SeqStep {
-    SeqStep { seq_id: id, tokens: tokens.to_vec(), context_len: ctx, block_table: table.to_vec(), logits, sample }
 }
 
 fn greedy() -> Option<SampleRequest> {
@@ -384,7 +367,7 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
         // up to 3.42e-2 with only the order of four of its f32 additions reversed, 3.89e-2 with
         // the eight-warp kernel, which matches an f64 reference as closely; cuda-notes runs T1-T3).
         // So this only guards against gross errors of the absorbed path (a wrong slot, a missing
-        // rescale: 0.1 and up); its precision is checked by gpu_kernels' decode test against f64
+        // rescale: 0.1 and up); its precision is checked by gpu_attention's decode test against f64
         // and by the HF fixtures.
         let e = rel_l2(d, p);
         println!("V2-Lite seq {i}: absorbed vs normal rel {e:.2e}, max {:.3}", max_abs(d, p));

@@ -9,7 +9,6 @@ mod common;
 use common::*;
 use half::bf16;
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::ops::{AbsorbQ, RopeCache};
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -36,33 +35,19 @@ fn fused_rope_absorb_matches_rope_cache_and_an_f64_absorption() {
             let (d_kva, d_q, d_pos, d_slots) = (up_bf16(&kva), up_bf16(&q), up(&positions), up(&slots));
             let cache = DeviceBuffer::from_host(&vec![bf16::from_f32(-7.5); 256 * lat]).unwrap();
             let q_abs = DeviceBuffer::from_host(&vec![bf16::NAN; t * heads * lat]).unwrap();
-            let rope = RopeCache {
+            let rope = RopeCase {
+                cfg: &cfg,
                 tokens: t,
-                heads,
-                nope,
-                kv_lora_rank: r,
-                rope_dim: p,
                 kva: d_kva.slice(),
-                kva_stride: lat,
                 kv_norm_w: d_w.slice(),
                 q: d_q.slice(),
-                q_stride: heads * qd,
-                q_pe_out: Some((q_abs.slice().tail(r), heads * lat, lat)),
+                q_abs: q_abs.slice(),
                 positions: d_pos.slice(),
                 slots: d_slots.slice(),
                 inv_freq: d_inv.slice(),
-                attn_factor: cfg.rope_attention_factor() as f32,
-                eps: cfg.rms_norm_eps as f32,
                 cache: cache.slice(),
-                absorb: absorb.then(|| AbsorbQ {
-                    kv_b: d_kv_b.slice(),
-                    v_dim: v,
-                    q_abs: q_abs.slice(),
-                    row_stride: heads * lat,
-                    head_stride: lat,
-                }),
             };
-            k.rope_cache(s, &rope).unwrap();
+            k.rope_cache(s, &rope.params(absorb.then(|| d_kv_b.slice()))).unwrap();
             dev.gpu.sync().unwrap();
             (down_bf16(cache.slice()), down_bf16(d_q.slice()), down_bf16(q_abs.slice()))
         };

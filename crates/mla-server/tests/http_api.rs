@@ -1,10 +1,10 @@
 //! Non-streaming responses and error answers of the HTTP layer, over the real engine with a
-//! scripted backend (see `support`). Expected texts are decoded from the script independently.
+//! scripted backend (see `common`). Expected texts are decoded from the script independently.
 
-mod support;
+mod common;
 
+use common::{demo_tokenizer, server, Options};
 use serde_json::json;
-use support::{server, tokenizer, Options};
 
 fn chat(content: &str, extra: serde_json::Value) -> serde_json::Value {
     let mut body = json!({"model": "demo", "messages": [{"role": "user", "content": content}]});
@@ -28,7 +28,7 @@ async fn chat_completion_shape_text_and_usage() {
     assert_eq!(c["finish_reason"], "length");
     assert!(c["logprobs"].is_null());
     // The V3 template renders one user turn as BOS + <｜User｜> + text + <｜Assistant｜>.
-    let prompt = tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>", false).unwrap();
+    let prompt = demo_tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>", false).unwrap();
     assert_eq!(
         v["usage"],
         json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5})
@@ -49,7 +49,7 @@ async fn stop_strings_cut_the_text_and_end_with_stop() {
 
 #[tokio::test]
 async fn eos_ends_with_stop_unless_ignored() {
-    let mut script = tokenizer().encode("ab", false).unwrap();
+    let mut script = demo_tokenizer().encode("ab", false).unwrap();
     script.push(1); // the demo EOS id
     let s = server(Options { script: script.clone(), ..Options::default() });
     let v = s.post("/v1/chat/completions", chat("x", json!({"max_tokens": 10}))).await.json();
@@ -67,7 +67,7 @@ async fn eos_ends_with_stop_unless_ignored() {
         .await
         .json();
     let four: Vec<u32> = script.iter().copied().cycle().take(4).collect();
-    let expected = tokenizer().decode(&four, false).unwrap();
+    let expected = demo_tokenizer().decode(&four, false).unwrap();
     assert!(expected.contains("<｜end▁of▁sentence｜>"), "{expected}");
     assert_eq!(v["choices"][0]["message"]["content"], expected);
 }
@@ -106,7 +106,7 @@ async fn completions_with_token_prompts_echo_and_logprobs() {
     let v = s.post("/v1/completions", json!({"prompt": "Hi", "echo": true, "max_tokens": 2})).await.json();
     assert_eq!(v["choices"][0]["text"], format!("Hi{}", s.script_text(2)));
     // A text prompt gets the tokenizer's BOS, as vLLM does.
-    assert_eq!(v["usage"]["prompt_tokens"], tokenizer().encode("Hi", true).unwrap().len());
+    assert_eq!(v["usage"]["prompt_tokens"], demo_tokenizer().encode("Hi", true).unwrap().len());
 
     let v = s.post("/v1/completions", json!({"prompt": "Hi", "logprobs": 1, "max_tokens": 3})).await.json();
     let lp = &v["choices"][0]["logprobs"];
@@ -185,7 +185,7 @@ async fn api_key_guards_v1_but_not_health_and_metrics() {
     let v = r.json();
     assert_eq!(v["object"], "list");
     assert_eq!(v["data"][0]["id"], "demo");
-    assert_eq!(v["data"][0]["max_model_len"], support::MAX_MODEL_LEN);
+    assert_eq!(v["data"][0]["max_model_len"], common::MAX_MODEL_LEN);
     assert_eq!(s.call("GET", "/health", None, &[]).await.status, 200);
     assert_eq!(s.call("GET", "/metrics", None, &[]).await.status, 200);
 }
@@ -219,14 +219,14 @@ async fn queue_limit_answers_503() {
 }
 
 /// The `/metrics` sample of `series` with `labels` (after `model_name="demo",`), as a number.
-async fn metric(s: &support::TestServer, series: &str, labels: &str) -> f64 {
+async fn metric(s: &common::TestServer, series: &str, labels: &str) -> f64 {
     let text = s.call("GET", "/metrics", None, &[]).await.text;
     let key = format!("{series}{{model_name=\"demo\"{labels}}} ");
     let line = text.lines().find(|l| l.starts_with(&key)).unwrap_or_else(|| panic!("no {key} in {text}"));
     line[key.len()..].parse().unwrap()
 }
 
-async fn wait_idle(s: &support::TestServer) {
+async fn wait_idle(s: &common::TestServer) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {
         let st = s.engine.stats();
@@ -241,7 +241,7 @@ async fn wait_idle(s: &support::TestServer) {
 #[tokio::test]
 async fn a_stop_string_ends_its_choice_in_the_engine_and_the_other_runs_on() {
     // Choice 0 says "Hello there. STOP ...", choice 1 never says STOP.
-    let sibling = tokenizer().encode("and so on, on and on, ", false).unwrap();
+    let sibling = demo_tokenizer().encode("and so on, on and on, ", false).unwrap();
     let s = server(Options {
         sibling_script: Some(sibling.clone()),
         delay: std::time::Duration::from_millis(10),
@@ -252,7 +252,7 @@ async fn a_stop_string_ends_its_choice_in_the_engine_and_the_other_runs_on() {
     assert_eq!(v["choices"][0]["text"], "Hello there. ");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let forty: Vec<u32> = sibling.iter().copied().cycle().take(40).collect();
-    assert_eq!(v["choices"][1]["text"], tokenizer().decode(&forty, true).unwrap());
+    assert_eq!(v["choices"][1]["text"], demo_tokenizer().decode(&forty, true).unwrap());
     assert_eq!(v["choices"][1]["finish_reason"], "length");
     let k = (1..=s.script.len()).find(|&k| s.script_text(k).contains("STOP")).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], k + 40);

@@ -1,9 +1,9 @@
 //! Streamed responses: SSE framing, chunk shapes and order, usage chunks, aborts.
 
-mod support;
+mod common;
 
+use common::{server, Options};
 use serde_json::{json, Value};
-use support::{server, Options};
 
 fn parse(events: &[String]) -> Vec<Value> {
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "the stream ends with [DONE]");

@@ -1,10 +1,15 @@
 //! Helpers shared by the GPU tests: random data, bf16 rounding, device uploads, error metrics,
-//! and where the repository's fixtures are when the test binary runs on another machine.
+//! where the repository's fixtures are when the test binary runs on another machine, and the
+//! parameter structs of the launches that several test files make.
 #![allow(dead_code)]
 
 use half::bf16;
+use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep};
+use mla_core::ModelConfig;
 use mla_core::SplitMix64;
 use mla_cuda::gpu::{DSlice, DeviceBuffer};
+use mla_cuda::model::StepMeta;
+use mla_cuda::ops::{AbsorbQ, DecodeAttention, RopeCache, LATENT, NOPE, V_HEAD};
 use mla_cuda::Device;
 use std::path::PathBuf;
 
@@ -84,8 +89,13 @@ pub fn repo_root() -> PathBuf {
     std::env::current_dir().unwrap()
 }
 
-pub fn config(name: &str) -> mla_core::ModelConfig {
-    mla_core::ModelConfig::from_file(&repo_root().join("configs").join(name)).unwrap()
+pub fn config(name: &str) -> ModelConfig {
+    ModelConfig::from_file(&repo_root().join("configs").join(name)).unwrap()
+}
+
+/// The `real_dims` fixture: a checkpoint with the published MLA dims and HF's logits for it.
+pub fn real_dims_dir() -> PathBuf {
+    repo_root().join("tests/fixtures/real_dims")
 }
 
 /// Distinct random physical blocks for `n` sequences needing `blocks[i]` blocks each.
@@ -101,4 +111,153 @@ pub fn scattered_tables(rng: &mut Rng, blocks: &[usize], total: usize) -> Vec<Ve
             t
         })
         .collect()
+}
+
+/// One sequence of a step plan.
+pub fn seq(
+    id: u64,
+    tokens: &[u32],
+    ctx: usize,
+    table: &[u32],
+    logits: LogitsRequest,
+    sample: Option<SampleRequest>,
+) -> SeqStep {
+    SeqStep { seq_id: id, tokens: tokens.to_vec(), context_len: ctx, block_table: table.to_vec(), logits, sample }
+}
+
+/// A bf16-exact kv_b_proj for `heads` heads, [heads * (NOPE + V_HEAD), LATENT]: uniform entries of
+/// variance 1 / LATENT, so a product with a latent row keeps that row's scale.
+pub fn random_kv_b(rng: &mut Rng, heads: usize) -> Vec<f32> {
+    round(&rng.uniform(heads * (NOPE + V_HEAD) * LATENT, 3f32.sqrt() / (LATENT as f32).sqrt()))
+}
+
+/// What a decode-attention launch reads: absorbed queries, the latent cache, its block tables
+/// and the sequence lengths. `params` adds a split count and the outputs.
+pub struct DecodeCase {
+    pub batch: usize,
+    pub heads: usize,
+    pub q: DSlice<bf16>,
+    pub cache: DSlice<bf16>,
+    pub block_tables: DSlice<i32>,
+    pub bt_stride: DSlice<i32>,
+    pub seq_lens: DSlice<i32>,
+    pub scale: f32,
+}
+
+impl DecodeCase {
+    /// Tables, table stride and lengths from the words of a decode step's metadata, uploaded
+    /// whole to `words`.
+    pub fn from_meta(
+        meta: &StepMeta,
+        words: &DeviceBuffer<i32>,
+        heads: usize,
+        q: DSlice<bf16>,
+        cache: DSlice<bf16>,
+        scale: f32,
+    ) -> Self {
+        DecodeCase {
+            batch: meta.seqs,
+            heads,
+            q,
+            cache,
+            block_tables: words.tail(meta.block_tables),
+            bt_stride: words.sub(meta.bt_stride, 1),
+            seq_lens: words.sub(meta.seq_lens, meta.seqs),
+            scale,
+        }
+    }
+
+    pub fn params(&self, num_splits: usize, out: &DecodeOutputs) -> DecodeAttention {
+        DecodeAttention {
+            batch: self.batch,
+            heads: self.heads,
+            q: self.q,
+            cache: self.cache,
+            block_tables: self.block_tables,
+            bt_stride: self.bt_stride,
+            seq_lens: self.seq_lens,
+            num_splits,
+            out: out.o_lat.slice(),
+            part_o: out.part_o.slice(),
+            part_lse: out.part_lse.slice(),
+            scale: self.scale,
+        }
+    }
+}
+
+/// Where decode attention writes: o_lat, and the per-split partial outputs and log-sum-exps.
+pub struct DecodeOutputs {
+    pub o_lat: DeviceBuffer<bf16>,
+    pub part_o: DeviceBuffer<f32>,
+    pub part_lse: DeviceBuffer<f32>,
+}
+
+impl DecodeOutputs {
+    /// Room for `batch` sequences of `heads` heads in up to `splits` splits, all NaN.
+    pub fn poisoned(batch: usize, heads: usize, splits: usize) -> Self {
+        DecodeOutputs {
+            o_lat: DeviceBuffer::from_host(&vec![bf16::NAN; batch * heads * LATENT]).unwrap(),
+            part_o: DeviceBuffer::from_host(&vec![f32::NAN; batch * splits * heads * LATENT]).unwrap(),
+            part_lse: DeviceBuffer::from_host(&vec![f32::NAN; batch * splits * heads]).unwrap(),
+        }
+    }
+
+    /// Sets every output to NaN again, so whatever the next launch leaves unwritten shows.
+    pub fn poison(&self) {
+        self.o_lat.upload(&vec![bf16::NAN; self.o_lat.len()]).unwrap();
+        self.part_o.upload(&vec![f32::NAN; self.part_o.len()]).unwrap();
+        self.part_lse.upload(&vec![f32::NAN; self.part_lse.len()]).unwrap();
+    }
+}
+
+/// The buffers of one `rope_cache` launch on a model's shape. `params` lays them out packed:
+/// kv_a rows of `kv_lora_rank + rope_dim`, q rows of `heads * q_head_dim` (q_pe rotated in
+/// place), and the rotated q_pe also copied into the `q_abs` rows after their latent part.
+pub struct RopeCase<'a> {
+    pub cfg: &'a ModelConfig,
+    pub tokens: usize,
+    pub kva: DSlice<bf16>,
+    pub kv_norm_w: DSlice<bf16>,
+    pub q: DSlice<bf16>,
+    pub q_abs: DSlice<bf16>,
+    pub positions: DSlice<i32>,
+    pub slots: DSlice<i32>,
+    pub inv_freq: DSlice<f32>,
+    pub cache: DSlice<bf16>,
+}
+
+impl RopeCase<'_> {
+    /// With `absorb_kv_b` (kv_b_proj), the same launch also writes the absorbed queries into the
+    /// latent part of the `q_abs` rows.
+    pub fn params(&self, absorb_kv_b: Option<DSlice<bf16>>) -> RopeCache {
+        let cfg = self.cfg;
+        let (heads, r, p) = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+        let lat = r + p;
+        RopeCache {
+            tokens: self.tokens,
+            heads,
+            nope: cfg.qk_nope_head_dim,
+            kv_lora_rank: r,
+            rope_dim: p,
+            kva: self.kva,
+            kva_stride: lat,
+            kv_norm_w: self.kv_norm_w,
+            q: self.q,
+            q_stride: heads * cfg.q_head_dim(),
+            q_pe_out: Some((self.q_abs.tail(r), heads * lat, lat)),
+            positions: self.positions,
+            slots: self.slots,
+            inv_freq: self.inv_freq,
+            attn_factor: cfg.rope_attention_factor() as f32,
+            eps: cfg.rms_norm_eps as f32,
+            cache: self.cache,
+            absorb: absorb_kv_b.map(|kv_b| AbsorbQ {
+                kv_b,
+                v_dim: cfg.v_head_dim,
+                q_abs: self.q_abs,
+                row_stride: heads * lat,
+                head_stride: lat,
+            }),
+        }
+    }
 }

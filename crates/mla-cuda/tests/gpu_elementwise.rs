@@ -1,0 +1,108 @@
+//! Elementwise kernels against the CPU reference: embedding, the RMS norms (f32 residual, fused
+//! add, strided bf16 rows), SiLU·mul, and the normal fill used for dummy weights.
+//!
+//! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_elementwise -- --ignored`.
+
+mod common;
+
+use common::*;
+use half::bf16;
+use mla_cpu::rms_norm;
+use mla_cuda::gpu::DeviceBuffer;
+use mla_cuda::ops::*;
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn norms_embedding_and_silu_match_the_cpu_reference() {
+    let dev = device();
+    let (s, k) = (dev.stream(), &dev.k);
+    let mut rng = Rng::new(1);
+    let (rows, hidden, vocab, eps) = (37, 2048, 1000, 1e-6f32);
+    let table = round(&rng.uniform(vocab * hidden, 1.0));
+    let ids: Vec<i32> = (0..rows).map(|_| rng.below(vocab) as i32).collect();
+    let w: Vec<f32> = round(&rng.uniform(hidden, 0.3).iter().map(|x| 1.0 + x).collect::<Vec<_>>());
+    let (d_table, d_ids, d_w) = (up_bf16(&table), up(&ids), up_bf16(&w));
+    let residual = DeviceBuffer::<f32>::alloc(rows * hidden).unwrap();
+    let out = DeviceBuffer::<bf16>::alloc(rows * hidden).unwrap();
+    k.embedding(s, d_table.slice(), vocab, d_ids.slice(), residual.slice(), rows, hidden).unwrap();
+    k.rmsnorm_f32(s, residual.slice(), d_w.slice(), out.slice(), rows, hidden, eps).unwrap();
+    dev.gpu.sync().unwrap();
+    let res = down(residual.slice());
+    for (r, &id) in ids.iter().enumerate() {
+        assert_eq!(
+            &res[r * hidden..(r + 1) * hidden],
+            &table[id as usize * hidden..(id as usize + 1) * hidden],
+            "embedding row {r}"
+        );
+    }
+    let want: Vec<f32> = res.chunks(hidden).flat_map(|x| rms_norm(x, &w, eps)).collect();
+    let e = rel_l2(&down_bf16(out.slice()), &want);
+    assert!(e < 6e-3, "rmsnorm rel err {e}");
+
+    // residual += delta, then norm.
+    let delta = round(&rng.uniform(rows * hidden, 2.0));
+    let d_delta = up_bf16(&delta);
+    k.add_rmsnorm(s, residual.slice(), d_delta.slice(), d_w.slice(), out.slice(), rows, hidden, eps).unwrap();
+    dev.gpu.sync().unwrap();
+    let res2 = down(residual.slice());
+    let sum: Vec<f32> = res.iter().zip(&delta).map(|(a, b)| a + b).collect();
+    assert!(max_abs(&res2, &sum) < 1e-5);
+    let want: Vec<f32> = sum.chunks(hidden).flat_map(|x| rms_norm(x, &w, eps)).collect();
+    let e = rel_l2(&down_bf16(out.slice()), &want);
+    assert!(e < 6e-3, "add_rmsnorm rel err {e}");
+
+    // Strided bf16 rows (q_a_layernorm), width 512 at stride 600.
+    let (n, stride) = (512, 600);
+    let x = round(&rng.uniform(rows * stride, 3.0));
+    let w2 = round(&rng.uniform(n, 1.0));
+    let (d_x, d_w2) = (up_bf16(&x), up_bf16(&w2));
+    let o2 = DeviceBuffer::<bf16>::alloc(rows * n).unwrap();
+    k.rmsnorm_bf16(s, d_x.slice(), stride, d_w2.slice(), o2.slice(), n, rows, n, eps).unwrap();
+    dev.gpu.sync().unwrap();
+    let want: Vec<f32> = (0..rows).flat_map(|r| rms_norm(&x[r * stride..r * stride + n], &w2, eps)).collect();
+    let e = rel_l2(&down_bf16(o2.slice()), &want);
+    assert!(e < 6e-3, "strided rmsnorm rel err {e}");
+
+    // SiLU·mul over [gate | up] rows.
+    let inter = 1408;
+    let gu = round(&rng.uniform(rows * 2 * inter, 4.0));
+    let d_gu = up_bf16(&gu);
+    let act = DeviceBuffer::<bf16>::alloc(rows * inter).unwrap();
+    k.silu_mul(s, d_gu.slice(), act.slice(), rows, inter).unwrap();
+    dev.gpu.sync().unwrap();
+    let want: Vec<f32> = (0..rows * inter)
+        .map(|i| {
+            let (r, j) = (i / inter, i % inter);
+            let g = gu[r * 2 * inter + j];
+            g / (1.0 + (-g).exp()) * gu[r * 2 * inter + inter + j]
+        })
+        .collect();
+    let e = rel_l2(&down_bf16(act.slice()), &want);
+    assert!(e < 8e-3, "silu_mul rel err {e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn device_dummy_weights_follow_the_requested_normal() {
+    let dev = device();
+    let n = 1 << 22;
+    let a = DeviceBuffer::<bf16>::alloc(n).unwrap();
+    let b = DeviceBuffer::<f32>::alloc(n).unwrap();
+    dev.k.fill_normal_bf16(dev.stream(), a.slice(), Normal { mean: 1.0, std: 0.1, seed: 5 }).unwrap();
+    dev.k.fill_normal_f32(dev.stream(), b.slice(), Normal { mean: 0.0, std: 0.02, seed: 6 }).unwrap();
+    dev.gpu.sync().unwrap();
+    for (v, mean, std) in [(down_bf16(a.slice()), 1.0, 0.1), (down(b.slice()), 0.0, 0.02)] {
+        let m = v.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+        let sd = (v.iter().map(|&x| (x as f64 - m).powi(2)).sum::<f64>() / n as f64).sqrt();
+        // Standard errors at 4M samples are ~5e-4 of std; bf16 rounding adds < 0.4%.
+        assert!((m - mean).abs() < 0.01 * std && (sd / std - 1.0).abs() < 0.01, "mean {m} std {sd}, want {mean} {std}");
+        let tail = v.iter().filter(|&&x| ((x as f64 - mean) / std).abs() > 3.0).count() as f64 / n as f64;
+        assert!((tail - 0.0027).abs() < 0.0005, "3-sigma tail fraction {tail}");
+    }
+    // Another seed draws other values.
+    let c = DeviceBuffer::<bf16>::alloc(n).unwrap();
+    dev.k.fill_normal_bf16(dev.stream(), c.slice(), Normal { mean: 1.0, std: 0.1, seed: 7 }).unwrap();
+    dev.gpu.sync().unwrap();
+    let same = down_bf16(a.slice()).iter().zip(down_bf16(c.slice())).filter(|(x, y)| *x == y).count();
+    assert!(same < n / 10, "{same} equal values across seeds");
+}
