@@ -45,7 +45,7 @@ port=8123
   --port $port --max-num-seqs 64 --gpu-memory-utilization 0.5 > /tmp/mla-serve-gpu.log 2>&1 &
 server=$!
 for _ in $(seq 180); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
-python3 crates/mla-cuda/tests/gpu_http_check.py "http://127.0.0.1:$port" 48 || status=1
+python3 scripts/gpu_http_check.py "http://127.0.0.1:$port" 48 || status=1
 kill -INT $server; wait $server || status=1
 grep -E "KV cache|device|CUDA graphs" /tmp/mla-serve-gpu.log | head -5
 exit $status
