@@ -1,5 +1,6 @@
 //! `mla-bench`: the project's benchmark tool.
-//! - `kernels`: decode and prefill attention micro-benchmarks on the GPU.
+//! - `kernels`: micro-benchmarks of the CUDA kernels (attention, MoE experts) and of one decode
+//!   step, on the GPU.
 //! - `engine`: the real engine + CUDA backend offline (no HTTP): prefill and decode throughput.
 //! - `host`: the host work between decode steps on the CPU alone (real engine, instant backend).
 //! - `profile`: eager steps between cuProfilerStart/Stop, for a per-kernel breakdown under ncu.
@@ -30,13 +31,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Attention kernel micro-benchmarks (decode B=1/32/128/256 ctx 4096; prefill 4x4096).
+    /// CUDA kernel micro-benchmarks on the DeepSeek-V2-Lite shape, timed with CUDA events.
     Kernels {
-        /// The mla-cuda benchmark binary (default: `mla_cuda_bench` beside this one).
-        #[arg(long)]
-        bench_bin: Option<PathBuf>,
-        #[arg(long, default_value = "decode_attention,prefill_attention")]
-        only: String,
+        /// Benchmarks to run, comma separated (they run in the order listed below).
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "decode_attention,prefill_attention")]
+        only: Vec<kernels::Bench>,
+        /// Model config of the decode_step benchmark (dummy weights of this shape).
+        #[arg(long, default_value = "configs/deepseek-v2-lite.json")]
+        config: PathBuf,
+        /// Where to write the JSON report.
         #[arg(long)]
         out: Option<PathBuf>,
     },
@@ -172,9 +175,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().cmd {
-        Cmd::Kernels { bench_bin, only, out } => {
-            kernels::run(&bench_bin.unwrap_or_else(kernels::default_bench_bin), out.as_deref(), &only)
-        }
+        Cmd::Kernels { only, config, out } => kernels::run(&only, &config, out.as_deref()),
         Cmd::Engine {
             config,
             gpu_memory_utilization,
