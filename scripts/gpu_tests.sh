@@ -2,7 +2,8 @@
 # Runs every GPU test on a machine with an NVIDIA Hopper GPU, from binaries built elsewhere
 # (the GPU machine needs no Rust toolchain). Build them with `scripts/gpu_tests.sh --build DIR`
 # on a machine with cargo (it installs nvcc from PyPI when needed), copy DIR next to a checkout
-# of the same commit on the GPU machine, then run `scripts/gpu_tests.sh DIR` there.
+# of the same commit on the GPU machine, then run `scripts/gpu_tests.sh DIR` there. DIR also
+# gets mla-bench, so it holds all that `scripts/gpu_run.sh` needs.
 #
 # Runs: the mla-cuda GPU test binaries (kernels vs the CPU reference, HF fixture parity, graphs,
 # GEMV), the HF-fixture end-to-end test through the real server on --device cuda, and a
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--build" ]]; then
   out="${2:?usage: scripts/gpu_tests.sh --build DIR}"
   export NVCC="$(scripts/install_nvcc.sh)" MLA_REQUIRE_NVCC=1
-  cargo build --release --locked -p mla-serve
+  cargo build --release --locked -p mla-serve -p mla-bench
   mkdir -p "$out"
   cargo test --release --locked -p mla-cuda --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
@@ -22,7 +23,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("gpu_"):
         print(m["executable"])' \
     | while read -r exe; do cp "$exe" "$out/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
-  cp target/release/mla-serve "$out/"
+  cp "${CARGO_TARGET_DIR:-target}/release/mla-serve" "${CARGO_TARGET_DIR:-target}/release/mla-bench" "$out/"
   strip "$out"/*
   ls -la "$out"
   exit 0
@@ -45,7 +46,7 @@ port=8123
   --port $port --max-num-seqs 64 --gpu-memory-utilization 0.5 > /tmp/mla-serve-gpu.log 2>&1 &
 server=$!
 for _ in $(seq 180); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
-python3 crates/mla-cuda/tests/gpu_http_check.py "http://127.0.0.1:$port" 48 || status=1
+python3 scripts/gpu_http_check.py "http://127.0.0.1:$port" 48 || status=1
 kill -INT $server; wait $server || status=1
 grep -E "KV cache|device|CUDA graphs" /tmp/mla-serve-gpu.log | head -5
 exit $status

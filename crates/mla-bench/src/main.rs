@@ -1,13 +1,16 @@
 //! `mla-bench`: the project's benchmark tool.
-//! - `kernels`: decode and prefill attention micro-benchmarks on the GPU.
+//! - `kernels`: micro-benchmarks of the CUDA kernels (attention, MoE experts) and of one decode
+//!   step, on the GPU.
 //! - `engine`: the real engine + CUDA backend offline (no HTTP): prefill and decode throughput.
 //! - `host`: the host work between decode steps on the CPU alone (real engine, instant backend).
+//! - `profile`: eager steps between cuProfilerStart/Stop, for a per-kernel breakdown under ncu.
 //! - `serve`: a load generator against any OpenAI-compatible server, with `vllm bench serve`'s
 //!   metric definitions, as a table and as JSON.
 //!
 //! Every JSON result carries the GPU, the UTC date, the commit (`MLA_GIT_COMMIT`) and the command.
 
 mod dataset;
+mod dummy_model;
 mod engine_bench;
 mod host_bench;
 mod kernels;
@@ -28,13 +31,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Attention kernel micro-benchmarks (decode B=1/32/128/256 ctx 4096; prefill 4x4096).
+    /// CUDA kernel micro-benchmarks on the DeepSeek-V2-Lite shape, timed with CUDA events.
     Kernels {
-        /// The mla-cuda benchmark binary (default: `mla_cuda_bench` beside this one).
-        #[arg(long)]
-        bench_bin: Option<PathBuf>,
-        #[arg(long, default_value = "decode_attention,prefill_attention")]
-        only: String,
+        /// Benchmarks to run, comma separated (they run in the order listed below).
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "decode_attention,prefill_attention")]
+        only: Vec<kernels::Bench>,
+        /// Model config of the decode_step benchmark (dummy weights of this shape).
+        #[arg(long, default_value = "configs/deepseek-v2-lite.json")]
+        config: PathBuf,
+        /// Where to write the JSON report.
         #[arg(long)]
         out: Option<PathBuf>,
     },
@@ -100,15 +105,19 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// One eager decode step and one prefill step between cuProfilerStart/Stop (run under ncu
-    /// with --profile-from-start off for a per-kernel breakdown).
+    /// Eager decode steps and one prefill step between cuProfilerStart/Stop (run under ncu with
+    /// --profile-from-start off for a per-kernel breakdown).
     Profile {
+        /// Model config (dummy weights of this shape).
         #[arg(long, default_value = "configs/deepseek-v2-lite.json")]
         config: PathBuf,
-        #[arg(long, default_value_t = 256)]
-        batch: usize,
+        /// Batch sizes, comma separated: one decode step each, in this order.
+        #[arg(long, value_delimiter = ',', default_value = "256")]
+        batch: Vec<usize>,
+        /// Context of every decode sequence (random latents stand in for it).
         #[arg(long, default_value_t = 4096)]
         context: usize,
+        /// Prompt length of the prefill step (0: no prefill step).
         #[arg(long, default_value_t = 4096)]
         prefill_len: usize,
     },
@@ -166,9 +175,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().cmd {
-        Cmd::Kernels { bench_bin, only, out } => {
-            kernels::run(&bench_bin.unwrap_or_else(kernels::default_bench_bin), out.as_deref(), &only)
-        }
+        Cmd::Kernels { only, config, out } => kernels::run(&only, &config, out.as_deref()),
         Cmd::Engine {
             config,
             gpu_memory_utilization,
@@ -242,7 +249,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
             report::write(out.as_deref(), &v)
         }
-        Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, batch, context, prefill_len),
+        Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, &batch, context, prefill_len),
         Cmd::Serve {
             base_url,
             model,

@@ -2,7 +2,7 @@
 # Used in H200 run 2 (docs/cuda-notes.md):
 #   mla-serve --model deepseek-v2-lite --load-format dummy --device cuda --tokenizer assets/demo \
 #       --port 8123 --max-num-seqs 64 --gpu-memory-utilization 0.5 &
-#   python3 crates/mla-cuda/tests/gpu_http_check.py http://127.0.0.1:8123 48
+#   python3 scripts/gpu_http_check.py http://127.0.0.1:8123 48
 import json, sys, threading, time, urllib.request
 
 base = sys.argv[1]

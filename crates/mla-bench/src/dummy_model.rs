@@ -1,0 +1,40 @@
+//! A model with dummy weights whose latent cache is filled with random values, and decode steps
+//! over it: a cache of random latents stands in for the prefilled context of every sequence, so
+//! decode can be measured (or profiled) at any context without prefilling the batch first.
+
+use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
+use mla_core::{ModelConfig, SamplingParams};
+use mla_cuda::model::{CudaModel, DeviceWeights, ModelOptions};
+use mla_cuda::ops::Normal;
+use mla_cuda::Device;
+
+/// `CudaModel::new` over weights drawn on the device, with the whole cache drawn from N(0, 1).
+pub fn build(dev: &Device, cfg: &ModelConfig, opts: &ModelOptions) -> anyhow::Result<CudaModel> {
+    let weights = DeviceWeights::dummy(cfg, &dev.k, dev.stream(), 11)?;
+    let model = CudaModel::new(dev, cfg.clone(), weights, opts)?;
+    dev.k.fill_normal_bf16(dev.stream(), model.cache.slice(), Normal { mean: 0.0, std: 1.0, seed: 12 })?;
+    dev.gpu.sync()?;
+    Ok(model)
+}
+
+/// Decode step `j` of `batch` greedy sequences at `context_len`: sequence `i` owns blocks
+/// `i * blocks_per_seq ..` and feeds a token that changes with `i` and `j`.
+pub fn decode_plan(batch: usize, context_len: usize, blocks_per_seq: usize, j: usize, vocab: usize) -> StepPlan {
+    StepPlan {
+        kind: StepKind::Decode,
+        seqs: (0..batch)
+            .map(|i| SeqStep {
+                seq_id: i as u64,
+                tokens: vec![((17 * i + j) % vocab) as u32],
+                context_len,
+                block_table: ((i * blocks_per_seq) as u32..((i + 1) * blocks_per_seq) as u32).collect(),
+                logits: LogitsRequest::None,
+                sample: Some(greedy(i as u64)),
+            })
+            .collect(),
+    }
+}
+
+pub fn greedy(seed: u64) -> SampleRequest {
+    SampleRequest { params: SamplingParams::greedy(), seed, top_logprobs: None, penalty: None }
+}

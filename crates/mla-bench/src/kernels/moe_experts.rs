@@ -1,0 +1,132 @@
+//! The routed-expert GEMMs of V2-Lite (hidden 2048, moe_intermediate 1408, 64 experts, top-6):
+//! gate/up GEMM with SiLU·mul, then down, over the device tile map, at 4096 tokens (prefill) and
+//! 256 (decode at B=256), for every tile height and wgmma schedule this GPU has: TFLOP/s and
+//! expert-weight bandwidth, outputs cross-checked.
+
+use super::timing::{download_f32, fill, rel_diff, time_ms};
+use half::bf16;
+use mla_cuda::gpu::DeviceBuffer;
+use mla_cuda::ops::{MoeRouting, Sm90Schedule, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
+use mla_cuda::Device;
+use serde_json::{json, Value};
+
+const HIDDEN: usize = 2048;
+const INTERMEDIATE: usize = 1408;
+const EXPERTS: usize = 64;
+const TOP_K: usize = 6;
+
+pub fn run(dev: &Device) -> anyhow::Result<Value> {
+    let (h, im, e, top) = (HIDDEN, INTERMEDIATE, EXPERTS, TOP_K);
+    let (s, k) = (dev.stream(), &dev.k);
+    let w_gu = fill(dev, e * 2 * im * h, 0.02, 11)?;
+    let w_down = fill(dev, e * h * im, 0.02, 12)?;
+    let weight_bytes = ((e * 2 * im * h + e * h * im) * 2) as f64;
+    let mut rows = vec![];
+    for tokens in [4096usize, 256] {
+        let a = tokens * top;
+        let ids = random_routing(tokens);
+        let i32s = |n: usize| DeviceBuffer::<i32>::alloc(n);
+        let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
+        let (d_ids, off, perm, inv, te, tr0, trs, nt) = (
+            DeviceBuffer::from_host(&ids)?,
+            i32s(e + 1)?,
+            i32s(a)?,
+            i32s(a)?,
+            i32s(tiles)?,
+            i32s(tiles)?,
+            i32s(tiles)?,
+            i32s(1)?,
+        );
+        let w = DeviceBuffer::<f32>::alloc(a)?;
+        let x = fill(dev, a * h, 1.0, 13)?;
+        let gu = DeviceBuffer::<bf16>::alloc(a * 2 * im)?;
+        let act = DeviceBuffer::<bf16>::alloc(a * im)?;
+        let y = DeviceBuffer::<bf16>::alloc(a * h)?;
+        let mut variants = vec![(GROUPED_TILE_M, Sm90Schedule::ALL[0])];
+        if k.moe_wgmma {
+            variants.extend(Sm90Schedule::ALL.map(|sc| (GROUPED_TILE_M_SM90, sc)));
+        }
+        let default_tile = k.moe_tile_m(tokens, top, e);
+        let flops = 2.0 * a as f64 * (2 * im * h + h * im) as f64;
+        let mut outputs: Vec<Vec<f32>> = vec![];
+        for (tile_m, sched) in variants {
+            let r = MoeRouting {
+                tokens,
+                tile_m,
+                experts: e,
+                top_k: top,
+                topk_ids: d_ids.slice(),
+                topk_w: w.slice(),
+                expert_off: off.slice(),
+                perm_src: perm.slice(),
+                inv_row: inv.slice(),
+                tile_expert: te.slice(),
+                tile_row0: tr0.slice(),
+                tile_rows: trs.slice(),
+                num_tiles: nt.slice(),
+            };
+            k.moe_align(s, &r)?;
+            dev.gpu.sync()?;
+            // NaN everywhere, so that a row the GEMMs fail to write shows in the cross-check.
+            y.upload(&vec![bf16::NAN; a * h])?;
+            let wgmma = tile_m == GROUPED_TILE_M_SM90;
+            let default = tile_m == default_tile && (!wgmma || sched == k.moe_sm90_schedule(&r));
+            let gate_up_ms = time_ms(dev, 5, 9, |_| {
+                k.moe_gate_up_act_with(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r, sched)
+            })?;
+            let down_ms = time_ms(dev, 5, 9, |_| {
+                k.moe_grouped_gemm_with(s, act.slice(), w_down.slice(), y.slice(), h, im, &r, sched)
+            })?;
+            let ms = gate_up_ms + down_ms;
+            let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);
+            let schedule = if wgmma {
+                let how = if sched.persistent { "persistent" } else { "one block per item" };
+                format!(", items of {} rows, {how}", sched.item_rows)
+            } else {
+                String::new()
+            };
+            println!(
+                "MoE experts {tokens} tokens, tiles of {tile_m}{schedule}{}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s",
+                if default { " (default)" } else { "" }
+            );
+            outputs.push(download_f32(dev, &y)?);
+            rows.push(json!({
+                "tokens": tokens, "assignments": a, "tile_m": tile_m,
+                "wgmma_item_rows": if wgmma { sched.item_rows } else { 0 },
+                "wgmma_persistent": wgmma && sched.persistent, "default": default,
+                "gate_up_silu_ms": gate_up_ms, "down_ms": down_ms, "time_ms": ms, "flops": flops, "TFLOPs": tflops,
+                "expert_weight_bytes": weight_bytes, "weight_TBps": tbps,
+            }));
+        }
+        // Every variant computes the same function (the CPU-reference checks are in mla-cuda's
+        // tests/gpu_kernels.rs).
+        for other in &outputs[1..] {
+            let (rel, finite) = rel_diff(&outputs[0], other);
+            println!("MoE experts {tokens} tokens: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");
+            anyhow::ensure!(finite && rel < 1e-2, "grouped GEMM variants disagree: rel {rel}, finite {finite}");
+        }
+    }
+    Ok(json!({
+        "shape": "deepseek-v2-lite routed experts: hidden 2048, moe_intermediate 1408, 64 experts, top-6, uniform random routing",
+        "rows": rows,
+    }))
+}
+
+/// `TOP_K` distinct experts per token, uniform over `EXPERTS`, from a fixed LCG seeded by the
+/// token count (so every run routes alike).
+fn random_routing(tokens: usize) -> Vec<i32> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ tokens as u64;
+    let mut ids = Vec::with_capacity(tokens * TOP_K);
+    for _ in 0..tokens {
+        let mut chosen: Vec<i32> = vec![];
+        while chosen.len() < TOP_K {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let x = ((state >> 33) % EXPERTS as u64) as i32;
+            if !chosen.contains(&x) {
+                chosen.push(x);
+            }
+        }
+        ids.extend(chosen);
+    }
+    ids
+}
