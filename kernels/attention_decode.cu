@@ -9,24 +9,31 @@
 #include "common.cuh"
 
 namespace {
-constexpr int DL = 512, DP = 64, D = DL + DP, PAGE = 64, HT = 16;
+constexpr int DL = LATENT, DP = ROPE, D = DL + DP, PAGE = PAGE_SIZE, HT = DECODE_HEAD_TILE;
 constexpr int KV_STRIDE = D + 8;  // 1168 bytes per row: conflict-free fragment and ldmatrix loads
 constexpr int P_STRIDE = PAGE + 8;
 constexpr int KSTEPS = D / 16;         // 36
 constexpr int KEY_GROUPS = PAGE / 16;  // softmax and P: warp w handles keys [16 (w % 4), +16)
+// The dynamic shared memory of the layout below, as the Rust wrapper asks for it (dims.cuh).
+constexpr int smem_bytes(int nwarps) {
+    return (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * nwarps * HT * 4 +
+        nwarps * (nwarps == 4 ? 8 : 2) * 32 * 16;
+}
+static_assert(smem_bytes(4) == DECODE_SMEM_BYTES_4W && smem_bytes(8) == DECODE_SMEM_BYTES_8W,
+              "decode attention: dims.cuh's shared-memory sizes differ from the kernel's layout");
 }  // namespace
 
 // Two kernels share this body (NWARPS = 4 or 8); both keep Q's fragments in registers for the
 // whole block (no re-reads of Q from shared memory per page), so each K element is read from
 // shared memory once per page.
 //
-// Four warps (mla_decode_attention_qregs, batches 2-31 and over 64): QK^T is split over the 576 dims only:
+// Four warps (mla_decode_attention_4w, batches 2-31 and over 64): QK^T is split over the 576 dims only:
 // warp w holds the k-steps [9w, 9w + 9), computes those dims' partial S for all 64 keys (8
 // independent chains 9 deep), and the four partials of each key are summed through 32 KB of
 // shared memory; row sums are reduced per page. This beat one chain per key tile over all 576
-// dims by 6-9% in run D4 (docs/cuda-notes.md).
+// dims by 6-9% in run D4 (docs/runs/2026-11-22.md).
 //
-// Eight warps (mla_decode_attention_w8, batch 1 and 32-64): two warps per SM sub-partition, so one
+// Eight warps (mla_decode_attention_8w, batch 1 and 32-64): two warps per SM sub-partition, so one
 // warp's mma, shared-memory and barrier latencies overlap the other's. QK^T over 2 dim halves
 // (18 k-steps, 72 registers of Q) x 4 key groups of 16 keys; the two warps of a key group sum their
 // partial S through 8 KB (each writes its half, reads the other's; a + b in both, so both hold the
@@ -34,7 +41,7 @@ constexpr int KEY_GROUPS = PAGE / 16;  // softmax and P: warp w handles keys [16
 // P. The row sums stay per lane and are reduced once at the end (the rescale factor is the same in
 // every warp), one barrier less per page. P V: each warp owns 64 of the 512 output dims. Against
 // four warps: batch 1 -1%, 32-64 -2-3%, 2-16 +1-7%, 128-256 either way by machine, where both are
-// bound by DRAM (runs E1-E4, T1, S1-S3 in docs/cuda-notes.md; Rust's DecodeKernel::for_batch).
+// bound by DRAM (runs E1-E4, T1, S1-S3 in docs/runs/2026-11-22.md; Rust's DecodeKernel::for_batch).
 //
 // Dynamic shared memory (the Rust wrapper computes the same): Q tile + two KV pages + P tile,
 // row max/sum scratch, the partial-S exchange:
@@ -339,11 +346,11 @@ __device__ __forceinline__ void decode_attention_body(
     q, q_stride, cache, block_tables, bt_stride_ptr, seq_lens, heads, scale_log2, num_splits, out, part_o, part_lse
 
 // The two decode attention kernels (see above), on every GPU (sm_90a cubin and compute_80 PTX).
-extern "C" __global__ void __launch_bounds__(128) mla_decode_attention_qregs(MLA_DECODE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(128) mla_decode_attention_4w(MLA_DECODE_PARAMS) {
     PDL_ENTRY();
     decode_attention_body<4>(MLA_DECODE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) mla_decode_attention_w8(MLA_DECODE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) mla_decode_attention_8w(MLA_DECODE_PARAMS) {
     PDL_ENTRY();
     decode_attention_body<8>(MLA_DECODE_ARGS);
 }
@@ -406,8 +413,9 @@ extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, 
 // dims (DQ / 16 m16n8k16 row tiles x four k-steps, tokens as the n = 8 columns), and the eight
 // partial products are summed in warp order. The blocks of a head merge the same o_lat (from L2).
 namespace absorb {
-constexpr int MAXB = 4, DQ = 32, MT = DQ / 16, NWARPS = 8, KS = DL / 16 / NWARPS;  // KS = 4 k-steps per warp
-constexpr int STRIDE = DL + 8;                                                     // bf16 rows; conflict-free fragments
+constexpr int MAXB = COMBINE_ABSORB_MAX_BATCH, DQ = COMBINE_ABSORB_DIMS, MT = DQ / 16, NWARPS = 8,
+              KS = DL / 16 / NWARPS;  // KS = 4 k-steps per warp
+constexpr int STRIDE = DL + 8;        // bf16 rows; conflict-free fragments
 
 // acc[b] (latent dims c, c + 1 of token b) = sum over the splits in order of w[b][s] o_s, NB tokens,
 // 32 / NB splits per token in flight.

@@ -10,13 +10,16 @@
 #include "common.cuh"
 
 namespace {
-constexpr int NOPE = 128, PE = 64, DQK = NOPE + PE, DV = 128;
+constexpr int PE = ROPE, DQK = NOPE + PE, DV = V_HEAD;
 constexpr int BM = 64, BN = 64, NWARPS = 4, NTHREADS = NWARPS * 32;
 constexpr int QK_STRIDE = DQK + 8;  // +16 bytes per row: conflict-free 32-bit fragment loads
 constexpr int V_STRIDE = DV + 8;
 constexpr int KSTEPS = DQK / 16;  // 12
 constexpr int S_NTILES = BN / 8;  // 8
 constexpr int O_NTILES = DV / 8;  // 16
+static_assert((BM * QK_STRIDE + 2 * BN * QK_STRIDE + 2 * BN * V_STRIDE) * 2 == PREFILL_SMEM_BYTES,
+              "prefill attention: dims.cuh's shared-memory size differs from the kernel's layout");
+static_assert(2 * BM == PREFILL_TILE_Q, "two blocks of this kernel cover one tile-map entry");
 }  // namespace
 
 // Dynamic shared memory (the Rust wrapper computes the same): (BM * QK_STRIDE + 2 * BN * QK_STRIDE + 2 * BN * V_STRIDE) * 2

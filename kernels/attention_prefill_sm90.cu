@@ -19,8 +19,7 @@
 // diagonal or the window end (a tile with no visible key for a row gives p = 0 and alpha = 1).
 // This replaced a lockstep kernel (all 256 threads loading, one block barrier per key tile, each
 // warpgroup's softmax with the tensor cores idle): 4x4096 causal 307 -> 604 TFLOP/s on the H200
-// (docs/cuda-notes.md, "Prefill attention, warp-specialised"). The name `_sync` and PrefillKernel::WgmmaLockstep are that
-// kernel's.
+// (docs/runs/2026-11-22.md, "Prefill attention, warp-specialised").
 //
 // Shared memory: Q [128 x 192] + 2 x K [128 x 192] + 2 x V [128 x 128] bf16 = 208 KB, each operand
 // stored as 64-column blocks of [rows x 128 bytes] with 16-byte chunk j of row r at j ^ (r % 8)
@@ -33,9 +32,12 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // (Only the sm_90a pass uses these; the compute_80 PTX pass builds empty kernels.)
 namespace {
-constexpr int NOPE = 128, DQK = 192, DV = 128;
+constexpr int DQK = NOPE + ROPE, DV = V_HEAD;
 constexpr int BM = 128, BN = 128;
 constexpr uint32_t Q_BYTES = BM * DQK * 2, K_BYTES = BN * DQK * 2, V_BYTES = BN * DV * 2;
+static_assert(Q_BYTES + 2 * (K_BYTES + V_BYTES) + 2048 == PREFILL_SM90_SMEM_BYTES,
+              "wgmma prefill attention: dims.cuh's shared-memory size differs from the kernel's layout");
+static_assert(BM == PREFILL_TILE_Q, "one block of this kernel covers one tile-map entry");
 }  // namespace
 
 // 2^x on the special-function unit alone: exp2f adds range fix-ups (4-5 instructions) that a
@@ -53,16 +55,18 @@ enum : int { PASS_LOAD_STATE = 1, PASS_FINAL = 2 };
 // Grid: (tiles, heads), 384 threads. The tile map lists the heaviest tiles first, so each head
 // starts with its longest tiles, and the blocks in flight together share a few heads' keys and
 // values in L2.
-extern "C" __global__ void __launch_bounds__(384, 1) mla_prefill_attention_sm90_sync(
-    const bf16* __restrict__ q, int q_stride,      // [Tq, H * 192], per head [q_nope | q_pe(roped)]
-    const bf16* __restrict__ kv, int kv_stride,    // [Tk, H * 256], per head [k_nope | v]
-    const bf16* __restrict__ kpe, int kpe_stride,  // [Tk, 64] (latent rows offset to k_pe)
-    bf16* __restrict__ out, int out_stride,        // [Tq, H * 128]
-    float* __restrict__ state_o,                   // [Tq, H, 128] running output (multi-pass)
-    float* __restrict__ state_ml,                  // [Tq, H, 2] running max (log2 units) and sum
-    const int* __restrict__ tile_seq, const int* __restrict__ tile_q0, const int* __restrict__ cu_q,
-    const int* __restrict__ q_pos0, const int* __restrict__ k_row0, const int* __restrict__ k_pos0,
-    const int* __restrict__ k_len, int heads, float scale_log2, int flags) {
+extern "C" __global__ void __launch_bounds__(384, 1)
+    mla_prefill_attention_sm90(const bf16* __restrict__ q,
+                               int q_stride,  // [Tq, H * 192], per head [q_nope | q_pe(roped)]
+                               const bf16* __restrict__ kv, int kv_stride,    // [Tk, H * 256], per head [k_nope | v]
+                               const bf16* __restrict__ kpe, int kpe_stride,  // [Tk, 64] (latent rows offset to k_pe)
+                               bf16* __restrict__ out, int out_stride,        // [Tq, H * 128]
+                               float* __restrict__ state_o,   // [Tq, H, 128] running output (multi-pass)
+                               float* __restrict__ state_ml,  // [Tq, H, 2] running max (log2 units) and sum
+                               const int* __restrict__ tile_seq, const int* __restrict__ tile_q0,
+                               const int* __restrict__ cu_q, const int* __restrict__ q_pos0,
+                               const int* __restrict__ k_row0, const int* __restrict__ k_pos0,
+                               const int* __restrict__ k_len, int heads, float scale_log2, int flags) {
     PDL_ENTRY();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) unsigned char smem_raw[];

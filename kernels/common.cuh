@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "dims.cuh"
+
 typedef __nv_bfloat16 bf16;
 
 #define DEVICE_INLINE __device__ __forceinline__

@@ -146,3 +146,18 @@ extern "C" __global__ void fill_normal_f32(float* __restrict__ out, long long n,
         out[i] = mean + std * (float)z;
     }
 }
+
+// out[i, :] = x[idx[i], :] for `rows` rows of `width` bf16 values (width % 8 == 0), 16 bytes per
+// thread and step: latent rows of the cache by slot (prefill), token rows by routed assignment
+// (MoE experts), hidden rows by logits request (output head).
+extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __restrict__ idx, bf16* __restrict__ out,
+                                       int rows, int width) {
+    PDL_ENTRY();
+    const int vec = width / 8;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)rows * vec;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / vec, v = i - r * vec;
+        reinterpret_cast<uint4*>(out + (size_t)r * width)[v] =
+            reinterpret_cast<const uint4*>(x + (size_t)idx[r] * width)[v];
+    }
+}

@@ -12,7 +12,8 @@
 #include "common.cuh"
 
 namespace {
-constexpr int MAXM = 4, ROWS = 2, UNROLL = 8, WARPS = 4;
+constexpr int MAXM = GEMV_KERNEL_MAX_ROWS, ROWS = 2, UNROLL = 8, WARPS = 4;
+static_assert(WARPS * ROWS == GEMV_ROWS_PER_BLOCK, "gemv: dims.cuh's rows per block differ from the kernel's");
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

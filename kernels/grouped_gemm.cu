@@ -110,11 +110,11 @@ __device__ __forceinline__ void grouped_gemm(const bf16* __restrict__ A, const b
 // Tiles of 64 rows x 128 columns (prefill).
 extern "C" __global__ void __launch_bounds__(128) moe_grouped_gemm(GROUPED_GEMM_ARGS) {
     PDL_ENTRY();
-    grouped_gemm<64, 128, 32, 32, 64, 3>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles);
+    grouped_gemm<GROUPED_TILE_M, 128, 32, 32, 64, 3>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles);
 }
 
 // Tiles of 16 rows x 64 columns, 4 stages of 64-wide K slices (decode).
 extern "C" __global__ void __launch_bounds__(128) moe_grouped_gemm_small(GROUPED_GEMM_ARGS) {
     PDL_ENTRY();
-    grouped_gemm<16, 64, 64, 16, 16, 4>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles);
+    grouped_gemm<GROUPED_TILE_M_SMALL, 64, 64, 16, 16, 4>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles);
 }

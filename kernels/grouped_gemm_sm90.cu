@@ -37,7 +37,12 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace {
-constexpr int GG_BM = 128, GG_BK = 64;
+constexpr int GG_BM = GROUPED_TILE_M_SM90, GG_BK = 64;
+// Four stages of A + a 256-row W slice (or six of a 128-row one), the alignment slack, the ring's
+// mbarriers: what the Rust wrapper asks for (dims.cuh).
+static_assert(4 * (GG_BM + 256) * GG_BK * 2 + 1024 + 128 == GROUPED_SM90_SMEM_BYTES &&
+                  6 * (GG_BM + 128) * GG_BK * 2 <= 4 * (GG_BM + 256) * GG_BK * 2,
+              "wgmma grouped GEMM: dims.cuh's shared-memory size differs from the kernel's layout");
 }  // namespace
 
 // SILU == false: W is [E, N, K], C is [rows, N], item columns n0 = BN · column block.
@@ -204,19 +209,22 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* 
 #else
 #define GG_BODY(SILU, BN)
 #endif
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) {
+extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) {
     PDL_ENTRY();
     GG_BODY(false, 256);
 }
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) {
+extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1)
+    moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) {
     PDL_ENTRY();
     GG_BODY(true, 256);
 }
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
+extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1)
+    moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
     PDL_ENTRY();
     GG_BODY(false, 128);
 }
-extern "C" __global__ void __launch_bounds__(384, 1) moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
+extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1)
+    moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
     PDL_ENTRY();
     GG_BODY(true, 128);
 }

@@ -1,6 +1,7 @@
 // MLA latent-cache kernels: kv_a_layernorm + YaRN RoPE + the write of [c_kv ; k_pe] into the paged
-// cache through a slot mapping, fused with RoPE on every head's q_pe; and the gather of cached
-// latents into a contiguous buffer for the prefill (decompressed) path.
+// cache through a slot mapping, fused with RoPE on every head's q_pe (and, for small decode steps,
+// with the query absorption). The gather of cached latents for prefill is elementwise.cu's
+// gather_rows.
 #include "common.cuh"
 
 #define ROPE_CACHE_PARAMS                                                                                              \
@@ -84,7 +85,7 @@ extern "C" __global__ void mla_rope_cache(ROPE_CACHE_PARAMS) {
 // rope/cache block, which also puts the roped q_pe at q_pe_out (q_abs + R). Each warp of an
 // absorb block owns nope / 16 rows of W_UK[h] and every lane 16 of the R = 512 columns, loaded
 // into registers before the PDL wait (weights do not depend on the previous kernel).
-constexpr int ABSORB_THREADS = 512, ABSORB_WARPS = ABSORB_THREADS / 32, ABSORB_ROWS = 8;  // nope = 128
+constexpr int ABSORB_THREADS = ROPE_ABSORB_THREADS, ABSORB_WARPS = ABSORB_THREADS / 32, ABSORB_ROWS = 8;  // nope = 128
 extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
     mla_rope_absorb_q(ROPE_CACHE_PARAMS, const bf16* __restrict__ kv_b, int v_dim, bf16* __restrict__ q_abs,
                       int qa_stride, int qa_head_stride) {
@@ -129,17 +130,4 @@ extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
 #pragma unroll
     for (int k = 0; k < ABSORB_WARPS; ++k) sum += part[k][threadIdx.x];
     q_abs[(size_t)t * qa_stride + (size_t)h * qa_head_stride + threadIdx.x] = to_bf16(sum);
-}
-
-// out[i, :] = cache[slots[i], :], 16 bytes per thread step; width * 2 must be a multiple of 16.
-extern "C" __global__ void gather_latent(const bf16* __restrict__ cache, const int* __restrict__ slots,
-                                         bf16* __restrict__ out, int n, int width) {
-    PDL_ENTRY();
-    const int vec = width / 8;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < (long long)n * vec;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long i = idx / vec, v = idx - i * vec;
-        const uint4* s = reinterpret_cast<const uint4*>(cache + (size_t)slots[i] * width) + v;
-        reinterpret_cast<uint4*>(out + (size_t)i * width)[v] = *s;
-    }
 }

@@ -1,8 +1,8 @@
 // DeepSeekMoE routing and token regrouping on the device, so that a MoE layer needs no host round
 // trip: router top-k (softmax greedy / group-limited greedy, sigmoid noaux_tc with correction
 // bias, as HF transformers computes them), grouping of (token, slot) assignments by expert into
-// contiguous row ranges plus a tile map for the grouped GEMM, the gather of the grouped rows, and
-// the weighted combine.
+// contiguous row ranges plus a tile map for the grouped GEMM, and the weighted combine. The gather
+// of the grouped rows is elementwise.cu's gather_rows.
 #include "common.cuh"
 
 enum : int { ROUTE_GREEDY = 0, ROUTE_GROUP_LIMITED = 1, ROUTE_NOAUX_TC = 2 };
@@ -204,20 +204,6 @@ extern "C" __global__ void moe_align(const int* __restrict__ topk_ids, int assig
         inv_row[a] = row;
     }
 }
-
-// grouped[row, :] = x[perm_src[row], :], 16 bytes at a time (hidden % 8 == 0).
-extern "C" __global__ void moe_gather(const bf16* __restrict__ x, const int* __restrict__ perm_src,
-                                      bf16* __restrict__ grouped, int rows, int hidden) {
-    PDL_ENTRY();
-    const int vec = hidden / 8;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < (long long)rows * vec;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long r = idx / vec, v = idx - r * vec;
-        reinterpret_cast<uint4*>(grouped + r * hidden)[v] =
-            reinterpret_cast<const uint4*>(x + (size_t)perm_src[r] * hidden)[v];
-    }
-}
-
 // out[t, :] = sum_j w[t, j] * y[inv_row[t, j], :] (+ shared[t, :]), summed in f32. Grid
 // (tokens, hidden / 512), 256 threads of two values each; the token's rows and weights are read
 // once into shared memory so the top_k row loads are independent.

@@ -10,8 +10,8 @@
 #include "common.cuh"
 
 namespace {
-constexpr int WARPS = 4;  // warps per block of the router and gate/up kernels
-constexpr int U = 8;      // 16-byte chunks in flight per lane and row (a whole 2048-wide row: one round trip)
+constexpr int WARPS = MOE_GEMV_WARPS;  // warps per block of the router and gate/up kernels
+constexpr int U = 8;  // 16-byte chunks in flight per lane and row (a whole 2048-wide row: one round trip)
 
 // Kept apart from gemv.cu's bf16x8_to_f32 on purpose: routing this through that helper (same
 // arithmetic, same order) compiled to a B=1 decode step 5% slower on the H200 (2.32 -> 2.43 ms,

@@ -9,8 +9,6 @@
 // (seed, token id), so a seed gives the same token whatever the batch looks like.
 #include "common.cuh"
 
-constexpr int MAX_TOP_LOGPROBS = 20;
-
 struct __align__(8) SampleParams {
     float temperature;  // < 1e-5: greedy
     float top_p;        // 1: off
@@ -79,9 +77,10 @@ DEVICE_INLINE void for_row(const float* __restrict__ x, int n, F f) {
 extern "C" __global__ void __launch_bounds__(512)
     sample_tokens(const float* __restrict__ logits, long long logits_stride, int vocab,
                   const SampleParams* __restrict__ params,
-                  const int* __restrict__ pen,  // penalty entries: (token, output count, seen in prompt or output)
-                  float* __restrict__ work, int* __restrict__ out_token, float* __restrict__ out_logprob,
-                  int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
+                  // A device word holding the address of the penalty entries (token, output count, seen in
+                  // prompt or output): read at run time, so a captured graph follows the buffer when it grows.
+                  const int* const* __restrict__ penalty_table, float* __restrict__ work, int* __restrict__ out_token,
+                  float* __restrict__ out_logprob, int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
     PDL_ENTRY();
     __shared__ float sf[32];
     __shared__ int si[32];
@@ -129,6 +128,7 @@ extern "C" __global__ void __launch_bounds__(512)
         float* wr = work + (size_t)r * vocab;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) wr[i] = raw[i];
         __syncthreads();
+        const int* pen = *penalty_table;
         for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
             const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
             float v = wr[tok];

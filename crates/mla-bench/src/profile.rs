@@ -41,6 +41,7 @@ pub fn run(config: &Path, batches: &[usize], context: usize, prefill_len: usize)
         gpu_memory_utilization: 0.9,
         num_blocks: Some(max_batch * pages + prefill_len.div_ceil(PAGE_SIZE)),
         max_model_len: context.max(prefill_len) + PAGE_SIZE,
+        small_batch_gemv: true,
     };
     let mut model = dummy_model::build(&dev, &cfg, &opts)?;
     let vocab = cfg.vocab_size;

@@ -28,20 +28,19 @@ pub fn decompress_latent(d: &MlaDims, latent: &[f32], kv_b: &Matrix) -> (Vec<f32
     (keys, values)
 }
 
+/// Head count and per-head widths of a multi-head attention.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadDims {
+    pub heads: usize,
+    pub qk_dim: usize,
+    pub v_dim: usize,
+}
+
 /// Causal multi-head attention. `q [n_q, heads, qk_dim]`, `k [n_kv, heads, qk_dim]`,
 /// `v [n_kv, heads, v_dim]`; query `i` attends to key rows `0..=q_pos[i]`. Returns
 /// `[n_q, heads, v_dim]`. Reference for GPU kernels.
-#[allow(clippy::too_many_arguments)]
-pub fn causal_attention(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    q_pos: &[usize],
-    heads: usize,
-    qk_dim: usize,
-    v_dim: usize,
-    scale: f32,
-) -> Vec<f32> {
+pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], q_pos: &[usize], dims: HeadDims, scale: f32) -> Vec<f32> {
+    let HeadDims { heads, qk_dim, v_dim } = dims;
     let mut out = vec![0.0; q_pos.len() * heads * v_dim];
     out.par_chunks_mut(v_dim).enumerate().for_each(|(qh, o)| {
         let (i, h) = (qh / heads, qh % heads);
@@ -70,5 +69,6 @@ pub fn normal_attention(
 ) -> Vec<f32> {
     d.check(q, q_pos, latent, kv_b);
     let (keys, values) = decompress_latent(d, latent, kv_b);
-    causal_attention(q, &keys, &values, q_pos, d.num_heads, d.q_head_dim(), d.v_head_dim, scale)
+    let dims = HeadDims { heads: d.num_heads, qk_dim: d.q_head_dim(), v_dim: d.v_head_dim };
+    causal_attention(q, &keys, &values, q_pos, dims, scale)
 }

@@ -25,7 +25,7 @@ pub mod rope;
 pub mod softmax;
 
 pub use attention_absorbed::absorbed_attention;
-pub use attention_normal::{causal_attention, decompress_latent, normal_attention};
+pub use attention_normal::{causal_attention, decompress_latent, normal_attention, HeadDims};
 pub use backend::CpuBackend;
 pub use linear::Matrix;
 pub use mla_dims::MlaDims;

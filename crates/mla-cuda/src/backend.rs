@@ -272,6 +272,7 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
         gpu_memory_utilization: opts.gpu_memory_utilization,
         num_blocks: opts.num_blocks,
         max_model_len,
+        small_batch_gemv: opts.small_batch_gemv,
     };
     let weight_bytes = w.bytes();
     let model = CudaModel::new(&dev, cfg, w, &mopts)?;
@@ -287,7 +288,6 @@ fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> a
         model.num_blocks * PAGE_SIZE
     );
     let mut model = model;
-    model.gemv.enabled = opts.small_batch_gemv;
     let t1 = std::time::Instant::now();
     let sizes = opts.graph_sizes();
     let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;

@@ -31,11 +31,6 @@ impl Device {
         self.gpu.stream()
     }
 
-    /// A kernel of an embedded module, for wrappers that live outside `ops` (the model's own).
-    pub fn kernel(&self, module: &str, name: &'static str) -> crate::gpu::Result<crate::gpu::Kernel> {
-        self.modules.kernel(module, name)
-    }
-
     /// Whether the modules came from PTX (not the sm_90a cubin).
     pub fn jit(&self) -> bool {
         self.modules.used_ptx

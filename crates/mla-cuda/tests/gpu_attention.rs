@@ -116,7 +116,8 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
     let state_o = DeviceBuffer::<f32>::alloc(t * heads * V_HEAD).unwrap();
     let state_ml = DeviceBuffer::<f32>::alloc(t * heads * 2).unwrap();
     let scale = 0.1147f32;
-    let mw = |off: usize, n: usize| d_meta.sub(off, n);
+    let w = d_meta.slice();
+    let pm = meta.prefill().unwrap();
     let kv_b_m = Matrix::new(kvw, LATENT, c.kv_b.clone());
     let mut want = Vec::new();
     let mut row = 0;
@@ -134,52 +135,50 @@ fn run_prefill_case(heads: usize, ctx: &[usize], new: &[usize], kv_chunk: usize,
         ));
         row += n;
     }
-    for which in PrefillKernel::available(k) {
+    for which in PrefillKernel::available(&k.attention) {
         // Poisoned output and state: every element must be written by this kernel's passes.
         let out = DeviceBuffer::from_host(&vec![bf16::NAN; t * heads * V_HEAD]).unwrap();
         state_o.upload(&vec![f32::NAN; t * heads * V_HEAD]).unwrap();
-        for p in &meta.passes {
-            k.gather_latent(s, d_cache.slice(), mw(p.slots, p.keys), latent.slice(), p.keys, lat).unwrap();
-            dev.blas.linear(&kv_b, latent.slice(), lat, p.keys, kv.slice(), kvw).unwrap();
-            k.prefill_attention_with(
-                s,
-                &PrefillAttention {
-                    heads,
-                    q_rows: t,
-                    q: d_q.slice(),
-                    q_stride: heads * qd,
-                    k_rows: p.keys,
-                    kv: kv.slice(),
-                    kv_stride: kvw,
-                    kpe: latent.slice().tail(LATENT),
-                    kpe_stride: lat,
-                    out: out.slice(),
-                    out_stride: heads * V_HEAD,
-                    state_o: state_o.slice(),
-                    state_ml: state_ml.slice(),
-                    tiles: meta.tiles,
-                    tile_seq: mw(meta.tile_seq, meta.tiles),
-                    tile_q0: mw(meta.tile_q0, meta.tiles),
-                    seqs: meta.seqs,
-                    cu_q: mw(meta.cu_q, meta.seqs + 1),
-                    q_pos0: mw(meta.q_pos0, meta.seqs),
-                    k_row0: mw(p.k_row0, meta.seqs),
-                    k_pos0: mw(p.k_pos0, meta.seqs),
-                    k_len: mw(p.k_len, meta.seqs),
-                    scale,
-                    pass: PrefillPass { load_state: p.load_state, last: p.last },
-                },
-                which,
-            )
-            .unwrap();
+        for p in &pm.passes {
+            k.elementwise.gather_rows(s, d_cache.slice(), p.slots.on(w), latent.slice(), p.keys, lat).unwrap();
+            dev.blas.linear(&kv_b, Strided::new(latent.slice(), lat), p.keys, Strided::new(kv.slice(), kvw)).unwrap();
+            k.attention
+                .prefill_with(
+                    s,
+                    &PrefillAttention {
+                        heads,
+                        q_rows: t,
+                        q: d_q.slice(),
+                        q_stride: heads * qd,
+                        k_rows: p.keys,
+                        kv: kv.slice(),
+                        kv_stride: kvw,
+                        kpe: latent.slice().tail(LATENT),
+                        kpe_stride: lat,
+                        out: out.slice(),
+                        out_stride: heads * V_HEAD,
+                        state_o: state_o.slice(),
+                        state_ml: state_ml.slice(),
+                        tiles: pm.tile_seq.len,
+                        tile_seq: pm.tile_seq.on(w),
+                        tile_q0: pm.tile_q0.on(w),
+                        seqs: meta.seqs,
+                        cu_q: pm.cu_q.on(w),
+                        q_pos0: pm.q_pos0.on(w),
+                        k_row0: p.k_row0.on(w),
+                        k_pos0: p.k_pos0.on(w),
+                        k_len: p.k_len.on(w),
+                        scale,
+                        pass: PrefillPass { load_state: p.load_state, last: p.last },
+                    },
+                    which,
+                )
+                .unwrap();
         }
         dev.gpu.sync().unwrap();
         let got = down_bf16(out.slice());
         let e = rel_l2(&got, &want);
-        println!(
-            "prefill {which:?} heads {heads} ctx {ctx:?} new {new:?} passes {}: rel err {e:.2e}",
-            meta.passes.len()
-        );
+        println!("prefill {which:?} heads {heads} ctx {ctx:?} new {new:?} passes {}: rel err {e:.2e}", pm.passes.len());
         assert!(e < 1.5e-2, "prefill attention ({which:?}) rel err {e}");
     }
 }
@@ -249,12 +248,12 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
                 )
             })
             .collect();
-        let default_splits = k.decode_splits(b, heads, meta.max_pages);
+        let default_splits = k.attention.splits(b, heads, meta.decode().unwrap().max_pages);
         for (splits, which) in [1, default_splits, 5, 64].into_iter().flat_map(|n| DecodeKernel::ALL.map(|w| (n, w))) {
             dev.blas.absorb_q(&kv_b, heads, d_q.slice(), b, d_qabs.slice()).unwrap();
             // Poisoned outputs: whatever a launch leaves unwritten reads as NaN in the check.
             outputs.poison();
-            k.decode_attention_with(s, &case.params(splits, &outputs), which).unwrap();
+            k.attention.decode_with(s, &case.params(splits, &outputs), which).unwrap();
             dev.blas.absorb_o(&kv_b, heads, outputs.o_lat.slice(), b, out.slice()).unwrap();
             dev.gpu.sync().unwrap();
             let e = rel_l2(&down_bf16(out.slice()), &want);
@@ -271,12 +270,12 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
         let lens = [37usize, 121, 233, 298];
         let b = lens.len();
         let pages = lens.iter().map(|l| l.div_ceil(PAGE_SIZE)).max().unwrap();
-        let splits = [1, k.decode_splits(b, heads, pages), 2, k.decode_splits(b, heads, 8192 / PAGE_SIZE)];
+        let splits = [1, k.attention.splits(b, heads, pages), 2, k.attention.splits(b, heads, 8192 / PAGE_SIZE)];
         failures.extend(decode_latent_case(&dev, heads, &lens, &splits, seed));
     }
     let lens = [1usize, 64, 65, 700, 4097];
     let pages = lens.iter().map(|l| l.div_ceil(PAGE_SIZE)).max().unwrap();
-    failures.extend(decode_latent_case(&dev, 16, &lens, &[1, k.decode_splits(lens.len(), 16, pages), 5, 64], 32));
+    failures.extend(decode_latent_case(&dev, 16, &lens, &[1, k.attention.splits(lens.len(), 16, pages), 5, 64], 32));
     assert!(failures.is_empty(), "decode attention:\n{}", failures.join("\n"));
 }
 
@@ -341,7 +340,7 @@ fn decode_latent_case(
     let mut failures = Vec::new();
     for (n, which) in splits.iter().flat_map(|&n| DecodeKernel::ALL.map(|w| (n, w))) {
         outputs.poison();
-        k.decode_attention_with(s, &case.params(n, &outputs), which).unwrap();
+        k.attention.decode_with(s, &case.params(n, &outputs), which).unwrap();
         dev.gpu.sync().unwrap();
         let got = down_bf16(outputs.o_lat.slice());
         let per_seq: Vec<f64> = (0..b)

@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use half::bf16;
-use mla_cuda::gpu::{Arg, DSlice};
+use mla_cuda::gpu::DSlice;
 use mla_cuda::ops::*;
 
 const HEADS: usize = 16;
@@ -29,34 +29,9 @@ fn beyond_one_step(got: &[f32], want: &[f32]) -> usize {
 }
 
 /// The two-launch path: the merge kernel into o_lat, then cuBLAS.
-#[allow(clippy::too_many_arguments)]
-fn two_launches(
-    dev: &mla_cuda::Device,
-    part_o: DSlice<f32>,
-    part_lse: DSlice<f32>,
-    splits: usize,
-    batch: usize,
-    kv_b: &Linear,
-    o_lat: DSlice<bf16>,
-    out: DSlice<bf16>,
-) {
-    dev.k
-        .mla_decode_combine
-        .launch(
-            dev.stream(),
-            (HEADS as u32, batch as u32, (LATENT / 128) as u32),
-            128,
-            0,
-            &[
-                Arg::Ptr(part_o.ptr),
-                Arg::Ptr(part_lse.ptr),
-                Arg::I32(HEADS as i32),
-                Arg::I32(splits as i32),
-                Arg::Ptr(o_lat.ptr),
-            ],
-        )
-        .unwrap();
-    dev.blas.absorb_o(kv_b, HEADS, o_lat, batch, out).unwrap();
+fn two_launches(dev: &mla_cuda::Device, p: &SplitPartials, kv_b: &Linear, o_lat: DSlice<bf16>, out: DSlice<bf16>) {
+    dev.k.attention.combine(dev.stream(), p, o_lat).unwrap();
+    dev.blas.absorb_o(kv_b, HEADS, o_lat, p.batch, out).unwrap();
 }
 
 /// Random partials (outputs of std ≈ 0.6, log-sum-exps spread over ±12 in log2 units, and empty
@@ -120,21 +95,17 @@ fn combine_absorb_matches_two_launches_and_f64() {
             let (d_po, d_lse) = (up(&part_o), up(&part_lse));
             let rows = batch * HEADS * V_HEAD;
             let fused = up(&vec![bf16::NAN; rows + HEADS * V_HEAD]);
-            dev.k
-                .decode_combine_absorb_o(
-                    dev.stream(),
-                    d_po.slice(),
-                    d_lse.slice(),
-                    HEADS,
-                    splits,
-                    batch,
-                    &kv_b,
-                    fused.slice(),
-                )
-                .unwrap();
+            let partials = SplitPartials {
+                part_o: d_po.slice(),
+                part_lse: d_lse.slice(),
+                heads: HEADS,
+                num_splits: splits,
+                batch,
+            };
+            dev.k.attention.decode_combine_absorb_o(dev.stream(), &partials, &kv_b, fused.slice()).unwrap();
             let d_olat = up(&vec![bf16::NAN; batch * HEADS * LATENT]);
             let two = up(&vec![bf16::NAN; rows]);
-            two_launches(&dev, d_po.slice(), d_lse.slice(), splits, batch, &kv_b, d_olat.slice(), two.slice());
+            two_launches(&dev, &partials, &kv_b, d_olat.slice(), two.slice());
             dev.gpu.sync().unwrap();
             let got = down_bf16(fused.slice());
             let (got, tail) = got.split_at(rows);
@@ -192,16 +163,15 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
             let outputs = DecodeOutputs::poisoned(batch, HEADS, splits);
             let p = case.params(splits, &outputs);
             let want = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
-            k.decode_attention(s, &p).unwrap();
+            k.attention.decode(s, &p).unwrap();
             dev.blas.absorb_o(&kv_b, HEADS, outputs.o_lat.slice(), batch, want.slice()).unwrap();
             // The uploads below do not wait for the stream.
             dev.gpu.sync().unwrap();
             // The fused path must not need o_lat: poison it again.
             outputs.poison();
             let got = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
-            k.decode_attention_partials(s, &p).unwrap();
-            let (part_o, part_lse) = (outputs.part_o.slice(), outputs.part_lse.slice());
-            k.decode_combine_absorb_o(s, part_o, part_lse, HEADS, splits, batch, &kv_b, got.slice()).unwrap();
+            k.attention.decode_partials(s, &p).unwrap();
+            k.attention.decode_combine_absorb_o(s, &p.partials(), &kv_b, got.slice()).unwrap();
             dev.gpu.sync().unwrap();
             let (got, want) = (down_bf16(got.slice()), down_bf16(want.slice()));
             let off = beyond_one_step(&got, &want);

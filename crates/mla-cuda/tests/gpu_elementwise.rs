@@ -24,8 +24,11 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     let (d_table, d_ids, d_w) = (up_bf16(&table), up(&ids), up_bf16(&w));
     let residual = DeviceBuffer::<f32>::alloc(rows * hidden).unwrap();
     let out = DeviceBuffer::<bf16>::alloc(rows * hidden).unwrap();
-    k.embedding(s, d_table.slice(), vocab, d_ids.slice(), residual.slice(), rows, hidden).unwrap();
-    k.rmsnorm_f32(s, residual.slice(), d_w.slice(), out.slice(), rows, hidden, eps).unwrap();
+    let embedding =
+        Embedding { table: d_table.slice(), vocab, ids: d_ids.slice(), out: residual.slice(), tokens: rows, hidden };
+    k.elementwise.embedding(s, &embedding).unwrap();
+    let norm = RmsNormF32 { x: residual.slice(), weight: d_w.slice(), out: out.slice(), rows, hidden, eps };
+    k.elementwise.rmsnorm_f32(s, &norm).unwrap();
     dev.gpu.sync().unwrap();
     let res = down(residual.slice());
     for (r, &id) in ids.iter().enumerate() {
@@ -42,7 +45,16 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     // residual += delta, then norm.
     let delta = round(&rng.uniform(rows * hidden, 2.0));
     let d_delta = up_bf16(&delta);
-    k.add_rmsnorm(s, residual.slice(), d_delta.slice(), d_w.slice(), out.slice(), rows, hidden, eps).unwrap();
+    let norm = AddRmsNorm {
+        residual: residual.slice(),
+        delta: d_delta.slice(),
+        weight: d_w.slice(),
+        out: out.slice(),
+        rows,
+        hidden,
+        eps,
+    };
+    k.elementwise.add_rmsnorm(s, &norm).unwrap();
     dev.gpu.sync().unwrap();
     let res2 = down(residual.slice());
     let sum: Vec<f32> = res.iter().zip(&delta).map(|(a, b)| a + b).collect();
@@ -57,7 +69,17 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     let w2 = round(&rng.uniform(n, 1.0));
     let (d_x, d_w2) = (up_bf16(&x), up_bf16(&w2));
     let o2 = DeviceBuffer::<bf16>::alloc(rows * n).unwrap();
-    k.rmsnorm_bf16(s, d_x.slice(), stride, d_w2.slice(), o2.slice(), n, rows, n, eps).unwrap();
+    let norm = RmsNormBf16 {
+        x: d_x.slice(),
+        x_stride: stride,
+        weight: d_w2.slice(),
+        out: o2.slice(),
+        out_stride: n,
+        rows,
+        width: n,
+        eps,
+    };
+    k.elementwise.rmsnorm_bf16(s, &norm).unwrap();
     dev.gpu.sync().unwrap();
     let want: Vec<f32> = (0..rows).flat_map(|r| rms_norm(&x[r * stride..r * stride + n], &w2, eps)).collect();
     let e = rel_l2(&down_bf16(o2.slice()), &want);
@@ -68,7 +90,7 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     let gu = round(&rng.uniform(rows * 2 * inter, 4.0));
     let d_gu = up_bf16(&gu);
     let act = DeviceBuffer::<bf16>::alloc(rows * inter).unwrap();
-    k.silu_mul(s, d_gu.slice(), act.slice(), rows, inter).unwrap();
+    k.elementwise.silu_mul(s, d_gu.slice(), act.slice(), rows, inter).unwrap();
     dev.gpu.sync().unwrap();
     let want: Vec<f32> = (0..rows * inter)
         .map(|i| {
@@ -88,8 +110,8 @@ fn device_dummy_weights_follow_the_requested_normal() {
     let n = 1 << 22;
     let a = DeviceBuffer::<bf16>::alloc(n).unwrap();
     let b = DeviceBuffer::<f32>::alloc(n).unwrap();
-    dev.k.fill_normal_bf16(dev.stream(), a.slice(), Normal { mean: 1.0, std: 0.1, seed: 5 }).unwrap();
-    dev.k.fill_normal_f32(dev.stream(), b.slice(), Normal { mean: 0.0, std: 0.02, seed: 6 }).unwrap();
+    dev.k.elementwise.fill_normal_bf16(dev.stream(), a.slice(), Normal { mean: 1.0, std: 0.1, seed: 5 }).unwrap();
+    dev.k.elementwise.fill_normal_f32(dev.stream(), b.slice(), Normal { mean: 0.0, std: 0.02, seed: 6 }).unwrap();
     dev.gpu.sync().unwrap();
     for (v, mean, std) in [(down_bf16(a.slice()), 1.0, 0.1), (down(b.slice()), 0.0, 0.02)] {
         let m = v.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
@@ -101,7 +123,7 @@ fn device_dummy_weights_follow_the_requested_normal() {
     }
     // Another seed draws other values.
     let c = DeviceBuffer::<bf16>::alloc(n).unwrap();
-    dev.k.fill_normal_bf16(dev.stream(), c.slice(), Normal { mean: 1.0, std: 0.1, seed: 7 }).unwrap();
+    dev.k.elementwise.fill_normal_bf16(dev.stream(), c.slice(), Normal { mean: 1.0, std: 0.1, seed: 7 }).unwrap();
     dev.gpu.sync().unwrap();
     let same = down_bf16(a.slice()).iter().zip(down_bf16(c.slice())).filter(|(x, y)| *x == y).count();
     assert!(same < n / 10, "{same} equal values across seeds");

@@ -1,4 +1,4 @@
-//! The small-batch GEMV kernel (`model::gemv`) against an f64 reference computed on the host from
+//! The small-batch GEMV kernel (`ops::GemvKernels`, as `model::small_linear` runs it) against an f64 reference computed on the host from
 //! the same bf16 values, next to cuBLAS on the same inputs, for the V2-Lite linear shapes.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_gemv -- --ignored`.
@@ -8,8 +8,8 @@ mod common;
 use common::*;
 use half::bf16;
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::model::gemv::Gemv;
-use mla_cuda::ops::Linear;
+use mla_cuda::model::small_linear::SmallLinear;
+use mla_cuda::ops::{Linear, Strided, GEMV_KERNEL_MAX_ROWS};
 
 fn reference(w: &[f32], x: &[f32], n: usize, k: usize, m: usize, x_stride: usize) -> Vec<f64> {
     let mut y = vec![0f64; m * n];
@@ -31,8 +31,8 @@ fn rel(a: &[f32], b: &[f64]) -> f64 {
 #[ignore = "needs an NVIDIA GPU"]
 fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
     let dev = device();
-    let mut gemv = Gemv::load(&dev, true).unwrap();
-    gemv.max_rows = mla_cuda::model::gemv::GEMV_KERNEL_MAX_ROWS;
+    let mut gemv = SmallLinear::new(true);
+    gemv.max_rows = GEMV_KERNEL_MAX_ROWS;
     let mut rng = Rng::new(21);
     // (out, in): q_proj, kv_a, o_proj, shared gate_up, shared down, dense down, lm_head slice.
     for (n, k) in
@@ -50,10 +50,11 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
             // Poisoned outputs: every element must be written.
             let y16 = up_bf16(&vec![f32::NAN; m * n]);
             let y32 = up(&vec![f32::NAN; m * n]);
-            gemv.linear(&dev, &lin, xd.slice(), stride, m, y16.slice(), n).unwrap();
-            gemv.linear_f32_out(&dev, &lin, xd.slice(), stride, m, y32.slice(), n).unwrap();
+            let x = Strided::new(xd.slice(), stride);
+            gemv.linear(&dev, &lin, x, m, Strided::new(y16.slice(), n)).unwrap();
+            gemv.linear_f32_out(&dev, &lin, x, m, Strided::new(y32.slice(), n)).unwrap();
             let blas16: DeviceBuffer<bf16> = up_bf16(&vec![f32::NAN; m * n]);
-            dev.blas.linear(&lin, xd.slice(), stride, m, blas16.slice(), n).unwrap();
+            dev.blas.linear(&lin, x, m, Strided::new(blas16.slice(), n)).unwrap();
             dev.gpu.sync().unwrap();
             let (g16, g32, b16) = (down_bf16(y16.slice()), down(y32.slice()), down_bf16(blas16.slice()));
             let (e16, e32, eb) = (rel(&g16, &want), rel(&g32, &want), rel(&b16, &want));
@@ -66,12 +67,12 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
     }
 }
 
-/// q_proj and kv_a in one launch (`Gemv::linear_pair`): each output against the f64 reference.
+/// q_proj and kv_a in one launch (`SmallLinear::linear_pair`): each output against the f64 reference.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn paired_gemv_writes_both_outputs() {
     let dev = device();
-    let gemv = Gemv::load(&dev, true).unwrap();
+    let gemv = SmallLinear::new(true);
     let mut rng = Rng::new(22);
     let k = 2048;
     let (na, nb) = (3072, 576);
@@ -81,7 +82,9 @@ fn paired_gemv_writes_both_outputs() {
     let x = round(&rng.uniform(k, 1.0));
     let xd = up_bf16(&x);
     let (ya, yb) = (up_bf16(&vec![f32::NAN; na]), up_bf16(&vec![f32::NAN; nb]));
-    gemv.linear_pair(&dev, xd.slice(), k, 1, (&la, ya.slice(), na), (&lb, yb.slice(), nb)).unwrap();
+    let x_rows = Strided::new(xd.slice(), k);
+    let (out_a, out_b) = (Strided::new(ya.slice(), na), Strided::new(yb.slice(), nb));
+    gemv.linear_pair(&dev, x_rows, 1, (&la, out_a), (&lb, out_b)).unwrap();
     dev.gpu.sync().unwrap();
     for (name, got, w, n) in [("a", down_bf16(ya.slice()), &wa, na), ("b", down_bf16(yb.slice()), &wb, nb)] {
         let e = rel(&got, &reference(w, &x, n, k, 1, k));

@@ -50,7 +50,7 @@ fn rope_and_latent_cache_write_match_the_cpu_reference() {
         inv_freq: d_inv.slice(),
         cache: cache.slice(),
     };
-    k.rope_cache(s, &rope.params(None)).unwrap();
+    k.latent.rope_cache(s, &rope.params(None)).unwrap();
     dev.gpu.sync().unwrap();
     let cache_h = down_bf16(cache.slice());
     let q_h = down_bf16(d_q.slice());

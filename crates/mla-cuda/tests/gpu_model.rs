@@ -264,19 +264,21 @@ fn decode_graph_replay_gives_the_eager_tokens() {
                     .collect(),
             };
             w.model.decode_splits_override = Some(w.model.graph_decode_splits(&w.dev, prompts.len()));
-            let p0 = plan(&last, 0);
-            let eager = w.model.step(&w.dev, &p0)?;
-            let (graph, captured) = w.model.capture_decode(&w.dev, &p0)?;
-            anyhow::ensure!(eager == captured, "captured step differs from the eager step");
-            last = eager.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
-            for j in 1..6 {
+            // The serving path: a graph captured for exactly this batch, replayed by step_with_graphs.
+            let mut graphs = w.model.capture_decode_buckets(&w.dev, &[prompts.len()], usize::MAX)?;
+            let splits = w.model.graph_decode_splits(&w.dev, prompts.len());
+            for j in 0..6 {
                 let p = plan(&last, j);
+                // The eager step first: the replay rewrites the same cache rows with the same values.
                 let e = w.model.step(&w.dev, &p)?;
-                let r = w.model.replay_decode(&w.dev, &graph, &p)?;
+                let (r, _) = w
+                    .model
+                    .step_with_graphs(&w.dev, &mut graphs, &p)
+                    .ok_or_else(|| anyhow::anyhow!("step {j}: no graph for a batch of {}", prompts.len()))??;
                 anyhow::ensure!(e == r, "step {j}: replayed graph differs from the eager step");
                 last = e.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect();
             }
-            println!("graph ({} splits) replayed 5 steps identically; vocab {}", graph.splits, cfg.vocab_size);
+            println!("graph ({splits} splits) replayed 6 steps identically; vocab {}", cfg.vocab_size);
             Ok(())
         })
         .unwrap();

@@ -26,23 +26,7 @@ fn moe_routing_matches_the_cpu_reference_for_every_method() {
         let r = bufs.routing(t, e, top);
         let d_logits = up(&logits);
         let d_bias = bias.as_ref().map(|b| up(b));
-        let method = match cfg.topk_method {
-            mla_core::config::TopkMethod::Greedy => RouteMethod::Greedy,
-            mla_core::config::TopkMethod::GroupLimitedGreedy => RouteMethod::GroupLimited,
-            mla_core::config::TopkMethod::NoauxTc => RouteMethod::NoauxTc,
-        };
-        k.moe_route(
-            s,
-            d_logits.slice(),
-            d_bias.as_ref().map(|b| b.slice()),
-            &r,
-            method,
-            cfg.n_group,
-            cfg.topk_group,
-            cfg.norm_topk_prob,
-            cfg.routed_scaling_factor as f32,
-        )
-        .unwrap();
+        k.moe.route(s, d_logits.slice(), d_bias.as_ref().map(|b| b.slice()), &r, &RouteParams::of(&cfg)).unwrap();
         dev.gpu.sync().unwrap();
         let ids = down(bufs.ids.slice());
         let ws = down(bufs.w.slice());
@@ -85,7 +69,7 @@ struct RoutingBufs {
 impl RoutingBufs {
     fn new(t: usize, e: usize, top: usize) -> Self {
         let a = t * top;
-        let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
+        let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
         let i = |n| DeviceBuffer::<i32>::alloc(n).unwrap();
         RoutingBufs {
             ids: i(a),
@@ -99,13 +83,13 @@ impl RoutingBufs {
             nt: i(1),
         }
     }
-    fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting {
-        self.routing_tiles(t, e, top, GROUPED_TILE_M)
+    fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting<'_> {
+        self.routing_tiles(t, e, top, TileM::Rows64)
     }
-    fn routing_tiles(&self, t: usize, e: usize, top: usize, tile_m: usize) -> MoeRouting {
+    fn routing_tiles(&self, t: usize, e: usize, top: usize, tile: TileM) -> MoeRouting<'_> {
         MoeRouting {
             tokens: t,
-            tile_m,
+            tile,
             experts: e,
             top_k: top,
             topk_ids: self.ids.slice(),
@@ -176,12 +160,13 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
     // Every GEMM variant this GPU has: mma.sync 64- and 16-row tiles, and on sm_90 the wgmma
     // kernels (128-row tiles, SiLU·mul fused into the gate/up GEMM) with every schedule.
     let any = Sm90Schedule::ALL[0];
-    let mut variants = vec![(GROUPED_TILE_M, any), (GROUPED_TILE_M_SMALL, any)];
-    if k.moe_wgmma {
-        variants.extend(Sm90Schedule::ALL.map(|sc| (GROUPED_TILE_M_SM90, sc)));
+    let mut variants = vec![(TileM::Rows64, any), (TileM::Rows16, any)];
+    if k.grouped_gemm.available().contains(&TileM::Rows128) {
+        variants.extend(Sm90Schedule::ALL.map(|sc| (TileM::Rows128, sc)));
     }
-    for (tile_m, sched) in variants {
-        let r = bufs.routing_tiles(t, e, top, tile_m);
+    for (tile, sched) in variants {
+        let tile_m = tile.rows();
+        let r = bufs.routing_tiles(t, e, top, tile);
         let (d_x, d_gu, d_down, d_shared) = (up_bf16(&x), up_bf16(&gate_up), up_bf16(&down_w), up_bf16(&shared));
         let a = t * top;
         // Poisoned outputs: every element the kernels own must be rewritten.
@@ -191,12 +176,14 @@ fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
         let gact = nan(a * inter);
         let gy = nan(a * hidden);
         let out = nan(t * hidden);
-        k.moe_align(s, &r).unwrap();
-        k.moe_gather(s, d_x.slice(), &r, gx.slice(), hidden).unwrap();
-        k.moe_gate_up_act_with(s, gx.slice(), d_gu.slice(), ggu.slice(), gact.slice(), inter, hidden, &r, sched)
-            .unwrap();
-        k.moe_grouped_gemm_with(s, gact.slice(), d_down.slice(), gy.slice(), hidden, inter, &r, sched).unwrap();
-        k.moe_combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
+        k.moe.align(s, &r).unwrap();
+        k.elementwise.gather_rows(s, d_x.slice(), r.perm_src, gx.slice(), r.rows(), hidden).unwrap();
+        let gate_up =
+            GroupedGateUp { a: gx.slice(), w: d_gu.slice(), gate_up: ggu.slice(), act: gact.slice(), inter, k: hidden };
+        k.grouped_gemm.gate_up_act_with(s, &gate_up, &r, sched).unwrap();
+        let down_proj = GroupedGemm { a: gact.slice(), w: d_down.slice(), c: gy.slice(), n: hidden, k: inter };
+        k.grouped_gemm.gemm_with(s, &down_proj, &r, sched).unwrap();
+        k.moe.combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
         dev.gpu.sync().unwrap();
         // The grouping itself: offsets are a prefix sum of the counts, every row used once.
         let off = down(bufs.off.slice());

@@ -47,7 +47,7 @@ fn fused_rope_absorb_matches_rope_cache_and_an_f64_absorption() {
                 inv_freq: d_inv.slice(),
                 cache: cache.slice(),
             };
-            k.rope_cache(s, &rope.params(absorb.then(|| d_kv_b.slice()))).unwrap();
+            k.latent.rope_cache(s, &rope.params(absorb.then(|| d_kv_b.slice()))).unwrap();
             dev.gpu.sync().unwrap();
             (down_bf16(cache.slice()), down_bf16(d_q.slice()), down_bf16(q_abs.slice()))
         };

@@ -9,7 +9,8 @@ use common::*;
 use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::sampling::{log_softmax, top_k_entries};
 use mla_core::SamplingParams;
-use mla_cuda::gpu::{DSlice, DeviceBuffer};
+use mla_cuda::gpu::DeviceBuffer;
+use mla_cuda::model::meta_words::to_words;
 use mla_cuda::model::{MetaLimits, StepMeta};
 use mla_cuda::ops::*;
 
@@ -34,23 +35,31 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
         max_blocks_per_seq: 1,
         vocab,
     };
-    let meta = StepMeta::build(&plan, &lim).unwrap();
+    let mut meta = StepMeta::build(&plan, &lim).unwrap();
+    // The penalty entries in a buffer of their own, its address in the words (as MetaBuffers does).
+    let d_pen = up(&[meta.penalties.as_slice(), &[0]].concat());
+    let pen_addr = d_pen.ptr();
+    meta.words[meta.penalty_table.words()].copy_from_slice(to_words(&pen_addr));
     let d_meta = up(&meta.words);
+    let w = d_meta.slice();
     let d_logits = up(logits);
     let work = DeviceBuffer::<f32>::alloc(rows * vocab).unwrap();
     let tok = DeviceBuffer::<i32>::alloc(rows).unwrap();
     let lp = DeviceBuffer::<f32>::alloc(rows).unwrap();
     let tids = DeviceBuffer::<i32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
     let tlps = DeviceBuffer::<f32>::alloc(rows * MAX_TOP_LOGPROBS).unwrap();
-    let params_words = d_meta.sub(meta.params, rows * 12);
-    // SAFETY: the params section of the uploaded words holds `rows` SampleParamsRaw of 12 words
-    // each at an 8-byte aligned offset (as forward.rs reads it), and `d_meta` outlives every use
-    // of the slice.
-    let params = unsafe { DSlice::<SampleParamsRaw>::from_raw(params_words.ptr, rows) };
     let out = SamplerOutputs { token: tok.slice(), logprob: lp.slice(), top_ids: tids.slice(), top_lps: tlps.slice() };
-    dev.k
-        .sample(dev.stream(), d_logits.slice(), vocab, rows, vocab, params, d_meta.tail(meta.pen), work.slice(), &out)
-        .unwrap();
+    let p = Sample {
+        logits: d_logits.slice(),
+        stride: vocab,
+        rows,
+        vocab,
+        params: meta.sampling.on(w),
+        penalty_table: meta.penalty_table.on(w),
+        work: work.slice(),
+        out,
+    };
+    dev.k.sampling.sample(dev.stream(), &p).unwrap();
     dev.gpu.sync().unwrap();
     let (t, l, ti, tl) = (down(tok.slice()), down(lp.slice()), down(tids.slice()), down(tlps.slice()));
     (0..rows)

@@ -8,10 +8,8 @@ use crate::sizing::{self, Sizing};
 use anyhow::bail;
 use mla_core::{Backend, Checkpoint, DummyWeights, ModelConfig};
 use mla_cpu::CpuBackend;
+use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::{CudaBackend, CudaOptions};
-
-/// The CUDA backend's page size (FlashMLA's): its kernels are built for it.
-const CUDA_BLOCK_SIZE: usize = 64;
 
 /// Turns `--device auto` into cuda or cpu for this model, as a vLLM user expects on a GPU node:
 /// the GPU when it can serve the model, otherwise the CPU with the reason in the log.
@@ -72,8 +70,8 @@ fn cpu(source: &ModelSource, args: &Args, params: usize) -> anyhow::Result<(Box<
 }
 
 fn cuda(source: &ModelSource, args: &Args) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
-    if args.block_size != CUDA_BLOCK_SIZE {
-        bail!("--block-size {}: the CUDA backend's kernels use blocks of {CUDA_BLOCK_SIZE} tokens", args.block_size);
+    if args.block_size != PAGE_SIZE {
+        bail!("--block-size {}: the CUDA backend's kernels use blocks of {PAGE_SIZE} tokens", args.block_size);
     }
     let cfg = &source.config;
     let max_pos = cfg.max_position_embeddings;
@@ -94,7 +92,7 @@ fn cuda(source: &ModelSource, args: &Args) -> anyhow::Result<(Box<dyn Backend>, 
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
-        num_blocks: args.kv_cache_tokens.map(|t| t.div_ceil(CUDA_BLOCK_SIZE)),
+        num_blocks: args.kv_cache_tokens.map(|t| t.div_ceil(PAGE_SIZE)),
         ..CudaOptions::default()
     };
     let backend = CudaBackend::new(cfg.clone(), weights, options)?;

@@ -40,7 +40,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         let q = fill(dev, batch * HEADS * lat, 1.0, 2)?;
         let out = DeviceBuffer::<bf16>::alloc(batch * HEADS * LATENT)?;
         let attn_out = DeviceBuffer::<bf16>::alloc(batch * HEADS * V_HEAD)?;
-        let splits = dev.k.decode_splits(batch, HEADS, pages);
+        let splits = dev.k.attention.splits(batch, HEADS, pages);
         let part_o = DeviceBuffer::<f32>::alloc(batch * splits * HEADS * LATENT)?;
         let part_lse = DeviceBuffer::<f32>::alloc(batch * splits * HEADS)?;
         let params = |i: usize| DecodeAttention {
@@ -60,7 +60,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         // The cache pages read, plus q in and the latent output out.
         let bytes = (batch * CONTEXT * lat * 2 + batch * HEADS * (lat + LATENT) * 2) as f64;
         for which in DecodeKernel::ALL {
-            let ms = time_ms(dev, 20, 15, |i| dev.k.decode_attention_with(dev.stream(), &params(i), which))?;
+            let ms = time_ms(dev, 20, 15, |i| dev.k.attention.decode_with(dev.stream(), &params(i), which))?;
             let tbps = bytes / (ms * 1e-3) / 1e12;
             let chosen = which == DecodeKernel::for_batch(batch);
             println!(
@@ -75,21 +75,13 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         }
         if batch <= COMBINE_ABSORB_MAX_BATCH {
             let two = time_ms(dev, 20, 15, |i| {
-                dev.k.decode_attention(dev.stream(), &params(i))?;
+                dev.k.attention.decode(dev.stream(), &params(i))?;
                 dev.blas.absorb_o(&kv_b, HEADS, out.slice(), batch, attn_out.slice())
             })?;
             let fused = time_ms(dev, 20, 15, |i| {
-                dev.k.decode_attention_partials(dev.stream(), &params(i))?;
-                dev.k.decode_combine_absorb_o(
-                    dev.stream(),
-                    part_o.slice(),
-                    part_lse.slice(),
-                    HEADS,
-                    splits,
-                    batch,
-                    &kv_b,
-                    attn_out.slice(),
-                )
+                let p = params(i);
+                dev.k.attention.decode_partials(dev.stream(), &p)?;
+                dev.k.attention.decode_combine_absorb_o(dev.stream(), &p.partials(), &kv_b, attn_out.slice())
             })?;
             println!(
                 "decode attention + absorb_o B={batch}: two launches after the kernel {:6.1} us, fused combine+absorb_o {:6.1} us",

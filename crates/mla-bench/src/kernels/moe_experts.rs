@@ -6,7 +6,7 @@
 use super::timing::{download_f32, fill, rel_diff, time_ms};
 use half::bf16;
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::ops::{MoeRouting, Sm90Schedule, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
+use mla_cuda::ops::{GroupedGateUp, GroupedGemm, MoeRouting, Sm90Schedule, TileM};
 use mla_cuda::Device;
 use serde_json::{json, Value};
 
@@ -26,7 +26,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         let a = tokens * top;
         let ids = random_routing(tokens);
         let i32s = |n: usize| DeviceBuffer::<i32>::alloc(n);
-        let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
+        let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
         let (d_ids, off, perm, inv, te, tr0, trs, nt) = (
             DeviceBuffer::from_host(&ids)?,
             i32s(e + 1)?,
@@ -42,17 +42,18 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         let gu = DeviceBuffer::<bf16>::alloc(a * 2 * im)?;
         let act = DeviceBuffer::<bf16>::alloc(a * im)?;
         let y = DeviceBuffer::<bf16>::alloc(a * h)?;
-        let mut variants = vec![(GROUPED_TILE_M, Sm90Schedule::ALL[0])];
-        if k.moe_wgmma {
-            variants.extend(Sm90Schedule::ALL.map(|sc| (GROUPED_TILE_M_SM90, sc)));
+        let mut variants = vec![(TileM::Rows64, Sm90Schedule::ALL[0])];
+        if k.grouped_gemm.available().contains(&TileM::Rows128) {
+            variants.extend(Sm90Schedule::ALL.map(|sc| (TileM::Rows128, sc)));
         }
-        let default_tile = k.moe_tile_m(tokens, top, e);
+        let default_tile = k.grouped_gemm.tile_for(tokens, top, e);
         let flops = 2.0 * a as f64 * (2 * im * h + h * im) as f64;
         let mut outputs: Vec<Vec<f32>> = vec![];
-        for (tile_m, sched) in variants {
+        for (tile, sched) in variants {
+            let tile_m = tile.rows();
             let r = MoeRouting {
                 tokens,
-                tile_m,
+                tile,
                 experts: e,
                 top_k: top,
                 topk_ids: d_ids.slice(),
@@ -65,18 +66,17 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
                 tile_rows: trs.slice(),
                 num_tiles: nt.slice(),
             };
-            k.moe_align(s, &r)?;
+            k.moe.align(s, &r)?;
             dev.gpu.sync()?;
             // NaN everywhere, so that a row the GEMMs fail to write shows in the cross-check.
             y.upload(&vec![bf16::NAN; a * h])?;
-            let wgmma = tile_m == GROUPED_TILE_M_SM90;
-            let default = tile_m == default_tile && (!wgmma || sched == k.moe_sm90_schedule(&r));
-            let gate_up_ms = time_ms(dev, 5, 9, |_| {
-                k.moe_gate_up_act_with(s, x.slice(), w_gu.slice(), gu.slice(), act.slice(), im, h, &r, sched)
-            })?;
-            let down_ms = time_ms(dev, 5, 9, |_| {
-                k.moe_grouped_gemm_with(s, act.slice(), w_down.slice(), y.slice(), h, im, &r, sched)
-            })?;
+            let wgmma = tile == TileM::Rows128;
+            let default = tile == default_tile && (!wgmma || sched == Sm90Schedule::for_routing(&r));
+            let gate_up =
+                GroupedGateUp { a: x.slice(), w: w_gu.slice(), gate_up: gu.slice(), act: act.slice(), inter: im, k: h };
+            let gate_up_ms = time_ms(dev, 5, 9, |_| k.grouped_gemm.gate_up_act_with(s, &gate_up, &r, sched))?;
+            let down = GroupedGemm { a: act.slice(), w: w_down.slice(), c: y.slice(), n: h, k: im };
+            let down_ms = time_ms(dev, 5, 9, |_| k.grouped_gemm.gemm_with(s, &down, &r, sched))?;
             let ms = gate_up_ms + down_ms;
             let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);
             let schedule = if wgmma {
@@ -99,7 +99,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             }));
         }
         // Every variant computes the same function (the CPU-reference checks are in mla-cuda's
-        // tests/gpu_kernels.rs).
+        // tests/gpu_moe.rs).
         for other in &outputs[1..] {
             let (rel, finite) = rel_diff(&outputs[0], other);
             println!("MoE experts {tokens} tokens: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");

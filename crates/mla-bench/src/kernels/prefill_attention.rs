@@ -8,7 +8,9 @@ use half::bf16;
 use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::{MetaLimits, StepMeta};
-use mla_cuda::ops::{Linear, PrefillAttention, PrefillKernel, PrefillPass, LATENT, NOPE, PAGE_SIZE, ROPE, V_HEAD};
+use mla_cuda::ops::{
+    Linear, PrefillAttention, PrefillKernel, PrefillPass, Strided, LATENT, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+};
 use mla_cuda::Device;
 use serde_json::{json, Value};
 
@@ -64,9 +66,12 @@ fn shape(dev: &Device, seqs: usize, len: usize) -> anyhow::Result<Vec<Value>> {
     let state_o = DeviceBuffer::<f32>::alloc(1)?;
     let state_ml = DeviceBuffer::<f32>::alloc(1)?;
     let lin = Linear::new(kv_b.slice(), kvw, LATENT);
-    let p = &meta.passes[0];
-    let m = |o: usize, n: usize| d_meta.sub(o, n);
-    let decompress_ms = time_ms(dev, 5, 7, |_| dev.blas.linear(&lin, latent.slice(), lat, t, kv.slice(), kvw))?;
+    let pm = meta.prefill().expect("a prefill step's metadata");
+    let p = &pm.passes[0];
+    let w = d_meta.slice();
+    let decompress_ms = time_ms(dev, 5, 7, |_| {
+        dev.blas.linear(&lin, Strided::new(latent.slice(), lat), t, Strided::new(kv.slice(), kvw))
+    })?;
     let attn = PrefillAttention {
         heads: HEADS,
         q_rows: t,
@@ -81,15 +86,15 @@ fn shape(dev: &Device, seqs: usize, len: usize) -> anyhow::Result<Vec<Value>> {
         out_stride: HEADS * V_HEAD,
         state_o: state_o.slice(),
         state_ml: state_ml.slice(),
-        tiles: meta.tiles,
-        tile_seq: m(meta.tile_seq, meta.tiles),
-        tile_q0: m(meta.tile_q0, meta.tiles),
+        tiles: pm.tile_seq.len,
+        tile_seq: pm.tile_seq.on(w),
+        tile_q0: pm.tile_q0.on(w),
         seqs,
-        cu_q: m(meta.cu_q, seqs + 1),
-        q_pos0: m(meta.q_pos0, seqs),
-        k_row0: m(p.k_row0, seqs),
-        k_pos0: m(p.k_pos0, seqs),
-        k_len: m(p.k_len, seqs),
+        cu_q: pm.cu_q.on(w),
+        q_pos0: pm.q_pos0.on(w),
+        k_row0: p.k_row0.on(w),
+        k_pos0: p.k_pos0.on(w),
+        k_len: p.k_len.on(w),
         scale: 0.1147,
         pass: PrefillPass { load_state: false, last: true },
     };
@@ -97,11 +102,11 @@ fn shape(dev: &Device, seqs: usize, len: usize) -> anyhow::Result<Vec<Value>> {
     let flops = seqs as f64 * HEADS as f64 * ((qd + V_HEAD) * 2) as f64 * (len as f64 * (len as f64 + 1.0) / 2.0);
     let mut rows = Vec::new();
     let mut outputs: Vec<Vec<f32>> = Vec::new();
-    for which in PrefillKernel::available(&dev.k) {
+    for which in PrefillKernel::available(&dev.k.attention) {
         dev.gpu.sync()?;
         // NaN everywhere, so that an element a kernel fails to write shows in the cross-check.
         out.upload(&vec![bf16::NAN; t * HEADS * V_HEAD])?;
-        let ms = time_ms(dev, 5, 7, |_| dev.k.prefill_attention_with(dev.stream(), &attn, which))?;
+        let ms = time_ms(dev, 5, 7, |_| dev.k.attention.prefill_with(dev.stream(), &attn, which))?;
         let tflops = flops / (ms * 1e-3) / 1e12;
         println!(
             "prefill attention {which:?} {seqs}x{len}: {ms:.3} ms  {tflops:.0} TFLOP/s (kv_b decompression GEMM {decompress_ms:.3} ms)"
@@ -112,7 +117,7 @@ fn shape(dev: &Device, seqs: usize, len: usize) -> anyhow::Result<Vec<Value>> {
             "TFLOPs": tflops, "kv_decompress_gemm_ms": decompress_ms,
         }));
     }
-    // The CPU-reference checks are in mla-cuda's tests/gpu_kernels.rs; this adds 4096-row causal.
+    // The CPU-reference checks are in mla-cuda's tests/gpu_attention.rs; this adds 4096-row causal.
     for other in &outputs[1..] {
         let (rel, finite) = rel_diff(&outputs[0], other);
         println!("prefill attention: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");

@@ -36,7 +36,7 @@ pub fn time_ms(
 /// A device buffer of `n` bf16 values drawn from N(0, std²) on the device.
 pub fn fill(dev: &Device, n: usize, std: f32, seed: u64) -> anyhow::Result<DeviceBuffer<bf16>> {
     let b = DeviceBuffer::<bf16>::alloc(n)?;
-    dev.k.fill_normal_bf16(dev.stream(), b.slice(), Normal { mean: 0.0, std, seed })?;
+    dev.k.elementwise.fill_normal_bf16(dev.stream(), b.slice(), Normal { mean: 0.0, std, seed })?;
     Ok(b)
 }
 

@@ -12,21 +12,23 @@ pub struct DeviceBuffer<T> {
     _t: PhantomData<*mut T>,
 }
 
-/// A borrowed, typed window into device memory (pointer + length); what kernel wrappers take.
-pub struct DSlice<T> {
+/// A borrowed, typed window into device memory (pointer + length); what kernel wrappers take. The
+/// lifetime ties it to the buffer it was taken from, so a slice cannot outlive its memory; like
+/// every device handle here it stays on its thread (not `Send`).
+pub struct DSlice<'a, T> {
     pub ptr: sys::CUdeviceptr,
     pub len: usize,
-    _t: PhantomData<*const T>,
+    _t: PhantomData<(&'a [T], *const ())>,
 }
 
-impl<T> Clone for DSlice<T> {
+impl<T> Clone for DSlice<'_, T> {
     fn clone(&self) -> Self {
         *self
     }
 }
-impl<T> Copy for DSlice<T> {}
+impl<T> Copy for DSlice<'_, T> {}
 
-impl<T> DSlice<T> {
+impl<'a, T> DSlice<'a, T> {
     /// # Safety
     /// `ptr` must point to `len` valid elements for as long as the slice is used.
     pub unsafe fn from_raw(ptr: sys::CUdeviceptr, len: usize) -> Self {
@@ -34,20 +36,29 @@ impl<T> DSlice<T> {
     }
 
     /// Elements `start .. start + len`; panics when out of range (a programming error).
-    pub fn sub(&self, start: usize, len: usize) -> DSlice<T> {
+    pub fn sub(&self, start: usize, len: usize) -> DSlice<'a, T> {
         assert!(start + len <= self.len, "device slice {start}..{} out of 0..{}", start + len, self.len);
         DSlice { ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64, len, _t: PhantomData }
     }
 
     /// Elements from `start` to the end.
-    pub fn tail(&self, start: usize) -> DSlice<T> {
+    pub fn tail(&self, start: usize) -> DSlice<'a, T> {
         self.sub(start, self.len - start)
     }
 
     /// Same memory seen as another element type of the same size (bf16 <-> u16).
-    pub fn cast<U>(&self) -> DSlice<U> {
+    pub fn cast<U>(&self) -> DSlice<'a, U> {
         assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>());
         DSlice { ptr: self.ptr, len: self.len, _t: PhantomData }
+    }
+
+    /// The same memory as `len` values of another type.
+    ///
+    /// # Safety
+    /// The bytes must hold `len` valid, suitably aligned values of `U` (at most `self`'s bytes).
+    pub unsafe fn reinterpret<U>(&self, len: usize) -> DSlice<'a, U> {
+        debug_assert!(len * std::mem::size_of::<U>() <= self.len * std::mem::size_of::<T>());
+        DSlice { ptr: self.ptr, len, _t: PhantomData }
     }
 }
 
@@ -88,16 +99,16 @@ impl<T> DeviceBuffer<T> {
         self.ptr
     }
 
-    pub fn slice(&self) -> DSlice<T> {
+    pub fn slice(&self) -> DSlice<'_, T> {
         DSlice { ptr: self.ptr, len: self.len, _t: PhantomData }
     }
 
-    pub fn sub(&self, start: usize, len: usize) -> DSlice<T> {
+    pub fn sub(&self, start: usize, len: usize) -> DSlice<'_, T> {
         self.slice().sub(start, len)
     }
 
     /// Elements from `start` to the end.
-    pub fn tail(&self, start: usize) -> DSlice<T> {
+    pub fn tail(&self, start: usize) -> DSlice<'_, T> {
         self.slice().tail(start)
     }
 

@@ -5,19 +5,21 @@
 //! `queue_forward` only queues work on the stream: no allocation, no synchronisation, no host
 //! reads of device data, so a decode step can be captured as a CUDA graph as is.
 
-use super::meta::{MetaLimits, StepMeta};
-use super::moe_small::{MoeSmall, MoeSmallIo};
+use super::meta::{DecodeLayout, MetaLimits, PrefillLayout, StepLayout, StepMeta};
+use super::meta_buffers::MetaBuffers;
+use super::moe_small::{self, MoeSmallIo};
+use super::small_linear::SmallLinear;
 use super::weights::{DeviceWeights, FfnWeights, MlpWeights, MoeWeights, QueryWeights};
 use super::workspace::{Limits, Workspace};
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, DecodeAttention, PrefillAttention, PrefillPass, RopeCache, RouteMethod, SampleParamsRaw, SamplerOutputs,
-    COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, Linear, PrefillAttention, PrefillPass,
+    RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided, COMBINE_ABSORB_MAX_BATCH, LATENT,
+    MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
-use mla_core::config::TopkMethod;
-use mla_core::plan::{SampledToken, SeqResult, StepKind, StepOutput, StepPlan};
+use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::ModelConfig;
 
 #[derive(Debug, Clone)]
@@ -29,6 +31,8 @@ pub struct ModelOptions {
     pub num_blocks: Option<usize>,
     /// Longest sequence (prompt + output) the backend accepts.
     pub max_model_len: usize,
+    /// Single-row projections through the weight-streaming GEMV instead of cuBLAS (`SmallLinear`).
+    pub small_batch_gemv: bool,
 }
 
 /// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
@@ -45,10 +49,7 @@ pub struct CudaModel {
     /// that pad a decode batch up to a captured graph's size write and read only it.
     pub num_blocks: usize,
     inv_freq: DeviceBuffer<f32>,
-    meta_dev: DeviceBuffer<i32>,
-    meta_host: PinnedBuffer<i32>,
-    /// Bumped whenever the metadata buffer moves (a captured graph must then be re-captured).
-    pub meta_generation: u64,
+    meta: MetaBuffers,
     host_tokens: PinnedBuffer<i32>,
     host_logprobs: PinnedBuffer<f32>,
     host_top_ids: PinnedBuffer<i32>,
@@ -58,24 +59,27 @@ pub struct CudaModel {
     scale: f32,
     attn_factor: f32,
     eps: f32,
+    route: RouteParams,
     /// Bytes measured for the activation workspace (cuMemGetInfo before/after allocating it).
     pub activation_bytes: usize,
     /// Forces the decode split count (tests comparing eager steps with a captured graph).
     pub decode_splits_override: Option<usize>,
-    /// Linear layers of steps with at most 4 rows (decode at small batch).
-    pub gemv: super::gemv::Gemv,
-    /// MoE layers of steps with at most `MOE_GEMV_MAX_TOKENS` tokens.
-    pub moe_small: MoeSmall,
+    /// Which kernel runs the dense projections of small steps.
+    pub linears: SmallLinear,
 }
 
-fn meta_len(l: &Limits, max_blocks_per_seq: usize) -> usize {
-    // tokens/positions/slots, prefill tables and passes, decode block tables, sampling params.
-    8 * l.max_tokens
-        + 16 * l.max_seqs
-        + l.max_seqs * max_blocks_per_seq
-        + 4 * l.max_kv_chunk
-        + 2 * l.max_logit_rows
-        + 64
+/// What both attention paths of one layer read besides the activations.
+struct LayerAttention<'a> {
+    /// The layer's slice of the latent cache.
+    cache: DSlice<'a, bf16>,
+    kv_b: Linear<'a>,
+    /// The step's metadata on the device.
+    words: DSlice<'a, i32>,
+}
+
+/// Activations as `Strided` rows of `width` (packed).
+fn rows<T>(buf: &DeviceBuffer<T>, width: usize) -> Strided<'_, T> {
+    Strided::new(buf.slice(), width)
 }
 
 impl CudaModel {
@@ -83,12 +87,17 @@ impl CudaModel {
         super::check_supported(&cfg)?;
         dev.gpu.sync()?;
         let max_model_len = opts.max_model_len.min(cfg.max_position_embeddings).max(1);
-        let max_blocks_per_seq = max_model_len.div_ceil(PAGE_SIZE);
+        let lim = MetaLimits {
+            max_tokens: opts.limits.max_tokens,
+            max_seqs: opts.limits.max_seqs,
+            max_logit_rows: opts.limits.max_logit_rows,
+            max_kv_chunk: opts.limits.max_kv_chunk,
+            max_blocks_per_seq: max_model_len.div_ceil(PAGE_SIZE),
+            vocab: cfg.vocab_size,
+        };
         let (free0, total) = dev.gpu.mem_info()?;
         let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count)?;
-        let meta_words = meta_len(&opts.limits, max_blocks_per_seq);
-        let meta_dev = DeviceBuffer::alloc(meta_words)?;
-        let meta_host = PinnedBuffer::alloc(meta_words)?;
+        let meta = MetaBuffers::new(&lim)?;
         let (free1, _) = dev.gpu.mem_info()?;
         let activation_bytes = free0.saturating_sub(free1);
         let row_bytes = cfg.num_hidden_layers * cfg.kv_cache_dim() * 2;
@@ -117,27 +126,18 @@ impl CudaModel {
         let cache = DeviceBuffer::alloc((num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cfg.kv_cache_dim())?;
         let inv_freq = DeviceBuffer::from_host(&cfg.rope_inv_freq())?;
         let s = opts.limits.max_seqs;
-        let lim = MetaLimits {
-            max_tokens: opts.limits.max_tokens,
-            max_seqs: s,
-            max_logit_rows: opts.limits.max_logit_rows,
-            max_kv_chunk: opts.limits.max_kv_chunk,
-            max_blocks_per_seq,
-            vocab: cfg.vocab_size,
-        };
         Ok(CudaModel {
             scale: cfg.softmax_scale() as f32,
             attn_factor: cfg.rope_attention_factor() as f32,
             eps: cfg.rms_norm_eps as f32,
+            route: RouteParams::of(&cfg),
             cfg,
             weights,
             ws,
             cache,
             num_blocks,
             inv_freq,
-            meta_dev,
-            meta_host,
-            meta_generation: 0,
+            meta,
             host_tokens: PinnedBuffer::alloc(s)?,
             host_logprobs: PinnedBuffer::alloc(s)?,
             host_top_ids: PinnedBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
@@ -146,8 +146,7 @@ impl CudaModel {
             max_model_len,
             activation_bytes,
             decode_splits_override: None,
-            gemv: super::gemv::Gemv::load(dev, true)?,
-            moe_small: MoeSmall::load(dev, true)?,
+            linears: SmallLinear::new(opts.small_batch_gemv),
         })
     }
 
@@ -160,18 +159,14 @@ impl CudaModel {
         self.num_blocks
     }
 
-    fn layer_cache(&self, layer: usize) -> DSlice<bf16> {
+    fn layer_cache(&self, layer: usize) -> DSlice<'_, bf16> {
         let per = (self.num_blocks + 1) * PAGE_SIZE * self.cfg.kv_cache_dim();
         self.cache.sub(layer * per, per)
     }
 
-    /// Words the device metadata buffer holds now.
-    pub fn meta_words(&self) -> usize {
-        self.meta_dev.len()
-    }
-
-    fn meta(&self, off: usize, len: usize) -> DSlice<i32> {
-        self.meta_dev.sub(off, len)
+    /// Words of the metadata buffer every decode step (and every captured graph) reads.
+    pub fn graph_meta_words(&self) -> usize {
+        self.meta.fixed_words()
     }
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results.
@@ -180,14 +175,14 @@ impl CudaModel {
         if plan.seqs.is_empty() {
             return Ok(StepOutput::default());
         }
-        let meta = StepMeta::build(plan, &self.lim)?;
-        let run = |me: &mut Self| -> anyhow::Result<StepOutput> {
-            me.upload_meta(dev, &meta)?;
-            let splits = me.default_decode_splits(dev, &meta);
-            me.queue_forward(dev, &meta, splits)?;
-            me.read_outputs(dev, &meta)
+        let mut meta = StepMeta::build(plan, &self.lim)?;
+        let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
+            me.upload_meta(dev, meta)?;
+            let splits = me.default_decode_splits(dev, meta);
+            me.queue_forward(dev, meta, splits)?;
+            me.read_outputs(dev, meta)
         };
-        let out = run(self);
+        let out = run(self, &mut meta);
         if out.is_err() {
             // Leave no copy or kernel of the failed step in flight.
             let _ = dev.gpu.sync();
@@ -196,31 +191,19 @@ impl CudaModel {
     }
 
     pub fn default_decode_splits(&self, dev: &Device, meta: &StepMeta) -> usize {
+        let max_pages = meta.decode().map_or(1, |d| d.max_pages);
         self.decode_splits_override
-            .unwrap_or_else(|| dev.k.decode_splits(meta.seqs, self.cfg.num_attention_heads, meta.max_pages))
+            .unwrap_or_else(|| dev.k.attention.splits(meta.seqs, self.cfg.num_attention_heads, max_pages))
     }
 
     /// Decode splits a graph captured for `batch` sequences uses (valid for any context length).
     pub fn graph_decode_splits(&self, dev: &Device, batch: usize) -> usize {
-        dev.k.decode_splits(batch, self.cfg.num_attention_heads, self.lim.max_blocks_per_seq)
+        dev.k.attention.splits(batch, self.cfg.num_attention_heads, self.lim.max_blocks_per_seq)
     }
 
-    /// Copies the step's metadata into the device buffer (growing it outside any capture). The
-    /// previous step ended with a synchronisation, so the pinned staging buffer is free.
-    pub fn upload_meta(&mut self, dev: &Device, meta: &StepMeta) -> anyhow::Result<()> {
-        if meta.words.len() > self.meta_dev.len() {
-            dev.gpu.sync()?;
-            let n = meta.words.len().next_power_of_two();
-            self.meta_dev = DeviceBuffer::alloc(n)?;
-            self.meta_host = PinnedBuffer::alloc(n)?;
-            self.meta_generation += 1;
-        }
-        let host = self.meta_host.as_mut_slice();
-        host[..meta.words.len()].copy_from_slice(&meta.words);
-        for &(a, b) in &meta.upload {
-            self.meta_host.copy_to_device(a, b - a, self.meta_dev.sub(a, b - a), dev.stream())?;
-        }
-        Ok(())
+    /// Queues the copies of the step's metadata and penalty entries (see `MetaBuffers`).
+    pub fn upload_meta(&mut self, dev: &Device, meta: &mut StepMeta) -> anyhow::Result<()> {
+        self.meta.upload(dev, meta)
     }
 
     /// Queues the whole forward pass and sampling for an uploaded step (graph-capturable).
@@ -229,215 +212,244 @@ impl CudaModel {
         let cfg = &self.cfg;
         let (t, hidden) = (m.tokens, cfg.hidden_size);
         let ws = &self.ws;
-        let eps = self.eps;
-        k.embedding(
-            s,
-            self.weights.embed.buf.slice(),
-            cfg.vocab_size,
-            self.meta(m.tok, t),
-            ws.residual.slice(),
-            t,
+        let words = self.meta.words_for(m.words.len());
+        let embedding = Embedding {
+            table: self.weights.embed.buf.slice(),
+            vocab: cfg.vocab_size,
+            ids: m.token_ids.on(words),
+            out: ws.residual.slice(),
+            tokens: t,
             hidden,
-        )?;
+        };
+        k.elementwise.embedding(s, &embedding)?;
         for (l, lw) in self.weights.layers.iter().enumerate() {
             if l == 0 {
-                k.rmsnorm_f32(s, ws.residual.slice(), lw.input_norm.slice(), ws.h.slice(), t, hidden, eps)?;
-            } else {
-                k.add_rmsnorm(
-                    s,
-                    ws.residual.slice(),
-                    ws.ffn_out.slice(),
-                    lw.input_norm.slice(),
-                    ws.h.slice(),
-                    t,
+                let norm = RmsNormF32 {
+                    x: ws.residual.slice(),
+                    weight: lw.input_norm.slice(),
+                    out: ws.h.slice(),
+                    rows: t,
                     hidden,
-                    eps,
-                )?;
+                    eps: self.eps,
+                };
+                k.elementwise.rmsnorm_f32(s, &norm)?;
+            } else {
+                self.add_norm(dev, ws.ffn_out.slice(), lw.input_norm.slice(), t)?;
             }
-            self.attention(dev, l, m, decode_splits)?;
-            k.add_rmsnorm(
-                s,
-                ws.residual.slice(),
-                ws.delta.slice(),
-                lw.post_norm.slice(),
-                ws.h.slice(),
-                t,
-                hidden,
-                eps,
-            )?;
+            self.attention(dev, l, m, words, decode_splits)?;
+            self.add_norm(dev, ws.delta.slice(), lw.post_norm.slice(), t)?;
             match &lw.ffn {
                 FfnWeights::Dense(mlp) => self.mlp(dev, mlp, t, ws.ffn_out.slice())?,
                 FfnWeights::Moe(moe) => self.moe(dev, moe, t)?,
             }
         }
-        k.add_rmsnorm(
-            s,
-            ws.residual.slice(),
-            ws.ffn_out.slice(),
-            self.weights.norm.slice(),
-            ws.h.slice(),
-            t,
-            hidden,
-            eps,
-        )?;
-        if m.logit_rows > 0 {
-            let r = m.logit_rows;
-            k.gather_rows(s, ws.h.slice(), self.meta(m.logit_src, r), ws.h_rows.slice(), r, hidden)?;
+        self.add_norm(dev, ws.ffn_out.slice(), self.weights.norm.slice(), t)?;
+        let r = m.logit_rows();
+        if r > 0 {
+            k.elementwise.gather_rows(s, ws.h.slice(), m.logit_src.on(words), ws.h_rows.slice(), r, hidden)?;
             let v = cfg.vocab_size;
-            self.gemv.linear_f32_out(
-                dev,
-                &self.weights.output_projection(),
-                ws.h_rows.slice(),
-                hidden,
-                r,
-                ws.logits.slice(),
-                v,
-            )?;
+            let head = self.weights.output_projection();
+            self.linears.linear_f32_out(dev, &head, rows(&ws.h_rows, hidden), r, rows(&ws.logits, v))?;
         }
         if m.sample_rows > 0 {
-            let n = m.sample_rows;
-            let params = self.meta(m.params, n * 12);
-            // SAFETY: the params section holds `n` SampleParamsRaw (12 words each, 8-byte aligned).
-            let params = unsafe { DSlice::<SampleParamsRaw>::from_raw(params.ptr, n) };
             let out = SamplerOutputs {
                 token: ws.sampled_token.slice(),
                 logprob: ws.sampled_logprob.slice(),
                 top_ids: ws.top_ids.slice(),
                 top_lps: ws.top_lps.slice(),
             };
-            k.sample(
-                s,
-                ws.logits.slice(),
-                cfg.vocab_size,
-                n,
-                cfg.vocab_size,
-                params,
-                self.meta_dev.tail(m.pen),
-                ws.sample_work.slice(),
-                &out,
-            )?;
+            let p = Sample {
+                logits: ws.logits.slice(),
+                stride: cfg.vocab_size,
+                rows: m.sample_rows,
+                vocab: cfg.vocab_size,
+                params: m.sampling.on(words),
+                penalty_table: m.penalty_table.on(words),
+                work: ws.sample_work.slice(),
+                out,
+            };
+            k.sampling.sample(s, &p)?;
         }
         Ok(())
     }
 
-    fn attention(&self, dev: &Device, l: usize, m: &StepMeta, decode_splits: usize) -> anyhow::Result<()> {
-        let (s, k, blas) = (dev.stream(), &dev.k, &dev.blas);
+    /// `residual += delta; h = rmsnorm(residual) * weight` over the step's rows.
+    fn add_norm(&self, dev: &Device, delta: DSlice<bf16>, weight: DSlice<bf16>, t: usize) -> anyhow::Result<()> {
+        let p = AddRmsNorm {
+            residual: self.ws.residual.slice(),
+            delta,
+            weight,
+            out: self.ws.h.slice(),
+            rows: t,
+            hidden: self.cfg.hidden_size,
+            eps: self.eps,
+        };
+        dev.k.elementwise.add_rmsnorm(dev.stream(), &p)
+    }
+
+    fn attention(
+        &self,
+        dev: &Device,
+        l: usize,
+        m: &StepMeta,
+        words: DSlice<i32>,
+        decode_splits: usize,
+    ) -> anyhow::Result<()> {
+        let (s, k) = (dev.stream(), &dev.k);
         let cfg = &self.cfg;
         let ws = &self.ws;
         let lw = &self.weights.layers[l];
         let (t, hidden, heads) = (m.tokens, cfg.hidden_size, cfg.num_attention_heads);
         let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
-        let h = ws.h.slice();
+        let h = rows(&ws.h, hidden);
         // q (or q_a) and kv_a both read h: one launch at small batch.
-        let kv_a = (&lw.kv_a.lin(), ws.kva.slice(), lat);
+        let kv_a = lw.kv_a.lin();
         match &lw.query {
             QueryWeights::Direct(q) => {
-                self.gemv.linear_pair(dev, h, hidden, t, (&q.lin(), ws.q.slice(), heads * qd), kv_a)?
+                self.linears.linear_pair(dev, h, t, (&q.lin(), rows(&ws.q, heads * qd)), (&kv_a, rows(&ws.kva, lat)))?
             }
             QueryWeights::LowRank { a, a_norm, b } => {
                 let r = a.out;
-                self.gemv.linear_pair(dev, h, hidden, t, (&a.lin(), ws.q_a.slice(), r), kv_a)?;
-                k.rmsnorm_bf16(s, ws.q_a.slice(), r, a_norm.slice(), ws.q_a_normed.slice(), r, t, r, self.eps)?;
-                self.gemv.linear(dev, &b.lin(), ws.q_a_normed.slice(), r, t, ws.q.slice(), heads * qd)?;
+                self.linears.linear_pair(dev, h, t, (&a.lin(), rows(&ws.q_a, r)), (&kv_a, rows(&ws.kva, lat)))?;
+                let norm = RmsNormBf16 {
+                    x: ws.q_a.slice(),
+                    x_stride: r,
+                    weight: a_norm.slice(),
+                    out: ws.q_a_normed.slice(),
+                    out_stride: r,
+                    rows: t,
+                    width: r,
+                    eps: self.eps,
+                };
+                k.elementwise.rmsnorm_bf16(s, &norm)?;
+                self.linears.linear(dev, &b.lin(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
             }
         }
         let cache = self.layer_cache(l);
-        let decode = m.kind == StepKind::Decode;
         let kv_b = lw.kv_b.lin();
         // Small decode steps absorb the queries in the rope/cache launch (latent_cache.cu).
+        let decode = matches!(m.layout, StepLayout::Decode(_));
         let absorb_in_rope = decode && t <= SMALL_DECODE_TOKENS;
-        k.rope_cache(
-            s,
-            &RopeCache {
-                tokens: t,
+        let rope = RopeCache {
+            tokens: t,
+            heads,
+            nope: NOPE,
+            kv_lora_rank: LATENT,
+            rope_dim: ROPE,
+            kva: ws.kva.slice(),
+            kva_stride: lat,
+            kv_norm_w: lw.kv_a_norm.slice(),
+            q: ws.q.slice(),
+            q_stride: heads * qd,
+            q_pe_out: decode.then(|| (ws.q_abs.slice().tail(LATENT), heads * lat, lat)),
+            positions: m.positions.on(words),
+            slots: m.slots.on(words),
+            inv_freq: self.inv_freq.slice(),
+            attn_factor: self.attn_factor,
+            eps: self.eps,
+            cache,
+            absorb: absorb_in_rope.then(|| AbsorbQ {
+                kv_b: kv_b.w,
+                v_dim: V_HEAD,
+                q_abs: ws.q_abs.slice(),
+                row_stride: heads * lat,
+                head_stride: lat,
+            }),
+        };
+        k.latent.rope_cache(s, &rope)?;
+        let layer = LayerAttention { cache, kv_b, words };
+        match &m.layout {
+            StepLayout::Decode(d) => {
+                if !absorb_in_rope {
+                    dev.blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
+                }
+                self.decode_attention(dev, d, t, &layer, decode_splits)?;
+            }
+            StepLayout::Prefill(p) => self.prefill_attention(dev, p, m, &layer)?,
+        }
+        self.linears.linear(dev, &lw.o_proj.lin(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
+        Ok(())
+    }
+
+    /// The absorbed path: attention over the latent cache in latent space, then W_UV.
+    fn decode_attention(
+        &self,
+        dev: &Device,
+        d: &DecodeLayout,
+        t: usize,
+        layer: &LayerAttention,
+        decode_splits: usize,
+    ) -> anyhow::Result<()> {
+        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
+        let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
+        let p = DecodeAttention {
+            batch: t,
+            heads: self.cfg.num_attention_heads,
+            q: ws.q_abs.slice(),
+            cache,
+            block_tables: d.block_tables.on(words),
+            bt_stride: d.bt_stride.on(words),
+            seq_lens: d.seq_lens.on(words),
+            num_splits: decode_splits,
+            out: ws.o_lat.slice(),
+            part_o: ws.part_o.slice(),
+            part_lse: ws.part_lse.slice(),
+            scale: self.scale,
+        };
+        if t <= COMBINE_ABSORB_MAX_BATCH {
+            // Small steps: the split merge and W_UV in one launch after the partials.
+            k.attention.decode_partials(s, &p)?;
+            k.attention.decode_combine_absorb_o(s, &p.partials(), kv_b, ws.attn_out.slice())
+        } else {
+            k.attention.decode(s, &p)?;
+            dev.blas.absorb_o(kv_b, p.heads, ws.o_lat.slice(), t, ws.attn_out.slice())
+        }
+    }
+
+    /// The normal path: per pass over a window of cached keys, decompress them through kv_b and
+    /// run causal flash attention, carrying the running state between passes.
+    fn prefill_attention(
+        &self,
+        dev: &Device,
+        p: &PrefillLayout,
+        m: &StepMeta,
+        layer: &LayerAttention,
+    ) -> anyhow::Result<()> {
+        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
+        let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
+        let heads = self.cfg.num_attention_heads;
+        let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
+        for pass in &p.passes {
+            k.elementwise.gather_rows(s, cache, pass.slots.on(words), ws.latent.slice(), pass.keys, lat)?;
+            dev.blas.linear(kv_b, rows(&ws.latent, lat), pass.keys, rows(&ws.kv, kvw))?;
+            let a = PrefillAttention {
                 heads,
-                nope: NOPE,
-                kv_lora_rank: LATENT,
-                rope_dim: ROPE,
-                kva: ws.kva.slice(),
-                kva_stride: lat,
-                kv_norm_w: lw.kv_a_norm.slice(),
+                q_rows: m.tokens,
                 q: ws.q.slice(),
                 q_stride: heads * qd,
-                q_pe_out: decode.then(|| (ws.q_abs.slice().tail(LATENT), heads * lat, lat)),
-                positions: self.meta(m.pos, t),
-                slots: self.meta(m.slot, t),
-                inv_freq: self.inv_freq.slice(),
-                attn_factor: self.attn_factor,
-                eps: self.eps,
-                cache,
-                absorb: absorb_in_rope.then(|| AbsorbQ {
-                    kv_b: kv_b.w,
-                    v_dim: V_HEAD,
-                    q_abs: ws.q_abs.slice(),
-                    row_stride: heads * lat,
-                    head_stride: lat,
-                }),
-            },
-        )?;
-        if decode {
-            if !absorb_in_rope {
-                blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
-            }
-            let p = DecodeAttention {
-                batch: t,
-                heads,
-                q: ws.q_abs.slice(),
-                cache,
-                block_tables: self.meta_dev.tail(m.block_tables),
-                bt_stride: self.meta(m.bt_stride, 1),
-                seq_lens: self.meta(m.seq_lens, t),
-                num_splits: decode_splits,
-                out: ws.o_lat.slice(),
-                part_o: ws.part_o.slice(),
-                part_lse: ws.part_lse.slice(),
+                k_rows: pass.keys,
+                kv: ws.kv.slice(),
+                kv_stride: kvw,
+                kpe: ws.latent.slice().tail(LATENT),
+                kpe_stride: lat,
+                out: ws.attn_out.slice(),
+                out_stride: heads * V_HEAD,
+                state_o: ws.state_o.slice(),
+                state_ml: ws.state_ml.slice(),
+                tiles: p.tile_seq.len,
+                tile_seq: p.tile_seq.on(words),
+                tile_q0: p.tile_q0.on(words),
+                seqs: m.seqs,
+                cu_q: p.cu_q.on(words),
+                q_pos0: p.q_pos0.on(words),
+                k_row0: pass.k_row0.on(words),
+                k_pos0: pass.k_pos0.on(words),
+                k_len: pass.k_len.on(words),
                 scale: self.scale,
+                pass: PrefillPass { load_state: pass.load_state, last: pass.last },
             };
-            if t <= COMBINE_ABSORB_MAX_BATCH {
-                // Small steps: the split merge and W_UV in one launch after the partials.
-                k.decode_attention_partials(s, &p)?;
-                k.decode_combine_absorb_o(s, p.part_o, p.part_lse, heads, p.num_splits, t, &kv_b, ws.attn_out.slice())?;
-            } else {
-                k.decode_attention(s, &p)?;
-                blas.absorb_o(&kv_b, heads, ws.o_lat.slice(), t, ws.attn_out.slice())?;
-            }
-        } else {
-            let kvw = heads * (NOPE + V_HEAD);
-            for p in &m.passes {
-                k.gather_latent(s, cache, self.meta(p.slots, p.keys), ws.latent.slice(), p.keys, lat)?;
-                blas.linear(&kv_b, ws.latent.slice(), lat, p.keys, ws.kv.slice(), kvw)?;
-                k.prefill_attention(
-                    s,
-                    &PrefillAttention {
-                        heads,
-                        q_rows: t,
-                        q: ws.q.slice(),
-                        q_stride: heads * qd,
-                        k_rows: p.keys,
-                        kv: ws.kv.slice(),
-                        kv_stride: kvw,
-                        kpe: ws.latent.slice().tail(LATENT),
-                        kpe_stride: lat,
-                        out: ws.attn_out.slice(),
-                        out_stride: heads * V_HEAD,
-                        state_o: ws.state_o.slice(),
-                        state_ml: ws.state_ml.slice(),
-                        tiles: m.tiles,
-                        tile_seq: self.meta(m.tile_seq, m.tiles),
-                        tile_q0: self.meta(m.tile_q0, m.tiles),
-                        seqs: m.seqs,
-                        cu_q: self.meta(m.cu_q, m.seqs + 1),
-                        q_pos0: self.meta(m.q_pos0, m.seqs),
-                        k_row0: self.meta(p.k_row0, m.seqs),
-                        k_pos0: self.meta(p.k_pos0, m.seqs),
-                        k_len: self.meta(p.k_len, m.seqs),
-                        scale: self.scale,
-                        pass: PrefillPass { load_state: p.load_state, last: p.last },
-                    },
-                )?;
-            }
+            k.attention.prefill(s, &a)?;
         }
-        self.gemv.linear(dev, &lw.o_proj.lin(), ws.attn_out.slice(), heads * V_HEAD, t, ws.delta.slice(), hidden)?;
         Ok(())
     }
 
@@ -445,9 +457,9 @@ impl CudaModel {
         let hidden = self.cfg.hidden_size;
         let inter = w.down.inp;
         let ws = &self.ws;
-        self.gemv.linear(dev, &w.gate_up.lin(), ws.h.slice(), hidden, t, ws.gate_up.slice(), 2 * inter)?;
-        dev.k.silu_mul(dev.stream(), ws.gate_up.slice(), ws.act.slice(), t, inter)?;
-        self.gemv.linear(dev, &w.down.lin(), ws.act.slice(), inter, t, out, hidden)?;
+        self.linears.linear(dev, &w.gate_up.lin(), rows(&ws.h, hidden), t, rows(&ws.gate_up, 2 * inter))?;
+        dev.k.elementwise.silu_mul(dev.stream(), ws.gate_up.slice(), ws.act.slice(), t, inter)?;
+        self.linears.linear(dev, &w.down.lin(), rows(&ws.act, inter), t, Strided::new(out, hidden))?;
         Ok(())
     }
 
@@ -457,27 +469,10 @@ impl CudaModel {
         let hidden = cfg.hidden_size;
         let ws = &self.ws;
         let mb = ws.moe.as_ref().expect("MoE buffers exist when a layer is MoE");
-        let r = mb.routing(t, cfg, k.moe_tile_m(t, cfg.num_experts_per_tok, cfg.n_routed_experts));
+        let r = mb.routing(t, cfg, k.grouped_gemm.tile_for(t, cfg.num_experts_per_tok, cfg.n_routed_experts));
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
-        let method = match (cfg.topk_method, cfg.n_group) {
-            (TopkMethod::Greedy, _) => RouteMethod::Greedy,
-            (TopkMethod::GroupLimitedGreedy, _) => RouteMethod::GroupLimited,
-            (TopkMethod::NoauxTc, _) => RouteMethod::NoauxTc,
-        };
-        let route = |logits: DSlice<f32>| {
-            k.moe_route(
-                s,
-                logits,
-                w.bias.as_ref().map(|b| b.slice()),
-                &r,
-                method,
-                cfg.n_group,
-                cfg.topk_group,
-                cfg.norm_topk_prob,
-                cfg.routed_scaling_factor as f32,
-            )
-        };
-        if self.moe_small.takes(cfg, w, t) {
+        let route = |logits: DSlice<f32>| k.moe.route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, &self.route);
+        if moe_small::takes(cfg, w, t) {
             let io = MoeSmallIo {
                 tokens: t,
                 x: ws.h.slice(),
@@ -487,26 +482,27 @@ impl CudaModel {
                 act_shared: mb.grouped_gate_up.slice(),
                 out: ws.ffn_out.slice(),
             };
-            self.moe_small.router(dev, cfg, w, &io)?;
+            moe_small::router(dev, cfg, w, &io)?;
             route(mb.router_logits.slice())?;
-            return self.moe_small.experts(dev, cfg, w, &io);
+            return moe_small::experts(dev, cfg, w, &io);
         }
-        k.bf16_to_f32(s, ws.h.slice(), mb.h_f32.slice(), t * hidden)?;
+        k.elementwise.bf16_to_f32(s, ws.h.slice(), mb.h_f32.slice(), t * hidden)?;
         dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
         route(mb.router_logits.slice())?;
-        k.moe_align(s, &r)?;
-        k.moe_gather(s, ws.h.slice(), &r, mb.grouped_x.slice(), hidden)?;
-        k.moe_gate_up_act(
-            s,
-            mb.grouped_x.slice(),
-            w.gate_up.slice(),
-            mb.grouped_gate_up.slice(),
-            mb.grouped_act.slice(),
-            im,
-            hidden,
-            &r,
-        )?;
-        k.moe_grouped_gemm(s, mb.grouped_act.slice(), w.down.slice(), mb.grouped_y.slice(), hidden, im, &r)?;
+        k.moe.align(s, &r)?;
+        k.elementwise.gather_rows(s, ws.h.slice(), r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
+        let gate_up = GroupedGateUp {
+            a: mb.grouped_x.slice(),
+            w: w.gate_up.slice(),
+            gate_up: mb.grouped_gate_up.slice(),
+            act: mb.grouped_act.slice(),
+            inter: im,
+            k: hidden,
+        };
+        k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
+        let down =
+            GroupedGemm { a: mb.grouped_act.slice(), w: w.down.slice(), c: mb.grouped_y.slice(), n: hidden, k: im };
+        k.grouped_gemm.gemm(s, &down, &r)?;
         let shared = match &w.shared {
             Some(sh) => {
                 self.mlp(dev, sh, t, mb.shared_out.slice())?;
@@ -514,7 +510,7 @@ impl CudaModel {
             }
             None => None,
         };
-        k.moe_combine(s, mb.grouped_y.slice(), &r, shared, ws.ffn_out.slice(), hidden)?;
+        k.moe.combine(s, mb.grouped_y.slice(), &r, shared, ws.ffn_out.slice(), hidden)?;
         Ok(())
     }
 
@@ -533,7 +529,7 @@ impl CudaModel {
         dev.gpu.sync()?;
         let v = self.cfg.vocab_size;
         let logits = if m.outputs.iter().any(|o| !o.logit_rows.is_empty()) {
-            crate::gpu::download_slice(self.ws.logits.sub(0, m.logit_rows * v))?
+            crate::gpu::download_slice(self.ws.logits.sub(0, m.logit_rows() * v))?
         } else {
             vec![]
         };

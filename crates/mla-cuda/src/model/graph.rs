@@ -13,57 +13,6 @@ pub struct DecodeGraph {
     graph: Graph,
     pub batch: usize,
     pub splits: usize,
-    sample_rows: usize,
-    logit_rows: usize,
-    generation: u64,
-}
-
-impl CudaModel {
-    fn decode_meta(&self, plan: &StepPlan) -> anyhow::Result<StepMeta> {
-        anyhow::ensure!(plan.kind == StepKind::Decode, "only decode steps are captured as graphs");
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
-        anyhow::ensure!(!plan.seqs.is_empty(), "an empty step has nothing to capture");
-        StepMeta::build(plan, &self.lim)
-    }
-
-    /// Captures the decode step of `plan` (any plan of the same batch size and output shape
-    /// replays it), runs it once and returns its output.
-    pub fn capture_decode(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<(DecodeGraph, StepOutput)> {
-        let meta = self.decode_meta(plan)?;
-        self.upload_meta(dev, &meta)?;
-        // Splits sized for the longest context the model accepts; shorter ones leave splits empty.
-        let splits = self.graph_decode_splits(dev, meta.seqs);
-        let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits))?;
-        let g = DecodeGraph {
-            graph,
-            batch: meta.seqs,
-            splits,
-            sample_rows: meta.sample_rows,
-            logit_rows: meta.logit_rows,
-            generation: self.meta_generation,
-        };
-        g.graph.launch(dev.stream())?;
-        let out = self.read_outputs(dev, &meta)?;
-        Ok((g, out))
-    }
-
-    pub fn replay_decode(&mut self, dev: &Device, g: &DecodeGraph, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        let meta = self.decode_meta(plan)?;
-        anyhow::ensure!(
-            meta.seqs == g.batch && meta.sample_rows == g.sample_rows && meta.logit_rows == g.logit_rows,
-            "graph captured for {} sequences ({} sampled, {} logit rows); step has {} ({}, {})",
-            g.batch,
-            g.sample_rows,
-            g.logit_rows,
-            meta.seqs,
-            meta.sample_rows,
-            meta.logit_rows
-        );
-        self.upload_meta(dev, &meta)?;
-        anyhow::ensure!(self.meta_generation == g.generation, "the metadata buffer moved since capture; capture again");
-        g.graph.launch(dev.stream())?;
-        self.read_outputs(dev, &meta)
-    }
 }
 
 /// Decode graphs for a set of batch-size buckets, captured once at startup. A decode step of
@@ -77,11 +26,6 @@ pub struct DecodeGraphs {
     graphs: Vec<DecodeGraph>,
     /// Device memory the captures took (cuMemGetInfo before/after).
     pub bytes: usize,
-    /// What was asked for, to capture again when the metadata buffer moves.
-    sizes: Vec<usize>,
-    budget: usize,
-    /// Times the set was captured again.
-    pub recaptures: u64,
     /// Padding rows `0 .. largest batch` (`pad_rows`); a step of `n` borrows `n .. batch`.
     pads: Vec<SeqStep>,
     /// The last replay's metadata words, whose allocation the next replay reuses.
@@ -179,8 +123,6 @@ impl CudaModel {
         budget: usize,
     ) -> anyhow::Result<DecodeGraphs> {
         let mut set = DecodeGraphs {
-            sizes: sizes.to_vec(),
-            budget,
             pads: pad_rows(sizes.iter().copied().max().unwrap_or(0), self.pad_block()),
             ..Default::default()
         };
@@ -190,8 +132,8 @@ impl CudaModel {
             dev.gpu.sync()?;
             let (free0, _) = dev.gpu.mem_info()?;
             let plan = self.padded_plan(&empty, b);
-            let meta = StepMeta::build(&plan, &self.lim)?;
-            self.upload_meta(dev, &meta)?;
+            let mut meta = StepMeta::build(&plan, &self.lim)?;
+            self.upload_meta(dev, &mut meta)?;
             let splits = self.graph_decode_splits(dev, b);
             let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits))?;
             graph.launch(dev.stream())?;
@@ -203,68 +145,38 @@ impl CudaModel {
                 break;
             }
             set.bytes += took;
-            set.graphs.push(DecodeGraph {
-                graph,
-                batch: b,
-                splits,
-                sample_rows: meta.sample_rows,
-                logit_rows: meta.logit_rows,
-                generation: self.meta_generation,
-            });
+            set.graphs.push(DecodeGraph { graph, batch: b, splits });
         }
         Ok(set)
     }
 
     /// Runs a step from a captured graph when one fits (see `DecodeGraphs`); `None` means the
-    /// caller must run it eagerly. A step whose metadata outgrows the device buffer (long
-    /// penalty histories) runs eagerly, which grows the buffer; the graphs, which hold its old
-    /// address, are then captured again before the next replay, never replayed stale.
+    /// caller must run it eagerly. The graphs read the metadata from a buffer that never moves
+    /// (`MetaBuffers`), so a replay is valid whatever the step's penalty history.
     pub fn step_with_graphs(
         &mut self,
         dev: &Device,
         set: &mut DecodeGraphs,
         plan: &StepPlan,
     ) -> Option<anyhow::Result<(StepOutput, ReplayTimes)>> {
-        let mut i = set.pick(plan)?;
-        if set.graphs[i].generation != self.meta_generation {
-            let t = std::time::Instant::now();
-            let (sizes, budget, recaptures) = (std::mem::take(&mut set.sizes), set.budget, set.recaptures);
-            // Free the old graphs first: their memory counts against the same budget.
-            *set = DecodeGraphs::default();
-            match self.capture_decode_buckets(dev, &sizes, budget) {
-                Ok(fresh) => *set = DecodeGraphs { recaptures: recaptures + 1, ..fresh },
-                Err(e) => {
-                    tracing::error!("capturing the CUDA graphs again failed ({e:#}); decode runs eagerly from now on");
-                    return None;
-                }
-            }
-            tracing::info!(
-                "the step metadata buffer grew: CUDA graphs captured again in {:.2}s",
-                t.elapsed().as_secs_f64()
-            );
-            i = set.pick(plan)?;
-        }
+        let i = set.pick(plan)?;
         if let Err(e) = plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len) {
             return Some(Err(e.into()));
         }
         let words = std::mem::take(&mut set.spare_words);
         let g = &set.graphs[i];
-        let meta = match graph_step_meta(plan, &set.pads, g.batch, &self.lim, words) {
+        let mut meta = match graph_step_meta(plan, &set.pads, g.batch, &self.lim, words) {
             Ok(m) => m,
             Err(e) => return Some(Err(e)),
         };
-        if meta.words.len() > self.meta_words() {
-            // Uploading would move the buffer under the graphs: the eager path grows it.
-            return None;
-        }
-        let run = |me: &mut Self| -> anyhow::Result<(StepOutput, ReplayTimes)> {
-            me.upload_meta(dev, &meta)?;
+        let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<(StepOutput, ReplayTimes)> {
+            me.upload_meta(dev, meta)?;
             g.graph.launch(dev.stream())?;
             let launched = std::time::Instant::now();
-            let out = me.read_outputs(dev, &meta)?;
+            let out = me.read_outputs(dev, meta)?;
             Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
         };
-        let r = run(self);
+        let r = run(self, &mut meta);
         if r.is_err() {
             let _ = dev.gpu.sync();
         }

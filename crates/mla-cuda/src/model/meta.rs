@@ -1,23 +1,14 @@
 //! Per-step metadata: everything a step's kernels read besides weights, cache and activations,
-//! built on the host from a `StepPlan` into one array of 32-bit words and uploaded with at most
-//! two copies. Decode steps use a layout whose offsets depend only on the batch size, so a CUDA
-//! graph captured for that size stays valid: what changes between steps (tokens, lengths, block
-//! tables, sampling parameters) is data the kernels read, never a launch argument.
+//! built on the host from a `StepPlan` into one array of 32-bit words (typed `Section`s, see
+//! `meta_words`) and uploaded with one copy. Decode steps use a layout whose offsets
+//! depend only on the batch size, so a CUDA graph captured for that size stays valid: what changes
+//! between steps (tokens, lengths, block tables, sampling parameters) is data the kernels read,
+//! never a launch argument. The penalty entries, whose count grows with the outputs, live in a
+//! buffer of their own whose address is itself one of the words.
 
-use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE};
-use mla_core::plan::{slot_of, LogitsRequest, SeqStep, StepKind, StepPlan};
-
-/// One prefill pass over a window of cached keys per sequence.
-#[derive(Debug, Clone)]
-pub struct PassMeta {
-    pub keys: usize,
-    pub slots: usize,
-    pub k_row0: usize,
-    pub k_pos0: usize,
-    pub k_len: usize,
-    pub load_state: bool,
-    pub last: bool,
-}
+use super::meta_words::{Arena, Section};
+use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE, PREFILL_TILE_Q};
+use mla_core::plan::{slot_of, LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
 
 /// What the host needs to turn device results into a `StepOutput`.
 #[derive(Debug, Clone)]
@@ -30,37 +21,102 @@ pub struct SeqOut {
     pub logit_rows: Vec<usize>,
 }
 
+/// The sections only decode steps have (the absorbed path over the paged cache).
+#[derive(Debug, Clone)]
+pub struct DecodeLayout {
+    /// Keys per sequence, the fed token included.
+    pub seq_lens: Section<i32>,
+    /// One word: the row stride of `block_tables` (the longest table of the step).
+    pub bt_stride: Section<i32>,
+    /// Room for `max_blocks_per_seq` entries per row; the first `max_pages` of each row's worth
+    /// (at stride `max_pages`) are written and uploaded.
+    pub block_tables: Section<i32>,
+    pub max_pages: usize,
+}
+
+/// One prefill pass over a window of cached keys per sequence.
+#[derive(Debug, Clone)]
+pub struct PassMeta {
+    pub keys: usize,
+    /// Cache slot of each key of the pass, sequence by sequence.
+    pub slots: Section<i32>,
+    /// Per sequence: the window's first row in the pass, its first position and its length.
+    pub k_row0: Section<i32>,
+    pub k_pos0: Section<i32>,
+    pub k_len: Section<i32>,
+    /// Continue from the (o, m, l) state the previous pass left.
+    pub load_state: bool,
+    pub last: bool,
+}
+
+/// The sections only prefill steps have (the normal path, chunked over cached keys).
+#[derive(Debug, Clone)]
+pub struct PrefillLayout {
+    /// Query row offsets per sequence (`seqs + 1` words) and each first query's position.
+    pub cu_q: Section<i32>,
+    pub q_pos0: Section<i32>,
+    /// The attention tile map, heaviest tiles first: sequence and first query of each tile.
+    pub tile_seq: Section<i32>,
+    pub tile_q0: Section<i32>,
+    pub passes: Vec<PassMeta>,
+}
+
+#[derive(Debug, Clone)]
+pub enum StepLayout {
+    Decode(DecodeLayout),
+    Prefill(PrefillLayout),
+}
+
 #[derive(Debug, Clone)]
 pub struct StepMeta {
-    pub kind: StepKind,
     pub tokens: usize,
     pub seqs: usize,
+    /// Uploaded whole: a decode step's words end at its used block tables, so the unused rest
+    /// of the region is neither written nor copied.
     pub words: Vec<i32>,
-    /// Word ranges of `words` to upload (decode skips the unused part of the block-table region).
-    pub upload: Vec<(usize, usize)>,
-    pub tok: usize,
-    pub pos: usize,
-    pub slot: usize,
-    // Prefill.
-    pub cu_q: usize,
-    pub q_pos0: usize,
-    pub tiles: usize,
-    pub tile_seq: usize,
-    pub tile_q0: usize,
-    pub passes: Vec<PassMeta>,
-    // Decode.
-    pub seq_lens: usize,
-    pub bt_stride: usize,
-    pub block_tables: usize,
-    pub max_pages: usize,
-    // Output head and sampling.
-    pub logit_rows: usize,
-    pub logit_src: usize,
+    pub token_ids: Section<i32>,
+    pub positions: Section<i32>,
+    pub slots: Section<i32>,
+    /// Rows of the final hidden states the output head reads: the sampled rows first (row b = the
+    /// b-th sampling sequence), then the asked-for logits.
+    pub logit_src: Section<i32>,
     pub sample_rows: usize,
-    pub params: usize,
-    /// Penalty entries, three words each (token, output count, seen flag).
-    pub pen: usize,
+    pub sampling: Section<SampleParamsRaw>,
+    /// One word the model fills with the device address of `penalties` when it uploads.
+    pub penalty_table: Section<u64>,
+    /// Penalty entries, three words each (token, output count, seen flag); `sampling` rows index
+    /// them by entry.
+    pub penalties: Vec<i32>,
+    pub layout: StepLayout,
     pub outputs: Vec<SeqOut>,
+}
+
+impl StepMeta {
+    pub fn kind(&self) -> StepKind {
+        match self.layout {
+            StepLayout::Decode(_) => StepKind::Decode,
+            StepLayout::Prefill(_) => StepKind::Prefill,
+        }
+    }
+
+    /// Rows of logits the output head computes.
+    pub fn logit_rows(&self) -> usize {
+        self.logit_src.len
+    }
+
+    pub fn decode(&self) -> Option<&DecodeLayout> {
+        match &self.layout {
+            StepLayout::Decode(d) => Some(d),
+            StepLayout::Prefill(_) => None,
+        }
+    }
+
+    pub fn prefill(&self) -> Option<&PrefillLayout> {
+        match &self.layout {
+            StepLayout::Prefill(p) => Some(p),
+            StepLayout::Decode(_) => None,
+        }
+    }
 }
 
 /// Size limits the metadata is checked against (from the workspace and the cache).
@@ -74,25 +130,27 @@ pub struct MetaLimits {
     pub vocab: usize,
 }
 
-struct Arena {
-    words: Vec<i32>,
-}
-
-impl Arena {
-    fn push(&mut self, v: &[i32]) -> usize {
-        let off = self.words.len();
-        self.words.extend_from_slice(v);
-        off
-    }
-    fn reserve(&mut self, n: usize) -> usize {
-        let off = self.words.len();
-        self.words.resize(off + n, 0);
-        off
-    }
-    fn align2(&mut self) {
-        if self.words.len() % 2 == 1 {
-            self.words.push(0);
-        }
+impl MetaLimits {
+    /// Words any decode step's metadata takes at most (its sections are bounded by the limits),
+    /// plus room for the common prefill steps. A prefill step over more cached keys than that
+    /// uploads into a buffer of its own (`MetaBuffers`).
+    pub fn words(&self) -> usize {
+        let (t, s) = (self.max_tokens, self.max_seqs);
+        // tokens/positions/slots, output rows, sampling params (12 words each), the penalty
+        // address, decode lengths and block tables, prefill offsets, tiles and key windows; a few
+        // words of alignment between sections.
+        3 * t
+            + self.max_logit_rows
+            + 12 * s
+            + 2
+            + s
+            + 1
+            + s * self.max_blocks_per_seq
+            + 2 * (s + 1)
+            + 2 * (t / PREFILL_TILE_Q + s)
+            + self.max_kv_chunk
+            + 3 * s
+            + 64
     }
 }
 
@@ -111,6 +169,19 @@ impl<'a> Rows<'a> {
     fn iter(&self) -> impl Iterator<Item = &'a SeqStep> + 'a {
         self.seqs.iter().chain(self.pads.iter())
     }
+}
+
+/// The sections every step has, before the kind's own.
+struct Common {
+    token_ids: Section<i32>,
+    positions: Section<i32>,
+    slots: Section<i32>,
+    logit_src: Section<i32>,
+    sample_rows: usize,
+    outputs: Vec<SeqOut>,
+    sampling: Section<SampleParamsRaw>,
+    penalty_table: Section<u64>,
+    penalties: Vec<i32>,
 }
 
 impl StepMeta {
@@ -145,204 +216,160 @@ impl StepMeta {
         words.clear();
         words.reserve(8 * t + 64);
         let mut a = Arena { words };
-        // Tokens, positions and slots: three sections of `t` words.
-        let tok = a.reserve(3 * t);
-        let (pos, slot) = (tok + t, tok + 2 * t);
-        let mut k = 0;
-        for sq in rows.iter() {
-            anyhow::ensure!(
-                sq.block_table.len() <= lim.max_blocks_per_seq,
-                "sequence {}: {} blocks exceed max_model_len",
-                sq.seq_id,
-                sq.block_table.len()
-            );
-            for (i, &tk) in sq.tokens.iter().enumerate() {
-                let p = sq.context_len + i;
-                a.words[tok + k] = tk as i32;
-                a.words[pos + k] = p as i32;
-                a.words[slot + k] = slot_of(&sq.block_table, PAGE_SIZE, p) as i32;
-                k += 1;
-            }
-        }
-
-        let mut m = StepMeta {
-            kind,
+        let (token_ids, positions, slots) = push_tokens(&mut a, rows, t, lim)?;
+        let (logit_src, sample_rows, outputs) = push_outputs(&mut a, rows, lim)?;
+        let (sampling, penalty_table, penalties) = push_sampling(&mut a, rows, sample_rows, lim)?;
+        let common =
+            Common { token_ids, positions, slots, logit_src, sample_rows, outputs, sampling, penalty_table, penalties };
+        let layout = match kind {
+            StepKind::Decode => StepLayout::Decode(push_decode_tables(&mut a, rows, lim)),
+            StepKind::Prefill => StepLayout::Prefill(push_prefill_tiles(&mut a, seqs, lim)),
+        };
+        Ok(StepMeta {
             tokens: t,
             seqs: s,
-            words: vec![],
-            upload: vec![],
-            tok,
-            pos,
-            slot,
-            cu_q: 0,
-            q_pos0: 0,
-            tiles: 0,
-            tile_seq: 0,
-            tile_q0: 0,
-            passes: vec![],
-            seq_lens: 0,
-            bt_stride: 0,
-            block_tables: 0,
-            max_pages: 0,
-            logit_rows: 0,
-            logit_src: 0,
-            sample_rows: 0,
-            params: 0,
-            pen: 0,
-            outputs: vec![],
-        };
-
-        // Output rows, written straight into their section: sampled rows first (row b = b-th
-        // sampling sequence), then asked-for logits.
-        let src = a.words.len();
-        let mut outputs: Vec<SeqOut> = Vec::with_capacity(s);
-        let mut first_row = 0;
-        for sq in rows.iter() {
-            let sample_row = sq.sample.as_ref().map(|_| {
-                a.words.push((first_row + sq.tokens.len() - 1) as i32);
-                a.words.len() - 1 - src
-            });
-            outputs.push(SeqOut {
-                seq_id: sq.seq_id,
-                sample_row,
-                top_logprobs: sq.sample.as_ref().and_then(|r| r.top_logprobs),
-                logit_rows: vec![],
-            });
-            first_row += sq.tokens.len();
-        }
-        let sample_rows = a.words.len() - src;
-        first_row = 0;
-        for (o, sq) in outputs.iter_mut().zip(rows.iter()) {
-            let last = first_row + sq.tokens.len() - 1;
-            let mut push = |r: usize| {
-                a.words.push(r as i32);
-                a.words.len() - 1 - src
-            };
-            o.logit_rows = match sq.logits {
-                LogitsRequest::None => vec![],
-                LogitsRequest::Last => vec![o.sample_row.unwrap_or_else(|| push(last))],
-                LogitsRequest::All => (first_row..=last).map(push).collect(),
-            };
-            first_row += sq.tokens.len();
-        }
-        let logit_rows = a.words.len() - src;
-        anyhow::ensure!(
-            logit_rows <= lim.max_logit_rows,
-            "step asks for {logit_rows} rows of logits; this backend was sized for {}",
-            lim.max_logit_rows
-        );
-        m.logit_rows = logit_rows;
-        m.sample_rows = sample_rows;
-        m.logit_src = src;
-
-        // Sampling parameters and penalty entries (unique tokens of the history).
-        a.align2();
-        m.params = a.reserve(sample_rows * 12);
-        let mut pen: Vec<i32> = Vec::new();
-        let mut history: Vec<(u32, bool)> = Vec::new();
-        let mut row = 0;
-        for sq in rows.iter() {
-            let Some(req) = &sq.sample else { continue };
-            let p = &req.params;
-            let n_logprobs = match req.top_logprobs {
-                Some(k) if k > MAX_TOP_LOGPROBS => anyhow::bail!(
-                    "sequence {}: {k} top logprobs requested; the CUDA sampler returns at most {MAX_TOP_LOGPROBS}",
-                    sq.seq_id
-                ),
-                Some(k) => k as i32,
-                None => -1,
-            };
-            let top_k = match p.top_k {
-                Some(k) if k.max(1) < lim.vocab => k.max(1) as i32,
-                _ => 0,
-            };
-            let begin = (pen.len() / 3) as i32;
-            if p.has_penalties() {
-                if let Some(h) = &req.penalty {
-                    penalty_entries(&h.prompt, &h.output, lim.vocab, &mut history, &mut pen);
-                }
-            }
-            let raw = SampleParamsRaw {
-                temperature: p.temperature,
-                top_p: p.top_p,
-                min_p: p.min_p,
-                top_k,
-                repetition_penalty: p.repetition_penalty,
-                frequency_penalty: p.frequency_penalty,
-                presence_penalty: p.presence_penalty,
-                n_logprobs,
-                seed: req.seed,
-                pen_begin: begin,
-                pen_end: (pen.len() / 3) as i32,
-            };
-            // SAFETY: SampleParamsRaw is repr(C), 48 bytes of plain 4/8-byte fields.
-            let w: [i32; 12] = unsafe { std::mem::transmute(raw) };
-            a.words[m.params + 12 * row..m.params + 12 * row + 12].copy_from_slice(&w);
-            row += 1;
-        }
-
-        match kind {
-            StepKind::Decode => {
-                // Fixed offsets for a given batch size (see the module comment).
-                m.seq_lens = a.words.len();
-                a.words.extend(rows.iter().map(|sq| sq.end_pos() as i32));
-                let stride = rows.iter().map(|sq| sq.end_pos().div_ceil(PAGE_SIZE)).max().unwrap_or(1).max(1);
-                m.max_pages = stride;
-                m.bt_stride = a.push(&[stride as i32]);
-                // The block-table region holds `max_blocks_per_seq` entries per row; only the
-                // first `stride` of each row's worth are written and uploaded.
-                m.block_tables = a.reserve(s * stride);
-                for (b, sq) in rows.iter().enumerate() {
-                    let n = sq.end_pos().div_ceil(PAGE_SIZE);
-                    let row = &mut a.words[m.block_tables + b * stride..][..n];
-                    for (w, &blk) in row.iter_mut().zip(&sq.block_table[..n]) {
-                        *w = blk as i32;
-                    }
-                }
-                let used_end = m.block_tables + s * stride;
-                let pen_start = m.block_tables + s * lim.max_blocks_per_seq;
-                m.pen = pen_start;
-                m.upload = vec![(0, used_end)];
-                // Without penalties the words end with the used tables: the unused rest of the
-                // region is neither zeroed nor copied.
-                if !pen.is_empty() {
-                    a.words.resize(pen_start, 0);
-                    a.push(&pen);
-                    m.upload.push((pen_start, a.words.len()));
-                }
-            }
-            StepKind::Prefill => {
-                let mut cu = vec![0i32];
-                let mut qp0 = Vec::with_capacity(s);
-                // (keys the tile's last query sees, sequence, first row)
-                let mut tiles = Vec::new();
-                for (i, sq) in seqs.iter().enumerate() {
-                    cu.push(cu[i] + sq.tokens.len() as i32);
-                    qp0.push(sq.context_len as i32);
-                    for q0 in (0..sq.tokens.len()).step_by(crate::ops::PREFILL_TILE_Q) {
-                        let last = (q0 + crate::ops::PREFILL_TILE_Q).min(sq.tokens.len());
-                        tiles.push((sq.context_len + last, i as i32, q0 as i32));
-                    }
-                }
-                // Heaviest tiles first: the attention grid starts the longest causal rows first and
-                // the short ones fill the last wave, instead of a long tile starting last.
-                tiles.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-                let tile_seq: Vec<i32> = tiles.iter().map(|t| t.1).collect();
-                let tile_q0: Vec<i32> = tiles.iter().map(|t| t.2).collect();
-                m.cu_q = a.push(&cu);
-                m.q_pos0 = a.push(&qp0);
-                m.tiles = tile_seq.len();
-                m.tile_seq = a.push(&tile_seq);
-                m.tile_q0 = a.push(&tile_q0);
-                m.passes = build_passes(&mut a, seqs, lim.max_kv_chunk);
-                m.pen = a.push(&pen);
-                m.upload = vec![(0, a.words.len())];
-            }
-        }
-        m.outputs = outputs;
-        m.words = a.words;
-        Ok(m)
+            words: a.words,
+            token_ids: common.token_ids,
+            positions: common.positions,
+            slots: common.slots,
+            logit_src: common.logit_src,
+            sample_rows: common.sample_rows,
+            sampling: common.sampling,
+            penalty_table: common.penalty_table,
+            penalties: common.penalties,
+            layout,
+            outputs: common.outputs,
+        })
     }
+}
+
+/// Token ids, positions and cache slots: three sections of `t` words.
+fn push_tokens(
+    a: &mut Arena,
+    rows: Rows,
+    t: usize,
+    lim: &MetaLimits,
+) -> anyhow::Result<(Section<i32>, Section<i32>, Section<i32>)> {
+    let (ids, pos, slot) = (a.section::<i32>(t), a.section::<i32>(t), a.section::<i32>(t));
+    let mut k = 0;
+    for sq in rows.iter() {
+        anyhow::ensure!(
+            sq.block_table.len() <= lim.max_blocks_per_seq,
+            "sequence {}: {} blocks exceed max_model_len",
+            sq.seq_id,
+            sq.block_table.len()
+        );
+        for (i, &tk) in sq.tokens.iter().enumerate() {
+            let p = sq.context_len + i;
+            a.words[ids.off + k] = tk as i32;
+            a.words[pos.off + k] = p as i32;
+            a.words[slot.off + k] = slot_of(&sq.block_table, PAGE_SIZE, p) as i32;
+            k += 1;
+        }
+    }
+    Ok((ids, pos, slot))
+}
+
+/// The rows the output head reads: every sampling sequence's last row first, then the asked-for
+/// logits rows (a sampled row that also wants its logits is not repeated).
+fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<(Section<i32>, usize, Vec<SeqOut>)> {
+    let mut src: Vec<i32> = Vec::new();
+    let mut outputs: Vec<SeqOut> = Vec::with_capacity(rows.len());
+    let mut first_row = 0;
+    for sq in rows.iter() {
+        let sample_row = sq.sample.as_ref().map(|_| {
+            src.push((first_row + sq.tokens.len() - 1) as i32);
+            src.len() - 1
+        });
+        let top_logprobs = sq.sample.as_ref().and_then(|r| r.top_logprobs);
+        outputs.push(SeqOut { seq_id: sq.seq_id, sample_row, top_logprobs, logit_rows: vec![] });
+        first_row += sq.tokens.len();
+    }
+    let sample_rows = src.len();
+    first_row = 0;
+    for (o, sq) in outputs.iter_mut().zip(rows.iter()) {
+        let last = first_row + sq.tokens.len() - 1;
+        let mut push = |r: usize| {
+            src.push(r as i32);
+            src.len() - 1
+        };
+        o.logit_rows = match sq.logits {
+            LogitsRequest::None => vec![],
+            LogitsRequest::Last => vec![o.sample_row.unwrap_or_else(|| push(last))],
+            LogitsRequest::All => (first_row..=last).map(push).collect(),
+        };
+        first_row += sq.tokens.len();
+    }
+    anyhow::ensure!(
+        src.len() <= lim.max_logit_rows,
+        "step asks for {} rows of logits; this backend was sized for {}",
+        src.len(),
+        lim.max_logit_rows
+    );
+    Ok((a.push(&src), sample_rows, outputs))
+}
+
+/// The sampling parameters of every sampling row, the penalty address word, and the penalty
+/// entries (unique tokens of each penalised history).
+fn push_sampling(
+    a: &mut Arena,
+    rows: Rows,
+    sample_rows: usize,
+    lim: &MetaLimits,
+) -> anyhow::Result<(Section<SampleParamsRaw>, Section<u64>, Vec<i32>)> {
+    let params = a.section::<SampleParamsRaw>(sample_rows);
+    let penalty_table = a.section::<u64>(1);
+    let mut pen: Vec<i32> = Vec::new();
+    let mut history: Vec<(u32, bool)> = Vec::new();
+    let sampled = rows.iter().filter_map(|sq| sq.sample.as_ref().map(|r| (sq.seq_id, r)));
+    for (row, (seq_id, req)) in sampled.enumerate() {
+        let begin = (pen.len() / 3) as i32;
+        if req.params.has_penalties() {
+            if let Some(h) = &req.penalty {
+                penalty_entries(&h.prompt, &h.output, lim.vocab, &mut history, &mut pen);
+            }
+        }
+        let raw = sample_params(seq_id, req, lim.vocab, begin, (pen.len() / 3) as i32)?;
+        a.set(params, row, &raw);
+    }
+    Ok((params, penalty_table, pen))
+}
+
+/// One row's parameters as the sampler kernel reads them.
+fn sample_params(
+    seq_id: u64,
+    req: &SampleRequest,
+    vocab: usize,
+    pen_begin: i32,
+    pen_end: i32,
+) -> anyhow::Result<SampleParamsRaw> {
+    let p = &req.params;
+    let n_logprobs = match req.top_logprobs {
+        Some(k) if k > MAX_TOP_LOGPROBS => {
+            anyhow::bail!(
+                "sequence {seq_id}: {k} top logprobs requested; the CUDA sampler returns at most {MAX_TOP_LOGPROBS}"
+            )
+        }
+        Some(k) => k as i32,
+        None => -1,
+    };
+    let top_k = match p.top_k {
+        Some(k) if k.max(1) < vocab => k.max(1) as i32,
+        _ => 0,
+    };
+    Ok(SampleParamsRaw {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        top_k,
+        repetition_penalty: p.repetition_penalty,
+        frequency_penalty: p.frequency_penalty,
+        presence_penalty: p.presence_penalty,
+        n_logprobs,
+        seed: req.seed,
+        pen_begin,
+        pen_end,
+    })
 }
 
 /// Appends the penalty entries of one history, three words each (token, occurrences in the
@@ -360,9 +387,58 @@ fn penalty_entries(prompt: &[u32], output: &[u32], vocab: usize, scratch: &mut V
     }
 }
 
+/// The decode sections at offsets that depend only on the batch size (see the module comment).
+/// The words end at the used block-table rows: the rest of the region is neither zeroed nor
+/// copied.
+fn push_decode_tables(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> DecodeLayout {
+    let s = rows.len();
+    let lens: Vec<i32> = rows.iter().map(|sq| sq.end_pos() as i32).collect();
+    let seq_lens = a.push(&lens);
+    let stride = rows.iter().map(|sq| sq.end_pos().div_ceil(PAGE_SIZE)).max().unwrap_or(1).max(1);
+    let bt_stride = a.push(&[stride as i32]);
+    let block_tables = a.section::<i32>(s * lim.max_blocks_per_seq);
+    for (b, sq) in rows.iter().enumerate() {
+        let n = sq.end_pos().div_ceil(PAGE_SIZE);
+        let row = &mut a.words[block_tables.off + b * stride..][..n];
+        for (w, &blk) in row.iter_mut().zip(&sq.block_table[..n]) {
+            *w = blk as i32;
+        }
+    }
+    a.words.truncate(block_tables.off + s * stride);
+    DecodeLayout { seq_lens, bt_stride, block_tables, max_pages: stride }
+}
+
+/// The prefill sections: query offsets and positions, the tile map (heaviest tiles first: the
+/// attention grid starts the longest causal rows first and the short ones fill the last wave,
+/// instead of a long tile starting last), and the passes over cached keys.
+fn push_prefill_tiles(a: &mut Arena, seqs: &[SeqStep], lim: &MetaLimits) -> PrefillLayout {
+    let mut cu = vec![0i32];
+    let mut qp0 = Vec::with_capacity(seqs.len());
+    // (keys the tile's last query sees, sequence, first row)
+    let mut tiles = Vec::new();
+    for (i, sq) in seqs.iter().enumerate() {
+        cu.push(cu[i] + sq.tokens.len() as i32);
+        qp0.push(sq.context_len as i32);
+        for q0 in (0..sq.tokens.len()).step_by(PREFILL_TILE_Q) {
+            let last = (q0 + PREFILL_TILE_Q).min(sq.tokens.len());
+            tiles.push((sq.context_len + last, i as i32, q0 as i32));
+        }
+    }
+    tiles.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let tile_seq: Vec<i32> = tiles.iter().map(|t| t.1).collect();
+    let tile_q0: Vec<i32> = tiles.iter().map(|t| t.2).collect();
+    PrefillLayout {
+        cu_q: a.push(&cu),
+        q_pos0: a.push(&qp0),
+        tile_seq: a.push(&tile_seq),
+        tile_q0: a.push(&tile_q0),
+        passes: push_passes(a, seqs, lim.max_kv_chunk),
+    }
+}
+
 /// Splits every sequence's keys `0 .. end_pos` into windows so that one pass decompresses at most
 /// `cap` keys; a sequence has at most one window per pass, windows in position order.
-fn build_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
+fn push_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
     let s = seqs.len();
     struct Window {
         row0: i32,
@@ -397,17 +473,13 @@ fn build_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
         .zip(pass_slots)
         .enumerate()
         .map(|(j, (wins, slots))| {
-            let keys = slots.len();
-            let slots_off = a.push(&slots);
-            let row0: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.row0)).collect();
-            let pos0: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.pos0)).collect();
-            let len: Vec<i32> = wins.iter().map(|w| w.as_ref().map_or(0, |w| w.len)).collect();
+            let field = |f: fn(&Window) -> i32| -> Vec<i32> { wins.iter().map(|w| w.as_ref().map_or(0, f)).collect() };
             PassMeta {
-                keys,
-                slots: slots_off,
-                k_row0: a.push(&row0),
-                k_pos0: a.push(&pos0),
-                k_len: a.push(&len),
+                keys: slots.len(),
+                slots: a.push(&slots),
+                k_row0: a.push(&field(|w| w.row0)),
+                k_pos0: a.push(&field(|w| w.pos0)),
+                k_len: a.push(&field(|w| w.len)),
                 load_state: j > 0,
                 last: j + 1 == n,
             }
@@ -443,25 +515,39 @@ mod tests {
         }
     }
 
+    /// One value of an i32 section.
+    fn at(m: &StepMeta, s: Section<i32>, i: usize) -> i32 {
+        s.read(&m.words)[i]
+    }
+
     #[test]
     fn passes_cover_every_key_once_in_position_order() {
         let plan =
             StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, 70, 10, vec![5, 2]), seq(2, 0, 90, vec![7, 1])] };
         let m = StepMeta::build(&plan, &lim()).unwrap();
+        let p = m.prefill().unwrap();
         // 80 + 90 keys with a cap of 100: [s1 0..80, s2 0..20], [s2 20..90].
-        assert_eq!(m.passes.len(), 2);
-        let w = &m.words;
-        let p0 = &m.passes[0];
-        assert_eq!((p0.keys, w[p0.k_len], w[p0.k_len + 1], w[p0.k_pos0 + 1], w[p0.k_row0 + 1]), (100, 80, 20, 0, 80));
-        let p1 = &m.passes[1];
-        assert_eq!((p1.keys, w[p1.k_len], w[p1.k_len + 1], w[p1.k_pos0 + 1], w[p1.k_row0 + 1]), (70, 0, 70, 20, 0));
+        assert_eq!(p.passes.len(), 2);
+        let p0 = &p.passes[0];
+        assert_eq!(
+            (p0.keys, at(&m, p0.k_len, 0), at(&m, p0.k_len, 1), at(&m, p0.k_pos0, 1), at(&m, p0.k_row0, 1)),
+            (100, 80, 20, 0, 80)
+        );
+        let p1 = &p.passes[1];
+        assert_eq!(
+            (p1.keys, at(&m, p1.k_len, 0), at(&m, p1.k_len, 1), at(&m, p1.k_pos0, 1), at(&m, p1.k_row0, 1)),
+            (70, 0, 70, 20, 0)
+        );
         assert!(p1.load_state && p1.last && !p0.load_state && !p0.last);
         // Position 64 of sequence 1 lives in its second block (2), offset 0.
-        assert_eq!(w[p0.slots + 64], 2 * 64);
+        assert_eq!(at(&m, p0.slots, 64), 2 * 64);
         // Tiles of 128 queries: one per sequence, the one whose last query sees more keys first
         // (sequence 2: 90 keys; sequence 1: 70 + 10 = 80).
-        assert_eq!(m.tiles, 2);
-        assert_eq!((w[m.tile_seq], w[m.tile_seq + 1], w[m.tile_q0], w[m.tile_q0 + 1]), (1, 0, 0, 0));
+        assert_eq!(p.tile_seq.len, 2);
+        assert_eq!(
+            (at(&m, p.tile_seq, 0), at(&m, p.tile_seq, 1), at(&m, p.tile_q0, 0), at(&m, p.tile_q0, 1)),
+            (1, 0, 0, 0)
+        );
     }
 
     #[test]
@@ -470,13 +556,14 @@ mod tests {
         let b =
             StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 300, 1, vec![0, 1, 2, 3, 4]), seq(2, 1, 1, vec![3])] };
         let (ma, mb) = (StepMeta::build(&a, &lim()).unwrap(), StepMeta::build(&b, &lim()).unwrap());
+        let (da, db) = (ma.decode().unwrap(), mb.decode().unwrap());
         assert_eq!(
-            (ma.block_tables, ma.pen, ma.params, ma.seq_lens),
-            (mb.block_tables, mb.pen, mb.params, mb.seq_lens)
+            (da.block_tables.off, ma.penalty_table, ma.sampling.off, da.seq_lens.off),
+            (db.block_tables.off, mb.penalty_table, mb.sampling.off, db.seq_lens.off)
         );
-        assert_eq!(ma.words[ma.bt_stride], 3);
-        assert_eq!(&ma.words[ma.block_tables + 3..ma.block_tables + 6], &[3, 4, 6]);
-        assert_eq!(ma.words[ma.seq_lens + 1], 131);
+        assert_eq!(at(&ma, da.bt_stride, 0), 3);
+        assert_eq!(&ma.words[da.block_tables.off + 3..da.block_tables.off + 6], &[3, 4, 6]);
+        assert_eq!(at(&ma, da.seq_lens, 1), 131);
     }
 
     fn sampled(mut s: SeqStep, penalty: Option<PenaltyTokens>) -> SeqStep {
@@ -502,23 +589,27 @@ mod tests {
             seqs: vec![sampled(seq(1, 7, 1, vec![0]), Some(history)), sampled(seq(2, 7, 1, vec![1]), None)],
         };
         let m = StepMeta::build(&plan, &lim()).unwrap();
-        assert_eq!(&m.words[m.pen..], &[3, 2, 1, 5, 0, 1, 9, 1, 1]);
-        // pen_begin / pen_end of each row (words 10 and 11 of its 12).
-        let row = |r: usize| (m.words[m.params + 12 * r + 10], m.words[m.params + 12 * r + 11]);
+        assert_eq!(&m.penalties, &[3, 2, 1, 5, 0, 1, 9, 1, 1]);
+        // pen_begin / pen_end of each row.
+        let params = m.sampling.read(&m.words);
+        let row = |r: usize| (params[r].pen_begin, params[r].pen_end);
         assert_eq!((row(0), row(1)), ((0, 3), (3, 3)));
-        // The penalty region sits after the whole block-table region and is uploaded.
-        assert_eq!(m.pen, m.block_tables + 2 * lim().max_blocks_per_seq);
-        assert_eq!(m.upload, vec![(0, m.block_tables + 2), (m.pen, m.pen + 9)]);
+        // The entries live in their own buffer: the words end at the used block tables.
+        let d = m.decode().unwrap();
+        assert_eq!(m.words.len(), d.block_tables.off + 2);
     }
 
     #[test]
     fn decode_without_penalties_stops_at_the_used_block_tables() {
         let plan = StepPlan { kind: StepKind::Decode, seqs: vec![seq(1, 70, 1, vec![4, 2]), seq(2, 3, 1, vec![6])] };
         let m = StepMeta::build(&plan, &lim()).unwrap();
+        let d = m.decode().unwrap();
         // Two rows of stride 2 (71 positions need two blocks); the second row's unused entry is 0.
-        assert_eq!(&m.words[m.block_tables..], &[4, 2, 6, 0]);
-        assert_eq!(m.upload, vec![(0, m.block_tables + 4)]);
-        assert_eq!(m.pen, m.block_tables + 2 * lim().max_blocks_per_seq);
+        assert_eq!(&m.words[d.block_tables.off..], &[4, 2, 6, 0]);
+        assert_eq!(m.words.len(), d.block_tables.off + 4);
+        assert!(m.penalties.is_empty());
+        // The region has room for every row at the longest table the limits allow.
+        assert_eq!(d.block_tables.len, 2 * lim().max_blocks_per_seq);
     }
 
     #[test]
@@ -529,10 +620,25 @@ mod tests {
         let want = StepMeta::build(&appended, &lim()).unwrap();
         // A dirty, too short buffer to reuse: its contents must not leak into the result.
         let got = StepMeta::build_rows(StepKind::Decode, &seqs, &pads, &lim(), vec![-1; 7]).unwrap();
-        assert_eq!((got.seqs, got.sample_rows, got.upload.clone()), (5, 5, want.upload.clone()));
+        assert_eq!((got.seqs, got.sample_rows), (5, 5));
         assert_eq!(got.words, want.words);
         let ids = |m: &StepMeta| m.outputs.iter().map(|o| (o.seq_id, o.sample_row)).collect::<Vec<_>>();
         assert_eq!(ids(&got), ids(&want));
         assert!(StepMeta::build_rows(StepKind::Prefill, &seqs, &pads, &lim(), vec![]).is_err());
+    }
+
+    #[test]
+    fn decode_metadata_fits_the_words_the_limits_promise() {
+        // The fullest decode step: every sequence at the longest context, sampling with logits.
+        let l = lim();
+        let full = |i: u64| {
+            let mut s = sampled(seq(i, 8 * 64 - 1, 1, (0..8).collect()), None);
+            s.logits = LogitsRequest::Last;
+            s
+        };
+        let plan = StepPlan { kind: StepKind::Decode, seqs: (0..8).map(full).collect() };
+        let m = StepMeta::build(&plan, &l).unwrap();
+        let d = m.decode().unwrap();
+        assert!(d.block_tables.words().end <= l.words(), "{} > {}", d.block_tables.words().end, l.words());
     }
 }

@@ -2,16 +2,19 @@
 //! per-step metadata and the step itself.
 
 mod forward;
-pub mod gemv;
 pub mod graph;
 pub mod meta;
+mod meta_buffers;
+pub mod meta_words;
 pub mod moe_small;
+pub mod small_linear;
 pub mod weights;
 pub mod workspace;
 
 pub use forward::{CudaModel, ModelOptions};
 pub use graph::{DecodeGraph, DecodeGraphs, ReplayTimes};
-pub use meta::{MetaLimits, StepMeta};
+pub use meta::{DecodeLayout, MetaLimits, PassMeta, PrefillLayout, StepLayout, StepMeta};
+pub use meta_words::Section;
 pub use weights::DeviceWeights;
 pub use workspace::{Limits, Workspace};
 

@@ -29,7 +29,7 @@ impl Mat {
         Ok(Mat { buf: DeviceBuffer::alloc(out * inp)?, out, inp })
     }
 
-    pub fn lin(&self) -> Linear {
+    pub fn lin(&self) -> Linear<'_> {
         Linear::new(self.buf.slice(), self.out, self.inp)
     }
 }
@@ -80,7 +80,7 @@ pub struct DeviceWeights {
 }
 
 impl DeviceWeights {
-    pub fn output_projection(&self) -> Linear {
+    pub fn output_projection(&self) -> Linear<'_> {
         self.lm_head.as_ref().unwrap_or(&self.embed).lin()
     }
 
@@ -166,9 +166,12 @@ impl DeviceWeights {
     }
 
     /// Where each tensor of the spec lives on the device.
-    fn destinations<'a>(&'a self, spec: &'a ModelSpec) -> Vec<(&'a TensorSpec, Dest)> {
+    fn destinations<'a>(&'a self, spec: &'a ModelSpec) -> Vec<(&'a TensorSpec, Dest<'a>)> {
         let mut out: Vec<(&TensorSpec, Dest)> = vec![(&spec.embed_tokens, Dest::Bf16(self.embed.buf.slice()))];
-        let mlp = |out: &mut Vec<(&'a TensorSpec, Dest)>, s: &'a MlpSpec, gate_up: DSlice<bf16>, down: DSlice<bf16>| {
+        let mlp = |out: &mut Vec<(&'a TensorSpec, Dest<'a>)>,
+                   s: &'a MlpSpec,
+                   gate_up: DSlice<'a, bf16>,
+                   down: DSlice<'a, bf16>| {
             let half = gate_up.len / 2;
             out.push((&s.gate_proj, Dest::Bf16(gate_up.sub(0, half))));
             out.push((&s.up_proj, Dest::Bf16(gate_up.sub(half, half))));
@@ -254,8 +257,8 @@ impl DeviceWeights {
             let (mean, std) = dummy_distribution(t);
             let dist = Normal { mean, std, seed: source.tensor_seed(&t.name) };
             match d {
-                Dest::Bf16(s) => k.fill_normal_bf16(stream, s, dist)?,
-                Dest::F32(s) => k.fill_normal_f32(stream, s, dist)?,
+                Dest::Bf16(s) => k.elementwise.fill_normal_bf16(stream, s, dist)?,
+                Dest::F32(s) => k.elementwise.fill_normal_f32(stream, s, dist)?,
             }
         }
         Ok(w)
@@ -263,12 +266,12 @@ impl DeviceWeights {
 }
 
 #[derive(Clone, Copy)]
-enum Dest {
-    Bf16(DSlice<bf16>),
-    F32(DSlice<f32>),
+enum Dest<'a> {
+    Bf16(DSlice<'a, bf16>),
+    F32(DSlice<'a, f32>),
 }
 
-impl Dest {
+impl Dest<'_> {
     fn len(&self) -> usize {
         match self {
             Dest::Bf16(s) => s.len,

@@ -3,7 +3,7 @@
 //! is sized.
 
 use crate::gpu::DeviceBuffer;
-use crate::ops::{MoeRouting, GROUPED_TILE_M_SMALL, MAX_TOP_LOGPROBS};
+use crate::ops::{MoeRouting, TileM, MAX_TOP_LOGPROBS};
 use half::bf16;
 use mla_core::ModelConfig;
 
@@ -65,12 +65,12 @@ pub struct MoeBuffers {
 }
 
 impl MoeBuffers {
-    /// The routing of `tokens` tokens with grouped-GEMM tiles of `tile_m` rows
-    /// (`Kernels::moe_tile_m`).
-    pub fn routing(&self, tokens: usize, cfg: &ModelConfig, tile_m: usize) -> MoeRouting {
+    /// The routing of `tokens` tokens with grouped-GEMM tiles of `tile` rows
+    /// (`GroupedGemmKernels::tile_for`).
+    pub fn routing(&self, tokens: usize, cfg: &ModelConfig, tile: TileM) -> MoeRouting<'_> {
         MoeRouting {
             tokens,
-            tile_m,
+            tile,
             experts: cfg.n_routed_experts,
             top_k: cfg.num_experts_per_tok,
             topk_ids: self.topk_ids.slice(),
@@ -142,7 +142,7 @@ impl Workspace {
             let (e, k, im) = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
             let a = t * k;
             // The small tile height needs the most tiles.
-            let tiles = MoeRouting::max_tiles(a, e, GROUPED_TILE_M_SMALL);
+            let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
             Some(MoeBuffers {
                 h_f32: DeviceBuffer::alloc(t * h)?,
                 router_logits: DeviceBuffer::alloc(t * e)?,

@@ -1,39 +1,26 @@
-//! Wrappers of the two MLA attention kernels. Their tile shapes are fixed at the dimensions every
-//! published DeepSeek model uses (kv_lora_rank 512, qk_rope 64, qk_nope 128, v_head 128); the
-//! backend rejects other configs up front.
+//! kernels/attention_prefill*.cu and attention_decode.cu: the two MLA attention paths. Their tile
+//! shapes are fixed at the dimensions every published DeepSeek model uses (kv_lora_rank 512,
+//! qk_rope 64, qk_nope 128, v_head 128); the backend rejects other configs up front.
 
-use super::{ensure_len, Kernels, Linear};
-use crate::gpu::{Arg, DSlice};
+use super::dims::{
+    COMBINE_ABSORB_DIMS, COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, DECODE_SMEM_BYTES_4W, DECODE_SMEM_BYTES_8W,
+    LATENT, NOPE, PREFILL_SM90_SMEM_BYTES, PREFILL_SMEM_BYTES, ROPE, V_HEAD,
+};
+use super::{ensure_len, ensure_smem, Linear};
+use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 
-pub const PAGE_SIZE: usize = 64;
-pub const DECODE_HEAD_TILE: usize = 16;
-pub const NOPE: usize = 128;
-pub const ROPE: usize = 64;
-pub const V_HEAD: usize = 128;
-pub const LATENT: usize = 512;
-/// Query rows per entry of the prefill tile map: one block of the wgmma kernel, two of the
-/// mma.sync kernel (64 rows each).
-pub const PREFILL_TILE_Q: usize = 128;
-
-// Must match the kernels' shared-memory layout (see the comments next to the kernels).
-pub(crate) const PREFILL_SMEM_BYTES: usize = (64 * 200 + 2 * 64 * 200 + 2 * 64 * 136) * 2;
-/// Q [128 x 192] + 2 x (K [128 x 192] + V [128 x 128]) bf16 + 2048 bytes: the 1024-byte
-/// alignment and the mbarriers (kernels/attention_prefill_sm90.cu).
-pub(crate) const PREFILL_SM90_SMEM_BYTES: usize = (128 * 192 + 2 * (128 * 192 + 128 * 128)) * 2 + 2048;
-/// Q + two pages + P tile, bf16; per-warp max/sum scratch; the partial-S exchange across the warps
-/// (4 warps x 8 key tiles or 8 warps x 2 key tiles, 32 lanes x float4).
-const fn decode_smem_bytes(warps: usize) -> usize {
-    (16 * 584 + 2 * 64 * 584 + 16 * 72) * 2 + 2 * warps * 16 * 4 + warps * (if warps == 4 { 8 } else { 2 }) * 32 * 16
+pub struct AttentionKernels {
+    prefill_mma: Kernel,
+    /// Present on compute capability 9.0 (the sm_90a cubin), where it is the default.
+    prefill_wgmma: Option<Kernel>,
+    decode_4w: Kernel,
+    decode_8w: Kernel,
+    combine: Kernel,
+    combine_absorb_o: Kernel,
+    sm_count: usize,
 }
-/// The four-warp decode kernel's; the eight-warp kernel needs less.
-pub(crate) const DECODE_SMEM_BYTES: usize = decode_smem_bytes(4);
-pub(crate) const DECODE_W8_SMEM_BYTES: usize = decode_smem_bytes(8);
-/// Largest batch of [`Kernels::decode_combine_absorb_o`].
-pub const COMBINE_ABSORB_MAX_BATCH: usize = 4;
-/// Output dims per block of `mla_decode_combine_absorb_o` (`absorb::DQ` in the kernel).
-const COMBINE_ABSORB_DIMS: usize = 32;
 
 /// The two implementations of decode attention (same function, same arguments; both on every GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,17 +52,16 @@ pub enum PrefillKernel {
     /// mma.sync m16n8k16, 64-row blocks: any GPU of compute capability 8.0+.
     MmaSync,
     /// wgmma, 128-row blocks of 384 threads: a cp.async producer warpgroup and two consumer
-    /// warpgroups (the name is that of the lockstep kernel it replaced): sm_90a only; the default
-    /// on compute capability 9.0.
-    WgmmaLockstep,
+    /// warpgroups; sm_90a only, the default on compute capability 9.0.
+    Wgmma,
 }
 
 impl PrefillKernel {
     /// The implementations this GPU can run, the portable one first.
-    pub fn available(k: &Kernels) -> Vec<PrefillKernel> {
-        match k.prefill_kernel {
-            PrefillKernel::MmaSync => vec![PrefillKernel::MmaSync],
-            PrefillKernel::WgmmaLockstep => vec![PrefillKernel::MmaSync, PrefillKernel::WgmmaLockstep],
+    pub fn available(k: &AttentionKernels) -> Vec<PrefillKernel> {
+        match k.prefill_wgmma {
+            None => vec![PrefillKernel::MmaSync],
+            Some(_) => vec![PrefillKernel::MmaSync, PrefillKernel::Wgmma],
         }
     }
 }
@@ -90,48 +76,82 @@ pub struct PrefillPass {
 
 /// One launch over `tiles` query tiles of up to [`PREFILL_TILE_Q`] rows (kernels/attention_prefill.cu,
 /// kernels/attention_prefill_sm90.cu).
-pub struct PrefillAttention {
+pub struct PrefillAttention<'a> {
     pub heads: usize,
     pub q_rows: usize,
-    pub q: DSlice<bf16>,
+    pub q: DSlice<'a, bf16>,
     pub q_stride: usize,
     pub k_rows: usize,
-    pub kv: DSlice<bf16>,
+    pub kv: DSlice<'a, bf16>,
     pub kv_stride: usize,
-    pub kpe: DSlice<bf16>,
+    pub kpe: DSlice<'a, bf16>,
     pub kpe_stride: usize,
-    pub out: DSlice<bf16>,
+    pub out: DSlice<'a, bf16>,
     pub out_stride: usize,
-    pub state_o: DSlice<f32>,
-    pub state_ml: DSlice<f32>,
+    pub state_o: DSlice<'a, f32>,
+    pub state_ml: DSlice<'a, f32>,
     pub tiles: usize,
-    pub tile_seq: DSlice<i32>,
-    pub tile_q0: DSlice<i32>,
+    pub tile_seq: DSlice<'a, i32>,
+    pub tile_q0: DSlice<'a, i32>,
     pub seqs: usize,
-    pub cu_q: DSlice<i32>,
-    pub q_pos0: DSlice<i32>,
-    pub k_row0: DSlice<i32>,
-    pub k_pos0: DSlice<i32>,
-    pub k_len: DSlice<i32>,
+    pub cu_q: DSlice<'a, i32>,
+    pub q_pos0: DSlice<'a, i32>,
+    pub k_row0: DSlice<'a, i32>,
+    pub k_pos0: DSlice<'a, i32>,
+    pub k_len: DSlice<'a, i32>,
     pub scale: f32,
     pub pass: PrefillPass,
 }
 
-pub struct DecodeAttention {
+pub struct DecodeAttention<'a> {
     pub batch: usize,
     pub heads: usize,
     /// [batch, heads, 576]: absorbed q_lat | roped q_pe.
-    pub q: DSlice<bf16>,
-    pub cache: DSlice<bf16>,
-    pub block_tables: DSlice<i32>,
+    pub q: DSlice<'a, bf16>,
+    pub cache: DSlice<'a, bf16>,
+    pub block_tables: DSlice<'a, i32>,
     /// One element on the device: the row stride of `block_tables`.
-    pub bt_stride: DSlice<i32>,
-    pub seq_lens: DSlice<i32>,
+    pub bt_stride: DSlice<'a, i32>,
+    pub seq_lens: DSlice<'a, i32>,
     pub num_splits: usize,
-    pub out: DSlice<bf16>,
-    pub part_o: DSlice<f32>,
-    pub part_lse: DSlice<f32>,
+    pub out: DSlice<'a, bf16>,
+    pub part_o: DSlice<'a, f32>,
+    pub part_lse: DSlice<'a, f32>,
     pub scale: f32,
+}
+
+impl<'a> DecodeAttention<'a> {
+    /// The per-split partials this launch writes (`decode_partials`) or merges (`decode`).
+    pub fn partials(&self) -> SplitPartials<'a> {
+        SplitPartials {
+            part_o: self.part_o,
+            part_lse: self.part_lse,
+            heads: self.heads,
+            num_splits: self.num_splits,
+            batch: self.batch,
+        }
+    }
+}
+
+/// Decode attention's per-split partial outputs: what the split merges read.
+#[derive(Clone, Copy)]
+pub struct SplitPartials<'a> {
+    /// [batch, num_splits, heads, 512]
+    pub part_o: DSlice<'a, f32>,
+    /// [batch, num_splits, heads] (log2 units)
+    pub part_lse: DSlice<'a, f32>,
+    pub heads: usize,
+    pub num_splits: usize,
+    pub batch: usize,
+}
+
+impl SplitPartials<'_> {
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!((1..=64).contains(&self.num_splits), "decode splits {} outside 1..=64", self.num_splits);
+        ensure_len!(self.part_o, self.batch * self.num_splits * self.heads * LATENT, "split outputs");
+        ensure_len!(self.part_lse, self.batch * self.num_splits * self.heads, "split log-sum-exps");
+        Ok(())
+    }
 }
 
 /// Splits of the KV length per request. One block per (request, head tile, split) holds a whole
@@ -145,23 +165,54 @@ pub fn choose_decode_splits(sms: usize, batch: usize, heads: usize, max_pages: u
     (sms / per_split).clamp(1, max_splits)
 }
 
-impl Kernels {
-    pub fn prefill_attention(&self, s: CUstream, p: &PrefillAttention) -> anyhow::Result<()> {
-        self.prefill_attention_with(s, p, self.prefill_kernel)
+impl AttentionKernels {
+    pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
+        let k = |module, name| m.kernel(module, name);
+        // The wgmma kernel exists only in the sm_90a cubin, which is what compute capability 9.0
+        // loads; every other GPU runs the mma.sync kernel from PTX.
+        let prefill_wgmma = if info.compute_capability == (9, 0) {
+            ensure_smem(info, PREFILL_SM90_SMEM_BYTES, "the wgmma prefill attention kernel")?;
+            let w = k("attention_prefill_sm90", "mla_prefill_attention_sm90")?;
+            w.set_max_dynamic_smem(PREFILL_SM90_SMEM_BYTES)?;
+            Some(w)
+        } else {
+            None
+        };
+        for (bytes, what) in [(PREFILL_SMEM_BYTES, "prefill attention"), (DECODE_SMEM_BYTES_4W, "decode attention")] {
+            ensure_smem(info, bytes, what)?;
+        }
+        let kernels = AttentionKernels {
+            prefill_mma: k("attention_prefill", "mla_prefill_attention")?,
+            prefill_wgmma,
+            // Both decode kernels keep Q in registers and are dispatched by batch size
+            // (DecodeKernel::for_batch), on every GPU (cubin and PTX).
+            decode_4w: k("attention_decode", "mla_decode_attention_4w")?,
+            decode_8w: k("attention_decode", "mla_decode_attention_8w")?,
+            combine: k("attention_decode", "mla_decode_combine")?,
+            combine_absorb_o: k("attention_decode", "mla_decode_combine_absorb_o")?,
+            sm_count: info.sm_count,
+        };
+        kernels.prefill_mma.set_max_dynamic_smem(PREFILL_SMEM_BYTES)?;
+        kernels.decode_4w.set_max_dynamic_smem(DECODE_SMEM_BYTES_4W)?;
+        kernels.decode_8w.set_max_dynamic_smem(DECODE_SMEM_BYTES_8W)?;
+        Ok(kernels)
+    }
+
+    /// The prefill kernel this GPU runs by default.
+    pub fn default_prefill(&self) -> PrefillKernel {
+        if self.prefill_wgmma.is_some() {
+            PrefillKernel::Wgmma
+        } else {
+            PrefillKernel::MmaSync
+        }
+    }
+
+    pub fn prefill(&self, s: CUstream, p: &PrefillAttention) -> anyhow::Result<()> {
+        self.prefill_with(s, p, self.default_prefill())
     }
 
     /// Prefill attention through a chosen implementation (tests and benchmarks compare both).
-    pub fn prefill_attention_with(
-        &self,
-        s: CUstream,
-        p: &PrefillAttention,
-        which: PrefillKernel,
-    ) -> anyhow::Result<()> {
-        // The wgmma kernel is in the sm_90a cubin only (the default is MmaSync everywhere else).
-        anyhow::ensure!(
-            which == PrefillKernel::MmaSync || self.prefill_kernel != PrefillKernel::MmaSync,
-            "the wgmma prefill attention kernel needs compute capability 9.0"
-        );
+    pub fn prefill_with(&self, s: CUstream, p: &PrefillAttention, which: PrefillKernel) -> anyhow::Result<()> {
         let (qd, hd) = (NOPE + ROPE, NOPE + V_HEAD);
         anyhow::ensure!(
             p.q_stride >= p.heads * qd && p.kv_stride >= p.heads * hd && p.out_stride >= p.heads * V_HEAD,
@@ -192,14 +243,15 @@ impl Kernels {
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let (kernel, grid, threads, smem) = match which {
             PrefillKernel::MmaSync => {
-                (&self.mla_prefill_attention, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES)
+                (&self.prefill_mma, (2 * p.tiles as u32, p.heads as u32, 1), 128, PREFILL_SMEM_BYTES)
             }
-            PrefillKernel::WgmmaLockstep => (
-                &self.mla_prefill_attention_sm90_sync,
-                (p.tiles as u32, p.heads as u32, 1),
-                384,
-                PREFILL_SM90_SMEM_BYTES,
-            ),
+            PrefillKernel::Wgmma => {
+                // The wgmma kernel is in the sm_90a cubin only.
+                let k = self.prefill_wgmma.as_ref().ok_or_else(|| {
+                    anyhow::anyhow!("the wgmma prefill attention kernel needs compute capability 9.0")
+                })?;
+                (k, (p.tiles as u32, p.heads as u32, 1), 384, PREFILL_SM90_SMEM_BYTES)
+            }
         };
         kernel.launch(
             s,
@@ -233,45 +285,53 @@ impl Kernels {
     }
 
     /// Splits of the KV length per request for this GPU (see [`choose_decode_splits`]).
-    pub fn decode_splits(&self, batch: usize, heads: usize, max_pages: usize) -> usize {
+    pub fn splits(&self, batch: usize, heads: usize, max_pages: usize) -> usize {
         choose_decode_splits(self.sm_count, batch, heads, max_pages)
     }
 
     /// Decode attention (kernels/attention_decode.cu) through the kernel for this batch size
     /// ([`DecodeKernel::for_batch`]), merging the splits into `out`.
-    pub fn decode_attention(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
-        self.decode_attention_with(s, p, DecodeKernel::for_batch(p.batch))
+    pub fn decode(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
+        self.decode_with(s, p, DecodeKernel::for_batch(p.batch))
     }
 
     /// Decode attention through a chosen implementation (tests and benchmarks compare both).
-    pub fn decode_attention_with(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel) -> anyhow::Result<()> {
-        self.decode_attention_launch(s, p, which, p.num_splits == 1)?;
+    pub fn decode_with(&self, s: CUstream, p: &DecodeAttention, which: DecodeKernel) -> anyhow::Result<()> {
+        self.decode_launch(s, p, which, p.num_splits == 1)?;
         if p.num_splits > 1 {
-            self.mla_decode_combine.launch(
-                s,
-                (p.heads as u32, p.batch as u32, (LATENT / 128) as u32),
-                128,
-                0,
-                &[
-                    Arg::Ptr(p.part_o.ptr),
-                    Arg::Ptr(p.part_lse.ptr),
-                    Arg::I32(p.heads as i32),
-                    Arg::I32(p.num_splits as i32),
-                    Arg::Ptr(p.out.ptr),
-                ],
-            )?;
+            self.combine(s, &p.partials(), p.out)?;
         }
+        Ok(())
+    }
+
+    /// Merges the per-split partials into o_lat `out` ([batch, heads, 512] bf16).
+    pub fn combine(&self, s: CUstream, p: &SplitPartials, out: DSlice<bf16>) -> anyhow::Result<()> {
+        p.check()?;
+        ensure_len!(out, p.batch * p.heads * LATENT, "decode output");
+        self.combine.launch(
+            s,
+            (p.heads as u32, p.batch as u32, (LATENT / 128) as u32),
+            128,
+            0,
+            &[
+                Arg::Ptr(p.part_o.ptr),
+                Arg::Ptr(p.part_lse.ptr),
+                Arg::I32(p.heads as i32),
+                Arg::I32(p.num_splits as i32),
+                Arg::Ptr(out.ptr),
+            ],
+        )?;
         Ok(())
     }
 
     /// The attention kernel alone, writing the per-split partials (`part_o`, `part_lse`) even for
     /// one split and leaving `out` untouched: the first half of a small decode step whose second is
-    /// [`Kernels::decode_combine_absorb_o`].
-    pub fn decode_attention_partials(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
-        self.decode_attention_launch(s, p, DecodeKernel::for_batch(p.batch), false)
+    /// [`AttentionKernels::decode_combine_absorb_o`].
+    pub fn decode_partials(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
+        self.decode_launch(s, p, DecodeKernel::for_batch(p.batch), false)
     }
 
-    fn decode_attention_launch(
+    fn decode_launch(
         &self,
         s: CUstream,
         p: &DecodeAttention,
@@ -294,8 +354,8 @@ impl Kernels {
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
         let (kernel, threads, smem) = match which {
-            DecodeKernel::FourWarps => (&self.mla_decode_attention_qregs, 128, DECODE_SMEM_BYTES),
-            DecodeKernel::EightWarps => (&self.mla_decode_attention_w8, 256, DECODE_W8_SMEM_BYTES),
+            DecodeKernel::FourWarps => (&self.decode_4w, 128, DECODE_SMEM_BYTES_4W),
+            DecodeKernel::EightWarps => (&self.decode_8w, 256, DECODE_SMEM_BYTES_8W),
         };
         kernel.launch(
             s,
@@ -322,37 +382,31 @@ impl Kernels {
     }
 
     /// For decode steps of 1 to [`COMBINE_ABSORB_MAX_BATCH`] tokens, in one launch: the merge of
-    /// [`Kernels::decode_attention_partials`]' splits into o_lat (rounded to bf16 as
-    /// `decode_attention` writes it) and [`crate::gpu::Blas::absorb_o`] of it: `out[b, h * 128 + d]
-    /// = Σ_c W_UV[h][d][c] · o_lat[b, h, c]` ([batch, heads * 128] bf16), `kv_b` = kv_b_proj
+    /// [`AttentionKernels::decode_partials`]' splits into o_lat (rounded to bf16 as
+    /// `decode` writes it) and [`crate::gpu::Blas::absorb_o`] of it: `out[b, h * 128 + d] =
+    /// Σ_c W_UV[h][d][c] · o_lat[b, h, c]` ([batch, heads * 128] bf16), `kv_b` = kv_b_proj
     /// [heads * 256, 512]. W_UV is loaded before the PDL wait.
-    #[allow(clippy::too_many_arguments)]
     pub fn decode_combine_absorb_o(
         &self,
         s: CUstream,
-        part_o: DSlice<f32>,
-        part_lse: DSlice<f32>,
-        heads: usize,
-        num_splits: usize,
-        batch: usize,
+        p: &SplitPartials,
         kv_b: &Linear,
         out: DSlice<bf16>,
     ) -> anyhow::Result<()> {
+        let (heads, num_splits, batch, part_o, part_lse) = (p.heads, p.num_splits, p.batch, p.part_o, p.part_lse);
         anyhow::ensure!(
             (1..=COMBINE_ABSORB_MAX_BATCH).contains(&batch),
             "combine + absorb_o takes 1..={COMBINE_ABSORB_MAX_BATCH} tokens, not {batch}"
         );
-        anyhow::ensure!((1..=64).contains(&num_splits), "decode splits {num_splits} outside 1..=64");
+        p.check()?;
         anyhow::ensure!(
             kv_b.out == heads * (NOPE + V_HEAD) && kv_b.inp == LATENT,
             "kv_b_proj is [{}, {}]",
             kv_b.out,
             kv_b.inp
         );
-        ensure_len!(part_o, batch * num_splits * heads * LATENT, "split outputs");
-        ensure_len!(part_lse, batch * num_splits * heads, "split log-sum-exps");
         ensure_len!(out, batch * heads * V_HEAD, "attention output");
-        self.mla_decode_combine_absorb_o.launch(
+        self.combine_absorb_o.launch(
             s,
             ((V_HEAD / COMBINE_ABSORB_DIMS) as u32, heads as u32, 1),
             256,

@@ -1,13 +1,27 @@
-//! Embedding, RMSNorm variants, SiLU·mul, conversion and random fills.
+//! kernels/elementwise.cu: embedding, RMSNorm variants, SiLU·mul, conversion, random fills and
+//! the row gather (latent rows for prefill, token rows for the MoE experts and the output head).
 
-use super::{ensure_len, grid_for, Kernels};
-use crate::gpu::{Arg, DSlice};
+use super::{ensure_len, grid_for};
+use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 
 const ROW_THREADS: u32 = 256;
 /// The norm kernels keep a row in registers: 256 threads x 32 values.
 const MAX_NORM_WIDTH: usize = 256 * 32;
+
+pub struct ElementwiseKernels {
+    embedding_gather: Kernel,
+    rmsnorm_f32: Kernel,
+    add_rmsnorm: Kernel,
+    rmsnorm_bf16: Kernel,
+    silu_mul: Kernel,
+    bf16_to_f32: Kernel,
+    fill_normal_bf16: Kernel,
+    fill_normal_f32: Kernel,
+    gather_rows: Kernel,
+    sm_count: usize,
+}
 
 /// Distribution of a random fill: `mean + std * N(0, 1)`.
 #[derive(Debug, Clone, Copy)]
@@ -17,136 +31,166 @@ pub struct Normal {
     pub seed: u64,
 }
 
-impl Kernels {
-    /// residual[t] = table[ids[t]] for `tokens` rows.
-    #[allow(clippy::too_many_arguments)]
-    pub fn embedding(
-        &self,
-        s: CUstream,
-        table: DSlice<bf16>,
-        vocab: usize,
-        ids: DSlice<i32>,
-        residual: DSlice<f32>,
-        tokens: usize,
-        hidden: usize,
-    ) -> anyhow::Result<()> {
-        ensure_len!(table, vocab * hidden, "embedding table");
-        ensure_len!(ids, tokens, "token ids");
-        ensure_len!(residual, tokens * hidden, "residual");
+/// `out[t] = table[ids[t]]` for `tokens` rows of `hidden` (f32 out: the residual stream).
+pub struct Embedding<'a> {
+    /// `[vocab, hidden]`.
+    pub table: DSlice<'a, bf16>,
+    pub vocab: usize,
+    pub ids: DSlice<'a, i32>,
+    pub out: DSlice<'a, f32>,
+    pub tokens: usize,
+    pub hidden: usize,
+}
+
+/// `out = rmsnorm(x) * weight` over `rows` f32 rows of `hidden` (the first layer's input norm).
+pub struct RmsNormF32<'a> {
+    pub x: DSlice<'a, f32>,
+    pub weight: DSlice<'a, bf16>,
+    pub out: DSlice<'a, bf16>,
+    pub rows: usize,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+/// `residual += delta; out = rmsnorm(residual) * weight` (every later norm of the decoder).
+pub struct AddRmsNorm<'a> {
+    pub residual: DSlice<'a, f32>,
+    pub delta: DSlice<'a, bf16>,
+    pub weight: DSlice<'a, bf16>,
+    pub out: DSlice<'a, bf16>,
+    pub rows: usize,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+/// RMSNorm of `rows` strided bf16 rows of `width` (q_a_layernorm).
+pub struct RmsNormBf16<'a> {
+    pub x: DSlice<'a, bf16>,
+    pub x_stride: usize,
+    pub weight: DSlice<'a, bf16>,
+    pub out: DSlice<'a, bf16>,
+    pub out_stride: usize,
+    pub rows: usize,
+    pub width: usize,
+    pub eps: f32,
+}
+
+impl ElementwiseKernels {
+    pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
+        let k = |name| m.kernel("elementwise", name);
+        Ok(ElementwiseKernels {
+            embedding_gather: k("embedding_gather")?,
+            rmsnorm_f32: k("rmsnorm_f32")?,
+            add_rmsnorm: k("add_rmsnorm")?,
+            rmsnorm_bf16: k("rmsnorm_bf16")?,
+            silu_mul: k("silu_mul")?,
+            bf16_to_f32: k("bf16_to_f32")?,
+            fill_normal_bf16: k("fill_normal_bf16")?,
+            fill_normal_f32: k("fill_normal_f32")?,
+            gather_rows: k("gather_rows")?,
+            sm_count: info.sm_count,
+        })
+    }
+
+    pub fn embedding(&self, s: CUstream, p: &Embedding) -> anyhow::Result<()> {
+        ensure_len!(p.table, p.vocab * p.hidden, "embedding table");
+        ensure_len!(p.ids, p.tokens, "token ids");
+        ensure_len!(p.out, p.tokens * p.hidden, "residual");
         self.embedding_gather.launch(
             s,
-            (tokens as u32, 1, 1),
+            (p.tokens as u32, 1, 1),
             ROW_THREADS,
             0,
-            &[Arg::Ptr(table.ptr), Arg::Ptr(ids.ptr), Arg::Ptr(residual.ptr), Arg::I32(hidden as i32)],
+            &[Arg::Ptr(p.table.ptr), Arg::Ptr(p.ids.ptr), Arg::Ptr(p.out.ptr), Arg::I32(p.hidden as i32)],
         )?;
         Ok(())
     }
 
-    /// out = rmsnorm(residual) * w.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_f32(
-        &self,
-        s: CUstream,
-        residual: DSlice<f32>,
-        w: DSlice<bf16>,
-        out: DSlice<bf16>,
-        rows: usize,
-        hidden: usize,
-        eps: f32,
-    ) -> anyhow::Result<()> {
-        anyhow::ensure!(hidden <= MAX_NORM_WIDTH, "hidden size {hidden} above the norm kernel's {MAX_NORM_WIDTH}");
-        ensure_len!(residual, rows * hidden, "rmsnorm input");
-        ensure_len!(w, hidden, "rmsnorm weight");
-        ensure_len!(out, rows * hidden, "rmsnorm output");
+    pub fn rmsnorm_f32(&self, s: CUstream, p: &RmsNormF32) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            p.hidden <= MAX_NORM_WIDTH,
+            "hidden size {} above the norm kernel's {MAX_NORM_WIDTH}",
+            p.hidden
+        );
+        ensure_len!(p.x, p.rows * p.hidden, "rmsnorm input");
+        ensure_len!(p.weight, p.hidden, "rmsnorm weight");
+        ensure_len!(p.out, p.rows * p.hidden, "rmsnorm output");
         self.rmsnorm_f32.launch(
             s,
-            (rows as u32, 1, 1),
+            (p.rows as u32, 1, 1),
             ROW_THREADS,
             0,
-            &[Arg::Ptr(residual.ptr), Arg::Ptr(w.ptr), Arg::Ptr(out.ptr), Arg::I32(hidden as i32), Arg::F32(eps)],
+            &[
+                Arg::Ptr(p.x.ptr),
+                Arg::Ptr(p.weight.ptr),
+                Arg::Ptr(p.out.ptr),
+                Arg::I32(p.hidden as i32),
+                Arg::F32(p.eps),
+            ],
         )?;
         Ok(())
     }
 
-    /// residual += delta; out = rmsnorm(residual) * w.
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_rmsnorm(
-        &self,
-        s: CUstream,
-        residual: DSlice<f32>,
-        delta: DSlice<bf16>,
-        w: DSlice<bf16>,
-        out: DSlice<bf16>,
-        rows: usize,
-        hidden: usize,
-        eps: f32,
-    ) -> anyhow::Result<()> {
-        anyhow::ensure!(hidden <= MAX_NORM_WIDTH, "hidden size {hidden} above the norm kernel's {MAX_NORM_WIDTH}");
-        ensure_len!(residual, rows * hidden, "residual");
-        ensure_len!(delta, rows * hidden, "residual delta");
-        ensure_len!(w, hidden, "rmsnorm weight");
-        ensure_len!(out, rows * hidden, "rmsnorm output");
+    pub fn add_rmsnorm(&self, s: CUstream, p: &AddRmsNorm) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            p.hidden <= MAX_NORM_WIDTH,
+            "hidden size {} above the norm kernel's {MAX_NORM_WIDTH}",
+            p.hidden
+        );
+        ensure_len!(p.residual, p.rows * p.hidden, "residual");
+        ensure_len!(p.delta, p.rows * p.hidden, "residual delta");
+        ensure_len!(p.weight, p.hidden, "rmsnorm weight");
+        ensure_len!(p.out, p.rows * p.hidden, "rmsnorm output");
         self.add_rmsnorm.launch(
             s,
-            (rows as u32, 1, 1),
+            (p.rows as u32, 1, 1),
             ROW_THREADS,
             0,
             &[
-                Arg::Ptr(residual.ptr),
-                Arg::Ptr(delta.ptr),
-                Arg::Ptr(w.ptr),
-                Arg::Ptr(out.ptr),
-                Arg::I32(hidden as i32),
-                Arg::F32(eps),
+                Arg::Ptr(p.residual.ptr),
+                Arg::Ptr(p.delta.ptr),
+                Arg::Ptr(p.weight.ptr),
+                Arg::Ptr(p.out.ptr),
+                Arg::I32(p.hidden as i32),
+                Arg::F32(p.eps),
             ],
         )?;
         Ok(())
     }
 
-    /// RMSNorm of `rows` strided bf16 rows of width `n`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_bf16(
-        &self,
-        s: CUstream,
-        x: DSlice<bf16>,
-        x_stride: usize,
-        w: DSlice<bf16>,
-        out: DSlice<bf16>,
-        out_stride: usize,
-        rows: usize,
-        n: usize,
-        eps: f32,
-    ) -> anyhow::Result<()> {
+    pub fn rmsnorm_bf16(&self, s: CUstream, p: &RmsNormBf16) -> anyhow::Result<()> {
+        let n = p.width;
         anyhow::ensure!(
-            x_stride >= n && out_stride >= n,
-            "rmsnorm_bf16: strides {x_stride}/{out_stride} below width {n}"
+            p.x_stride >= n && p.out_stride >= n,
+            "rmsnorm_bf16: strides {}/{} below width {n}",
+            p.x_stride,
+            p.out_stride
         );
-        if rows == 0 {
+        if p.rows == 0 {
             return Ok(());
         }
-        ensure_len!(x, (rows - 1) * x_stride + n, "rmsnorm_bf16 input");
-        ensure_len!(w, n, "rmsnorm_bf16 weight");
-        ensure_len!(out, (rows - 1) * out_stride + n, "rmsnorm_bf16 output");
+        ensure_len!(p.x, (p.rows - 1) * p.x_stride + n, "rmsnorm_bf16 input");
+        ensure_len!(p.weight, n, "rmsnorm_bf16 weight");
+        ensure_len!(p.out, (p.rows - 1) * p.out_stride + n, "rmsnorm_bf16 output");
         self.rmsnorm_bf16.launch(
             s,
-            (rows as u32, 1, 1),
+            (p.rows as u32, 1, 1),
             ROW_THREADS,
             0,
             &[
-                Arg::Ptr(x.ptr),
-                Arg::I32(x_stride as i32),
-                Arg::Ptr(w.ptr),
-                Arg::Ptr(out.ptr),
-                Arg::I32(out_stride as i32),
+                Arg::Ptr(p.x.ptr),
+                Arg::I32(p.x_stride as i32),
+                Arg::Ptr(p.weight.ptr),
+                Arg::Ptr(p.out.ptr),
+                Arg::I32(p.out_stride as i32),
                 Arg::I32(n as i32),
-                Arg::F32(eps),
+                Arg::F32(p.eps),
             ],
         )?;
         Ok(())
     }
 
-    /// out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:].
+    /// `out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]`.
     pub fn silu_mul(
         &self,
         s: CUstream,
@@ -160,7 +204,7 @@ impl Kernels {
         let total = rows * inter;
         self.silu_mul.launch(
             s,
-            (grid_for(self, total, 256), 1, 1),
+            (grid_for(self.sm_count, total, 256), 1, 1),
             256,
             0,
             &[Arg::Ptr(gate_up.ptr), Arg::Ptr(out.ptr), Arg::I32(inter as i32), Arg::I64(total as i64)],
@@ -173,7 +217,7 @@ impl Kernels {
         ensure_len!(y, n, "conversion output");
         self.bf16_to_f32.launch(
             s,
-            (grid_for(self, n, 256), 1, 1),
+            (grid_for(self.sm_count, n, 256), 1, 1),
             256,
             0,
             &[Arg::Ptr(x.ptr), Arg::Ptr(y.ptr), Arg::I64(n as i64)],
@@ -182,23 +226,45 @@ impl Kernels {
     }
 
     pub fn fill_normal_bf16(&self, s: CUstream, out: DSlice<bf16>, d: Normal) -> anyhow::Result<()> {
-        self.fill_normal_bf16.launch(
+        self.fill_normal(s, &self.fill_normal_bf16, out.ptr, out.len, d)
+    }
+
+    pub fn fill_normal_f32(&self, s: CUstream, out: DSlice<f32>, d: Normal) -> anyhow::Result<()> {
+        self.fill_normal(s, &self.fill_normal_f32, out.ptr, out.len, d)
+    }
+
+    fn fill_normal(&self, s: CUstream, kernel: &Kernel, ptr: u64, len: usize, d: Normal) -> anyhow::Result<()> {
+        kernel.launch(
             s,
-            (grid_for(self, out.len, 256), 1, 1),
+            (grid_for(self.sm_count, len, 256), 1, 1),
             256,
             0,
-            &[Arg::Ptr(out.ptr), Arg::I64(out.len as i64), Arg::U64(d.seed), Arg::F32(d.mean), Arg::F32(d.std)],
+            &[Arg::Ptr(ptr), Arg::I64(len as i64), Arg::U64(d.seed), Arg::F32(d.mean), Arg::F32(d.std)],
         )?;
         Ok(())
     }
 
-    pub fn fill_normal_f32(&self, s: CUstream, out: DSlice<f32>, d: Normal) -> anyhow::Result<()> {
-        self.fill_normal_f32.launch(
+    /// `out[i] = x[idx[i]]` for `rows` rows of `width` bf16 values (width % 8 == 0): latent rows
+    /// of the cache by slot, token rows of the MoE input by routed assignment, hidden rows of the
+    /// output head by logits request.
+    pub fn gather_rows(
+        &self,
+        s: CUstream,
+        x: DSlice<bf16>,
+        idx: DSlice<i32>,
+        out: DSlice<bf16>,
+        rows: usize,
+        width: usize,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(width.is_multiple_of(8), "row width {width} is not a multiple of 8");
+        ensure_len!(idx, rows, "row indices");
+        ensure_len!(out, rows * width, "gathered rows");
+        self.gather_rows.launch(
             s,
-            (grid_for(self, out.len, 256), 1, 1),
+            (grid_for(self.sm_count, rows * width / 8, 256), 1, 1),
             256,
             0,
-            &[Arg::Ptr(out.ptr), Arg::I64(out.len as i64), Arg::U64(d.seed), Arg::F32(d.mean), Arg::F32(d.std)],
+            &[Arg::Ptr(x.ptr), Arg::Ptr(idx.ptr), Arg::Ptr(out.ptr), Arg::I32(rows as i32), Arg::I32(width as i32)],
         )?;
         Ok(())
     }

@@ -1,52 +1,63 @@
-//! kv_a_layernorm + RoPE + latent-cache write, and the latent gather for prefill.
+//! kernels/latent_cache.cu: kv_a_layernorm + RoPE + the latent-cache write, fused with RoPE of
+//! the queries and, for small decode steps, their absorption into latent space.
 
-use super::{ensure_len, grid_for, Kernels};
-use crate::gpu::{Arg, DSlice};
+use super::dims::{LATENT, NOPE, ROPE_ABSORB_THREADS};
+use super::ensure_len;
+use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 
+pub struct LatentKernels {
+    rope_cache: Kernel,
+    rope_absorb_q: Kernel,
+}
+
 /// One launch of `mla_rope_cache` for `tokens` fed tokens.
-pub struct RopeCache {
+pub struct RopeCache<'a> {
     pub tokens: usize,
     pub heads: usize,
     pub nope: usize,
     pub kv_lora_rank: usize,
     pub rope_dim: usize,
     /// Output of kv_a_proj_with_mqa: rows of `kv_lora_rank + rope_dim` at `kva_stride`.
-    pub kva: DSlice<bf16>,
+    pub kva: DSlice<'a, bf16>,
     pub kva_stride: usize,
-    pub kv_norm_w: DSlice<bf16>,
+    pub kv_norm_w: DSlice<'a, bf16>,
     /// Queries, rows of `heads * (nope + rope_dim)` at `q_stride`; q_pe is rotated in place.
-    pub q: DSlice<bf16>,
+    pub q: DSlice<'a, bf16>,
     pub q_stride: usize,
     /// Optional second destination of the rotated q_pe: (buffer, row stride, head stride).
-    pub q_pe_out: Option<(DSlice<bf16>, usize, usize)>,
-    pub positions: DSlice<i32>,
+    pub q_pe_out: Option<(DSlice<'a, bf16>, usize, usize)>,
+    pub positions: DSlice<'a, i32>,
     /// Cache slot of each token; negative skips the write.
-    pub slots: DSlice<i32>,
-    pub inv_freq: DSlice<f32>,
+    pub slots: DSlice<'a, i32>,
+    pub inv_freq: DSlice<'a, f32>,
     pub attn_factor: f32,
     pub eps: f32,
-    pub cache: DSlice<bf16>,
+    pub cache: DSlice<'a, bf16>,
     /// Decode steps of a few tokens: also absorb the queries in the same launch.
-    pub absorb: Option<AbsorbQ>,
+    pub absorb: Option<AbsorbQ<'a>>,
 }
 
 /// `q_abs[t, h, :512] = W_UK[h]ᵀ · q_nope[t, h]` done by `mla_rope_absorb_q` (as `Blas::absorb_q`).
-pub struct AbsorbQ {
+pub struct AbsorbQ<'a> {
     /// kv_b_proj, [heads * (nope + v_dim), kv_lora_rank].
-    pub kv_b: DSlice<bf16>,
+    pub kv_b: DSlice<'a, bf16>,
     pub v_dim: usize,
     /// Destination rows (stride, head stride); its first kv_lora_rank values per head.
-    pub q_abs: DSlice<bf16>,
+    pub q_abs: DSlice<'a, bf16>,
     pub row_stride: usize,
     pub head_stride: usize,
 }
 
-/// Threads of `mla_rope_absorb_q` (ABSORB_THREADS in latent_cache.cu: one per latent column).
-const ABSORB_THREADS: u32 = 512;
+impl LatentKernels {
+    pub fn load(m: &Modules) -> anyhow::Result<Self> {
+        Ok(LatentKernels {
+            rope_cache: m.kernel("latent_cache", "mla_rope_cache")?,
+            rope_absorb_q: m.kernel("latent_cache", "mla_rope_absorb_q")?,
+        })
+    }
 
-impl Kernels {
     pub fn rope_cache(&self, s: CUstream, p: &RopeCache) -> anyhow::Result<()> {
         let (t, w) = (p.tokens, p.kv_lora_rank + p.rope_dim);
         anyhow::ensure!(
@@ -96,12 +107,12 @@ impl Kernels {
             Arg::I32(p.rope_dim as i32),
         ];
         let Some(a) = &p.absorb else {
-            self.mla_rope_cache.launch(s, (t as u32, 1, 1), 128, 0, &args)?;
+            self.rope_cache.launch(s, (t as u32, 1, 1), 128, 0, &args)?;
             return Ok(());
         };
         anyhow::ensure!(
-            p.nope == 128 && p.kv_lora_rank == 512,
-            "mla_rope_absorb_q is built for nope 128 and kv_lora_rank 512"
+            p.nope == NOPE && p.kv_lora_rank == LATENT,
+            "mla_rope_absorb_q is built for nope {NOPE} and kv_lora_rank {LATENT}"
         );
         ensure_len!(a.kv_b, p.heads * (p.nope + a.v_dim) * p.kv_lora_rank, "kv_b_proj");
         ensure_len!(
@@ -116,31 +127,7 @@ impl Kernels {
             Arg::I32(a.row_stride as i32),
             Arg::I32(a.head_stride as i32),
         ]);
-        self.mla_rope_absorb_q.launch(s, (p.heads as u32 + 1, t as u32, 1), ABSORB_THREADS, 0, &args)?;
-        Ok(())
-    }
-
-    /// out[i] = cache[slots[i]] for `n` rows of `width` bf16 values (width % 8 == 0).
-    pub fn gather_latent(
-        &self,
-        s: CUstream,
-        cache: DSlice<bf16>,
-        slots: DSlice<i32>,
-        out: DSlice<bf16>,
-        n: usize,
-        width: usize,
-    ) -> anyhow::Result<()> {
-        anyhow::ensure!(width.is_multiple_of(8), "latent width {width} is not a multiple of 8");
-        ensure_len!(slots, n, "gather slots");
-        ensure_len!(out, n * width, "gathered latents");
-        let work = n * width / 8;
-        self.gather_latent.launch(
-            s,
-            (grid_for(self, work, 256), 1, 1),
-            256,
-            0,
-            &[Arg::Ptr(cache.ptr), Arg::Ptr(slots.ptr), Arg::Ptr(out.ptr), Arg::I32(n as i32), Arg::I32(width as i32)],
-        )?;
+        self.rope_absorb_q.launch(s, (p.heads as u32 + 1, t as u32, 1), ROPE_ABSORB_THREADS as u32, 0, &args)?;
         Ok(())
     }
 }

@@ -1,79 +1,78 @@
 //! Dense projections and the MLA weight absorption through cuBLAS (bf16 in, f32 accumulate).
 
-use super::attention::{LATENT, NOPE, ROPE, V_HEAD};
+use super::dims::{LATENT, NOPE, ROPE, V_HEAD};
 use super::ensure_len;
 use crate::gpu::{Blas, DSlice, Gemm, GemmOut};
 use half::bf16;
 
 /// An nn.Linear weight `[out, inp]` (row-major, PyTorch layout) on the device.
 #[derive(Clone, Copy)]
-pub struct Linear {
-    pub w: DSlice<bf16>,
+pub struct Linear<'a> {
+    pub w: DSlice<'a, bf16>,
     pub out: usize,
     pub inp: usize,
 }
 
-impl Linear {
-    pub fn new(w: DSlice<bf16>, out: usize, inp: usize) -> Self {
+impl<'a> Linear<'a> {
+    pub fn new(w: DSlice<'a, bf16>, out: usize, inp: usize) -> Self {
         assert!(w.len >= out * inp, "linear weight holds {} elements, [{out}, {inp}] needs {}", w.len, out * inp);
         Linear { w, out, inp }
     }
 }
 
+/// Row-major activations: row `r` starts at element `r * stride` of `data`.
+#[derive(Clone, Copy)]
+pub struct Strided<'a, T> {
+    pub data: DSlice<'a, T>,
+    pub stride: usize,
+}
+
+impl<'a, T> Strided<'a, T> {
+    pub fn new(data: DSlice<'a, T>, stride: usize) -> Self {
+        Strided { data, stride }
+    }
+
+    /// Elements `rows` rows of `width` need at this stride.
+    pub fn need(&self, rows: usize, width: usize) -> usize {
+        if rows == 0 {
+            0
+        } else {
+            (rows - 1) * self.stride + width
+        }
+    }
+}
+
 impl Blas {
-    /// `y[r, :] = x[r, :] · Wᵀ` for `rows` rows; x and y rows at the given strides.
-    pub fn linear(
-        &self,
-        lin: &Linear,
-        x: DSlice<bf16>,
-        x_stride: usize,
-        rows: usize,
-        y: DSlice<bf16>,
-        y_stride: usize,
-    ) -> anyhow::Result<()> {
-        self.linear_any(lin, x, x_stride, rows, y.ptr, y.len, y_stride, GemmOut::Bf16)
+    /// `y[r, :] = x[r, :] · Wᵀ` for `rows` rows.
+    pub fn linear(&self, lin: &Linear, x: Strided<bf16>, rows: usize, y: Strided<bf16>) -> anyhow::Result<()> {
+        self.linear_any(lin, x, rows, y, GemmOut::Bf16)
     }
 
     /// Same with f32 output (logits).
-    pub fn linear_f32_out(
-        &self,
-        lin: &Linear,
-        x: DSlice<bf16>,
-        x_stride: usize,
-        rows: usize,
-        y: DSlice<f32>,
-        y_stride: usize,
-    ) -> anyhow::Result<()> {
-        self.linear_any(lin, x, x_stride, rows, y.ptr, y.len, y_stride, GemmOut::F32)
+    pub fn linear_f32_out(&self, lin: &Linear, x: Strided<bf16>, rows: usize, y: Strided<f32>) -> anyhow::Result<()> {
+        self.linear_any(lin, x, rows, y, GemmOut::F32)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn linear_any(
+    fn linear_any<T>(
         &self,
         lin: &Linear,
-        x: DSlice<bf16>,
-        x_stride: usize,
+        x: Strided<bf16>,
         rows: usize,
-        y: u64,
-        y_len: usize,
-        y_stride: usize,
+        y: Strided<T>,
         out: GemmOut,
     ) -> anyhow::Result<()> {
         if rows == 0 {
             return Ok(());
         }
+        let (x_stride, y_stride) = (x.stride, y.stride);
         anyhow::ensure!(
             x_stride >= lin.inp && y_stride >= lin.out,
             "linear [{}, {}]: strides {x_stride}/{y_stride} too small",
             lin.out,
             lin.inp
         );
-        ensure_len!(x, (rows - 1) * x_stride + lin.inp, "linear input");
-        anyhow::ensure!(
-            y_len >= (rows - 1) * y_stride + lin.out,
-            "linear output: {y_len} elements, {} needed",
-            (rows - 1) * y_stride + lin.out
-        );
+        ensure_len!(x.data, x.need(rows, lin.inp), "linear input");
+        ensure_len!(y.data, y.need(rows, lin.out), "linear output");
         self.gemm(&Gemm {
             trans_a: true,
             trans_b: false,
@@ -82,9 +81,9 @@ impl Blas {
             k: lin.inp,
             a: lin.w.ptr,
             lda: lin.inp,
-            b: x.ptr,
+            b: x.data.ptr,
             ldb: x_stride,
-            c: y,
+            c: y.data.ptr,
             ldc: y_stride,
             f32_inputs: false,
             out,

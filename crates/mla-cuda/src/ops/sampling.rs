@@ -1,10 +1,13 @@
-//! Device sampling (kernels/sampling.cu): one block per sampled row.
+//! kernels/sampling.cu: device sampling, one block per sampled row.
 
-use super::{ensure_len, Kernels};
-use crate::gpu::{Arg, DSlice};
+use super::dims::MAX_TOP_LOGPROBS;
+use super::ensure_len;
+use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 
-pub const MAX_TOP_LOGPROBS: usize = 20;
+pub struct SamplingKernels {
+    sample_tokens: Kernel,
+}
 
 /// Mirror of the kernel's `SampleParams` (same field order, sizes and alignment).
 #[repr(C)]
@@ -20,6 +23,7 @@ pub struct SampleParamsRaw {
     /// Alternatives to report; negative: no log-probabilities at all.
     pub n_logprobs: i32,
     pub seed: u64,
+    /// This row's penalty entries, `[pen_begin, pen_end)` of the step's penalty table.
     pub pen_begin: i32,
     pub pen_end: i32,
 }
@@ -27,57 +31,66 @@ pub struct SampleParamsRaw {
 const _: () = assert!(std::mem::size_of::<SampleParamsRaw>() == 48);
 
 /// Where the sampler writes, sized for the rows of one launch.
-pub struct SamplerOutputs {
-    pub token: DSlice<i32>,
-    pub logprob: DSlice<f32>,
+pub struct SamplerOutputs<'a> {
+    pub token: DSlice<'a, i32>,
+    pub logprob: DSlice<'a, f32>,
     /// [rows, MAX_TOP_LOGPROBS]
-    pub top_ids: DSlice<i32>,
-    pub top_lps: DSlice<f32>,
+    pub top_ids: DSlice<'a, i32>,
+    pub top_lps: DSlice<'a, f32>,
 }
 
-impl Kernels {
-    /// Samples `rows` rows of `logits` ([rows, vocab] at `stride`). Penalty entries are triples
-    /// (unique token, output count, seen-anywhere flag) indexed by each row's [pen_begin, pen_end).
-    #[allow(clippy::too_many_arguments)]
-    pub fn sample(
-        &self,
-        s: CUstream,
-        logits: DSlice<f32>,
-        stride: usize,
-        rows: usize,
-        vocab: usize,
-        params: DSlice<SampleParamsRaw>,
-        pen: DSlice<i32>,
-        work: DSlice<f32>,
-        out: &SamplerOutputs,
-    ) -> anyhow::Result<()> {
+/// One launch: `rows` rows of `logits` (`[rows, vocab]` at `stride`), each drawn as its
+/// `params` row says.
+pub struct Sample<'a> {
+    pub logits: DSlice<'a, f32>,
+    pub stride: usize,
+    pub rows: usize,
+    pub vocab: usize,
+    pub params: DSlice<'a, SampleParamsRaw>,
+    /// One device word holding the address of the penalty entries: triples (unique token, output
+    /// count, seen-anywhere flag) that the rows index by `[pen_begin, pen_end)`. Read at run time,
+    /// so the entries may move between steps without invalidating a captured graph.
+    pub penalty_table: DSlice<'a, u64>,
+    /// `[rows, vocab]` scratch for the penalised logits.
+    pub work: DSlice<'a, f32>,
+    pub out: SamplerOutputs<'a>,
+}
+
+impl SamplingKernels {
+    pub fn load(m: &Modules) -> anyhow::Result<Self> {
+        Ok(SamplingKernels { sample_tokens: m.kernel("sampling", "sample_tokens")? })
+    }
+
+    pub fn sample(&self, s: CUstream, p: &Sample) -> anyhow::Result<()> {
+        let (rows, vocab, stride) = (p.rows, p.vocab, p.stride);
         if rows == 0 {
             return Ok(());
         }
         anyhow::ensure!(stride >= vocab, "logits stride {stride} below vocab {vocab}");
-        ensure_len!(logits, (rows - 1) * stride + vocab, "logits");
-        ensure_len!(params, rows, "sampling parameters");
-        ensure_len!(work, rows * vocab, "sampling workspace");
-        ensure_len!(out.token, rows, "sampled tokens");
-        ensure_len!(out.logprob, rows, "sampled log-probabilities");
-        ensure_len!(out.top_ids, rows * MAX_TOP_LOGPROBS, "top log-probability ids");
-        ensure_len!(out.top_lps, rows * MAX_TOP_LOGPROBS, "top log-probabilities");
+        ensure_len!(p.logits, (rows - 1) * stride + vocab, "logits");
+        ensure_len!(p.params, rows, "sampling parameters");
+        ensure_len!(p.penalty_table, 1, "penalty table address");
+        ensure_len!(p.work, rows * vocab, "sampling workspace");
+        ensure_len!(p.out.token, rows, "sampled tokens");
+        ensure_len!(p.out.logprob, rows, "sampled log-probabilities");
+        ensure_len!(p.out.top_ids, rows * MAX_TOP_LOGPROBS, "top log-probability ids");
+        ensure_len!(p.out.top_lps, rows * MAX_TOP_LOGPROBS, "top log-probabilities");
         self.sample_tokens.launch(
             s,
             (rows as u32, 1, 1),
             512,
             0,
             &[
-                Arg::Ptr(logits.ptr),
+                Arg::Ptr(p.logits.ptr),
                 Arg::I64(stride as i64),
                 Arg::I32(vocab as i32),
-                Arg::Ptr(params.ptr),
-                Arg::Ptr(pen.ptr),
-                Arg::Ptr(work.ptr),
-                Arg::Ptr(out.token.ptr),
-                Arg::Ptr(out.logprob.ptr),
-                Arg::Ptr(out.top_ids.ptr),
-                Arg::Ptr(out.top_lps.ptr),
+                Arg::Ptr(p.params.ptr),
+                Arg::Ptr(p.penalty_table.ptr),
+                Arg::Ptr(p.work.ptr),
+                Arg::Ptr(p.out.token.ptr),
+                Arg::Ptr(p.out.logprob.ptr),
+                Arg::Ptr(p.out.top_ids.ptr),
+                Arg::Ptr(p.out.top_lps.ptr),
             ],
         )?;
         Ok(())

@@ -133,41 +133,46 @@ pub fn random_kv_b(rng: &mut Rng, heads: usize) -> Vec<f32> {
 
 /// What a decode-attention launch reads: absorbed queries, the latent cache, its block tables
 /// and the sequence lengths. `params` adds a split count and the outputs.
-pub struct DecodeCase {
+pub struct DecodeCase<'a> {
     pub batch: usize,
     pub heads: usize,
-    pub q: DSlice<bf16>,
-    pub cache: DSlice<bf16>,
-    pub block_tables: DSlice<i32>,
-    pub bt_stride: DSlice<i32>,
-    pub seq_lens: DSlice<i32>,
+    pub q: DSlice<'a, bf16>,
+    pub cache: DSlice<'a, bf16>,
+    pub block_tables: DSlice<'a, i32>,
+    pub bt_stride: DSlice<'a, i32>,
+    pub seq_lens: DSlice<'a, i32>,
     pub scale: f32,
 }
 
-impl DecodeCase {
+impl<'a> DecodeCase<'a> {
     /// Tables, table stride and lengths from the words of a decode step's metadata, uploaded
     /// whole to `words`.
     pub fn from_meta(
         meta: &StepMeta,
-        words: &DeviceBuffer<i32>,
+        words: &'a DeviceBuffer<i32>,
         heads: usize,
-        q: DSlice<bf16>,
-        cache: DSlice<bf16>,
+        q: DSlice<'a, bf16>,
+        cache: DSlice<'a, bf16>,
         scale: f32,
     ) -> Self {
+        let d = meta.decode().expect("a decode step's metadata");
+        let w = words.slice();
         DecodeCase {
             batch: meta.seqs,
             heads,
             q,
             cache,
-            block_tables: words.tail(meta.block_tables),
-            bt_stride: words.sub(meta.bt_stride, 1),
-            seq_lens: words.sub(meta.seq_lens, meta.seqs),
+            block_tables: w.tail(d.block_tables.off),
+            bt_stride: d.bt_stride.on(w),
+            seq_lens: d.seq_lens.on(w),
             scale,
         }
     }
 
-    pub fn params(&self, num_splits: usize, out: &DecodeOutputs) -> DecodeAttention {
+    pub fn params<'o>(&self, num_splits: usize, out: &'o DecodeOutputs) -> DecodeAttention<'o>
+    where
+        'a: 'o,
+    {
         DecodeAttention {
             batch: self.batch,
             heads: self.heads,
@@ -216,20 +221,20 @@ impl DecodeOutputs {
 pub struct RopeCase<'a> {
     pub cfg: &'a ModelConfig,
     pub tokens: usize,
-    pub kva: DSlice<bf16>,
-    pub kv_norm_w: DSlice<bf16>,
-    pub q: DSlice<bf16>,
-    pub q_abs: DSlice<bf16>,
-    pub positions: DSlice<i32>,
-    pub slots: DSlice<i32>,
-    pub inv_freq: DSlice<f32>,
-    pub cache: DSlice<bf16>,
+    pub kva: DSlice<'a, bf16>,
+    pub kv_norm_w: DSlice<'a, bf16>,
+    pub q: DSlice<'a, bf16>,
+    pub q_abs: DSlice<'a, bf16>,
+    pub positions: DSlice<'a, i32>,
+    pub slots: DSlice<'a, i32>,
+    pub inv_freq: DSlice<'a, f32>,
+    pub cache: DSlice<'a, bf16>,
 }
 
-impl RopeCase<'_> {
+impl<'a> RopeCase<'a> {
     /// With `absorb_kv_b` (kv_b_proj), the same launch also writes the absorbed queries into the
     /// latent part of the `q_abs` rows.
-    pub fn params(&self, absorb_kv_b: Option<DSlice<bf16>>) -> RopeCache {
+    pub fn params(&self, absorb_kv_b: Option<DSlice<'a, bf16>>) -> RopeCache<'a> {
         let cfg = self.cfg;
         let (heads, r, p) = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
         let lat = r + p;

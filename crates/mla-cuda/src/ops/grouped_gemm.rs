@@ -1,0 +1,288 @@
+//! kernels/grouped_gemm.cu and grouped_gemm_sm90.cu: the expert GEMMs over rows grouped by expert
+//! (`MoeKernels::align`'s tile map), in three kernel families chosen by the tile height: mma.sync
+//! tiles of 16 rows (decode-sized batches) or 64 rows, and on sm_90 warp-specialised wgmma kernels
+//! of 128 rows, with SiLU·mul fused into the gate/up GEMM.
+
+use super::dims::{
+    GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL,
+};
+use super::moe::MoeRouting;
+use super::{ensure_len, ensure_smem, grid_for};
+use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
+use cudarc::driver::sys::CUstream;
+use half::bf16;
+
+/// Rows per grouped-GEMM tile; picks the kernel family and sizes the tile map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileM {
+    /// mma.sync, 16 x 64 tiles: experts with few rows each (decode).
+    Rows16,
+    /// mma.sync, 64 x 128 tiles: prefill on GPUs without wgmma.
+    Rows64,
+    /// wgmma (sm_90a), 128-row tiles: prefill and large decode batches on Hopper.
+    Rows128,
+}
+
+impl TileM {
+    pub const ALL: [TileM; 3] = [TileM::Rows16, TileM::Rows64, TileM::Rows128];
+
+    pub fn rows(self) -> usize {
+        match self {
+            TileM::Rows16 => GROUPED_TILE_M_SMALL,
+            TileM::Rows64 => GROUPED_TILE_M,
+            TileM::Rows128 => GROUPED_TILE_M_SM90,
+        }
+    }
+
+    /// The tile height for a batch: small tiles when experts get at most 16 rows on average
+    /// (decode), `large` otherwise.
+    pub fn pick(tokens: usize, top_k: usize, experts: usize, large: TileM) -> TileM {
+        if tokens * top_k <= GROUPED_TILE_M_SMALL * experts {
+            TileM::Rows16
+        } else {
+            large
+        }
+    }
+}
+
+/// How the wgmma grouped GEMMs split and schedule their work: `item_rows` weight rows per work
+/// item (256, or 128: twice the items, so a decode step's weight stream spreads evenly over the
+/// SMs), and a `persistent` grid of one block per SM whose producer warpgroup runs across items
+/// (the next item's loads fly during an epilogue) or one block per worst-case item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sm90Schedule {
+    pub item_rows: usize,
+    pub persistent: bool,
+}
+
+impl Sm90Schedule {
+    /// Every schedule the kernels support (tests and benchmarks run each).
+    pub const ALL: [Sm90Schedule; 4] = [
+        Sm90Schedule { item_rows: 256, persistent: false },
+        Sm90Schedule { item_rows: 256, persistent: true },
+        Sm90Schedule { item_rows: 128, persistent: false },
+        Sm90Schedule { item_rows: 128, persistent: true },
+    ];
+
+    /// The schedule for a routing (H200, docs/runs/2026-11-22.md runs M1-M3 and G1-G2): when the
+    /// experts get at most 64 rows on average (decode-sized, memory-bound) 128-row items on a
+    /// persistent grid; otherwise (prefill-sized, compute-bound) 256-row items, one block each.
+    pub fn for_routing(r: &MoeRouting) -> Sm90Schedule {
+        if r.rows() <= 64 * r.experts {
+            Sm90Schedule { item_rows: 128, persistent: true }
+        } else {
+            Sm90Schedule { item_rows: 256, persistent: false }
+        }
+    }
+}
+
+/// `c[rows of e] = a[rows of e] · w[e]ᵀ` over every expert, w `[experts, n, k]`.
+pub struct GroupedGemm<'a> {
+    pub a: DSlice<'a, bf16>,
+    pub w: DSlice<'a, bf16>,
+    pub c: DSlice<'a, bf16>,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// `act[rows of e] = silu(a · gate[e]ᵀ) · (a · up[e]ᵀ)` over every expert, w `[experts, 2·inter, k]`
+/// (gate rows then up rows). `gate_up` `[rows, 2·inter]` is scratch for the unfused tile sizes.
+pub struct GroupedGateUp<'a> {
+    pub a: DSlice<'a, bf16>,
+    pub w: DSlice<'a, bf16>,
+    pub gate_up: DSlice<'a, bf16>,
+    pub act: DSlice<'a, bf16>,
+    pub inter: usize,
+    pub k: usize,
+}
+
+pub struct GroupedGemmKernels {
+    rows16: Kernel,
+    rows64: Kernel,
+    /// The four wgmma kernels (256- and 128-row items, plain and SiLU-fused), sm_90a only.
+    wgmma: Option<Sm90Kernels>,
+    /// elementwise.cu's silu_mul: the second half of the gate/up path when SiLU is not fused.
+    silu_mul: Kernel,
+    sm_count: usize,
+}
+
+struct Sm90Kernels {
+    items256: Kernel,
+    items256_silu: Kernel,
+    items128: Kernel,
+    items128_silu: Kernel,
+}
+
+impl GroupedGemmKernels {
+    pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
+        // Like the wgmma attention kernel, these exist only in the sm_90a cubin.
+        let wgmma = if info.compute_capability == (9, 0) {
+            ensure_smem(info, GROUPED_SM90_SMEM_BYTES, "the wgmma grouped GEMM")?;
+            let k = |name| m.kernel("grouped_gemm_sm90", name);
+            let kernels = Sm90Kernels {
+                items256: k("moe_grouped_gemm_sm90")?,
+                items256_silu: k("moe_grouped_gemm_silu_sm90")?,
+                items128: k("moe_grouped_gemm_sm90_n128")?,
+                items128_silu: k("moe_grouped_gemm_silu_sm90_n128")?,
+            };
+            for k in [&kernels.items256, &kernels.items256_silu, &kernels.items128, &kernels.items128_silu] {
+                k.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
+            }
+            Some(kernels)
+        } else {
+            None
+        };
+        Ok(GroupedGemmKernels {
+            rows16: m.kernel("grouped_gemm", "moe_grouped_gemm_small")?,
+            rows64: m.kernel("grouped_gemm", "moe_grouped_gemm")?,
+            wgmma,
+            silu_mul: m.kernel("elementwise", "silu_mul")?,
+            sm_count: info.sm_count,
+        })
+    }
+
+    /// The tile heights this GPU runs (tests and benchmarks run each).
+    pub fn available(&self) -> Vec<TileM> {
+        TileM::ALL.into_iter().filter(|&t| t != TileM::Rows128 || self.wgmma.is_some()).collect()
+    }
+
+    /// The tile height for a batch on this GPU: 16-row tiles when experts get at most 16 rows on
+    /// average, otherwise the wgmma kernel's 128-row tiles on sm_90 and 64-row tiles elsewhere.
+    pub fn tile_for(&self, tokens: usize, top_k: usize, experts: usize) -> TileM {
+        TileM::pick(tokens, top_k, experts, if self.wgmma.is_some() { TileM::Rows128 } else { TileM::Rows64 })
+    }
+
+    pub fn gemm(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
+        self.gemm_with(s, p, r, Sm90Schedule::for_routing(r))
+    }
+
+    /// `gemm` with the wgmma kernels' schedule chosen (tests and benchmarks).
+    pub fn gemm_with(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting, sched: Sm90Schedule) -> anyhow::Result<()> {
+        let (n, k) = (p.n, p.k);
+        anyhow::ensure!(
+            n.is_multiple_of(8) && k.is_multiple_of(8) && n > 0 && k > 0,
+            "grouped GEMM needs N and K positive multiples of 8, got N={n} K={k}"
+        );
+        let rows = r.rows();
+        ensure_len!(p.a, rows * k, "grouped GEMM input");
+        ensure_len!(p.w, r.experts * n * k, "expert weights");
+        ensure_len!(p.c, rows * n, "grouped GEMM output");
+        let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile) as u32;
+        let launch = match r.tile {
+            TileM::Rows16 => {
+                Launch { kernel: &self.rows16, grid: (n.div_ceil(64) as u32, tiles), threads: 128, smem: 0 }
+            }
+            TileM::Rows64 => {
+                Launch { kernel: &self.rows64, grid: (n.div_ceil(128) as u32, tiles), threads: 128, smem: 0 }
+            }
+            TileM::Rows128 => Launch {
+                kernel: self.sm90_kernel(sched.item_rows, false)?,
+                grid: (self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent), 1),
+                threads: GROUPED_SM90_THREADS as u32,
+                smem: GROUPED_SM90_SMEM_BYTES,
+            },
+        };
+        launch.run(s, p, r)
+    }
+
+    /// The gate/up GEMM with SiLU·mul: one wgmma kernel with SiLU·mul in its epilogue on 128-row
+    /// tiles; otherwise the grouped GEMM writes `gate_up` and silu_mul reduces it into `act`.
+    pub fn gate_up_act(&self, s: CUstream, p: &GroupedGateUp, r: &MoeRouting) -> anyhow::Result<()> {
+        self.gate_up_act_with(s, p, r, Sm90Schedule::for_routing(r))
+    }
+
+    /// `gate_up_act` with the wgmma kernels' schedule chosen (tests and benchmarks).
+    pub fn gate_up_act_with(
+        &self,
+        s: CUstream,
+        p: &GroupedGateUp,
+        r: &MoeRouting,
+        sched: Sm90Schedule,
+    ) -> anyhow::Result<()> {
+        let (inter, k, rows) = (p.inter, p.k, r.rows());
+        if r.tile != TileM::Rows128 {
+            self.gemm(s, &GroupedGemm { a: p.a, w: p.w, c: p.gate_up, n: 2 * inter, k }, r)?;
+            ensure_len!(p.act, rows * inter, "silu_mul output");
+            let total = rows * inter;
+            self.silu_mul.launch(
+                s,
+                (grid_for(self.sm_count, total, 256), 1, 1),
+                256,
+                0,
+                &[Arg::Ptr(p.gate_up.ptr), Arg::Ptr(p.act.ptr), Arg::I32(inter as i32), Arg::I64(total as i64)],
+            )?;
+            return Ok(());
+        }
+        anyhow::ensure!(
+            inter.is_multiple_of(8) && k.is_multiple_of(8) && inter > 0 && k > 0,
+            "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}"
+        );
+        ensure_len!(p.a, rows * k, "grouped GEMM input");
+        ensure_len!(p.w, r.experts * 2 * inter * k, "expert gate/up weights");
+        ensure_len!(p.act, rows * inter, "expert activations");
+        // An item covers item_rows / 2 gate rows and as many up rows: that many act columns.
+        Launch {
+            kernel: self.sm90_kernel(sched.item_rows, true)?,
+            grid: (self.sm90_grid(r, inter.div_ceil(sched.item_rows / 2), sched.persistent), 1),
+            threads: GROUPED_SM90_THREADS as u32,
+            smem: GROUPED_SM90_SMEM_BYTES,
+        }
+        .run(s, &GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k }, r)
+    }
+
+    fn sm90_kernel(&self, item_rows: usize, silu: bool) -> anyhow::Result<&Kernel> {
+        let k = self.wgmma.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("the wgmma grouped GEMM (tiles of 128 rows) needs compute capability 9.0")
+        })?;
+        Ok(match (item_rows, silu) {
+            (256, false) => &k.items256,
+            (256, true) => &k.items256_silu,
+            (128, false) => &k.items128,
+            (128, true) => &k.items128_silu,
+            _ => anyhow::bail!("the wgmma grouped GEMM has items of 256 or 128 weight rows, not {item_rows}"),
+        })
+    }
+
+    /// Grid of the wgmma kernels: one block per worst-case item, or persistent, one block per SM
+    /// (the kernels loop over their items either way; blocks past the device's item count exit).
+    fn sm90_grid(&self, r: &MoeRouting, col_blocks: usize, persistent: bool) -> u32 {
+        let items = MoeRouting::max_tiles(r.rows(), r.experts, r.tile) * col_blocks;
+        if persistent {
+            items.clamp(1, self.sm_count) as u32
+        } else {
+            items.max(1) as u32
+        }
+    }
+}
+
+/// One launch of a grouped-GEMM kernel (the tile map and its count are read on the device).
+struct Launch<'k> {
+    kernel: &'k Kernel,
+    grid: (u32, u32),
+    threads: u32,
+    smem: usize,
+}
+
+impl Launch<'_> {
+    /// `p.c` gets `p.n` columns per row (the activation's width for the SiLU-fused kernels).
+    fn run(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
+        self.kernel.launch(
+            s,
+            (self.grid.0, self.grid.1, 1),
+            self.threads,
+            self.smem as u32,
+            &[
+                Arg::Ptr(p.a.ptr),
+                Arg::Ptr(p.w.ptr),
+                Arg::Ptr(p.c.ptr),
+                Arg::I32(p.n as i32),
+                Arg::I32(p.k as i32),
+                Arg::Ptr(r.tile_expert.ptr),
+                Arg::Ptr(r.tile_row0.ptr),
+                Arg::Ptr(r.tile_rows.ptr),
+                Arg::Ptr(r.num_tiles.ptr),
+            ],
+        )?;
+        Ok(())
+    }
+}
