@@ -2,7 +2,8 @@
 // plain, with griddepcontrol in the kernel but no launch attribute, and with programmatic
 // dependent launch (PDL). Standalone (no Rust): on the GPU machine,
 //   nvcc -O3 -arch=sm_90a -std=c++17 benches/launch_chain.cu -o /tmp/launch_chain && /tmp/launch_chain
-// Results (H200, 2026-11-22) are in docs/performance.md, "What bounds a B=1 step".
+// Results (H200, 2026-11-22): docs/runs/2026-11-22.md, "Launch-bound decode at small batch", and
+// benches/results/2026-11-22/H4-aa3c42b/launch-chain.txt.
 #include <cstdio>
 #include <cuda_runtime.h>
 #define CK(x)                                                                \

@@ -1,7 +1,7 @@
 // Skinny linear layers: y[m, n] = sum_k x[m, k] * W[n, k], W bf16 row-major [N, K] (the HF
 // layout), x bf16 [M <= 4, K] at a row stride, f32 accumulation, bf16 or f32 output. Each warp
 // owns ROWS output rows and streams them with 16-byte loads, UNROLL chunks of 256 elements in
-// flight per row, then reduces across the warp. Measured on the H200 (docs/performance.md, runs
+// flight per row, then reduces across the warp. Measured on the H200 (docs/runs/2026-11-22.md, runs
 // S4/S5): the lm_head (419 MB) at 4.3 TB/s, but 2-25 MB projections at 6-10 us per launch, where
 // cuBLAS's M = 1 kernels take about as long; B=1 decode 279 -> 289 tok/s, B=4 slower than cuBLAS
 // (687 -> 601), and a K-split-over-the-block variant was no faster at B=1 and slower on the

@@ -15,7 +15,7 @@ constexpr int U = 8;  // 16-byte chunks in flight per lane and row (a whole 2048
 
 // Kept apart from gemv.cu's bf16x8_to_f32 on purpose: routing this through that helper (same
 // arithmetic, same order) compiled to a B=1 decode step 5% slower on the H200 (2.32 -> 2.43 ms,
-// run H15 in docs/cuda-notes.md).
+// run H15 in docs/runs/2026-11-22.md).
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
     const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
     const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);

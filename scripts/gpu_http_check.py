@@ -1,5 +1,5 @@
 # Concurrent chat requests against a running mla-serve (V2-Lite shape, dummy weights, --device cuda).
-# Used in H200 run 2 (docs/cuda-notes.md):
+# Used in H200 run 2 (docs/runs/2026-11-22.md):
 #   mla-serve --model deepseek-v2-lite --load-format dummy --device cuda --tokenizer assets/demo \
 #       --port 8123 --max-num-seqs 64 --gpu-memory-utilization 0.5 &
 #   python3 scripts/gpu_http_check.py http://127.0.0.1:8123 48

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-H200_BW = 4.8e12  # bytes/s, datasheet (DESIGN.md's limits use it); measured copy: 4.26e12
+H200_BW = 4.8e12  # bytes/s, the H200 datasheet's HBM3e bandwidth; a measured device copy reaches 4.26e12
 
 
 def step_bytes(cfg, batch, ctx):
@@ -78,7 +78,7 @@ def main():
     bs = [2 ** i for i in range(0, 9)]
     for c in sorted(contexts):
         ax1.plot(bs, [limit_tok_s(cfg, b, c) for b in bs], ":", label=f"physical limit, ctx {c} (bytes / 4.8 TB/s)")
-    ax1.plot([1, 256], [600, 12000], "rx", ms=9, label="issue 5 targets: B=1 ctx 1k 600, B=256 ctx 4k 12,000")
+    ax1.plot([1, 256], [600, 12000], "rx", ms=9, label="2026-11-22 targets: B=1 ctx 1k 600, B=256 ctx 4k 12,000")
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
     ax1.set_xlabel("decode batch size")

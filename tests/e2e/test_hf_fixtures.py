@@ -8,7 +8,7 @@ and must equal HF's greedy continuation up to the first near-tie (top-2 logit ga
 With MLA_E2E_DEVICE=cuda (run on a GPU machine) the server runs `--device cuda` in bf16 on the
 fixture whose MLA dims the kernels are built for (real_dims), and a near-tie is a gap below 0.05:
 HF's own bf16 run moves logits by up to ~0.02 around its f32 values on these models (measured on
-the H200, docs/cuda-notes.md), so a smaller gap may flip in bf16 without any bug.
+the H200, docs/cuda-backend.md), so a smaller gap may flip in bf16 without any bug.
 """
 
 import json

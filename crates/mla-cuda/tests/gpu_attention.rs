@@ -208,7 +208,7 @@ fn prefill_attention_long_context() {
 /// alone on realistic logits, see `decode_latent_case`, at the split counts the model uses for
 /// those batches. Part (1) alone let through a kernel that never rescales its row sums (8.8e-3)
 /// and nearly one that never rescales O (1.5e-2 under the old 1.5e-2 limit); part (2) fails
-/// both by 0.17 to 16 (docs/cuda-notes.md, "Decode attention test on realistic logits").
+/// both by 0.17 to 16 (docs/runs/2026-11-22.md, "Decode attention test on realistic logits").
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn absorbed_decode_attention_matches_the_cpu_reference() {

@@ -367,7 +367,7 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
         // distance to HF f32 there. Over 27 layers of dummy weights one-ulp rounding changes
         // grow to a few 1e-2 (H200, 2026-11-22: 1.17-2.38e-2 with the four-warp decode kernel,
         // up to 3.42e-2 with only the order of four of its f32 additions reversed, 3.89e-2 with
-        // the eight-warp kernel, which matches an f64 reference as closely; cuda-notes runs T1-T3).
+        // the eight-warp kernel, which matches an f64 reference as closely; docs/runs/2026-11-22.md runs T1-T3).
         // So this only guards against gross errors of the absorbed path (a wrong slot, a missing
         // rescale: 0.1 and up); its precision is checked by gpu_attention's decode test against f64
         // and by the HF fixtures.
