@@ -46,8 +46,8 @@ pub struct CudaOptions {
     /// Device memory the graph captures may take; capturing stops at the first size that would
     /// exceed it (it must fit in the 512 MiB the KV sizing leaves free).
     pub cuda_graph_memory_budget: usize,
-    /// Linear layers of steps with at most 4 rows through the weight-streaming GEMV kernel
-    /// instead of cuBLAS (`model::gemv`).
+    /// Dense projections of single-row steps through the weight-streaming GEMV kernel instead of
+    /// cuBLAS (`model::small_linear`; off for A/B runs).
     pub small_batch_gemv: bool,
 }
 
