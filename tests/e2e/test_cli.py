@@ -16,8 +16,12 @@ from server import Server, run_cli
         (["--device", "cuda"], "CUDA backend"),
         # The demo's MLA dims are not the CUDA kernels' (and CI has no GPU): a clear refusal.
         (["--device", "cuda"], "CUDA"),
-        (["--tp", "2"], "not implemented"),
-        (["--enable-dp-attention"], "not implemented"),
+        # The demo's moe_intermediate_size is 64: --tp 3 does not split it.
+        (["--device", "cpu", "--tp", "3"], "moe_intermediate_size (64) does not split over 3 ranks"),
+        (["--enable-dp-attention"], "--tp 2 or more"),
+        (["--tp", "4", "--dp", "2", "--enable-dp-attention"], "attention-TP groups"),
+        (["--tp", "2", "--nnodes", "2"], "needs --dist-init-addr"),
+        (["--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1"], "--node-rank 2"),
         (["--device", "cpu", "--gpu-memory-utilization", "0.9"], "cuda only"),
         # auto falls back to the CPU for the demo (its dims are not the kernels'), so a GPU-only
         # flag must not be silently dropped.
@@ -62,14 +66,15 @@ def test_hf_cache_repo_id_resolves(tmp_path):
 def test_startup_log_and_help():
     r = run_cli("--help")
     assert r.returncode == 0
-    for flag in ["--model", "--served-model-name", "--port", "--device", "--tp", "--max-model-len",
+    for flag in ["--model", "--served-model-name", "--port", "--device", "--tp", "--dp", "--enable-dp-attention",
+                 "--nnodes", "--node-rank", "--dist-init-addr", "--max-model-len",
                  "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-tokens",
                  "--load-format", "--chat-template", "--api-key", "--max-queued-requests", "--seed", "--log-level"]:
         assert flag in r.stdout, flag
     server = Server("--max-model-len", "256")
     try:
         log = server.log_text()
-        for needle in ["demo", "nonsense", "parameters", "device: cpu", "KV cache:", "tokens", f":{server.port}"]:
+        for needle in ["demo", "nonsense", "parameters", "device: cpu", "parallel layout: one device", "KV cache:", "tokens", f":{server.port}"]:
             assert needle in log, (needle, log)
     finally:
         server.stop()

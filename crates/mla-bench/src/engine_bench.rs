@@ -211,7 +211,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     let gpu = backend.device_name();
     let graph_sizes = backend.graph_batch_sizes().to_vec();
     let clock = backend.step_clock();
-    let blocks = backend.cache_layout().num_blocks;
+    let blocks = backend.cache_layouts()[0].num_blocks;
     let h = Engine::start(
         Box::new(backend),
         EngineConfig {

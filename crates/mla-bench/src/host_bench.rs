@@ -12,9 +12,9 @@
 //! sequences, decode after decode); `cuda_meta_prep_us` is the metadata work at the start of a
 //! step (the step clock's graph prep, less the upload and launch); `host_total_us` is both.
 
-use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{SampledToken, SeqResult, SeqStep, StepOutput};
-use mla_core::{Backend, CacheLayout, ModelConfig, StepKind, StepPlan};
+use mla_core::step_thread::{StepRunner, StepThread};
+use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, StepKind, StepPlan};
 use mla_cuda::model::graph::{graph_step_meta, pad_rows};
 use mla_cuda::model::{MetaLimits, StepMeta};
 use mla_cuda::DEFAULT_GRAPH_BATCH_SIZES;
@@ -153,8 +153,11 @@ impl HostStep {
 }
 
 impl StepRunner for HostStep {
-    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.step(plan)
+    type Step = Vec<StepPlan>;
+    type Output = Vec<StepOutput>;
+
+    fn run_step(&mut self, plans: &Vec<StepPlan>) -> anyhow::Result<Vec<StepOutput>> {
+        plans.iter().map(|p| self.step(p)).collect()
     }
 }
 
@@ -166,7 +169,7 @@ struct InstantBackend {
 }
 
 enum Runner {
-    Inline(HostStep),
+    Inline(HostStep, PendingStep),
     Thread(StepThread<HostStep>),
 }
 
@@ -177,27 +180,18 @@ impl Backend for InstantBackend {
     fn model_config(&self) -> &ModelConfig {
         &self.cfg
     }
-    fn cache_layout(&self) -> CacheLayout {
-        self.layout
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        vec![self.layout]
     }
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         match &mut self.run {
-            Runner::Inline(h) => h.step(plan),
-            Runner::Thread(t) => t.step(plan),
+            Runner::Inline(_, pending) => pending.set(plans),
+            Runner::Thread(t) => t.start_step(plans),
         }
     }
-    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
         match &mut self.run {
-            Runner::Inline(_) => false,
-            Runner::Thread(t) => {
-                t.start_step(plan);
-                true
-            }
-        }
-    }
-    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
-        match &mut self.run {
-            Runner::Inline(_) => anyhow::bail!("the inline runner starts no steps"),
+            Runner::Inline(h, pending) => h.run_step(pending.take()?.as_ref()),
             Runner::Thread(t) => t.finish_step(),
         }
     }
@@ -261,7 +255,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
     let run = if a.thread {
         Runner::Thread(StepThread::spawn("host-bench-worker".into(), move || Ok((host, ())))?.0)
     } else {
-        Runner::Inline(host)
+        Runner::Inline(host, PendingStep::default())
     };
     let backend = InstantBackend { cfg, layout, run };
     let h = Engine::start(

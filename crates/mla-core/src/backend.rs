@@ -1,14 +1,10 @@
-//! The interface every compute backend (cpu, cuda) implements, and `StepThread`, the thread a
-//! device backend runs its steps on.
+//! The interface every compute backend (cpu, cuda; one device or several) implements.
 
 use crate::config::ModelConfig;
 use crate::plan::{StepOutput, StepPlan};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
-/// Shape of the paged latent KV cache a backend owns.
+/// Shape of a paged latent KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheLayout {
     /// Tokens per block.
@@ -23,329 +19,62 @@ impl CacheLayout {
     }
 }
 
-/// A model on some device with its own KV cache. The engine drives it one `StepPlan` at a time
-/// from a single thread; the backend never sees requests, strings or HTTP.
+/// A model on some devices with its KV caches. The engine drives it one step at a time from a
+/// single thread; the backend never sees requests, strings or HTTP.
+///
+/// A step is one `StepPlan` per attention rank: a backend has one attention rank, or, under DP
+/// attention, one per device, each with its own KV cache (`cache_layouts`). Plans of one step may
+/// differ in kind. An empty plan leaves its rank idle, and the rank still takes part in every
+/// collective of the step.
 pub trait Backend: Send {
     /// Short description for logs, e.g. "cpu (16 threads)".
     fn device_name(&self) -> String;
     fn model_config(&self) -> &ModelConfig;
-    fn cache_layout(&self) -> CacheLayout;
-    /// Runs one step. Writes the latent cache for every fed token, then returns logits and
-    /// sampled tokens as the plan asks. An error leaves the cache contents of the fed positions
-    /// unspecified but everything else intact.
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput>;
+    /// The KV cache of each attention rank, in rank order.
+    fn cache_layouts(&self) -> Vec<CacheLayout>;
 
-    /// Starts `plan` and returns without waiting for it, for backends that run steps on a thread
-    /// of their own (see `StepThread`): the engine then does the previous step's bookkeeping
-    /// (sending tokens to clients, statistics) while the device works, and collects this step's
-    /// output with `finish_step` before it starts another. The contract is `step`'s.
-    ///
-    /// Returns false, the default, when the backend computes on the caller's thread: nothing was
-    /// started and the engine calls `step` instead.
-    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
-        let _ = plan;
-        false
-    }
+    /// Starts a step: `plans[r]` on attention rank r (`plans.len() == cache_layouts().len()`).
+    /// Each rank writes the latent cache for every token it feeds, then returns logits and
+    /// sampled tokens as its plan asks. Returns at once: a backend with threads of its own
+    /// hands them the step, one that computes on the caller's thread keeps it for
+    /// `finish_step` (`PendingStep`), so the engine can deliver the previous step's tokens
+    /// before the devices or the CPU work on this one. `finish_step` gives the outputs,
+    /// one per rank, before another step starts.
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>);
 
-    /// Waits for the step `start_step` started and returns its output; errors as `step`.
-    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
-        anyhow::bail!(
-            "{}: finish_step without a started step (this backend runs steps synchronously)",
-            self.device_name()
-        )
-    }
-}
+    /// The outputs of the step `start_step` started. An error leaves the cache contents of the
+    /// fed positions unspecified and everything else intact, unless it is a
+    /// `FatalBackendError`: then the backend cannot run another step.
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>>;
 
-/// What a `StepThread` runs: the device state, created on that thread and never leaving it.
-pub trait StepRunner: 'static {
-    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput>;
-}
-
-type Job<W> = Box<dyn FnOnce(&mut W) + Send>;
-
-enum Msg<W> {
-    Step(Arc<StepPlan>),
-    Job(Job<W>),
-}
-
-/// How long the step thread polls for the next step after finishing one before it blocks, and
-/// how early the caller starts polling for a step's output. Waking a blocked thread costs tens
-/// of microseconds on a server (futex wake, idle core leaving its sleep state), twice per step;
-/// the device idles for all of it, so both sides poll around the hand-over instead.
-const HANDOFF_SPIN: Duration = Duration::from_micros(1000);
-/// Steps shorter than this are awaited by polling from the start.
-const MIN_SLEEP: Duration = Duration::from_micros(200);
-
-/// A thread that owns a backend's device state `W` (a CUDA context is bound to the thread that
-/// created it) and runs the steps and jobs handed to it, in order. `start_step` /
-/// `finish_step` implement `Backend`'s asynchronous pair; `step` is both in one call.
-///
-/// The hand-over is tuned for the gap between two steps, when the device waits for the host:
-/// after a step the thread polls for the next one for a while before it blocks, and
-/// `finish_step` sleeps only until shortly before the step is expected to end (from the last
-/// step of the same kind and size) and polls from there.
-pub struct StepThread<W: StepRunner> {
-    msgs: Option<Sender<Msg<W>>>,
-    results: Receiver<anyhow::Result<StepOutput>>,
-    thread: Option<JoinHandle<()>>,
-    in_flight: Option<InFlight>,
-    /// The last step's duration as the caller saw it, by shape.
-    last: Option<(StepShape, Duration)>,
-}
-
-struct InFlight {
-    started: Instant,
-    shape: StepShape,
-    /// Why the step never started.
-    error: Option<anyhow::Error>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct StepShape {
-    decode: bool,
-    seqs: usize,
-    tokens: usize,
-}
-
-impl StepShape {
-    fn of(plan: &StepPlan) -> Self {
-        StepShape {
-            decode: plan.kind == crate::plan::StepKind::Decode,
-            seqs: plan.seqs.len(),
-            tokens: plan.num_tokens(),
-        }
+    /// One step of a backend with one attention rank (tests, benchmarks).
+    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.start_step(&Arc::new(vec![plan.clone()]));
+        let mut outs = self.finish_step()?;
+        anyhow::ensure!(outs.len() == 1, "Backend::step is for one attention rank; this backend has {}", outs.len());
+        Ok(outs.pop().expect("checked"))
     }
 }
 
-impl<W: StepRunner> StepThread<W> {
-    /// Spawns the thread, creates `W` on it with `init`, and returns once `init` has finished,
-    /// with what `init` reported besides `W` (or its error).
-    pub fn spawn<R, F>(name: String, init: F) -> anyhow::Result<(Self, R)>
-    where
-        R: Send + 'static,
-        F: FnOnce() -> anyhow::Result<(W, R)> + Send + 'static,
-    {
-        let (msgs_tx, msgs_rx) = mpsc::channel::<Msg<W>>();
-        let (results_tx, results_rx) = mpsc::channel();
-        let (ready_tx, ready_rx) = mpsc::channel::<anyhow::Result<R>>();
-        let thread = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                let mut w = match init() {
-                    Ok((w, r)) => {
-                        if ready_tx.send(Ok(r)).is_err() {
-                            return;
-                        }
-                        w
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                serve(&mut w, &msgs_rx, &results_tx);
-            })
-            .map_err(|e| anyhow::anyhow!("spawning thread {name}: {e}"))?;
-        let ready = ready_rx.recv().map_err(|_| anyhow::anyhow!("thread {name} died while starting"))??;
-        let t =
-            StepThread { msgs: Some(msgs_tx), results: results_rx, thread: Some(thread), in_flight: None, last: None };
-        Ok((t, ready))
+/// A failure after which a backend cannot run another step: a rank died, a collective broke, a
+/// step hung past its watchdog. The engine fails every request and stops rather than retrying.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct FatalBackendError(pub String);
+
+/// The step a backend that computes on the engine's thread holds from `start_step` until
+/// `finish_step` runs it. Computing in `finish_step` rather than `start_step` lets the engine
+/// deliver the previous step's tokens first, as it does while a threaded backend computes.
+#[derive(Default)]
+pub struct PendingStep(Option<Arc<Vec<StepPlan>>>);
+
+impl PendingStep {
+    pub fn set(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        assert!(self.0.is_none(), "start_step while a step is in flight; call finish_step first");
+        self.0 = Some(plans.clone());
     }
 
-    fn send(&self, msg: Msg<W>) -> anyhow::Result<()> {
-        self.msgs
-            .as_ref()
-            .expect("the channel lives as long as the thread")
-            .send(msg)
-            .map_err(|_| anyhow::anyhow!("the backend's thread has stopped"))
-    }
-
-    /// Hands `plan` to the thread; `finish_step` returns its output, or why it could not start
-    /// (the thread is gone).
-    ///
-    /// Panics if a step is already in flight (its output would be taken for this one's).
-    pub fn start_step(&mut self, plan: &Arc<StepPlan>) {
-        assert!(self.in_flight.is_none(), "start_step while a step is in flight; call finish_step first");
-        let sent = self.send(Msg::Step(plan.clone()));
-        self.in_flight = Some(InFlight { started: Instant::now(), shape: StepShape::of(plan), error: sent.err() });
-    }
-
-    /// The output of the step in flight.
-    pub fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
-        let f = self.in_flight.take().ok_or_else(|| anyhow::anyhow!("finish_step without a started step"))?;
-        if let Some(e) = f.error {
-            return Err(e);
-        }
-        let expected = self.last.filter(|(s, _)| *s == f.shape).map(|(_, d)| d);
-        let out = self.wait(f.started, expected);
-        self.last = Some((f.shape, f.started.elapsed()));
-        out
-    }
-
-    fn wait(&self, started: Instant, expected: Option<Duration>) -> anyhow::Result<StepOutput> {
-        let died = || anyhow::anyhow!("the backend's thread stopped during a step (it panicked)");
-        // Sleep through most of the step, then poll, then (a step far longer than the last) block.
-        if let Some(sleep) = expected.and_then(|e| e.checked_sub(HANDOFF_SPIN)).filter(|&s| s >= MIN_SLEEP) {
-            let left = sleep.saturating_sub(started.elapsed());
-            match self.results.recv_timeout(left) {
-                Ok(r) => return r,
-                Err(RecvTimeoutError::Disconnected) => return Err(died()),
-                Err(RecvTimeoutError::Timeout) => {}
-            }
-        }
-        let poll_until = Instant::now() + 2 * HANDOFF_SPIN;
-        while Instant::now() < poll_until {
-            match self.results.try_recv() {
-                Ok(r) => return r,
-                Err(TryRecvError::Disconnected) => return Err(died()),
-                Err(TryRecvError::Empty) => std::thread::yield_now(),
-            }
-        }
-        self.results.recv().map_err(|_| died())?
-    }
-
-    /// Runs one step and waits for it (`start_step` + `finish_step`).
-    pub fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.start_step(&Arc::new(plan.clone()));
-        self.finish_step()
-    }
-
-    /// Runs `f` on the thread with the device state (tests, benchmarks), after any step in
-    /// flight.
-    pub fn with<R, F>(&self, f: F) -> anyhow::Result<R>
-    where
-        R: Send + 'static,
-        F: FnOnce(&mut W) -> R + Send + 'static,
-    {
-        let (tx, rx) = mpsc::channel();
-        self.send(Msg::Job(Box::new(move |w| {
-            let _ = tx.send(f(w));
-        })))?;
-        rx.recv().map_err(|_| anyhow::anyhow!("the backend's thread stopped during a job (it panicked)"))
-    }
-}
-
-/// The thread's loop: steps and jobs in order, polling for a while after each step.
-fn serve<W: StepRunner>(w: &mut W, msgs: &Receiver<Msg<W>>, results: &Sender<anyhow::Result<StepOutput>>) {
-    let mut poll = false;
-    loop {
-        let msg = if poll { next_polling(msgs) } else { msgs.recv().ok() };
-        let Some(msg) = msg else { return };
-        poll = match msg {
-            Msg::Step(plan) => {
-                let out = w.run_step(&plan);
-                // The caller may reuse the plan's buffers once it has the output.
-                drop(plan);
-                if results.send(out).is_err() {
-                    return;
-                }
-                true
-            }
-            Msg::Job(job) => {
-                job(w);
-                false
-            }
-        };
-    }
-}
-
-fn next_polling<W>(msgs: &Receiver<Msg<W>>) -> Option<Msg<W>> {
-    let until = Instant::now() + HANDOFF_SPIN;
-    while Instant::now() < until {
-        match msgs.try_recv() {
-            Ok(m) => return Some(m),
-            Err(TryRecvError::Disconnected) => return None,
-            Err(TryRecvError::Empty) => std::thread::yield_now(),
-        }
-    }
-    msgs.recv().ok()
-}
-
-impl<W: StepRunner> Drop for StepThread<W> {
-    fn drop(&mut self) {
-        // Closing the channel ends the loop; `W` is dropped on its own thread.
-        self.msgs.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::plan::{SampledToken, SeqResult, SeqStep, StepKind};
-    use crate::LogitsRequest;
-
-    /// Answers each sequence with its context length as the token; panics on a 0-sequence plan.
-    struct Echo {
-        steps: usize,
-    }
-
-    impl StepRunner for Echo {
-        fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-            assert!(!plan.seqs.is_empty(), "empty plan");
-            self.steps += 1;
-            let sampled =
-                |s: &SeqStep| Some(SampledToken { token: s.context_len as u32, logprob: 0.0, top_logprobs: vec![] });
-            Ok(StepOutput {
-                seqs: plan
-                    .seqs
-                    .iter()
-                    .map(|s| SeqResult { seq_id: s.seq_id, logits: vec![], sampled: sampled(s) })
-                    .collect(),
-            })
-        }
-    }
-
-    fn plan(ctx: &[usize]) -> Arc<StepPlan> {
-        let seq = |(i, &c): (usize, &usize)| SeqStep {
-            seq_id: i as u64,
-            tokens: vec![1],
-            context_len: c,
-            block_table: vec![0],
-            logits: LogitsRequest::None,
-            sample: None,
-        };
-        Arc::new(StepPlan { kind: StepKind::Decode, seqs: ctx.iter().enumerate().map(seq).collect() })
-    }
-
-    fn tokens(out: &StepOutput) -> Vec<u32> {
-        out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect()
-    }
-
-    #[test]
-    fn steps_and_jobs_run_in_order_on_the_thread() {
-        let (mut t, ready) = StepThread::spawn("test-step-thread".into(), || Ok((Echo { steps: 0 }, 7u32))).unwrap();
-        assert_eq!(ready, 7);
-        let caller = std::thread::current().id();
-        for ctx in [3usize, 4, 5] {
-            let p = plan(&[ctx, ctx + 10]);
-            t.start_step(&p);
-            assert_eq!(tokens(&t.finish_step().unwrap()), vec![ctx as u32, ctx as u32 + 10]);
-            // The thread let go of the plan before answering.
-            assert_eq!(Arc::strong_count(&p), 1);
-        }
-        assert_eq!(tokens(&t.step(&plan(&[9])).unwrap()), vec![9]);
-        // A job queued behind a step in flight runs after it, on the step thread.
-        t.start_step(&plan(&[1]));
-        let (steps, on) = t.with(|e| (e.steps, std::thread::current().id())).unwrap();
-        assert_eq!(steps, 5);
-        assert_ne!(on, caller);
-        assert_eq!(tokens(&t.finish_step().unwrap()), vec![1]);
-    }
-
-    #[test]
-    fn failures_are_errors_not_hangs() {
-        let failed = StepThread::<Echo>::spawn::<(), _>("test-step-thread".into(), || anyhow::bail!("no device"));
-        assert!(failed.err().unwrap().to_string().contains("no device"));
-        let (mut t, ()) = StepThread::spawn("test-step-thread".into(), || Ok((Echo { steps: 0 }, ()))).unwrap();
-        assert!(t.finish_step().is_err(), "nothing was started");
-        // The runner panics on an empty plan: the thread is gone, and so is every later step.
-        t.start_step(&plan(&[]));
-        assert!(t.finish_step().unwrap_err().to_string().contains("panicked"));
-        t.start_step(&plan(&[1]));
-        assert!(t.finish_step().is_err());
-        assert!(t.with(|e| e.steps).is_err());
+    pub fn take(&mut self) -> anyhow::Result<Arc<Vec<StepPlan>>> {
+        self.0.take().ok_or_else(|| anyhow::anyhow!("finish_step without a started step"))
     }
 }

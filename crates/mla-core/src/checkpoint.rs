@@ -181,7 +181,7 @@ impl Checkpoint {
         })?;
         let (rows, cols) = (spec.shape[0], spec.shape[1]);
         let grid = scale_grid(rows, cols, quant.block);
-        let scale_spec = TensorSpec { name: spec.scale_inv_name(), shape: grid.to_vec(), role: spec.role };
+        let scale_spec = TensorSpec::new(spec.scale_inv_name(), grid.to_vec(), spec.role);
         let (s_shard, s_info) = self.find_checked(&scale_spec)?;
         let scale_inv =
             float_values(s_shard.bytes(s_info), s_info.dtype).ok_or_else(|| CheckpointError::WrongDtype {

@@ -80,7 +80,7 @@ mod tests {
     use super::*;
 
     fn spec(name: &str, shape: Vec<usize>, role: TensorRole) -> TensorSpec {
-        TensorSpec { name: name.into(), shape, role }
+        TensorSpec::new(name.into(), shape, role)
     }
 
     #[test]

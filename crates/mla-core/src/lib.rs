@@ -4,23 +4,28 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod collective;
 pub mod config;
 pub mod dummy;
+pub mod fault;
 pub mod fp8;
+pub mod parallel;
 pub mod plan;
 pub mod rng;
 pub mod rope;
 pub mod sampling;
+pub mod step_thread;
 pub mod weight_source;
 pub mod weights;
 
-pub use backend::{Backend, CacheLayout};
+pub use backend::{Backend, CacheLayout, FatalBackendError, PendingStep};
 pub use checkpoint::Checkpoint;
 pub use config::{ConfigError, ModelConfig};
 pub use dummy::DummyWeights;
+pub use parallel::{Parallel, RankLayout, Shard};
 pub use plan::{
     LogitsRequest, SampleRequest, SampledToken, SamplingParams, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
 };
 pub use rng::SplitMix64;
 pub use weight_source::{CheckpointError, Fp8Tensor, WeightSource};
-pub use weights::{ModelSpec, TensorRole, TensorSpec};
+pub use weights::{ModelSpec, Split, TensorRole, TensorSpec};

@@ -1,6 +1,7 @@
 //! Where weights come from: a checkpoint on disk or deterministic dummy weights. Backends build
 //! themselves from a `WeightSource` and a `ModelSpec` and never care which one it is.
 
+use crate::parallel::Shard;
 use crate::weights::TensorSpec;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -47,6 +48,15 @@ pub trait WeightSource: Sync {
     /// The tensor in f32, converted from BF16 / F16 / F32 and dequantized from block FP8.
     fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError>;
 
+    /// The part `shard` of the tensor in f32 (one rank's share under tensor parallelism). By
+    /// default the whole tensor is read and cut; a source may read only the part.
+    fn read_f32_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<f32>, CheckpointError> {
+        match shard {
+            Shard::Whole => self.read_f32(spec),
+            _ => Ok(shard.take(&self.read_f32(spec)?, &spec.shape)),
+        }
+    }
+
     /// The tensor as bf16 bits: copied when stored as BF16, rounded to nearest-even otherwise.
     fn read_bf16_bits(&self, spec: &TensorSpec) -> Result<Vec<u16>, CheckpointError> {
         Ok(self.read_f32(spec)?.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect())
@@ -55,6 +65,14 @@ pub trait WeightSource: Sync {
     /// The stored FP8 bytes and scales when the tensor is block-FP8 in this source, else `None`
     /// (for backends that compute in FP8 instead of dequantizing).
     fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError>;
+
+    /// The part `shard` of the tensor as bf16 bits (see `read_f32_shard`).
+    fn read_bf16_bits_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<u16>, CheckpointError> {
+        match shard {
+            Shard::Whole => self.read_bf16_bits(spec),
+            _ => Ok(shard.take(&self.read_bf16_bits(spec)?, &spec.shape)),
+        }
+    }
 }
 
 /// Progress of loading `total` tensors; drawn (indicatif) only when stderr is a terminal so logs

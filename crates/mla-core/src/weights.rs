@@ -23,6 +23,22 @@ pub enum TensorRole {
     Bias,
 }
 
+/// How tensor parallelism divides a tensor among the ranks of a group (`parallel::RankLayout`
+/// turns it into one rank's `Shard`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds all of it (norms, router, embedding, output head, q_a / kv_a).
+    Replicated,
+    /// Attention heads: each rank holds the rows of its heads, `per_head` rows each (q, kv_b).
+    HeadRows { per_head: usize },
+    /// Attention heads: each rank holds the input columns of its heads (o_proj).
+    HeadCols { per_head: usize },
+    /// FFN width: each rank holds an equal run of rows (gate, up) ...
+    FfnRows,
+    /// ... or of input columns (down).
+    FfnCols,
+}
+
 /// One tensor a model needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
@@ -30,11 +46,17 @@ pub struct TensorSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub role: TensorRole,
+    pub split: Split,
 }
 
 impl TensorSpec {
-    fn new(name: String, shape: Vec<usize>, role: TensorRole) -> Self {
-        TensorSpec { name, shape, role }
+    pub fn new(name: String, shape: Vec<usize>, role: TensorRole) -> Self {
+        TensorSpec { name, shape, role, split: Split::Replicated }
+    }
+
+    fn split(mut self, split: Split) -> Self {
+        self.split = split;
+        self
     }
 
     pub fn numel(&self) -> usize {
@@ -173,16 +195,22 @@ impl ModelSpec {
     pub fn num_params(&self) -> usize {
         self.tensors().iter().map(|t| t.numel()).sum()
     }
+
+    /// Parameters one rank of `layout` holds: its shards plus everything replicated.
+    pub fn rank_params(&self, layout: &crate::parallel::RankLayout) -> usize {
+        self.tensors().iter().map(|t| layout.shard(t).shape(&t.shape).iter().product::<usize>()).sum()
+    }
 }
 
 impl MlpSpec {
+    /// Every MLP (dense, routed expert, shared experts) is split over its width under TP.
     fn new(prefix: &str, hidden: usize, inter: usize) -> Self {
         let lin =
             |n: &str, shape: Vec<usize>| TensorSpec::new(format!("{prefix}.{n}.weight"), shape, TensorRole::Linear);
         MlpSpec {
-            gate_proj: lin("gate_proj", vec![inter, hidden]),
-            up_proj: lin("up_proj", vec![inter, hidden]),
-            down_proj: lin("down_proj", vec![hidden, inter]),
+            gate_proj: lin("gate_proj", vec![inter, hidden]).split(Split::FfnRows),
+            up_proj: lin("up_proj", vec![inter, hidden]).split(Split::FfnRows),
+            down_proj: lin("down_proj", vec![hidden, inter]).split(Split::FfnCols),
         }
     }
 
@@ -197,20 +225,24 @@ fn layer_spec(cfg: &ModelConfig, i: usize) -> LayerSpec {
     let lin = |n: &str, shape: Vec<usize>| TensorSpec::new(format!("{p}.{n}.weight"), shape, TensorRole::Linear);
     let norm = |n: &str, d: usize| TensorSpec::new(format!("{p}.{n}.weight"), vec![d], TensorRole::Norm);
     let heads = cfg.num_attention_heads;
+    // The latent projections (q_a, kv_a) serve every head: replicated; per-head weights split.
+    let q_rows = Split::HeadRows { per_head: cfg.q_head_dim() };
     let query = match cfg.q_lora_rank {
-        None => QuerySpec::Direct { q_proj: lin("self_attn.q_proj", vec![heads * cfg.q_head_dim(), h]) },
+        None => QuerySpec::Direct { q_proj: lin("self_attn.q_proj", vec![heads * cfg.q_head_dim(), h]).split(q_rows) },
         Some(r) => QuerySpec::LowRank {
             q_a_proj: lin("self_attn.q_a_proj", vec![r, h]),
             q_a_layernorm: norm("self_attn.q_a_layernorm", r),
-            q_b_proj: lin("self_attn.q_b_proj", vec![heads * cfg.q_head_dim(), r]),
+            q_b_proj: lin("self_attn.q_b_proj", vec![heads * cfg.q_head_dim(), r]).split(q_rows),
         },
     };
     let self_attn = AttentionSpec {
         query,
         kv_a_proj_with_mqa: lin("self_attn.kv_a_proj_with_mqa", vec![cfg.kv_cache_dim(), h]),
         kv_a_layernorm: norm("self_attn.kv_a_layernorm", cfg.kv_lora_rank),
-        kv_b_proj: lin("self_attn.kv_b_proj", vec![heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank]),
-        o_proj: lin("self_attn.o_proj", vec![h, heads * cfg.v_head_dim]),
+        kv_b_proj: lin("self_attn.kv_b_proj", vec![heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank])
+            .split(Split::HeadRows { per_head: cfg.qk_nope_head_dim + cfg.v_head_dim }),
+        o_proj: lin("self_attn.o_proj", vec![h, heads * cfg.v_head_dim])
+            .split(Split::HeadCols { per_head: cfg.v_head_dim }),
     };
     let mlp = if cfg.is_moe_layer(i) {
         let n = cfg.n_routed_experts;

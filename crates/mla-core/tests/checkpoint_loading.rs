@@ -245,7 +245,7 @@ fn tensor_absent_from_index_is_named_with_the_index() {
 }
 
 fn fp8_weight_spec() -> TensorSpec {
-    TensorSpec { name: "w.weight".into(), shape: vec![3, 5], role: TensorRole::Linear }
+    TensorSpec::new("w.weight".into(), vec![3, 5], TensorRole::Linear)
 }
 
 /// The hand-computed case of `fp8::tests`, through a file: a 3x5 weight with 2x2 blocks.

@@ -1,16 +1,17 @@
-//! `CpuBackend`: the model plus its paged latent cache behind mla-core's `Backend` trait.
+//! `CpuBackend`: one rank holding the whole model, behind mla-core's `Backend` trait. It computes
+//! on the engine's thread, in `finish_step`.
 
 use crate::kv_cache::LatentCache;
-use crate::mla::{AttentionPath, SeqSpan};
-use crate::model::CpuModel;
-use mla_core::plan::{LogitsRequest, SeqResult, StepKind, StepOutput, StepPlan};
-use mla_core::sampling::sample;
-use mla_core::{Backend, CacheLayout, ModelConfig, WeightSource};
+use crate::model::{CpuModel, Peers};
+use crate::rank::CpuRank;
+use mla_core::collective::Solo;
+use mla_core::plan::{StepOutput, StepPlan};
+use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, RankLayout, WeightSource};
+use std::sync::Arc;
 
 pub struct CpuBackend {
-    model: CpuModel,
-    cache: LatentCache,
-    layout: CacheLayout,
+    rank: CpuRank,
+    pending: PendingStep,
 }
 
 impl CpuBackend {
@@ -22,21 +23,26 @@ impl CpuBackend {
         block_size: usize,
         num_blocks: usize,
     ) -> anyhow::Result<Self> {
-        anyhow::ensure!(block_size > 0, "block_size must be positive");
-        anyhow::ensure!(num_blocks > 0, "num_blocks must be positive");
         tracing::info!(source = %weights.describe(), block_size, num_blocks, "loading cpu backend");
-        let cache = LatentCache::new(cfg.num_hidden_layers, block_size, num_blocks, cfg.kv_cache_dim());
-        let model = CpuModel::new(cfg, weights)?;
-        Ok(CpuBackend { model, cache, layout: CacheLayout { block_size, num_blocks } })
+        let rank = CpuRank::new(cfg, weights, RankLayout::SINGLE, block_size, num_blocks)?;
+        Ok(CpuBackend { rank, pending: PendingStep::default() })
     }
 
     pub fn model(&self) -> &CpuModel {
-        &self.model
+        self.rank.model()
     }
 
     /// Read access to the latent cache (tests and cross-backend checks).
     pub fn cache(&self) -> &LatentCache {
-        &self.cache
+        self.rank.cache()
+    }
+
+    fn run(&mut self, plans: &[StepPlan]) -> anyhow::Result<Vec<StepOutput>> {
+        anyhow::ensure!(plans.len() == 1, "the CPU backend has one attention rank; the step has {}", plans.len());
+        let plan = &plans[0];
+        self.rank.validate(plan)?;
+        let counts = [plan.num_tokens()];
+        Ok(vec![self.rank.run(plan, Peers { comm: &mut Solo, counts: &counts })?])
     }
 }
 
@@ -46,52 +52,19 @@ impl Backend for CpuBackend {
     }
 
     fn model_config(&self) -> &ModelConfig {
-        self.model.config()
+        self.rank.model().config()
     }
 
-    fn cache_layout(&self) -> CacheLayout {
-        self.layout
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        vec![self.rank.cache_layout()]
     }
 
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        let cfg = self.model.config();
-        plan.validate(self.layout.block_size, self.layout.num_blocks, cfg.vocab_size, cfg.max_position_embeddings)?;
-        let path = match plan.kind {
-            StepKind::Prefill => AttentionPath::Normal,
-            StepKind::Decode => AttentionPath::Absorbed,
-        };
-        let mut tokens = Vec::with_capacity(plan.num_tokens());
-        let mut spans = Vec::with_capacity(plan.seqs.len());
-        let mut want = Vec::with_capacity(plan.num_tokens());
-        for s in &plan.seqs {
-            spans.push(SeqSpan {
-                start: tokens.len(),
-                len: s.tokens.len(),
-                context_len: s.context_len,
-                block_table: &s.block_table,
-            });
-            tokens.extend_from_slice(&s.tokens);
-            let last_needed = s.logits == LogitsRequest::Last || s.sample.is_some();
-            want.extend(
-                (0..s.tokens.len()).map(|j| s.logits == LogitsRequest::All || (last_needed && j + 1 == s.tokens.len())),
-            );
-        }
-        let mut logits = self.model.forward(&tokens, &spans, &mut self.cache, path, &want);
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        self.pending.set(plans);
+    }
 
-        let mut out = StepOutput::default();
-        for (s, span) in plan.seqs.iter().zip(&spans) {
-            let rows = &mut logits[span.start..span.start + span.len];
-            let sampled = s
-                .sample
-                .as_ref()
-                .map(|req| sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req));
-            let logits = match s.logits {
-                LogitsRequest::None => vec![],
-                LogitsRequest::Last => vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")],
-                LogitsRequest::All => rows.iter_mut().map(|r| r.take().expect("all logits")).collect(),
-            };
-            out.seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled });
-        }
-        Ok(out)
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        let plans = self.pending.take()?;
+        self.run(&plans)
     }
 }

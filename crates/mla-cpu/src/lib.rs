@@ -12,6 +12,7 @@
 pub mod attention_absorbed;
 pub mod attention_normal;
 pub mod backend;
+pub mod group;
 pub mod kv_cache;
 pub mod linear;
 pub mod mla;
@@ -21,14 +22,17 @@ pub mod model;
 pub mod model_weights;
 pub mod moe;
 pub mod norm;
+pub mod rank;
 pub mod rope;
 pub mod softmax;
 
 pub use attention_absorbed::absorbed_attention;
 pub use attention_normal::{causal_attention, decompress_latent, normal_attention, HeadDims};
 pub use backend::CpuBackend;
+pub use group::CpuGroupBackend;
 pub use linear::Matrix;
 pub use mla_dims::MlaDims;
 pub use moe::route;
 pub use norm::rms_norm;
+pub use rank::CpuRank;
 pub use rope::{apply_rope, Rope};

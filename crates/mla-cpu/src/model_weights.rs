@@ -6,7 +6,7 @@ use crate::mlp::SiluMlp;
 use crate::moe::MoeBlock;
 use mla_core::weight_source::LoadProgress;
 use mla_core::weights::{AttentionSpec, FfnSpec, MlpSpec, QuerySpec};
-use mla_core::{CheckpointError, ModelConfig, ModelSpec, TensorSpec, WeightSource};
+use mla_core::{CheckpointError, ModelConfig, ModelSpec, RankLayout, TensorSpec, WeightSource};
 
 #[derive(Debug, Clone)]
 pub enum QueryWeights {
@@ -48,8 +48,18 @@ pub struct ModelWeights {
 
 impl ModelWeights {
     pub fn load(cfg: &ModelConfig, src: &dyn WeightSource) -> Result<Self, CheckpointError> {
+        Self::load_rank(cfg, src, RankLayout::SINGLE)
+    }
+
+    /// The part of `cfg`'s weights that rank `layout` holds (`RankLayout::shard` of each tensor).
+    pub fn load_rank(cfg: &ModelConfig, src: &dyn WeightSource, layout: RankLayout) -> Result<Self, CheckpointError> {
         let spec = ModelSpec::new(cfg);
-        let loader = Loader { src, bar: LoadProgress::new(spec.tensors().len(), "loading weights (cpu)") };
+        let what = if layout.world == 1 {
+            "loading weights (cpu)".to_string()
+        } else {
+            format!("loading weights (cpu, rank {} of {})", layout.rank, layout.world)
+        };
+        let loader = Loader { src, layout, bar: LoadProgress::new(spec.tensors().len(), &what) };
         let weights = ModelWeights {
             embed_tokens: loader.matrix(&spec.embed_tokens)?,
             layers: spec
@@ -91,19 +101,22 @@ impl ModelWeights {
 
 struct Loader<'a> {
     src: &'a dyn WeightSource,
+    layout: RankLayout,
     bar: LoadProgress,
 }
 
 impl Loader<'_> {
+    /// This rank's part of the tensor.
     fn vector(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
-        let v = self.src.read_f32(spec)?;
+        let v = self.src.read_f32_shard(spec, &self.layout.shard(spec))?;
         self.bar.inc();
         Ok(v)
     }
 
     fn matrix(&self, spec: &TensorSpec) -> Result<Matrix, CheckpointError> {
+        let shape = self.layout.shard(spec).shape(&spec.shape);
         let v = self.vector(spec)?;
-        Ok(Matrix::new(spec.shape[0], spec.shape[1], v))
+        Ok(Matrix::new(shape[0], shape[1], v))
     }
 
     fn mlp(&self, m: &MlpSpec) -> Result<SiluMlp, CheckpointError> {

@@ -11,59 +11,14 @@
 
 mod common;
 
-use common::{max_abs_diff, seq};
+use common::{fixture_dir, load_prompts, max_abs_diff, seq};
 use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::{Backend, Checkpoint, ModelConfig, SamplingParams};
 use mla_cpu::CpuBackend;
-use std::path::PathBuf;
 
 const TOLERANCE: f32 = 2e-3;
 const GAP_FLOOR: f32 = 1e-3;
 const BLOCK_SIZE: usize = 16;
-
-struct Prompt {
-    name: String,
-    prompt: Vec<u32>,
-    continuation: Vec<u32>,
-    gaps: Vec<f32>,
-    /// HF logits rows, `[prompt + continuation][vocab]`.
-    oracle: Vec<Vec<f32>>,
-}
-
-fn fixture_dir(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(variant)
-}
-
-fn load_prompts(dir: &std::path::Path, vocab: usize) -> Vec<Prompt> {
-    let oracle: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("oracle.json")).unwrap()).unwrap();
-    let bytes = std::fs::read(dir.join("oracle_f32.safetensors")).unwrap();
-    let logits = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-    };
-    oracle["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            let name = p["name"].as_str().unwrap().to_string();
-            let t = logits.tensor(&name).unwrap();
-            assert_eq!(t.dtype(), safetensors::Dtype::F32);
-            let values: Vec<f32> =
-                t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            let (prompt, continuation) = (ids(&p["prompt"]), ids(&p["continuation"]));
-            assert_eq!(t.shape(), [prompt.len() + continuation.len(), vocab]);
-            Prompt {
-                name,
-                prompt,
-                continuation,
-                gaps: p["gaps"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap() as f32).collect(),
-                oracle: values.chunks(vocab).map(|r| r.to_vec()).collect(),
-            }
-        })
-        .collect()
-}
 
 fn backend(dir: &std::path::Path, cfg: &ModelConfig, blocks: usize) -> CpuBackend {
     let ckpt = Checkpoint::open(dir, cfg).unwrap();

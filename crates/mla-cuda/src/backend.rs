@@ -8,8 +8,8 @@ use crate::device::Device;
 use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions};
 use crate::ops::PAGE_SIZE;
 use anyhow::Context;
-use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{StepOutput, StepPlan};
+use mla_core::step_thread::{StepRunner, StepThread};
 use mla_core::{Backend, CacheLayout, Checkpoint, ModelConfig, WeightSource};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -170,8 +170,12 @@ impl Worker {
 }
 
 impl StepRunner for Worker {
-    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.step(plan)
+    type Step = Vec<StepPlan>;
+    type Output = Vec<StepOutput>;
+
+    fn run_step(&mut self, plans: &Vec<StepPlan>) -> anyhow::Result<Vec<StepOutput>> {
+        anyhow::ensure!(plans.len() == 1, "one GPU is one attention rank; the step has {} plans", plans.len());
+        Ok(vec![self.step(&plans[0])?])
     }
 }
 
@@ -311,20 +315,15 @@ impl Backend for CudaBackend {
         &self.cfg
     }
 
-    fn cache_layout(&self) -> CacheLayout {
-        self.layout
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        vec![self.layout]
     }
 
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.thread.step(plan)
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        self.thread.start_step(plans);
     }
 
-    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
-        self.thread.start_step(plan);
-        true
-    }
-
-    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
         self.thread.finish_step()
     }
 }

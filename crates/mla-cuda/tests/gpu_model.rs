@@ -301,7 +301,7 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
     println!(
         "V2-Lite dummy: started in {:.1}s, {} on {}",
         t0.elapsed().as_secs_f64(),
-        b.cache_layout().num_blocks,
+        b.cache_layouts()[0].num_blocks,
         b.device_name()
     );
     let mut rng = Rng::new(21);
@@ -310,7 +310,7 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
     let total_blocks: usize = lens.iter().map(|l| (l + 40).div_ceil(64)).sum();
     let blocks: Vec<usize> = lens.iter().map(|l| (l + 40).div_ceil(64)).collect();
     let tables =
-        scattered_tables(&mut rng, &blocks, total_blocks.max(b.cache_layout().num_blocks.min(4 * total_blocks)));
+        scattered_tables(&mut rng, &blocks, total_blocks.max(b.cache_layouts()[0].num_blocks.min(4 * total_blocks)));
     let prompts: Vec<Vec<u32>> =
         lens.iter().map(|&l| (0..l).map(|_| rng.below(cfg.vocab_size) as u32).collect()).collect();
     let sample = |i: usize| {

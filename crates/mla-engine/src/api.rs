@@ -90,6 +90,9 @@ pub enum SubmitError {
     Invalid(String),
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// The backend failed for good (a rank died, a collective broke); the server is going down.
+    #[error("the engine stopped: {0}")]
+    Unavailable(String),
 }
 
 /// Timestamps the engine records per request, reported when it finishes.
@@ -130,14 +133,28 @@ impl Histogram {
     }
 }
 
+/// One attention rank's share: its scheduler, its KV cache and the work routed to it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RankStats {
+    pub running: usize,
+    pub waiting: usize,
+    /// Fraction of this rank's KV cache blocks in use, 0..=1.
+    pub kv_usage: f64,
+    pub kv_capacity_tokens: usize,
+    /// Tokens its live requests may hold at most (what the router balances).
+    pub load_tokens: u64,
+}
+
 /// A consistent snapshot of the engine's counters, for `/metrics` and the startup log.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
     pub running: usize,
     pub waiting: usize,
-    /// Fraction of KV cache blocks in use, 0..=1.
+    /// Fraction of all KV cache blocks in use, 0..=1.
     pub kv_usage: f64,
     pub kv_capacity_tokens: usize,
+    /// Every attention rank (every replica's, in order): one entry on a single device.
+    pub ranks: Vec<RankStats>,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     /// Finished completions by the reason the engine ended them: stop (stop token, or the caller's
@@ -152,4 +169,36 @@ pub struct EngineStats {
     pub inter_token_latency: Histogram,
     pub e2e_latency: Histogram,
     pub queue_time: Histogram,
+}
+
+impl Histogram {
+    /// Adds another histogram's observations; both must have the same bounds.
+    pub fn merge(&mut self, other: &Histogram) {
+        assert_eq!(self.bounds, other.bounds, "merging histograms with different buckets");
+        self.counts.iter_mut().zip(&other.counts).for_each(|(a, b)| *a += b);
+        self.sum += other.sum;
+        self.count += other.count;
+    }
+}
+
+impl EngineStats {
+    /// Folds another replica's counters into these (DP replicas report as one engine).
+    pub fn merge(&mut self, o: &EngineStats) {
+        let used = self.kv_usage * self.kv_capacity_tokens as f64 + o.kv_usage * o.kv_capacity_tokens as f64;
+        self.kv_capacity_tokens += o.kv_capacity_tokens;
+        self.kv_usage = if self.kv_capacity_tokens == 0 { 0.0 } else { used / self.kv_capacity_tokens as f64 };
+        self.running += o.running;
+        self.waiting += o.waiting;
+        self.ranks.extend(o.ranks.iter().cloned());
+        self.prompt_tokens_total += o.prompt_tokens_total;
+        self.generation_tokens_total += o.generation_tokens_total;
+        self.finished_stop += o.finished_stop;
+        self.finished_length += o.finished_length;
+        self.finished_abort += o.finished_abort;
+        self.preemptions_total += o.preemptions_total;
+        self.time_to_first_token.merge(&o.time_to_first_token);
+        self.inter_token_latency.merge(&o.inter_token_latency);
+        self.e2e_latency.merge(&o.e2e_latency);
+        self.queue_time.merge(&o.queue_time);
+    }
 }

@@ -7,6 +7,7 @@ use crate::scheduler::blocks_to_admit;
 use crate::sequence::MAX_COMPLETIONS;
 use anyhow::{bail, Context};
 use mla_core::{Backend, CacheLayout, ModelConfig};
+use router::least_loaded_of;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 mod backend_call;
+mod router;
 mod worker;
 
 /// What the handle tells the engine thread.
@@ -41,37 +43,79 @@ pub(crate) enum Command {
 /// Starts engines; see `Engine::start`.
 pub struct Engine;
 
+/// Whether an engine thread can still run steps; set once, when its backend fails for good.
+#[derive(Debug, Default)]
+pub(crate) struct Liveness {
+    death: Mutex<Option<String>>,
+}
+
+impl Liveness {
+    pub fn mark_dead(&self, why: String) {
+        self.death.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(why);
+    }
+
+    /// Why the engine stopped, if its backend failed.
+    pub fn death(&self) -> Option<String> {
+        self.death.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+}
+
 impl Engine {
     /// Checks `cfg` against the backend and spawns the engine thread, which owns the backend.
     pub fn start(backend: Box<dyn Backend>, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
-        let model = backend.model_config().clone();
-        let layout = backend.cache_layout();
-        check_config(&cfg, &model, layout)?;
-        let (commands, inbox) = std::sync::mpsc::channel();
-        let metrics = Metrics::new(layout);
+        Self::start_replicas(vec![backend], cfg)
+    }
+
+    /// Data parallelism: one engine thread per backend (each a full model with its own
+    /// scheduler and KV cache), behind one handle that routes each request to the replica with
+    /// the least work. Replicas never talk to each other.
+    pub fn start_replicas(backends: Vec<Box<dyn Backend>>, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
+        anyhow::ensure!(!backends.is_empty(), "an engine needs at least one backend");
+        let model = backends[0].model_config().clone();
+        for (i, b) in backends.iter().enumerate() {
+            anyhow::ensure!(
+                b.model_config() == &model,
+                "replica {i} serves a different model configuration than replica 0"
+            );
+        }
         let queued = Arc::new(AtomicUsize::new(0));
-        let worker = worker::Worker::new(backend, cfg.clone(), inbox, metrics.clone(), queued.clone());
-        let thread = std::thread::Builder::new()
-            .name("mla-engine".into())
-            .spawn(move || worker.run())
-            .context("spawning the engine thread")?;
-        tracing::info!(
-            blocks = layout.num_blocks,
-            block_size = layout.block_size,
-            max_num_seqs = cfg.max_num_seqs,
-            "engine started"
-        );
-        let shared = Shared {
-            cfg,
-            layout,
-            model,
-            commands,
-            metrics,
-            queued,
-            next_id: AtomicU64::new(1),
-            shutting_down: AtomicBool::new(false),
-            thread: Mutex::new(Some(thread)),
-        };
+        let mut replicas = Vec::with_capacity(backends.len());
+        for (i, backend) in backends.into_iter().enumerate() {
+            let layouts = backend.cache_layouts();
+            anyhow::ensure!(!layouts.is_empty(), "replica {i}: the backend reports no KV cache");
+            for layout in &layouts {
+                check_config(&cfg, &model, *layout)?;
+            }
+            let (commands, inbox) = std::sync::mpsc::channel();
+            let metrics = Metrics::new(&layouts);
+            let load = Arc::new(AtomicU64::new(0));
+            let liveness = Arc::new(Liveness::default());
+            let links = worker::Links {
+                inbox,
+                metrics: metrics.clone(),
+                queued: queued.clone(),
+                load: load.clone(),
+                liveness: liveness.clone(),
+            };
+            let device = backend.device_name();
+            let worker = worker::Worker::new(backend, cfg.clone(), links);
+            let thread = std::thread::Builder::new()
+                .name(format!("mla-engine-{i}"))
+                .spawn(move || worker.run())
+                .context("spawning the engine thread")?;
+            tracing::info!(
+                replica = i,
+                device = %device,
+                attention_ranks = layouts.len(),
+                blocks_per_rank = ?layouts.iter().map(|l| l.num_blocks).collect::<Vec<_>>(),
+                block_size = layouts[0].block_size,
+                max_num_seqs = cfg.max_num_seqs,
+                "engine started"
+            );
+            replicas.push(Replica { layouts, commands, metrics, load, liveness, thread: Mutex::new(Some(thread)) });
+        }
+        let shared =
+            Shared { cfg, model, replicas, queued, next_id: AtomicU64::new(1), shutting_down: AtomicBool::new(false) };
         Ok(EngineHandle { shared: Arc::new(shared) })
     }
 }
@@ -107,20 +151,42 @@ fn check_config(cfg: &EngineConfig, model: &ModelConfig, layout: CacheLayout) ->
     Ok(())
 }
 
-struct Shared {
-    cfg: EngineConfig,
-    layout: CacheLayout,
-    model: ModelConfig,
+/// One engine thread and what the handle shares with it.
+struct Replica {
+    /// The KV cache of each of its attention ranks.
+    layouts: Vec<CacheLayout>,
     commands: Sender<Command>,
     metrics: Metrics,
-    /// Requests submitted and not yet scheduled (the `max_queued_requests` count).
-    queued: Arc<AtomicUsize>,
-    next_id: AtomicU64,
-    shutting_down: AtomicBool,
+    /// Tokens of work routed here and not yet ended (see `router`).
+    load: Arc<AtomicU64>,
+    liveness: Arc<Liveness>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// Cheap to clone; every clone drives the same engine thread.
+struct Shared {
+    cfg: EngineConfig,
+    model: ModelConfig,
+    replicas: Vec<Replica>,
+    /// Requests submitted and not yet scheduled, over all replicas (the `max_queued_requests`
+    /// count).
+    queued: Arc<AtomicUsize>,
+    next_id: AtomicU64,
+    shutting_down: AtomicBool,
+}
+
+impl Shared {
+    /// The cache a request must fit: the smallest of any attention rank, since the router may
+    /// send it to any of them.
+    fn smallest_layout(&self) -> CacheLayout {
+        self.replicas
+            .iter()
+            .flat_map(|r| r.layouts.iter().copied())
+            .min_by_key(|l| l.num_blocks)
+            .expect("an engine has at least one rank")
+    }
+}
+
+/// Cheap to clone; every clone drives the same engine threads.
 #[derive(Clone)]
 pub struct EngineHandle {
     shared: Arc<Shared>,
@@ -165,28 +231,48 @@ impl EngineHandle {
         if s.shutting_down.load(Ordering::SeqCst) {
             return Err(SubmitError::ShuttingDown);
         }
-        validate(&req, &s.cfg, s.layout, s.model.vocab_size)?;
+        let layout = s.smallest_layout();
+        validate(&req, &s.cfg, layout, s.model.vocab_size)?;
+        let loads = s.replicas.iter().map(|r| r.liveness.death().is_none().then(|| r.load.load(Ordering::SeqCst)));
+        let Some(target) = least_loaded_of(loads) else {
+            return Err(SubmitError::Unavailable(self.fatal_error().unwrap_or_default()));
+        };
+        let replica = &s.replicas[target];
         let limit = s.cfg.max_queued_requests;
         s.queued
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| (q < limit).then_some(q + 1))
             .map_err(|_| SubmitError::QueueFull { limit })?;
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let n = req.n;
+        let cost = worker::request_cost(&req);
+        // Counted before the engine thread sees it, so a burst of submissions spreads out.
+        replica.load.fetch_add(cost, Ordering::SeqCst);
         let (tx, events) = unbounded_channel();
         let cmd = Command::Submit { id, req, events: tx, arrived: Instant::now() };
-        if s.commands.send(cmd).is_err() {
+        if replica.commands.send(cmd).is_err() {
             s.queued.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::ShuttingDown);
+            replica.load.fetch_sub(cost, Ordering::SeqCst);
+            return Err(match replica.liveness.death() {
+                Some(why) => SubmitError::Unavailable(why),
+                None => SubmitError::ShuttingDown,
+            });
         }
-        Ok(RequestStream { id, events, n, commands: s.commands.clone() })
+        Ok(RequestStream { id, events, n, commands: replica.commands.clone() })
     }
 
+    /// Counters summed over every replica, with one `ranks` entry per attention rank.
     pub fn stats(&self) -> EngineStats {
-        self.shared.metrics.snapshot()
+        let mut snapshots = self.shared.replicas.iter().map(|r| r.metrics.snapshot());
+        let first = snapshots.next().expect("an engine has at least one replica");
+        snapshots.fold(first, |mut total, s| {
+            total.merge(&s);
+            total
+        })
     }
 
-    pub fn cache_layout(&self) -> CacheLayout {
-        self.shared.layout
+    /// The KV cache of every attention rank, replica by replica.
+    pub fn cache_layouts(&self) -> Vec<CacheLayout> {
+        self.shared.replicas.iter().flat_map(|r| r.layouts.iter().copied()).collect()
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -197,16 +283,31 @@ impl EngineHandle {
         &self.shared.model
     }
 
+    /// Why the engine cannot serve, once any replica's backend failed for good (a rank died, a
+    /// collective broke, a step outlived its watchdog). The server exits on it.
+    pub fn fatal_error(&self) -> Option<String> {
+        self.shared.replicas.iter().enumerate().find_map(|(i, r)| {
+            r.liveness
+                .death()
+                .map(|why| if self.shared.replicas.len() > 1 { format!("replica {i}: {why}") } else { why })
+        })
+    }
+
     /// Stops admitting, lets queued and running requests finish for at most `grace`, aborts the
     /// rest and joins the engine thread. Later calls (from any clone) return at once.
     pub fn shutdown(&self, grace: Duration) {
         let s = &self.shared;
         s.shutting_down.store(true, Ordering::SeqCst);
-        let _ = s.commands.send(Command::Shutdown { deadline: Instant::now() + grace });
-        let thread = s.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(thread) = thread {
-            if thread.join().is_err() {
-                tracing::error!("the engine thread panicked");
+        let deadline = Instant::now() + grace;
+        for r in &s.replicas {
+            let _ = r.commands.send(Command::Shutdown { deadline });
+        }
+        for (i, r) in s.replicas.iter().enumerate() {
+            let thread = r.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some(thread) = thread {
+                if thread.join().is_err() {
+                    tracing::error!("engine thread {i} panicked");
+                }
             }
         }
     }

@@ -1,7 +1,7 @@
 //! The engine's counters and latency histograms, shared between the engine thread (writer) and
 //! `EngineHandle::stats` (reader).
 
-use crate::api::{EngineStats, FinishReason, Histogram};
+use crate::api::{EngineStats, FinishReason, Histogram, RankStats};
 use mla_core::CacheLayout;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -27,9 +27,15 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(layout: CacheLayout) -> Self {
+    /// Statistics of an engine thread whose attention ranks have these caches.
+    pub fn new(layouts: &[CacheLayout]) -> Self {
+        let ranks: Vec<RankStats> = layouts
+            .iter()
+            .map(|l| RankStats { kv_capacity_tokens: l.capacity_tokens(), ..Default::default() })
+            .collect();
         let stats = EngineStats {
-            kv_capacity_tokens: layout.capacity_tokens(),
+            kv_capacity_tokens: layouts.iter().map(CacheLayout::capacity_tokens).sum(),
+            ranks,
             time_to_first_token: Histogram::with_bounds(TTFT_BOUNDS),
             inter_token_latency: Histogram::with_bounds(ITL_BOUNDS),
             e2e_latency: Histogram::with_bounds(REQUEST_BOUNDS),

@@ -1,15 +1,18 @@
-//! Building the compute backend the flags ask for, with its KV cache sized: the CPU reference
-//! backend (f32, cache sized here) or the CUDA backend (bf16, cache sized from free GPU memory
-//! by `--gpu-memory-utilization`, or fixed by `--kv-cache-tokens`).
+//! Building the compute backends the flags ask for, with their KV caches sized: the CPU
+//! reference backend (f32, cache sized here; `--tp`/`--dp`/`--enable-dp-attention` run as
+//! threads, the correctness reference for the GPU ranks) or the CUDA backend (bf16, cache sized
+//! from free GPU memory by `--gpu-memory-utilization`, or fixed by `--kv-cache-tokens`). One
+//! backend per replica (`--dp` without DP attention); the engine routes between them.
 
 use crate::cli::{Args, Device};
 use crate::model_source::{ModelSource, WeightsFrom};
 use crate::sizing::{self, Sizing};
 use anyhow::bail;
-use mla_core::{Backend, Checkpoint, DummyWeights, ModelConfig};
-use mla_cpu::CpuBackend;
+use mla_core::{Backend, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
+use mla_cpu::{CpuBackend, CpuGroupBackend};
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::{CudaBackend, CudaOptions};
+use std::sync::Arc;
 
 /// Turns `--device auto` into cuda or cpu for this model, as a vLLM user expects on a GPU node:
 /// the GPU when it can serve the model, otherwise the CPU with the reason in the log.
@@ -39,65 +42,88 @@ pub fn resolve_device(requested: Device, config: &ModelConfig, args: &Args) -> a
     }
 }
 
-/// Builds the backend for a resolved device (`resolve_device` first).
-pub fn load(
-    device: Device,
-    source: &ModelSource,
-    args: &Args,
-    params: usize,
-) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
+/// The backends of one server: one per replica, each with the same cache sizing per attention
+/// rank (`sizing`).
+pub struct Loaded {
+    pub backends: Vec<Box<dyn Backend>>,
+    pub sizing: Sizing,
+}
+
+/// Builds the backends for a resolved device (`resolve_device` first).
+pub fn load(device: Device, source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
+    parallel.check(&source.config)?;
     match device {
-        Device::Cuda => cuda(source, args),
-        Device::Cpu => cpu(source, args, params),
+        Device::Cuda => cuda(source, args, parallel),
+        Device::Cpu => cpu(source, args, parallel),
         Device::Auto => bail!("internal error: --device auto must be resolved before loading"),
     }
 }
 
-fn cpu(source: &ModelSource, args: &Args, params: usize) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
+fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
     let sizing = sizing::cpu_sizing(&source.config, args)?;
-    sizing::check_cpu_memory(params, &sizing)?;
     let cfg = source.config.clone();
-    let backend = match &source.weights {
-        WeightsFrom::Checkpoint(dir) => {
-            let checkpoint = Checkpoint::open(dir, &cfg)?;
-            CpuBackend::new(cfg, &checkpoint, sizing.block_size, sizing.num_blocks)?
-        }
-        WeightsFrom::Dummy { seed } => {
-            CpuBackend::new(cfg, &DummyWeights::new(*seed), sizing.block_size, sizing.num_blocks)?
-        }
+    // Every rank keeps a whole latent cache (under TP each keeps the same one; under DP
+    // attention each its own), and holds its shards plus the replicated tensors.
+    let spec = ModelSpec::new(&cfg);
+    let copy_params: usize = (0..parallel.tp).map(|r| spec.rank_params(&parallel.rank(r))).sum();
+    sizing::check_cpu_memory(parallel.replicas * copy_params, parallel.devices(), &sizing)?;
+    let weights: Arc<dyn WeightSource + Send + Sync> = match &source.weights {
+        WeightsFrom::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, &cfg)?),
+        WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
     };
-    Ok((Box::new(backend), sizing))
+    let one_copy = Parallel { replicas: 1, ..parallel };
+    let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
+    for _ in 0..parallel.replicas {
+        backends.push(if one_copy.is_single() {
+            Box::new(CpuBackend::new(cfg.clone(), weights.as_ref(), sizing.block_size, sizing.num_blocks)?)
+        } else {
+            Box::new(CpuGroupBackend::new(
+                cfg.clone(),
+                weights.clone(),
+                one_copy,
+                sizing.block_size,
+                sizing.num_blocks,
+            )?)
+        });
+    }
+    Ok(Loaded { backends, sizing })
 }
 
-fn cuda(source: &ModelSource, args: &Args) -> anyhow::Result<(Box<dyn Backend>, Sizing)> {
+fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
     if args.block_size != PAGE_SIZE {
         bail!("--block-size {}: the CUDA backend's kernels use blocks of {PAGE_SIZE} tokens", args.block_size);
+    }
+    mla_cuda::model::check_supported(&source.config)?;
+    if parallel.tp > 1 {
+        bail!(
+            "--tp {} on --device cuda: tensor parallelism and DP attention over several GPUs are not built yet; \
+             --dp N (N replicas of the model) works, and --device cpu runs --tp as the correctness reference",
+            parallel.tp
+        );
+    }
+    // One device: CudaBackend's own error says why it cannot be opened.
+    let visible = mla_cuda::visible_gpus();
+    if parallel.devices() > 1 && parallel.devices() > visible {
+        bail!(
+            "the layout needs {} GPUs (--tp {} x --dp {}) but {visible} are visible (CUDA_VISIBLE_DEVICES selects them)",
+            parallel.devices(),
+            parallel.tp,
+            parallel.replicas
+        );
     }
     let cfg = &source.config;
     let max_pos = cfg.max_position_embeddings;
     if let Some(m) = args.max_model_len.filter(|&m| m > max_pos) {
         bail!("--max-model-len {m} exceeds the model's max_position_embeddings ({max_pos})");
     }
-    let weights = match &source.weights {
-        WeightsFrom::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
-        // The demo draws the same host-side weights as on the CPU, so both give the same replies;
-        // big dummy models are drawn on the device, which is much faster.
-        WeightsFrom::Dummy { seed } if source.is_demo => {
-            mla_cuda::WeightsFrom::Host(Box::new(DummyWeights::new(*seed)))
-        }
-        WeightsFrom::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
-    };
-    let options = CudaOptions {
-        gpu_memory_utilization: args.gpu_memory_utilization.unwrap_or(CudaOptions::default().gpu_memory_utilization),
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_num_seqs: args.max_num_seqs,
-        max_model_len: args.max_model_len,
-        num_blocks: args.kv_cache_tokens.map(|t| t.div_ceil(PAGE_SIZE)),
-        ..CudaOptions::default()
-    };
-    let backend = CudaBackend::new(cfg.clone(), weights, options)?;
-    let layout = backend.cache_layout();
-    let capacity = layout.capacity_tokens();
+    let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
+    let mut smallest = usize::MAX;
+    for device in 0..parallel.replicas {
+        let backend = CudaBackend::new(cfg.clone(), cuda_weights(source), cuda_options(args, device))?;
+        smallest = smallest.min(backend.cache_layouts().iter().map(|l| l.num_blocks).min().unwrap_or(0));
+        backends.push(Box::new(backend));
+    }
+    let capacity = smallest * PAGE_SIZE;
     let max_model_len = match args.max_model_len {
         Some(m) if m > capacity => bail!(
             "--max-model-len {m} does not fit the KV cache of {capacity} tokens; raise --gpu-memory-utilization or --kv-cache-tokens, or lower --max-model-len"
@@ -107,7 +133,30 @@ fn cuda(source: &ModelSource, args: &Args) -> anyhow::Result<(Box<dyn Backend>, 
     };
     // The CUDA cache holds bf16 values.
     let bytes_per_token = cfg.num_hidden_layers * cfg.kv_cache_dim() * 2;
-    let sizing =
-        Sizing { num_blocks: layout.num_blocks, block_size: layout.block_size, max_model_len, bytes_per_token };
-    Ok((Box::new(backend), sizing))
+    let sizing = Sizing { num_blocks: smallest, block_size: PAGE_SIZE, max_model_len, bytes_per_token };
+    Ok(Loaded { backends, sizing })
+}
+
+fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
+    match &source.weights {
+        WeightsFrom::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
+        // The demo draws the same host-side weights as on the CPU, so both give the same replies;
+        // big dummy models are drawn on the device, which is much faster.
+        WeightsFrom::Dummy { seed } if source.is_demo => {
+            mla_cuda::WeightsFrom::Host(Box::new(DummyWeights::new(*seed)))
+        }
+        WeightsFrom::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
+    }
+}
+
+fn cuda_options(args: &Args, device: usize) -> CudaOptions {
+    CudaOptions {
+        device,
+        gpu_memory_utilization: args.gpu_memory_utilization.unwrap_or(CudaOptions::default().gpu_memory_utilization),
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len: args.max_model_len,
+        num_blocks: args.kv_cache_tokens.map(|t| t.div_ceil(PAGE_SIZE)),
+        ..CudaOptions::default()
+    }
 }

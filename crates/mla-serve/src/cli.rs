@@ -4,6 +4,8 @@
 //! is refused by `check_supported` with a message saying so, never accepted and ignored.
 
 use clap::{Parser, ValueEnum};
+use mla_core::Parallel;
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, Parser)]
@@ -46,13 +48,34 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
 
-    /// Tensor-parallel GPUs. Only 1 is implemented so far.
-    #[arg(long = "tp", visible_alias = "tensor-parallel-size", default_value_t = 1, value_name = "N")]
+    /// Tensor parallelism: N GPUs hold one copy of the model, each with 1/N of the attention
+    /// heads and of every FFN width, and all-reduce after attention and FFN. Also -tp.
+    #[arg(long = "tp", visible_aliases = ["tensor-parallel-size", "tp-size"], default_value_t = 1, value_name = "N")]
     pub tp: usize,
 
-    /// Data-parallel attention across the --tp GPUs (not implemented yet).
+    /// Data parallelism: N independent copies of the model (each --tp GPUs), each with its own
+    /// scheduler and KV cache, behind one router. With --enable-dp-attention it must equal --tp
+    /// (its default there). Also -dp.
+    #[arg(long = "dp", visible_aliases = ["data-parallel-size", "dp-size"], value_name = "N")]
+    pub dp: Option<usize>,
+
+    /// Attention data parallelism over the --tp GPUs (SGLang's meaning): each GPU runs attention
+    /// for its own requests with its own KV cache; the MoE and MLP are sharded over all of them.
     #[arg(long)]
     pub enable_dp_attention: bool,
+
+    /// Nodes the --tp ranks span (SGLang's name); node 0 serves HTTP.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub nnodes: usize,
+
+    /// This node's index in 0..--nnodes.
+    #[arg(long, default_value_t = 0, value_name = "I")]
+    pub node_rank: usize,
+
+    /// Where node 0 listens for the other nodes (the rendezvous and the per-step agreement);
+    /// required with --nnodes above 1.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub dist_init_addr: Option<String>,
 
     /// Longest sequence (prompt + completion) in tokens. Default: the model's
     /// max_position_embeddings, capped by the KV cache size.
@@ -145,18 +168,33 @@ impl LogLevel {
     }
 }
 
+/// vLLM spells the parallel sizes `-tp` and `-dp`; clap's short flags are one letter, so they
+/// are rewritten to the long names before parsing.
+pub fn normalize<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> Vec<OsString> {
+    let rewrite = |a: &str| match a.split_once('=') {
+        _ if a == "-tp" || a == "-dp" => Some(format!("-{a}")),
+        Some((flag @ ("-tp" | "-dp"), value)) => Some(format!("-{flag}={value}")),
+        _ => None,
+    };
+    args.into_iter()
+        .map(|a| {
+            let a: OsString = a.into();
+            a.to_str().and_then(rewrite).map(OsString::from).unwrap_or(a)
+        })
+        .collect()
+}
+
 impl Args {
+    /// The parallel layout the flags ask for (model-independent checks only; `Parallel::check`
+    /// does the model's).
+    pub fn parallel(&self) -> anyhow::Result<Parallel> {
+        Ok(Parallel::from_flags(self.tp, self.dp, self.enable_dp_attention)?)
+    }
+
     /// Resolves `--device auto` and refuses flags the chosen device cannot honour.
     pub fn check_supported(&self) -> anyhow::Result<Device> {
-        if self.tp != 1 {
-            anyhow::bail!(
-                "--tp {}: multi-GPU tensor parallelism is not implemented yet; only --tp 1 works today",
-                self.tp
-            );
-        }
-        if self.enable_dp_attention {
-            anyhow::bail!("--enable-dp-attention: multi-GPU data-parallel attention is not implemented yet");
-        }
+        let parallel = self.parallel()?;
+        self.check_nodes(&parallel)?;
         // auto is resolved once the model is known (backends::resolve_device): it needs the
         // model's dims and a probe for a GPU.
         let device = self.device;
@@ -187,6 +225,47 @@ impl Args {
         }
         Ok(device)
     }
+
+    /// `--nnodes`, `--node-rank` and `--dist-init-addr` agree with each other and the layout.
+    fn check_nodes(&self, parallel: &Parallel) -> anyhow::Result<()> {
+        let (n, rank) = (self.nnodes, self.node_rank);
+        if n == 0 {
+            anyhow::bail!("--nnodes must be at least 1");
+        }
+        if rank >= n {
+            anyhow::bail!("--node-rank {rank} is not below --nnodes {n}: nodes are numbered 0..{n}");
+        }
+        if n == 1 {
+            if let Some(addr) = &self.dist_init_addr {
+                anyhow::bail!("--dist-init-addr {addr} is for several nodes; give --nnodes too, or leave it out");
+            }
+            return Ok(());
+        }
+        let Some(addr) = &self.dist_init_addr else {
+            anyhow::bail!("--nnodes {n} needs --dist-init-addr HOST:PORT, where node 0 listens for the others");
+        };
+        if addr
+            .rsplit_once(':')
+            .and_then(|(h, p)| (!h.is_empty()).then_some(p))
+            .and_then(|p| p.parse::<u16>().ok())
+            .is_none()
+        {
+            anyhow::bail!("--dist-init-addr {addr}: expected HOST:PORT, e.g. 10.0.0.1:5000");
+        }
+        if parallel.replicas > 1 {
+            anyhow::bail!(
+                "--dp {} across --nnodes {n}: spreading replicas over nodes is not implemented; run one server per node behind your load balancer, or span the nodes with --tp",
+                parallel.replicas
+            );
+        }
+        if !parallel.tp.is_multiple_of(n) {
+            anyhow::bail!(
+                "--tp {} does not split over --nnodes {n}: every node must hold the same number of ranks",
+                parallel.tp
+            );
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -194,7 +273,7 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Args {
-        Args::try_parse_from(std::iter::once("mla-serve").chain(args.iter().copied())).unwrap()
+        Args::try_parse_from(normalize(std::iter::once("mla-serve").chain(args.iter().copied()))).unwrap()
     }
 
     #[test]
@@ -205,10 +284,44 @@ mod tests {
     }
 
     #[test]
+    fn parallel_flags_take_vllm_and_sglang_spellings() {
+        let layout = |args: &[&str]| parse(args).parallel().unwrap();
+        assert_eq!(
+            layout(&["--tp", "8", "--enable-dp-attention"]),
+            Parallel { tp: 8, dp_attention: true, replicas: 1 }
+        );
+        assert_eq!(layout(&["-tp", "4"]).tp, 4);
+        assert_eq!(layout(&["-tp=2", "-dp=3"]), Parallel { tp: 2, dp_attention: false, replicas: 3 });
+        assert_eq!(layout(&["--tensor-parallel-size", "2", "--data-parallel-size", "2"]).devices(), 4);
+        assert_eq!(layout(&["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]).attention_ranks(), 2);
+        // Only the exact flags are rewritten, never values.
+        assert_eq!(normalize(["--served-model-name", "-tp"]), vec!["--served-model-name", "--tp"]);
+        assert_eq!(normalize(["--api-key", "-tpx"]), vec!["--api-key", "-tpx"]);
+    }
+
+    #[test]
+    fn node_flags_are_checked_together() {
+        assert!(parse(&["--tp", "4", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"]).check_supported().is_ok());
+        for (args, needle) in [
+            (&["--nnodes", "2", "--tp", "2"][..], "needs --dist-init-addr"),
+            (&["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"][..], "--node-rank 2 is not below"),
+            (&["--nnodes", "0"][..], "--nnodes must be"),
+            (&["--dist-init-addr", "h:1"][..], "give --nnodes"),
+            (&["--nnodes", "2", "--tp", "2", "--dist-init-addr", "nohost"][..], "HOST:PORT"),
+            (&["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:99999"][..], "HOST:PORT"),
+            (&["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"][..], "does not split over --nnodes 2"),
+            (&["--nnodes", "2", "--dp", "2", "--dist-init-addr", "h:1"][..], "replicas over nodes"),
+        ] {
+            let err = parse(args).check_supported().unwrap_err().to_string();
+            assert!(err.contains(needle), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
     fn unimplemented_features_fail_with_a_reason() {
         for (args, needle) in [
-            (&["--tp", "8"][..], "not implemented"),
-            (&["--enable-dp-attention"][..], "not implemented"),
+            (&["--enable-dp-attention"][..], "--tp 2 or more"),
+            (&["--tp", "8", "--dp", "2", "--enable-dp-attention"][..], "attention-TP groups"),
             (&["--device", "cpu", "--gpu-memory-utilization", "0.9"][..], "cuda only"),
             (&["--device", "cuda", "--gpu-memory-utilization", "1.5"][..], "(0, 1]"),
             (&["--block-size", "0"][..], "--block-size"),

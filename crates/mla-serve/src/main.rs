@@ -14,7 +14,7 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args = cli::Args::parse();
+    let args = cli::Args::parse_from(cli::normalize(std::env::args_os()));
     init_logging(args.log_level);
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,

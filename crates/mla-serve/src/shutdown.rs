@@ -1,5 +1,8 @@
 //! Serving until a signal, then shutting down in bounded time: stop accepting connections,
 //! let in-flight requests finish for `--shutdown-timeout` seconds, abort the rest, exit 0.
+//!
+//! The same happens, ending in an error (a non-zero exit), when the engine dies: a rank failed
+//! or a step outlived its watchdog. Its requests have been answered with the error by then.
 
 use crate::cli::Args;
 use crate::startup::Started;
@@ -21,10 +24,18 @@ pub async fn serve(args: &Args, started: Started) -> anyhow::Result<()> {
 
     let grace = Duration::from_secs_f64(args.shutdown_timeout);
     let (draining_tx, draining_rx) = tokio::sync::oneshot::channel();
+    let (died_tx, died_rx) = tokio::sync::oneshot::channel();
     let engine_for_signal = engine.clone();
     let on_signal = async move {
-        let name = wait_for_signal().await;
-        tracing::info!("{name}: no new connections; in-flight requests get {grace:?} to finish, then are aborted");
+        tokio::select! {
+            name = wait_for_signal() => {
+                tracing::info!("{name}: no new connections; in-flight requests get {grace:?} to finish, then are aborted");
+            }
+            why = wait_for_death(&engine_for_signal) => {
+                tracing::error!("the engine stopped ({why}); shutting down, other requests get {grace:?} to finish");
+                let _ = died_tx.send(why);
+            }
+        }
         // The engine drains on its own thread; the HTTP side keeps streaming meanwhile and
         // finishes once every response has ended.
         let drain = tokio::task::spawn_blocking(move || engine_for_signal.shutdown(grace));
@@ -48,8 +59,24 @@ pub async fn serve(args: &Args, started: Started) -> anyhow::Result<()> {
     }
     // Covers a server that stopped without a signal; a second shutdown call returns at once.
     tokio::task::spawn_blocking(move || engine.shutdown(Duration::ZERO)).await?;
+    if let Ok(why) = died_rx.await {
+        anyhow::bail!("the engine stopped: {why}");
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// How often the server checks whether the engine died.
+const LIVENESS_POLL: Duration = Duration::from_millis(200);
+
+/// Resolves with the reason once the engine can no longer serve.
+async fn wait_for_death(engine: &mla_engine::EngineHandle) -> String {
+    loop {
+        if let Some(why) = engine.fatal_error() {
+            return why;
+        }
+        tokio::time::sleep(LIVENESS_POLL).await;
+    }
 }
 
 async fn wait_for_signal() -> &'static str {

@@ -54,14 +54,15 @@ pub fn cpu_sizing(cfg: &ModelConfig, args: &Args) -> anyhow::Result<Sizing> {
 }
 
 /// Refuses to start a model the machine cannot hold: the CPU backend keeps every weight in f32
-/// plus the KV cache, and running out of memory halfway through loading helps nobody.
-pub fn check_cpu_memory(params: usize, sizing: &Sizing) -> anyhow::Result<()> {
-    let need = params * std::mem::size_of::<f32>() + sizing.kv_bytes();
+/// plus `caches` KV caches (one per rank), and running out of memory halfway through loading
+/// helps nobody. `params` counts every rank's weights.
+pub fn check_cpu_memory(params: usize, caches: usize, sizing: &Sizing) -> anyhow::Result<()> {
+    let need = params * std::mem::size_of::<f32>() + caches * sizing.kv_bytes();
     if let Some(available) = mem_available() {
         if need > available {
             bail!(
-                "the CPU backend needs {:.1} GiB (f32 weights {:.1} GiB + KV cache {:.1} GiB) but only {:.1} GiB of memory is available; \
-                 choose a smaller model or lower --kv-cache-tokens",
+                "the CPU backend needs {:.1} GiB (f32 weights {:.1} GiB + {caches} KV cache(s) of {:.1} GiB) but only {:.1} GiB of memory is available; \
+                 choose a smaller model or layout, or lower --kv-cache-tokens",
                 gib(need),
                 gib(params * 4),
                 gib(sizing.kv_bytes()),
@@ -119,9 +120,9 @@ mod tests {
     #[test]
     fn absurd_models_are_refused_before_loading() {
         let s = sizing(&[]).unwrap();
-        assert!(check_cpu_memory(1000, &s).is_ok());
+        assert!(check_cpu_memory(1000, 1, &s).is_ok());
         if mem_available().is_some() {
-            let err = check_cpu_memory(usize::MAX / 8, &s).unwrap_err().to_string();
+            let err = check_cpu_memory(usize::MAX / 8, 1, &s).unwrap_err().to_string();
             assert!(err.contains("GiB"), "{err}");
         }
     }

@@ -6,7 +6,7 @@ use crate::cli::Args;
 use crate::model_source::{self, ModelSource};
 use crate::sizing::Sizing;
 use anyhow::Context;
-use mla_core::ModelSpec;
+use mla_core::{ModelSpec, Parallel};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::generation_config::GenerationDefaults;
 use mla_server::state::AppState;
@@ -32,12 +32,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         None => GenerationDefaults::default(),
     };
     let params = ModelSpec::new(&source.config).num_params();
+    let parallel = args.parallel()?;
     let device = backends::resolve_device(device, &source.config, args)?;
-    let (backend, sizing) = backends::load(device, &source, args, params)?;
+    let backends::Loaded { backends, sizing } = backends::load(device, &source, args, parallel)?;
     let limits = model_limits(&source, &text, &defaults, &sizing);
-    let device = backend.device_name();
-    let engine = Engine::start(
-        backend,
+    let devices: Vec<String> = backends.iter().map(|b| b.device_name()).collect();
+    let engine = Engine::start_replicas(
+        backends,
         EngineConfig {
             max_model_len: sizing.max_model_len,
             max_num_seqs: args.max_num_seqs,
@@ -54,13 +55,22 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         source.config.model_type,
         human(params)
     );
-    tracing::info!("device: {device}");
+    for (i, d) in devices.iter().enumerate() {
+        match devices.len() {
+            1 => tracing::info!("device: {d}"),
+            _ => tracing::info!("replica {i}: {d}"),
+        }
+    }
+    tracing::info!("parallel layout: {}", describe(&parallel));
+    let ranks = engine.cache_layouts();
+    let total: usize = ranks.iter().map(|l| l.capacity_tokens()).sum();
     tracing::info!(
-        "KV cache: {} tokens ({} blocks of {}, {:.1} MiB); max model length {} tokens",
+        "KV cache: {} tokens per attention rank ({} blocks of {}, {:.1} MiB) x {} rank(s) = {total} tokens; max model length {} tokens",
         sizing.kv_tokens(),
         sizing.num_blocks,
         sizing.block_size,
         sizing.kv_bytes() as f64 / (1 << 20) as f64,
+        ranks.len(),
         sizing.max_model_len
     );
     let state = AppState {
@@ -115,6 +125,17 @@ fn model_limits(
         vocab_size: source.config.vocab_size,
         eos_token_ids: eos,
         default_max_new_tokens: defaults.max_new_tokens,
+    }
+}
+
+/// The layout as the flags that give it, for the startup log.
+fn describe(p: &Parallel) -> String {
+    match (p.tp, p.dp_attention, p.replicas) {
+        (1, _, 1) => "one device".into(),
+        (tp, true, _) => format!("--tp {tp} --enable-dp-attention ({tp} ranks, attention data parallel, FFN sharded)"),
+        (1, false, dp) => format!("--dp {dp} ({dp} replicas)"),
+        (tp, false, 1) => format!("--tp {tp} ({tp} ranks, tensor parallel)"),
+        (tp, false, dp) => format!("--tp {tp} --dp {dp} ({dp} replicas of {tp} tensor-parallel ranks)"),
     }
 }
 

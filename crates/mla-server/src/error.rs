@@ -34,6 +34,9 @@ pub enum ApiError {
     QueueFull { limit: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The engine's backend failed for good (a rank died); the server is exiting.
+    #[error("the server cannot serve: {0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -52,7 +55,9 @@ impl ApiError {
             ApiError::ModelNotFound { .. } | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::QueueFull { .. } | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::QueueFull { .. } | ApiError::ShuttingDown | ApiError::Unavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -61,7 +66,9 @@ impl ApiError {
     fn kind(&self) -> &'static str {
         match self {
             ApiError::Unauthorized => "authentication_error",
-            ApiError::QueueFull { .. } | ApiError::ShuttingDown | ApiError::Internal(_) => "server_error",
+            ApiError::QueueFull { .. } | ApiError::ShuttingDown | ApiError::Unavailable(_) | ApiError::Internal(_) => {
+                "server_error"
+            }
             _ => "invalid_request_error",
         }
     }
@@ -121,6 +128,7 @@ impl From<SubmitError> for ApiError {
             SubmitError::ExceedsCache { .. } => ApiError::InvalidRequest { message: e.to_string(), param: None },
             SubmitError::Invalid(message) => ApiError::InvalidRequest { message, param: None },
             SubmitError::ShuttingDown => ApiError::ShuttingDown,
+            SubmitError::Unavailable(why) => ApiError::Unavailable(why),
         }
     }
 }

@@ -12,8 +12,11 @@
 //! client is told "stop" (as vLLM does) but the engine has already counted "length", and the
 //! late `finish_choice` changes nothing.
 
-use mla_engine::{EngineStats, FinishReason, Histogram};
+use mla_engine::{EngineStats, FinishReason, Histogram, RankStats};
 use std::fmt::Write;
+
+/// Reads one per-rank gauge from a rank's statistics.
+type RankGauge = fn(&RankStats) -> f64;
 
 /// Renders the whole exposition for `model` (the served model name, a label on every sample).
 pub fn render(model: &str, stats: &EngineStats) -> String {
@@ -27,6 +30,25 @@ pub fn render(model: &str, stats: &EngineStats) -> String {
     gauge("mla:num_requests_waiting", "Requests waiting for admission.", stats.waiting as f64);
     gauge("mla:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage);
     gauge("mla:kv_cache_capacity_tokens", "Tokens the KV cache holds in total.", stats.kv_capacity_tokens as f64);
+    gauge(
+        "mla:num_attention_ranks",
+        "Attention ranks (each with its own scheduler and KV cache).",
+        stats.ranks.len() as f64,
+    );
+    let per_rank: [(&str, &str, RankGauge); 4] = [
+        ("mla:rank_num_requests_running", "Requests in the running batch, per attention rank.", |r| r.running as f64),
+        ("mla:rank_num_requests_waiting", "Requests waiting for admission, per attention rank.", |r| r.waiting as f64),
+        ("mla:rank_kv_cache_usage_perc", "Fraction of the rank's KV cache blocks in use.", |r| r.kv_usage),
+        ("mla:rank_load_tokens", "Tokens the rank's live requests may hold at most (what the router balances).", |r| {
+            r.load_tokens as f64
+        }),
+    ];
+    for (name, help, value) in per_rank {
+        family(&mut out, name, help, "gauge");
+        for (i, r) in stats.ranks.iter().enumerate() {
+            sample(&mut out, name, &format!("{label},rank=\"{i}\""), value(r));
+        }
+    }
 
     let mut counter = |name: &str, help: &str, value: u64| {
         family(&mut out, name, help, "counter");
@@ -174,6 +196,25 @@ mod tests {
         for name in ["inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"] {
             assert_eq!(text.matches(&format!("# TYPE mla:{name} histogram\n")).count(), 1);
         }
+    }
+
+    #[test]
+    fn per_rank_gauges_carry_a_rank_label() {
+        let ranks = vec![
+            RankStats { running: 4, waiting: 1, kv_usage: 0.5, kv_capacity_tokens: 64, load_tokens: 900 },
+            RankStats { running: 2, waiting: 0, kv_usage: 0.125, kv_capacity_tokens: 64, load_tokens: 300 },
+        ];
+        let text = render("m", &EngineStats { ranks, ..Default::default() });
+        assert!(text.contains("mla:num_attention_ranks{model_name=\"m\"} 2\n"));
+        assert_eq!(
+            lines(&text, "mla:rank_load_tokens"),
+            vec![
+                "mla:rank_load_tokens{model_name=\"m\",rank=\"0\"} 900",
+                "mla:rank_load_tokens{model_name=\"m\",rank=\"1\"} 300"
+            ]
+        );
+        assert!(text.contains("mla:rank_num_requests_running{model_name=\"m\",rank=\"1\"} 2\n"));
+        assert!(text.contains("mla:rank_kv_cache_usage_perc{model_name=\"m\",rank=\"0\"} 0.5\n"));
     }
 
     #[test]

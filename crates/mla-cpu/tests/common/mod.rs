@@ -4,6 +4,7 @@
 use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
 use mla_core::{Backend, DummyWeights, ModelConfig};
 use mla_cpu::CpuBackend;
+use std::path::PathBuf;
 
 /// V2-Lite-shaped: direct query, greedy softmax routing, two shared experts, YaRN with mscales.
 pub const V2_LITE_LIKE: &str = r#"{
@@ -92,4 +93,49 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 /// Largest absolute logit, to show the comparisons are not between near-zero numbers.
 pub fn max_abs(rows: &[Vec<f32>]) -> f32 {
     rows.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+/// One prompt of an HF fixture with HF's continuation and logits.
+pub struct Prompt {
+    pub name: String,
+    pub prompt: Vec<u32>,
+    pub continuation: Vec<u32>,
+    pub gaps: Vec<f32>,
+    /// HF logits rows, `[prompt + continuation][vocab]`.
+    pub oracle: Vec<Vec<f32>>,
+}
+
+pub fn fixture_dir(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(variant)
+}
+
+pub fn load_prompts(dir: &std::path::Path, vocab: usize) -> Vec<Prompt> {
+    let oracle: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("oracle.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("oracle_f32.safetensors")).unwrap();
+    let logits = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
+    oracle["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let name = p["name"].as_str().unwrap().to_string();
+            let t = logits.tensor(&name).unwrap();
+            assert_eq!(t.dtype(), safetensors::Dtype::F32);
+            let values: Vec<f32> =
+                t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let (prompt, continuation) = (ids(&p["prompt"]), ids(&p["continuation"]));
+            assert_eq!(t.shape(), [prompt.len() + continuation.len(), vocab]);
+            Prompt {
+                name,
+                prompt,
+                continuation,
+                gaps: p["gaps"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap() as f32).collect(),
+                oracle: values.chunks(vocab).map(|r| r.to_vec()).collect(),
+            }
+        })
+        .collect()
 }

@@ -1,17 +1,23 @@
 //! Calling the backend defensively: a panic becomes an error, and an answer that does not match
-//! the plan is refused before the scheduler trusts it.
+//! the plans is refused before the schedulers trust it.
 
 use crate::sequence::SeqKey;
 use anyhow::anyhow;
 use mla_core::plan::{StepOutput, StepPlan};
 use mla_core::Backend;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 
-pub(super) fn run_checked(backend: &mut dyn Backend, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-    let out = catch_unwind(AssertUnwindSafe(|| backend.step(plan)))
-        .unwrap_or_else(|p| Err(anyhow!("backend panicked: {}", panic_text(&p))))?;
-    check_output(plan, &out)?;
-    Ok(out)
+/// Runs one step (one plan per attention rank) to the end and checks its outputs.
+pub(super) fn run_checked(backend: &mut dyn Backend, plans: &[StepPlan]) -> anyhow::Result<Vec<StepOutput>> {
+    let plans = Arc::new(plans.to_vec());
+    let outs = catch_unwind(AssertUnwindSafe(|| {
+        backend.start_step(&plans);
+        backend.finish_step()
+    }))
+    .unwrap_or_else(|p| Err(anyhow!("backend panicked: {}", panic_text(&p))))?;
+    check_outputs(&plans, &outs)?;
+    Ok(outs)
 }
 
 /// The plan's sequences grouped by request, in plan order.
@@ -27,14 +33,20 @@ pub(super) fn split_by_request(plan: &StepPlan) -> Vec<(u64, StepPlan)> {
     parts
 }
 
-/// The backend must answer every sequence, in order, with a token exactly where one was asked.
-pub(super) fn check_output(plan: &StepPlan, out: &StepOutput) -> anyhow::Result<()> {
-    if out.seqs.len() != plan.seqs.len() {
-        anyhow::bail!("backend answered {} sequences of {}", out.seqs.len(), plan.seqs.len());
+/// One output per rank, and in each the backend must answer every sequence, in order, with a
+/// token exactly where one was asked.
+pub(super) fn check_outputs(plans: &[StepPlan], outs: &[StepOutput]) -> anyhow::Result<()> {
+    if outs.len() != plans.len() {
+        anyhow::bail!("backend answered for {} attention ranks of {}", outs.len(), plans.len());
     }
-    for (s, r) in plan.seqs.iter().zip(&out.seqs) {
-        if s.seq_id != r.seq_id || s.sample.is_some() != r.sampled.is_some() {
-            anyhow::bail!("backend answer for sequence {} does not match the plan (got {})", s.seq_id, r.seq_id);
+    for (rank, (plan, out)) in plans.iter().zip(outs).enumerate() {
+        if out.seqs.len() != plan.seqs.len() {
+            anyhow::bail!("backend answered {} sequences of {} on rank {rank}", out.seqs.len(), plan.seqs.len());
+        }
+        for (s, r) in plan.seqs.iter().zip(&out.seqs) {
+            if s.seq_id != r.seq_id || s.sample.is_some() != r.sampled.is_some() {
+                anyhow::bail!("backend answer for sequence {} does not match the plan (got {})", s.seq_id, r.seq_id);
+            }
         }
     }
     Ok(())

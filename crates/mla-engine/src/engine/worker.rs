@@ -1,26 +1,31 @@
-//! The engine thread: owns the backend and the scheduler; each iteration collects the step in
-//! flight, handles commands, drops requests whose client is gone, starts the next step and
-//! delivers the events of the one before.
+//! The engine thread: owns the backend and one scheduler per attention rank (one, or one per
+//! device under DP attention); each iteration collects the step in flight, handles commands,
+//! drops requests whose client is gone, starts the next step and delivers the events of the one
+//! before. A new request goes to the attention rank with the least work (`router`).
 //!
-//! With a backend that runs steps on a thread of its own (`Backend::start_step`), the next step
-//! is handed over before the previous step's tokens go out to the clients, so the device does
-//! not wait for that bookkeeping. What a step delivers is fixed when it is applied; commands that
-//! end a request first deliver what it still has pending, so every client sees its events in the
-//! order a synchronous engine sends them. With a synchronous backend the order is unchanged: the
-//! previous step is delivered before the next one runs.
+//! The next step is handed to the backend (`Backend::start_step`) before the previous step's
+//! tokens go out to the clients, so a device that runs steps on a thread of its own does not wait
+//! for that bookkeeping. What a step delivers is fixed when it is applied; commands that end a
+//! request first deliver what it still has pending, so every client sees its events in the order
+//! a synchronous engine sends them.
+//!
+//! A failed step is retried one request at a time (the other ranks idle), so one bad request
+//! cannot take its batch-mates down, unless the backend says it cannot go on
+//! (`FatalBackendError`: a rank died, a collective broke): then every request fails and the
+//! engine stops, marked dead for the handle.
 
-use super::backend_call::{check_output, panic_text, run_checked, split_by_request};
-use super::Command;
-use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RequestTimings, TokenLogprobs};
+use super::backend_call::{check_outputs, panic_text, run_checked, split_by_request};
+use super::router::least_loaded;
+use super::{Command, Liveness};
+use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RankStats, RequestTimings, TokenLogprobs};
 use crate::id_map::IdMap;
 use crate::metrics::Metrics;
 use crate::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use crate::sequence::SeqKey;
 use mla_core::plan::{StepKind, StepOutput, StepPlan};
-use mla_core::Backend;
-use mla_core::SplitMix64;
+use mla_core::{Backend, FatalBackendError, SplitMix64};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,15 +39,31 @@ struct Client {
     prompt_len: usize,
     /// When each completion last produced a token (inter-token latency).
     last_token: Vec<Option<Instant>>,
+    /// The attention rank serving it, and what it adds to that rank's load.
+    rank: usize,
+    cost: u64,
+}
+
+/// What the handle shares with the engine thread.
+pub(super) struct Links {
+    pub inbox: Receiver<Command>,
+    pub metrics: Metrics,
+    /// Requests submitted and not yet scheduled (the `max_queued_requests` count).
+    pub queued: Arc<AtomicUsize>,
+    /// Work this engine has taken on, summed over its ranks; the handle adds a request's cost
+    /// when it routes the request here, the engine takes it off when the request ends.
+    pub load: Arc<AtomicU64>,
+    pub liveness: Arc<Liveness>,
 }
 
 pub(super) struct Worker {
     backend: Box<dyn Backend>,
-    sched: Scheduler,
-    inbox: Receiver<Command>,
+    /// One scheduler (and KV cache) per attention rank.
+    ranks: Vec<Scheduler>,
+    /// Work each rank has taken on: `n · (prompt + max_tokens)` of every live request.
+    loads: Vec<u64>,
+    links: Links,
     clients: IdMap<Client>,
-    metrics: Metrics,
-    queued: Arc<AtomicUsize>,
     /// Seeds requests that bring none, in arrival order.
     seeds: SplitMix64,
     deadline: Option<Instant>,
@@ -50,63 +71,68 @@ pub(super) struct Worker {
     undelivered: Option<(Applied, Instant)>,
 }
 
-/// A step the backend is running on its own thread.
+/// A step the backend is running.
 struct InFlight {
-    plan: Arc<StepPlan>,
+    plans: Arc<Vec<StepPlan>>,
+}
+
+/// What a request adds to its rank's load: the tokens its completions hold at most.
+pub(super) fn request_cost(req: &GenerateRequest) -> u64 {
+    (req.n * (req.prompt_tokens.len() + req.max_tokens)) as u64
 }
 
 impl Worker {
-    pub fn new(
-        backend: Box<dyn Backend>,
-        cfg: EngineConfig,
-        inbox: Receiver<Command>,
-        metrics: Metrics,
-        queued: Arc<AtomicUsize>,
-    ) -> Self {
+    pub fn new(backend: Box<dyn Backend>, cfg: EngineConfig, links: Links) -> Self {
         let limits = SchedulerConfig {
             max_model_len: cfg.max_model_len,
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
         };
-        let sched = Scheduler::new(limits, backend.cache_layout());
-        let seeds = SplitMix64::new(cfg.seed);
+        let ranks: Vec<Scheduler> = backend.cache_layouts().into_iter().map(|l| Scheduler::new(limits, l)).collect();
         Worker {
             backend,
-            sched,
-            inbox,
+            loads: vec![0; ranks.len()],
+            ranks,
+            links,
             clients: IdMap::default(),
-            metrics,
-            queued,
-            seeds,
+            seeds: SplitMix64::new(cfg.seed),
             deadline: None,
             undelivered: None,
         }
+    }
+
+    fn has_work(&self) -> bool {
+        self.ranks.iter().any(Scheduler::has_work)
     }
 
     pub fn run(mut self) {
         let mut in_flight: Option<InFlight> = None;
         loop {
             if let Some(f) = in_flight.take() {
-                self.finish(f);
+                if !self.finish(f) {
+                    break;
+                }
             }
             if !self.pump_commands() {
                 break;
             }
             self.drop_departed_clients();
-            if self.deadline.is_some_and(|d| !self.sched.has_work() || Instant::now() >= d) {
+            if self.deadline.is_some_and(|d| !self.has_work() || Instant::now() >= d) {
                 break;
             }
-            match self.sched.schedule() {
-                Some(plan) => in_flight = self.launch(plan),
-                None if self.sched.has_work() => {
-                    // Admission guarantees progress (see `Scheduler`), so this is a bug; failing
-                    // the stuck requests keeps it visible instead of hanging their clients.
-                    tracing::error!("the scheduler has work but built no step");
-                    let ids: Vec<u64> = self.clients.keys().copied().collect();
-                    ids.into_iter()
-                        .for_each(|id| self.fail(id, "internal error: the scheduler made no progress".into()));
-                }
-                None => {}
+            let plans: Vec<StepPlan> = self
+                .ranks
+                .iter_mut()
+                .map(|s| s.schedule().unwrap_or(StepPlan { kind: StepKind::Decode, seqs: vec![] }))
+                .collect();
+            if plans.iter().any(|p| !p.seqs.is_empty()) {
+                in_flight = Some(self.launch(plans));
+            } else if self.has_work() {
+                // Admission guarantees progress (see `Scheduler`), so this is a bug; failing
+                // the stuck requests keeps it visible instead of hanging their clients.
+                tracing::error!("the scheduler has work but built no step");
+                let ids: Vec<u64> = self.clients.keys().copied().collect();
+                ids.into_iter().for_each(|id| self.fail(id, "internal error: the scheduler made no progress".into()));
             }
             // While the backend runs the step just started, the previous one goes out.
             self.deliver_undelivered();
@@ -115,13 +141,20 @@ impl Worker {
         self.deliver_undelivered();
         let ids: Vec<u64> = self.clients.keys().copied().collect();
         ids.into_iter().for_each(|id| self.abort(id, true));
-        // Submissions that raced with shutdown never ran; tell their clients.
-        while let Ok(cmd) = self.inbox.try_recv() {
+        // Submissions that raced with shutdown (or the engine's death) never ran; tell their
+        // clients, with the reason the engine stopped if it died.
+        let died = self.links.liveness.death();
+        while let Ok(cmd) = self.links.inbox.try_recv() {
             if let Command::Submit { req, events, .. } = cmd {
-                self.queued.fetch_sub(1, Ordering::SeqCst);
-                self.metrics.count_finished(FinishReason::Abort, req.n as u64);
-                (0..req.n)
-                    .for_each(|index| drop(events.send(EngineEvent::Finished { index, reason: FinishReason::Abort })));
+                self.links.queued.fetch_sub(1, Ordering::SeqCst);
+                self.links.load.fetch_sub(request_cost(&req), Ordering::SeqCst);
+                self.links.metrics.count_finished(FinishReason::Abort, req.n as u64);
+                match &died {
+                    Some(why) => drop(events.send(EngineEvent::Error { message: why.clone() })),
+                    None => (0..req.n).for_each(|index| {
+                        drop(events.send(EngineEvent::Finished { index, reason: FinishReason::Abort }))
+                    }),
+                }
             }
         }
         self.publish();
@@ -130,20 +163,20 @@ impl Worker {
     /// Handles pending commands, blocking while there is nothing to run so an idle engine costs
     /// nothing. False once every handle and stream is gone and no work is left.
     fn pump_commands(&mut self) -> bool {
-        if !self.sched.has_work() && self.deadline.is_none() {
+        if !self.has_work() && self.deadline.is_none() {
             // Nothing runs until a command comes: whatever is pending goes out first.
             self.deliver_undelivered();
             self.publish();
-            match self.inbox.recv() {
+            match self.links.inbox.recv() {
                 Ok(cmd) => self.handle(cmd),
                 Err(_) => return false,
             }
         }
         loop {
-            match self.inbox.try_recv() {
+            match self.links.inbox.try_recv() {
                 Ok(cmd) => self.handle(cmd),
                 Err(TryRecvError::Empty) => return true,
-                Err(TryRecvError::Disconnected) => return self.sched.has_work() || self.deadline.is_some(),
+                Err(TryRecvError::Disconnected) => return self.has_work() || self.deadline.is_some(),
             }
         }
     }
@@ -160,23 +193,33 @@ impl Worker {
     fn admit(&mut self, id: u64, req: GenerateRequest, events: UnboundedSender<EngineEvent>, arrived: Instant) {
         let seed = req.seed.unwrap_or_else(|| self.seeds.next_u64());
         let timings = RequestTimings { arrived, first_scheduled: None, first_token: None, finished: None };
+        let rank = least_loaded(&self.loads);
+        let cost = request_cost(&req);
+        self.loads[rank] += cost;
         let client = Client {
             events,
             timings,
             wants_logprobs: req.logprobs.is_some(),
             prompt_len: req.prompt_tokens.len(),
             last_token: vec![None; req.n],
+            rank,
+            cost,
         };
         self.clients.insert(id, client);
-        self.sched.add(id, req, seed);
+        self.ranks[rank].add(id, req, seed);
+    }
+
+    fn rank_of(&self, id: u64) -> Option<usize> {
+        self.clients.get(&id).map(|c| c.rank)
     }
 
     /// Forgets a request and frees its blocks; `notify` tells a still-listening client.
     fn abort(&mut self, id: u64, notify: bool) {
         self.deliver_pending_of(id);
-        let Some(unfinished) = self.sched.remove_request(id) else { return };
+        let Some(rank) = self.rank_of(id) else { return };
+        let Some(unfinished) = self.ranks[rank].remove_request(id) else { return };
         let client = self.forget(id);
-        self.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
+        self.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
         if notify {
             for index in unfinished {
                 let _ = client.events.send(EngineEvent::Finished { index, reason: FinishReason::Abort });
@@ -188,13 +231,14 @@ impl Worker {
     /// request's last, the request completed (it gets an end-to-end latency, unlike an abort).
     fn finish_choice(&mut self, id: u64, index: usize, reason: FinishReason) {
         self.deliver_pending_of(id);
-        let Some(ended) = self.sched.finish_completion(id, index, reason) else { return };
-        self.metrics.count_finished(reason, 1);
+        let Some(rank) = self.rank_of(id) else { return };
+        let Some(ended) = self.ranks[rank].finish_completion(id, index, reason) else { return };
+        self.links.metrics.count_finished(reason, 1);
         let client = self.clients.get(&id).expect("every scheduled request has a client");
         let _ = client.events.send(EngineEvent::Finished { index, reason });
         if ended == EarlyFinish::Request {
             let client = self.forget(id);
-            self.metrics.lock().e2e_latency.observe(client.timings.arrived.elapsed().as_secs_f64());
+            self.links.metrics.lock().e2e_latency.observe(client.timings.arrived.elapsed().as_secs_f64());
         }
     }
 
@@ -202,18 +246,26 @@ impl Worker {
     /// stop nor by length, and the server reports them as aborted).
     fn fail(&mut self, id: u64, message: String) {
         self.deliver_pending_of(id);
-        if let Some(unfinished) = self.sched.remove_request(id) {
-            self.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
+        let Some(rank) = self.rank_of(id) else { return };
+        if let Some(unfinished) = self.ranks[rank].remove_request(id) {
+            self.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
             let _ = self.forget(id).events.send(EngineEvent::Error { message });
         }
     }
 
+    /// Removes a request's client and takes its cost off its rank's load.
     fn forget(&mut self, id: u64) -> Client {
         let client = self.clients.remove(&id).expect("every scheduled request has a client");
         if client.timings.first_scheduled.is_none() {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.links.queued.fetch_sub(1, Ordering::SeqCst);
         }
+        self.release(&client);
         client
+    }
+
+    fn release(&mut self, client: &Client) {
+        self.loads[client.rank] -= client.cost;
+        self.links.load.fetch_sub(client.cost, Ordering::SeqCst);
     }
 
     /// A closed receiver means the client went away: abort within this step. Commands the
@@ -226,70 +278,92 @@ impl Worker {
         }
         // Everything sent before a receiver was dropped is in the inbox by the time the closed
         // receiver is seen.
-        while let Ok(cmd) = self.inbox.try_recv() {
+        while let Ok(cmd) = self.links.inbox.try_recv() {
             self.handle(cmd);
         }
         gone.into_iter().for_each(|id| self.abort(id, false));
     }
 
-    /// Starts `plan`: on the backend's thread when it has one (returned as in flight), else
-    /// right here, after the previous step's events went out (a synchronous step is applied and
-    /// its own events wait for the end of the iteration, as an asynchronous one's would).
-    fn launch(&mut self, plan: StepPlan) -> Option<InFlight> {
-        let plan = Arc::new(plan);
+    /// Hands the step to the backend. A panic while starting is the step's failure.
+    fn launch(&mut self, plans: Vec<StepPlan>) -> InFlight {
+        let plans = Arc::new(plans);
         let backend = &mut self.backend;
-        let started = catch_unwind(AssertUnwindSafe(|| backend.start_step(&plan)));
-        self.mark_scheduled(&plan);
-        let result = match started {
-            Ok(true) => return Some(InFlight { plan }),
-            Ok(false) => {
-                self.deliver_undelivered();
-                run_checked(self.backend.as_mut(), &plan)
-            }
-            Err(p) => Err(anyhow::anyhow!("backend panicked: {}", panic_text(&p))),
-        };
-        self.conclude(plan, result);
-        None
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| backend.start_step(&plans))) {
+            // finish_step then reports the step as never started (or panics again, also caught).
+            tracing::error!("backend panicked starting a step: {}", panic_text(&p));
+        }
+        plans.iter().for_each(|p| self.mark_scheduled(p));
+        InFlight { plans }
     }
 
-    /// Waits for the step in flight and applies it.
-    fn finish(&mut self, f: InFlight) {
+    /// Waits for the step in flight and applies it; false when the engine cannot go on.
+    fn finish(&mut self, f: InFlight) -> bool {
         let backend = &mut self.backend;
         let result = catch_unwind(AssertUnwindSafe(|| backend.finish_step()))
             .unwrap_or_else(|p| Err(anyhow::anyhow!("backend panicked: {}", panic_text(&p))))
-            .and_then(|out| check_output(&f.plan, &out).map(|()| out));
-        self.conclude(f.plan, result);
+            .and_then(|outs| check_outputs(&f.plans, &outs).map(|()| outs));
+        self.conclude(f.plans, result)
     }
 
-    /// Applies a step's output, or handles its failure: a failed batch is retried one request at
-    /// a time so that one bad request cannot take its batch-mates down; the backend leaves only
-    /// the fed positions unspecified, and the retry rewrites them.
-    fn conclude(&mut self, plan: Arc<StepPlan>, result: anyhow::Result<StepOutput>) {
+    /// Applies a step's outputs, or handles its failure: a failed step is retried one request at
+    /// a time, the other ranks idle, so that one bad request cannot take its batch-mates down
+    /// (the backend leaves only the fed positions unspecified, and the retry rewrites them). A
+    /// fatal failure ends the engine instead: false.
+    fn conclude(&mut self, plans: Arc<Vec<StepPlan>>, result: anyhow::Result<Vec<StepOutput>>) -> bool {
         let err = match result {
-            Ok(out) => {
-                self.apply(&plan, &out);
-                // The backend has dropped its reference by now (`StepThread` does before it
-                // answers); if not, the plan is simply freed.
-                if let Ok(plan) = Arc::try_unwrap(plan) {
-                    self.sched.recycle(plan);
+            Ok(outs) => {
+                self.apply_all(&plans, &outs);
+                // The backend has dropped its references by now (its threads do before they
+                // answer); if not, the plans are simply freed.
+                if let Ok(plans) = Arc::try_unwrap(plans) {
+                    for (sched, plan) in self.ranks.iter_mut().zip(plans) {
+                        sched.recycle(plan);
+                    }
                 }
-                return;
+                return true;
             }
             Err(e) => e,
         };
-        let parts = split_by_request(&plan);
+        if let Some(fatal) = err.downcast_ref::<FatalBackendError>() {
+            self.die(format!("the backend failed and cannot continue: {fatal}"));
+            return false;
+        }
+        let parts: Vec<(usize, u64, StepPlan)> = plans
+            .iter()
+            .enumerate()
+            .flat_map(|(r, p)| split_by_request(p).into_iter().map(move |(id, part)| (r, id, part)))
+            .collect();
         if parts.len() == 1 {
-            return self.fail(parts[0].0, format!("backend error: {err:#}"));
+            self.fail(parts[0].1, format!("backend error: {err:#}"));
+            return true;
         }
         tracing::warn!("backend step over {} requests failed ({err:#}); retrying them one by one", parts.len());
-        for (id, part) in parts {
+        for (rank, id, part) in parts {
             // Each part's events go out before the next part runs, as they always did.
             self.deliver_undelivered();
-            match run_checked(self.backend.as_mut(), &part) {
-                Ok(out) => self.apply(&part, &out),
+            let mut alone: Vec<StepPlan> =
+                (0..self.ranks.len()).map(|_| StepPlan { kind: StepKind::Decode, seqs: vec![] }).collect();
+            alone[rank] = part;
+            match run_checked(self.backend.as_mut(), &alone) {
+                Ok(outs) => self.apply_all(&alone, &outs),
+                Err(e) if e.downcast_ref::<FatalBackendError>().is_some() => {
+                    self.die(format!("the backend failed and cannot continue: {e:#}"));
+                    return false;
+                }
                 Err(e) => self.fail(id, format!("backend error: {e:#}")),
             }
         }
+        true
+    }
+
+    /// The backend cannot run another step: every request fails with `why`, the handle learns
+    /// the engine is dead (health checks, new submissions), and the thread ends.
+    fn die(&mut self, why: String) {
+        tracing::error!("{why}");
+        self.links.liveness.mark_dead(why.clone());
+        self.deliver_undelivered();
+        let ids: Vec<u64> = self.clients.keys().copied().collect();
+        ids.into_iter().for_each(|id| self.fail(id, why.clone()));
     }
 
     fn mark_scheduled(&mut self, plan: &StepPlan) {
@@ -298,24 +372,29 @@ impl Worker {
             return;
         }
         let now = Instant::now();
-        let mut stats = self.metrics.lock();
+        let mut stats = self.links.metrics.lock();
         for s in &plan.seqs {
             let client =
                 self.clients.get_mut(&SeqKey::from_seq_id(s.seq_id).request).expect("scheduled request has a client");
             if client.timings.first_scheduled.is_none() {
                 client.timings.first_scheduled = Some(now);
-                self.queued.fetch_sub(1, Ordering::SeqCst);
+                self.links.queued.fetch_sub(1, Ordering::SeqCst);
                 stats.queue_time.observe((now - client.timings.arrived).as_secs_f64());
                 stats.prompt_tokens_total += client.prompt_len as u64;
             }
         }
     }
 
-    /// Records a step's output in the scheduler; its events wait in `undelivered`.
-    fn apply(&mut self, plan: &StepPlan, out: &StepOutput) {
+    /// Records every rank's output in its scheduler; the events wait in `undelivered`.
+    fn apply_all(&mut self, plans: &[StepPlan], outs: &[StepOutput]) {
         debug_assert!(self.undelivered.is_none(), "a step's events were never delivered");
         self.deliver_undelivered();
-        let applied = self.sched.apply(plan, out);
+        let mut applied = Applied::default();
+        for ((sched, plan), out) in self.ranks.iter_mut().zip(plans).zip(outs) {
+            let a = sched.apply(plan, out);
+            applied.tokens.extend(a.tokens);
+            applied.finished_requests.extend(a.finished_requests);
+        }
         self.undelivered = Some((applied, Instant::now()));
     }
 
@@ -342,7 +421,8 @@ impl Worker {
 
     /// Sends a step's tokens and records their statistics, timed when the step was applied.
     fn deliver(&mut self, applied: Applied, now: Instant) {
-        let mut stats = self.metrics.lock();
+        let metrics = self.links.metrics.clone();
+        let mut stats = metrics.lock();
         for t in applied.tokens {
             let client = self.clients.get_mut(&t.request).expect("request has a client");
             stats.generation_tokens_total += 1;
@@ -370,14 +450,28 @@ impl Worker {
         for id in applied.finished_requests {
             let client = self.clients.remove(&id).expect("request has a client");
             stats.e2e_latency.observe((now - client.timings.arrived).as_secs_f64());
+            self.release(&client);
         }
     }
 
     fn publish(&self) {
-        let mut stats = self.metrics.lock();
-        stats.running = self.sched.num_running();
-        stats.waiting = self.sched.num_waiting();
-        stats.kv_usage = self.sched.block_manager().usage();
-        stats.preemptions_total = self.sched.preemptions();
+        let mut stats = self.links.metrics.lock();
+        stats.ranks = self
+            .ranks
+            .iter()
+            .zip(&self.loads)
+            .map(|(s, &load)| RankStats {
+                running: s.num_running(),
+                waiting: s.num_waiting(),
+                kv_usage: s.block_manager().usage(),
+                kv_capacity_tokens: s.block_manager().num_blocks() * s.block_manager().block_size(),
+                load_tokens: load,
+            })
+            .collect();
+        stats.running = stats.ranks.iter().map(|r| r.running).sum();
+        stats.waiting = stats.ranks.iter().map(|r| r.waiting).sum();
+        let used: f64 = stats.ranks.iter().map(|r| r.kv_usage * r.kv_capacity_tokens as f64).sum();
+        stats.kv_usage = used / stats.kv_capacity_tokens.max(1) as f64;
+        stats.preemptions_total = self.ranks.iter().map(Scheduler::preemptions).sum();
     }
 }

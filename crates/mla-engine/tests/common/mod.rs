@@ -7,15 +7,17 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context};
-use mla_core::backend::{StepRunner, StepThread};
 use mla_core::plan::{slot_of, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
 use mla_core::sampling::sample;
+use mla_core::step_thread::{StepRunner, StepThread};
 use mla_core::SplitMix64;
-use mla_core::{Backend, CacheLayout, ModelConfig, SamplingParams, StepKind, StepPlan};
+use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SamplingParams, StepKind, StepPlan};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+pub mod ranks;
 
 pub const VOCAB: usize = 64;
 
@@ -40,6 +42,7 @@ pub struct HistoryBackend {
     pub log: Arc<Mutex<Log>>,
     /// When set, every step waits for a permit, so a test can act between two known steps.
     pub gate: Option<Arc<StepGate>>,
+    pending: PendingStep,
 }
 
 /// Lets a test run the engine one step at a time: a step starts only with a permit, and the
@@ -112,6 +115,7 @@ impl HistoryBackend {
             delay: Duration::ZERO,
             log: Arc::default(),
             gate: None,
+            pending: PendingStep::default(),
         }
     }
 }
@@ -139,16 +143,26 @@ impl Backend for HistoryBackend {
         &self.model
     }
 
-    fn cache_layout(&self) -> CacheLayout {
-        self.layout
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        vec![self.layout]
     }
 
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        if let Some(gate) = &self.gate {
-            gate.pass();
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        self.pending.set(plans);
+    }
+
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        match self.pending.take()?.as_slice() {
+            [plan] => self.run(plan).map(|o| vec![o]),
+            plans => bail!("one attention rank, {} plans", plans.len()),
         }
-        let bs = self.layout.block_size;
-        plan.validate(bs, self.layout.num_blocks, VOCAB, self.model.max_position_embeddings)?;
+    }
+}
+
+impl HistoryBackend {
+    fn run(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        // Logged before the gate, so a test parked at a step sees the tables it was built with
+        // (the engine published its statistics after building it).
         {
             let mut log = self.log.lock().unwrap();
             log.steps += 1;
@@ -158,6 +172,11 @@ impl Backend for HistoryBackend {
                 log.tables.insert(s.seq_id, s.block_table.clone());
             }
         }
+        if let Some(gate) = &self.gate {
+            gate.pass();
+        }
+        let bs = self.layout.block_size;
+        plan.validate(bs, self.layout.num_blocks, VOCAB, self.model.max_position_embeddings)?;
         // Logged before the delay, so a test that sees a step logged knows the engine is busy
         // with it for `delay` longer.
         std::thread::sleep(self.delay);
@@ -187,8 +206,12 @@ impl Backend for HistoryBackend {
 }
 
 impl StepRunner for HistoryBackend {
-    fn run_step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.step(plan)
+    type Step = Vec<StepPlan>;
+    type Output = Vec<StepOutput>;
+
+    fn run_step(&mut self, plans: &Vec<StepPlan>) -> anyhow::Result<Vec<StepOutput>> {
+        self.start_step(&Arc::new(plans.clone()));
+        self.finish_step()
     }
 }
 
@@ -220,21 +243,16 @@ impl Backend for Threaded {
         &self.model
     }
 
-    fn cache_layout(&self) -> CacheLayout {
-        self.layout
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        vec![self.layout]
     }
 
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.thread.step(plan)
-    }
-
-    fn start_step(&mut self, plan: &Arc<StepPlan>) -> bool {
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         self.started.fetch_add(1, Ordering::SeqCst);
-        self.thread.start_step(plan);
-        true
+        self.thread.start_step(plans);
     }
 
-    fn finish_step(&mut self) -> anyhow::Result<StepOutput> {
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
         self.thread.finish_step()
     }
 }

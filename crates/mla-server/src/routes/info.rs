@@ -6,7 +6,7 @@ use crate::protocol::models::{ModelCard, ModelList};
 use crate::state::AppState;
 use axum::extract::{Path, State};
 use axum::http::header;
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use std::sync::Arc;
 
@@ -32,9 +32,14 @@ pub async fn get_model(
     Ok(Json(card(&state)))
 }
 
-/// 200 with an empty body while the server accepts requests (vLLM's convention).
-pub async fn health() -> impl IntoResponse {
-    axum::http::StatusCode::OK
+/// 200 with an empty body while the server accepts requests (vLLM's convention); 503 with the
+/// reason once the backend failed for good (a rank died), so a load balancer stops sending
+/// traffic while the server exits.
+pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    match state.engine.fatal_error() {
+        None => axum::http::StatusCode::OK.into_response(),
+        Some(why) => ApiError::Unavailable(why).into_response(),
+    }
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {

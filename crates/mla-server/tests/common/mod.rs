@@ -11,7 +11,7 @@ use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use mla_core::plan::{SeqResult, StepOutput};
-use mla_core::{Backend, CacheLayout, ModelConfig, SampledToken, StepPlan};
+use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::app::router;
 use mla_server::generation_config::GenerationDefaults;
@@ -66,6 +66,7 @@ pub struct ScriptBackend {
     delay: Duration,
     /// Steps fail once a sequence has drawn this many tokens (engine error mid-stream).
     fail_after: Option<usize>,
+    pending: PendingStep,
 }
 
 impl Backend for ScriptBackend {
@@ -75,10 +76,20 @@ impl Backend for ScriptBackend {
     fn model_config(&self) -> &ModelConfig {
         &self.model
     }
-    fn cache_layout(&self) -> CacheLayout {
-        CacheLayout { block_size: 16, num_blocks: 64 }
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        vec![CacheLayout { block_size: 16, num_blocks: 64 }]
     }
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        self.pending.set(plans);
+    }
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        let plans = self.pending.take()?;
+        Ok(vec![self.run(&plans[0])?])
+    }
+}
+
+impl ScriptBackend {
+    fn run(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         std::thread::sleep(self.delay);
         if let Some(limit) = self.fail_after {
             if plan.seqs.iter().any(|s| self.drawn.get(&s.seq_id).copied().unwrap_or(0) >= limit) {
@@ -153,6 +164,7 @@ pub fn server(opts: Options) -> TestServer {
         drawn: HashMap::new(),
         delay: opts.delay,
         fail_after: opts.fail_after,
+        pending: PendingStep::default(),
     };
     let cfg = EngineConfig {
         max_model_len: MAX_MODEL_LEN,

@@ -1,0 +1,93 @@
+//! One rank of the CPU reference backend: its part of the model, its latent cache, and how it
+//! runs its `StepPlan` (the normal path for prefill, the absorbed path for decode).
+
+use crate::kv_cache::LatentCache;
+use crate::mla::{AttentionPath, SeqSpan};
+use crate::model::{CpuModel, Peers};
+use mla_core::plan::{LogitsRequest, SeqResult, StepKind, StepOutput, StepPlan};
+use mla_core::sampling::sample;
+use mla_core::{CacheLayout, ModelConfig, RankLayout, WeightSource};
+
+pub struct CpuRank {
+    model: CpuModel,
+    cache: LatentCache,
+    layout: CacheLayout,
+}
+
+impl CpuRank {
+    /// Rank `rank`'s part of `cfg`'s weights from `weights` and a zeroed latent cache of
+    /// `num_blocks` blocks of `block_size` tokens per layer.
+    pub fn new(
+        cfg: ModelConfig,
+        weights: &dyn WeightSource,
+        rank: RankLayout,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(block_size > 0, "block_size must be positive");
+        anyhow::ensure!(num_blocks > 0, "num_blocks must be positive");
+        let cache = LatentCache::new(cfg.num_hidden_layers, block_size, num_blocks, cfg.kv_cache_dim());
+        let model = CpuModel::new_rank(cfg, weights, rank)?;
+        Ok(CpuRank { model, cache, layout: CacheLayout { block_size, num_blocks } })
+    }
+
+    pub fn model(&self) -> &CpuModel {
+        &self.model
+    }
+
+    pub fn cache(&self) -> &LatentCache {
+        &self.cache
+    }
+
+    pub fn cache_layout(&self) -> CacheLayout {
+        self.layout
+    }
+
+    /// Checks `plan` against this rank's cache and the model.
+    pub fn validate(&self, plan: &StepPlan) -> anyhow::Result<()> {
+        let cfg = self.model.config();
+        plan.validate(self.layout.block_size, self.layout.num_blocks, cfg.vocab_size, cfg.max_position_embeddings)?;
+        Ok(())
+    }
+
+    /// Runs `plan` (validated) with this rank's peers; an empty plan still makes every collective.
+    pub fn run(&mut self, plan: &StepPlan, peers: Peers) -> anyhow::Result<StepOutput> {
+        let path = match plan.kind {
+            StepKind::Prefill => AttentionPath::Normal,
+            StepKind::Decode => AttentionPath::Absorbed,
+        };
+        let mut tokens = Vec::with_capacity(plan.num_tokens());
+        let mut spans = Vec::with_capacity(plan.seqs.len());
+        let mut want = Vec::with_capacity(plan.num_tokens());
+        for s in &plan.seqs {
+            spans.push(SeqSpan {
+                start: tokens.len(),
+                len: s.tokens.len(),
+                context_len: s.context_len,
+                block_table: &s.block_table,
+            });
+            tokens.extend_from_slice(&s.tokens);
+            let last_needed = s.logits == LogitsRequest::Last || s.sample.is_some();
+            want.extend(
+                (0..s.tokens.len()).map(|j| s.logits == LogitsRequest::All || (last_needed && j + 1 == s.tokens.len())),
+            );
+        }
+        let mut logits = self.model.forward_rank(&tokens, &spans, &mut self.cache, path, &want, peers)?;
+
+        let mut out = StepOutput::default();
+        for (s, span) in plan.seqs.iter().zip(&spans) {
+            let rows = &mut logits[span.start..span.start + span.len];
+            let sampled = s
+                .sample
+                .as_ref()
+                .map(|req| sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req));
+            let logits = match s.logits {
+                LogitsRequest::None => vec![],
+                LogitsRequest::Last => vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")],
+                LogitsRequest::All => rows.iter_mut().map(|r| r.take().expect("all logits")).collect(),
+            };
+            out.seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled });
+        }
+        Ok(out)
+    }
+}

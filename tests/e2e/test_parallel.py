@@ -1,0 +1,114 @@
+"""The multi-rank layouts through the real binary on the CPU reference backend, which runs each
+rank as a thread with an in-process collective (the correctness reference for the GPU ranks):
+`--tp 2 --enable-dp-attention`, `--dp 2` and `--tp 2`. Concurrent greedy requests, one per
+prompt and each prompt twice, must reproduce HF transformers' continuation (tests/fixtures), and
+/metrics must show the ranks."""
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from server import ROOT, Server
+from test_hf_fixtures import comparable
+
+FIXTURES = ROOT / "tests" / "fixtures"
+DEMO = ROOT / "assets" / "demo"
+
+LAYOUTS = {
+    "dp-attention": (["--tp", "2", "--enable-dp-attention"], 2),
+    "replicas": (["--dp", "2"], 2),
+    "tensor-parallel": (["-tp", "2"], 1),
+}
+
+
+def model_dir(variant, tmp_path):
+    src = FIXTURES / variant
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(src / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / name, tmp_path / name)
+    return json.loads((src / "oracle.json").read_text())
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_concurrent_greedy_requests_match_hf(layout, variant, tmp_path):
+    flags, attention_ranks = LAYOUTS[layout]
+    oracle = model_dir(variant, tmp_path)
+    server = Server("--model", str(tmp_path), "--device", "cpu", "--served-model-name", variant, *flags)
+    try:
+        assert "parallel layout" in server.log_text()
+        metrics = server.metrics()
+        assert metrics["mla:num_attention_ranks"] == attention_ranks
+        client = server.client()
+        prompts = oracle["prompts"] * 2
+
+        def greedy(p):
+            r = client.completions.create(
+                model=variant,
+                prompt=p["prompt"],
+                max_tokens=len(p["continuation"]),
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            )
+            return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(greedy, prompts))
+        for p, got in zip(prompts, outputs):
+            k = comparable(p)
+            assert got[:k] == p["continuation"][:k], f"{layout} {variant}/{p['name']}"
+        metrics = server.metrics()
+        ranks = [metrics[f'mla:rank_load_tokens{{model_name="{variant}",rank="{r}"}}'] for r in range(attention_ranks)]
+        assert ranks == [0.0] * attention_ranks, "every request's load is taken off its rank"
+        assert metrics["mla:generation_tokens_total"] == sum(len(p["continuation"]) for p in prompts)
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_rank_that_dies_fails_its_requests_and_stops_the_server(tmp_path):
+    """Rank 1 panics at its 4th step (MLA_TEST_KILL_RANK, a test hook): rank 0 is then waiting
+    in a collective. The accepted requests are answered with an error naming the rank, /health
+    turns 503, and the process exits non-zero within seconds instead of hanging."""
+    import time
+
+    import openai
+    import requests
+
+    model_dir("v2_lite", tmp_path)
+    server = Server(
+        "--model", str(tmp_path), "--device", "cpu", "--served-model-name", "m",
+        "--tp", "2", "--enable-dp-attention", "--shutdown-timeout", "2",
+        env={"MLA_TEST_KILL_RANK": "1:4"},
+    )
+    try:
+        client = server.client()
+
+        def request(i):
+            try:
+                client.completions.create(model="m", prompt=[1 + i, 2, 3], max_tokens=40, temperature=0,
+                                          extra_body={"ignore_eos": True})
+                return "completed"
+            except openai.APIStatusError as e:
+                return f"{e.status_code} {e.message}"
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(request, range(4)))
+        assert all(r.startswith("500") and "rank 1" in r for r in results), results
+        deadline = time.time() + 15
+        while server.proc.poll() is None and time.time() < deadline:
+            try:
+                health = requests.get(server.base + "/health", timeout=1)
+                if health.status_code == 503:
+                    assert "rank 1" in health.json()["error"]["message"]
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        assert server.proc.poll() is not None, "the server did not exit within 15 s of the rank's death"
+        assert server.proc.returncode != 0
+        assert "the engine stopped" in server.log_text() and "killed at step 4" in server.log_text()
+    finally:
+        server.stop()
