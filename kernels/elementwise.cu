@@ -19,8 +19,10 @@ extern "C" __global__ void embedding_gather(const bf16* __restrict__ table, cons
 // PDL_ENTRY itself, after loading the gain.
 constexpr int NORM_THREADS = 256, NORM_MAX_PER_THREAD = 32;
 
-template <bool ADD>
-DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta,
+DEVICE_INLINE float to_f32(float x) { return x; }
+
+template <bool ADD, typename Delta>
+DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const Delta* __restrict__ delta,
                                     const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
     __shared__ float scratch[32];
     const size_t t = blockIdx.x;
@@ -65,7 +67,7 @@ DEVICE_INLINE void residual_rmsnorm(float* __restrict__ residual, const bf16* __
 // out = rmsnorm(residual) (first layer: nothing to add yet).
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict__ residual, const bf16* __restrict__ w,
                                                               bf16* __restrict__ out, int hidden, float eps) {
-    residual_rmsnorm<false>(residual, nullptr, w, out, hidden, eps);
+    residual_rmsnorm<false, bf16>(residual, nullptr, w, out, hidden, eps);
 }
 
 // residual += delta; out = rmsnorm(residual). The f32 residual keeps the sum of many layers exact
@@ -73,7 +75,15 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_f32(float* __restrict_
 extern "C" __global__ void __launch_bounds__(256)
     add_rmsnorm(float* __restrict__ residual, const bf16* __restrict__ delta, const bf16* __restrict__ w,
                 bf16* __restrict__ out, int hidden, float eps) {
-    residual_rmsnorm<true>(residual, delta, w, out, hidden, eps);
+    residual_rmsnorm<true, bf16>(residual, delta, w, out, hidden, eps);
+}
+
+// add_rmsnorm with an f32 delta: the sum over tensor-parallel ranks of their bf16 partials,
+// all-reduced in f32 (with one rank it is the bf16 delta widened, so the result is bit-equal).
+extern "C" __global__ void __launch_bounds__(256)
+    add_rmsnorm_f32_delta(float* __restrict__ residual, const float* __restrict__ delta, const bf16* __restrict__ w,
+                          bf16* __restrict__ out, int hidden, float eps) {
+    residual_rmsnorm<true, float>(residual, delta, w, out, hidden, eps);
 }
 
 // RMSNorm of a strided bf16 input (q_a_layernorm of V2/V3 queries).

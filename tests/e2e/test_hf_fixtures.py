@@ -22,6 +22,8 @@ from server import ROOT, Server
 FIXTURES = ROOT / "tests" / "fixtures"
 DEMO = ROOT / "assets" / "demo"
 DEVICE = os.environ.get("MLA_E2E_DEVICE", "cpu")
+# More server flags, e.g. "--tp 2 --enable-dp-attention" (scripts/gpu_multi_run.sh).
+EXTRA_FLAGS = os.environ.get("MLA_E2E_FLAGS", "").split()
 if DEVICE == "cuda":
     VARIANTS = ["real_dims"]
     NEAR_TIE = 0.05
@@ -47,7 +49,7 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, tmp_path / name)
     oracle = json.loads((src / "oracle.json").read_text())
-    server = Server("--model", str(tmp_path), "--served-model-name", variant, *DEVICE_FLAGS)
+    server = Server("--model", str(tmp_path), "--served-model-name", variant, *DEVICE_FLAGS, *EXTRA_FLAGS)
     try:
         client = server.client()
         prompts = oracle["prompts"]

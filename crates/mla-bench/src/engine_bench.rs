@@ -1,8 +1,8 @@
-//! Offline engine benchmark: the real `Engine` driving a `CudaBackend` with dummy weights, no
-//! HTTP. Prefill throughput of one long prompt, and decode throughput at a chosen batch and
+//! Offline engine benchmark: the real `Engine` driving the CUDA backends of a parallel layout
+//! (one GPU, replicas, tensor parallel or DP attention) with dummy weights, no HTTP. Prefill throughput of one long prompt, and decode throughput at a chosen batch and
 //! context, with the host time between steps (the GPU's idle gap) from the backend's step clock.
 
-use mla_core::{Backend, ModelConfig, SamplingParams};
+use mla_core::{Backend, ModelConfig, Parallel, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, StepClock, WeightsFrom};
 use mla_engine::{Engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest};
 use rand::{Rng, SeedableRng};
@@ -13,6 +13,7 @@ use std::time::Instant;
 
 #[derive(Debug, Clone)]
 pub struct EngineArgs {
+    pub parallel: Parallel,
     pub config: PathBuf,
     pub gpu_memory_utilization: f64,
     pub max_num_seqs: usize,
@@ -46,8 +47,9 @@ pub fn parse_decode(s: &str) -> anyhow::Result<Vec<(usize, usize, usize)>> {
         .collect()
 }
 
-fn snapshot(c: &Arc<Mutex<StepClock>>) -> StepClock {
-    *c.lock().expect("the step clock is never poisoned")
+/// The clock of a single-GPU backend; groups keep none (zeros).
+fn snapshot(c: Option<&Arc<Mutex<StepClock>>>) -> StepClock {
+    c.map(|c| *c.lock().expect("the step clock is never poisoned")).unwrap_or_default()
 }
 
 fn clock_delta(a: &StepClock, b: &StepClock) -> Value {
@@ -137,7 +139,7 @@ fn prefill(
 fn decode_case(
     rt: &tokio::runtime::Runtime,
     h: &EngineHandle,
-    clock: &Arc<Mutex<StepClock>>,
+    clock: Option<&Arc<Mutex<StepClock>>>,
     (batch, ctx, steps): (usize, usize, usize),
     a: &EngineArgs,
     vocab: usize,
@@ -177,8 +179,12 @@ fn decode_case(
     let (te, ce) = end.ok_or_else(|| anyhow::anyhow!("no request finished"))?;
     let in_window = arrivals.iter().filter(|&&t| t > ts && t <= te).count();
     let secs = (te - ts).as_secs_f64();
-    let clock = clock_delta(&cs, &ce);
-    let steps_in_window = clock["steps"].as_u64().unwrap_or(0).max(1) as f64;
+    let step_clock = clock.map(|_| clock_delta(&cs, &ce));
+    // Without a step clock (several GPUs), every step of the window decodes the whole batch.
+    let steps_in_window = match &step_clock {
+        Some(c) => c["steps"].as_u64().unwrap_or(0).max(1) as f64,
+        None => (in_window as f64 / batch as f64).max(1.0),
+    };
     Ok(json!({
         "batch": batch,
         "context": ctx,
@@ -187,7 +193,7 @@ fn decode_case(
         "window_tokens": in_window,
         "tokens_per_s": in_window as f64 / secs,
         "step_ms": secs / steps_in_window * 1e3,
-        "step_clock": clock,
+        "step_clock": step_clock,
     }))
 }
 
@@ -206,14 +212,20 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     }
     opts.small_batch_gemv = a.gemv;
     let t = Instant::now();
-    let backend = CudaBackend::new(cfg, WeightsFrom::DummyOnDevice { seed: a.seed }, opts)?;
+    let weights = WeightsFrom::DummyOnDevice { seed: a.seed };
+    let (backends, clock, graph_sizes): (Vec<Box<dyn Backend>>, _, _) = if a.parallel.is_single() {
+        let b = CudaBackend::new(cfg, weights, opts)?;
+        let (clock, sizes) = (b.step_clock(), b.graph_batch_sizes().to_vec());
+        (vec![Box::new(b)], Some(clock), sizes)
+    } else {
+        let watchdog = std::time::Duration::from_secs(600);
+        (mla_cuda::layout::backends_for(&cfg, &weights, &opts, a.parallel, watchdog)?, None, vec![])
+    };
     let startup_s = t.elapsed().as_secs_f64();
-    let gpu = backend.device_name();
-    let graph_sizes = backend.graph_batch_sizes().to_vec();
-    let clock = backend.step_clock();
-    let blocks = backend.cache_layouts()[0].num_blocks;
-    let h = Engine::start(
-        Box::new(backend),
+    let gpu = backends.iter().map(|b| b.device_name()).collect::<Vec<_>>().join("; ");
+    let blocks: Vec<usize> = backends.iter().flat_map(|b| b.cache_layouts()).map(|l| l.num_blocks).collect();
+    let h = Engine::start_replicas(
+        backends,
         EngineConfig {
             max_model_len: a.max_model_len,
             max_num_seqs: a.max_num_seqs,
@@ -236,14 +248,14 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     );
     let mut dec = vec![];
     for &case in &a.decode {
-        let r = decode_case(&rt, &h, &clock, case, a, vocab, &mut rng)?;
+        let r = decode_case(&rt, &h, clock.as_ref(), case, a, vocab, &mut rng)?;
         eprintln!(
             "decode B={} ctx={}: {:.0} tok/s, {:.3} ms/step, host between steps {:.1} us, graph steps {}",
             case.0,
             case.1,
             r["tokens_per_s"].as_f64().unwrap(),
             r["step_ms"].as_f64().unwrap(),
-            r["step_clock"]["host_between_steps_us_mean"].as_f64().unwrap(),
+            r["step_clock"]["host_between_steps_us_mean"].as_f64().unwrap_or(f64::NAN),
             r["step_clock"]["graph_steps"]
         );
         dec.push(r);
@@ -253,7 +265,14 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
         "gpu": gpu,
         "model": format!("{} with dummy weights drawn on the device", a.config.display()),
         "backend_startup_s": startup_s,
-        "kv_cache_blocks": blocks,
+        "parallel": {
+            "tp": a.parallel.tp,
+            "dp": a.parallel.replicas,
+            "dp_attention": a.parallel.dp_attention,
+            "gpus": a.parallel.devices(),
+            "attention_ranks": blocks.len(),
+        },
+        "kv_cache_blocks_per_rank": blocks,
         "cuda_graph_batch_sizes": graph_sizes,
         "small_batch_gemv": a.gemv,
         "max_num_batched_tokens": a.max_num_batched_tokens,

@@ -69,6 +69,15 @@ enum Cmd {
         /// Small-batch linear layers through cuBLAS instead of the GEMV kernel.
         #[arg(long)]
         no_gemv: bool,
+        /// Tensor-parallel GPUs (as mla-serve's --tp).
+        #[arg(long, default_value_t = 1)]
+        tp: usize,
+        /// Replicas, or with --enable-dp-attention the DP size (as mla-serve's --dp). Decode
+        /// batches (--decode) are totals over the whole layout.
+        #[arg(long)]
+        dp: Option<usize>,
+        #[arg(long)]
+        enable_dp_attention: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -187,10 +196,14 @@ fn main() -> anyhow::Result<()> {
             decode,
             no_cuda_graphs,
             no_gemv,
+            tp,
+            dp,
+            enable_dp_attention,
             seed,
             out,
         } => {
             let args = engine_bench::EngineArgs {
+                parallel: mla_core::Parallel::from_flags(tp, dp, enable_dp_attention)?,
                 config,
                 gpu_memory_utilization,
                 max_num_seqs,

@@ -4,6 +4,7 @@
 
 use crate::config::{Fp8BlockQuant, ModelConfig};
 use crate::fp8::{dequantize_block_fp8, scale_grid};
+use crate::parallel::Shard as Part;
 use crate::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
 use crate::weights::{ModelSpec, TensorSpec};
 use memmap2::Mmap;
@@ -224,6 +225,28 @@ impl WeightSource for Checkpoint {
             return Ok(shard.bytes(info).chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect());
         }
         Ok(self.read_f32(spec)?.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect())
+    }
+
+    /// Bf16 tensors are cut from the mapped file without reading the rest: a rank of a large
+    /// tensor-parallel model copies only its own share.
+    fn read_bf16_bits_shard(&self, spec: &TensorSpec, part: &Part) -> Result<Vec<u16>, CheckpointError> {
+        let (shard, info) = self.find_checked(spec)?;
+        if info.dtype != Dtype::BF16 || *part == Part::Whole {
+            return match part {
+                Part::Whole => self.read_bf16_bits(spec),
+                _ => Ok(part.take(&self.read_bf16_bits(spec)?, &spec.shape)),
+            };
+        }
+        let bytes = shard.bytes(info);
+        let words = |b: &[u8]| b.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect::<Vec<u16>>();
+        let row: usize = spec.shape[1..].iter().product();
+        Ok(match part {
+            Part::Whole => unreachable!("handled above"),
+            Part::Rows(r) => words(&bytes[2 * r.start * row..2 * r.end * row]),
+            Part::Cols(c) => {
+                (0..spec.shape[0]).flat_map(|i| words(&bytes[2 * (i * row + c.start)..2 * (i * row + c.end)])).collect()
+            }
+        })
     }
 
     fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {

@@ -2,6 +2,7 @@
 //! scheduler hands to a backend, the backend interface, RoPE/YaRN math and the reference sampler.
 //! Nothing in this crate knows about devices, HTTP or tokenizers.
 
+pub mod agreement;
 pub mod backend;
 pub mod checkpoint;
 pub mod collective;

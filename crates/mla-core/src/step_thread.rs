@@ -183,36 +183,70 @@ impl<W: StepRunner> StepThread<W> {
 
     /// The output of the step in flight.
     pub fn finish_step(&mut self) -> anyhow::Result<W::Output> {
-        let f = self.in_flight.take().ok_or_else(|| anyhow::anyhow!("finish_step without a started step"))?;
-        if let Some(e) = f.error {
-            return Err(e);
-        }
-        let expected = self.last.filter(|(s, _)| *s == f.shape).map(|(_, d)| d);
-        let out = self.wait(f.started, expected);
-        self.last = Some((f.shape, f.started.elapsed()));
-        out
+        self.finish_step_until(None).expect("without a deadline the wait ends with the output")
     }
 
-    fn wait(&self, started: Instant, expected: Option<Duration>) -> anyhow::Result<W::Output> {
+    /// `finish_step`, giving up at `deadline` (`None`: never): then the step stays in flight
+    /// and `None` is returned, so a caller watching several threads can check the others.
+    pub fn finish_step_until(&mut self, deadline: Option<Instant>) -> Option<anyhow::Result<W::Output>> {
+        let Some(f) = self.in_flight.as_mut() else {
+            return Some(Err(anyhow::anyhow!("finish_step without a started step")));
+        };
+        if let Some(e) = f.error.take() {
+            self.in_flight = None;
+            return Some(Err(e));
+        }
+        let (started, shape) = (f.started, f.shape);
+        let expected = self.last.filter(|(s, _)| *s == shape).map(|(_, d)| d);
+        let out = self.wait(started, expected, deadline)?;
+        self.in_flight = None;
+        self.last = Some((shape, started.elapsed()));
+        Some(out)
+    }
+
+    /// Ends the thread without waiting for it: the channel closes, and a thread stuck in a step
+    /// (a device waiting for a dead peer) is left to the process's exit instead of hanging the
+    /// caller in a join.
+    pub fn detach(mut self) {
+        self.msgs.take();
+        self.thread.take();
+    }
+
+    fn wait(
+        &self,
+        started: Instant,
+        expected: Option<Duration>,
+        deadline: Option<Instant>,
+    ) -> Option<anyhow::Result<W::Output>> {
         let died = || anyhow::anyhow!("the backend's thread stopped during a step (it panicked)");
+        let until = |t: Instant| deadline.map_or(t, |d| d.min(t));
         // Sleep through most of the step, then poll, then (a step far longer than the last) block.
         if let Some(sleep) = expected.and_then(|e| e.checked_sub(HANDOFF_SPIN)).filter(|&s| s >= MIN_SLEEP) {
-            let left = sleep.saturating_sub(started.elapsed());
+            let left = until(started + sleep).saturating_duration_since(Instant::now());
             match self.results.recv_timeout(left) {
-                Ok(r) => return r,
-                Err(RecvTimeoutError::Disconnected) => return Err(died()),
+                Ok(r) => return Some(r),
+                Err(RecvTimeoutError::Disconnected) => return Some(Err(died())),
                 Err(RecvTimeoutError::Timeout) => {}
             }
         }
-        let poll_until = Instant::now() + 2 * HANDOFF_SPIN;
-        while Instant::now() < poll_until {
+        let poll_until = until(Instant::now() + 2 * HANDOFF_SPIN);
+        loop {
             match self.results.try_recv() {
-                Ok(r) => return r,
-                Err(TryRecvError::Disconnected) => return Err(died()),
-                Err(TryRecvError::Empty) => std::thread::yield_now(),
+                Ok(r) => return Some(r),
+                Err(TryRecvError::Disconnected) => return Some(Err(died())),
+                Err(TryRecvError::Empty) if Instant::now() < poll_until => std::thread::yield_now(),
+                Err(TryRecvError::Empty) => break,
             }
         }
-        self.results.recv().map_err(|_| died())?
+        let r = match deadline {
+            None => self.results.recv().map_err(|_| ()),
+            Some(d) => match self.results.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                Ok(r) => Ok(r),
+                Err(RecvTimeoutError::Timeout) => return None,
+                Err(RecvTimeoutError::Disconnected) => Err(()),
+            },
+        };
+        Some(r.unwrap_or_else(|()| Err(died())))
     }
 
     /// Runs one step and waits for it (`start_step` + `finish_step`).
@@ -370,5 +404,35 @@ mod tests {
         t.start_step(&plan(&[1]));
         assert!(t.finish_step().is_err());
         assert!(t.with(|e| e.steps).is_err());
+    }
+
+    /// A step that outlives the deadline stays in flight and can be collected later; a thread
+    /// stuck for good can be detached without hanging the caller.
+    #[test]
+    fn a_deadline_leaves_the_step_in_flight() {
+        let gate = Arc::new(std::sync::Barrier::new(2));
+        let (mut t, ()) = StepThread::spawn("test-step-thread".into(), || Ok((Echo { steps: 0 }, ()))).unwrap();
+        let g = gate.clone();
+        // A job that blocks the thread until the test lets it go; the step queues behind it.
+        t.send(Msg::Job(Box::new(move |_| {
+            g.wait();
+        })))
+        .unwrap();
+        t.start_step(&plan(&[4]));
+        let soon = Instant::now() + Duration::from_millis(20);
+        assert!(t.finish_step_until(Some(soon)).is_none(), "the step cannot have run");
+        gate.wait();
+        assert_eq!(tokens(&t.finish_step_until(None).unwrap().unwrap()), vec![4]);
+        // Stuck for good: detaching returns at once.
+        let stuck = Arc::new(std::sync::Barrier::new(2));
+        let s2 = stuck.clone();
+        t.send(Msg::Job(Box::new(move |_| {
+            s2.wait();
+        })))
+        .unwrap();
+        let before = Instant::now();
+        t.detach();
+        assert!(before.elapsed() < Duration::from_secs(1));
+        stuck.wait();
     }
 }

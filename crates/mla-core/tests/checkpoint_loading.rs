@@ -2,7 +2,9 @@
 //! wrong, sharded and single-file checkpoints read the same values, FP8 weights dequantize.
 
 use mla_core::weight_source::WeightSource;
-use mla_core::{Checkpoint, CheckpointError, DummyWeights, ModelConfig, ModelSpec, TensorRole, TensorSpec};
+use mla_core::{
+    Checkpoint, CheckpointError, DummyWeights, ModelConfig, ModelSpec, Parallel, Shard, TensorRole, TensorSpec,
+};
 use safetensors::tensor::{Dtype, TensorView};
 use std::path::{Path, PathBuf};
 
@@ -113,6 +115,31 @@ fn complete_single_file_reads_back_exact_bf16_values() {
         let bits: Vec<u16> = want.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
         assert_eq!(ckpt.read_bf16_bits(spec).unwrap(), bits, "{}", spec.name);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rank's share cut from the mapped file equals the whole tensor read and cut, for every
+/// tensor and rank of TP 2 and DP attention 2.
+#[test]
+fn shards_cut_from_the_file_equal_the_whole_tensor_cut() {
+    let cfg = tiny_config();
+    let dir = temp_dir("shards");
+    write_single(&dir, &model_tensors(&cfg));
+    let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
+    let mut cut = 0;
+    for dpa in [false, true] {
+        let par = Parallel::from_flags(2, None, dpa).unwrap();
+        for rank in 0..2 {
+            for spec in ModelSpec::new(&cfg).tensors() {
+                let part = par.rank(rank).shard(spec);
+                let whole = ckpt.read_bf16_bits(spec).unwrap();
+                let got = ckpt.read_bf16_bits_shard(spec, &part).unwrap();
+                assert_eq!(got, part.take(&whole, &spec.shape), "{} rank {rank} {part:?}", spec.name);
+                cut += usize::from(part != Shard::Whole);
+            }
+        }
+    }
+    assert!(cut > 20, "the model has sharded tensors to cut ({cut})");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -19,10 +19,6 @@ use mla_core::{Backend, CacheLayout, FatalBackendError, ModelConfig, Parallel, W
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long a rank waits for the others inside one collective before the group fails. CPU ranks
-/// of a DP-attention step may differ by a whole prefill chunk of work, so it is generous.
-const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
-
 pub struct CpuGroupBackend {
     cfg: ModelConfig,
     parallel: Parallel,
@@ -72,13 +68,17 @@ impl StepRunner for RankWorker {
 impl CpuGroupBackend {
     /// `parallel.ranks()` ranks of `cfg` (checked with `Parallel::check`), weights from
     /// `weights`, each attention rank with a cache of `num_blocks` blocks of `block_size` tokens.
+    /// A rank that waits longer than `timeout` for the others inside one collective (a rank
+    /// stuck or gone) fails the group; CPU ranks of a DP-attention step may differ by a whole
+    /// prefill chunk of work, so it should be generous.
     pub fn new(
         cfg: ModelConfig,
         weights: Arc<dyn WeightSource + Send + Sync>,
         parallel: Parallel,
-        block_size: usize,
-        num_blocks: usize,
+        cache: CacheLayout,
+        timeout: Duration,
     ) -> anyhow::Result<Self> {
+        let CacheLayout { block_size, num_blocks } = cache;
         parallel.check(&cfg)?;
         anyhow::ensure!(
             parallel.replicas == 1,
@@ -93,7 +93,7 @@ impl CpuGroupBackend {
             num_blocks,
             "loading cpu group backend"
         );
-        let inits: Vec<_> = ThreadGroup::ranks(world, COLLECTIVE_TIMEOUT)
+        let inits: Vec<_> = ThreadGroup::ranks(world, timeout)
             .into_iter()
             .enumerate()
             .map(|(r, comm)| {

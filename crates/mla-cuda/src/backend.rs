@@ -4,25 +4,24 @@
 //! answer, so nothing device-related ever crosses threads. Steps are started asynchronously
 //! (`Backend::start_step`), so the engine's bookkeeping of one step overlaps the next.
 
-use crate::device::Device;
-use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions};
 use crate::ops::PAGE_SIZE;
+use crate::worker::{start_worker, StepClock, Worker};
 use anyhow::Context;
 use mla_core::plan::{StepOutput, StepPlan};
-use mla_core::step_thread::{StepRunner, StepThread};
-use mla_core::{Backend, CacheLayout, Checkpoint, ModelConfig, WeightSource};
+use mla_core::step_thread::StepThread;
+use mla_core::{Backend, CacheLayout, ModelConfig, WeightSource};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 /// Where the weights come from.
+#[derive(Clone)]
 pub enum WeightsFrom {
     /// A HF model directory (bf16, or block-fp8 dequantized to bf16 while loading).
     Checkpoint(PathBuf),
     /// `--load-format dummy`: random values drawn on the device (fast, any size).
     DummyOnDevice { seed: u64 },
     /// Any host-side source, e.g. mla-core's `DummyWeights` to compare with the CPU backend.
-    Host(Box<dyn WeightSource + Send>),
+    Host(Arc<dyn WeightSource + Send + Sync>),
 }
 
 #[derive(Debug, Clone)]
@@ -88,97 +87,6 @@ impl CudaOptions {
     }
 }
 
-/// Host-side timing of the backend's steps, shared with whoever wants to watch it (the engine
-/// benchmark): how long the GPU sat idle between steps while the host worked.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct StepClock {
-    pub steps: u64,
-    pub graph_steps: u64,
-    /// Sum over steps of (this step's job start − the previous step's end): the engine thread's
-    /// work between steps (delivering, scheduling) plus the hand-over to the worker thread.
-    pub between_steps_s: f64,
-    /// Sum over graph steps of (launch queued − job start): building and uploading metadata.
-    pub graph_prep_s: f64,
-    /// Sum over all steps of the job's duration on the worker thread.
-    pub in_step_s: f64,
-}
-
-impl StepClock {
-    /// What happened since `earlier`.
-    pub fn since(&self, earlier: &StepClock) -> StepClock {
-        StepClock {
-            steps: self.steps - earlier.steps,
-            graph_steps: self.graph_steps - earlier.graph_steps,
-            between_steps_s: self.between_steps_s - earlier.between_steps_s,
-            graph_prep_s: self.graph_prep_s - earlier.graph_prep_s,
-            in_step_s: self.in_step_s - earlier.in_step_s,
-        }
-    }
-}
-
-/// What the worker owns. Field order is drop order: graphs and device memory before the context.
-pub struct Worker {
-    pub graphs: DecodeGraphs,
-    pub model: CudaModel,
-    pub dev: Device,
-    clock: Arc<Mutex<StepClock>>,
-    last_end: Option<Instant>,
-    /// The clock when it was last logged.
-    logged: StepClock,
-}
-
-const CLOCK_LOG_EVERY: u64 = 2000;
-
-impl Worker {
-    /// One engine step: a captured graph when one fits, else eager.
-    fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        let start = Instant::now();
-        let (out, launched) = match self.model.step_with_graphs(&self.dev, &mut self.graphs, plan) {
-            Some(r) => {
-                let (out, t) = r?;
-                (out, Some(t.launched))
-            }
-            None => (self.model.step(&self.dev, plan)?, None),
-        };
-        let end = Instant::now();
-        let mut c = self.clock.lock().expect("the step clock is never poisoned");
-        c.steps += 1;
-        if let Some(prev) = self.last_end {
-            c.between_steps_s += (start - prev).as_secs_f64();
-        }
-        if let Some(l) = launched {
-            c.graph_steps += 1;
-            c.graph_prep_s += (l - start).as_secs_f64();
-        }
-        c.in_step_s += (end - start).as_secs_f64();
-        self.last_end = Some(end);
-        if c.steps.is_multiple_of(CLOCK_LOG_EVERY) {
-            // Serving telemetry: how much of each step the GPU waited for the host.
-            let w = c.since(&self.logged);
-            tracing::info!(
-                "last {} steps: {:.3} ms in the backend per step, {:.1} us host time between steps, {:.1} us graph metadata prep, {} of them graph replays",
-                w.steps,
-                w.in_step_s / w.steps as f64 * 1e3,
-                w.between_steps_s / w.steps as f64 * 1e6,
-                if w.graph_steps > 0 { w.graph_prep_s / w.graph_steps as f64 * 1e6 } else { 0.0 },
-                w.graph_steps
-            );
-            self.logged = *c;
-        }
-        Ok(out)
-    }
-}
-
-impl StepRunner for Worker {
-    type Step = Vec<StepPlan>;
-    type Output = Vec<StepOutput>;
-
-    fn run_step(&mut self, plans: &Vec<StepPlan>) -> anyhow::Result<Vec<StepOutput>> {
-        anyhow::ensure!(plans.len() == 1, "one GPU is one attention rank; the step has {} plans", plans.len());
-        Ok(vec![self.step(&plans[0])?])
-    }
-}
-
 pub struct CudaBackend {
     cfg: ModelConfig,
     layout: CacheLayout,
@@ -202,18 +110,11 @@ impl CudaBackend {
         crate::model::check_supported(&cfg)?;
         let wcfg = cfg.clone();
         let (thread, ready) = StepThread::spawn(format!("cuda-worker-{}", opts.device), move || {
-            let worker = start_worker(wcfg, weights, &opts)?;
+            let worker = start_worker(wcfg, weights, &opts, None)?;
             let ready = Ready {
-                name: format!(
-                    "cuda:{} ({}, sm_{}{}{})",
-                    opts.device,
-                    worker.dev.gpu.info.name,
-                    worker.dev.gpu.info.compute_capability.0,
-                    worker.dev.gpu.info.compute_capability.1,
-                    if worker.dev.jit() { ", PTX JIT" } else { "" }
-                ),
+                name: worker.describe(opts.device),
                 num_blocks: worker.model.num_blocks,
-                clock: worker.clock.clone(),
+                clock: worker.clock(),
                 graph_sizes: worker.graphs.batch_sizes(),
             };
             Ok((worker, ready))
@@ -247,63 +148,6 @@ impl CudaBackend {
     {
         self.thread.with(f)
     }
-}
-
-fn start_worker(cfg: ModelConfig, weights: WeightsFrom, opts: &CudaOptions) -> anyhow::Result<Worker> {
-    let dev = Device::new(opts.device)?;
-    let t0 = std::time::Instant::now();
-    let (w, source) = match weights {
-        WeightsFrom::Checkpoint(dir) => {
-            let ckpt = Checkpoint::open(&dir, &cfg)?;
-            (DeviceWeights::load(&cfg, &ckpt)?, format!("checkpoint {}", dir.display()))
-        }
-        WeightsFrom::DummyOnDevice { seed } => (
-            DeviceWeights::dummy(&cfg, &dev.k, dev.stream(), seed)?,
-            format!("dummy weights drawn on the device (seed {seed})"),
-        ),
-        WeightsFrom::Host(src) => (DeviceWeights::load(&cfg, src.as_ref())?, src.describe()),
-    };
-    dev.gpu.sync()?;
-    let max_model_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
-    let limits = Limits {
-        max_tokens: opts.max_num_batched_tokens,
-        max_seqs: opts.max_num_seqs,
-        max_logit_rows: opts.max_num_seqs + opts.max_extra_logit_rows,
-        max_kv_chunk: opts.max_num_batched_tokens.max(16384),
-    };
-    let mopts = ModelOptions {
-        limits,
-        gpu_memory_utilization: opts.gpu_memory_utilization,
-        num_blocks: opts.num_blocks,
-        max_model_len,
-        small_batch_gemv: opts.small_batch_gemv,
-    };
-    let weight_bytes = w.bytes();
-    let model = CudaModel::new(&dev, cfg, w, &mopts)?;
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    tracing::info!(
-        "{}: weights {:.2} GiB from {source} in {:.1}s; activations {:.2} GiB (measured); KV cache {:.2} GiB = {} blocks of {PAGE_SIZE} = {} tokens",
-        dev.gpu.info.name,
-        gib(weight_bytes),
-        t0.elapsed().as_secs_f64(),
-        gib(model.activation_bytes),
-        gib(model.cache_bytes()),
-        model.num_blocks,
-        model.num_blocks * PAGE_SIZE
-    );
-    let mut model = model;
-    let t1 = std::time::Instant::now();
-    let sizes = opts.graph_sizes();
-    let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
-    if !sizes.is_empty() {
-        tracing::info!(
-            "CUDA graphs for decode batch sizes {:?} captured in {:.2}s ({:.1} MiB); larger batches run eagerly",
-            graphs.batch_sizes(),
-            t1.elapsed().as_secs_f64(),
-            graphs.bytes as f64 / (1u64 << 20) as f64
-        );
-    }
-    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
 }
 
 impl Backend for CudaBackend {

@@ -3,14 +3,19 @@
 //! thread that owns the context. See docs/cuda-backend.md.
 
 pub mod backend;
+pub mod collective;
 pub mod device;
 pub mod embedded;
 pub mod gpu;
+pub mod group;
+pub mod layout;
 pub mod model;
 pub mod ops;
+pub mod worker;
 
-pub use backend::{CudaBackend, CudaOptions, StepClock, WeightsFrom, Worker, DEFAULT_GRAPH_BATCH_SIZES};
+pub use backend::{CudaBackend, CudaOptions, WeightsFrom, DEFAULT_GRAPH_BATCH_SIZES};
 pub use device::Device;
+pub use worker::{StepClock, Worker};
 
 /// Whether this binary carries compiled kernels (false when nvcc was absent at build time).
 pub fn kernels_built() -> bool {

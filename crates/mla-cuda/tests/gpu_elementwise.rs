@@ -45,9 +45,10 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     // residual += delta, then norm.
     let delta = round(&rng.uniform(rows * hidden, 2.0));
     let d_delta = up_bf16(&delta);
+    let before = down(residual.slice());
     let norm = AddRmsNorm {
         residual: residual.slice(),
-        delta: d_delta.slice(),
+        delta: NormDelta::Bf16(d_delta.slice()),
         weight: d_w.slice(),
         out: out.slice(),
         rows,
@@ -62,6 +63,26 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
     let want: Vec<f32> = sum.chunks(hidden).flat_map(|x| rms_norm(x, &w, eps)).collect();
     let e = rel_l2(&down_bf16(out.slice()), &want);
     assert!(e < 6e-3, "add_rmsnorm rel err {e}");
+
+    // The f32-delta variant (tensor-parallel sums) on the same values widened: bit-equal, which
+    // is what makes a one-rank communicator bit-equal to none.
+    let residual_b = up(&before);
+    let out_b = up_bf16(&vec![0.0; rows * hidden]);
+    let d_delta_f32 = up(&delta);
+    let norm = AddRmsNorm {
+        residual: residual_b.slice(),
+        delta: NormDelta::F32(d_delta_f32.slice()),
+        weight: d_w.slice(),
+        out: out_b.slice(),
+        rows,
+        hidden,
+        eps,
+    };
+    k.elementwise.add_rmsnorm(s, &norm).unwrap();
+    dev.gpu.sync().unwrap();
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(down(residual_b.slice())), bits(res2.clone()), "residual after the f32-delta add");
+    assert_eq!(bits(down_bf16(out_b.slice())), bits(down_bf16(out.slice())), "normed output");
 
     // Strided bf16 rows (q_a_layernorm), width 512 at stride 600.
     let (n, stride) = (512, 600);

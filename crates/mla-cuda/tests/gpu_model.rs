@@ -452,7 +452,7 @@ fn cuda_matches_the_cpu_backend_on_v2_and_v3_shapes_with_real_mla_dims() {
             num_blocks: Some(16),
             ..Default::default()
         };
-        let mut gpu = CudaBackend::new(cfg.clone(), WeightsFrom::Host(Box::new(dummy(true))), opts).unwrap();
+        let mut gpu = CudaBackend::new(cfg.clone(), WeightsFrom::Host(std::sync::Arc::new(dummy(true))), opts).unwrap();
         let tables = [vec![9u32, 2, 14], vec![5u32, 11]];
         let prompts: [Vec<u32>; 2] =
             [(0..90).map(|i| (i * 37 + 5) % 512).collect(), (0..37).map(|i| (i * 53 + 1) % 512).collect()];

@@ -8,10 +8,10 @@ use crate::cli::{Args, Device};
 use crate::model_source::{ModelSource, WeightsFrom};
 use crate::sizing::{self, Sizing};
 use anyhow::bail;
-use mla_core::{Backend, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
+use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
 use mla_cpu::{CpuBackend, CpuGroupBackend};
 use mla_cuda::ops::PAGE_SIZE;
-use mla_cuda::{CudaBackend, CudaOptions};
+use mla_cuda::CudaOptions;
 use std::sync::Arc;
 
 /// Turns `--device auto` into cuda or cpu for this model, as a vLLM user expects on a GPU node:
@@ -72,18 +72,13 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
         WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
     };
     let one_copy = Parallel { replicas: 1, ..parallel };
+    let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
     for _ in 0..parallel.replicas {
         backends.push(if one_copy.is_single() {
-            Box::new(CpuBackend::new(cfg.clone(), weights.as_ref(), sizing.block_size, sizing.num_blocks)?)
+            Box::new(CpuBackend::new(cfg.clone(), weights.as_ref(), cache.block_size, cache.num_blocks)?)
         } else {
-            Box::new(CpuGroupBackend::new(
-                cfg.clone(),
-                weights.clone(),
-                one_copy,
-                sizing.block_size,
-                sizing.num_blocks,
-            )?)
+            Box::new(CpuGroupBackend::new(cfg.clone(), weights.clone(), one_copy, cache, args.watchdog())?)
         });
     }
     Ok(Loaded { backends, sizing })
@@ -93,36 +88,14 @@ fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result
     if args.block_size != PAGE_SIZE {
         bail!("--block-size {}: the CUDA backend's kernels use blocks of {PAGE_SIZE} tokens", args.block_size);
     }
-    mla_cuda::model::check_supported(&source.config)?;
-    if parallel.tp > 1 {
-        bail!(
-            "--tp {} on --device cuda: tensor parallelism and DP attention over several GPUs are not built yet; \
-             --dp N (N replicas of the model) works, and --device cpu runs --tp as the correctness reference",
-            parallel.tp
-        );
-    }
-    // One device: CudaBackend's own error says why it cannot be opened.
-    let visible = mla_cuda::visible_gpus();
-    if parallel.devices() > 1 && parallel.devices() > visible {
-        bail!(
-            "the layout needs {} GPUs (--tp {} x --dp {}) but {visible} are visible (CUDA_VISIBLE_DEVICES selects them)",
-            parallel.devices(),
-            parallel.tp,
-            parallel.replicas
-        );
-    }
     let cfg = &source.config;
     let max_pos = cfg.max_position_embeddings;
     if let Some(m) = args.max_model_len.filter(|&m| m > max_pos) {
         bail!("--max-model-len {m} exceeds the model's max_position_embeddings ({max_pos})");
     }
-    let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
-    let mut smallest = usize::MAX;
-    for device in 0..parallel.replicas {
-        let backend = CudaBackend::new(cfg.clone(), cuda_weights(source), cuda_options(args, device))?;
-        smallest = smallest.min(backend.cache_layouts().iter().map(|l| l.num_blocks).min().unwrap_or(0));
-        backends.push(Box::new(backend));
-    }
+    let backends =
+        mla_cuda::layout::backends_for(cfg, &cuda_weights(source), &cuda_options(args), parallel, args.watchdog())?;
+    let smallest = backends.iter().flat_map(|b| b.cache_layouts()).map(|l| l.num_blocks).min().unwrap_or(0);
     let capacity = smallest * PAGE_SIZE;
     let max_model_len = match args.max_model_len {
         Some(m) if m > capacity => bail!(
@@ -143,15 +116,14 @@ fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
         // The demo draws the same host-side weights as on the CPU, so both give the same replies;
         // big dummy models are drawn on the device, which is much faster.
         WeightsFrom::Dummy { seed } if source.is_demo => {
-            mla_cuda::WeightsFrom::Host(Box::new(DummyWeights::new(*seed)))
+            mla_cuda::WeightsFrom::Host(Arc::new(DummyWeights::new(*seed)))
         }
         WeightsFrom::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
     }
 }
 
-fn cuda_options(args: &Args, device: usize) -> CudaOptions {
+fn cuda_options(args: &Args) -> CudaOptions {
     CudaOptions {
-        device,
         gpu_memory_utilization: args.gpu_memory_utilization.unwrap_or(CudaOptions::default().gpu_memory_utilization),
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,

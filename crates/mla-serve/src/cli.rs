@@ -77,6 +77,11 @@ pub struct Args {
     #[arg(long, value_name = "HOST:PORT")]
     pub dist_init_addr: Option<String>,
 
+    /// Seconds a step of a multi-rank layout may take before the server stops with an error
+    /// instead of hanging (a rank stuck in a collective). SGLang's name and default.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub watchdog_timeout: f64,
+
     /// Longest sequence (prompt + completion) in tokens. Default: the model's
     /// max_position_embeddings, capped by the KV cache size.
     #[arg(long, value_name = "TOKENS")]
@@ -185,6 +190,10 @@ pub fn normalize<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> Vec<Os
 }
 
 impl Args {
+    pub fn watchdog(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.watchdog_timeout)
+    }
+
     /// The parallel layout the flags ask for (model-independent checks only; `Parallel::check`
     /// does the model's).
     pub fn parallel(&self) -> anyhow::Result<Parallel> {
@@ -206,6 +215,9 @@ impl Args {
                 anyhow::bail!("--gpu-memory-utilization must be in (0, 1], got {u}")
             }
             _ => {}
+        }
+        if !(self.watchdog_timeout.is_finite() && self.watchdog_timeout > 0.0) {
+            anyhow::bail!("--watchdog-timeout must be a positive number of seconds, got {}", self.watchdog_timeout);
         }
         if !(self.shutdown_timeout.is_finite() && self.shutdown_timeout >= 0.0) {
             anyhow::bail!("--shutdown-timeout must be a non-negative number of seconds, got {}", self.shutdown_timeout);

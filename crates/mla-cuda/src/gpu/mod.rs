@@ -13,6 +13,7 @@ mod context;
 mod event;
 mod graph;
 mod module;
+pub mod nccl;
 
 pub use blas::{Blas, Gemm, GemmOut};
 pub use buffer::{download as download_slice, DSlice, DeviceBuffer, PinnedBuffer};

@@ -10,13 +10,14 @@ use super::meta_buffers::MetaBuffers;
 use super::moe_small::{self, MoeSmallIo};
 use super::small_linear::SmallLinear;
 use super::weights::{DeviceWeights, FfnWeights, MlpWeights, MoeWeights, QueryWeights};
-use super::workspace::{Limits, Workspace};
+use super::workspace::{CollectiveBuffers, CollectiveKind, Limits, Workspace};
+use crate::collective::DeviceCollective;
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, Linear, PrefillAttention, PrefillPass,
-    RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided, COMBINE_ABSORB_MAX_BATCH, LATENT,
-    MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, Linear, NormDelta, PrefillAttention,
+    PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
+    COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
 use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
@@ -33,6 +34,43 @@ pub struct ModelOptions {
     pub max_model_len: usize,
     /// Single-row projections through the weight-streaming GEMV instead of cuBLAS (`SmallLinear`).
     pub small_batch_gemv: bool,
+}
+
+/// How a model's forward pass relates to other ranks. The config a rank is built with is its own
+/// share (`RankLayout::local_config`): its heads and FFN widths.
+pub enum RankMode {
+    /// The whole model on one device: no collectives.
+    Single,
+    /// Tensor parallel: every rank runs the same rows with its share of the heads and FFN
+    /// widths; the bf16 partial outputs of attention and FFN are widened and all-reduced in f32
+    /// and added to the f32 residual.
+    TensorParallel(Box<dyn DeviceCollective>),
+    /// DP attention: the whole attention for this rank's own rows; before each FFN every rank's
+    /// normed rows (padded to the step's largest rank) are all-gathered, the FFN runs with this
+    /// rank's share of the widths over all of them, and a reduce-scatter in f32 returns the sums
+    /// for this rank's rows.
+    DpAttention(Box<dyn DeviceCollective>),
+}
+
+impl RankMode {
+    fn collective_kind(&self) -> CollectiveKind {
+        match self {
+            RankMode::Single => CollectiveKind::None,
+            RankMode::TensorParallel(_) => CollectiveKind::TensorParallel,
+            RankMode::DpAttention(c) => CollectiveKind::DpAttention { world: c.world() },
+        }
+    }
+
+    pub fn comm(&self) -> Option<&dyn DeviceCollective> {
+        match self {
+            RankMode::Single => None,
+            RankMode::TensorParallel(c) | RankMode::DpAttention(c) => Some(c.as_ref()),
+        }
+    }
+
+    pub fn is_dp_attention(&self) -> bool {
+        matches!(self, RankMode::DpAttention(_))
+    }
 }
 
 /// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
@@ -66,6 +104,7 @@ pub struct CudaModel {
     pub decode_splits_override: Option<usize>,
     /// Which kernel runs the dense projections of small steps.
     pub linears: SmallLinear,
+    pub mode: RankMode,
 }
 
 /// What both attention paths of one layer read besides the activations.
@@ -84,6 +123,20 @@ fn rows<T>(buf: &DeviceBuffer<T>, width: usize) -> Strided<'_, T> {
 
 impl CudaModel {
     pub fn new(dev: &Device, cfg: ModelConfig, weights: DeviceWeights, opts: &ModelOptions) -> anyhow::Result<Self> {
+        Self::new_rank(dev, cfg, weights, opts, RankMode::Single, &mut Ok)
+    }
+
+    /// A rank of a group: `cfg` is the rank's own share, `mode` says how it meets the others,
+    /// and `agree_blocks` turns the KV blocks this device has room for into the count every
+    /// rank uses (the smallest), so all ranks of a step see the same cache size.
+    pub fn new_rank(
+        dev: &Device,
+        cfg: ModelConfig,
+        weights: DeviceWeights,
+        opts: &ModelOptions,
+        mode: RankMode,
+        agree_blocks: &mut dyn FnMut(usize) -> anyhow::Result<usize>,
+    ) -> anyhow::Result<Self> {
         super::check_supported(&cfg)?;
         dev.gpu.sync()?;
         let max_model_len = opts.max_model_len.min(cfg.max_position_embeddings).max(1);
@@ -96,7 +149,7 @@ impl CudaModel {
             vocab: cfg.vocab_size,
         };
         let (free0, total) = dev.gpu.mem_info()?;
-        let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count)?;
+        let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count, mode.collective_kind())?;
         let meta = MetaBuffers::new(&lim)?;
         let (free1, _) = dev.gpu.mem_info()?;
         let activation_bytes = free0.saturating_sub(free1);
@@ -105,15 +158,16 @@ impl CudaModel {
             Some(n) => n,
             None => {
                 // What the whole process may hold, minus what it holds now and a margin for
-                // cuBLAS internals, graphs and the driver.
+                // cuBLAS internals, graphs and the driver (and NCCL's buffers inside graphs).
                 let allowed = (opts.gpu_memory_utilization * total as f64) as usize;
                 let used = total - free1;
-                let margin = 512usize << 20;
+                let margin = if matches!(mode, RankMode::Single) { 512usize << 20 } else { 1024usize << 20 };
                 let budget = allowed.saturating_sub(used + margin);
                 // One block less: the padding block comes on top.
                 (budget / (row_bytes * PAGE_SIZE)).saturating_sub(1)
             }
         };
+        let num_blocks = agree_blocks(num_blocks)?;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         anyhow::ensure!(
             num_blocks > 0,
@@ -147,6 +201,7 @@ impl CudaModel {
             activation_bytes,
             decode_splits_override: None,
             linears: SmallLinear::new(opts.small_batch_gemv),
+            mode,
         })
     }
 
@@ -171,15 +226,35 @@ impl CudaModel {
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results.
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.step_rank(dev, plan, plan.num_tokens())
+    }
+
+    /// `step` for a rank of a DP-attention group, whose FFN collectives carry `rows_per_rank`
+    /// rows from every rank (the step's largest rank; see `RankMode::DpAttention`). An empty
+    /// plan is an idle rank: it still runs every layer's FFN collectives.
+    pub fn step_rank(&mut self, dev: &Device, plan: &StepPlan, rows_per_rank: usize) -> anyhow::Result<StepOutput> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        anyhow::ensure!(
+            rows_per_rank >= plan.num_tokens() && rows_per_rank <= self.ws.limits.max_tokens,
+            "a step of {} tokens cannot run with {rows_per_rank} rows per rank (at most {})",
+            plan.num_tokens(),
+            self.ws.limits.max_tokens
+        );
         if plan.seqs.is_empty() {
+            if self.mode.is_dp_attention() && rows_per_rank > 0 {
+                let r = self.queue_idle(dev, rows_per_rank).and_then(|()| Ok(dev.gpu.sync()?));
+                if r.is_err() {
+                    let _ = dev.gpu.sync();
+                }
+                r?;
+            }
             return Ok(StepOutput::default());
         }
         let mut meta = StepMeta::build(plan, &self.lim)?;
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
             me.upload_meta(dev, meta)?;
             let splits = me.default_decode_splits(dev, meta);
-            me.queue_forward(dev, meta, splits)?;
+            me.queue_forward(dev, meta, splits, rows_per_rank)?;
             me.read_outputs(dev, meta)
         };
         let out = run(self, &mut meta);
@@ -207,7 +282,15 @@ impl CudaModel {
     }
 
     /// Queues the whole forward pass and sampling for an uploaded step (graph-capturable).
-    pub fn queue_forward(&self, dev: &Device, m: &StepMeta, decode_splits: usize) -> anyhow::Result<()> {
+    /// `rows_per_rank` is what the FFN collectives of DP attention carry per rank (at least
+    /// `m.tokens`); other modes ignore it.
+    pub fn queue_forward(
+        &self,
+        dev: &Device,
+        m: &StepMeta,
+        decode_splits: usize,
+        rows_per_rank: usize,
+    ) -> anyhow::Result<()> {
         let (s, k) = (dev.stream(), &dev.k);
         let cfg = &self.cfg;
         let (t, hidden) = (m.tokens, cfg.hidden_size);
@@ -222,6 +305,7 @@ impl CudaModel {
             hidden,
         };
         k.elementwise.embedding(s, &embedding)?;
+        let mut ffn_delta = NormDelta::Bf16(ws.ffn_out.slice());
         for (l, lw) in self.weights.layers.iter().enumerate() {
             if l == 0 {
                 let norm = RmsNormF32 {
@@ -234,16 +318,14 @@ impl CudaModel {
                 };
                 k.elementwise.rmsnorm_f32(s, &norm)?;
             } else {
-                self.add_norm(dev, ws.ffn_out.slice(), lw.input_norm.slice(), t)?;
+                self.add_norm(dev, ffn_delta, lw.input_norm.slice(), t)?;
             }
             self.attention(dev, l, m, words, decode_splits)?;
-            self.add_norm(dev, ws.delta.slice(), lw.post_norm.slice(), t)?;
-            match &lw.ffn {
-                FfnWeights::Dense(mlp) => self.mlp(dev, mlp, t, ws.ffn_out.slice())?,
-                FfnWeights::Moe(moe) => self.moe(dev, moe, t)?,
-            }
+            let attn_delta = self.attention_sum(dev, t)?;
+            self.add_norm(dev, attn_delta, lw.post_norm.slice(), t)?;
+            ffn_delta = self.ffn(dev, &lw.ffn, t, rows_per_rank)?;
         }
-        self.add_norm(dev, ws.ffn_out.slice(), self.weights.norm.slice(), t)?;
+        self.add_norm(dev, ffn_delta, self.weights.norm.slice(), t)?;
         let r = m.logit_rows();
         if r > 0 {
             k.elementwise.gather_rows(s, ws.h.slice(), m.logit_src.on(words), ws.h_rows.slice(), r, hidden)?;
@@ -273,8 +355,73 @@ impl CudaModel {
         Ok(())
     }
 
+    /// An idle DP-attention rank's step: no rows of its own, but every FFN layer's gather, FFN
+    /// share and reduce-scatter, so the ranks with work are not left waiting. The rows it sends
+    /// are whatever its activation buffer holds (finite: zeroed at start, normed rows since);
+    /// nothing reads what comes back.
+    fn queue_idle(&self, dev: &Device, rows_per_rank: usize) -> anyhow::Result<()> {
+        for lw in &self.weights.layers {
+            self.ffn(dev, &lw.ffn, 0, rows_per_rank)?;
+        }
+        Ok(())
+    }
+
+    /// The attention output to add to the residual: the bf16 `delta`, or under tensor
+    /// parallelism the f32 sum of every rank's partial `delta`.
+    fn attention_sum(&self, dev: &Device, t: usize) -> anyhow::Result<NormDelta<'_>> {
+        let ws = &self.ws;
+        match (&self.mode, &ws.collective) {
+            (RankMode::TensorParallel(comm), Some(CollectiveBuffers::TensorParallel { delta_f32, .. })) => {
+                let n = t * self.cfg.hidden_size;
+                let sum = delta_f32.sub(0, n);
+                dev.k.elementwise.bf16_to_f32(dev.stream(), ws.delta.sub(0, n), sum, n)?;
+                comm.all_reduce_sum_f32(sum, dev.stream())?;
+                Ok(NormDelta::F32(sum))
+            }
+            _ => Ok(NormDelta::Bf16(ws.delta.slice())),
+        }
+    }
+
+    /// One layer's FFN (dense MLP or MoE) over the step's `t` rows with its collectives;
+    /// returns what to add to the residual. `rows_per_rank` is the DP-attention padding.
+    fn ffn(&self, dev: &Device, ffn: &FfnWeights, t: usize, rows_per_rank: usize) -> anyhow::Result<NormDelta<'_>> {
+        let ws = &self.ws;
+        let (s, hidden) = (dev.stream(), self.cfg.hidden_size);
+        let run = |x: DSlice<bf16>, rows: usize, out: DSlice<bf16>| match ffn {
+            FfnWeights::Dense(mlp) => self.mlp(dev, mlp, x, rows, out),
+            FfnWeights::Moe(moe) => self.moe(dev, moe, x, rows, out),
+        };
+        match (&self.mode, &ws.collective) {
+            (RankMode::Single, _) => {
+                run(ws.h.slice(), t, ws.ffn_out.slice())?;
+                Ok(NormDelta::Bf16(ws.ffn_out.slice()))
+            }
+            (RankMode::TensorParallel(comm), Some(CollectiveBuffers::TensorParallel { ffn_f32, .. })) => {
+                run(ws.h.slice(), t, ws.ffn_out.slice())?;
+                let n = t * hidden;
+                let sum = ffn_f32.sub(0, n);
+                dev.k.elementwise.bf16_to_f32(s, ws.ffn_out.sub(0, n), sum, n)?;
+                comm.all_reduce_sum_f32(sum, s)?;
+                Ok(NormDelta::F32(sum))
+            }
+            (
+                RankMode::DpAttention(comm),
+                Some(CollectiveBuffers::DpAttention { h_all, ffn_all, ffn_all_f32, ffn_f32 }),
+            ) => {
+                let (n, world) = (rows_per_rank * hidden, comm.world());
+                let all = world * n;
+                comm.all_gather_bf16(ws.h.sub(0, n), h_all.sub(0, all), s)?;
+                run(h_all.sub(0, all), world * rows_per_rank, ffn_all.sub(0, all))?;
+                dev.k.elementwise.bf16_to_f32(s, ffn_all.sub(0, all), ffn_all_f32.sub(0, all), all)?;
+                comm.reduce_scatter_sum_f32(ffn_all_f32.sub(0, all), ffn_f32.sub(0, n), s)?;
+                Ok(NormDelta::F32(ffn_f32.sub(0, n)))
+            }
+            _ => unreachable!("the workspace's collective buffers follow the rank mode"),
+        }
+    }
+
     /// `residual += delta; h = rmsnorm(residual) * weight` over the step's rows.
-    fn add_norm(&self, dev: &Device, delta: DSlice<bf16>, weight: DSlice<bf16>, t: usize) -> anyhow::Result<()> {
+    fn add_norm(&self, dev: &Device, delta: NormDelta, weight: DSlice<bf16>, t: usize) -> anyhow::Result<()> {
         let p = AddRmsNorm {
             residual: self.ws.residual.slice(),
             delta,
@@ -453,17 +600,20 @@ impl CudaModel {
         Ok(())
     }
 
-    fn mlp(&self, dev: &Device, w: &MlpWeights, t: usize, out: DSlice<bf16>) -> anyhow::Result<()> {
+    /// A SiLU MLP over `t` rows of `x` into `out`.
+    fn mlp(&self, dev: &Device, w: &MlpWeights, x: DSlice<bf16>, t: usize, out: DSlice<bf16>) -> anyhow::Result<()> {
         let hidden = self.cfg.hidden_size;
         let inter = w.down.inp;
         let ws = &self.ws;
-        self.linears.linear(dev, &w.gate_up.lin(), rows(&ws.h, hidden), t, rows(&ws.gate_up, 2 * inter))?;
+        let x = Strided::new(x, hidden);
+        self.linears.linear(dev, &w.gate_up.lin(), x, t, rows(&ws.gate_up, 2 * inter))?;
         dev.k.elementwise.silu_mul(dev.stream(), ws.gate_up.slice(), ws.act.slice(), t, inter)?;
         self.linears.linear(dev, &w.down.lin(), rows(&ws.act, inter), t, Strided::new(out, hidden))?;
         Ok(())
     }
 
-    fn moe(&self, dev: &Device, w: &MoeWeights, t: usize) -> anyhow::Result<()> {
+    /// DeepSeekMoE over `t` rows of `x` into `out`: routed experts plus the shared ones.
+    fn moe(&self, dev: &Device, w: &MoeWeights, x: DSlice<bf16>, t: usize, out: DSlice<bf16>) -> anyhow::Result<()> {
         let (s, k) = (dev.stream(), &dev.k);
         let cfg = &self.cfg;
         let hidden = cfg.hidden_size;
@@ -475,22 +625,22 @@ impl CudaModel {
         if moe_small::takes(cfg, w, t) {
             let io = MoeSmallIo {
                 tokens: t,
-                x: ws.h.slice(),
+                x,
                 router_logits: mb.router_logits.slice(),
                 routing: &r,
                 act: mb.grouped_act.slice(),
                 act_shared: mb.grouped_gate_up.slice(),
-                out: ws.ffn_out.slice(),
+                out,
             };
             moe_small::router(dev, cfg, w, &io)?;
             route(mb.router_logits.slice())?;
             return moe_small::experts(dev, cfg, w, &io);
         }
-        k.elementwise.bf16_to_f32(s, ws.h.slice(), mb.h_f32.slice(), t * hidden)?;
+        k.elementwise.bf16_to_f32(s, x.sub(0, t * hidden), mb.h_f32.slice(), t * hidden)?;
         dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
         route(mb.router_logits.slice())?;
         k.moe.align(s, &r)?;
-        k.elementwise.gather_rows(s, ws.h.slice(), r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
+        k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
         let gate_up = GroupedGateUp {
             a: mb.grouped_x.slice(),
             w: w.gate_up.slice(),
@@ -505,12 +655,12 @@ impl CudaModel {
         k.grouped_gemm.gemm(s, &down, &r)?;
         let shared = match &w.shared {
             Some(sh) => {
-                self.mlp(dev, sh, t, mb.shared_out.slice())?;
+                self.mlp(dev, sh, x, t, mb.shared_out.slice())?;
                 Some(mb.shared_out.slice())
             }
             None => None,
         };
-        k.moe.combine(s, mb.grouped_y.slice(), &r, shared, ws.ffn_out.slice(), hidden)?;
+        k.moe.combine(s, mb.grouped_y.slice(), &r, shared, out, hidden)?;
         Ok(())
     }
 

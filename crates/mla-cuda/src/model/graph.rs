@@ -1,7 +1,7 @@
 //! Decode steps replayed from a CUDA graph: capture once per batch size, then each step only
 //! uploads its metadata, launches the graph and reads the sampled tokens.
 
-use super::forward::CudaModel;
+use super::forward::{CudaModel, RankMode};
 use super::meta::{MetaLimits, StepMeta};
 use crate::device::Device;
 use crate::gpu::Graph;
@@ -65,14 +65,19 @@ impl DecodeGraphs {
 
     /// The graph a decode step would replay, if any.
     fn pick(&self, plan: &StepPlan) -> Option<usize> {
-        let expressible = plan.kind == StepKind::Decode
-            && !plan.seqs.is_empty()
-            && plan.seqs.iter().all(|s| s.sample.is_some() && s.logits == LogitsRequest::None);
-        if !expressible {
+        if plan.seqs.is_empty() || !graph_expressible(plan) {
             return None;
         }
         self.graphs.iter().position(|g| g.batch >= plan.seqs.len())
     }
+}
+
+/// Whether a graph can run `plan`: a decode step (or an idle rank's empty plan) whose rows all
+/// sample and ask for no logits.
+pub fn graph_expressible(plan: &StepPlan) -> bool {
+    plan.seqs.is_empty()
+        || (plan.kind == StepKind::Decode
+            && plan.seqs.iter().all(|s| s.sample.is_some() && s.logits == LogitsRequest::None))
 }
 
 /// Host timestamps of the last graph replay (the engine benchmark's gap measurement).
@@ -96,7 +101,7 @@ pub fn graph_step_meta(
 ) -> anyhow::Result<StepMeta> {
     let n = plan.seqs.len();
     anyhow::ensure!(
-        plan.kind == StepKind::Decode && n <= batch && batch <= pads.len(),
+        (plan.kind == StepKind::Decode || n == 0) && n <= batch && batch <= pads.len(),
         "a graph of {batch} rows ({} padding rows) cannot replay this step of {n}",
         pads.len()
     );
@@ -115,7 +120,9 @@ impl CudaModel {
 
     /// Captures one graph per batch size in `sizes` (ascending, each <= max_num_seqs) while the
     /// captures' device memory stays within `budget` bytes; returns what was captured. Each
-    /// capture is run once on padding rows, so a broken capture fails here, at startup.
+    /// capture is run once on padding rows, so a broken capture fails here, at startup. A rank
+    /// of a group captures every size whatever the budget: the ranks of a step must replay the
+    /// same graph, since a graph's collectives are collective across the ranks.
     pub fn capture_decode_buckets(
         &mut self,
         dev: &Device,
@@ -135,12 +142,12 @@ impl CudaModel {
             let mut meta = StepMeta::build(&plan, &self.lim)?;
             self.upload_meta(dev, &mut meta)?;
             let splits = self.graph_decode_splits(dev, b);
-            let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits))?;
+            let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits, b))?;
             graph.launch(dev.stream())?;
             self.read_outputs(dev, &meta)?;
             let (free1, _) = dev.gpu.mem_info()?;
             let took = free0.saturating_sub(free1);
-            if set.bytes + took > budget {
+            if set.bytes + took > budget && matches!(self.mode, RankMode::Single) {
                 tracing::warn!("CUDA graph for batch {b} would exceed the graph memory budget ({} MiB); larger batches run eagerly", budget >> 20);
                 break;
             }
@@ -160,15 +167,36 @@ impl CudaModel {
         plan: &StepPlan,
     ) -> Option<anyhow::Result<(StepOutput, ReplayTimes)>> {
         let i = set.pick(plan)?;
-        if let Err(e) = plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len) {
-            return Some(Err(e.into()));
-        }
+        Some(self.replay(dev, set, plan, i))
+    }
+
+    /// Replays the graph of `batch` rows for `plan` (a DP-attention rank: the ranks agreed on
+    /// the batch, and an idle rank replays it with padding rows only). Errors if no graph of
+    /// that size was captured or the plan does not fit it.
+    pub fn replay_batch(
+        &mut self,
+        dev: &Device,
+        set: &mut DecodeGraphs,
+        plan: &StepPlan,
+        batch: usize,
+    ) -> anyhow::Result<(StepOutput, ReplayTimes)> {
+        let i = set.graphs.iter().position(|g| g.batch == batch);
+        let i = i.ok_or_else(|| anyhow::anyhow!("no decode graph of {batch} rows was captured"))?;
+        anyhow::ensure!(graph_expressible(plan), "this step cannot run from a decode graph");
+        self.replay(dev, set, plan, i)
+    }
+
+    fn replay(
+        &mut self,
+        dev: &Device,
+        set: &mut DecodeGraphs,
+        plan: &StepPlan,
+        i: usize,
+    ) -> anyhow::Result<(StepOutput, ReplayTimes)> {
+        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
         let words = std::mem::take(&mut set.spare_words);
         let g = &set.graphs[i];
-        let mut meta = match graph_step_meta(plan, &set.pads, g.batch, &self.lim, words) {
-            Ok(m) => m,
-            Err(e) => return Some(Err(e)),
-        };
+        let mut meta = graph_step_meta(plan, &set.pads, g.batch, &self.lim, words)?;
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<(StepOutput, ReplayTimes)> {
             me.upload_meta(dev, meta)?;
             g.graph.launch(dev.stream())?;
@@ -181,6 +209,6 @@ impl CudaModel {
             let _ = dev.gpu.sync();
         }
         set.spare_words = meta.words;
-        Some(r)
+        r
     }
 }

@@ -11,8 +11,8 @@ pub mod small_linear;
 pub mod weights;
 pub mod workspace;
 
-pub use forward::{CudaModel, ModelOptions};
-pub use graph::{DecodeGraph, DecodeGraphs, ReplayTimes};
+pub use forward::{CudaModel, ModelOptions, RankMode};
+pub use graph::{graph_expressible, DecodeGraph, DecodeGraphs, ReplayTimes};
 pub use meta::{DecodeLayout, MetaLimits, PassMeta, PrefillLayout, StepLayout, StepMeta};
 pub use meta_words::Section;
 pub use weights::DeviceWeights;

@@ -15,7 +15,8 @@ use half::bf16;
 use mla_core::config::{ModelConfig, TopkMethod};
 use mla_core::dummy::{dummy_distribution, DummyWeights};
 use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
-use mla_core::WeightSource;
+use mla_core::{RankLayout, WeightSource};
+use std::collections::HashMap;
 
 /// A bf16 matrix `[out, inp]`.
 pub struct Mat {
@@ -226,19 +227,30 @@ impl DeviceWeights {
 
     /// Reads every tensor from `src` (converted to bf16 on the host) into device memory.
     pub fn load(cfg: &ModelConfig, src: &dyn WeightSource) -> anyhow::Result<Self> {
-        let w = Self::alloc(cfg)?;
-        let spec = ModelSpec::new(cfg);
-        let dests = w.destinations(&spec);
+        Self::load_rank(cfg, src, RankLayout::SINGLE)
+    }
+
+    /// Rank `layout`'s share of `cfg`'s weights (`RankLayout::shard` of each tensor), laid out
+    /// for its own config (`RankLayout::local_config`).
+    pub fn load_rank(cfg: &ModelConfig, src: &dyn WeightSource, layout: RankLayout) -> anyhow::Result<Self> {
+        let local = layout.local_config(cfg);
+        let w = Self::alloc(&local)?;
+        let (full_spec, local_spec) = (ModelSpec::new(cfg), ModelSpec::new(&local));
+        let full: HashMap<&str, &TensorSpec> = full_spec.tensors().into_iter().map(|t| (t.name.as_str(), t)).collect();
+        let dests = w.destinations(&local_spec);
         let bar = mla_core::weight_source::LoadProgress::new(dests.len(), "loading weights to the GPU");
         for (t, d) in &dests {
-            anyhow::ensure!(t.numel() == d.len(), "{}: {} elements, device slot {}", t.name, t.numel(), d.len());
+            let f = full[t.name.as_str()];
+            let part = layout.shard(f);
+            let n: usize = part.shape(&f.shape).iter().product();
+            anyhow::ensure!(n == d.len(), "{}: {n} elements in this rank's share, device slot {}", t.name, d.len());
             match *d {
                 Dest::Bf16(s) => {
-                    let bits = src.read_bf16_bits(t).with_context(|| format!("reading {}", t.name))?;
+                    let bits = src.read_bf16_bits_shard(f, &part).with_context(|| format!("reading {}", t.name))?;
                     upload(s.cast::<u16>(), &bits)?;
                 }
                 Dest::F32(s) => {
-                    let v = src.read_f32(t).with_context(|| format!("reading {}", t.name))?;
+                    let v = src.read_f32_shard(f, &part).with_context(|| format!("reading {}", t.name))?;
                     upload(s, &v)?;
                 }
             }
@@ -248,7 +260,9 @@ impl DeviceWeights {
         Ok(w)
     }
 
-    /// Random weights drawn on the device (`--load-format dummy`).
+    /// Random weights drawn on the device (`--load-format dummy`), for `cfg` as given (a rank
+    /// passes its own local config: its shares are drawn like whole tensors of their shape, so a
+    /// rank's dummy weights are not a cut of one model's, which nothing compares them with).
     pub fn dummy(cfg: &ModelConfig, k: &Kernels, stream: CUstream, seed: u64) -> anyhow::Result<Self> {
         let w = Self::alloc(cfg)?;
         let spec = ModelSpec::new(cfg);

@@ -86,8 +86,44 @@ impl MoeBuffers {
     }
 }
 
+/// Buffers of a multi-rank forward pass (see `forward::RankMode`).
+pub enum CollectiveBuffers {
+    /// Tensor parallel: the f32 sums of the ranks' attention and FFN partial outputs.
+    TensorParallel { delta_f32: DeviceBuffer<f32>, ffn_f32: DeviceBuffer<f32> },
+    /// DP attention: every rank's normed rows gathered for the FFN, the FFN's partial output over
+    /// all of them (bf16 and widened), and this rank's rows of the reduced sum.
+    DpAttention {
+        h_all: DeviceBuffer<bf16>,
+        ffn_all: DeviceBuffer<bf16>,
+        ffn_all_f32: DeviceBuffer<f32>,
+        ffn_f32: DeviceBuffer<f32>,
+    },
+}
+
+/// Which collective buffers a workspace needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectiveKind {
+    None,
+    TensorParallel,
+    /// DP attention over this many ranks.
+    DpAttention {
+        world: usize,
+    },
+}
+
+impl CollectiveKind {
+    /// Rows the FFN runs over in the largest step: every rank's rows under DP attention.
+    pub fn ffn_rows(&self, max_tokens: usize) -> usize {
+        match self {
+            CollectiveKind::DpAttention { world } => world * max_tokens,
+            _ => max_tokens,
+        }
+    }
+}
+
 pub struct Workspace {
     pub limits: Limits,
+    pub collective: Option<CollectiveBuffers>,
     pub residual: DeviceBuffer<f32>,
     pub h: DeviceBuffer<bf16>,
     pub delta: DeviceBuffer<bf16>,
@@ -124,9 +160,11 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    pub fn new(cfg: &ModelConfig, limits: Limits, sm_count: usize) -> anyhow::Result<Self> {
+    pub fn new(cfg: &ModelConfig, limits: Limits, sm_count: usize, kind: CollectiveKind) -> anyhow::Result<Self> {
         limits.check()?;
         let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
+        // The FFN's buffers hold every rank's rows under DP attention.
+        let f = kind.ffn_rows(t);
         let heads = cfg.num_attention_heads;
         let qd = cfg.q_head_dim();
         let lat = cfg.kv_cache_dim();
@@ -140,12 +178,12 @@ impl Workspace {
         let split_rows = sm_count + s;
         let moe = if cfg.n_routed_experts > 0 && (0..cfg.num_hidden_layers).any(|i| cfg.is_moe_layer(i)) {
             let (e, k, im) = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
-            let a = t * k;
+            let a = f * k;
             // The small tile height needs the most tiles.
             let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
             Some(MoeBuffers {
-                h_f32: DeviceBuffer::alloc(t * h)?,
-                router_logits: DeviceBuffer::alloc(t * e)?,
+                h_f32: DeviceBuffer::alloc(f * h)?,
+                router_logits: DeviceBuffer::alloc(f * e)?,
                 topk_ids: DeviceBuffer::alloc(a)?,
                 topk_w: DeviceBuffer::alloc(a)?,
                 expert_off: DeviceBuffer::alloc(e + 1)?,
@@ -159,16 +197,32 @@ impl Workspace {
                 grouped_gate_up: DeviceBuffer::alloc(a * 2 * im)?,
                 grouped_act: DeviceBuffer::alloc(a * im)?,
                 grouped_y: DeviceBuffer::alloc(a * h)?,
-                shared_out: DeviceBuffer::alloc(t * h)?,
+                shared_out: DeviceBuffer::alloc(f * h)?,
             })
         } else {
             None
         };
         let r = limits.max_logit_rows;
+        let collective = match kind {
+            CollectiveKind::None => None,
+            CollectiveKind::TensorParallel => Some(CollectiveBuffers::TensorParallel {
+                delta_f32: DeviceBuffer::alloc(t * h)?,
+                ffn_f32: DeviceBuffer::alloc(t * h)?,
+            }),
+            CollectiveKind::DpAttention { .. } => Some(CollectiveBuffers::DpAttention {
+                h_all: DeviceBuffer::alloc(f * h)?,
+                ffn_all: DeviceBuffer::alloc(f * h)?,
+                ffn_all_f32: DeviceBuffer::alloc(f * h)?,
+                ffn_f32: DeviceBuffer::alloc(t * h)?,
+            }),
+        };
         Ok(Workspace {
             limits,
+            collective,
             residual: DeviceBuffer::alloc(t * h)?,
-            h: DeviceBuffer::alloc(t * h)?,
+            // Zeroed: under DP attention a rank sends rows past its own (padding up to the
+            // step's largest rank) to the FFN, and those must be finite numbers from the start.
+            h: DeviceBuffer::alloc_zeroed(t * h)?,
             delta: DeviceBuffer::alloc(t * h)?,
             ffn_out: DeviceBuffer::alloc(t * h)?,
             q: DeviceBuffer::alloc(t * heads * qd)?,
@@ -184,8 +238,8 @@ impl Workspace {
             o_lat: DeviceBuffer::alloc(s * heads * cfg.kv_lora_rank)?,
             part_o: DeviceBuffer::alloc(split_rows * heads * cfg.kv_lora_rank)?,
             part_lse: DeviceBuffer::alloc(split_rows * heads)?,
-            gate_up: DeviceBuffer::alloc(t * 2 * inter)?,
-            act: DeviceBuffer::alloc(t * inter)?,
+            gate_up: DeviceBuffer::alloc(f * 2 * inter)?,
+            act: DeviceBuffer::alloc(f * inter)?,
             moe,
             h_rows: DeviceBuffer::alloc(r * h)?,
             logits: DeviceBuffer::alloc(r * cfg.vocab_size)?,

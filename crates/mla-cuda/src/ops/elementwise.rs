@@ -14,6 +14,7 @@ pub struct ElementwiseKernels {
     embedding_gather: Kernel,
     rmsnorm_f32: Kernel,
     add_rmsnorm: Kernel,
+    add_rmsnorm_f32_delta: Kernel,
     rmsnorm_bf16: Kernel,
     silu_mul: Kernel,
     bf16_to_f32: Kernel,
@@ -55,12 +56,20 @@ pub struct RmsNormF32<'a> {
 /// `residual += delta; out = rmsnorm(residual) * weight` (every later norm of the decoder).
 pub struct AddRmsNorm<'a> {
     pub residual: DSlice<'a, f32>,
-    pub delta: DSlice<'a, bf16>,
+    pub delta: NormDelta<'a>,
     pub weight: DSlice<'a, bf16>,
     pub out: DSlice<'a, bf16>,
     pub rows: usize,
     pub hidden: usize,
     pub eps: f32,
+}
+
+/// What `add_rmsnorm` adds to the residual: a block's bf16 output, or (tensor parallel) the f32
+/// sum of the ranks' partial outputs.
+#[derive(Clone, Copy)]
+pub enum NormDelta<'a> {
+    Bf16(DSlice<'a, bf16>),
+    F32(DSlice<'a, f32>),
 }
 
 /// RMSNorm of `rows` strided bf16 rows of `width` (q_a_layernorm).
@@ -82,6 +91,7 @@ impl ElementwiseKernels {
             embedding_gather: k("embedding_gather")?,
             rmsnorm_f32: k("rmsnorm_f32")?,
             add_rmsnorm: k("add_rmsnorm")?,
+            add_rmsnorm_f32_delta: k("add_rmsnorm_f32_delta")?,
             rmsnorm_bf16: k("rmsnorm_bf16")?,
             silu_mul: k("silu_mul")?,
             bf16_to_f32: k("bf16_to_f32")?,
@@ -138,17 +148,26 @@ impl ElementwiseKernels {
             p.hidden
         );
         ensure_len!(p.residual, p.rows * p.hidden, "residual");
-        ensure_len!(p.delta, p.rows * p.hidden, "residual delta");
         ensure_len!(p.weight, p.hidden, "rmsnorm weight");
         ensure_len!(p.out, p.rows * p.hidden, "rmsnorm output");
-        self.add_rmsnorm.launch(
+        let (kernel, delta) = match p.delta {
+            NormDelta::Bf16(d) => {
+                ensure_len!(d, p.rows * p.hidden, "residual delta");
+                (&self.add_rmsnorm, d.ptr)
+            }
+            NormDelta::F32(d) => {
+                ensure_len!(d, p.rows * p.hidden, "residual delta");
+                (&self.add_rmsnorm_f32_delta, d.ptr)
+            }
+        };
+        kernel.launch(
             s,
             (p.rows as u32, 1, 1),
             ROW_THREADS,
             0,
             &[
                 Arg::Ptr(p.residual.ptr),
-                Arg::Ptr(p.delta.ptr),
+                Arg::Ptr(delta),
                 Arg::Ptr(p.weight.ptr),
                 Arg::Ptr(p.out.ptr),
                 Arg::I32(p.hidden as i32),

@@ -27,7 +27,7 @@ pub use dims::{
     COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, GEMV_KERNEL_MAX_ROWS, LATENT, LATENT_ROW, MAX_TOP_LOGPROBS, NOPE,
     PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
 };
-pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, Normal, RmsNormBf16, RmsNormF32};
+pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, Sm90Schedule, TileM};
 pub use latent::{AbsorbQ, LatentKernels, RopeCache};

@@ -1,0 +1,255 @@
+//! The worker thread's side of the CUDA backend: everything it owns (device, model, decode
+//! graphs), how it is created on that thread (`start_worker`, alone or as a rank of a group),
+//! and how it runs a step (a graph replay when one fits, else eager), timing each.
+
+use crate::backend::{CudaOptions, WeightsFrom};
+use crate::collective::{DeviceCollective, GroupConnector};
+use crate::device::Device;
+use crate::gpu::DeviceBuffer;
+use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions, RankMode};
+use crate::ops::PAGE_SIZE;
+use anyhow::Context;
+use mla_core::agreement::StepAgreement;
+use mla_core::collective::{Collective, Tag, ThreadRank};
+use mla_core::plan::{StepOutput, StepPlan};
+use mla_core::step_thread::StepRunner;
+use mla_core::{Checkpoint, ModelConfig, RankLayout};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Host-side timing of the backend's steps, shared with whoever wants to watch it (the engine
+/// benchmark): how long the GPU sat idle between steps while the host worked.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StepClock {
+    pub steps: u64,
+    pub graph_steps: u64,
+    /// Sum over steps of (this step's job start − the previous step's end): the engine thread's
+    /// work between steps (delivering, scheduling) plus the hand-over to the worker thread.
+    pub between_steps_s: f64,
+    /// Sum over graph steps of (launch queued − job start): building and uploading metadata.
+    pub graph_prep_s: f64,
+    /// Sum over all steps of the job's duration on the worker thread.
+    pub in_step_s: f64,
+}
+
+impl StepClock {
+    /// What happened since `earlier`.
+    pub fn since(&self, earlier: &StepClock) -> StepClock {
+        StepClock {
+            steps: self.steps - earlier.steps,
+            graph_steps: self.graph_steps - earlier.graph_steps,
+            between_steps_s: self.between_steps_s - earlier.between_steps_s,
+            graph_prep_s: self.graph_prep_s - earlier.graph_prep_s,
+            in_step_s: self.in_step_s - earlier.in_step_s,
+        }
+    }
+}
+
+/// What the worker owns. Field order is drop order: graphs (which may hold collectives) before
+/// the model (which owns the communicator), device memory before the context.
+pub struct Worker {
+    pub graphs: DecodeGraphs,
+    pub model: CudaModel,
+    pub dev: Device,
+    clock: Arc<Mutex<StepClock>>,
+    last_end: Option<Instant>,
+    /// The clock when it was last logged.
+    logged: StepClock,
+}
+
+const CLOCK_LOG_EVERY: u64 = 2000;
+
+impl Worker {
+    /// The step clock this worker keeps (see `StepClock`).
+    pub fn clock(&self) -> Arc<Mutex<StepClock>> {
+        self.clock.clone()
+    }
+
+    /// "cuda:0 (NVIDIA H200, sm_90)", for logs and `Backend::device_name`.
+    pub fn describe(&self, ordinal: usize) -> String {
+        let info = &self.dev.gpu.info;
+        let jit = if self.dev.jit() { ", PTX JIT" } else { "" };
+        format!("cuda:{ordinal} ({}, sm_{}{}{jit})", info.name, info.compute_capability.0, info.compute_capability.1)
+    }
+
+    /// One engine step: a captured graph when one fits, else eager.
+    pub fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        self.timed(|w| match w.model.step_with_graphs(&w.dev, &mut w.graphs, plan) {
+            Some(r) => r.map(|(out, t)| (out, Some(t.launched))),
+            None => Ok((w.model.step(&w.dev, plan)?, None)),
+        })
+    }
+
+    /// A step of a DP-attention rank, run as the group agreed (`mla_core::agreement`).
+    pub fn step_agreed(&mut self, plan: &StepPlan, agreed: StepAgreement) -> anyhow::Result<StepOutput> {
+        self.timed(|w| match agreed {
+            StepAgreement::Graph { batch } => {
+                let (out, t) = w.model.replay_batch(&w.dev, &mut w.graphs, plan, batch)?;
+                Ok((out, Some(t.launched)))
+            }
+            StepAgreement::Eager { rows_per_rank } => Ok((w.model.step_rank(&w.dev, plan, rows_per_rank)?, None)),
+        })
+    }
+
+    /// Runs `f` (a step: its output and when a graph launch was queued) and keeps the clock.
+    fn timed(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> anyhow::Result<(StepOutput, Option<Instant>)>,
+    ) -> anyhow::Result<StepOutput> {
+        let start = Instant::now();
+        let (out, launched) = f(self)?;
+        let end = Instant::now();
+        let mut c = self.clock.lock().expect("the step clock is never poisoned");
+        c.steps += 1;
+        if let Some(prev) = self.last_end {
+            c.between_steps_s += (start - prev).as_secs_f64();
+        }
+        if let Some(l) = launched {
+            c.graph_steps += 1;
+            c.graph_prep_s += (l - start).as_secs_f64();
+        }
+        c.in_step_s += (end - start).as_secs_f64();
+        self.last_end = Some(end);
+        if c.steps.is_multiple_of(CLOCK_LOG_EVERY) {
+            // Serving telemetry: how much of each step the GPU waited for the host.
+            let w = c.since(&self.logged);
+            tracing::info!(
+                "last {} steps: {:.3} ms in the backend per step, {:.1} us host time between steps, {:.1} us graph metadata prep, {} of them graph replays",
+                w.steps,
+                w.in_step_s / w.steps as f64 * 1e3,
+                w.between_steps_s / w.steps as f64 * 1e6,
+                if w.graph_steps > 0 { w.graph_prep_s / w.graph_steps as f64 * 1e6 } else { 0.0 },
+                w.graph_steps
+            );
+            self.logged = *c;
+        }
+        Ok(out)
+    }
+}
+
+impl StepRunner for Worker {
+    type Step = Vec<StepPlan>;
+    type Output = Vec<StepOutput>;
+
+    fn run_step(&mut self, plans: &Vec<StepPlan>) -> anyhow::Result<Vec<StepOutput>> {
+        anyhow::ensure!(plans.len() == 1, "one GPU is one attention rank; the step has {} plans", plans.len());
+        Ok(vec![self.step(&plans[0])?])
+    }
+}
+
+/// How a worker joins a group of ranks (tensor parallel or DP attention).
+pub struct RankJoin {
+    pub layout: RankLayout,
+    /// Connects this rank's device collective, on the worker thread once its device is current.
+    pub connector: Arc<dyn GroupConnector>,
+    /// The host-side link to the other ranks' threads, to agree on the KV cache size.
+    pub host: ThreadRank,
+}
+
+/// Creates everything a worker owns, on the worker thread: device (and communicator), weights
+/// (this rank's share), workspace, KV cache and decode graphs.
+pub fn start_worker(
+    cfg: ModelConfig,
+    weights: WeightsFrom,
+    opts: &CudaOptions,
+    join: Option<RankJoin>,
+) -> anyhow::Result<Worker> {
+    let dev = Device::new(opts.device)?;
+    let (layout, mode, mut host) = match join {
+        None => (RankLayout::SINGLE, RankMode::Single, None),
+        Some(mut j) => {
+            let (rank, world) = (j.layout.rank, j.layout.world);
+            // NCCL's setup waits for every rank without a timeout: meet on the host first, so
+            // a rank whose device failed to open stops the others here instead.
+            j.host.all_gather(Tag::new("device ready", 0), &[1.0], &vec![1; world])?;
+            let comm =
+                j.connector.connect(rank, world).with_context(|| format!("connecting rank {rank} of {world}"))?;
+            // NCCL sets up its buffers at a communicator's first collectives: run each kind once
+            // now, so the memory they take is gone before the KV cache is sized.
+            warm_up(&dev, comm.as_ref()).with_context(|| format!("first collectives of rank {rank} of {world}"))?;
+            let mode = if j.layout.dp_attention { RankMode::DpAttention(comm) } else { RankMode::TensorParallel(comm) };
+            (j.layout, mode, Some(j.host))
+        }
+    };
+    let local = layout.local_config(&cfg);
+    let t0 = std::time::Instant::now();
+    let (w, source) = match weights {
+        WeightsFrom::Checkpoint(dir) => {
+            let ckpt = Checkpoint::open(&dir, &cfg)?;
+            (DeviceWeights::load_rank(&cfg, &ckpt, layout)?, format!("checkpoint {}", dir.display()))
+        }
+        WeightsFrom::DummyOnDevice { seed } => (
+            DeviceWeights::dummy(&local, &dev.k, dev.stream(), seed)?,
+            format!("dummy weights drawn on the device (seed {seed})"),
+        ),
+        WeightsFrom::Host(src) => (DeviceWeights::load_rank(&cfg, src.as_ref(), layout)?, src.describe()),
+    };
+    dev.gpu.sync()?;
+    let max_model_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
+    let limits = Limits {
+        max_tokens: opts.max_num_batched_tokens,
+        max_seqs: opts.max_num_seqs,
+        max_logit_rows: opts.max_num_seqs + opts.max_extra_logit_rows,
+        max_kv_chunk: opts.max_num_batched_tokens.max(16384),
+    };
+    let mopts = ModelOptions {
+        limits,
+        gpu_memory_utilization: opts.gpu_memory_utilization,
+        num_blocks: opts.num_blocks,
+        max_model_len,
+        small_batch_gemv: opts.small_batch_gemv,
+    };
+    let weight_bytes = w.bytes();
+    // Every rank of a group takes the smallest cache any of them has room for.
+    let mut agree = |blocks: usize| -> anyhow::Result<usize> {
+        let Some(h) = host.as_mut() else { return Ok(blocks) };
+        let world = h.world();
+        let all = h.all_gather(Tag::new("kv blocks", 0), &[blocks as f32], &vec![1; world])?;
+        Ok(all.into_iter().map(|b| b as usize).min().unwrap_or(blocks))
+    };
+    let model = CudaModel::new_rank(&dev, local, w, &mopts, mode, &mut agree)?;
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let who = if layout.world > 1 {
+        format!("rank {} of {} on cuda:{}", layout.rank, layout.world, opts.device)
+    } else {
+        format!("cuda:{}", opts.device)
+    };
+    tracing::info!(
+        "{who} ({}): weights {:.2} GiB from {source} in {:.1}s; activations {:.2} GiB (measured); KV cache {:.2} GiB = {} blocks of {PAGE_SIZE} = {} tokens",
+        dev.gpu.info.name,
+        gib(weight_bytes),
+        t0.elapsed().as_secs_f64(),
+        gib(model.activation_bytes),
+        gib(model.cache_bytes()),
+        model.num_blocks,
+        model.num_blocks * PAGE_SIZE
+    );
+    let mut model = model;
+    let t1 = std::time::Instant::now();
+    let sizes = opts.graph_sizes();
+    let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
+    if !sizes.is_empty() {
+        tracing::info!(
+            "CUDA graphs for decode batch sizes {:?} captured in {:.2}s ({:.1} MiB); larger batches run eagerly",
+            graphs.batch_sizes(),
+            t1.elapsed().as_secs_f64(),
+            graphs.bytes as f64 / (1u64 << 20) as f64
+        );
+    }
+    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
+}
+
+/// One small collective of each kind the forward pass issues, waited for.
+fn warm_up(dev: &Device, comm: &dyn DeviceCollective) -> anyhow::Result<()> {
+    let world = comm.world();
+    // Separate input and output buffers: NCCL's in-place forms need rank-dependent offsets.
+    let (f_all, f_one) = (DeviceBuffer::<f32>::alloc_zeroed(world * 256)?, DeviceBuffer::<f32>::alloc_zeroed(256)?);
+    let (b_all, b_one) =
+        (DeviceBuffer::<half::bf16>::alloc_zeroed(world * 256)?, DeviceBuffer::<half::bf16>::alloc_zeroed(256)?);
+    let s = dev.stream();
+    comm.all_reduce_sum_f32(f_one.slice(), s)?;
+    comm.all_gather_bf16(b_one.slice(), b_all.slice(), s)?;
+    comm.reduce_scatter_sum_f32(f_all.slice(), f_one.slice(), s)?;
+    dev.gpu.sync()?;
+    Ok(())
+}

@@ -1,0 +1,263 @@
+#!/usr/bin/env bash
+# Correctness checks and benchmarks of every multi-GPU mode on one machine with N GPUs, from
+# binaries built elsewhere (`scripts/gpu_tests.sh --build DIR`), in named stages:
+#
+#   scripts/gpu_multi_run.sh --gpus N --bins DIR --out DIR [--commit SHA] [--dry-run] STAGE...
+#
+# Modes: single (one GPU, the baseline), replicas (--dp N), tp (--tp N), dpa (--tp N
+# --enable-dp-attention). Stages, run in the order given; each leaves STAGE.log (and JSON where
+# it says) under --out:
+#   group-tests   gpu_group: one-rank NCCL groups bit-equal to one GPU; TP and DP attention
+#                 over 2..N ranks against one GPU (real_dims fixture)
+#   hf-MODE       HF-fixture greedy outputs through the real server in MODE (real_dims, bf16)
+#   chat-MODE     V2-Lite shape, dummy weights: 48 concurrent chats over HTTP, /metrics ranks
+#   kill-rank     DP attention with rank 1 killed at its 40th step (MLA_TEST_KILL_RANK): every
+#                 request answered, the server exits non-zero within 60 s
+#   engine-MODE   mla-bench engine (V2-Lite, dummy weights): prefill and decode at 256 sequences
+#                 per GPU, ctx 4k                                           engine-MODE.json
+#   serve-MODE    mla-bench serve at concurrency 256 per GPU                serve-MODE.json
+#   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
+#   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
+# NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
+# A stage that fails or runs past its limit (MLA_RUN_TIMEOUT_<STAGE>, default 300 s; 600 for
+# group-tests) is reported and the next one runs; the exit status is 1 if any failed.
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+given=("$@")
+
+usage() {
+  if [[ "${1:-2}" == 0 ]]; then
+    sed -n '2,/^set -uo/p' "$repo/scripts/gpu_multi_run.sh" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+  fi
+  echo "usage: scripts/gpu_multi_run.sh --gpus N --bins DIR --out DIR [--commit SHA] [--dry-run] STAGE... (--help)" >&2
+  exit 2
+}
+
+gpus= bins= out= commit= dry=0 stages=()
+while (($#)); do
+  case "$1" in
+    --gpus) gpus="${2:?--gpus needs a number}"; shift 2 ;;
+    --bins) bins="${2:?--bins needs a directory}"; shift 2 ;;
+    --out) out="${2:?--out needs a directory}"; shift 2 ;;
+    --commit) commit="${2:?--commit needs a commit}"; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    -h | --help) usage 0 ;;
+    -*) echo "unknown option $1" >&2; usage ;;
+    *) stages+=("$1"); shift ;;
+  esac
+done
+[[ -n "$gpus" && -n "$bins" && -n "$out" && ${#stages[@]} -gt 0 ]] || { echo "--gpus, --bins, --out and a stage are required" >&2; usage; }
+[[ "$gpus" =~ ^[1-9][0-9]*$ ]] || { echo "--gpus $gpus: expected a positive number" >&2; exit 2; }
+
+modes="single replicas tp dpa"
+expanded=()
+for s in "${stages[@]}"; do
+  case "$s" in
+    correctness) expanded+=(group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank) ;;
+    bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
+    group-tests | kill-rank) expanded+=("$s") ;;
+    hf-* | chat-* | engine-* | serve-*)
+      [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
+      expanded+=("$s") ;;
+    *) echo "unknown stage $s" >&2; usage ;;
+  esac
+done
+stages=()
+for s in "${expanded[@]}"; do [[ " ${stages[*]} " == *" $s "* ]] || stages+=("$s"); done
+[[ "$bins" == /* ]] || bins="$PWD/$bins"
+[[ "$out" == /* ]] || out="$PWD/$out"
+cd "$repo"
+
+head_commit="$(git rev-parse --short HEAD 2> /dev/null || echo unknown)"
+commit="${commit:-$head_commit}"
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" MLA_REPO_ROOT="$PWD" MLA_GIT_COMMIT="$commit"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+port="${MLA_RUN_PORT:-8031}"
+
+if ((dry)); then
+  echo "dry run: printing the commands, running none"
+else
+  mkdir -p "$out"
+  exec > >(tee -a "$out/run.log") 2>&1
+  echo "scripts/gpu_multi_run.sh ${given[*]}  # $(date -u +%FT%TZ), commit $commit, NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" >> "$out/run.txt"
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  nvidia-smi topo -m 2> /dev/null | head -n $((gpus + 1))
+fi
+gpu_name="$( ((dry)) && echo "DRY RUN" || nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "commit $commit, $gpus GPU(s), binaries $bins, results $out, stages: ${stages[*]}"
+t_start=$(date +%s)
+stamp() { echo "== $1 (t+$(($(date +%s) - t_start))s, $(date -u +%FT%TZ))"; }
+
+# The flags of a mode on N GPUs.
+flags_of() {
+  case "$1" in
+    single) echo "" ;;
+    replicas) echo "--dp $gpus" ;;
+    tp) echo "--tp $gpus" ;;
+    dpa) echo "--tp $gpus --enable-dp-attention" ;;
+  esac
+}
+
+limit_of() {
+  local var="MLA_RUN_TIMEOUT_$(echo "$1" | tr 'a-z-' 'A-Z_')" default=300
+  [[ "$1" == group-tests ]] && default=600
+  echo "${!var:-$default}"
+}
+
+# run_logged NAME CMD...: CMD under NAME's time limit, output in NAME.log, shown filtered.
+run_logged() {
+  local name=$1
+  shift
+  if ((dry)); then echo "  + timeout $(limit_of "$name") $* > $out/$name.log 2>&1"; return 0; fi
+  timeout -k 10 "$(limit_of "$name")" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  grep -E '^(test |test result|one rank|TP |DP attention|prefill|decode|ok|FAIL|error|summary|  )' "$out/$name.log" | head -40
+  ((rc == 0)) || { echo "  exit status $rc; last lines:"; tail -n 8 "$out/$name.log" | sed 's/^/    /'; }
+  return $rc
+}
+
+server_pid=
+# server_start LOG ARGS...: mla-serve on $port, waits for /health (180 s).
+server_start() {
+  local log=$1
+  shift
+  local cmd=("$bins/mla-serve" --port "$port" "$@")
+  if ((dry)); then echo "  + ${cmd[*]} > $log 2>&1 &"; return 0; fi
+  echo "== ${cmd[*]}" > "$log"
+  "${cmd[@]}" >> "$log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 240); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && return 0
+    kill -0 "$server_pid" 2> /dev/null || break
+    sleep 1
+  done
+  echo "  the server did not become healthy:"
+  tail -n 8 "$log" | sed 's/^/    /'
+  server_stop
+  return 1
+}
+
+server_stop() {
+  [[ -n "$server_pid" ]] || return 0
+  kill -INT "$server_pid" 2> /dev/null
+  wait "$server_pid"
+  local rc=$?
+  server_pid=
+  return $rc
+}
+
+v2lite_server() {
+  local log=$1
+  shift
+  python3 scripts/wide_tokenizer.py assets/demo "$work/wide" 102400 > /dev/null 2>&1 || true
+  server_start "$log" --model deepseek-v2-lite --load-format dummy --device cuda --tokenizer "$work/wide" \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 "$@"
+}
+
+stage_group_tests() { run_logged group-tests "$bins/gpu_group" --ignored --test-threads 1 --nocapture; }
+
+stage_hf() {
+  local mode=$1
+  ((dry)) || [[ -x "$bins/mla-serve" ]] || { echo "  $bins/mla-serve missing"; return 1; }
+  # The e2e test needs the openai package; wheels in .whl/ serve a machine without an index.
+  if ((!dry)) && compgen -G ".whl/*.whl" > /dev/null && [[ ! -d "$work/site" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$work/site" .whl/*.whl > /dev/null
+  fi
+  [[ -d "$work/site" ]] && export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+  MLA_E2E_DEVICE=cuda MLA_E2E_FLAGS="$(flags_of "$mode")" MLA_SERVE_BIN="$bins/mla-serve" \
+    run_logged "hf-$mode" python3 -m pytest -q tests/e2e/test_hf_fixtures.py
+}
+
+stage_chat() {
+  local mode=$1
+  # shellcheck disable=SC2046 # flags are words
+  v2lite_server "$out/chat-$mode.server.log" $(flags_of "$mode") || return 1
+  run_logged "chat-$mode" python3 scripts/gpu_http_check.py "http://127.0.0.1:$port" 48
+  local rc=$?
+  ((dry)) || curl -s "http://127.0.0.1:$port/metrics" | grep -E '^mla:(num_attention_ranks|rank_)' >> "$out/chat-$mode.log"
+  ((dry)) || grep -E 'num_attention_ranks|rank_num_requests_running' "$out/chat-$mode.log" | head -4
+  server_stop || rc=1
+  return $rc
+}
+
+stage_kill_rank() {
+  ((gpus >= 2)) || { echo "  needs 2 or more GPUs"; return 0; }
+  MLA_TEST_KILL_RANK=1:40 v2lite_server "$out/kill-rank.server.log" --tp "$gpus" --enable-dp-attention \
+    --shutdown-timeout 5 || return 1
+  ((dry)) && { echo "  + 16 concurrent requests; expect every one answered and a non-zero exit within 60 s"; return 0; }
+  local t0 rc
+  t0=$(date +%s)
+  python3 - "$port" > "$out/kill-rank.log" 2>&1 << 'EOF'
+import json, sys, urllib.request, concurrent.futures
+port = sys.argv[1]
+def one(i):
+    body = json.dumps({"model": "deepseek-v2-lite", "prompt": f"request {i}", "max_tokens": 200, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return f"{r.status} completed"
+    except urllib.error.HTTPError as e:
+        return f"{e.code} {json.loads(e.read())['error']['message'][:120]}"
+    except Exception as e:
+        return f"no answer: {e}"
+with concurrent.futures.ThreadPoolExecutor(16) as p:
+    for r in p.map(one, range(16)):
+        print(r)
+EOF
+  for _ in $(seq 60); do kill -0 "$server_pid" 2> /dev/null || break; sleep 1; done
+  if kill -0 "$server_pid" 2> /dev/null; then
+    echo "  the server is still running 60 s after the rank died"
+    kill -9 "$server_pid"
+    server_pid=
+    return 1
+  fi
+  wait "$server_pid"
+  rc=$?
+  server_pid=
+  echo "  server exit status $rc after $(($(date +%s) - t0)) s; answers:"
+  sort "$out/kill-rank.log" | uniq -c | sed 's/^/    /'
+  grep -E 'engine stopped|killed at step' "$out/kill-rank.server.log" | head -3 | cut -c1-240 | sed 's/^/    /'
+  ! grep -q 'no answer' "$out/kill-rank.log" && ((rc != 0))
+}
+
+stage_engine() {
+  local mode=$1 per=1
+  case "$mode" in replicas | dpa) per=$gpus ;; esac
+  # Decode batches are totals over the layout: 256 sequences per GPU where each GPU has its own.
+  # shellcheck disable=SC2046
+  run_logged "engine-$mode" "$bins/mla-bench" engine --config configs/deepseek-v2-lite.json $(flags_of "$mode") \
+    --gpu-memory-utilization 0.85 --prefill-reps 3 --decode "$per"x1024x128,$((256 * per))x4096x64 \
+    --max-num-seqs 256 --out "$out/engine-$mode.json"
+}
+
+stage_serve() {
+  local mode=$1 per=1 c
+  case "$mode" in replicas | dpa) per=$gpus ;; esac
+  c=$((256 * per))
+  # shellcheck disable=SC2046
+  v2lite_server "$out/serve-$mode.server.log" $(flags_of "$mode") || return 1
+  run_logged "serve-$mode" "$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --input-len 1024 \
+    --output-len 256 --num-prompts $((4 * c)) --max-concurrency "$c" --ignore-eos --gpu "$gpu_name x$gpus $mode" \
+    --out "$out/serve-$mode.json"
+  local rc=$?
+  server_stop || rc=1
+  return $rc
+}
+
+status=0
+for s in "${stages[@]}"; do
+  stamp "$s"
+  case "$s" in
+    group-tests) stage_group_tests ;;
+    kill-rank) stage_kill_rank ;;
+    hf-*) stage_hf "${s#hf-}" ;;
+    chat-*) stage_chat "${s#chat-}" ;;
+    engine-*) stage_engine "${s#engine-}" ;;
+    serve-*) stage_serve "${s#serve-}" ;;
+  esac || { status=1; echo "  stage $s FAILED"; }
+done
+stamp done
+exit $status
