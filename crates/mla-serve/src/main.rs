@@ -22,6 +22,15 @@ fn main() -> ExitCode {
             // `{:#}` prints the whole context chain on one line: "loading X: file Y: reason".
             // Plain stderr rather than the log: it must be seen even with --log-level error.
             eprintln!("error: {e:#}");
+            if e.downcast_ref::<shutdown::EngineDied>().is_some() {
+                // A rank may still be stuck on its device (a collective its dead peer never
+                // joins), and the libraries' exit handlers could wait for it: leave now.
+                use std::io::Write;
+                let _ = std::io::stderr().flush();
+                // SAFETY: `_exit` ends the process without running exit handlers; every request
+                // has been answered and the listener closed by now.
+                unsafe { libc::_exit(1) };
+            }
             ExitCode::FAILURE
         }
     }

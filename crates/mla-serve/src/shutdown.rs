@@ -60,11 +60,16 @@ pub async fn serve(args: &Args, started: Started) -> anyhow::Result<()> {
     // Covers a server that stopped without a signal; a second shutdown call returns at once.
     tokio::task::spawn_blocking(move || engine.shutdown(Duration::ZERO)).await?;
     if let Ok(why) = died_rx.await {
-        anyhow::bail!("the engine stopped: {why}");
+        return Err(EngineDied(why).into());
     }
     tracing::info!("stopped");
     Ok(())
 }
+
+/// The engine's backend failed for good; the process should end at once (see `main`).
+#[derive(Debug, thiserror::Error)]
+#[error("the engine stopped: {0}")]
+pub struct EngineDied(pub String);
 
 /// How often the server checks whether the engine died.
 const LIVENESS_POLL: Duration = Duration::from_millis(200);
