@@ -7,15 +7,14 @@
 
 use crate::plan::StepPlan;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StepAgreement {
     /// Every rank replays its decode graph of `batch` rows, padding its own sequences (an idle
     /// rank: padding rows only).
     Graph { batch: usize },
-    /// Every rank runs eagerly, and each layer's FFN collectives carry `rows_per_rank` rows
-    /// from every rank (the largest rank's tokens; the others pad). An idle rank runs only the
-    /// FFN collectives.
-    Eager { rows_per_rank: usize },
+    /// Every rank runs eagerly, and each layer's FFN collectives carry `counts[r]` rows from
+    /// rank r (its tokens), packed. An idle rank (count 0) runs only the FFN and its collectives.
+    Eager { counts: Vec<usize> },
 }
 
 /// The agreement for `plans` (one per rank) when the ranks captured decode graphs of
@@ -23,12 +22,11 @@ pub enum StepAgreement {
 /// graph can run a plan. A graph is replayed when every rank's plan can run from one and the
 /// largest batch fits a graph; otherwise the step runs eagerly.
 pub fn agree(plans: &[StepPlan], graph_batches: &[usize], graphable: impl Fn(&StepPlan) -> bool) -> StepAgreement {
-    let rows_per_rank = plans.iter().map(StepPlan::num_tokens).max().unwrap_or(0);
     let batch = plans.iter().map(|p| p.seqs.len()).max().unwrap_or(0);
     let all_graphable = batch > 0 && plans.iter().all(|p| p.seqs.is_empty() || graphable(p));
     match graph_batches.iter().find(|&&b| b >= batch) {
         Some(&b) if all_graphable => StepAgreement::Graph { batch: b },
-        _ => StepAgreement::Eager { rows_per_rank },
+        _ => StepAgreement::Eager { counts: plans.iter().map(StepPlan::num_tokens).collect() },
     }
 }
 
@@ -72,17 +70,17 @@ mod tests {
 
     #[test]
     fn any_rank_that_cannot_replay_makes_the_step_eager() {
-        // One rank prefills 40 tokens: everyone runs eagerly with 40 rows per rank.
+        // One rank prefills 40 tokens: everyone runs eagerly, each rank's rows packed.
         let plans = [plan(StepKind::Decode, 3, 1), plan(StepKind::Prefill, 2, 20), plan(StepKind::Decode, 0, 1)];
-        assert_eq!(agree(&plans, &BUCKETS, decode_only), StepAgreement::Eager { rows_per_rank: 40 });
+        assert_eq!(agree(&plans, &BUCKETS, decode_only), StepAgreement::Eager { counts: vec![3, 40, 0] });
         // A batch above the largest graph.
         let plans = [plan(StepKind::Decode, 9, 1), plan(StepKind::Decode, 1, 1)];
-        assert_eq!(agree(&plans, &BUCKETS, decode_only), StepAgreement::Eager { rows_per_rank: 9 });
+        assert_eq!(agree(&plans, &BUCKETS, decode_only), StepAgreement::Eager { counts: vec![9, 1] });
         // No graphs captured.
-        assert_eq!(agree(&plans, &[], decode_only), StepAgreement::Eager { rows_per_rank: 9 });
+        assert_eq!(agree(&plans, &[], decode_only), StepAgreement::Eager { counts: vec![9, 1] });
         // Every rank idle (the engine never starts such a step; it stays well defined).
         let plans = [plan(StepKind::Decode, 0, 1), plan(StepKind::Decode, 0, 1)];
-        assert_eq!(agree(&plans, &BUCKETS, decode_only), StepAgreement::Eager { rows_per_rank: 0 });
+        assert_eq!(agree(&plans, &BUCKETS, decode_only), StepAgreement::Eager { counts: vec![0, 0] });
     }
 
     #[test]

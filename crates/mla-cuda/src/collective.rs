@@ -22,6 +22,26 @@ pub trait DeviceCollective {
     /// `rank` is this rank; `input.len == world * out.len`.
     fn reduce_scatter_sum_f32(&self, input: DSlice<f32>, out: DSlice<f32>, stream: CUstream) -> anyhow::Result<()>;
 
+    /// `all_gather_bf16` without padding: rank r sends `counts[r]` elements (its `send`), and
+    /// `out` gets them packed in rank order.
+    fn all_gather_v_bf16(
+        &self,
+        send: DSlice<bf16>,
+        out: DSlice<bf16>,
+        counts: &[usize],
+        stream: CUstream,
+    ) -> anyhow::Result<()>;
+
+    /// `reduce_scatter_sum_f32` without padding: `input` holds `counts[r]` elements for rank r,
+    /// packed in rank order; `out` gets the sum over ranks of this rank's part.
+    fn reduce_scatter_v_sum_f32(
+        &self,
+        input: DSlice<f32>,
+        out: DSlice<f32>,
+        counts: &[usize],
+        stream: CUstream,
+    ) -> anyhow::Result<()>;
+
     /// An error the collectives hit asynchronously (a peer died, the network broke), if any.
     fn async_error(&self) -> Option<String>;
 
@@ -56,6 +76,24 @@ impl DeviceCollective for NcclComm {
     }
     fn reduce_scatter_sum_f32(&self, input: DSlice<f32>, out: DSlice<f32>, stream: CUstream) -> anyhow::Result<()> {
         NcclComm::reduce_scatter_sum_f32(self, input, out, stream)
+    }
+    fn all_gather_v_bf16(
+        &self,
+        send: DSlice<bf16>,
+        out: DSlice<bf16>,
+        counts: &[usize],
+        stream: CUstream,
+    ) -> anyhow::Result<()> {
+        NcclComm::all_gather_v_bf16(self, send, out, counts, stream)
+    }
+    fn reduce_scatter_v_sum_f32(
+        &self,
+        input: DSlice<f32>,
+        out: DSlice<f32>,
+        counts: &[usize],
+        stream: CUstream,
+    ) -> anyhow::Result<()> {
+        NcclComm::reduce_scatter_v_sum_f32(self, input, out, counts, stream)
     }
     fn async_error(&self) -> Option<String> {
         NcclComm::async_error(self)

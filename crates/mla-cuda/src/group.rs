@@ -91,7 +91,7 @@ impl StepRunner for RankWorker {
         self.steps += 1;
         mla_core::fault::maybe_kill(self.rank, self.steps);
         let plan = &step.plans[self.plan_index];
-        match step.agreed {
+        match &step.agreed {
             None => self.worker.step(plan),
             Some(a) => self.worker.step_agreed(plan, a),
         }

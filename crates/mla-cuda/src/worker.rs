@@ -81,13 +81,13 @@ impl Worker {
     }
 
     /// A step of a DP-attention rank, run as the group agreed (`mla_core::agreement`).
-    pub fn step_agreed(&mut self, plan: &StepPlan, agreed: StepAgreement) -> anyhow::Result<StepOutput> {
+    pub fn step_agreed(&mut self, plan: &StepPlan, agreed: &StepAgreement) -> anyhow::Result<StepOutput> {
         self.timed(|w| match agreed {
             StepAgreement::Graph { batch } => {
-                let (out, t) = w.model.replay_batch(&w.dev, &mut w.graphs, plan, batch)?;
+                let (out, t) = w.model.replay_batch(&w.dev, &mut w.graphs, plan, *batch)?;
                 Ok((out, Some(t.launched)))
             }
-            StepAgreement::Eager { rows_per_rank } => Ok((w.model.step_rank(&w.dev, plan, rows_per_rank)?, None)),
+            StepAgreement::Eager { counts } => Ok((w.model.step_rank(&w.dev, plan, counts)?, None)),
         })
     }
 

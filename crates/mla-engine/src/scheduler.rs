@@ -183,13 +183,23 @@ impl Scheduler {
         Some(EarlyFinish::Completion)
     }
 
-    /// Builds the next step, or `None` when nothing can run.
+    /// Builds the next step, or `None` when nothing can run. Prefill and decode steps alternate
+    /// while both kinds of work exist.
     pub fn schedule(&mut self) -> Option<StepPlan> {
         let decodable = self.running.iter().any(|&k| self.is_decodable(k));
         let prefill_first = !decodable || self.last_kind == Some(StepKind::Decode);
-        let order =
-            if prefill_first { [StepKind::Prefill, StepKind::Decode] } else { [StepKind::Decode, StepKind::Prefill] };
-        for kind in order {
+        self.schedule_prefer(if prefill_first { StepKind::Prefill } else { StepKind::Decode })
+    }
+
+    /// Builds a step of kind `kind` if there is work of that kind, else of the other kind. The
+    /// engine uses it to line up the kinds of DP-attention ranks, which step together: a rank
+    /// that prefills while the others decode makes them wait for it.
+    pub fn schedule_prefer(&mut self, kind: StepKind) -> Option<StepPlan> {
+        let other = match kind {
+            StepKind::Prefill => StepKind::Decode,
+            StepKind::Decode => StepKind::Prefill,
+        };
+        for kind in [kind, other] {
             let seqs = match kind {
                 StepKind::Prefill => self.build_prefill(),
                 StepKind::Decode => self.build_decode(),

@@ -74,6 +74,49 @@ fn requests_go_to_the_rank_with_the_least_tokens_of_work() {
     engine.shutdown(Duration::from_secs(1));
 }
 
+/// DP-attention ranks step together, so a rank that prefills makes the decoding ranks wait: the
+/// engine lines up the ranks' prefill turns instead of letting each alternate on its own.
+#[test]
+fn ranks_take_their_prefill_turns_together() {
+    use mla_core::StepKind::{Decode, Prefill};
+    let gate = std::sync::Arc::new(StepGate::default());
+    let mut backends = vec![history(64), history(64)];
+    backends[0].gate = Some(gate.clone());
+    let ranks = Ranks::new(backends);
+    let kinds = ranks.kinds.clone();
+    let engine = Engine::start(Box::new(ranks), engine_config(MAX_LEN)).unwrap();
+    let greedy = SamplingParams::greedy();
+    let submit = |p: Vec<u32>| engine.submit(request(p, greedy.clone(), None, 30)).unwrap();
+    // One long decode on each rank.
+    let mut streams = vec![submit(vec![1, 2, 3]), submit(vec![4, 5, 6])];
+    gate.allow(3);
+    gate.wait_parked_at(4);
+    assert_eq!(kinds.lock().unwrap()[..3], [[Some(Prefill); 2], [Some(Decode); 2], [Some(Decode); 2]]);
+    // A prompt for one rank: it prefills while the other decodes (nothing to line up yet).
+    // Step 4 was built before it came (the engine builds a step before the previous one ends).
+    streams.push(submit(vec![7, 8, 9]));
+    gate.allow(1);
+    gate.wait_parked_at(5);
+    let mixed = kinds.lock().unwrap()[4].clone();
+    assert!(mixed.contains(&Some(Prefill)) && mixed.contains(&Some(Decode)), "{mixed:?}");
+    // A prompt for the other rank right after: left alone that rank would prefill now (its
+    // last step decoded) while the first decodes; lined up, this is everyone's decode turn
+    // (with many arrivals, the prompts of all ranks then share prefill turns).
+    streams.push(submit(vec![10, 11, 12]));
+    gate.allow(1);
+    gate.wait_parked_at(6);
+    assert_eq!(kinds.lock().unwrap()[5], [Some(Decode); 2]);
+    gate.allow(1);
+    gate.wait_parked_at(7);
+    // The next prefill turn: the second prompt's rank prefills; the first has none left.
+    assert_eq!(kinds.lock().unwrap()[6], [Some(Decode), Some(Prefill)]);
+    gate.open();
+    for s in &mut streams {
+        assert_eq!(collect(s, 1).error, None);
+    }
+    engine.shutdown(Duration::from_secs(1));
+}
+
 #[test]
 fn replicas_behind_one_handle_balance_and_report_as_one_engine() {
     let backends: Vec<Box<dyn Backend>> = vec![Box::new(history(64)), Box::new(history(16))];

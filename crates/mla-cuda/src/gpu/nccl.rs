@@ -53,6 +53,11 @@ struct Api {
     all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, CUstream) -> NcclResult,
     reduce_scatter:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, CUstream) -> NcclResult,
+    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, CUstream) -> NcclResult,
+    reduce:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, c_int, RawComm, CUstream) -> NcclResult,
+    group_start: unsafe extern "C" fn() -> NcclResult,
+    group_end: unsafe extern "C" fn() -> NcclResult,
 }
 
 /// Loads NCCL once per process; the error says where it looked.
@@ -107,6 +112,10 @@ fn bind(lib: libloading::Library, path: String) -> Result<Api, String> {
         all_reduce: sym!(b"ncclAllReduce"),
         all_gather: sym!(b"ncclAllGather"),
         reduce_scatter: sym!(b"ncclReduceScatter"),
+        broadcast: sym!(b"ncclBroadcast"),
+        reduce: sym!(b"ncclReduce"),
+        group_start: sym!(b"ncclGroupStart"),
+        group_end: sym!(b"ncclGroupEnd"),
         _lib: lib,
         path,
         version,
@@ -216,6 +225,100 @@ impl NcclComm {
             )
         };
         a.check(r, "reduce-scatter")
+    }
+
+    /// `all_gather_bf16` with `counts[r]` elements from rank r, packed in rank order in `out`
+    /// (no padding): one broadcast per rank with data, grouped into one launch.
+    pub fn all_gather_v_bf16(
+        &self,
+        send: DSlice<bf16>,
+        out: DSlice<bf16>,
+        counts: &[usize],
+        stream: CUstream,
+    ) -> anyhow::Result<()> {
+        self.check_counts(counts, send.len, out.len)?;
+        let (a, comm) = (api()?, self.raw()?);
+        self.grouped(|| {
+            let mut at = 0;
+            for (root, &n) in counts.iter().enumerate() {
+                if n > 0 {
+                    let dst = out.sub(at, n);
+                    // SAFETY: `send` (read at the root only) and `dst` are live device buffers of
+                    // at least `n` elements on this device (checked above).
+                    let r = unsafe {
+                        (a.broadcast)(
+                            send.ptr as *const c_void,
+                            dst.ptr as *mut c_void,
+                            n,
+                            BFLOAT16,
+                            root as c_int,
+                            comm,
+                            stream,
+                        )
+                    };
+                    a.check(r, "broadcast of an all-gather")?;
+                }
+                at += n;
+            }
+            Ok(())
+        })
+    }
+
+    /// `reduce_scatter_sum_f32` with `counts[r]` elements for rank r, packed in rank order in
+    /// `input`: one reduce per rank with data, grouped into one launch.
+    pub fn reduce_scatter_v_sum_f32(
+        &self,
+        input: DSlice<f32>,
+        out: DSlice<f32>,
+        counts: &[usize],
+        stream: CUstream,
+    ) -> anyhow::Result<()> {
+        self.check_counts(counts, out.len, input.len)?;
+        let (a, comm) = (api()?, self.raw()?);
+        self.grouped(|| {
+            let mut at = 0;
+            for (root, &n) in counts.iter().enumerate() {
+                if n > 0 {
+                    let src = input.sub(at, n);
+                    // SAFETY: `src` and `out` (written at the root only) are live device buffers
+                    // of at least `n` elements on this device (checked above).
+                    let r = unsafe {
+                        (a.reduce)(
+                            src.ptr as *const c_void,
+                            out.ptr as *mut c_void,
+                            n,
+                            FLOAT32,
+                            SUM,
+                            root as c_int,
+                            comm,
+                            stream,
+                        )
+                    };
+                    a.check(r, "reduce of a reduce-scatter")?;
+                }
+                at += n;
+            }
+            Ok(())
+        })
+    }
+
+    /// Counts for every rank, this rank's fitting `mine`, all of them fitting `all`.
+    fn check_counts(&self, counts: &[usize], mine: usize, all: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(counts.len() == self.world, "{} counts for {} ranks", counts.len(), self.world);
+        anyhow::ensure!(counts[self.rank] <= mine, "rank {} has {mine} elements for {}", self.rank, counts[self.rank]);
+        anyhow::ensure!(counts.iter().sum::<usize>() <= all, "{} elements in all for {counts:?}", all);
+        Ok(())
+    }
+
+    /// Runs `f`'s NCCL calls as one group (one launch); the group is closed even if `f` fails.
+    fn grouped(&self, f: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+        let a = api()?;
+        // SAFETY: opens a group; closed below on every path.
+        a.check(unsafe { (a.group_start)() }, "group start")?;
+        let r = f();
+        // SAFETY: closes the group opened above.
+        let end = a.check(unsafe { (a.group_end)() }, "group end");
+        r.and(end)
     }
 
     /// An error NCCL hit asynchronously (a peer or the network failed), if any.

@@ -73,6 +73,17 @@ impl RankMode {
     }
 }
 
+/// How a DP-attention step's FFN collectives lay out the ranks' rows.
+#[derive(Debug, Clone, Copy)]
+pub enum FfnRows<'a> {
+    /// Every rank sends this many rows (its own, then padding): graph replays, whose collective
+    /// sizes are fixed at capture.
+    Padded(usize),
+    /// Rank r sends `counts[r]` rows, packed without padding: eager steps, where ranks may feed
+    /// very different numbers of tokens (one prefills while another decodes).
+    Packed(&'a [usize]),
+}
+
 /// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
 /// (one launch instead of two; the cuBLAS batched GEMM wins beyond a few tokens).
 const SMALL_DECODE_TOKENS: usize = 4;
@@ -226,23 +237,27 @@ impl CudaModel {
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results.
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
-        self.step_rank(dev, plan, plan.num_tokens())
+        self.run_eager(dev, plan, FfnRows::Padded(plan.num_tokens()))
     }
 
-    /// `step` for a rank of a DP-attention group, whose FFN collectives carry `rows_per_rank`
-    /// rows from every rank (the step's largest rank; see `RankMode::DpAttention`). An empty
-    /// plan is an idle rank: it still runs every layer's FFN collectives.
-    pub fn step_rank(&mut self, dev: &Device, plan: &StepPlan, rows_per_rank: usize) -> anyhow::Result<StepOutput> {
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+    /// `step` for a rank of a DP-attention group run eagerly: rank r feeds `counts[r]` tokens
+    /// (this rank its plan's), which its FFN collectives carry packed. An empty plan is an idle
+    /// rank: it still runs every layer's FFN and its collectives.
+    pub fn step_rank(&mut self, dev: &Device, plan: &StepPlan, counts: &[usize]) -> anyhow::Result<StepOutput> {
+        let rank = self.mode.comm().map_or(0, |c| c.rank());
         anyhow::ensure!(
-            rows_per_rank >= plan.num_tokens() && rows_per_rank <= self.ws.limits.max_tokens,
-            "a step of {} tokens cannot run with {rows_per_rank} rows per rank (at most {})",
-            plan.num_tokens(),
-            self.ws.limits.max_tokens
+            counts.get(rank) == Some(&plan.num_tokens()),
+            "rank {rank} feeds {} tokens but the step's counts are {counts:?}",
+            plan.num_tokens()
         );
+        self.run_eager(dev, plan, FfnRows::Packed(counts))
+    }
+
+    fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
+        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
         if plan.seqs.is_empty() {
-            if self.mode.is_dp_attention() && rows_per_rank > 0 {
-                let r = self.queue_idle(dev, rows_per_rank).and_then(|()| Ok(dev.gpu.sync()?));
+            if self.mode.is_dp_attention() {
+                let r = self.queue_idle(dev, rows).and_then(|()| Ok(dev.gpu.sync()?));
                 if r.is_err() {
                     let _ = dev.gpu.sync();
                 }
@@ -254,7 +269,7 @@ impl CudaModel {
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
             me.upload_meta(dev, meta)?;
             let splits = me.default_decode_splits(dev, meta);
-            me.queue_forward(dev, meta, splits, rows_per_rank)?;
+            me.queue_forward(dev, meta, splits, rows)?;
             me.read_outputs(dev, meta)
         };
         let out = run(self, &mut meta);
@@ -282,14 +297,14 @@ impl CudaModel {
     }
 
     /// Queues the whole forward pass and sampling for an uploaded step (graph-capturable).
-    /// `rows_per_rank` is what the FFN collectives of DP attention carry per rank (at least
-    /// `m.tokens`); other modes ignore it.
+    /// `ffn_rows` is how the FFN collectives of DP attention lay out the ranks' rows; other
+    /// modes ignore it.
     pub fn queue_forward(
         &self,
         dev: &Device,
         m: &StepMeta,
         decode_splits: usize,
-        rows_per_rank: usize,
+        ffn_rows: FfnRows,
     ) -> anyhow::Result<()> {
         let (s, k) = (dev.stream(), &dev.k);
         let cfg = &self.cfg;
@@ -323,7 +338,7 @@ impl CudaModel {
             self.attention(dev, l, m, words, decode_splits)?;
             let attn_delta = self.attention_sum(dev, t)?;
             self.add_norm(dev, attn_delta, lw.post_norm.slice(), t)?;
-            ffn_delta = self.ffn(dev, &lw.ffn, t, rows_per_rank)?;
+            ffn_delta = self.ffn(dev, &lw.ffn, t, ffn_rows)?;
         }
         self.add_norm(dev, ffn_delta, self.weights.norm.slice(), t)?;
         let r = m.logit_rows();
@@ -359,9 +374,9 @@ impl CudaModel {
     /// share and reduce-scatter, so the ranks with work are not left waiting. The rows it sends
     /// are whatever its activation buffer holds (finite: zeroed at start, normed rows since);
     /// nothing reads what comes back.
-    fn queue_idle(&self, dev: &Device, rows_per_rank: usize) -> anyhow::Result<()> {
+    fn queue_idle(&self, dev: &Device, rows: FfnRows) -> anyhow::Result<()> {
         for lw in &self.weights.layers {
-            self.ffn(dev, &lw.ffn, 0, rows_per_rank)?;
+            self.ffn(dev, &lw.ffn, 0, rows)?;
         }
         Ok(())
     }
@@ -383,8 +398,8 @@ impl CudaModel {
     }
 
     /// One layer's FFN (dense MLP or MoE) over the step's `t` rows with its collectives;
-    /// returns what to add to the residual. `rows_per_rank` is the DP-attention padding.
-    fn ffn(&self, dev: &Device, ffn: &FfnWeights, t: usize, rows_per_rank: usize) -> anyhow::Result<NormDelta<'_>> {
+    /// returns what to add to the residual. `rows` lays out DP attention's gathered rows.
+    fn ffn(&self, dev: &Device, ffn: &FfnWeights, t: usize, rows: FfnRows) -> anyhow::Result<NormDelta<'_>> {
         let ws = &self.ws;
         let (s, hidden) = (dev.stream(), self.cfg.hidden_size);
         let run = |x: DSlice<bf16>, rows: usize, out: DSlice<bf16>| match ffn {
@@ -408,13 +423,28 @@ impl CudaModel {
                 RankMode::DpAttention(comm),
                 Some(CollectiveBuffers::DpAttention { h_all, ffn_all, ffn_all_f32, ffn_f32 }),
             ) => {
-                let (n, world) = (rows_per_rank * hidden, comm.world());
-                let all = world * n;
-                comm.all_gather_bf16(ws.h.sub(0, n), h_all.sub(0, all), s)?;
-                run(h_all.sub(0, all), world * rows_per_rank, ffn_all.sub(0, all))?;
+                let (rank, world) = (comm.rank(), comm.world());
+                // Elements each rank sends: padded to one size, or its own rows packed.
+                let elems: Vec<usize> = match rows {
+                    FfnRows::Padded(r) => vec![r * hidden; world],
+                    FfnRows::Packed(counts) => counts.iter().map(|c| c * hidden).collect(),
+                };
+                let (mine, all) = (elems[rank], elems.iter().sum::<usize>());
+                match rows {
+                    FfnRows::Padded(_) => comm.all_gather_bf16(ws.h.sub(0, mine), h_all.sub(0, all), s)?,
+                    FfnRows::Packed(_) => comm.all_gather_v_bf16(ws.h.sub(0, mine), h_all.sub(0, all), &elems, s)?,
+                }
+                run(h_all.sub(0, all), all / hidden, ffn_all.sub(0, all))?;
                 dev.k.elementwise.bf16_to_f32(s, ffn_all.sub(0, all), ffn_all_f32.sub(0, all), all)?;
-                comm.reduce_scatter_sum_f32(ffn_all_f32.sub(0, all), ffn_f32.sub(0, n), s)?;
-                Ok(NormDelta::F32(ffn_f32.sub(0, n)))
+                match rows {
+                    FfnRows::Padded(_) => {
+                        comm.reduce_scatter_sum_f32(ffn_all_f32.sub(0, all), ffn_f32.sub(0, mine), s)?
+                    }
+                    FfnRows::Packed(_) => {
+                        comm.reduce_scatter_v_sum_f32(ffn_all_f32.sub(0, all), ffn_f32.sub(0, mine), &elems, s)?
+                    }
+                }
+                Ok(NormDelta::F32(ffn_f32.sub(0, mine)))
             }
             _ => unreachable!("the workspace's collective buffers follow the rank mode"),
         }

@@ -1,7 +1,7 @@
 //! Decode steps replayed from a CUDA graph: capture once per batch size, then each step only
 //! uploads its metadata, launches the graph and reads the sampled tokens.
 
-use super::forward::{CudaModel, RankMode};
+use super::forward::{CudaModel, FfnRows, RankMode};
 use super::meta::{MetaLimits, StepMeta};
 use crate::device::Device;
 use crate::gpu::Graph;
@@ -142,7 +142,7 @@ impl CudaModel {
             let mut meta = StepMeta::build(&plan, &self.lim)?;
             self.upload_meta(dev, &mut meta)?;
             let splits = self.graph_decode_splits(dev, b);
-            let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits, b))?;
+            let graph = Graph::capture(dev.stream(), || self.queue_forward(dev, &meta, splits, FfnRows::Padded(b)))?;
             graph.launch(dev.stream())?;
             self.read_outputs(dev, &meta)?;
             let (free1, _) = dev.gpu.mem_info()?;

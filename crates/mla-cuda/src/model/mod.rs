@@ -11,7 +11,7 @@ pub mod small_linear;
 pub mod weights;
 pub mod workspace;
 
-pub use forward::{CudaModel, ModelOptions, RankMode};
+pub use forward::{CudaModel, FfnRows, ModelOptions, RankMode};
 pub use graph::{graph_expressible, DecodeGraph, DecodeGraphs, ReplayTimes};
 pub use meta::{DecodeLayout, MetaLimits, PassMeta, PrefillLayout, StepLayout, StepMeta};
 pub use meta_words::Section;

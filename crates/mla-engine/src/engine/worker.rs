@@ -69,6 +69,8 @@ pub(super) struct Worker {
     deadline: Option<Instant>,
     /// Applied and not yet delivered: the last step's outcome, when it was applied.
     undelivered: Option<(Applied, Instant)>,
+    /// Whether the last step of several ranks prefilled on any of them (see `schedule`).
+    last_kind: StepKind,
 }
 
 /// A step the backend is running.
@@ -98,6 +100,7 @@ impl Worker {
             seeds: SplitMix64::new(cfg.seed),
             deadline: None,
             undelivered: None,
+            last_kind: StepKind::Decode,
         }
     }
 
@@ -120,11 +123,7 @@ impl Worker {
             if self.deadline.is_some_and(|d| !self.has_work() || Instant::now() >= d) {
                 break;
             }
-            let plans: Vec<StepPlan> = self
-                .ranks
-                .iter_mut()
-                .map(|s| s.schedule().unwrap_or(StepPlan { kind: StepKind::Decode, seqs: vec![] }))
-                .collect();
+            let plans = self.schedule();
             if plans.iter().any(|p| !p.seqs.is_empty()) {
                 in_flight = Some(self.launch(plans));
             } else if self.has_work() {
@@ -158,6 +157,26 @@ impl Worker {
             }
         }
         self.publish();
+    }
+
+    /// Every rank's plan for the next step (an idle rank's is empty). Several ranks take turns
+    /// together: every rank with prompt work prefills in the same step, then every rank with
+    /// sequences decodes, so a decoding rank waits for prefills once per turn rather than once
+    /// per rank that prefills.
+    fn schedule(&mut self) -> Vec<StepPlan> {
+        let idle = || StepPlan { kind: StepKind::Decode, seqs: vec![] };
+        if self.ranks.len() == 1 {
+            return vec![self.ranks[0].schedule().unwrap_or_else(idle)];
+        }
+        let prefer = match self.last_kind {
+            StepKind::Prefill => StepKind::Decode,
+            StepKind::Decode => StepKind::Prefill,
+        };
+        let plans: Vec<StepPlan> =
+            self.ranks.iter_mut().map(|s| s.schedule_prefer(prefer).unwrap_or_else(idle)).collect();
+        let prefilled = plans.iter().any(|p| p.kind == StepKind::Prefill && !p.seqs.is_empty());
+        self.last_kind = if prefilled { StepKind::Prefill } else { StepKind::Decode };
+        plans
     }
 
     /// Handles pending commands, blocking while there is nothing to run so an idle engine costs

@@ -4,7 +4,7 @@
 
 use super::HistoryBackend;
 use mla_core::plan::StepOutput;
-use mla_core::{Backend, CacheLayout, FatalBackendError, ModelConfig, StepPlan};
+use mla_core::{Backend, CacheLayout, FatalBackendError, ModelConfig, StepKind, StepPlan};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -15,12 +15,21 @@ pub struct Ranks {
     pub steps: Arc<AtomicUsize>,
     /// Every step's plan sizes per rank, to check idle ranks still take part.
     pub shapes: Arc<Mutex<Vec<Vec<usize>>>>,
+    /// Every step's kind per rank (`None`: idle).
+    pub kinds: Arc<Mutex<Vec<Vec<Option<StepKind>>>>>,
     pending: Option<Arc<Vec<StepPlan>>>,
 }
 
 impl Ranks {
     pub fn new(ranks: Vec<HistoryBackend>) -> Self {
-        Ranks { ranks, fatal_at: None, steps: Arc::default(), shapes: Arc::default(), pending: None }
+        Ranks {
+            ranks,
+            fatal_at: None,
+            steps: Arc::default(),
+            shapes: Arc::default(),
+            kinds: Arc::default(),
+            pending: None,
+        }
     }
 }
 
@@ -46,6 +55,7 @@ impl Backend for Ranks {
         let step = self.steps.fetch_add(1, Ordering::SeqCst) + 1;
         assert_eq!(plans.len(), self.ranks.len(), "one plan per rank, every step");
         self.shapes.lock().unwrap().push(plans.iter().map(|p| p.seqs.len()).collect());
+        self.kinds.lock().unwrap().push(plans.iter().map(|p| (!p.seqs.is_empty()).then_some(p.kind)).collect());
         if self.fatal_at.is_some_and(|f| step >= f) {
             return Err(FatalBackendError(format!("rank 1 died at step {step}")).into());
         }
