@@ -96,6 +96,20 @@ class Server:
         return self.proc.returncode
 
 
+def free_addr() -> str:
+    """A free 127.0.0.1 address for --dist-init-addr."""
+    return f"127.0.0.1:{free_port()}"
+
+
+def start_node(node_rank: int, addr: str, flags: list, *extra: str, nnodes: int = 2, env: dict | None = None):
+    """A node other than 0 of an `--nnodes` layout (it serves no HTTP), as a plain process; returns
+    the process and its log file's path."""
+    log = tempfile.NamedTemporaryFile(prefix=f"mla-node{node_rank}-", suffix=".log", delete=False)
+    cmd = [str(binary()), *flags, "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", addr, *extra]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return proc, log.name
+
+
 def run_cli(*args: str, env: dict | None = None, timeout=60) -> subprocess.CompletedProcess:
     """Runs the binary to completion (for flags that must fail at start)."""
     return subprocess.run(

@@ -14,16 +14,20 @@ the H200, docs/cuda-backend.md), so a smaller gap may flip in bf16 without any b
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
-from server import ROOT, Server
+from server import ROOT, Server, free_addr, start_node
 
 FIXTURES = ROOT / "tests" / "fixtures"
 DEMO = ROOT / "assets" / "demo"
 DEVICE = os.environ.get("MLA_E2E_DEVICE", "cpu")
 # More server flags, e.g. "--tp 2 --enable-dp-attention" (scripts/gpu_multi_run.sh).
 EXTRA_FLAGS = os.environ.get("MLA_E2E_FLAGS", "").split()
+# With N > 1 the layout is split over N processes on this host (`--nnodes N`), one GPU each on
+# cuda (node i sees GPU i only): the multi-node path without a second machine.
+NODES = int(os.environ.get("MLA_E2E_NODES", "1"))
 if DEVICE == "cuda":
     VARIANTS = ["real_dims"]
     NEAR_TIE = 0.05
@@ -49,7 +53,18 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, tmp_path / name)
     oracle = json.loads((src / "oracle.json").read_text())
-    server = Server("--model", str(tmp_path), "--served-model-name", variant, *DEVICE_FLAGS, *EXTRA_FLAGS)
+    flags = ["--model", str(tmp_path), *DEVICE_FLAGS, *EXTRA_FLAGS]
+    followers, node0 = [], []
+    if NODES > 1:
+        addr = free_addr()
+        followers = [start_node(i, addr, flags, nnodes=NODES, env=node_env(i)) for i in range(1, NODES)]
+        node0 = ["--nnodes", str(NODES), "--node-rank", "0", "--dist-init-addr", addr]
+    try:
+        server = Server(*flags, "--served-model-name", variant, *node0, env=node_env(0))
+    except Exception:
+        for proc, _ in followers:
+            proc.kill()
+        raise
     try:
         client = server.client()
         prompts = oracle["prompts"]
@@ -68,6 +83,12 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
             text_check(choice.text, p["continuation"][:k], got)
     finally:
         assert server.stop() == 0
+        for proc, log in followers:
+            assert proc.wait(timeout=60) == 0, Path(log).read_text()
+
+
+def node_env(node_rank):
+    return {"CUDA_VISIBLE_DEVICES": str(node_rank)} if NODES > 1 and DEVICE == "cuda" else None
 
 
 def text_check(text, want_ids, got_ids):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server import ROOT, Server
+from server import ROOT, Server, free_addr, start_node
 from test_hf_fixtures import comparable
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -112,3 +112,88 @@ def test_a_rank_that_dies_fails_its_requests_and_stops_the_server(tmp_path):
         assert "the engine stopped" in server.log_text() and "killed at step 4" in server.log_text()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("layout", ["dp-attention", "tensor-parallel"])
+def test_two_nodes_serve_hf_greedy_and_stop_together(layout, tmp_path):
+    """Two processes, one rank each, meeting at --dist-init-addr (the CPU ranks' collective goes
+    through node 0's hub): the same HF-fixture checks as one node; SIGTERM to node 0 stops node 1
+    cleanly too."""
+    from pathlib import Path
+
+    flags, attention_ranks = LAYOUTS[layout]
+    oracle = model_dir("v2_lite", tmp_path)
+    addr = free_addr()
+    common = ["--model", str(tmp_path), "--device", "cpu", *flags]
+    node1, log1 = start_node(1, addr, common)
+    server = Server(*common, "--served-model-name", "m", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
+    try:
+        assert "on 2 nodes" in server.log_text()
+        assert server.metrics()["mla:num_attention_ranks"] == attention_ranks
+        client = server.client()
+        prompts = oracle["prompts"] * 2
+
+        def greedy(p):
+            r = client.completions.create(model="m", prompt=p["prompt"], max_tokens=len(p["continuation"]),
+                                          temperature=0, logprobs=0,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(greedy, prompts))
+        for p, got in zip(prompts, outputs):
+            k = comparable(p)
+            assert got[:k] == p["continuation"][:k], f"{layout} {p['name']}"
+    finally:
+        assert server.stop() == 0
+        assert node1.wait(timeout=30) == 0, Path(log1).read_text()
+
+
+def test_a_node_that_dies_stops_node_0_with_an_error(tmp_path):
+    import signal
+    import time
+
+    import openai
+
+    model_dir("v2_lite", tmp_path)
+    addr = free_addr()
+    common = ["--model", str(tmp_path), "--device", "cpu", "--tp", "2", "--enable-dp-attention"]
+    node1, _ = start_node(1, addr, common)
+    server = Server(*common, "--served-model-name", "m", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr,
+                    "--shutdown-timeout", "2")
+    try:
+        client = server.client()
+        client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=4)
+        node1.send_signal(signal.SIGKILL)
+        node1.wait()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="m", prompt=[[4, 5, 6], [7, 8, 9]], max_tokens=8)
+        assert "node 1" in err.value.message
+        deadline = time.time() + 15
+        while server.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert server.proc.returncode not in (None, 0), "node 0 kept running after node 1 died"
+        assert "the engine stopped" in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_nodes_started_differently_or_alone_fail_with_the_reason(tmp_path):
+    """Mismatched layouts are refused on both sides; a node whose node 0 never comes gives up
+    at --dist-timeout naming the address."""
+    from pathlib import Path
+
+    from server import run_cli
+
+    model_dir("v2_lite", tmp_path)
+    addr = free_addr()
+    base = ["--model", str(tmp_path), "--device", "cpu", "--tp", "2", "--dist-timeout", "20"]
+    node1, log1 = start_node(1, addr, base + ["--enable-dp-attention"])
+    r = run_cli(*base, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr, "--port", "0")
+    assert r.returncode != 0 and "node 1 runs" in r.stderr, r.stderr
+    assert node1.wait(timeout=30) != 0
+    assert "refused" in Path(log1).read_text()
+
+    lonely, log = start_node(1, free_addr(), base[:-2] + ["--dist-timeout", "2"])
+    assert lonely.wait(timeout=30) != 0
+    assert "not reachable within 2 s" in Path(log).read_text()

@@ -7,7 +7,7 @@
 
 use crate::plan::StepPlan;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StepAgreement {
     /// Every rank replays its decode graph of `batch` rows, padding its own sequences (an idle
     /// rank: padding rows only).

@@ -5,7 +5,7 @@ use crate::plan::{StepOutput, StepPlan};
 use std::sync::Arc;
 
 /// Shape of a paged latent KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CacheLayout {
     /// Tokens per block.
     pub block_size: usize,

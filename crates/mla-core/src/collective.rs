@@ -120,17 +120,20 @@ struct Round {
     failed: Option<String>,
 }
 
-#[derive(Clone)]
-struct Contribution {
-    tag: Tag,
-    call: u64,
-    kind: Kind,
-    data: Vec<f32>,
-    counts: Vec<usize>,
+/// One rank's part of a collective call (also what a TCP rank sends its hub).
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Contribution {
+    /// The call's `Tag`, as text.
+    pub tag: String,
+    /// The number of this call on its rank.
+    pub call: u64,
+    pub kind: Kind,
+    pub data: Vec<f32>,
+    pub counts: Vec<usize>,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
+#[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Kind {
     AllReduce,
     AllGather,
     ReduceScatter,
@@ -243,19 +246,33 @@ impl ThreadRank {
 
     fn call(&mut self, tag: Tag, kind: Kind, data: &[f32], counts: &[usize]) -> Result<Vec<f32>, CollectiveError> {
         self.calls += 1;
-        let c = Contribution { tag, call: self.calls, kind, data: data.to_vec(), counts: counts.to_vec() };
-        self.run(c)
+        self.run(Contribution::new(tag, self.calls, kind, data, counts))
     }
 }
 
-/// Computes every rank's result once all contributions are in, after checking that the ranks
-/// agree on the call; an error says how they differ.
+impl Contribution {
+    pub(crate) fn new(tag: Tag, call: u64, kind: Kind, data: &[f32], counts: &[usize]) -> Self {
+        Contribution { tag: tag.to_string(), call, kind, data: data.to_vec(), counts: counts.to_vec() }
+    }
+}
+
+/// Computes every rank's result once all contributions are in.
 fn complete(round: &mut Round) -> Result<(), String> {
     let all: Vec<Contribution> = round.slots.iter().map(|s| s.clone().expect("every rank arrived")).collect();
+    let results = combine(&all)?;
+    round.results = results.into_iter().map(Some).collect();
+    Ok(())
+}
+
+/// Every rank's result of one collective call from all ranks' contributions (in rank order),
+/// after checking that the ranks agree on the call; an error says how they differ.
+pub(crate) fn combine(all: &[Contribution]) -> Result<Vec<Vec<f32>>, String> {
     let first = &all[0];
     let agree = all.iter().all(|c| c.tag == first.tag && c.call == first.call && c.kind == first.kind);
     if !agree {
-        return Err(format!("the ranks make different calls: {}", round.describe()));
+        let ranks: Vec<String> =
+            all.iter().enumerate().map(|(r, c)| format!("rank {r} is at call {} ({})", c.call, c.tag)).collect();
+        return Err(format!("the ranks make different calls: {}", ranks.join(", ")));
     }
     let world = all.len();
     let sum_of = |pick: &dyn Fn(&Contribution) -> &[f32]| -> Result<Vec<f32>, String> {
@@ -264,7 +281,7 @@ fn complete(round: &mut Round) -> Result<(), String> {
             return Err(format!("{}: rank {r} gives {} values, rank 0 gives {n}", first.tag, pick(c).len()));
         }
         let mut acc = vec![0f32; n];
-        for c in &all {
+        for c in all {
             for (a, x) in acc.iter_mut().zip(pick(c)) {
                 *a += x;
             }
@@ -315,8 +332,7 @@ fn complete(round: &mut Round) -> Result<(), String> {
                 .collect()
         }
     };
-    round.results = results.into_iter().map(Some).collect();
-    Ok(())
+    Ok(results)
 }
 
 /// Checks that `counts` has one entry per rank and that `rank` contributes `counts[rank]`.

@@ -5,11 +5,13 @@
 pub mod agreement;
 pub mod backend;
 pub mod checkpoint;
+pub mod cluster;
 pub mod collective;
 pub mod config;
 pub mod dummy;
 pub mod fault;
 pub mod fp8;
+pub mod group;
 pub mod parallel;
 pub mod plan;
 pub mod rng;

@@ -1,10 +1,11 @@
 //! `StepPlan`: everything a backend needs for one forward step, as plain data.
 //!
 //! The scheduler builds one per step; backends execute it. Nothing here refers to devices,
-//! strings or HTTP, so both sides can be tested alone.
+//! strings or HTTP, so both sides can be tested alone. Plans and outputs serialize, so the ranks
+//! of a group spanning several nodes receive them over the network.
 
 /// How a sequence draws its next token (the order of operations is in `sampling`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 selects greedy decoding.
     pub temperature: f32,
@@ -49,7 +50,7 @@ impl SamplingParams {
 }
 
 /// Which attention formulation the step runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StepKind {
     /// Normal (decompressed MHA) path for every sequence: prompt chunks, possibly continuing a
     /// cached prefix. A one-token entry is allowed and is simply a chunk of length one.
@@ -59,7 +60,7 @@ pub enum StepKind {
 }
 
 /// Which logits a sequence wants back (tests and scoring; serving normally asks for none).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum LogitsRequest {
     #[default]
     None,
@@ -70,14 +71,14 @@ pub enum LogitsRequest {
 }
 
 /// Token history a sampler needs for presence / frequency / repetition penalties.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PenaltyTokens {
     pub prompt: Vec<u32>,
     pub output: Vec<u32>,
 }
 
 /// Ask the backend to draw the next token from the last fed position.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SampleRequest {
     pub params: SamplingParams,
     /// Seed for this draw alone; the engine derives it from the request seed and the output
@@ -90,7 +91,7 @@ pub struct SampleRequest {
 }
 
 /// One sequence's share of a step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SeqStep {
     pub seq_id: u64,
     /// Tokens fed this step: a prompt chunk, or the one token sampled last step.
@@ -110,7 +111,7 @@ impl SeqStep {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepPlan {
     pub kind: StepKind,
     pub seqs: Vec<SeqStep>,
@@ -192,7 +193,7 @@ pub fn slot_of(block_table: &[u32], block_size: usize, pos: usize) -> usize {
 }
 
 /// The token a backend drew, with log-probabilities of the unmodified model distribution.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SampledToken {
     pub token: u32,
     /// Log-probability of `token`; filled when `top_logprobs` was asked for, else 0.
@@ -202,7 +203,7 @@ pub struct SampledToken {
 }
 
 /// One sequence's result, in the order of `StepPlan::seqs`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SeqResult {
     pub seq_id: u64,
     /// Rows of `vocab_size` logits as asked by `LogitsRequest` (empty for `None`).
@@ -210,7 +211,7 @@ pub struct SeqResult {
     pub sampled: Option<SampledToken>,
 }
 
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct StepOutput {
     pub seqs: Vec<SeqResult>,
 }

@@ -15,6 +15,9 @@ pub trait DeviceCollective {
     /// `buf` becomes the element-wise sum of every rank's `buf`.
     fn all_reduce_sum_f32(&self, buf: DSlice<f32>, stream: CUstream) -> anyhow::Result<()>;
 
+    /// `buf` becomes the element-wise minimum of every rank's `buf` (startup agreements).
+    fn all_reduce_min_f32(&self, buf: DSlice<f32>, stream: CUstream) -> anyhow::Result<()>;
+
     /// `out[r * send.len ..][.. send.len]` becomes rank r's `send`; `out.len == world * send.len`.
     fn all_gather_bf16(&self, send: DSlice<bf16>, out: DSlice<bf16>, stream: CUstream) -> anyhow::Result<()>;
 
@@ -51,8 +54,7 @@ pub trait DeviceCollective {
     fn aborter(&self) -> Aborter;
 }
 
-/// Aborts one rank's collectives from any thread (see `DeviceCollective::aborter`).
-pub type Aborter = std::sync::Arc<dyn Fn() + Send + Sync>;
+pub use mla_core::group::Aborter;
 
 /// How the ranks of a group reach each other: creates rank `rank`'s collective on its worker
 /// thread, with its device current. Every rank calls it at about the same time; it may block
@@ -70,6 +72,9 @@ impl DeviceCollective for NcclComm {
     }
     fn all_reduce_sum_f32(&self, buf: DSlice<f32>, stream: CUstream) -> anyhow::Result<()> {
         NcclComm::all_reduce_sum_f32(self, buf, stream)
+    }
+    fn all_reduce_min_f32(&self, buf: DSlice<f32>, stream: CUstream) -> anyhow::Result<()> {
+        NcclComm::all_reduce_min_f32(self, buf, stream)
     }
     fn all_gather_bf16(&self, send: DSlice<bf16>, out: DSlice<bf16>, stream: CUstream) -> anyhow::Result<()> {
         NcclComm::all_gather_bf16(self, send, out, stream)

@@ -4,7 +4,7 @@
 
 use crate::backend::{CudaBackend, CudaOptions, WeightsFrom};
 use crate::collective::NcclConnector;
-use crate::group::{CudaGroupBackend, GroupOptions};
+use crate::group::GroupOptions;
 use mla_core::{Backend, ModelConfig, Parallel};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +44,7 @@ pub fn backends_for(
                 watchdog,
                 connector: Arc::new(NcclConnector::new()?),
             };
-            Box::new(CudaGroupBackend::new(cfg.clone(), weights.clone(), opts, group)?)
+            Box::new(crate::group::local_group(cfg.clone(), weights.clone(), opts, group)?)
         });
     }
     Ok(backends)

@@ -142,7 +142,7 @@ pub struct RankJoin {
     pub layout: RankLayout,
     /// Connects this rank's device collective, on the worker thread once its device is current.
     pub connector: Arc<dyn GroupConnector>,
-    /// The host-side link to the other ranks' threads, to agree on the KV cache size.
+    /// The host-side link to the other ranks' threads of this process (a barrier before NCCL).
     pub host: ThreadRank,
 }
 
@@ -155,8 +155,8 @@ pub fn start_worker(
     join: Option<RankJoin>,
 ) -> anyhow::Result<Worker> {
     let dev = Device::new(opts.device)?;
-    let (layout, mode, mut host) = match join {
-        None => (RankLayout::SINGLE, RankMode::Single, None),
+    let (layout, mode) = match join {
+        None => (RankLayout::SINGLE, RankMode::Single),
         Some(mut j) => {
             let (rank, world) = (j.layout.rank, j.layout.world);
             // NCCL's setup waits for every rank without a timeout: meet on the host first, so
@@ -168,7 +168,7 @@ pub fn start_worker(
             // now, so the memory they take is gone before the KV cache is sized.
             warm_up(&dev, comm.as_ref()).with_context(|| format!("first collectives of rank {rank} of {world}"))?;
             let mode = if j.layout.dp_attention { RankMode::DpAttention(comm) } else { RankMode::TensorParallel(comm) };
-            (j.layout, mode, Some(j.host))
+            (j.layout, mode)
         }
     };
     let local = layout.local_config(&cfg);
@@ -200,14 +200,7 @@ pub fn start_worker(
         small_batch_gemv: opts.small_batch_gemv,
     };
     let weight_bytes = w.bytes();
-    // Every rank of a group takes the smallest cache any of them has room for.
-    let mut agree = |blocks: usize| -> anyhow::Result<usize> {
-        let Some(h) = host.as_mut() else { return Ok(blocks) };
-        let world = h.world();
-        let all = h.all_gather(Tag::new("kv blocks", 0), &[blocks as f32], &vec![1; world])?;
-        Ok(all.into_iter().map(|b| b as usize).min().unwrap_or(blocks))
-    };
-    let model = CudaModel::new_rank(&dev, local, w, &mopts, mode, &mut agree)?;
+    let model = CudaModel::new_rank(&dev, local, w, &mopts, mode)?;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let who = if layout.world > 1 {
         format!("rank {} of {} on cuda:{}", layout.rank, layout.world, opts.device)

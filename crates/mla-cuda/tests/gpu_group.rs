@@ -16,7 +16,7 @@ use common::*;
 use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::collective::NcclConnector;
-use mla_cuda::group::{CudaGroupBackend, GroupOptions};
+use mla_cuda::group::{local_group, CudaGroupBackend, GroupOptions};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,7 +48,7 @@ fn group(world: usize, dp_attention: bool) -> CudaGroupBackend {
         watchdog: Duration::from_secs(120),
         connector: Arc::new(NcclConnector::new().unwrap()),
     };
-    CudaGroupBackend::new(config(), WeightsFrom::Checkpoint(real_dims_dir()), options(), g).unwrap()
+    local_group(config(), WeightsFrom::Checkpoint(real_dims_dir()), options(), g).unwrap()
 }
 
 fn sample(i: usize) -> Option<SampleRequest> {

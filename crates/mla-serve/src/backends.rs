@@ -9,7 +9,7 @@ use crate::model_source::{ModelSource, WeightsFrom};
 use crate::sizing::{self, Sizing};
 use anyhow::bail;
 use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
-use mla_cpu::{CpuBackend, CpuGroupBackend};
+use mla_cpu::CpuBackend;
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::CudaOptions;
 use std::sync::Arc;
@@ -64,37 +64,63 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
     let cfg = source.config.clone();
     // Every rank keeps a whole latent cache (under TP each keeps the same one; under DP
     // attention each its own), and holds its shards plus the replicated tensors.
+    // With several nodes, this node holds its share of the ranks.
     let spec = ModelSpec::new(&cfg);
     let copy_params: usize = (0..parallel.tp).map(|r| spec.rank_params(&parallel.rank(r))).sum();
-    sizing::check_cpu_memory(parallel.replicas * copy_params, parallel.devices(), &sizing)?;
+    let nodes = args.nnodes;
+    sizing::check_cpu_memory(parallel.replicas * copy_params / nodes, parallel.devices() / nodes, &sizing)?;
+    let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };
+    if nodes > 1 {
+        let group = crate::nodes::lead(args, source, Device::Cpu, cuda_options(args), Some(cache))?;
+        return Ok(Loaded { backends: vec![group], sizing });
+    }
     let weights: Arc<dyn WeightSource + Send + Sync> = match &source.weights {
         WeightsFrom::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, &cfg)?),
         WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
     };
     let one_copy = Parallel { replicas: 1, ..parallel };
-    let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
     for _ in 0..parallel.replicas {
         backends.push(if one_copy.is_single() {
             Box::new(CpuBackend::new(cfg.clone(), weights.as_ref(), cache.block_size, cache.num_blocks)?)
         } else {
-            Box::new(CpuGroupBackend::new(cfg.clone(), weights.clone(), one_copy, cache, args.watchdog())?)
+            Box::new(mla_cpu::group::local_group(cfg.clone(), weights.clone(), one_copy, cache, args.watchdog())?)
         });
     }
     Ok(Loaded { backends, sizing })
 }
 
-fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
+/// What every node checks before its CUDA ranks start.
+fn check_cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<()> {
     if args.block_size != PAGE_SIZE {
         bail!("--block-size {}: the CUDA backend's kernels use blocks of {PAGE_SIZE} tokens", args.block_size);
     }
-    let cfg = &source.config;
-    let max_pos = cfg.max_position_embeddings;
+    let max_pos = source.config.max_position_embeddings;
     if let Some(m) = args.max_model_len.filter(|&m| m > max_pos) {
         bail!("--max-model-len {m} exceeds the model's max_position_embeddings ({max_pos})");
     }
-    let backends =
-        mla_cuda::layout::backends_for(cfg, &cuda_weights(source), &cuda_options(args), parallel, args.watchdog())?;
+    mla_cuda::model::check_supported(&source.config)?;
+    let here = parallel.devices() / args.nnodes;
+    let visible = mla_cuda::visible_gpus();
+    if args.nnodes > 1 && here > visible {
+        bail!(
+            "this node holds {here} ranks of --tp {} over --nnodes {} but sees {visible} GPUs",
+            parallel.tp,
+            args.nnodes
+        );
+    }
+    Ok(())
+}
+
+fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
+    check_cuda(source, args, parallel)?;
+    let cfg = &source.config;
+    let max_pos = cfg.max_position_embeddings;
+    let backends = if args.nnodes > 1 {
+        vec![crate::nodes::lead(args, source, Device::Cuda, cuda_options(args), None)?]
+    } else {
+        mla_cuda::layout::backends_for(cfg, &cuda_weights(source), &cuda_options(args), parallel, args.watchdog())?
+    };
     let smallest = backends.iter().flat_map(|b| b.cache_layouts()).map(|l| l.num_blocks).min().unwrap_or(0);
     let capacity = smallest * PAGE_SIZE;
     let max_model_len = match args.max_model_len {
@@ -110,7 +136,25 @@ fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result
     Ok(Loaded { backends, sizing })
 }
 
-fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
+/// A node other than 0 of `--nnodes`: starts its ranks and serves them for node 0 until node 0
+/// stops (see `nodes`).
+pub fn serve_for_node0(device: Device, source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<()> {
+    parallel.check(&source.config)?;
+    match device {
+        Device::Cuda => {
+            check_cuda(source, args, parallel)?;
+            crate::nodes::follow(args, source, device, cuda_options(args), None)
+        }
+        Device::Cpu => {
+            let sizing = sizing::cpu_sizing(&source.config, args)?;
+            let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };
+            crate::nodes::follow(args, source, device, cuda_options(args), Some(cache))
+        }
+        Device::Auto => bail!("internal error: --device auto must be resolved before loading"),
+    }
+}
+
+pub(crate) fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
     match &source.weights {
         WeightsFrom::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
         // The demo draws the same host-side weights as on the CPU, so both give the same replies;

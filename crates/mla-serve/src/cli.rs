@@ -77,6 +77,11 @@ pub struct Args {
     #[arg(long, value_name = "HOST:PORT")]
     pub dist_init_addr: Option<String>,
 
+    /// Seconds the nodes of --nnodes wait for each other at start (node 0 for the others to
+    /// join, the others for node 0 to be reachable) before giving up with an error.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub dist_timeout: f64,
+
     /// Seconds a step of a multi-rank layout may take before the server stops with an error
     /// instead of hanging (a rank stuck in a collective). SGLang's name and default.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
@@ -215,6 +220,9 @@ impl Args {
                 anyhow::bail!("--gpu-memory-utilization must be in (0, 1], got {u}")
             }
             _ => {}
+        }
+        if !(self.dist_timeout.is_finite() && self.dist_timeout > 0.0) {
+            anyhow::bail!("--dist-timeout must be a positive number of seconds, got {}", self.dist_timeout);
         }
         if !(self.watchdog_timeout.is_finite() && self.watchdog_timeout > 0.0) {
             anyhow::bail!("--watchdog-timeout must be a positive number of seconds, got {}", self.watchdog_timeout);

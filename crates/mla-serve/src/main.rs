@@ -5,6 +5,7 @@ mod cli;
 mod demo;
 mod hf_cache;
 mod model_source;
+mod nodes;
 mod presets;
 mod shutdown;
 mod sizing;
@@ -38,6 +39,10 @@ fn main() -> ExitCode {
 
 fn run(args: cli::Args) -> anyhow::Result<()> {
     tracing::info!("mla-serve {}", env!("CARGO_PKG_VERSION"));
+    if args.node_rank > 0 {
+        // Another node of --nnodes: no engine and no HTTP, only this node's ranks.
+        return startup::serve_for_node0(&args);
+    }
     // Loading is synchronous work; the async runtime starts only once there is something to serve.
     let started = startup::start(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -85,6 +85,17 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     Ok(Started { state: Arc::new(state), engine })
 }
 
+/// A node other than 0: resolves the model as node 0 does and serves this node's ranks.
+pub fn serve_for_node0(args: &Args) -> anyhow::Result<()> {
+    let device = args.check_supported()?;
+    let source = model_source::resolve(args)?;
+    let parallel = args.parallel()?;
+    let device = backends::resolve_device(device, &source.config, args)?;
+    backends::serve_for_node0(device, &source, args, parallel)?;
+    tracing::info!("node 0 stopped the group; exiting");
+    Ok(())
+}
+
 fn load_text(args: &Args, source: &ModelSource) -> anyhow::Result<TextPipeline> {
     let tokenizer = TextTokenizer::from_dir(&source.tokenizer_dir)?;
     let vocab = source.config.vocab_size;

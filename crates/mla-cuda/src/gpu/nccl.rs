@@ -24,6 +24,7 @@ const IN_PROGRESS: NcclResult = 7;
 const FLOAT32: c_int = 7;
 const BFLOAT16: c_int = 9;
 const SUM: c_int = 0;
+const MIN: c_int = 3;
 
 /// The 128-byte id every rank of a communicator starts from (`ncclUniqueId`). Plain bytes: it
 /// travels to the other ranks by any means (a thread, a TCP connection).
@@ -141,6 +142,19 @@ pub fn describe() -> anyhow::Result<String> {
 }
 
 impl NcclId {
+    /// The id as bytes, to send to another node.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.bytes.iter().map(|&c| c as u8).collect()
+    }
+
+    /// An id received from another node.
+    pub fn from_bytes(b: &[u8]) -> anyhow::Result<Self> {
+        anyhow::ensure!(b.len() == 128, "an NCCL id has 128 bytes, not {}", b.len());
+        let mut id = NcclId { bytes: [0; 128] };
+        id.bytes.iter_mut().zip(b).for_each(|(c, &x)| *c = x as c_char);
+        Ok(id)
+    }
+
     /// A fresh id (on the rank that bootstraps the communicator).
     pub fn new() -> anyhow::Result<Self> {
         let a = api()?;
@@ -190,10 +204,19 @@ impl NcclComm {
 
     /// In place: `buf` becomes the sum over ranks (queued on `stream`).
     pub fn all_reduce_sum_f32(&self, buf: DSlice<f32>, stream: CUstream) -> anyhow::Result<()> {
+        self.all_reduce_f32(buf, SUM, stream)
+    }
+
+    /// In place: `buf` becomes the element-wise minimum over ranks (startup agreements).
+    pub fn all_reduce_min_f32(&self, buf: DSlice<f32>, stream: CUstream) -> anyhow::Result<()> {
+        self.all_reduce_f32(buf, MIN, stream)
+    }
+
+    fn all_reduce_f32(&self, buf: DSlice<f32>, op: c_int, stream: CUstream) -> anyhow::Result<()> {
         let a = api()?;
         let p = buf.ptr as *mut c_void;
         // SAFETY: `buf` is a live device buffer of `len` floats on this communicator's device.
-        let r = unsafe { (a.all_reduce)(p, p, buf.len, FLOAT32, SUM, self.raw()?, stream) };
+        let r = unsafe { (a.all_reduce)(p, p, buf.len, FLOAT32, op, self.raw()?, stream) };
         a.check(r, "all-reduce")
     }
 

@@ -134,19 +134,18 @@ fn rows<T>(buf: &DeviceBuffer<T>, width: usize) -> Strided<'_, T> {
 
 impl CudaModel {
     pub fn new(dev: &Device, cfg: ModelConfig, weights: DeviceWeights, opts: &ModelOptions) -> anyhow::Result<Self> {
-        Self::new_rank(dev, cfg, weights, opts, RankMode::Single, &mut Ok)
+        Self::new_rank(dev, cfg, weights, opts, RankMode::Single)
     }
 
-    /// A rank of a group: `cfg` is the rank's own share, `mode` says how it meets the others,
-    /// and `agree_blocks` turns the KV blocks this device has room for into the count every
-    /// rank uses (the smallest), so all ranks of a step see the same cache size.
+    /// A rank of a group: `cfg` is the rank's own share and `mode` says how it meets the others.
+    /// Every rank of the group (on every node) takes the smallest KV cache any of them has room
+    /// for, so all ranks of a step see the same cache.
     pub fn new_rank(
         dev: &Device,
         cfg: ModelConfig,
         weights: DeviceWeights,
         opts: &ModelOptions,
         mode: RankMode,
-        agree_blocks: &mut dyn FnMut(usize) -> anyhow::Result<usize>,
     ) -> anyhow::Result<Self> {
         super::check_supported(&cfg)?;
         dev.gpu.sync()?;
@@ -178,7 +177,16 @@ impl CudaModel {
                 (budget / (row_bytes * PAGE_SIZE)).saturating_sub(1)
             }
         };
-        let num_blocks = agree_blocks(num_blocks)?;
+        let num_blocks = match mode.comm() {
+            None => num_blocks,
+            Some(comm) => {
+                // f32 holds block counts exactly (up to 2^24 blocks).
+                let buf = DeviceBuffer::from_host(&[num_blocks as f32])?;
+                comm.all_reduce_min_f32(buf.slice(), dev.stream())?;
+                dev.gpu.sync()?;
+                buf.download()?[0] as usize
+            }
+        };
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         anyhow::ensure!(
             num_blocks > 0,
