@@ -279,6 +279,25 @@ fn absorbed_decode_attention_matches_the_cpu_reference() {
     assert!(failures.is_empty(), "decode attention:\n{}", failures.join("\n"));
 }
 
+/// The head counts a rank has under tensor parallelism (V2-Lite at TP 8/4/2: 2, 4, 8 heads; V2
+/// and V3 at TP 8/4/2: 16, 32, 64) and V2's 128 on one GPU: the decode kernel on realistic logits
+/// (16-head tiles, so 2-8 heads leave most of a tile masked and 128 spans eight) and prefill
+/// attention (one block column per head), each against its reference as above.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn attention_at_the_head_counts_of_tensor_parallel_ranks() {
+    let dev = device();
+    let lens = [1usize, 65, 700, 4097];
+    let pages = lens.iter().map(|l| l.div_ceil(PAGE_SIZE)).max().unwrap();
+    let mut failures = Vec::new();
+    for (i, heads) in [2usize, 4, 8, 32, 64, 128].into_iter().enumerate() {
+        let splits = [1, dev.k.attention.splits(lens.len(), heads, pages), 5];
+        failures.extend(decode_latent_case(&dev, heads, &lens, &splits, 40 + i as u64));
+        run_prefill_case(heads, &[0, 37], &[130, 29], 16384, 50 + i as u64);
+    }
+    assert!(failures.is_empty(), "decode attention:\n{}", failures.join("\n"));
+}
+
 /// The decode kernel alone (q_abs in, o_lat out) against attention over the latent rows in f64,
 /// on logits the model produces rather than small random ones: a random part of std ≈ 1.8, a
 /// trend along the context of ±1.5 to ±4 per page (rising for even heads, so the row max moves

@@ -12,7 +12,9 @@ use half::bf16;
 use mla_cuda::gpu::DSlice;
 use mla_cuda::ops::*;
 
-const HEADS: usize = 16;
+/// Heads per rank: V2-Lite on one GPU, under TP8 and TP2, and V2 under TP2 (the kernels take
+/// one 16-head tile at a time, so 2 and 8 leave most of a tile masked and 64 spans four).
+const HEAD_COUNTS: [usize; 4] = [16, 2, 8, 64];
 
 /// Elements of `got` that are not finite or differ from `want` by more than one bf16 step at their
 /// magnitude plus 1/64 of a step at the output's rms: both paths round the same bf16 o_lat and
@@ -31,7 +33,7 @@ fn beyond_one_step(got: &[f32], want: &[f32]) -> usize {
 /// The two-launch path: the merge kernel into o_lat, then cuBLAS.
 fn two_launches(dev: &mla_cuda::Device, p: &SplitPartials, kv_b: &Linear, o_lat: DSlice<bf16>, out: DSlice<bf16>) {
     dev.k.attention.combine(dev.stream(), p, o_lat).unwrap();
-    dev.blas.absorb_o(kv_b, HEADS, o_lat, p.batch, out).unwrap();
+    dev.blas.absorb_o(kv_b, p.heads, o_lat, p.batch, out).unwrap();
 }
 
 /// Random partials (outputs of std ≈ 0.6, log-sum-exps spread over ±12 in log2 units, and empty
@@ -42,22 +44,27 @@ fn two_launches(dev: &mla_cuda::Device, p: &SplitPartials, kv_b: &Linear, o_lat:
 #[ignore = "needs an NVIDIA GPU"]
 fn combine_absorb_matches_two_launches_and_f64() {
     let dev = device();
-    let mut rng = Rng::new(51);
-    let kvw = HEADS * (NOPE + V_HEAD);
-    let kv_b_h = random_kv_b(&mut rng, HEADS);
+    let failures: Vec<String> = HEAD_COUNTS.iter().flat_map(|&heads| combine_absorb_case(&dev, heads)).collect();
+    assert!(failures.is_empty(), "combine + absorb_o:\n{}", failures.join("\n"));
+}
+
+fn combine_absorb_case(dev: &mla_cuda::Device, heads: usize) -> Vec<String> {
+    let mut rng = Rng::new(51 + heads as u64);
+    let kvw = heads * (NOPE + V_HEAD);
+    let kv_b_h = random_kv_b(&mut rng, heads);
     let d_kvb = up_bf16(&kv_b_h);
     let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
     let mut failures = Vec::new();
     for batch in 1..=COMBINE_ABSORB_MAX_BATCH {
         for splits in [1usize, 8, 33, 64] {
-            let mut part_o = rng.uniform(batch * splits * HEADS * LATENT, 1.0);
-            let mut part_lse: Vec<f32> = rng.uniform(batch * splits * HEADS, 12.0);
+            let mut part_o = rng.uniform(batch * splits * heads * LATENT, 1.0);
+            let mut part_lse: Vec<f32> = rng.uniform(batch * splits * heads, 12.0);
             for b in 0..batch {
                 for s in 0..splits {
                     let empty = (b == 1 && s == splits - 1 && splits > 1) || (b == 3 && s % 3 == 2);
                     if empty {
-                        for h in 0..HEADS {
-                            let row = (b * splits + s) * HEADS + h;
+                        for h in 0..heads {
+                            let row = (b * splits + s) * heads + h;
                             part_lse[row] = f32::NEG_INFINITY;
                             part_o[row * LATENT..(row + 1) * LATENT].fill(0.0);
                         }
@@ -65,47 +72,42 @@ fn combine_absorb_matches_two_launches_and_f64() {
                 }
             }
             // f64 reference: the merge, o_lat rounded to bf16 as both device paths store it, the product.
-            let mut o_lat = vec![0f32; batch * HEADS * LATENT];
+            let mut o_lat = vec![0f32; batch * heads * LATENT];
             for b in 0..batch {
-                for h in 0..HEADS {
-                    let lse: Vec<f64> = (0..splits).map(|s| part_lse[(b * splits + s) * HEADS + h] as f64).collect();
+                for h in 0..heads {
+                    let lse: Vec<f64> = (0..splits).map(|s| part_lse[(b * splits + s) * heads + h] as f64).collect();
                     let mx = lse.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let w: Vec<f64> =
                         lse.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { (l - mx).exp2() }).collect();
                     let total: f64 = w.iter().sum();
                     for c in 0..LATENT {
                         let acc: f64 = (0..splits)
-                            .map(|s| w[s] * part_o[((b * splits + s) * HEADS + h) * LATENT + c] as f64)
+                            .map(|s| w[s] * part_o[((b * splits + s) * heads + h) * LATENT + c] as f64)
                             .sum();
-                        o_lat[(b * HEADS + h) * LATENT + c] = bf16::from_f64(acc / total).to_f32();
+                        o_lat[(b * heads + h) * LATENT + c] = bf16::from_f64(acc / total).to_f32();
                     }
                 }
             }
-            let mut want = vec![0f32; batch * HEADS * V_HEAD];
+            let mut want = vec![0f32; batch * heads * V_HEAD];
             for b in 0..batch {
-                for h in 0..HEADS {
+                for h in 0..heads {
                     for d in 0..V_HEAD {
                         let wrow = &kv_b_h[(h * (NOPE + V_HEAD) + NOPE + d) * LATENT..][..LATENT];
-                        let o = &o_lat[(b * HEADS + h) * LATENT..][..LATENT];
-                        want[b * HEADS * V_HEAD + h * V_HEAD + d] =
+                        let o = &o_lat[(b * heads + h) * LATENT..][..LATENT];
+                        want[b * heads * V_HEAD + h * V_HEAD + d] =
                             wrow.iter().zip(o).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>() as f32;
                     }
                 }
             }
             let (d_po, d_lse) = (up(&part_o), up(&part_lse));
-            let rows = batch * HEADS * V_HEAD;
-            let fused = up(&vec![bf16::NAN; rows + HEADS * V_HEAD]);
-            let partials = SplitPartials {
-                part_o: d_po.slice(),
-                part_lse: d_lse.slice(),
-                heads: HEADS,
-                num_splits: splits,
-                batch,
-            };
+            let rows = batch * heads * V_HEAD;
+            let fused = up(&vec![bf16::NAN; rows + heads * V_HEAD]);
+            let partials =
+                SplitPartials { part_o: d_po.slice(), part_lse: d_lse.slice(), heads, num_splits: splits, batch };
             dev.k.attention.decode_combine_absorb_o(dev.stream(), &partials, &kv_b, fused.slice()).unwrap();
-            let d_olat = up(&vec![bf16::NAN; batch * HEADS * LATENT]);
+            let d_olat = up(&vec![bf16::NAN; batch * heads * LATENT]);
             let two = up(&vec![bf16::NAN; rows]);
-            two_launches(&dev, &partials, &kv_b, d_olat.slice(), two.slice());
+            two_launches(dev, &partials, &kv_b, d_olat.slice(), two.slice());
             dev.gpu.sync().unwrap();
             let got = down_bf16(fused.slice());
             let (got, tail) = got.split_at(rows);
@@ -114,13 +116,13 @@ fn combine_absorb_matches_two_launches_and_f64() {
             let e_two = rel_l2(&two, &want);
             let off = beyond_one_step(got, &two);
             let same = got.iter().zip(&two).filter(|(a, b)| a == b).count();
-            println!("batch {batch} splits {splits}: fused rel err {e:.2e} (two launches {e_two:.2e}); fused vs two launches: {same}/{rows} equal, {off} beyond one bf16 step");
+            println!("heads {heads} batch {batch} splits {splits}: fused rel err {e:.2e} (two launches {e_two:.2e}); fused vs two launches: {same}/{rows} equal, {off} beyond one bf16 step");
             if e >= 4e-3 || off > 0 || tail.iter().any(|x| !x.is_nan()) {
-                failures.push(format!("batch {batch}, {splits} splits: rel err {e:.2e}, {off} beyond one step of the two-launch path, row past the batch written: {}", tail.iter().any(|x| !x.is_nan())));
+                failures.push(format!("heads {heads}, batch {batch}, {splits} splits: rel err {e:.2e}, {off} beyond one step of the two-launch path, row past the batch written: {}", tail.iter().any(|x| !x.is_nan())));
             }
         }
     }
-    assert!(failures.is_empty(), "combine + absorb_o:\n{}", failures.join("\n"));
+    failures
 }
 
 /// The whole small-batch tail on real attention: `decode_attention_partials` +
@@ -131,11 +133,16 @@ fn combine_absorb_matches_two_launches_and_f64() {
 #[ignore = "needs an NVIDIA GPU"]
 fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
     let dev = device();
+    let failures: Vec<String> = HEAD_COUNTS.iter().flat_map(|&heads| partials_case(&dev, heads)).collect();
+    assert!(failures.is_empty(), "partials + combine_absorb_o:\n{}", failures.join("\n"));
+}
+
+fn partials_case(dev: &mla_cuda::Device, heads: usize) -> Vec<String> {
     let (s, k) = (dev.stream(), &dev.k);
-    let mut rng = Rng::new(52);
+    let mut rng = Rng::new(52 + heads as u64);
     let lat = LATENT + ROPE;
-    let kvw = HEADS * (NOPE + V_HEAD);
-    let d_kvb = up_bf16(&random_kv_b(&mut rng, HEADS));
+    let kvw = heads * (NOPE + V_HEAD);
+    let d_kvb = up_bf16(&random_kv_b(&mut rng, heads));
     let kv_b = Linear::new(d_kvb.slice(), kvw, LATENT);
     let all_lens = [1usize, 70, 300, 1000];
     let stride = 1000usize.div_ceil(PAGE_SIZE);
@@ -148,10 +155,10 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
     let mut failures = Vec::new();
     for batch in 1..=COMBINE_ABSORB_MAX_BATCH {
         let lens = up(&all_lens[..batch].iter().map(|&l| l as i32).collect::<Vec<_>>());
-        let q = up_bf16(&rng.uniform(batch * HEADS * lat, 2.0));
+        let q = up_bf16(&rng.uniform(batch * heads * lat, 2.0));
         let case = DecodeCase {
             batch,
-            heads: HEADS,
+            heads,
             q: q.slice(),
             cache: cache.slice(),
             block_tables: tables.slice(),
@@ -160,16 +167,16 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
             scale: 0.1147,
         };
         for splits in [1usize, 8, 33, 64] {
-            let outputs = DecodeOutputs::poisoned(batch, HEADS, splits);
+            let outputs = DecodeOutputs::poisoned(batch, heads, splits);
             let p = case.params(splits, &outputs);
-            let want = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
+            let want = up(&vec![bf16::NAN; batch * heads * V_HEAD]);
             k.attention.decode(s, &p).unwrap();
-            dev.blas.absorb_o(&kv_b, HEADS, outputs.o_lat.slice(), batch, want.slice()).unwrap();
+            dev.blas.absorb_o(&kv_b, heads, outputs.o_lat.slice(), batch, want.slice()).unwrap();
             // The uploads below do not wait for the stream.
             dev.gpu.sync().unwrap();
             // The fused path must not need o_lat: poison it again.
             outputs.poison();
-            let got = up(&vec![bf16::NAN; batch * HEADS * V_HEAD]);
+            let got = up(&vec![bf16::NAN; batch * heads * V_HEAD]);
             k.attention.decode_partials(s, &p).unwrap();
             k.attention.decode_combine_absorb_o(s, &p.partials(), &kv_b, got.slice()).unwrap();
             dev.gpu.sync().unwrap();
@@ -178,14 +185,14 @@ fn partials_then_combine_absorb_match_decode_attention_then_absorb_o() {
             let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
             let untouched = down_bf16(outputs.o_lat.slice()).iter().all(|x| x.is_nan());
             println!(
-                "attention batch {batch} splits {splits}: {same}/{} equal, {off} beyond one bf16 step, rel {:.2e}",
+                "attention heads {heads} batch {batch} splits {splits}: {same}/{} equal, {off} beyond one bf16 step, rel {:.2e}",
                 got.len(),
                 rel_l2(&got, &want)
             );
             if off > 0 || !untouched || want.iter().any(|x| !x.is_finite()) {
-                failures.push(format!("batch {batch}, {splits} splits: {off} beyond one step, o_lat untouched by the partials path: {untouched}"));
+                failures.push(format!("heads {heads}, batch {batch}, {splits} splits: {off} beyond one step, o_lat untouched by the partials path: {untouched}"));
             }
         }
     }
-    assert!(failures.is_empty(), "partials + combine_absorb_o:\n{}", failures.join("\n"));
+    failures
 }

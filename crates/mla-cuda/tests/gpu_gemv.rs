@@ -34,10 +34,13 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
     let mut gemv = SmallLinear::new(true);
     gemv.max_rows = GEMV_KERNEL_MAX_ROWS;
     let mut rng = Rng::new(21);
-    // (out, in): q_proj, kv_a, o_proj, shared gate_up, shared down, dense down, lm_head slice.
-    for (n, k) in
-        [(3072, 2048), (576, 2048), (2048, 2048), (5632, 2048), (2048, 2816), (2048, 10944), (12800, 2048), (13, 24)]
-    {
+    // (out, in): q_proj, kv_a, o_proj, shared gate_up, shared down, dense down, lm_head slice;
+    // then a rank's shards under tensor parallelism: at TP 8 q_proj, o_proj, shared gate_up and
+    // down, dense gate_up and down (K = 1368 is not a multiple of 64), and at TP 2 dense down.
+    let one_gpu =
+        [(3072, 2048), (576, 2048), (2048, 2048), (5632, 2048), (2048, 2816), (2048, 10944), (12800, 2048), (13, 24)];
+    let tp_ranks = [(384, 2048), (2048, 256), (704, 2048), (2048, 352), (2736, 2048), (2048, 1368), (2048, 5472)];
+    for (n, k) in one_gpu.into_iter().chain(tp_ranks) {
         let w = round(&rng.uniform(n * k, 0.05));
         let wd = up_bf16(&w);
         let lin = Linear::new(wd.slice(), n, k);
