@@ -10,12 +10,19 @@
 #   group-tests   gpu_group: one-rank NCCL groups bit-equal to one GPU; TP and DP attention
 #                 over 2..N ranks against one GPU (real_dims fixture)
 #   hf-MODE       HF-fixture greedy outputs through the real server in MODE (real_dims, bf16)
+#   nodes-MODE    the same over N processes of one GPU each (--nnodes N on one host): the
+#                 multi-node path; MODE tp or dpa
 #   chat-MODE     V2-Lite shape, dummy weights: 48 concurrent chats over HTTP, /metrics ranks
 #   kill-rank     DP attention with rank 1 killed at its 40th step (MLA_TEST_KILL_RANK): every
 #                 request answered, the server exits non-zero within 60 s
 #   engine-MODE   mla-bench engine (V2-Lite, dummy weights): prefill and decode at 256 sequences
 #                 per GPU, ctx 4k                                           engine-MODE.json
 #   serve-MODE    mla-bench serve at concurrency 256 per GPU                serve-MODE.json
+#   collectives   mla-bench collectives: NCCL all-reduce, all-gather, reduce-scatter (and the
+#                 packed -v forms) at 1..8192 rows per rank, eager and from graphs  collectives.json
+#   idle-ranks    DP attention, one streamed request at a time with random lengths for
+#                 MLA_IDLE_SECONDS (600), then bursts: no failure, no token gap over 10x the
+#                 median (scripts/idle_ranks.py)                          idle-ranks.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -54,9 +61,10 @@ modes="single replicas tp dpa"
 expanded=()
 for s in "${stages[@]}"; do
   case "$s" in
-    correctness) expanded+=(group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank) ;;
+    correctness) expanded+=(group-tests hf-tp hf-dpa nodes-tp nodes-dpa chat-replicas chat-tp chat-dpa kill-rank) ;;
     bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
-    group-tests | kill-rank) expanded+=("$s") ;;
+    group-tests | kill-rank | collectives | idle-ranks) expanded+=("$s") ;;
+    nodes-tp | nodes-dpa) expanded+=("$s") ;;
     hf-* | chat-* | engine-* | serve-*)
       [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
       expanded+=("$s") ;;
@@ -101,9 +109,11 @@ flags_of() {
   esac
 }
 
+idle_seconds="${MLA_IDLE_SECONDS:-600}"
 limit_of() {
   local var="MLA_RUN_TIMEOUT_$(echo "$1" | tr 'a-z-' 'A-Z_')" default=300
   [[ "$1" == group-tests ]] && default=600
+  [[ "$1" == idle-ranks ]] && default=$((idle_seconds + 180))
   echo "${!var:-$default}"
 }
 
@@ -114,7 +124,7 @@ run_logged() {
   if ((dry)); then echo "  + timeout $(limit_of "$name") $* > $out/$name.log 2>&1"; return 0; fi
   timeout -k 10 "$(limit_of "$name")" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  grep -E '^(test |test result|one rank|TP |DP attention|prefill|decode|ok|FAIL|error|summary|  )' "$out/$name.log" | head -40
+  grep -E '^(test |test result|one rank|TP |DP attention|prefill|decode|ok|FAIL|error|summary|op  |AllReduce|AllGather|ReduceScatter|  )' "$out/$name.log" | head -40
   ((rc == 0)) || { echo "  exit status $rc; last lines:"; tail -n 8 "$out/$name.log" | sed 's/^/    /'; }
   return $rc
 }
@@ -160,15 +170,16 @@ v2lite_server() {
 stage_group_tests() { run_logged group-tests "$bins/gpu_group" --ignored --test-threads 1 --nocapture; }
 
 stage_hf() {
-  local mode=$1
+  local mode=$1 nodes=${2:-1} name=hf-$1
+  ((nodes > 1)) && name=nodes-$1
   ((dry)) || [[ -x "$bins/mla-serve" ]] || { echo "  $bins/mla-serve missing"; return 1; }
   # The e2e test needs the openai package; wheels in .whl/ serve a machine without an index.
   if ((!dry)) && compgen -G ".whl/*.whl" > /dev/null && [[ ! -d "$work/site" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$work/site" .whl/*.whl > /dev/null
   fi
   [[ -d "$work/site" ]] && export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
-  MLA_E2E_DEVICE=cuda MLA_E2E_FLAGS="$(flags_of "$mode")" MLA_SERVE_BIN="$bins/mla-serve" \
-    run_logged "hf-$mode" python3 -m pytest -q tests/e2e/test_hf_fixtures.py
+  MLA_E2E_DEVICE=cuda MLA_E2E_FLAGS="$(flags_of "$mode")" MLA_E2E_NODES=$nodes MLA_SERVE_BIN="$bins/mla-serve" \
+    run_logged "$name" python3 -m pytest -q tests/e2e/test_hf_fixtures.py
 }
 
 stage_chat() {
@@ -247,13 +258,28 @@ stage_serve() {
   return $rc
 }
 
+stage_collectives() {
+  run_logged collectives "$bins/mla-bench" collectives --gpus "$gpus" --out "$out/collectives.json"
+}
+
+stage_idle_ranks() {
+  v2lite_server "$out/idle-ranks.server.log" --tp "$gpus" --enable-dp-attention || return 1
+  run_logged idle-ranks python3 scripts/idle_ranks.py "http://127.0.0.1:$port" "$idle_seconds" "$out/idle-ranks.json"
+  local rc=$?
+  server_stop || rc=1
+  return $rc
+}
+
 status=0
 for s in "${stages[@]}"; do
   stamp "$s"
   case "$s" in
     group-tests) stage_group_tests ;;
     kill-rank) stage_kill_rank ;;
+    collectives) stage_collectives ;;
+    idle-ranks) stage_idle_ranks ;;
     hf-*) stage_hf "${s#hf-}" ;;
+    nodes-*) stage_hf "${s#nodes-}" "$gpus" ;;
     chat-*) stage_chat "${s#chat-}" ;;
     engine-*) stage_engine "${s#engine-}" ;;
     serve-*) stage_serve "${s#serve-}" ;;

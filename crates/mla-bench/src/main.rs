@@ -4,11 +4,14 @@
 //! - `engine`: the real engine + CUDA backend offline (no HTTP): prefill and decode throughput.
 //! - `host`: the host work between decode steps on the CPU alone (real engine, instant backend).
 //! - `profile`: eager steps between cuProfilerStart/Stop, for a per-kernel breakdown under ncu.
+//! - `collectives`: NCCL all-reduce, all-gather and reduce-scatter at the sizes the multi-GPU
+//!   steps move, eager and from CUDA graphs, one thread per GPU.
 //! - `serve`: a load generator against any OpenAI-compatible server, with `vllm bench serve`'s
 //!   metric definitions, as a table and as JSON.
 //!
 //! Every JSON result carries the GPU, the UTC date, the commit (`MLA_GIT_COMMIT`) and the command.
 
+mod collectives;
 mod dataset;
 mod dummy_model;
 mod engine_bench;
@@ -129,6 +132,24 @@ enum Cmd {
         /// Prompt length of the prefill step (0: no prefill step).
         #[arg(long, default_value_t = 4096)]
         prefill_len: usize,
+    },
+    /// NCCL collectives at the sizes a multi-GPU step moves (TP all-reduce, DP-attention gathers
+    /// and reduce-scatters), eager and replayed from CUDA graphs.
+    Collectives {
+        /// GPUs (ranks), one thread each.
+        #[arg(long, default_value_t = 2)]
+        gpus: usize,
+        /// Model hidden size (V2-Lite 2048, V2 5120, V3 7168).
+        #[arg(long, default_value_t = 2048)]
+        hidden: usize,
+        /// Tokens per rank, one case each, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,128,256,1024,4096,8192")]
+        rows: Vec<usize>,
+        /// Collectives per timed batch and per captured graph.
+        #[arg(long, default_value_t = 50)]
+        iters: usize,
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Load generator against an OpenAI-compatible server (`/v1/completions`, streamed).
     Serve {
@@ -260,6 +281,10 @@ fn main() -> anyhow::Result<()> {
             );
             let v = report::envelope("none (CPU only)", r);
             println!("{}", serde_json::to_string_pretty(&v)?);
+            report::write(out.as_deref(), &v)
+        }
+        Cmd::Collectives { gpus, hidden, rows, iters, out } => {
+            let v = collectives::run(&collectives::CollectiveArgs { gpus, hidden, rows, iters })?;
             report::write(out.as_deref(), &v)
         }
         Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, &batch, context, prefill_len),
