@@ -159,9 +159,12 @@ pub fn start_worker(
         None => (RankLayout::SINGLE, RankMode::Single),
         Some(mut j) => {
             let (rank, world) = (j.layout.rank, j.layout.world);
-            // NCCL's setup waits for every rank without a timeout: meet on the host first, so
-            // a rank whose device failed to open stops the others here instead.
-            j.host.all_gather(Tag::new("device ready", 0), &[1.0], &vec![1; world])?;
+            // NCCL's setup waits for every rank without a timeout: meet this process's other
+            // ranks on the host first, so a rank whose device failed to open stops them here
+            // instead (ranks on other nodes are covered by node 0's start-up wait). The host
+            // group is this node's ranks only, not the whole `world`.
+            let here = j.host.world();
+            j.host.all_gather(Tag::new("device ready", 0), &[1.0], &vec![1; here])?;
             let comm =
                 j.connector.connect(rank, world).with_context(|| format!("connecting rank {rank} of {world}"))?;
             // NCCL sets up its buffers at a communicator's first collectives: run each kind once
