@@ -23,6 +23,9 @@
 #   idle-ranks    DP attention, one streamed request at a time with random lengths for
 #                 MLA_IDLE_SECONDS (600), then bursts: no failure, no token gap over 10x the
 #                 median (scripts/idle_ranks.py)                          idle-ranks.json
+#   soak          DP attention, mixed traffic with client aborts at concurrency 256 per GPU for
+#                 MLA_SOAK_SECONDS (1800): no failure, back to idle, memory flat
+#                 (scripts/soak.py)                                        soak.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -63,7 +66,7 @@ for s in "${stages[@]}"; do
   case "$s" in
     correctness) expanded+=(group-tests hf-tp hf-dpa nodes-tp nodes-dpa chat-replicas chat-tp chat-dpa kill-rank) ;;
     bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
-    group-tests | kill-rank | collectives | idle-ranks) expanded+=("$s") ;;
+    group-tests | kill-rank | collectives | idle-ranks | soak) expanded+=("$s") ;;
     nodes-tp | nodes-dpa) expanded+=("$s") ;;
     hf-* | chat-* | engine-* | serve-*)
       [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
@@ -110,10 +113,12 @@ flags_of() {
 }
 
 idle_seconds="${MLA_IDLE_SECONDS:-600}"
+soak_seconds="${MLA_SOAK_SECONDS:-1800}"
 limit_of() {
   local var="MLA_RUN_TIMEOUT_$(echo "$1" | tr 'a-z-' 'A-Z_')" default=300
   [[ "$1" == group-tests ]] && default=600
   [[ "$1" == idle-ranks ]] && default=$((idle_seconds + 180))
+  [[ "$1" == soak ]] && default=$((soak_seconds + 180))
   echo "${!var:-$default}"
 }
 
@@ -270,6 +275,15 @@ stage_idle_ranks() {
   return $rc
 }
 
+stage_soak() {
+  v2lite_server "$out/soak.server.log" --tp "$gpus" --enable-dp-attention || return 1
+  run_logged soak python3 scripts/soak.py "http://127.0.0.1:$port" "$soak_seconds" $((256 * gpus)) "$out/soak.json" \
+    "${server_pid:--}"
+  local rc=$?
+  server_stop || rc=1
+  return $rc
+}
+
 status=0
 for s in "${stages[@]}"; do
   stamp "$s"
@@ -278,6 +292,7 @@ for s in "${stages[@]}"; do
     kill-rank) stage_kill_rank ;;
     collectives) stage_collectives ;;
     idle-ranks) stage_idle_ranks ;;
+    soak) stage_soak ;;
     hf-*) stage_hf "${s#hf-}" ;;
     nodes-*) stage_hf "${s#nodes-}" "$gpus" ;;
     chat-*) stage_chat "${s#chat-}" ;;
