@@ -14,6 +14,12 @@
 #                  mla-serve (V2-Lite shape, dummy weights,   server-steps.log
 #                  a tokenizer covering its whole vocabulary)
 #   tests          scripts/gpu_tests.sh DIR                   gpu-tests.log
+#   prefix-cache   the prefix-cache e2e test on cuda, then     prefix-{multiturn,shared,random}-
+#                  with caching on and off: 64 conversations   {on,off}.json, prefix-e2e.log
+#                  of 8 turns of 512 tokens (128 out) at c=64,
+#                  1000 prompts of a shared 2000-token prefix
+#                  + 200 own tokens (128 out) at c=64, and
+#                  1024 random 1024/256 prompts at c=256
 #   ncu            ncu per-kernel times of eager steps        ncu.csv, ncu-breakdown.md
 #   all            kernels engine engine-nopdl serve-c1 serve-c256 tests (not ncu)
 # Every stage also leaves its whole output in STAGE.log (the tests stage: gpu-tests.log); the
@@ -67,7 +73,7 @@ expanded=()
 for s in "${stages[@]}"; do
   case "$s" in
     all) expanded+=(kernels engine engine-nopdl serve-c1 serve-c256 tests) ;;
-    kernels | engine | engine-nopdl | tests | ncu) expanded+=("$s") ;;
+    kernels | engine | engine-nopdl | tests | ncu | prefix-cache) expanded+=("$s") ;;
     serve-c[1-9]*) [[ "$s" =~ ^serve-c[0-9]+$ ]] || { echo "unknown stage $s" >&2; usage; }; expanded+=("$s") ;;
     *) echo "unknown stage $s" >&2; usage ;;
   esac
@@ -118,7 +124,7 @@ limit_of() {
     engine | serve-c256 | ncu) default=300 ;;
     serve-c1) default=120 ;;
     serve-c*) default=240 ;;
-    tests) default=600 ;;
+    tests | prefix-cache) default=600 ;;
   esac
   echo "${!var:-$default}"
 }
@@ -207,6 +213,8 @@ server_up() {
   quiet python3 scripts/wide_tokenizer.py assets/demo "$tok" "$vocab" || return 1
   local cmd=("$bins/mla-serve" --model deepseek-v2-lite --load-format dummy --device cuda --tokenizer "$tok"
     --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 --port "$port")
+  # shellcheck disable=SC2206 # extra flags are words
+  cmd+=(${MLA_RUN_SERVER_ARGS:-})
   if ((dry)); then
     show "${cmd[@]}"; echo " >> $out/server.log 2>&1 &"
     server_state=up
@@ -263,13 +271,39 @@ stage_serve() {
     --num-prompts "$prompts" --max-concurrency "$c" --ignore-eos --gpu "$gpu_name" --out "$out/$name.json"
 }
 
-stage_tests() {
-  # The e2e test needs the openai package; wheels in .whl/ serve a machine without an index.
-  if compgen -G ".whl/*.whl" > /dev/null; then
+wheels() {
+  # The e2e tests need the openai package; wheels in .whl/ serve a machine without an index.
+  if compgen -G ".whl/*.whl" > /dev/null && [[ ! -d "$work/site" ]]; then
     quiet python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$work/site" .whl/*.whl || return 1
-    export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
+  [[ -d "$work/site" ]] && export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+  return 0
+}
+
+stage_prefix_cache() {
+  local rc=0 mode bench=("$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --ignore-eos --gpu "$gpu_name")
+  wheels || return 1
+  MLA_E2E_DEVICE=cuda MLA_SERVE_BIN="$bins/mla-serve" bounded 120 "$out/prefix-e2e.log" 'passed|failed|Error' \
+    python3 -m pytest -q tests/e2e/test_prefix_cache.py || rc=1
+  for mode in on off; do
+    MLA_RUN_SERVER_ARGS="$([[ $mode == off ]] && echo --no-enable-prefix-caching)" server_up || return 1
+    bounded 150 "$out/prefix-multiturn-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
+      --dataset multi-turn --num-prompts 64 --num-turns 8 --input-len 512 --output-len 128 --max-concurrency 64 \
+      --out "$out/prefix-multiturn-$mode.json" || rc=1
+    bounded 150 "$out/prefix-shared-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
+      --dataset prefix-repetition --num-prompts 1000 --prefix-len 2000 --input-len 200 --output-len 128 \
+      --max-concurrency 64 --out "$out/prefix-shared-$mode.json" || rc=1
+    bounded 150 "$out/prefix-random-$mode.log" 'Output token throughput|Median TTFT|hit rate|Failed' "${bench[@]}" \
+      --input-len 1024 --output-len 256 --num-prompts 1024 --max-concurrency 256 \
+      --out "$out/prefix-random-$mode.json" || rc=1
+    server_down
+  done
+  return $rc
+}
+
+stage_tests() {
+  wheels || return 1
   bounded "$(limit_of tests)" "$out/gpu-tests.log" \
     '^== |test result|panicked|FAILED|passed|failed|KV cache|graphs|requests' scripts/gpu_tests.sh "$bins"
 }
@@ -304,6 +338,7 @@ for s in "${stages[@]}"; do
     serve-c*) stage_serve "$s" ;;
     tests) stage_tests ;;
     ncu) stage_ncu ;;
+    prefix-cache) stage_prefix_cache ;;
   esac
   rc=$?
   ((rc == 0)) || failed+=("$s")

@@ -26,6 +26,44 @@ pub fn random(n: usize, input_len: usize, output_len: usize, ids: (u32, u32), se
         .collect()
 }
 
+/// vLLM's `prefix_repetition`: `n` prompts, each one of `num_prefixes` shared prefixes of
+/// `prefix_len` random ids followed by `suffix_len` ids of its own.
+pub fn prefix_repetition(
+    n: usize,
+    prefix_len: usize,
+    suffix_len: usize,
+    num_prefixes: usize,
+    output_len: usize,
+    ids: (u32, u32),
+    seed: u64,
+) -> Vec<Prompt> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut draw = |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(ids.0..ids.1)).collect() };
+    let prefixes: Vec<Vec<u32>> = (0..num_prefixes.max(1)).map(|_| draw(prefix_len)).collect();
+    (0..n)
+        .map(|i| {
+            let mut toks = prefixes[i % prefixes.len()].clone();
+            toks.extend(draw(suffix_len));
+            Prompt { prompt: Value::from(toks), prompt_tokens: Some(prefix_len + suffix_len), max_tokens: output_len }
+        })
+        .collect()
+}
+
+/// The new tokens of every turn of `conversations` conversations of `turns` turns each,
+/// `turn_len` random ids per turn.
+pub fn conversations(
+    conversations: usize,
+    turns: usize,
+    turn_len: usize,
+    ids: (u32, u32),
+    seed: u64,
+) -> Vec<Vec<Vec<u32>>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..conversations)
+        .map(|_| (0..turns).map(|_| (0..turn_len).map(|_| rng.random_range(ids.0..ids.1)).collect()).collect())
+        .collect()
+}
+
 #[derive(Deserialize)]
 struct Line {
     prompt: Value,
@@ -68,6 +106,18 @@ mod tests {
             assert!(ids.iter().all(|v| (100..200).contains(&v.as_u64().unwrap())));
         }
         assert_ne!(p[0].prompt, p[1].prompt);
+    }
+
+    #[test]
+    fn repeated_prefixes_and_conversations_have_their_shapes() {
+        let p = prefix_repetition(5, 8, 3, 2, 4, (10, 20), 1);
+        let ids = |q: &Prompt| q.prompt.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect::<Vec<_>>();
+        assert_eq!(ids(&p[0]).len(), 11);
+        assert_eq!(ids(&p[0])[..8], ids(&p[2])[..8]);
+        assert_ne!(ids(&p[0])[..8], ids(&p[1])[..8]);
+        assert_ne!(ids(&p[0])[8..], ids(&p[2])[8..]);
+        let c = conversations(3, 4, 5, (10, 20), 1);
+        assert_eq!((c.len(), c[0].len(), c[0][0].len()), (3, 4, 5));
     }
 
     #[test]

@@ -101,6 +101,7 @@ fn submit_all(
                         }
                     }
                     EngineEvent::Finished { .. } => break,
+                    EngineEvent::Admitted { .. } => {}
                     EngineEvent::Error { message } => panic!("engine error: {message}"),
                 }
             }
@@ -232,6 +233,8 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
             max_num_batched_tokens: a.max_num_batched_tokens,
             max_queued_requests: 1 << 20,
             seed: a.seed,
+            // The prefill measurement repeats one prompt: a cache hit would hide the compute.
+            prefix_caching: false,
         },
     )?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

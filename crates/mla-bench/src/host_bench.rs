@@ -266,6 +266,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             max_num_batched_tokens: a.max_num_batched_tokens,
             max_queued_requests: 1 << 20,
             seed: a.seed,
+            prefix_caching: true,
         },
     )?;
     // Clients as in the engine benchmark and the server: one task per request on a small runtime.
@@ -282,7 +283,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             while let Some(ev) = stream.events.recv().await {
                 match ev {
                     EngineEvent::Token { .. } => tokens += 1,
-                    EngineEvent::Finished { .. } => {}
+                    EngineEvent::Finished { .. } | EngineEvent::Admitted { .. } => {}
                     EngineEvent::Error { message } => panic!("engine error: {message}"),
                 }
             }

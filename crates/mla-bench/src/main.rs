@@ -158,9 +158,19 @@ enum Cmd {
         /// Model name to send (default: the first `/v1/models` lists).
         #[arg(long)]
         model: Option<String>,
-        /// `random` or `file`.
+        /// `random`; `file`; `prefix-repetition` (vLLM's: --num-prefixes shared prefixes of
+        /// --prefix-len ids, then --input-len ids of each prompt's own); `multi-turn`
+        /// (--num-prompts conversations of --num-turns turns, each turn adding --input-len ids
+        /// to the history, which holds the earlier replies too; one conversation per slot of
+        /// --max-concurrency).
         #[arg(long, default_value = "random")]
         dataset: String,
+        #[arg(long, default_value_t = 2000)]
+        prefix_len: usize,
+        #[arg(long, default_value_t = 1)]
+        num_prefixes: usize,
+        #[arg(long, default_value_t = 8)]
+        num_turns: usize,
         /// JSONL file for `--dataset file`: {"prompt": "text" | [ids], "max_tokens": n}.
         #[arg(long)]
         dataset_path: Option<PathBuf>,
@@ -292,6 +302,9 @@ fn main() -> anyhow::Result<()> {
             base_url,
             model,
             dataset: ds,
+            prefix_len,
+            num_prefixes,
+            num_turns,
             dataset_path,
             input_len,
             output_len,
@@ -305,14 +318,23 @@ fn main() -> anyhow::Result<()> {
             gpu,
             out,
         } => {
+            let ids = parse_range(&token_id_range)?;
+            let mut conversations = None;
             let prompts = match ds.as_str() {
-                "random" => dataset::random(num_prompts, input_len, output_len, parse_range(&token_id_range)?, seed),
+                "random" => dataset::random(num_prompts, input_len, output_len, ids, seed),
                 "file" => dataset::from_file(
                     &dataset_path.ok_or_else(|| anyhow::anyhow!("--dataset file needs --dataset-path"))?,
                     num_prompts,
                     output_len,
                 )?,
-                other => anyhow::bail!("--dataset {other}: expected random or file"),
+                "prefix-repetition" => {
+                    dataset::prefix_repetition(num_prompts, prefix_len, input_len, num_prefixes, output_len, ids, seed)
+                }
+                "multi-turn" => {
+                    conversations = Some(dataset::conversations(num_prompts, num_turns, input_len, ids, seed));
+                    vec![]
+                }
+                other => anyhow::bail!("--dataset {other}: expected random, file, prefix-repetition or multi-turn"),
             };
             let target = serve::Target::parse(&base_url)?;
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -328,7 +350,10 @@ fn main() -> anyhow::Result<()> {
                 temperature,
                 seed,
             };
-            let (records, dur) = rt.block_on(serve::run(target, o, prompts));
+            let (records, dur) = match conversations {
+                Some(c) => rt.block_on(serve::run_conversations(target, o, c, output_len)),
+                None => rt.block_on(serve::run(target, o, prompts)),
+            };
             if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
                 eprintln!("first failure: {e}");
             }
@@ -338,6 +363,7 @@ fn main() -> anyhow::Result<()> {
                 &gpu,
                 serde_json::json!({
                     "base_url": base_url, "model": model, "dataset": ds, "input_len": input_len, "output_len": output_len,
+                    "prefix_len": prefix_len, "num_prefixes": num_prefixes, "num_turns": num_turns,
                     "num_prompts": num_prompts, "max_concurrency": max_concurrency, "request_rate": if request_rate.is_finite() { serde_json::json!(request_rate) } else { serde_json::json!("inf") },
                     "ignore_eos": ignore_eos, "temperature": temperature, "metrics": m,
                 }),

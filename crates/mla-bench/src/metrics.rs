@@ -22,6 +22,12 @@ pub struct RequestRecord {
     pub itl: Vec<f64>,
     pub latency: f64,
     pub error: Option<String>,
+    /// Prompt tokens the server found in its prefix cache (`usage.prompt_tokens_details`).
+    pub cached_tokens: usize,
+    /// Turn of its conversation (multi-turn dataset; 0 otherwise).
+    pub turn: usize,
+    /// The output's token ids, when asked for (multi-turn: the next turn's prompt holds them).
+    pub output_ids: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -46,6 +52,11 @@ pub struct ServeMetrics {
     pub tpot: Stats,
     pub itl: Stats,
     pub e2el: Stats,
+    /// Prompt tokens served from the prefix cache, and their share of all prompt tokens.
+    pub cached_prompt_tokens: usize,
+    pub prefix_cache_hit_rate: f64,
+    /// TTFT by turn of the multi-turn dataset (one entry otherwise).
+    pub ttft_by_turn: Vec<Stats>,
 }
 
 /// numpy.percentile(values, q) with the default linear method; 0 for no values (as vLLM, which
@@ -92,6 +103,11 @@ pub fn calculate(records: &[RequestRecord], duration_s: f64) -> ServeMetrics {
         tpot: stats_ms(&tpots),
         itl: stats_ms(&itls),
         e2el: stats_ms(&e2els),
+        cached_prompt_tokens: ok.iter().map(|r| r.cached_tokens).sum(),
+        prefix_cache_hit_rate: ok.iter().map(|r| r.cached_tokens).sum::<usize>() as f64 / total_in.max(1) as f64,
+        ttft_by_turn: (0..=ok.iter().map(|r| r.turn).max().unwrap_or(0))
+            .map(|t| stats_ms(&ok.iter().filter(|r| r.turn == t).map(|r| r.ttft).collect::<Vec<_>>()))
+            .collect(),
     }
 }
 
@@ -113,6 +129,12 @@ pub fn table(m: &ServeMetrics) -> String {
         row(&format!("Median {name} (ms):"), format!("{:.2}", st.median_ms));
         row(&format!("P99 {name} (ms):"), format!("{:.2}", st.p99_ms));
     }
+    row("Prefix cache hit rate:", format!("{:.3}", m.prefix_cache_hit_rate));
+    if m.ttft_by_turn.len() > 1 {
+        for (t, st) in m.ttft_by_turn.iter().enumerate() {
+            row(&format!("Median TTFT, turn {} (ms):", t + 1), format!("{:.2}", st.median_ms));
+        }
+    }
     s
 }
 
@@ -129,7 +151,7 @@ mod tests {
             ttft,
             itl: itl.to_vec(),
             latency,
-            error: None,
+            ..Default::default()
         }
     }
 

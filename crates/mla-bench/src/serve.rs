@@ -108,8 +108,8 @@ fn find_event_end(b: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
-async fn one_request(target: &Target, o: &LoadOptions, p: &Prompt) -> RequestRecord {
-    let body = json!({
+async fn one_request(target: &Target, o: &LoadOptions, p: &Prompt, want_ids: bool) -> RequestRecord {
+    let mut body = json!({
         "model": o.model,
         "prompt": p.prompt,
         "max_tokens": p.max_tokens,
@@ -118,6 +118,11 @@ async fn one_request(target: &Target, o: &LoadOptions, p: &Prompt) -> RequestRec
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    if want_ids {
+        // vLLM's extension, which mla-serve has too: logprob tokens read "token_id:N".
+        body["logprobs"] = json!(0);
+        body["return_tokens_as_token_ids"] = json!(true);
+    }
     let mut rec = RequestRecord { prompt_tokens: p.prompt_tokens.unwrap_or(0), ..Default::default() };
     let t0 = Instant::now();
     let result: anyhow::Result<()> = async {
@@ -149,12 +154,19 @@ async fn one_request(target: &Target, o: &LoadOptions, p: &Prompt) -> RequestRec
                     }
                     last = Some(now);
                     chunks += 1;
+                    if want_ids {
+                        for t in v["choices"][0]["logprobs"]["tokens"].as_array().into_iter().flatten() {
+                            let id = t.as_str().and_then(|s| s.strip_prefix("token_id:")).and_then(|s| s.parse().ok());
+                            rec.output_ids.push(id.ok_or_else(|| anyhow::anyhow!("token {t} is not token_id:N"))?);
+                        }
+                    }
                 }
                 if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                     usage_out = u["completion_tokens"].as_u64().map(|x| x as usize);
                     if let Some(pt) = u["prompt_tokens"].as_u64() {
                         rec.prompt_tokens = pt as usize;
                     }
+                    rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
                 }
             }
         }
@@ -189,7 +201,7 @@ pub async fn run(target: Target, o: LoadOptions, prompts: Vec<Prompt>) -> (Vec<R
         let permit = sem.clone().acquire_owned().await.expect("the semaphore is never closed");
         let (target, o) = (target.clone(), o.clone());
         tasks.push(tokio::spawn(async move {
-            let r = one_request(&target, &o, &p).await;
+            let r = one_request(&target, &o, &p, false).await;
             drop(permit);
             (r, Instant::now())
         }));
@@ -200,6 +212,52 @@ pub async fn run(target: Target, o: LoadOptions, prompts: Vec<Prompt>) -> (Vec<R
         let (r, done) = t.await.expect("request tasks do not panic");
         end = end.max(done);
         records.push(r);
+    }
+    (records, end - t0)
+}
+
+/// Multi-turn conversations: each holds one permit of `max_concurrency` for all its turns and
+/// sends them in order, turn k + 1's prompt being turn k's prompt, its output and the new
+/// tokens of turn k + 1 (as a chat client resends the whole history). `turns[c][k]` are the new
+/// tokens of turn k of conversation c.
+pub async fn run_conversations(
+    target: Target,
+    o: LoadOptions,
+    turns: Vec<Vec<Vec<u32>>>,
+    output_len: usize,
+) -> (Vec<RequestRecord>, Duration) {
+    let sem = Arc::new(Semaphore::new(o.max_concurrency.max(1)));
+    let (target, o) = (Arc::new(target), Arc::new(o));
+    let t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(turns.len());
+    for conv in turns {
+        let permit = sem.clone().acquire_owned().await.expect("the semaphore is never closed");
+        let (target, o) = (target.clone(), o.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut history: Vec<u32> = Vec::new();
+            let mut records = Vec::with_capacity(conv.len());
+            for (k, new) in conv.into_iter().enumerate() {
+                history.extend(new);
+                let p = Prompt { prompt: json!(history), prompt_tokens: Some(history.len()), max_tokens: output_len };
+                let mut r = one_request(&target, &o, &p, true).await;
+                r.turn = k;
+                let failed = !r.success;
+                history.extend(std::mem::take(&mut r.output_ids));
+                records.push(r);
+                if failed {
+                    break;
+                }
+            }
+            drop(permit);
+            (records, Instant::now())
+        }));
+    }
+    let mut records = Vec::new();
+    let mut end = t0;
+    for t in tasks {
+        let (r, done) = t.await.expect("conversation tasks do not panic");
+        end = end.max(done);
+        records.extend(r);
     }
     (records, end - t0)
 }

@@ -18,6 +18,9 @@ pub struct EngineConfig {
     pub max_queued_requests: usize,
     /// Seeds requests that bring none, so a server started with `--seed` is reproducible.
     pub seed: u64,
+    /// Automatic prefix caching: computed blocks are kept by content and reused by prompts
+    /// that start the same way.
+    pub prefix_caching: bool,
 }
 
 /// A validated generation request in token space.
@@ -68,6 +71,9 @@ pub struct TokenLogprobs {
 /// What the engine streams back for one request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
+    /// The request got its place in the KV cache; `cached_tokens` of its prompt were already
+    /// there (prefix caching) and are not computed again. Sent once, before any token.
+    Admitted { cached_tokens: usize },
     /// Completion `index` produced `token`. `finish` is set on its last token.
     Token { index: usize, token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
     /// Completion `index` ended without a new token: aborted, or ended by the caller
@@ -164,6 +170,9 @@ pub struct EngineStats {
     pub finished_length: u64,
     pub finished_abort: u64,
     pub preemptions_total: u64,
+    /// Prompt tokens looked up in the prefix cache at admission, and found there.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
     /// Seconds.
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,

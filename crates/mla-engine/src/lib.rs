@@ -25,6 +25,7 @@ pub mod block_manager;
 mod engine;
 mod id_map;
 mod metrics;
+pub mod prefix_hash;
 pub mod scheduler;
 mod sequence;
 

@@ -20,6 +20,12 @@
 //!   prefilled once as a shared prefix; every completion's table shares those blocks
 //!   (ref-counted) and prefills the rest of the prompt itself (1..=block_size tokens), so nobody
 //!   ever writes into a shared block and no block copy is needed.
+//! - Prefix caching (`prefix_caching`): full blocks are registered in the block manager under
+//!   the hash of their content once computed (prompt and generated tokens alike), and stay
+//!   cached after their sequences end until their space is needed. Admission (new or resumed
+//!   after preemption) takes the longest cached run of the sequence's leading blocks and
+//!   prefills only the rest, always recomputing at least the block that holds the last prompt
+//!   token, so the first sample has fresh logits and nobody writes into a shared block.
 //! - A completion can be ended from outside (`finish_completion`: a stop string only the caller
 //!   sees). It leaves the running set or the resume queue at once, its blocks go back, and a
 //!   request still waiting is admitted with only its live completions.
@@ -27,6 +33,7 @@
 use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockManager;
 use crate::id_map::IdMap;
+use crate::prefix_hash::PrefixHasher;
 use crate::sequence::{Group, Seq, SeqKey, SeqState, Slot};
 use mla_core::plan::{SampledToken, SeqStep, StepOutput};
 use mla_core::{CacheLayout, StepKind, StepPlan};
@@ -35,7 +42,7 @@ use std::collections::VecDeque;
 mod admission;
 mod steps;
 
-pub use admission::{blocks_to_admit, shared_prefix_len};
+pub use admission::{blocks_to_admit, reusable_blocks, shared_prefix_len};
 
 /// The limits scheduling obeys (a subset of `EngineConfig`).
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +50,16 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// Keep computed blocks by content and reuse them for prompts that start the same way.
+    pub prefix_caching: bool,
+}
+
+/// Prefix-cache counters since start, in prompt tokens (vLLM's `prefix_cache_queries` and
+/// `prefix_cache_hits`): what admissions looked up, and what they found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    pub queries: u64,
+    pub hits: u64,
 }
 
 /// A token a completion produced in a step.
@@ -86,6 +103,11 @@ pub struct Scheduler {
     /// Entries of finished plans (`recycle`), refilled by the next ones so that a step's token
     /// and block-table vectors do not cost an allocation per sequence.
     spare: Vec<SeqStep>,
+    hasher: PrefixHasher,
+    prefix_stats: PrefixCacheStats,
+    /// Requests admitted for the first time since the last `take_admitted`, with the prompt
+    /// tokens the cache held for them.
+    admitted: Vec<(u64, usize)>,
 }
 
 impl Scheduler {
@@ -100,7 +122,20 @@ impl Scheduler {
             last_kind: None,
             preemptions: 0,
             spare: Vec::new(),
+            hasher: PrefixHasher::default(),
+            prefix_stats: PrefixCacheStats::default(),
+            admitted: Vec::new(),
         }
+    }
+
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.prefix_stats
+    }
+
+    /// Requests admitted for the first time since the last call, with their cached prompt
+    /// tokens (`usage.prompt_tokens_details.cached_tokens`).
+    pub fn take_admitted(&mut self) -> Vec<(u64, usize)> {
+        std::mem::take(&mut self.admitted)
     }
 
     pub fn block_manager(&self) -> &BlockManager {
@@ -142,14 +177,9 @@ impl Scheduler {
             self.cfg.max_num_seqs
         );
         let completions = (0..req.n)
-            .map(|_| Seq {
-                tokens: req.prompt_tokens.clone(),
-                computed: 0,
-                table: self.blocks.new_table(),
-                state: SeqState::Waiting,
-            })
+            .map(|_| Seq::new(req.prompt_tokens.clone(), self.blocks.new_table(), SeqState::Waiting))
             .collect();
-        self.groups.insert(id, Group { req, seed, prefix: None, completions });
+        self.groups.insert(id, Group { req, seed, prefix: None, completions, cached_tokens: 0 });
         self.new_queue.push_back(id);
     }
 
@@ -226,6 +256,9 @@ impl Scheduler {
             let seq = g.seq_mut(key.slot).expect("scheduled sequence exists");
             debug_assert_eq!(seq.computed, step.context_len, "plan applied out of order");
             seq.computed += step.tokens.len();
+            if self.cfg.prefix_caching {
+                register_computed_blocks(&self.hasher, seq, self.blocks.block_size());
+            }
             let leaves = match (key.slot, &res.sampled) {
                 (Slot::Prefix, _) => {
                     let computed = seq.uncomputed() == 0;
@@ -253,4 +286,17 @@ impl Scheduler {
         }
         applied
     }
+}
+
+/// Offers every block of `seq` that its computed tokens now fill to the prefix cache.
+fn register_computed_blocks(hasher: &PrefixHasher, seq: &mut Seq, block_size: usize) {
+    let full = seq.computed / block_size;
+    if full <= seq.registered {
+        return;
+    }
+    hasher.extend(&mut seq.hashes, &seq.tokens, seq.computed, block_size);
+    for i in seq.registered..full.min(seq.table.len()) {
+        seq.table.register(i, seq.hashes[i]);
+    }
+    seq.registered = full;
 }

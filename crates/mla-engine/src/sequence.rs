@@ -3,6 +3,7 @@
 
 use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockTable;
+use crate::prefix_hash::BlockHash;
 use mla_core::SplitMix64;
 
 /// Which sequence of a request: the shared prompt prefix (`n > 1` only) or completion `i`.
@@ -69,9 +70,17 @@ pub struct Seq {
     pub computed: usize,
     pub table: BlockTable,
     pub state: SeqState,
+    /// Prefix caching: hashes of the leading full blocks of `tokens` worked out so far, and how
+    /// many leading blocks of `table` have been offered to the cache.
+    pub hashes: Vec<BlockHash>,
+    pub registered: usize,
 }
 
 impl Seq {
+    pub fn new(tokens: Vec<u32>, table: BlockTable, state: SeqState) -> Seq {
+        Seq { tokens, computed: 0, table, state, hashes: Vec::new(), registered: 0 }
+    }
+
     pub fn uncomputed(&self) -> usize {
         self.tokens.len() - self.computed
     }
@@ -80,6 +89,7 @@ impl Seq {
     pub fn evict(&mut self) {
         self.table.release();
         self.computed = 0;
+        self.registered = 0;
     }
 }
 
@@ -93,6 +103,8 @@ pub struct Group {
     /// only until it has been computed (the completions' tables keep the blocks alive after).
     pub prefix: Option<Seq>,
     pub completions: Vec<Seq>,
+    /// Prompt tokens found in the prefix cache when the request was admitted.
+    pub cached_tokens: usize,
 }
 
 impl Group {

@@ -41,7 +41,7 @@ fn dropping_a_stream_aborts_it_within_a_step_and_frees_its_blocks() {
     let mut gone = engine.submit(greedy(ps[1].clone(), 400)).unwrap();
     let gone_id = gone.id;
     for _ in 0..3 {
-        assert!(matches!(gone.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+        assert!(matches!(next_event(&mut gone.events), Some(EngineEvent::Token { .. })));
     }
     let steps_at_drop = log.lock().unwrap().steps;
     drop(gone);
@@ -62,7 +62,7 @@ fn explicit_abort_reports_finished_abort() {
     let mut req = greedy(prompts(1).remove(0), 400);
     req.n = 2;
     let mut s = engine.submit(req).unwrap();
-    assert!(matches!(s.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+    assert!(matches!(next_event(&mut s.events), Some(EngineEvent::Token { .. })));
     s.abort();
     let c = collect(&mut s, 2);
     assert_eq!(c.finish, vec![Some(FinishReason::Abort); 2]);
@@ -77,7 +77,7 @@ fn queue_full_when_max_queued_requests_are_waiting() {
     let engine = Engine::start(Box::new(backend(1)), cfg).unwrap();
     let ps = prompts(3);
     let mut running = engine.submit(greedy(ps[0].clone(), 400)).unwrap();
-    assert!(matches!(running.events.blocking_recv(), Some(EngineEvent::Token { .. })), "first request admitted");
+    assert!(matches!(next_event(&mut running.events), Some(EngineEvent::Token { .. })), "first request admitted");
     // The only sequence slot is taken, so this one waits in the queue ...
     let _waiting = engine.submit(greedy(ps[1].clone(), 5)).unwrap();
     // ... and the queue is full.
@@ -94,7 +94,7 @@ fn shutdown_aborts_in_flight_requests_and_refuses_new_ones() {
     let ps = prompts(2);
     let mut running = engine.submit(greedy(ps[0].clone(), 400)).unwrap();
     let mut queued = engine.submit(greedy(ps[1].clone(), 400)).unwrap();
-    assert!(matches!(running.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+    assert!(matches!(next_event(&mut running.events), Some(EngineEvent::Token { .. })));
     let t = Instant::now();
     engine.shutdown(Duration::from_millis(20));
     assert!(t.elapsed() < Duration::from_secs(2), "shutdown waited {:?}", t.elapsed());

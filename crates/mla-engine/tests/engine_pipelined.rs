@@ -96,7 +96,7 @@ fn finishing_one_choice_mid_stream_ends_it_cleanly_and_leaves_the_other_untouche
     let mut stream = engine.submit(req).unwrap();
     let mut early: Vec<Vec<u32>> = vec![vec![]; 2];
     while early[0].len() < 3 {
-        let Some(EngineEvent::Token { index, token, finish: None, .. }) = stream.events.blocking_recv() else {
+        let Some(EngineEvent::Token { index, token, finish: None, .. }) = next_event(&mut stream.events) else {
             panic!("stream ended early")
         };
         early[index].push(token);
@@ -129,12 +129,12 @@ fn aborts_and_dropped_streams_end_cleanly() {
     let mut aborted = engine.submit(req).unwrap();
     let mut gone = engine.submit(request(ps[1].clone(), SamplingParams::greedy(), None, 400)).unwrap();
     let mut keep = engine.submit(request(ps[2].clone(), SamplingParams::greedy(), None, 30)).unwrap();
-    assert!(matches!(aborted.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+    assert!(matches!(next_event(&mut aborted.events), Some(EngineEvent::Token { .. })));
     aborted.abort();
     let c = collect(&mut aborted, 2);
     assert_eq!(c.finish, vec![Some(FinishReason::Abort); 2]);
     for _ in 0..3 {
-        assert!(matches!(gone.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+        assert!(matches!(next_event(&mut gone.events), Some(EngineEvent::Token { .. })));
     }
     let (gone_id, steps_at_drop) = (gone.id, log.lock().unwrap().steps);
     drop(gone);
@@ -187,7 +187,7 @@ fn a_failed_step_fails_only_the_affected_request() {
 fn shutdown_with_a_step_in_flight_aborts_the_rest() {
     let (engine, _, _) = start(256, 3);
     let mut s = engine.submit(request(prompts(1).remove(0), SamplingParams::greedy(), None, 50)).unwrap();
-    assert!(matches!(s.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+    assert!(matches!(next_event(&mut s.events), Some(EngineEvent::Token { .. })));
     engine.shutdown(Duration::from_millis(10));
     let c = collect(&mut s, 1);
     assert_eq!(c.finish[0], Some(FinishReason::Abort));

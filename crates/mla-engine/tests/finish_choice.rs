@@ -38,6 +38,9 @@ fn finishing_one_choice_frees_it_within_a_step_and_leaves_the_other_untouched() 
     gate.wait_parked_at(5);
     let mut early: Vec<Vec<u32>> = vec![vec![]; 2];
     while let Ok(ev) = stream.events.try_recv() {
+        if matches!(ev, EngineEvent::Admitted { .. }) {
+            continue;
+        }
         let EngineEvent::Token { index, token, finish: None, .. } = ev else { panic!("{ev:?}") };
         early[index].push(token);
     }
@@ -109,7 +112,7 @@ fn a_choice_finished_while_waiting_is_never_admitted_and_its_sibling_needs_no_ro
     let ps = prompts(2);
     let greedy = SamplingParams::greedy();
     let mut running = engine.submit(request(ps[0].clone(), greedy.clone(), None, 50)).unwrap();
-    assert!(matches!(running.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+    assert!(matches!(next_event(&mut running.events), Some(EngineEvent::Token { .. })));
     // Two completions do not fit next to the running one (max_num_seqs = 2) ...
     let params = SamplingParams { temperature: 1.0, ..Default::default() };
     let mut req = request(ps[1].clone(), params.clone(), Some(3), 10);
@@ -145,7 +148,7 @@ fn abort_and_drop_after_a_finished_choice_count_only_the_rest() {
     let mut req = request(prompts(1).remove(0), SamplingParams::greedy(), None, 50);
     req.n = 2;
     let mut s = engine.submit(req).unwrap();
-    assert!(matches!(s.events.blocking_recv(), Some(EngineEvent::Token { .. })));
+    assert!(matches!(next_event(&mut s.events), Some(EngineEvent::Token { .. })));
     s.finish_choice(1, FinishReason::Stop);
     s.abort();
     let c = collect(&mut s, 2);

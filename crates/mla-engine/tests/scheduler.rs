@@ -9,7 +9,8 @@ use mla_engine::{FinishReason, GenerateRequest};
 use std::collections::HashMap;
 
 fn sched(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
-    let cfg = SchedulerConfig { max_model_len: 4096, max_num_seqs, max_num_batched_tokens: budget };
+    let cfg =
+        SchedulerConfig { max_model_len: 4096, max_num_seqs, max_num_batched_tokens: budget, prefix_caching: false };
     Scheduler::new(cfg, CacheLayout { block_size, num_blocks })
 }
 
@@ -205,7 +206,7 @@ fn admission_waits_for_free_blocks() {
 
 #[test]
 fn finishing_rules_and_removal_free_blocks() {
-    let cfg = SchedulerConfig { max_model_len: 12, max_num_seqs: 8, max_num_batched_tokens: 64 };
+    let cfg = SchedulerConfig { max_model_len: 12, max_num_seqs: 8, max_num_batched_tokens: 64, prefix_caching: false };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 32 });
     let mut stop = req(5, 1, 100);
     stop.stop_token_ids = vec![token_at(7)];

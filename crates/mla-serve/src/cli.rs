@@ -131,6 +131,16 @@ pub struct Args {
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_queued_requests: usize,
 
+    /// Automatic prefix caching, on by default: computed KV cache blocks are kept by content
+    /// after their requests end and reused by later prompts that start with the same tokens.
+    /// vLLM's flag; accepted for scripts that pass it.
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+
+    /// Turns automatic prefix caching off (also SGLang's --disable-radix-cache).
+    #[arg(long, alias = "disable-radix-cache", overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+
     /// Seed for requests that bring none (same seed, same server: same outputs).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

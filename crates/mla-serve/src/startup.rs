@@ -45,6 +45,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             max_num_batched_tokens: args.max_num_batched_tokens,
             max_queued_requests: args.max_queued_requests,
             seed: args.seed,
+            prefix_caching: !args.no_enable_prefix_caching,
         },
     )?;
 

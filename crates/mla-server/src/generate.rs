@@ -64,6 +64,8 @@ pub struct Generation {
     runs: Vec<PromptRun>,
     choices: Vec<Choice>,
     prompt_tokens: usize,
+    /// Prompt tokens of all runs the prefix cache held at admission.
+    cached_tokens: usize,
     logprobs: LogprobOptions,
     text: Arc<TextPipeline>,
     /// Round-robin start so one busy prompt cannot starve the others' updates.
@@ -100,7 +102,16 @@ impl Generation {
             prompt_tokens += s.prompt_len;
             choices.extend((0..s.n).map(|_| Choice { text: make_text(), completion_tokens: 0, finished: false }));
         }
-        Generation { runs, choices, prompt_tokens, logprobs, text, next_poll: 0, pending: VecDeque::new() }
+        Generation {
+            runs,
+            choices,
+            prompt_tokens,
+            cached_tokens: 0,
+            logprobs,
+            text,
+            next_poll: 0,
+            pending: VecDeque::new(),
+        }
     }
 
     pub fn num_choices(&self) -> usize {
@@ -110,7 +121,7 @@ impl Generation {
     /// Usage so far (final once `next` has returned `None`). The prompt counts once per prompt,
     /// not once per choice, as OpenAI counts it.
     pub fn usage(&self) -> Usage {
-        Usage::new(self.prompt_tokens, self.choices.iter().map(|c| c.completion_tokens).sum())
+        Usage::new(self.prompt_tokens, self.choices.iter().map(|c| c.completion_tokens).sum(), self.cached_tokens)
     }
 
     /// The next update, `None` once every choice has finished, or the engine's error.
@@ -155,6 +166,10 @@ impl Generation {
                 self.on_token(run, base + index, token, logprobs, finish)
             }
             Some(EngineEvent::Finished { index, reason }) if index < n => self.finish(base + index, reason, vec![]),
+            Some(EngineEvent::Admitted { cached_tokens }) => {
+                self.cached_tokens += cached_tokens;
+                None
+            }
             Some(EngineEvent::Error { message }) => return Err(ApiError::Internal(message)),
             Some(other) => {
                 return Err(ApiError::Internal(format!("engine sent an event for an unknown completion: {other:?}")))

@@ -57,6 +57,12 @@ pub fn render(model: &str, stats: &EngineStats) -> String {
     counter("mla:prompt_tokens_total", "Prompt tokens processed.", stats.prompt_tokens_total);
     counter("mla:generation_tokens_total", "Tokens generated.", stats.generation_tokens_total);
     counter("mla:num_preemptions_total", "Requests preempted because the KV cache ran out.", stats.preemptions_total);
+    counter(
+        "mla:prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache when their requests were admitted.",
+        stats.prefix_cache_queries,
+    );
+    counter("mla:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits);
 
     let name = "mla:request_success_total";
     family(&mut out, name, "Completions finished, by finish_reason.", "counter");
@@ -146,6 +152,8 @@ mod tests {
             prompt_tokens_total: 120,
             generation_tokens_total: 45,
             preemptions_total: 1,
+            prefix_cache_queries: 300,
+            prefix_cache_hits: 128,
             finished_stop: 2,
             finished_length: 0,
             finished_abort: 1,
@@ -162,6 +170,8 @@ mod tests {
         );
         assert!(text.contains("mla:generation_tokens_total{model_name=\"demo\"} 45\n"));
         assert!(text.contains("mla:num_preemptions_total{model_name=\"demo\"} 1\n"));
+        assert!(text.contains("mla:prefix_cache_queries_total{model_name=\"demo\"} 300\n"));
+        assert!(text.contains("mla:prefix_cache_hits_total{model_name=\"demo\"} 128\n"));
         assert_eq!(
             lines(&text, "mla:request_success_total"),
             vec![

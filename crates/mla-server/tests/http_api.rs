@@ -31,7 +31,8 @@ async fn chat_completion_shape_text_and_usage() {
     let prompt = demo_tokenizer().encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>", false).unwrap();
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5})
+        json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5,
+               "prompt_tokens_details": {"cached_tokens": 0}})
     );
 }
 
@@ -101,7 +102,10 @@ async fn completions_with_token_prompts_echo_and_logprobs() {
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
     assert!(choices.iter().all(|c| c["text"] == s.script_text(3)));
-    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 0}})
+    );
 
     let v = s.post("/v1/completions", json!({"prompt": "Hi", "echo": true, "max_tokens": 2})).await.json();
     assert_eq!(v["choices"][0]["text"], format!("Hi{}", s.script_text(2)));

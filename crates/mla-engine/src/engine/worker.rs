@@ -89,6 +89,7 @@ impl Worker {
             max_model_len: cfg.max_model_len,
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
+            prefix_caching: cfg.prefix_caching,
         };
         let ranks: Vec<Scheduler> = backend.cache_layouts().into_iter().map(|l| Scheduler::new(limits, l)).collect();
         Worker {
@@ -312,6 +313,7 @@ impl Worker {
             tracing::error!("backend panicked starting a step: {}", panic_text(&p));
         }
         plans.iter().for_each(|p| self.mark_scheduled(p));
+        self.announce_admissions();
         InFlight { plans }
     }
 
@@ -383,6 +385,18 @@ impl Worker {
         self.deliver_undelivered();
         let ids: Vec<u64> = self.clients.keys().copied().collect();
         ids.into_iter().for_each(|id| self.fail(id, why.clone()));
+    }
+
+    /// Tells each request admitted since the last step how much of its prompt the prefix cache
+    /// held (before any of its tokens, which come after the step).
+    fn announce_admissions(&mut self) {
+        for rank in &mut self.ranks {
+            for (id, cached_tokens) in rank.take_admitted() {
+                if let Some(client) = self.clients.get(&id) {
+                    let _ = client.events.send(EngineEvent::Admitted { cached_tokens });
+                }
+            }
+        }
     }
 
     fn mark_scheduled(&mut self, plan: &StepPlan) {
@@ -492,5 +506,7 @@ impl Worker {
         let used: f64 = stats.ranks.iter().map(|r| r.kv_usage * r.kv_capacity_tokens as f64).sum();
         stats.kv_usage = used / stats.kv_capacity_tokens.max(1) as f64;
         stats.preemptions_total = self.ranks.iter().map(Scheduler::preemptions).sum();
+        stats.prefix_cache_queries = self.ranks.iter().map(|s| s.prefix_cache_stats().queries).sum();
+        stats.prefix_cache_hits = self.ranks.iter().map(|s| s.prefix_cache_stats().hits).sum();
     }
 }

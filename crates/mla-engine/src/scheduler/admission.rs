@@ -13,6 +13,13 @@ pub fn shared_prefix_len(prompt_len: usize, n: usize, block_size: usize) -> usiz
     (prompt_len - 1) / block_size * block_size
 }
 
+/// Leading full blocks of a sequence of `len` tokens that admission may take from the prefix
+/// cache: those before the block holding the last token, which is always recomputed (its
+/// logits are needed, and a block that is recomputed is never one somebody else reads).
+pub fn reusable_blocks(len: usize, block_size: usize) -> usize {
+    len.saturating_sub(1) / block_size
+}
+
 /// Blocks a new request reserves when admitted: the shared prefix once, plus each completion's
 /// own blocks for the rest of the prompt.
 pub fn blocks_to_admit(prompt_len: usize, n: usize, block_size: usize) -> usize {
@@ -42,32 +49,59 @@ impl Scheduler {
     }
 
     /// Admits a new request's completions, leaving out any the caller finished while it waited
-    /// (they need no blocks, and a lone survivor needs no shared prefix).
+    /// (they need no blocks, and a lone survivor needs no shared prefix). With prefix caching,
+    /// the prompt's leading blocks found in the cache are taken instead of computed.
     fn admit_new(&mut self, id: u64) -> Option<Vec<SeqKey>> {
         let bs = self.blocks.block_size();
         let running = self.running_completions();
         let g = self.groups.get_mut(&id).expect("queued request exists");
         let live: Vec<usize> = g.unfinished().collect();
         let (prompt_len, n) = (g.prompt_len(), live.len());
-        if running + n > self.cfg.max_num_seqs || blocks_to_admit(prompt_len, n, bs) > self.blocks.free_blocks() {
+        if running + n > self.cfg.max_num_seqs {
             return None;
         }
-        let shared = shared_prefix_len(prompt_len, n, bs);
-        let mut keys = Vec::with_capacity(n + 1);
-        if shared > 0 {
-            let mut table = self.blocks.new_table();
-            table.reserve(shared).expect("free blocks checked");
-            for &i in &live {
-                let c = &mut g.completions[i];
-                c.table = table.share_prefix(shared / bs);
-                c.computed = shared;
-            }
-            let tokens = g.req.prompt_tokens[..shared].to_vec();
-            g.prefix = Some(Seq { tokens, computed: 0, table, state: SeqState::Running });
-            keys.push(SeqKey { request: id, slot: Slot::Prefix });
+        let mut hashes = Vec::new();
+        if self.cfg.prefix_caching {
+            self.hasher.extend(&mut hashes, &g.req.prompt_tokens, reusable_blocks(prompt_len, bs) * bs, bs);
         }
-        for i in live {
+        let found = self.blocks.probe(&hashes);
+        let shared_blocks = shared_prefix_len(prompt_len, n, bs) / bs;
+        let needed = blocks_to_admit(prompt_len, n, bs) - found.blocks;
+        if needed > self.blocks.free_blocks() - found.evictable {
+            return None;
+        }
+        let cached = found.blocks * bs;
+        g.cached_tokens = cached;
+        self.admitted.push((id, cached));
+        if self.cfg.prefix_caching {
+            self.prefix_stats.queries += prompt_len as u64;
+            self.prefix_stats.hits += cached as u64;
+        }
+        let mut table = self.blocks.lookup(&hashes[..found.blocks]);
+        let mut keys = Vec::with_capacity(n + 1);
+        // Where the completions start: after the shared prefix, or after the cached blocks.
+        let start = if found.blocks < shared_blocks {
+            // Part of the shared prefix is missing: one sequence computes it for all of them.
+            table.reserve(shared_blocks * bs).expect("free blocks checked");
+            let tokens = g.req.prompt_tokens[..shared_blocks * bs].to_vec();
+            let mut prefix = Seq::new(tokens, table, SeqState::Running);
+            (prefix.computed, prefix.registered, prefix.hashes) = (cached, found.blocks, hashes.clone());
+            g.prefix = Some(prefix);
+            keys.push(SeqKey { request: id, slot: Slot::Prefix });
+            shared_blocks
+        } else {
+            for &i in &live {
+                g.completions[i].table = table.share_prefix(found.blocks);
+            }
+            found.blocks
+        };
+        let prefix_table = g.prefix.as_ref().map(|p| &p.table);
+        for &i in &live {
             let c = &mut g.completions[i];
+            if let Some(t) = prefix_table {
+                c.table = t.share_prefix(start);
+            }
+            (c.computed, c.registered, c.hashes) = (start * bs, start, hashes.clone());
             c.table.reserve(prompt_len).expect("free blocks checked");
             c.state = SeqState::Running;
             keys.push(SeqKey { request: id, slot: Slot::Completion(i) });
@@ -76,19 +110,26 @@ impl Scheduler {
         Some(keys)
     }
 
-    /// A preempted completion comes back alone: it recomputes its whole history into fresh
-    /// blocks (sharing again would need the prefix to still be resident, which it rarely is).
+    /// A preempted completion comes back alone: it recomputes its history into fresh blocks,
+    /// except the leading blocks the prefix cache still holds (its own, kept after preemption,
+    /// or anyone's with the same content).
     fn admit_resume(&mut self, key: SeqKey) -> bool {
         if self.running_completions() >= self.cfg.max_num_seqs {
             return false;
         }
-        let free = self.blocks.free_blocks();
+        let bs = self.blocks.block_size();
         let seq = self.groups.get_mut(&key.request).and_then(|g| g.seq_mut(key.slot)).expect("queued sequence exists");
-        if seq.table.missing_blocks(seq.tokens.len()) > free {
+        let len = seq.tokens.len();
+        let reusable = if self.cfg.prefix_caching { reusable_blocks(len, bs) } else { 0 };
+        self.hasher.extend(&mut seq.hashes, &seq.tokens, reusable * bs, bs);
+        let hashes = &seq.hashes[..reusable.min(seq.hashes.len())];
+        let found = self.blocks.probe(hashes);
+        if len.div_ceil(bs) - found.blocks > self.blocks.free_blocks() - found.evictable {
             return false;
         }
-        seq.table.reserve(seq.tokens.len()).expect("free blocks checked");
-        seq.computed = 0;
+        seq.table = self.blocks.lookup(&hashes[..found.blocks]);
+        seq.table.reserve(len).expect("free blocks checked");
+        (seq.computed, seq.registered) = (found.blocks * bs, found.blocks);
         seq.state = SeqState::Running;
         self.running.push(key);
         true

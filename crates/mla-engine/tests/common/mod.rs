@@ -292,11 +292,19 @@ pub struct Collected {
     pub logprobs: Vec<Vec<Option<mla_engine::TokenLogprobs>>>,
     pub finish: Vec<Option<mla_engine::FinishReason>>,
     pub error: Option<String>,
+    /// The prompt tokens the prefix cache held at admission (`EngineEvent::Admitted`).
+    pub cached_tokens: Option<usize>,
 }
 
 pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
     use mla_engine::EngineEvent;
-    let mut c = Collected { tokens: vec![vec![]; n], logprobs: vec![vec![]; n], finish: vec![None; n], error: None };
+    let mut c = Collected {
+        tokens: vec![vec![]; n],
+        logprobs: vec![vec![]; n],
+        finish: vec![None; n],
+        error: None,
+        cached_tokens: None,
+    };
     // A stuck engine fails the test instead of hanging it.
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let mut next = || {
@@ -316,6 +324,7 @@ pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
                 c.finish[index] = Some(reason);
             }
             EngineEvent::Error { message } => c.error = Some(message),
+            EngineEvent::Admitted { cached_tokens } => c.cached_tokens = Some(cached_tokens),
         }
     }
     c
@@ -336,6 +345,7 @@ pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
         max_num_batched_tokens: 16,
         max_queued_requests: 64,
         seed: 42,
+        prefix_caching: true,
     }
 }
 
@@ -359,4 +369,16 @@ pub fn request(
 /// Distinct prompts of lengths 3, 4, ...
 pub fn prompts(count: usize) -> Vec<Vec<u32>> {
     (0..count).map(|r| (0..3 + r).map(|i| ((r * 7 + i * 3) % 60 + 1) as u32).collect()).collect()
+}
+
+/// The next event that is not `Admitted` (sent once, before a request's tokens), blocking.
+pub fn next_event(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<mla_engine::EngineEvent>,
+) -> Option<mla_engine::EngineEvent> {
+    loop {
+        match events.blocking_recv() {
+            Some(mla_engine::EngineEvent::Admitted { .. }) => continue,
+            other => return other,
+        }
+    }
 }

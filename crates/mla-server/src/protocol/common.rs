@@ -68,11 +68,23 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt: `cached_tokens` came from the prefix cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
     }
 }
 

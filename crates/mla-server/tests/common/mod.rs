@@ -172,6 +172,7 @@ pub fn server(opts: Options) -> TestServer {
         max_num_batched_tokens: 512,
         max_queued_requests: opts.max_queued,
         seed: 0,
+        prefix_caching: true,
     };
     let engine = Engine::start(Box::new(backend), cfg).unwrap();
     let state = AppState {
