@@ -59,8 +59,10 @@ def test_repeated_prompts_hit_the_cache_and_still_match_hf(servers):
             want = 0 if attempt == 0 else expected_hit(len(p["prompt"]), len(p["prompt"]))
             assert cached == want, f"{p['name']}, attempt {attempt}: cached {cached}, expected {want}"
     m = on.metrics()
-    assert m["mla:prefix_cache_hits_total"] > 0
-    assert m["mla:prefix_cache_queries_total"] >= m["mla:prefix_cache_hits_total"]
+    # With 64-token blocks (cuda) the fixture prompts are too short to reuse a block.
+    if any(expected_hit(len(p["prompt"]), len(p["prompt"])) for p in oracle["prompts"]):
+        assert m["mla:prefix_cache_hits_total"] > 0
+    assert m["mla:prefix_cache_queries_total"] >= m["mla:prefix_cache_hits_total"] > -1
 
 
 def test_shared_prefixes_second_turns_and_concurrency_equal_caching_off(servers):
@@ -81,9 +83,10 @@ def test_shared_prefixes_second_turns_and_concurrency_equal_caching_off(servers)
         base + first_turn + tail[:11] + tail[20:37],  # and the third
     ]
     if DEVICE == "cuda":
-        # One 64-token block is as long as the fixture prompts: lengthen the shared part.
-        long_base = base + first_turn + tail
-        prompts = [long_base, long_base + tail[:13], long_base[:BLOCK] + tail[:20], long_base[: 2 * BLOCK]]
+        # One 64-token block is longer than the fixture prompts, and real_dims allows 128
+        # positions: prompts of 65-112 tokens, which can reuse their first block.
+        long_base = (base + first_turn + tail)[:96]
+        prompts = [long_base, long_base + tail[:13], long_base[:BLOCK] + tail[:20], long_base[:BLOCK] + tail[5:6]]
     want = [greedy(off.client(), p, 16)[0] for p in prompts]
     client = on.client()
     greedy(client, base, 24)
