@@ -345,29 +345,54 @@ fn check_counts(world: usize, counts: &[usize], len: usize, rank: usize) -> Resu
     Ok(())
 }
 
-impl Collective for ThreadRank {
-    fn rank(&self) -> usize {
-        self.rank
-    }
+/// `Collective` for a rank type whose `call(tag, kind, data, counts)` runs one collective of
+/// any kind (`ThreadRank` in-process, `TcpRank` through a hub): the three operations differ only
+/// in the `Kind` they send and in where the answer goes.
+macro_rules! collective_via_call {
+    ($rank:ty, |$s:ident| $world:expr) => {
+        impl $crate::collective::Collective for $rank {
+            fn rank(&self) -> usize {
+                self.rank
+            }
 
-    fn world(&self) -> usize {
-        self.shared.world
-    }
+            fn world(&self) -> usize {
+                let $s = self;
+                $world
+            }
 
-    fn all_reduce_sum(&mut self, tag: Tag, data: &mut [f32]) -> Result<(), CollectiveError> {
-        let out = self.call(tag, Kind::AllReduce, data, &[])?;
-        data.copy_from_slice(&out);
-        Ok(())
-    }
+            fn all_reduce_sum(
+                &mut self,
+                tag: $crate::collective::Tag,
+                data: &mut [f32],
+            ) -> Result<(), $crate::collective::CollectiveError> {
+                let out = self.call(tag, $crate::collective::Kind::AllReduce, data, &[])?;
+                data.copy_from_slice(&out);
+                Ok(())
+            }
 
-    fn all_gather(&mut self, tag: Tag, local: &[f32], counts: &[usize]) -> Result<Vec<f32>, CollectiveError> {
-        self.call(tag, Kind::AllGather, local, counts)
-    }
+            fn all_gather(
+                &mut self,
+                tag: $crate::collective::Tag,
+                local: &[f32],
+                counts: &[usize],
+            ) -> Result<Vec<f32>, $crate::collective::CollectiveError> {
+                self.call(tag, $crate::collective::Kind::AllGather, local, counts)
+            }
 
-    fn reduce_scatter(&mut self, tag: Tag, full: &[f32], counts: &[usize]) -> Result<Vec<f32>, CollectiveError> {
-        self.call(tag, Kind::ReduceScatter, full, counts)
-    }
+            fn reduce_scatter(
+                &mut self,
+                tag: $crate::collective::Tag,
+                full: &[f32],
+                counts: &[usize],
+            ) -> Result<Vec<f32>, $crate::collective::CollectiveError> {
+                self.call(tag, $crate::collective::Kind::ReduceScatter, full, counts)
+            }
+        }
+    };
 }
+pub(crate) use collective_via_call;
+
+collective_via_call!(ThreadRank, |r| r.shared.world);
 
 impl Drop for ThreadRank {
     fn drop(&mut self) {

@@ -6,7 +6,7 @@
 //! fast path: every tensor goes through node 0.
 
 use super::wire;
-use crate::collective::{combine, Collective, CollectiveError, Contribution, Kind, Tag};
+use crate::collective::{collective_via_call, combine, CollectiveError, Contribution, Kind, Tag};
 use serde::{Deserialize, Serialize};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -119,34 +119,12 @@ impl TcpRank {
     }
 }
 
-impl Collective for TcpRank {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce_sum(&mut self, tag: Tag, data: &mut [f32]) -> Result<(), CollectiveError> {
-        let out = self.call(tag, Kind::AllReduce, data, &[])?;
-        data.copy_from_slice(&out);
-        Ok(())
-    }
-
-    fn all_gather(&mut self, tag: Tag, local: &[f32], counts: &[usize]) -> Result<Vec<f32>, CollectiveError> {
-        self.call(tag, Kind::AllGather, local, counts)
-    }
-
-    fn reduce_scatter(&mut self, tag: Tag, full: &[f32], counts: &[usize]) -> Result<Vec<f32>, CollectiveError> {
-        self.call(tag, Kind::ReduceScatter, full, counts)
-    }
-}
+collective_via_call!(TcpRank, |r| r.world);
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::ThreadGroup;
+    use crate::collective::{Collective, ThreadGroup};
 
     fn ranks(world: usize, timeout: Duration) -> Vec<TcpRank> {
         let hub = start_hub("127.0.0.1".parse().unwrap(), world, timeout).unwrap();
