@@ -110,7 +110,13 @@ impl IntoResponse for ApiError {
         if status.is_server_error() {
             tracing::warn!(status = status.as_u16(), "{self}");
         }
-        (status, axum::Json(self.body())).into_response()
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if matches!(self, ApiError::QueueFull { .. }) {
+            // The queue drains as requests finish: a client may come back soon. (Shutting down
+            // and a dead engine get no Retry-After: this server will not take it.)
+            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        resp
     }
 }
 

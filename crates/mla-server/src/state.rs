@@ -40,6 +40,18 @@ impl AppState {
         requests: Vec<GenerateRequest>,
         params: &ValidatedParams,
     ) -> Result<Generation, ApiError> {
+        // More prompts than the queue can ever hold would be refused with 503 on every retry:
+        // that is the request's fault, so 400 naming the limit.
+        let limit = self.engine.config().max_queued_requests;
+        if requests.len() > limit {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "{} prompts in one request, but the server queues at most {limit} requests (--max-queued-requests); send fewer prompts per request",
+                    requests.len()
+                ),
+            ));
+        }
         let mut submitted = Vec::with_capacity(requests.len());
         for req in requests {
             let (prompt_len, n, stop_token_ids) = (req.prompt_tokens.len(), req.n, req.stop_token_ids.clone());

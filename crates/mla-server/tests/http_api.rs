@@ -219,7 +219,23 @@ async fn queue_limit_answers_503() {
     let r3 = s.post("/v1/completions", body.clone()).await;
     assert_eq!(r3.status, 503, "{}", r3.text);
     assert_eq!(r3.json()["error"]["code"], "queue_full");
+    assert_eq!(r3.retry_after.as_deref(), Some("1"), "a full queue says when to come back");
     drop((r1, r2));
+}
+
+/// More prompts than the queue can ever hold is the request's fault: 400 naming the limit (a 503
+/// would be retried forever by clients such as the openai SDK), and nothing is left queued.
+#[tokio::test]
+async fn a_request_larger_than_the_queue_is_refused_with_400() {
+    let s = server(Options { max_queued: 3, ..Options::default() });
+    let r = s.post("/v1/completions", json!({"prompt": ["a", "b", "c", "d"], "max_tokens": 2})).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    let e = &r.json()["error"];
+    assert_eq!(e["param"], "prompt");
+    assert!(e["message"].as_str().unwrap().contains("at most 3 requests"), "{e}");
+    assert!(r.retry_after.is_none());
+    let ok = s.post("/v1/completions", json!({"prompt": ["a", "b", "c"], "max_tokens": 2})).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
 }
 
 /// The `/metrics` sample of `series` with `labels` (after `model_name="demo",`), as a number.

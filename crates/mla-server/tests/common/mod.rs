@@ -195,6 +195,7 @@ pub fn server(opts: Options) -> TestServer {
 pub struct Reply {
     pub status: StatusCode,
     pub content_type: String,
+    pub retry_after: Option<String>,
     pub text: String,
 }
 
@@ -222,10 +223,10 @@ impl TestServer {
         let req = req.body(body.map(|b| Body::from(b.to_string())).unwrap_or_else(Body::empty)).unwrap();
         let resp = self.app.clone().oneshot(req).await.unwrap();
         let status = resp.status();
-        let content_type =
-            resp.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+        let header = |name: &str| resp.headers().get(name).map(|v| v.to_str().unwrap().to_string());
+        let (content_type, retry_after) = (header("content-type").unwrap_or_default(), header("retry-after"));
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        Reply { status, content_type, text: String::from_utf8(bytes.to_vec()).unwrap() }
+        Reply { status, content_type, retry_after, text: String::from_utf8(bytes.to_vec()).unwrap() }
     }
 
     pub async fn post(&self, path: &str, body: Value) -> Reply {
