@@ -51,11 +51,20 @@ impl TextPipeline {
             ..Default::default()
         };
         let rendered = template.render(messages, &options).map_err(|e| match e {
-            // The template refused the conversation, or the messages are malformed: client errors.
+            // The template refused the conversation, the messages are malformed, or rendering
+            // failed on them (a template that compiled at start and renders ordinary turns fails
+            // on what the request put in, e.g. `tool_calls` that are not a list of calls): the
+            // client's error, as in vLLM.
             ChatTemplateError::Raised(_) | ChatTemplateError::InvalidMessages(_) => {
                 ApiError::invalid("messages", e.to_string())
             }
-            ChatTemplateError::Syntax(_) | ChatTemplateError::Render(_) => ApiError::Internal(e.to_string()),
+            ChatTemplateError::Render(why) => ApiError::invalid(
+                "messages",
+                format!(
+                    "the chat template cannot render these messages ({why}); check their fields, such as tool_calls"
+                ),
+            ),
+            ChatTemplateError::Syntax(_) => ApiError::Internal(e.to_string()),
         })?;
         self.tokenizer.encode_chat_prompt(&rendered).map_err(internal)
     }

@@ -307,3 +307,20 @@ async fn stop_strings_ending_every_choice_count_as_stops_not_aborts() {
     assert_eq!(metric(&s, "mla:request_success_total", &finished("abort")).await, 0.0);
     assert_eq!(metric(&s, "mla:request_success_total", &finished("length")).await, 0.0);
 }
+
+/// Messages the template cannot render (an assistant turn with malformed `tool_calls`) are the
+/// request's fault: 400 on `messages`, not 500.
+#[tokio::test]
+async fn messages_the_template_cannot_render_are_refused_with_400() {
+    let s = server(Options::default());
+    for tool_calls in [json!([{"type": "function", "function": 5}]), json!("not a list"), json!([7])] {
+        let body = json!({"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "tool_calls": tool_calls},
+            {"role": "user", "content": "again"},
+        ], "max_tokens": 2});
+        let r = s.post("/v1/chat/completions", body).await;
+        assert_eq!(r.status, 400, "tool_calls {tool_calls}: {}", r.text);
+        assert_eq!(r.json()["error"]["param"], "messages");
+    }
+}
