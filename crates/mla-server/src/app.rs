@@ -43,8 +43,10 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.trim_start().split_once(' '))
+            // The scheme is case-insensitive (RFC 9110): `bearer` and `BEARER` are Bearer too.
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
         if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), key.as_bytes())) {
             return Err(ApiError::Unauthorized);
         }

@@ -28,6 +28,8 @@ pub enum ApiError {
     RouteNotFound { method: String, path: String },
     #[error("{method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
+    #[error("the request body must be JSON sent as `Content-Type: application/json` (got {got})")]
+    UnsupportedMediaType { got: String },
     #[error("the request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     #[error("the request queue is full ({limit} requests waiting); retry later")]
@@ -55,6 +57,7 @@ impl ApiError {
             ApiError::ModelNotFound { .. } | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::QueueFull { .. } | ApiError::ShuttingDown | ApiError::Unavailable(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -88,6 +91,7 @@ impl ApiError {
             ApiError::Unauthorized => Some("invalid_api_key"),
             ApiError::ModelNotFound { .. } => Some("model_not_found"),
             ApiError::PayloadTooLarge { .. } => Some("request_too_large"),
+            ApiError::UnsupportedMediaType { .. } => Some("unsupported_media_type"),
             ApiError::QueueFull { .. } => Some("queue_full"),
             _ => None,
         }

@@ -15,13 +15,29 @@ pub struct BodyLimit(pub usize);
 
 /// A request body parsed as a JSON object. The field groups are read from it afterwards with
 /// `protocol::parse_fields`, so unknown fields are ignored and type errors name their path.
-/// Content-Type is not checked: `curl -d` sends a form type, and the body is JSON either way.
+///
+/// The body must come as `Content-Type: application/json` (parameters such as a charset are
+/// fine). A web page can send a cross-origin POST without the browser asking first only with a
+/// form or text/plain body, so insisting on JSON keeps any page a user visits from making a
+/// local server without an API key generate. (`curl -d` needs `-H 'Content-Type:
+/// application/json'`, as OpenAI's own examples show.)
 pub struct JsonObject(pub Value);
+
+/// Whether a Content-Type header value names JSON.
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+}
 
 impl<S: Send + Sync> FromRequest<S> for JsonObject {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let content_type = req.headers().get(axum::http::header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("?"));
+        if !content_type.is_some_and(is_json) {
+            let got = content_type.map_or("no Content-Type".to_string(), |t| format!("`{t}`"));
+            return Err(ApiError::UnsupportedMediaType { got });
+        }
         let limit = req.extensions().get::<BodyLimit>().map(|l| l.0).unwrap_or(0);
         let bytes = Bytes::from_request(req, state).await.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -44,5 +60,18 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
             });
         }
         Ok(JsonObject(value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn json_content_types_are_recognised_with_parameters_and_any_case() {
+        for ok in ["application/json", "application/json; charset=utf-8", "Application/JSON"] {
+            assert!(super::is_json(ok), "{ok}");
+        }
+        for no in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""] {
+            assert!(!super::is_json(no), "{no}");
+        }
     }
 }

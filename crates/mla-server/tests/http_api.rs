@@ -161,12 +161,12 @@ async fn errors_have_openai_bodies_and_statuses() {
     assert!(msg.contains("256") && msg.contains("250"), "{msg}");
 
     for bad in ["{not json", "[1, 2]", ""] {
-        let r = s.call("POST", "/v1/chat/completions", Some(bad), &[]).await;
+        let r = s.call("POST", "/v1/chat/completions", Some(bad), &[("content-type", "application/json")]).await;
         assert_eq!(r.status, 400, "{bad:?}");
         assert_eq!(r.json()["error"]["type"], "invalid_request_error");
     }
     let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5000));
-    let r = s.call("POST", "/v1/completions", Some(&big), &[]).await;
+    let r = s.call("POST", "/v1/completions", Some(&big), &[("content-type", "application/json")]).await;
     assert_eq!(r.status, 413);
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("4096"));
     let r = s.call("GET", "/v1/nothing", None, &[]).await;
@@ -184,6 +184,11 @@ async fn api_key_guards_v1_but_not_health_and_metrics() {
     assert_eq!(r.json()["error"]["code"], "invalid_api_key");
     let r = s.call("GET", "/v1/models", None, &[("authorization", "Bearer wrong")]).await;
     assert_eq!(r.status, 401);
+    // The scheme is case-insensitive; a different scheme or a bare key is not accepted.
+    for (auth, status) in [("bearer sk-test", 200), ("BEARER  sk-test", 200), ("Basic sk-test", 401), ("sk-test", 401)]
+    {
+        assert_eq!(s.call("GET", "/v1/models", None, &[("authorization", auth)]).await.status, status, "{auth}");
+    }
     let r = s.call("GET", "/v1/models", None, &[("authorization", "Bearer sk-test")]).await;
     assert_eq!(r.status, 200);
     let v = r.json();
@@ -206,7 +211,10 @@ async fn queue_limit_answers_503() {
     // Streams are only opened, not read: the first runs, the second waits, the third overflows.
     let first = s.app.clone();
     let req = |b: &serde_json::Value| {
-        axum::http::Request::post("/v1/completions").body(axum::body::Body::from(b.to_string())).unwrap()
+        axum::http::Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(b.to_string()))
+            .unwrap()
     };
     use tower::ServiceExt;
     let r1 = first.oneshot(req(&body)).await.unwrap();
@@ -323,4 +331,21 @@ async fn messages_the_template_cannot_render_are_refused_with_400() {
         assert_eq!(r.status, 400, "tool_calls {tool_calls}: {}", r.text);
         assert_eq!(r.json()["error"]["param"], "messages");
     }
+}
+
+/// POST bodies must be sent as JSON: a form or text/plain body (what a web page can send
+/// cross-origin without asking) gets 415 before anything runs.
+#[tokio::test]
+async fn post_bodies_must_be_declared_json() {
+    let s = server(Options::default());
+    let body = json!({"prompt": "x", "max_tokens": 2}).to_string();
+    for ct in [None, Some("text/plain"), Some("application/x-www-form-urlencoded")] {
+        let headers: Vec<(&str, &str)> = ct.iter().map(|c| ("content-type", *c)).collect();
+        let r = s.call("POST", "/v1/completions", Some(&body), &headers).await;
+        assert_eq!(r.status, 415, "{ct:?}: {}", r.text);
+        assert_eq!(r.json()["error"]["code"], "unsupported_media_type");
+    }
+    let r =
+        s.call("POST", "/v1/completions", Some(&body), &[("content-type", "application/json; charset=utf-8")]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
 }

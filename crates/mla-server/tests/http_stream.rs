@@ -80,7 +80,10 @@ async fn dropped_streams_free_everything_and_count_as_aborted() {
     let body = json!({"prompt": "x", "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();
     let mut open = vec![];
     for _ in 0..5 {
-        let req = axum::http::Request::post("/v1/completions").body(axum::body::Body::from(body.clone())).unwrap();
+        let req = axum::http::Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.clone()))
+            .unwrap();
         let mut resp = s.app.clone().oneshot(req).await.unwrap();
         // Read one frame so the request is surely running, then keep the body open.
         resp.body_mut().frame().await.unwrap().unwrap();
