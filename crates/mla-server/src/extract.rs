@@ -39,6 +39,12 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
             return Err(ApiError::UnsupportedMediaType { got });
         }
         let limit = req.extensions().get::<BodyLimit>().map(|l| l.0).unwrap_or(0);
+        // A declared length over the limit is refused before a byte of the body is read.
+        let declared =
+            req.headers().get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
+        if declared.is_some_and(|n: usize| limit > 0 && n > limit) {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
         let bytes = Bytes::from_request(req, state).await.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::PayloadTooLarge { limit }

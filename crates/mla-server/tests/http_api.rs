@@ -168,6 +168,12 @@ async fn errors_have_openai_bodies_and_statuses() {
     let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5000));
     let r = s.call("POST", "/v1/completions", Some(&big), &[("content-type", "application/json")]).await;
     assert_eq!(r.status, 413);
+    // A declared Content-Length over the limit is refused before the body is read (here the
+    // body never comes: it is the header alone that answers).
+    let small = "{\"prompt\": \"a\", \"max_tokens\": 1}";
+    let headers = [("content-type", "application/json"), ("content-length", "10000000")];
+    let r = s.call("POST", "/v1/completions", Some(small), &headers).await;
+    assert_eq!(r.status, 413, "{}", r.text);
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("4096"));
     let r = s.call("GET", "/v1/nothing", None, &[]).await;
     assert_eq!((r.status.as_u16(), r.json()["error"]["type"].as_str()), (404, Some("invalid_request_error")));

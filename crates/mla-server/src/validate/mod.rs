@@ -18,6 +18,11 @@ use mla_core::SamplingParams;
 
 /// OpenAI caps `n` at 128; more would only be a way to exhaust the cache with one request.
 pub const MAX_N: i64 = 128;
+/// Stop strings per request and bytes per stop string. Each generated token is checked against
+/// every stop string, so unbounded lists let one request tax every token of its stream (OpenAI
+/// allows 4 strings; these leave room for clients that send more).
+pub const MAX_STOP_STRINGS: usize = 64;
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
 /// Most logprob alternatives per token (vLLM's default `max_logprobs`).
 pub const MAX_LOGPROBS: i64 = 20;
 
@@ -89,6 +94,18 @@ pub fn validate_params(
     let stop = w.stop.map(|s| s.into_vec()).unwrap_or_default();
     if stop.iter().any(|s| s.is_empty()) {
         return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings are allowed, got {}", stop.len()),
+        ));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}", long.len()),
+        ));
     }
     let stop_token_ids = w
         .stop_token_ids

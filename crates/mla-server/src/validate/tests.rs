@@ -41,6 +41,8 @@ fn out_of_range_values_name_their_field() {
         (json!({"max_tokens": -1}), "max_tokens"),
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"stop": ["ok", ""]}), "stop"),
+        (json!({"stop": vec!["x"; 65]}), "stop"),
+        (json!({"stop": ["y".repeat(1025)]}), "stop"),
         (json!({"stop_token_ids": [512]}), "stop_token_ids"),
         (json!({"stop_token_ids": [-1]}), "stop_token_ids"),
         (json!({"stream_options": {"include_usage": true}}), "stream_options"),
@@ -61,6 +63,8 @@ fn boundary_values_are_accepted() {
     assert!(p.sampling.is_greedy());
     assert_eq!(p.sampling.top_k, None);
     assert_eq!((p.n, p.max_tokens), (128, Some(1)));
+    let most: Vec<String> = (0..64).map(|i| format!("{i:0>1024}")).collect();
+    assert_eq!(validate(json!({"stop": most})).unwrap().stop.len(), 64);
     let p = validate(json!({"stop": "END", "stop_token_ids": [0, 511], "seed": -1, "top_k": 5,
                             "stream": true, "stream_options": {"include_usage": true}}))
     .unwrap();
