@@ -52,6 +52,19 @@ impl AppState {
                 ),
             ));
         }
+        // Every prompt times n is a sequence; a request needing more than one batch holds would
+        // take the whole batch from everybody else for as long as it runs.
+        let sequences: usize = requests.iter().map(|r| r.n).sum();
+        let max_seqs = self.engine.config().max_num_seqs;
+        if sequences > max_seqs {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "{} prompts x n = {sequences} sequences in one request, but a batch holds at most {max_seqs} (--max-num-seqs); send fewer prompts or a smaller n",
+                    requests.len()
+                ),
+            ));
+        }
         let mut submitted = Vec::with_capacity(requests.len());
         for req in requests {
             let (prompt_len, n, stop_token_ids) = (req.prompt_tokens.len(), req.n, req.stop_token_ids.clone());

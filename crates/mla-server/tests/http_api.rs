@@ -355,3 +355,20 @@ async fn post_bodies_must_be_declared_json() {
         s.call("POST", "/v1/completions", Some(&body), &[("content-type", "application/json; charset=utf-8")]).await;
     assert_eq!(r.status, 200, "{}", r.text);
 }
+
+/// One request may not need more sequences (prompts x n) than a batch holds: 400 on n naming
+/// the limit, instead of taking every slot from other clients for as long as it runs.
+#[tokio::test]
+async fn prompts_times_n_is_capped_at_the_batch_size() {
+    let s = server(Options { max_num_seqs: 8, ..Options::default() });
+    let r = s.post("/v1/completions", json!({"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    let e = &r.json()["error"];
+    assert_eq!(e["param"], "n");
+    assert!(
+        e["message"].as_str().unwrap().contains("9 sequences") && e["message"].as_str().unwrap().contains("at most 8"),
+        "{e}"
+    );
+    let ok = s.post("/v1/completions", json!({"prompt": ["a", "b"], "n": 4, "max_tokens": 2})).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+}
