@@ -5,11 +5,11 @@
 //!   and on the rows per rank (`mla_core::agreement`), and an idle rank still runs every FFN
 //!   collective.
 //!
-//! The ranks talk to each other only through their `DeviceCollective` (NCCL). A rank that fails
-//! has its peers' communicators aborted (`DeviceCollective::aborter`) by the group.
+//! The ranks talk to each other only through their NCCL communicator (`gpu::nccl::NcclComm`). A
+//! rank that fails has its peers' communicators aborted (`NcclComm::aborter`) by the group.
 
 use crate::backend::{CudaOptions, WeightsFrom};
-use crate::collective::{Aborter, GroupConnector};
+use crate::collective::{Aborter, NcclConnector};
 use crate::model::graph_expressible;
 use crate::ops::PAGE_SIZE;
 use crate::worker::{start_worker, RankJoin, Worker};
@@ -36,7 +36,7 @@ pub struct GroupOptions {
     pub dp_attention: bool,
     /// A step that takes longer than this stops the group.
     pub watchdog: Duration,
-    pub connector: Arc<dyn GroupConnector>,
+    pub connector: Arc<NcclConnector>,
 }
 
 /// One rank: its worker (device, model, graphs).

@@ -3,8 +3,9 @@
 //! and how it runs a step (a graph replay when one fits, else eager), timing each.
 
 use crate::backend::{CudaOptions, WeightsFrom};
-use crate::collective::{DeviceCollective, GroupConnector};
+use crate::collective::NcclConnector;
 use crate::device::Device;
+use crate::gpu::nccl::NcclComm;
 use crate::gpu::DeviceBuffer;
 use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions, RankMode};
 use crate::ops::PAGE_SIZE;
@@ -141,7 +142,7 @@ impl StepRunner for Worker {
 pub struct RankJoin {
     pub layout: RankLayout,
     /// Connects this rank's device collective, on the worker thread once its device is current.
-    pub connector: Arc<dyn GroupConnector>,
+    pub connector: Arc<NcclConnector>,
     /// The host-side link to the other ranks' threads of this process (a barrier before NCCL).
     pub host: ThreadRank,
 }
@@ -169,7 +170,7 @@ pub fn start_worker(
                 j.connector.connect(rank, world).with_context(|| format!("connecting rank {rank} of {world}"))?;
             // NCCL sets up its buffers at a communicator's first collectives: run each kind once
             // now, so the memory they take is gone before the KV cache is sized.
-            warm_up(&dev, comm.as_ref()).with_context(|| format!("first collectives of rank {rank} of {world}"))?;
+            warm_up(&dev, &comm).with_context(|| format!("first collectives of rank {rank} of {world}"))?;
             let mode = if j.layout.dp_attention { RankMode::DpAttention(comm) } else { RankMode::TensorParallel(comm) };
             (j.layout, mode)
         }
@@ -236,7 +237,7 @@ pub fn start_worker(
 }
 
 /// One small collective of each kind the forward pass issues, waited for.
-fn warm_up(dev: &Device, comm: &dyn DeviceCollective) -> anyhow::Result<()> {
+fn warm_up(dev: &Device, comm: &NcclComm) -> anyhow::Result<()> {
     let world = comm.world();
     // Separate input and output buffers: NCCL's in-place forms need rank-dependent offsets.
     let (f_all, f_one) = (DeviceBuffer::<f32>::alloc_zeroed(world * 256)?, DeviceBuffer::<f32>::alloc_zeroed(256)?);

@@ -360,7 +360,7 @@ impl NcclComm {
         (e != SUCCESS && e != IN_PROGRESS).then(|| a.check(e, "asynchronous error").unwrap_err().to_string())
     }
 
-    /// A function any thread may call to abort this communicator (see `DeviceCollective`).
+    /// A function any thread may call to abort this communicator (a rank blocked in a collective then returns with an error).
     pub fn aborter(&self) -> Arc<dyn Fn() + Send + Sync> {
         let handle = self.handle.clone();
         Arc::new(move || handle.abort())

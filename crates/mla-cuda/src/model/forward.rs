@@ -11,8 +11,8 @@ use super::moe_small::{self, MoeSmallIo};
 use super::small_linear::SmallLinear;
 use super::weights::{DeviceWeights, FfnWeights, MlpWeights, MoeWeights, QueryWeights};
 use super::workspace::{CollectiveBuffers, CollectiveKind, Limits, Workspace};
-use crate::collective::DeviceCollective;
 use crate::device::Device;
+use crate::gpu::nccl::NcclComm;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
     AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, Linear, NormDelta, PrefillAttention,
@@ -44,12 +44,12 @@ pub enum RankMode {
     /// Tensor parallel: every rank runs the same rows with its share of the heads and FFN
     /// widths; the bf16 partial outputs of attention and FFN are widened and all-reduced in f32
     /// and added to the f32 residual.
-    TensorParallel(Box<dyn DeviceCollective>),
+    TensorParallel(NcclComm),
     /// DP attention: the whole attention for this rank's own rows; before each FFN every rank's
     /// normed rows (padded to the step's largest rank) are all-gathered, the FFN runs with this
     /// rank's share of the widths over all of them, and a reduce-scatter in f32 returns the sums
     /// for this rank's rows.
-    DpAttention(Box<dyn DeviceCollective>),
+    DpAttention(NcclComm),
 }
 
 impl RankMode {
@@ -61,10 +61,10 @@ impl RankMode {
         }
     }
 
-    pub fn comm(&self) -> Option<&dyn DeviceCollective> {
+    pub fn comm(&self) -> Option<&NcclComm> {
         match self {
             RankMode::Single => None,
-            RankMode::TensorParallel(c) | RankMode::DpAttention(c) => Some(c.as_ref()),
+            RankMode::TensorParallel(c) | RankMode::DpAttention(c) => Some(c),
         }
     }
 
