@@ -60,10 +60,16 @@ impl Scheduler {
         if running + n > self.cfg.max_num_seqs {
             return None;
         }
-        let mut hashes = Vec::new();
-        if self.cfg.prefix_caching {
-            self.hasher.extend(&mut hashes, &g.req.prompt_tokens, reusable_blocks(prompt_len, bs) * bs, bs);
-        }
+        let hashes = match (self.cfg.prefix_caching, live.first()) {
+            (true, Some(&first)) => {
+                // Kept on the first live completion, so a request waiting at the head of the
+                // queue hashes its prompt once, not at every step it does not fit.
+                let kept = &mut g.completions[first].hashes;
+                self.hasher.extend(kept, &g.req.prompt_tokens, reusable_blocks(prompt_len, bs) * bs, bs);
+                kept.clone()
+            }
+            _ => Vec::new(),
+        };
         let found = self.blocks.probe(&hashes);
         let shared_blocks = shared_prefix_len(prompt_len, n, bs) / bs;
         let needed = blocks_to_admit(prompt_len, n, bs) - found.blocks;
