@@ -314,6 +314,17 @@ mod tests {
     }
 
     #[test]
+    fn prefix_caching_is_on_unless_turned_off_and_the_last_flag_wins() {
+        let on = |a: &[&str]| !parse(a).no_enable_prefix_caching;
+        assert!(on(&[]));
+        assert!(on(&["--enable-prefix-caching"]));
+        assert!(!on(&["--no-enable-prefix-caching"]));
+        assert!(!on(&["--disable-radix-cache"]));
+        assert!(on(&["--no-enable-prefix-caching", "--enable-prefix-caching"]));
+        assert!(!on(&["--enable-prefix-caching", "--no-enable-prefix-caching"]));
+    }
+
+    #[test]
     fn parallel_flags_take_vllm_and_sglang_spellings() {
         let layout = |args: &[&str]| parse(args).parallel().unwrap();
         assert_eq!(
