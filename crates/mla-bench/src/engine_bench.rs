@@ -74,6 +74,7 @@ pub(crate) fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, ma
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        owner: None,
     }
 }
 

@@ -39,6 +39,9 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// `Some(k)`: report each sampled token's logprob and `k` alternatives.
     pub logprobs: Option<usize>,
+    /// Requests with the same owner share one fair share of the batch (the HTTP layer gives
+    /// all prompts of one HTTP request one owner); `None`: the request is its own owner.
+    pub owner: Option<u64>,
 }
 
 /// Why a completion ended (OpenAI's `finish_reason`).

@@ -6,7 +6,13 @@
 //! - Prefill steps carry prompt chunks, at most `max_num_batched_tokens` tokens in all. Resident
 //!   sequences that still need prefill go first (oldest first), then the admission queue:
 //!   preempted sequences before new requests, each in FIFO order, stopping at the first that
-//!   does not fit (so a large request is never overtaken forever).
+//!   does not fit (so a large request is never overtaken forever) — except that the owner
+//!   with the fewest resident completions goes first (see `fairness`).
+//! - Fair shares: requests belong to owners (one HTTP request's prompts share one). When the
+//!   next admission does not fit and its owner holds less than its share of `max_num_seqs`
+//!   (split evenly over the owners with work), an owner holding more than its share gives up
+//!   its newest decoding completion (preempted, recomputed later). So one request with many
+//!   prompts or a large `n` cannot hold the batch while others wait.
 //! - Decode steps feed one token for every resident sequence that has sampled and is waiting.
 //! - Fairness: while both kinds of work exist, steps alternate prefill / decode. A decode's
 //!   inter-token latency therefore grows by at most one budget-bounded prefill step while a long
@@ -34,12 +40,13 @@ use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockManager;
 use crate::id_map::IdMap;
 use crate::prefix_hash::PrefixHasher;
-use crate::sequence::{Group, Seq, SeqKey, SeqState, Slot};
+use crate::sequence::{Group, Owner, Seq, SeqKey, SeqState, Slot};
 use mla_core::plan::{SampledToken, SeqStep, StepOutput};
 use mla_core::{CacheLayout, StepKind, StepPlan};
 use std::collections::VecDeque;
 
 mod admission;
+mod fairness;
 mod steps;
 
 pub use admission::{blocks_to_admit, reusable_blocks, shared_prefix_len};
@@ -179,7 +186,8 @@ impl Scheduler {
         let completions = (0..req.n)
             .map(|_| Seq::new(req.prompt_tokens.clone(), self.blocks.new_table(), SeqState::Waiting))
             .collect();
-        self.groups.insert(id, Group { req, seed, prefix: None, completions, cached_tokens: 0 });
+        let owner = req.owner.map_or(Owner::Request(id), Owner::Shared);
+        self.groups.insert(id, Group { req, owner, seed, prefix: None, completions, cached_tokens: 0 });
         self.new_queue.push_back(id);
     }
 

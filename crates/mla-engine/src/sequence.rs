@@ -93,10 +93,20 @@ impl Seq {
     }
 }
 
+/// Whose fair share of the batch a request counts against (`GenerateRequest::owner`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Owner {
+    /// A request that names no owner is its own.
+    Request(u64),
+    /// An owner several requests named.
+    Shared(u64),
+}
+
 /// A request as the scheduler tracks it.
 #[derive(Debug)]
 pub struct Group {
     pub req: GenerateRequest,
+    pub owner: Owner,
     /// The request seed, or one the engine drew for it.
     pub seed: u64,
     /// The prompt's leading full blocks, prefilled once and shared by all completions; `Some`

@@ -23,6 +23,7 @@ fn req(prompt_len: usize, n: usize, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        owner: None,
     }
 }
 
@@ -294,4 +295,72 @@ fn finishing_a_preempted_completion_drops_it_from_the_resume_queue() {
     assert_eq!(outputs[&(1, 0)], expect);
     assert_eq!(outputs[&(2, 0)], expect, "its sibling ran to the end, recomputed if preempted too");
     assert!(outputs[&(2, 1)].len() < 16);
+}
+
+fn owned(prompt_len: usize, n: usize, max_tokens: usize, owner: u64) -> GenerateRequest {
+    GenerateRequest { owner: Some(owner), ..req(prompt_len, n, max_tokens) }
+}
+
+/// Steps until request `id` has produced its first token; returns how many steps that took.
+fn steps_until_first_token(s: &mut Scheduler, id: u64) -> usize {
+    for k in 1..1000 {
+        let (_, a) = step(s);
+        if a.tokens.iter().any(|t| t.request == id) {
+            return k;
+        }
+    }
+    panic!("request {id} never produced a token");
+}
+
+#[test]
+fn a_single_prompt_is_admitted_before_the_rest_of_a_many_prompt_request() {
+    // Three prompts of one HTTP request (one owner) arrive before a lone request; two slots.
+    let mut s = sched(4, 256, 2, 64);
+    for id in 1..=3 {
+        s.add(id, owned(5, 1, 50, 7), 0);
+    }
+    s.add(4, req(5, 1, 3), 0);
+    let (first, _) = step(&mut s);
+    let admitted: Vec<u64> = first.seqs.iter().map(|q| q.seq_id >> 16).collect();
+    // Request 1 takes a slot; the other slot goes to the owner holding none, not to prompt 2.
+    assert_eq!(admitted, vec![1, 4]);
+    run_to_end(&mut s);
+}
+
+#[test]
+fn an_owner_above_its_fair_share_makes_room_for_a_newcomer() {
+    // One request with n = 4 holds every slot and decodes for long.
+    let mut s = sched(4, 256, 4, 64);
+    s.add(1, req(5, 4, 200), 0);
+    for _ in 0..4 {
+        step(&mut s);
+    }
+    assert_eq!(s.num_running(), 4);
+    // A newcomer's fair share is 4 / 2 owners = 2: request 1 gives up one completion for it.
+    s.add(2, req(5, 1, 3), 0);
+    let waited = steps_until_first_token(&mut s, 2);
+    assert!(waited <= 2, "the newcomer waited {waited} steps");
+    assert_eq!(s.preemptions(), 1, "one completion makes room, no more");
+    assert_eq!(s.num_running(), 4);
+    // Every completion of request 1 still runs to its length, the preempted one after recompute.
+    let log = run_to_end(&mut s);
+    let ends = log.iter().flat_map(|(_, a)| a.tokens.iter()).filter(|t| t.request == 1 && t.finish.is_some());
+    assert_eq!(ends.filter(|t| t.finish == Some(FinishReason::Length)).count(), 4);
+}
+
+#[test]
+fn fair_shares_do_not_preempt_within_the_share_or_ping_pong() {
+    // Two owners with n = 2 each fill 4 slots exactly: a third owner's n = 3 is above its share
+    // (4 / 3 = 1) and waits instead of evicting anyone.
+    let mut s = sched(4, 256, 4, 64);
+    s.add(1, req(5, 2, 30), 0);
+    s.add(2, req(5, 2, 30), 0);
+    step(&mut s);
+    s.add(3, req(5, 3, 5), 0);
+    for _ in 0..10 {
+        step(&mut s);
+    }
+    assert_eq!(s.preemptions(), 0);
+    let log = run_to_end(&mut s);
+    assert!(log.len() < 200, "{} steps: admissions went back and forth", log.len());
 }

@@ -1,5 +1,6 @@
 //! Admission into the cache and preemption out of it.
 
+use super::fairness::Candidate;
 use super::Scheduler;
 use crate::sequence::{Seq, SeqKey, SeqState, Slot};
 
@@ -32,20 +33,26 @@ impl Scheduler {
         self.running.iter().filter(|k| k.slot != Slot::Prefix).count()
     }
 
-    /// Admits the head of the queues (preempted sequences before new requests) if it fits
-    /// within `max_num_seqs` and the free blocks; returns the keys that became resident.
+    /// Admits the next candidate of the queues (`next_candidate`: preempted sequences before
+    /// new requests, FIFO, the owners holding least first) if it fits within `max_num_seqs` and
+    /// the free blocks, making room at the expense of owners above their fair share; returns
+    /// the keys that became resident.
     pub(super) fn admit_next(&mut self) -> Option<Vec<SeqKey>> {
-        if let Some(&key) = self.resume_queue.front() {
-            let ok = self.admit_resume(key);
-            if ok {
-                self.resume_queue.pop_front();
+        loop {
+            let candidate = self.next_candidate()?;
+            let admitted = match candidate {
+                Candidate::Resume(key) => self.admit_resume(key).then(|| {
+                    self.resume_queue.pop_front();
+                    vec![key]
+                }),
+                Candidate::New { id, position } => self.admit_new(id).inspect(|_| {
+                    self.new_queue.remove(position);
+                }),
+            };
+            if admitted.is_some() || !self.preempt_for_fairness(candidate) {
+                return admitted;
             }
-            return ok.then(|| vec![key]);
         }
-        let &id = self.new_queue.front()?;
-        let keys = self.admit_new(id)?;
-        self.new_queue.pop_front();
-        Some(keys)
     }
 
     /// Admits a new request's completions, leaving out any the caller finished while it waited
@@ -141,11 +148,19 @@ impl Scheduler {
         true
     }
 
-    /// Frees the newest resident sequence's blocks. A completion goes to the front of the
-    /// resume queue (the oldest preempted sequence ends up first); a prefix is dropped, which
-    /// only happens after all completions that share it were preempted, as they are newer.
+    /// Frees the newest resident sequence's blocks (`preempt`).
     pub(super) fn preempt_newest(&mut self) -> Option<SeqKey> {
-        let key = self.running.pop()?;
+        let key = *self.running.last()?;
+        self.preempt(key);
+        Some(key)
+    }
+
+    /// Frees a resident sequence's blocks. A completion goes to the front of the resume queue
+    /// (preempting newest first, the oldest preempted sequence ends up first); a prefix is
+    /// dropped, which only happens after all completions that share it were preempted, as they
+    /// are newer.
+    pub(super) fn preempt(&mut self, key: SeqKey) {
+        self.running.retain(|&k| k != key);
         let g = self.groups.get_mut(&key.request).expect("running sequence exists");
         match key.slot {
             Slot::Prefix => g.prefix = None,
@@ -157,6 +172,5 @@ impl Scheduler {
                 self.preemptions += 1;
             }
         }
-        Some(key)
     }
 }

@@ -363,6 +363,7 @@ pub fn request(
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        owner: None,
     }
 }
 
