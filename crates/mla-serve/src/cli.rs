@@ -3,6 +3,7 @@
 //! Every flag is used. A flag whose feature does not exist for the chosen device (or at all yet)
 //! is refused by `check_supported` with a message saying so, never accepted and ignored.
 
+use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
 use mla_core::Parallel;
 use std::ffi::OsString;
@@ -126,6 +127,9 @@ pub struct Args {
     /// Require `Authorization: Bearer <KEY>` on every /v1 request.
     #[arg(long, env = "MLA_SERVE_API_KEY", hide_env_values = true, value_name = "KEY")]
     pub api_key: Option<String>,
+
+    #[command(flatten)]
+    pub http: HttpLimitArgs,
 
     /// Requests allowed to wait for a batch slot; more are answered 503.
     #[arg(long, default_value_t = 1024, value_name = "N")]
@@ -253,6 +257,7 @@ impl Args {
         if self.max_model_len == Some(0) || self.kv_cache_tokens == Some(0) {
             anyhow::bail!("--max-model-len and --kv-cache-tokens must be at least 1");
         }
+        self.http.check()?;
         Ok(device)
     }
 

@@ -4,6 +4,7 @@ mod backends;
 mod cli;
 mod demo;
 mod hf_cache;
+mod http_limits;
 mod model_source;
 mod nodes;
 mod presets;

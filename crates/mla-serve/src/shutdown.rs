@@ -6,8 +6,8 @@
 
 use crate::cli::Args;
 use crate::startup::Started;
-use mla_server::app::{router, DEFAULT_BODY_LIMIT};
-use std::future::IntoFuture;
+use mla_server::app::router;
+use mla_server::listener;
 use std::time::Duration;
 
 /// Extra time after the grace period for aborted streams to flush their last events.
@@ -41,21 +41,24 @@ pub async fn serve(args: &Args, started: Started) -> anyhow::Result<()> {
         let drain = tokio::task::spawn_blocking(move || engine_for_signal.shutdown(grace));
         let _ = draining_tx.send(drain);
     };
-    let app = router(state, DEFAULT_BODY_LIMIT);
-    let server = axum::serve(listener, app).with_graceful_shutdown(on_signal);
-    let mut server = std::pin::pin!(server.into_future());
-    tokio::select! {
-        result = &mut server => result?,
-        drain = draining_rx => {
-            // The signal arrived: give the connections the grace period plus a margin.
-            match tokio::time::timeout(grace + FLUSH_MARGIN, &mut server).await {
-                Ok(result) => result?,
-                Err(_) => tracing::warn!("connections still open after {:?}; closing them", grace + FLUSH_MARGIN),
-            }
-            if let Ok(drain) = drain {
-                let _ = drain.await;
-            }
-        }
+    let body = args.http.body(state.limits.max_model_len);
+    let limits = args.http.connections();
+    tracing::info!(
+        "connections: at most {}, request head within {:?}; bodies: at most {} bytes within {:?}",
+        limits.max_connections,
+        limits.keep_alive,
+        body.max_bytes,
+        body.read_timeout
+    );
+    let app = router(state, body);
+    let connections = listener::serve(listener, app, limits, on_signal).await;
+    // The signal (or the engine's death) came: no new connections. The open ones finish their
+    // responses within the grace period plus a margin for aborted streams' last events.
+    if tokio::time::timeout(grace + FLUSH_MARGIN, connections.close()).await.is_err() {
+        tracing::warn!("connections still open after {:?}; closing them", grace + FLUSH_MARGIN);
+    }
+    if let Ok(drain) = draining_rx.await {
+        let _ = drain.await;
     }
     // Covers a server that stopped without a signal; a second shutdown call returns at once.
     tokio::task::spawn_blocking(move || engine.shutdown(Duration::ZERO)).await?;

@@ -1,7 +1,7 @@
 //! The axum router: routes, API-key check, body limit, and OpenAI-shaped 404/405 answers.
 
 use crate::error::ApiError;
-use crate::extract::BodyLimit;
+use crate::extract::BodyLimits;
 use crate::routes;
 use crate::state::AppState;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -12,13 +12,9 @@ use axum::routing::{get, post};
 use axum::{Extension, Router};
 use std::sync::Arc;
 
-/// Default cap on request bodies: far above any prompt that fits a context, small enough that a
-/// runaway client cannot make the server buffer gigabytes.
-pub const DEFAULT_BODY_LIMIT: usize = 32 << 20;
-
 /// Builds the whole HTTP application. `/health` and `/metrics` stay open when an API key is set,
 /// so probes and scrapers need no secret (as in vLLM).
-pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+pub fn router(state: Arc<AppState>, body: BodyLimits) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(routes::chat::handle))
         .route("/v1/completions", post(routes::completions::handle))
@@ -32,8 +28,8 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(access_log))
-        .layer(DefaultBodyLimit::max(body_limit))
-        .layer(Extension(BodyLimit(body_limit)))
+        .layer(DefaultBodyLimit::max(body.max_bytes))
+        .layer(Extension(body))
         .with_state(state)
 }
 

@@ -20,6 +20,9 @@ pub enum ApiError {
     /// Prompt plus requested output does not fit the context window.
     #[error("this model's maximum context length is {limit} tokens, but the request needs {needed} tokens ({prompt} in the prompt, {completion} for the completion); shorten the prompt or lower max_tokens")]
     ContextTooLong { field: Option<String>, limit: usize, needed: usize, prompt: usize, completion: usize },
+    /// A prompt found too long while counting its tokens, before it was tokenized whole.
+    #[error("this model's maximum context length is {limit} tokens, but the prompt has more than {counted} tokens; shorten the prompt")]
+    PromptTooLong { field: String, limit: usize, counted: usize },
     #[error("missing or invalid API key; send it as `Authorization: Bearer <key>`")]
     Unauthorized,
     #[error("the model `{requested}` does not exist; this server serves `{served}`")]
@@ -34,6 +37,10 @@ pub enum ApiError {
     PayloadTooLarge { limit: usize },
     #[error("the request queue is full ({limit} requests waiting); retry later")]
     QueueFull { limit: usize },
+    #[error("the server is serving its limit of {limit} connections; retry later")]
+    TooManyConnections { limit: usize },
+    #[error("the request body did not arrive within {seconds} s")]
+    BodyTimeout { seconds: f64 },
     #[error("the server is shutting down")]
     ShuttingDown,
     /// The engine's backend failed for good (a rank died); the server is exiting.
@@ -50,17 +57,20 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } | ApiError::InvalidJson { .. } | ApiError::ContextTooLong { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::InvalidRequest { .. }
+            | ApiError::InvalidJson { .. }
+            | ApiError::ContextTooLong { .. }
+            | ApiError::PromptTooLong { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound { .. } | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::QueueFull { .. } | ApiError::ShuttingDown | ApiError::Unavailable(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::QueueFull { .. }
+            | ApiError::TooManyConnections { .. }
+            | ApiError::ShuttingDown
+            | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -69,9 +79,11 @@ impl ApiError {
     fn kind(&self) -> &'static str {
         match self {
             ApiError::Unauthorized => "authentication_error",
-            ApiError::QueueFull { .. } | ApiError::ShuttingDown | ApiError::Unavailable(_) | ApiError::Internal(_) => {
-                "server_error"
-            }
+            ApiError::QueueFull { .. }
+            | ApiError::TooManyConnections { .. }
+            | ApiError::ShuttingDown
+            | ApiError::Unavailable(_)
+            | ApiError::Internal(_) => "server_error",
             _ => "invalid_request_error",
         }
     }
@@ -80,6 +92,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { param, .. } | ApiError::InvalidJson { param, .. } => param.as_deref(),
             ApiError::ContextTooLong { field, .. } => field.as_deref(),
+            ApiError::PromptTooLong { field, .. } => Some(field),
             ApiError::ModelNotFound { .. } => Some("model"),
             _ => None,
         }
@@ -87,12 +100,14 @@ impl ApiError {
 
     fn code(&self) -> Option<&'static str> {
         match self {
-            ApiError::ContextTooLong { .. } => Some("context_length_exceeded"),
+            ApiError::ContextTooLong { .. } | ApiError::PromptTooLong { .. } => Some("context_length_exceeded"),
             ApiError::Unauthorized => Some("invalid_api_key"),
             ApiError::ModelNotFound { .. } => Some("model_not_found"),
             ApiError::PayloadTooLarge { .. } => Some("request_too_large"),
             ApiError::UnsupportedMediaType { .. } => Some("unsupported_media_type"),
             ApiError::QueueFull { .. } => Some("queue_full"),
+            ApiError::TooManyConnections { .. } => Some("too_many_connections"),
+            ApiError::BodyTimeout { .. } => Some("request_timeout"),
             _ => None,
         }
     }
@@ -115,10 +130,14 @@ impl IntoResponse for ApiError {
             tracing::warn!(status = status.as_u16(), "{self}");
         }
         let mut resp = (status, axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::QueueFull { .. }) {
+        if matches!(self, ApiError::QueueFull { .. } | ApiError::TooManyConnections { .. }) {
             // The queue drains as requests finish: a client may come back soon. (Shutting down
             // and a dead engine get no Retry-After: this server will not take it.)
             resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        if matches!(self, ApiError::BodyTimeout { .. }) {
+            // The rest of the body may still be on its way: the connection cannot be reused.
+            resp.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
         }
         resp
     }
@@ -157,6 +176,8 @@ mod tests {
             (ApiError::ModelNotFound { requested: "a".into(), served: "b".into() }, 404),
             (ApiError::PayloadTooLarge { limit: 1 }, 413),
             (ApiError::QueueFull { limit: 1 }, 503),
+            (ApiError::TooManyConnections { limit: 1 }, 503),
+            (ApiError::BodyTimeout { seconds: 1.0 }, 408),
             (ApiError::ShuttingDown, 503),
             (ApiError::Internal("boom".into()), 500),
         ];

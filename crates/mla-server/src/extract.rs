@@ -7,11 +7,18 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use serde_json::Value;
+use std::time::Duration;
 
-/// The body size limit in force, put into request extensions by the router so the 413 message
-/// can state it.
+/// The limits on a request body, put into request extensions by the router so the extractor
+/// can enforce them and its errors can state them.
 #[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub usize);
+pub struct BodyLimits {
+    /// Largest body accepted, in bytes (413 above it).
+    pub max_bytes: usize,
+    /// Time the whole body may take to arrive once the handler asks for it (408 after it): a
+    /// client that trickles a body would otherwise hold its connection and task forever.
+    pub read_timeout: Duration,
+}
 
 /// A request body parsed as a JSON object. The field groups are read from it afterwards with
 /// `protocol::parse_fields`, so unknown fields are ignored and type errors name their path.
@@ -38,14 +45,17 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
             let got = content_type.map_or("no Content-Type".to_string(), |t| format!("`{t}`"));
             return Err(ApiError::UnsupportedMediaType { got });
         }
-        let limit = req.extensions().get::<BodyLimit>().map(|l| l.0).unwrap_or(0);
+        let limits = *req.extensions().get::<BodyLimits>().expect("the router sets the body limits");
+        let limit = limits.max_bytes;
         // A declared length over the limit is refused before a byte of the body is read.
         let declared =
             req.headers().get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
-        if declared.is_some_and(|n: usize| limit > 0 && n > limit) {
+        if declared.is_some_and(|n: usize| n > limit) {
             return Err(ApiError::PayloadTooLarge { limit });
         }
-        let bytes = Bytes::from_request(req, state).await.map_err(|r| {
+        let read = tokio::time::timeout(limits.read_timeout, Bytes::from_request(req, state));
+        let bytes = read.await.map_err(|_| ApiError::BodyTimeout { seconds: limits.read_timeout.as_secs_f64() })?;
+        let bytes = bytes.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::PayloadTooLarge { limit }
             } else {

@@ -8,6 +8,7 @@ use crate::stop::StopMatcher;
 use crate::text::TextPipeline;
 use crate::validate::{ModelLimits, ValidatedParams};
 use mla_engine::{EngineHandle, GenerateRequest};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub struct AppState {
@@ -37,33 +38,17 @@ impl AppState {
     /// ones already submitted are dropped, which aborts them.
     pub fn start_generation(
         &self,
-        requests: Vec<GenerateRequest>,
+        mut requests: Vec<GenerateRequest>,
         params: &ValidatedParams,
     ) -> Result<Generation, ApiError> {
-        // More prompts than the queue can ever hold would be refused with 503 on every retry:
-        // that is the request's fault, so 400 naming the limit.
-        let limit = self.engine.config().max_queued_requests;
-        if requests.len() > limit {
-            return Err(ApiError::invalid(
-                "prompt",
-                format!(
-                    "{} prompts in one request, but the server queues at most {limit} requests (--max-queued-requests); send fewer prompts per request",
-                    requests.len()
-                ),
-            ));
-        }
-        // Every prompt times n is a sequence; a request needing more than one batch holds would
-        // take the whole batch from everybody else for as long as it runs.
-        let sequences: usize = requests.iter().map(|r| r.n).sum();
-        let max_seqs = self.engine.config().max_num_seqs;
-        if sequences > max_seqs {
-            return Err(ApiError::invalid(
-                "n",
-                format!(
-                    "{} prompts x n = {sequences} sequences in one request, but a batch holds at most {max_seqs} (--max-num-seqs); send fewer prompts or a smaller n",
-                    requests.len()
-                ),
-            ));
+        self.check_batch_shape(requests.len(), params.n)?;
+        if requests.len() > 1 {
+            // The prompts of one HTTP request share one fair share of the batch: a request with
+            // many prompts must not crowd out one with a single prompt.
+            let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+            for r in &mut requests {
+                r.owner = Some(owner);
+            }
         }
         let mut submitted = Vec::with_capacity(requests.len());
         for req in requests {
@@ -80,6 +65,40 @@ impl AppState {
             LogprobOptions { enabled: params.logprobs.is_some(), tokens_as_ids: params.tokens_as_ids },
             self.text.clone(),
         ))
+    }
+}
+
+/// Owner ids for multi-prompt requests (`GenerateRequest::owner`), unique in this process.
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(0);
+
+impl AppState {
+    /// Refuses a request whose prompts could never be served together, before any of them is
+    /// tokenized: `prompts` is how many it has, each asking for `n` completions.
+    pub fn check_batch_shape(&self, prompts: usize, n: usize) -> Result<(), ApiError> {
+        // More prompts than the queue can ever hold would be refused with 503 on every retry:
+        // that is the request's fault, so 400 naming the limit.
+        let limit = self.engine.config().max_queued_requests;
+        if prompts > limit {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "{prompts} prompts in one request, but the server queues at most {limit} requests (--max-queued-requests); send fewer prompts per request"
+                ),
+            ));
+        }
+        // Every prompt times n is a sequence; a request needing more than one batch holds would
+        // take the whole batch from everybody else for as long as it runs.
+        let sequences = prompts.saturating_mul(n);
+        let max_seqs = self.engine.config().max_num_seqs;
+        if sequences > max_seqs {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "{prompts} prompts x n = {sequences} sequences in one request, but a batch holds at most {max_seqs} (--max-num-seqs); send fewer prompts or a smaller n"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

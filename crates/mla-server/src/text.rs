@@ -6,6 +6,7 @@
 use crate::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
+use crate::prompt_size;
 use crate::stop::{StopCheck, StopMatcher};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 use serde_json::Value;
@@ -37,8 +38,9 @@ impl TextPipeline {
     }
 
     /// Renders the conversation (with the assistant prompt appended) and tokenizes it without
-    /// adding special tokens: the template wrote BOS itself.
-    pub fn chat_prompt(&self, messages: &[Value]) -> Result<Vec<u32>, ApiError> {
+    /// adding special tokens: the template wrote BOS itself. A rendering clearly longer than
+    /// `max_tokens` is refused before it is tokenized whole.
+    pub fn chat_prompt(&self, messages: &[Value], max_tokens: usize) -> Result<Vec<u32>, ApiError> {
         let template = self.template.as_ref().ok_or_else(|| {
             ApiError::invalid(
                 "messages",
@@ -66,12 +68,22 @@ impl TextPipeline {
             ),
             ChatTemplateError::Syntax(_) => ApiError::Internal(e.to_string()),
         })?;
+        self.refuse_clearly_over(&rendered, max_tokens, "messages")?;
         self.tokenizer.encode_chat_prompt(&rendered).map_err(internal)
     }
 
-    /// A completions text prompt, with the tokenizer's special tokens (BOS) as vLLM adds them.
-    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+    /// A completions text prompt, with the tokenizer's special tokens (BOS) as vLLM adds them;
+    /// `field` names it in the error when it is clearly longer than `max_tokens`.
+    pub fn encode_prompt(&self, text: &str, max_tokens: usize, field: &str) -> Result<Vec<u32>, ApiError> {
+        self.refuse_clearly_over(text, max_tokens, field)?;
         self.tokenizer.encode(text, true).map_err(internal)
+    }
+
+    fn refuse_clearly_over(&self, text: &str, limit: usize, field: &str) -> Result<(), ApiError> {
+        match prompt_size::clearly_exceeds(&self.tokenizer, text, limit).map_err(internal)? {
+            Some(counted) => Err(ApiError::PromptTooLong { field: field.to_string(), limit, counted }),
+            None => Ok(()),
+        }
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ApiError> {

@@ -3,8 +3,12 @@
 
 mod common;
 
+use axum::body::Body;
+use axum::http::Request;
 use common::{demo_tokenizer, server, Options};
 use serde_json::json;
+use std::time::{Duration, Instant};
+use tower::ServiceExt;
 
 fn chat(content: &str, extra: serde_json::Value) -> serde_json::Value {
     let mut body = json!({"model": "demo", "messages": [{"role": "user", "content": content}]});
@@ -180,6 +184,34 @@ async fn errors_have_openai_bodies_and_statuses() {
     let r = s.call("GET", "/v1/chat/completions", None, &[]).await;
     assert_eq!(r.status, 405);
     assert!(r.json()["error"]["message"].is_string());
+    // A path segment that does not decode to UTF-8 is a client error in the same shape.
+    let r = s.call("GET", "/v1/models/%FF", None, &[]).await;
+    assert_eq!((r.status.as_u16(), r.json()["error"]["param"].as_str()), (400, Some("model")), "{}", r.text);
+}
+
+#[tokio::test]
+async fn a_body_that_trickles_past_the_read_timeout_gets_408() {
+    let timeout = Duration::from_millis(200);
+    let s = server(Options { body_read_timeout: timeout, ..Options::default() });
+    // Half a JSON body, then nothing: the client never finishes sending it.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::io::Error>>(1);
+    tx.send(Ok(axum::body::Bytes::from_static(b"{\"prompt\": "))).await.unwrap();
+    let body = Body::from_stream(tokio_stream_from(rx));
+    let req = Request::post("/v1/completions").header("content-type", "application/json").body(body).unwrap();
+    let started = Instant::now();
+    let resp =
+        tokio::time::timeout(Duration::from_secs(10), s.app.clone().oneshot(req)).await.expect("answered").unwrap();
+    assert_eq!(resp.status(), 408);
+    assert!(started.elapsed() >= timeout);
+    assert_eq!(resp.headers()["connection"], "close");
+    drop(tx);
+}
+
+/// A body stream from a channel, so a test controls when (and whether) the body ends.
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> + Send + 'static {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 #[tokio::test]

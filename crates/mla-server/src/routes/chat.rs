@@ -31,7 +31,8 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
     let messages = template_messages(&chat.messages)?;
 
     let text = state.text.clone();
-    let prompt = blocking(move || text.chat_prompt(&messages)).await?;
+    let max_model_len = state.limits.max_model_len;
+    let prompt = blocking(move || text.chat_prompt(&messages, max_model_len)).await?;
     let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
     let generation = state.start_generation(vec![request], &params)?;
 

@@ -35,13 +35,17 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
     let max_tokens = ("max_tokens", common.max_tokens);
     let params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, state.limits.vocab_size)?;
     let inputs = prompt_inputs(wire.prompt, state.limits.vocab_size)?;
+    state.check_batch_shape(inputs.len(), params.n)?;
 
     let text = state.text.clone();
+    let max_model_len = state.limits.max_model_len;
+    let single = inputs.len() == 1;
     let prompts = blocking(move || {
         inputs
             .into_iter()
-            .map(|p| match p {
-                PromptInput::Text(s) => Ok((text.encode_prompt(&s)?, s)),
+            .enumerate()
+            .map(|(i, p)| match p {
+                PromptInput::Text(s) => Ok((text.encode_prompt(&s, max_model_len, &prompt_field(single, i))?, s)),
                 PromptInput::Tokens(ids) => {
                     let echo_text = if echo { text.decode(&ids, false)? } else { String::new() };
                     Ok((ids, echo_text))
@@ -50,11 +54,10 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
             .collect::<Result<Vec<_>, ApiError>>()
     })
     .await?;
-    let single = prompts.len() == 1;
     let mut requests = Vec::with_capacity(prompts.len());
     let mut echoes = Vec::new();
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
-        let field = if single { "prompt".to_string() } else { format!("prompt[{i}]") };
+        let field = prompt_field(single, i);
         requests.push(state.limits.engine_request(
             &params,
             tokens,
@@ -83,6 +86,15 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
     let body =
         Completion { id: meta.id, object: "text_completion", created: meta.created, model: meta.model, choices, usage };
     Ok(Json(body).into_response())
+}
+
+/// How errors name prompt `i`: `prompt` alone, or `prompt[i]` in a list.
+fn prompt_field(single: bool, i: usize) -> String {
+    if single {
+        "prompt".to_string()
+    } else {
+        format!("prompt[{i}]")
+    }
 }
 
 /// serde's message for an untagged enum says nothing useful; say what `prompt` may be.

@@ -4,6 +4,7 @@ use crate::error::ApiError;
 use crate::metrics;
 use crate::protocol::models::{ModelCard, ModelList};
 use crate::state::AppState;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
@@ -26,8 +27,10 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> 
 
 pub async fn get_model(
     State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<ModelCard>, ApiError> {
+    // A percent-encoded id that is not UTF-8 is the client's error, answered like the others.
+    let Path(id) = id.map_err(|e| ApiError::invalid("model", format!("the model id in the path is invalid: {e}")))?;
     state.check_model(Some(&id))?;
     Ok(Json(card(&state)))
 }

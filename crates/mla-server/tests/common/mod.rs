@@ -14,6 +14,7 @@ use mla_core::plan::{SeqResult, StepOutput};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::app::router;
+use mla_server::extract::BodyLimits;
 use mla_server::generation_config::GenerationDefaults;
 use mla_server::state::AppState;
 use mla_server::text::TextPipeline;
@@ -132,6 +133,7 @@ pub struct Options {
     pub sibling_script: Option<Vec<u32>>,
     pub api_key: Option<String>,
     pub body_limit: usize,
+    pub body_read_timeout: Duration,
     pub max_queued: usize,
     pub delay: Duration,
     pub max_num_seqs: usize,
@@ -146,6 +148,7 @@ impl Default for Options {
             sibling_script: None,
             api_key: None,
             body_limit: 1 << 20,
+            body_read_timeout: Duration::from_secs(30),
             max_queued: 64,
             delay: Duration::ZERO,
             max_num_seqs: 16,
@@ -189,7 +192,8 @@ pub fn server(opts: Options) -> TestServer {
         api_key: opts.api_key,
         started: 0,
     };
-    TestServer { app: router(Arc::new(state), opts.body_limit), engine, script: opts.script }
+    let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
+    TestServer { app: router(Arc::new(state), body), engine, script: opts.script }
 }
 
 pub struct Reply {
