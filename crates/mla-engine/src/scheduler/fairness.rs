@@ -28,8 +28,14 @@ impl Scheduler {
     /// resident completions; among new requests the first of the owners holding the fewest.
     pub(super) fn next_candidate(&self) -> Option<Candidate> {
         let resume = self.resume_queue.front().copied();
-        if self.new_queue.is_empty() {
-            return resume.map(Candidate::Resume);
+        let &front = match self.new_queue.front() {
+            Some(front) => front,
+            None => return resume.map(Candidate::Resume),
+        };
+        // The usual case: the front request is its own owner, so it holds nothing yet, and no
+        // preempted completion waits. No counting needed.
+        if resume.is_none() && matches!(self.groups[&front].owner, Owner::Request(_)) {
+            return Some(Candidate::New { id: front, position: 0 });
         }
         let resident = self.resident_by_owner();
         let holds = |id: u64| resident.get(&self.groups[&id].owner).copied().unwrap_or(0);
@@ -39,7 +45,6 @@ impl Scheduler {
             if held < best.0 {
                 best = (held, position);
             }
-            // The usual case, every waiting owner new to the batch, ends at the front.
             if held == 0 {
                 break;
             }
@@ -60,9 +65,14 @@ impl Scheduler {
             Candidate::Resume(key) => (key.request, 1),
             Candidate::New { id, .. } => (id, self.groups[&id].unfinished().count()),
         };
+        let resident = self.resident_by_owner();
+        // A share is at least one completion: when nobody holds more (independent one-choice
+        // requests, the usual case), nobody can be above it; skip counting the owners.
+        if resident.values().all(|&held| held <= 1) {
+            return false;
+        }
         let owners: HashSet<Owner> = self.groups.values().map(|g| g.owner).collect();
         let share = (self.cfg.max_num_seqs / owners.len()).max(1);
-        let resident = self.resident_by_owner();
         let owner = self.groups[&id].owner;
         if resident.get(&owner).copied().unwrap_or(0) + wants > share {
             return false;
