@@ -14,10 +14,10 @@
 #                  mla-serve (V2-Lite shape, dummy weights,   server-steps.log
 #                  a tokenizer covering its whole vocabulary)
 #   tests          scripts/gpu_tests.sh DIR                   gpu-tests.log
-#   prefix-cache   the prefix-cache e2e test on cuda, then     prefix-{multiturn,shared,random}-
+#   prefix-cache   the prefix-cache e2e test on cuda, then     prefix-{multiturn,multiturn-c8,multiturn-c1,shared,random}-
 #                  with caching on and off: 64 conversations   {on,off}.json, prefix-e2e.log
 #                  of 8 turns of 512 tokens (128 out) at c=64
-#                  and 8 of them at c=8,
+#                  and 8 of them at c=8 and at c=1,
 #                  1000 prompts of a shared 2000-token prefix
 #                  + 200 own tokens (128 out) at c=64, and
 #                  1024 random 1024/256 prompts at c=256
@@ -296,6 +296,10 @@ stage_prefix_cache() {
     bounded 150 "$out/prefix-multiturn-c8-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
       --dataset multi-turn --num-prompts 8 --num-turns 8 --input-len 512 --output-len 128 --max-concurrency 8 \
       --seed 1 --out "$out/prefix-multiturn-c8-$mode.json" || rc=1
+    # One conversation at a time: a later turn's first token waits only for its own prefill.
+    bounded 150 "$out/prefix-multiturn-c1-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
+      --dataset multi-turn --num-prompts 8 --num-turns 8 --input-len 512 --output-len 128 --max-concurrency 1 \
+      --seed 2 --out "$out/prefix-multiturn-c1-$mode.json" || rc=1
     bounded 150 "$out/prefix-shared-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
       --dataset prefix-repetition --num-prompts 1000 --prefix-len 2000 --input-len 200 --output-len 128 \
       --max-concurrency 64 --out "$out/prefix-shared-$mode.json" || rc=1
