@@ -40,6 +40,7 @@ impl AppState {
         &self,
         mut requests: Vec<GenerateRequest>,
         params: &ValidatedParams,
+        stop: StopMatcher,
     ) -> Result<Generation, ApiError> {
         self.check_batch_shape(requests.len(), params.n)?;
         if requests.len() > 1 {
@@ -56,7 +57,6 @@ impl AppState {
             let stream = self.engine.submit(req)?;
             submitted.push(Submitted { stream, prompt_len, n, stop_token_ids });
         }
-        let stop = StopMatcher::new(params.stop.clone()).map_err(|e| ApiError::invalid("stop", e.to_string()))?;
         let text = self.text.clone();
         let skip_special = params.skip_special_tokens;
         Ok(Generation::new(
@@ -100,6 +100,12 @@ impl AppState {
         }
         Ok(())
     }
+}
+
+/// The request's stop strings compiled for matching (`stop::StopAutomaton`): up to 64K states,
+/// so handlers build it inside `blocking`, next to the tokenization.
+pub fn stop_matcher(stops: Vec<String>) -> Result<StopMatcher, ApiError> {
+    StopMatcher::new(stops).map_err(|e| ApiError::invalid("stop", e.to_string()))
 }
 
 /// Runs CPU-heavy text work (template rendering, tokenization) off the async runtime.

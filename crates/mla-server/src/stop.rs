@@ -7,7 +7,17 @@
 //!
 //! When several stop strings match, the one that is completed first in the text wins (the point
 //! where a token-by-token check would have stopped); if two complete at the same character, the
-//! longer one, which starts earlier, wins.
+//! longer one, which starts earlier, wins; equal strings go to the lower index.
+//!
+//! Matching runs for every generated token of every request on the async runtime's workers, so
+//! its cost must not grow with what a client can send (up to 64 stop strings of 1024 bytes):
+//! the stop strings are compiled once per request into an Aho-Corasick automaton over bytes,
+//! shared by the request's completions, and each delta advances it byte by byte (amortised
+//! constant work per byte through the failure links). The automaton's state also says how much
+//! to hold back: its depth is the longest suffix of the text that is a proper prefix of some stop
+//! string. That depth is why it is written here: the `aho-corasick` crate does not expose it.
+
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 #[error("stop strings must not be empty")]
@@ -22,10 +32,101 @@ pub enum StopCheck {
     Stopped { text: String, index: usize },
 }
 
+/// State 0 is the root (the empty string).
+const ROOT: u32 = 0;
+
+#[derive(Debug, Default)]
+struct State {
+    /// Trie edges, sorted by byte (binary search keeps 64K states at a few MB).
+    edges: Vec<(u8, u32)>,
+    /// The state of the longest proper suffix of this state's string that is also in the trie.
+    fail: u32,
+    /// Length in bytes of this state's string.
+    depth: u32,
+    /// The stop string that ends here and wins the tie rules: the longest one that is a suffix
+    /// of this state's string, the lowest index among equal strings.
+    output: Option<u32>,
+}
+
+/// The stop strings of one request, compiled; immutable and shared by its completions.
+#[derive(Debug)]
+pub struct StopAutomaton {
+    stops: Vec<String>,
+    states: Vec<State>,
+}
+
+impl StopAutomaton {
+    pub fn new(stops: Vec<String>) -> Result<Self, EmptyStopString> {
+        if stops.iter().any(String::is_empty) {
+            return Err(EmptyStopString);
+        }
+        let mut states = vec![State::default()];
+        for (index, stop) in stops.iter().enumerate() {
+            let mut at = ROOT;
+            for &b in stop.as_bytes() {
+                at = match edge(&states[at as usize], b) {
+                    Some(next) => next,
+                    None => {
+                        let next = states.len() as u32;
+                        let depth = states[at as usize].depth + 1;
+                        states.push(State { depth, ..State::default() });
+                        let edges = &mut states[at as usize].edges;
+                        let slot = edges.partition_point(|&(e, _)| e < b);
+                        edges.insert(slot, (b, next));
+                        next
+                    }
+                };
+            }
+            // A repeated stop string keeps its first index.
+            states[at as usize].output.get_or_insert(index as u32);
+        }
+        // Failure links breadth first, so a state's link is final before its children need it.
+        let mut queue = std::collections::VecDeque::from([ROOT]);
+        while let Some(at) = queue.pop_front() {
+            for k in 0..states[at as usize].edges.len() {
+                let (b, child) = states[at as usize].edges[k];
+                let fail = if at == ROOT { ROOT } else { step(&states, states[at as usize].fail, b) };
+                let inherited = states[fail as usize].output;
+                let child_state = &mut states[child as usize];
+                child_state.fail = fail;
+                // Its own stop string, if any, is longer than any reached through the link.
+                child_state.output = child_state.output.or(inherited);
+                queue.push_back(child);
+            }
+        }
+        Ok(StopAutomaton { stops, states })
+    }
+
+    pub fn stop_strings(&self) -> &[String] {
+        &self.stops
+    }
+}
+
+fn edge(state: &State, b: u8) -> Option<u32> {
+    state.edges.binary_search_by_key(&b, |&(e, _)| e).ok().map(|i| state.edges[i].1)
+}
+
+/// The state after reading `b` in state `at`: follow failure links until an edge takes `b`.
+fn step(states: &[State], mut at: u32, b: u8) -> u32 {
+    loop {
+        if let Some(next) = edge(&states[at as usize], b) {
+            return next;
+        }
+        if at == ROOT {
+            return ROOT;
+        }
+        at = states[at as usize].fail;
+    }
+}
+
+/// One completion's matching state over a shared automaton; cloning one starts another
+/// completion at the same point.
 #[derive(Debug, Clone)]
 pub struct StopMatcher {
-    stops: Vec<String>,
-    /// Text received but not yet released.
+    automaton: Arc<StopAutomaton>,
+    state: u32,
+    /// Text received but not yet released: always the automaton state's string, or a little
+    /// more to keep a character whole.
     held: String,
     /// Index of the stop string that matched, once one has.
     stopped: Option<usize>,
@@ -33,14 +134,15 @@ pub struct StopMatcher {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> Result<Self, EmptyStopString> {
-        if stops.iter().any(String::is_empty) {
-            return Err(EmptyStopString);
-        }
-        Ok(Self { stops, held: String::new(), stopped: None })
+        Ok(Self::shared(Arc::new(StopAutomaton::new(stops)?)))
+    }
+
+    pub fn shared(automaton: Arc<StopAutomaton>) -> Self {
+        StopMatcher { automaton, state: ROOT, held: String::new(), stopped: None }
     }
 
     pub fn stop_strings(&self) -> &[String] {
-        &self.stops
+        self.automaton.stop_strings()
     }
 
     /// Feeds the next delta. After a `Stopped` result every further delta is ignored (`Stopped`
@@ -49,16 +151,28 @@ impl StopMatcher {
         if let Some(index) = self.stopped {
             return StopCheck::Stopped { text: String::new(), index };
         }
-        self.held.push_str(delta);
-        if let Some((start, index)) = self.first_match() {
-            self.stopped = Some(index);
-            let text = self.held[..start].to_string();
-            self.held.clear();
-            return StopCheck::Stopped { text, index };
+        let states = &self.automaton.states;
+        for (i, &b) in delta.as_bytes().iter().enumerate() {
+            self.state = step(states, self.state, b);
+            if let Some(index) = states[self.state as usize].output {
+                // A stop string ends with a whole character, so `i + 1` is a boundary of `delta`.
+                self.held.push_str(&delta[..=i]);
+                let start = self.held.len() - self.automaton.stops[index as usize].len();
+                let text = self.held[..start].to_string();
+                self.held.clear();
+                self.stopped = Some(index as usize);
+                return StopCheck::Stopped { text, index: index as usize };
+            }
         }
-        let keep = self.longest_partial_suffix();
-        let text = self.held[..self.held.len() - keep].to_string();
-        self.held.replace_range(..self.held.len() - keep, "");
+        self.held.push_str(delta);
+        // Release all but the part that may still begin a stop string, keeping characters whole.
+        let keep = (states[self.state as usize].depth as usize).min(self.held.len());
+        let mut cut = self.held.len() - keep;
+        while !self.held.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let text = self.held[..cut].to_string();
+        self.held.replace_range(..cut, "");
         StopCheck::Continue { text }
     }
 
@@ -70,28 +184,56 @@ impl StopMatcher {
         }
         std::mem::take(&mut self.held)
     }
+}
 
-    /// (byte start, stop index) of the stop string completed earliest in `held`.
-    fn first_match(&self) -> Option<(usize, usize)> {
-        self.stops
-            .iter()
-            .enumerate()
-            .filter_map(|(index, stop)| self.held.find(stop.as_str()).map(|start| (start + stop.len(), start, index)))
-            .min_by_key(|&(end, start, index)| (end, start, index))
-            .map(|(_, start, index)| (start, index))
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Failure-link steps taken to feed `text` byte by byte: the work `push` does.
+    fn transitions(automaton: &StopAutomaton, text: &[u8]) -> usize {
+        let (mut at, mut work) = (ROOT, 0);
+        for &b in text {
+            loop {
+                work += 1;
+                if let Some(next) = edge(&automaton.states[at as usize], b) {
+                    at = next;
+                    break;
+                }
+                if at == ROOT {
+                    break;
+                }
+                at = automaton.states[at as usize].fail;
+            }
+        }
+        work
     }
 
-    /// Length in bytes of the longest suffix of `held` that is a proper prefix of a stop string.
-    fn longest_partial_suffix(&self) -> usize {
-        let longest_stop = self.stops.iter().map(String::len).max().unwrap_or(0);
-        let min_start = self.held.len().saturating_sub(longest_stop.saturating_sub(1));
-        (min_start..self.held.len())
-            .filter(|&start| self.held.is_char_boundary(start))
-            .find(|&start| {
-                let suffix = &self.held[start..];
-                self.stops.iter().any(|stop| stop.len() > suffix.len() && stop.starts_with(suffix))
-            })
-            .map(|start| self.held.len() - start)
-            .unwrap_or(0)
+    #[test]
+    fn work_per_byte_is_bounded_for_adversarial_stop_strings() {
+        // 64 stop strings of 1024 bytes that all almost match a long run of one letter: the
+        // old matcher searched each of them in the held text at every delta.
+        let stops: Vec<String> = (0..64).map(|k| "a".repeat(1000 + k) + &"b".repeat(24 - k % 24 + 1)).collect();
+        let automaton = StopAutomaton::new(stops).unwrap();
+        let text = "a".repeat(100_000);
+        assert!(transitions(&automaton, text.as_bytes()) <= 2 * text.len());
+        let mixed = "ab".repeat(50_000);
+        assert!(transitions(&automaton, mixed.as_bytes()) <= 2 * mixed.len());
+    }
+
+    #[test]
+    fn held_text_is_never_longer_than_the_longest_stop() {
+        let mut m = StopMatcher::new(vec!["a".repeat(1024) + "b"]).unwrap();
+        for _ in 0..5000 {
+            assert!(matches!(m.push("a"), StopCheck::Continue { .. }));
+            assert!(m.held.len() <= 1024);
+        }
+    }
+
+    #[test]
+    fn sixty_four_long_stops_compile_to_a_small_automaton() {
+        let stops: Vec<String> = (0..64).map(|k| format!("{k:04}") + &"x".repeat(1020)).collect();
+        let automaton = StopAutomaton::new(stops).unwrap();
+        assert!(automaton.states.len() <= 64 * 1024 + 1);
     }
 }

@@ -8,7 +8,7 @@ use crate::protocol::chat::*;
 use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
-use crate::state::{blocking, AppState};
+use crate::state::{blocking, stop_matcher, AppState};
 use crate::validate::{self, messages::template_messages, MaxTokensDefault};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -32,9 +32,11 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
 
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
-    let prompt = blocking(move || text.chat_prompt(&messages, max_model_len)).await?;
+    let stops = params.stop.clone();
+    let (prompt, stop) =
+        blocking(move || Ok((text.chat_prompt(&messages, max_model_len)?, stop_matcher(stops)?))).await?;
     let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
-    let generation = state.start_generation(vec![request], &params)?;
+    let generation = state.start_generation(vec![request], &params, stop)?;
 
     let meta = Meta { id: response_id("chatcmpl"), created: unix_now(), model: state.model_name.clone() };
     if params.stream {

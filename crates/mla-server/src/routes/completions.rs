@@ -8,7 +8,7 @@ use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::completions::*;
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
-use crate::state::{blocking, AppState};
+use crate::state::{blocking, stop_matcher, AppState};
 use crate::validate::prompt::{prompt_inputs, PromptInput};
 use crate::validate::{self, MaxTokensDefault};
 use axum::body::Bytes;
@@ -40,8 +40,9 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
     let single = inputs.len() == 1;
-    let prompts = blocking(move || {
-        inputs
+    let stops = params.stop.clone();
+    let (prompts, stop) = blocking(move || {
+        let prompts = inputs
             .into_iter()
             .enumerate()
             .map(|(i, p)| match p {
@@ -51,7 +52,8 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
                     Ok((ids, echo_text))
                 }
             })
-            .collect::<Result<Vec<_>, ApiError>>()
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        Ok((prompts, stop_matcher(stops)?))
     })
     .await?;
     let mut requests = Vec::with_capacity(prompts.len());
@@ -67,7 +69,7 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
         // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
         echoes.extend(std::iter::repeat_n(if echo { prompt_text } else { String::new() }, params.n));
     }
-    let generation = state.start_generation(requests, &params)?;
+    let generation = state.start_generation(requests, &params, stop)?;
 
     let meta = Meta { id: response_id("cmpl"), created: unix_now(), model: state.model_name.clone() };
     let want_logprobs = params.logprobs.is_some();
