@@ -16,8 +16,10 @@ pub struct HttpLimitArgs {
 
     /// Seconds a connection may take to send a complete request head once it can send one
     /// (after opening, or after the previous response): closes idle keep-alive connections and
-    /// slow-header ones alike. uvicorn's (and so vLLM's) name and default.
-    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    /// slow-header ones alike. uvicorn's (and so vLLM's) name; the default is above the 5 s
+    /// after which httpx (the openai SDK) drops pooled connections, so a client never reuses one
+    /// the server is closing at that moment.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub timeout_keep_alive: f64,
 
     /// Seconds the whole request body may take to arrive; a slower one gets 408.

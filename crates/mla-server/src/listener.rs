@@ -16,21 +16,25 @@
 //! answered by hyper itself with an empty 400 and closed: no request exists yet to hand to the
 //! router, so it cannot carry an OpenAI error body. uvicorn answers those in plain text.
 //!
-//! On shutdown the loop stops accepting and hands back the open connections, which finish the
-//! request they are serving and close (`Connections::close`).
+//! Connections close lingering (`linger`), so a client still sending a body the server refused
+//! reads the answer instead of a reset. On shutdown the loop stops accepting and hands back the
+//! open connections, which finish the request they are serving and close (`Connections::close`).
 
 use crate::error::ApiError;
+use axum::body::Body;
+use axum::http::Request;
 use axum::Router;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
+use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
+use tower::ServiceExt;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -43,8 +47,10 @@ pub struct ConnectionLimits {
 /// Connections being refused at once are not served, but each still holds a descriptor while
 /// its 503 is written: this bounds those too, beyond it a connection is closed unanswered.
 const MAX_REFUSING: usize = 256;
-/// How long a refused connection gets to take its 503 before it is closed.
-const REFUSE_LINGER: Duration = Duration::from_secs(1);
+/// How long a closing connection's unread input is drained at most (`linger`; a client that
+/// closes its side ends it at once), and how long a refused one gets to take its 503. Long
+/// enough for a client still uploading a refused body of tens of MB to reach its read.
+const LINGER: Duration = Duration::from_secs(5);
 /// Request line and headers together (431 above it): generous for any client, and a bound on
 /// what a connection buffers before its request is even routed.
 const MAX_HEADER_BYTES: usize = 64 << 10;
@@ -52,13 +58,19 @@ const MAX_HEADER_BYTES: usize = 64 << 10;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// The connections still open when the accept loop stopped.
-pub struct Connections(GracefulShutdown);
+pub struct Connections {
+    closing: watch::Sender<bool>,
+    serving: Arc<Semaphore>,
+    max: u32,
+}
 
 impl Connections {
     /// Tells every connection to close after its current response (idle ones close now);
     /// resolves once all have closed.
     pub async fn close(self) {
-        self.0.shutdown().await
+        let _ = self.closing.send(true);
+        // Every connection holds a permit until it is closed.
+        let _ = self.serving.acquire_many(self.max).await;
     }
 }
 
@@ -69,9 +81,10 @@ pub async fn serve(
     limits: ConnectionLimits,
     stop: impl Future<Output = ()>,
 ) -> Connections {
-    let graceful = GracefulShutdown::new();
-    let serving = Arc::new(Semaphore::new(limits.max_connections));
+    let max = u32::try_from(limits.max_connections).unwrap_or(u32::MAX).min(Semaphore::MAX_PERMITS as u32);
+    let serving = Arc::new(Semaphore::new(max as usize));
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
+    let (closing, _) = watch::channel(false);
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new()).header_read_timeout(limits.keep_alive).max_header_size(MAX_HEADER_BYTES);
     let mut stop = std::pin::pin!(stop);
@@ -98,22 +111,57 @@ pub async fn serve(
             }
             continue;
         };
-        let conn = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
-        let conn = graceful.watch(conn);
+        let (http, app, closing) = (http.clone(), app.clone(), closing.subscribe());
         tokio::spawn(async move {
-            // Timeouts and clients that vanish end here; they are not the server's errors.
-            if let Err(e) = conn.await {
-                tracing::debug!("connection closed: {e}");
-            }
+            serve_connection(stream, &http, app, closing).await;
             drop(permit);
         });
     }
-    Connections(graceful)
+    Connections { closing, serving, max }
 }
 
-/// Answers a connection over the limit with 503 and closes it. The request is not read, but
-/// what the client sent is drained for a moment after the answer: closing a socket with unread
-/// data resets it, and the client would see a reset instead of the 503.
+/// Serves one connection until it ends, then closes it lingering (`linger`).
+async fn serve_connection(stream: TcpStream, http: &http1::Builder, app: Router, mut closing: watch::Receiver<bool>) {
+    // A boxed future keeps the connection `Unpin`, which taking the socket back at the end needs.
+    let service = service_fn(move |req: Request<Incoming>| {
+        let app = app.clone();
+        Box::pin(async move { app.oneshot(req.map(Body::new)).await })
+    });
+    let mut conn = http.serve_connection(TokioIo::new(stream), service);
+    let mut told = false;
+    let ended = loop {
+        tokio::select! {
+            ended = poll_fn(|cx| conn.poll_without_shutdown(cx)) => break ended,
+            _ = closing.wait_for(|&c| c), if !told => {
+                // Finish the response in progress, take no further request.
+                std::pin::Pin::new(&mut conn).graceful_shutdown();
+                told = true;
+            }
+        }
+    };
+    // Timeouts and clients that vanish end here; they are not the server's errors.
+    if let Err(e) = ended {
+        tracing::debug!("connection closed: {e}");
+    }
+    linger(conn.into_parts().io.into_inner()).await;
+}
+
+/// Closes a connection without resetting it: closing a socket that still has unread data (the
+/// rest of a body refused with 413, a request the client pipelined) sends a reset, which can
+/// destroy the answer before the client reads it. So the sending side is shut first and what
+/// the client still sends is drained for a moment, as nginx's lingering close does.
+async fn linger(mut stream: TcpStream) {
+    let drain = async {
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        std::io::Result::Ok(())
+    };
+    let _ = tokio::time::timeout(LINGER, drain).await;
+}
+
+/// Answers a connection over the limit with 503 and closes it, lingering: the request is not
+/// read.
 async fn refuse(mut stream: TcpStream, limit: usize) {
     let body = ApiError::TooManyConnections { limit }.body().to_string();
     let head = format!(
@@ -123,11 +171,9 @@ async fn refuse(mut stream: TcpStream, limit: usize) {
     );
     let answer = async {
         stream.write_all(head.as_bytes()).await?;
-        stream.write_all(body.as_bytes()).await?;
-        stream.shutdown().await?;
-        let mut sink = [0u8; 4096];
-        while stream.read(&mut sink).await? > 0 {}
-        std::io::Result::Ok(())
+        stream.write_all(body.as_bytes()).await
     };
-    let _ = tokio::time::timeout(REFUSE_LINGER, answer).await;
+    if tokio::time::timeout(LINGER, answer).await.is_ok() {
+        linger(stream).await;
+    }
 }
