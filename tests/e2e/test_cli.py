@@ -31,6 +31,11 @@ from server import Server, run_cli
         (["--max-model-len", "999999"], "max_position_embeddings"),
         (["--load-format", "magic"], "invalid value"),
         (["--frobnicate"], "unexpected argument"),
+        (["--hf-overrides", '{"num_hidden_layers": "six"}'], "with --hf-overrides: field `num_hidden_layers`"),
+        (["--hf-overrides", '{"no_such_field": 1}'], "does not read this config field"),
+        (["--hf-overrides", "[1]"], "must be a JSON object"),
+        (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be a positive"),
+        (["--max-connections", "0"], "--max-connections must be at least 1"),
     ],
 )
 def test_bad_flags_fail_at_start(args, needle):
@@ -139,5 +144,16 @@ def test_chat_template_override(tmp_path):
         )
         plain = client.completions.create(model="demo", prompt="hello there", max_tokens=1)
         assert chat.usage.prompt_tokens == plain.usage.prompt_tokens - 1
+    finally:
+        server.stop()
+
+
+def test_hf_overrides_change_the_served_model():
+    # A V3-shaped preset cut to one layer, as one would fit V3 on one GPU for a benchmark.
+    server = Server("--model", "test-v3", "--load-format", "dummy", "--hf-overrides", '{"num_hidden_layers": 1}')
+    try:
+        assert "overridden by --hf-overrides" in server.log_text() and ": 1 layers" in server.log_text()
+        reply = server.client().completions.create(model="test-v3", prompt=[1, 2, 3], max_tokens=2)
+        assert reply.usage.completion_tokens == 2
     finally:
         server.stop()

@@ -117,17 +117,61 @@ impl ModelConfig {
 
     /// Parses config JSON; `source_name` appears in every error (a path or a preset name).
     pub fn from_json_str(text: &str, source_name: &str) -> Result<Self, ConfigError> {
-        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError {
+        Self::from_json_str_with_overrides(text, source_name, &Map::new())
+    }
+
+    /// `from_file` with `overrides` merged in first (`from_json_str_with_overrides`).
+    pub fn from_file_with_overrides(path: &Path, overrides: &Map<String, Value>) -> Result<Self, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            source_name: name.clone(),
+            field: "<file>".into(),
+            message: format!("cannot read: {e}"),
+        })?;
+        Self::from_json_str_with_overrides(&text, &name, overrides)
+    }
+
+    /// Parses config JSON with `overrides` (vLLM's `--hf-overrides`) merged in as a JSON merge
+    /// patch (RFC 7396: objects merge field by field, `null` removes a field), then validated
+    /// like any config. An override of a field this parser never reads would change nothing, so
+    /// it is an error rather than silently ignored.
+    pub fn from_json_str_with_overrides(
+        text: &str,
+        source_name: &str,
+        overrides: &Map<String, Value>,
+    ) -> Result<Self, ConfigError> {
+        let mut value: Value = serde_json::from_str(text).map_err(|e| ConfigError {
             source_name: source_name.into(),
             field: "<json>".into(),
             message: format!("not valid JSON: {e}"),
         })?;
-        let obj = value.as_object().ok_or_else(|| ConfigError {
-            source_name: source_name.into(),
-            field: "<json>".into(),
-            message: "the top level is not an object".into(),
-        })?;
-        Reader { obj, src: source_name }.parse()
+        if !value.is_object() {
+            return Err(ConfigError {
+                source_name: source_name.into(),
+                field: "<json>".into(),
+                message: "the top level is not an object".into(),
+            });
+        }
+        let overridden;
+        let src = if overrides.is_empty() {
+            source_name
+        } else {
+            crate::json_patch::merge_patch(&mut value, &Value::Object(overrides.clone()));
+            overridden = format!("{source_name} with --hf-overrides");
+            &overridden
+        };
+        let obj = value.as_object().expect("checked above");
+        let reader = Reader { obj, src, read: Default::default() };
+        let config = reader.parse()?;
+        let read = reader.read.borrow();
+        if let Some(unread) = overrides.keys().find(|k| !read.contains(k.as_str())) {
+            return Err(ConfigError {
+                source_name: "--hf-overrides".into(),
+                field: unread.clone(),
+                message: "mla-serve does not read this config field, so overriding it would change nothing".into(),
+            });
+        }
+        Ok(config)
     }
 
     /// Query/key head dimension: `qk_nope_head_dim + qk_rope_head_dim`.
@@ -171,6 +215,8 @@ impl ModelConfig {
 struct Reader<'a> {
     obj: &'a Map<String, Value>,
     src: &'a str,
+    /// Top-level fields looked at, so an override of a field never read can be refused.
+    read: std::cell::RefCell<std::collections::BTreeSet<String>>,
 }
 
 impl<'a> Reader<'a> {
@@ -179,6 +225,7 @@ impl<'a> Reader<'a> {
     }
 
     fn present(&self, field: &str) -> Option<&'a Value> {
+        self.read.borrow_mut().insert(field.to_string());
         self.obj.get(field).filter(|v| !v.is_null())
     }
 
@@ -392,7 +439,7 @@ impl<'a> Reader<'a> {
             Some(Value::Object(m)) => m,
             Some(v) => return Err(self.err(field, format!("expected an object, found {v}"))),
         };
-        let sub = Reader { obj: params, src: self.src };
+        let sub = Reader { obj: params, src: self.src, read: Default::default() };
         let rope_theta = match sub.present("rope_theta") {
             Some(_) => sub.f64_or("rope_theta", 10000.0).map_err(|e| self.nested(field, e))?,
             None => self.f64_or("rope_theta", 10000.0)?,
@@ -454,7 +501,7 @@ impl<'a> Reader<'a> {
             Some(Value::Object(m)) => m,
             Some(v) => return Err(self.err("quantization_config", format!("expected an object, found {v}"))),
         };
-        let sub = Reader { obj: q, src: self.src };
+        let sub = Reader { obj: q, src: self.src, read: Default::default() };
         let wrap = |e| self.nested("quantization_config", e);
         let method = sub.str_opt("quant_method").map_err(wrap)?.unwrap_or("");
         if method != "fp8" {
@@ -564,6 +611,23 @@ mod tests {
     use super::*;
 
     const LITE: &str = include_str!("../../../configs/deepseek-v2-lite.json");
+
+    #[test]
+    fn overrides_change_fields_and_are_validated() {
+        let layers = |o: serde_json::Value| {
+            let o = o.as_object().unwrap().clone();
+            ModelConfig::from_json_str_with_overrides(LITE, "lite", &o).map(|c| c.num_hidden_layers)
+        };
+        assert_eq!(layers(serde_json::json!({"num_hidden_layers": 3})).unwrap(), 3);
+        let e = layers(serde_json::json!({"num_hidden_layers": "six"})).unwrap_err();
+        assert_eq!(e.field, "num_hidden_layers");
+        assert!(e.source_name.contains("--hf-overrides"), "{e}");
+        // Consistency checks see the merged config: more experts per token than experts.
+        assert!(layers(serde_json::json!({"num_experts_per_tok": 65})).is_err());
+        // A field the parser never reads would change nothing.
+        let e = layers(serde_json::json!({"no_such_field": 1})).unwrap_err();
+        assert_eq!((e.source_name.as_str(), e.field.as_str()), ("--hf-overrides", "no_such_field"));
+    }
 
     #[test]
     fn v2_lite_derived_values() {

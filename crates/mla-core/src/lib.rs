@@ -12,6 +12,7 @@ pub mod dummy;
 pub mod fault;
 pub mod fp8;
 pub mod group;
+pub mod json_patch;
 pub mod parallel;
 pub mod plan;
 pub mod rng;

@@ -101,6 +101,13 @@ pub struct Args {
     #[arg(long, default_value_t = 2048, value_name = "TOKENS")]
     pub max_num_batched_tokens: usize,
 
+    /// JSON object merged into the model's config.json before it is validated (vLLM's flag; a
+    /// JSON merge patch: objects merge, null removes), e.g. '{"num_hidden_layers": 6}' to run a
+    /// V3-shaped model with dummy weights on one GPU. Overriding a field mla-serve does not read
+    /// is an error.
+    #[arg(long, value_name = "JSON")]
+    pub hf_overrides: Option<String>,
+
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 64, value_name = "TOKENS")]
     pub block_size: usize,
@@ -211,6 +218,18 @@ pub fn normalize<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> Vec<Os
 impl Args {
     pub fn watchdog(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.watchdog_timeout)
+    }
+
+    /// `--hf-overrides` as a JSON object (empty without the flag).
+    pub fn hf_overrides(&self) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
+        let Some(text) = &self.hf_overrides else { return Ok(Default::default()) };
+        match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(map)) => Ok(map),
+            Ok(_) => {
+                anyhow::bail!("--hf-overrides must be a JSON object, e.g. '{{\"num_hidden_layers\": 6}}'; got {text}")
+            }
+            Err(e) => anyhow::bail!("--hf-overrides is not valid JSON ({e}): {text}"),
+        }
     }
 
     /// The parallel layout the flags ask for (model-independent checks only; `Parallel::check`

@@ -70,7 +70,7 @@ fn demo_source(args: &Args) -> anyhow::Result<ModelSource> {
     // The demo has no checkpoint: its weights are always dummy, so --load-format changes nothing
     // either way and both values are accepted.
     let dir = demo::materialize().context("unpacking the bundled demo model")?;
-    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let config = ModelConfig::from_file_with_overrides(&dir.join("config.json"), &args.hf_overrides()?)?;
     let tokenizer_dir = args.tokenizer.clone().unwrap_or_else(|| dir.clone());
     Ok(ModelSource {
         name: "demo".into(),
@@ -87,7 +87,7 @@ fn demo_source(args: &Args) -> anyhow::Result<ModelSource> {
 }
 
 fn dir_source(name: &str, dir: PathBuf, args: &Args) -> anyhow::Result<ModelSource> {
-    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let config = ModelConfig::from_file_with_overrides(&dir.join("config.json"), &args.hf_overrides()?)?;
     let weights = match args.load_format {
         LoadFormat::Auto => WeightsFrom::Checkpoint(dir.clone()),
         LoadFormat::Dummy => WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
@@ -123,7 +123,7 @@ fn preset_source(name: &str, text: &str, args: &Args) -> anyhow::Result<ModelSou
              random weights (benchmarks), or pass a checkpoint directory or HF repo id to --model"
         );
     }
-    let config = ModelConfig::from_json_str(text, &format!("preset {name}"))?;
+    let config = ModelConfig::from_json_str_with_overrides(text, &format!("preset {name}"), &args.hf_overrides()?)?;
     let mut warnings = vec!["--load-format dummy: random weights, replies are nonsense (for benchmarks)".to_string()];
     let tokenizer_dir = match &args.tokenizer {
         Some(t) => t.clone(),

@@ -26,6 +26,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     for w in &source.warnings {
         tracing::warn!("{w}");
     }
+    if let Some(overrides) = &args.hf_overrides {
+        tracing::info!(
+            "model config overridden by --hf-overrides {overrides}: {} layers, {} routed experts",
+            source.config.num_hidden_layers,
+            source.config.n_routed_experts
+        );
+    }
     let text = load_text(args, &source)?;
     let defaults = match &source.generation_config_dir {
         Some(dir) => GenerationDefaults::from_model_dir(dir)?,
