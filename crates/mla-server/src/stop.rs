@@ -34,18 +34,24 @@ pub enum StopCheck {
 
 /// State 0 is the root (the empty string).
 const ROOT: u32 = 0;
+/// `State::output` of a state where no stop string ends.
+const NO_OUTPUT: u32 = u32::MAX;
 
-#[derive(Debug, Default)]
+/// One automaton state: 16 bytes, plus 5 bytes per trie edge in the automaton's shared edge
+/// arrays, so the 64K states of 64 stop strings of 1024 bytes take about 1.4 MB, in a handful of
+/// allocations (the automaton is dropped on an async worker when the request ends).
+#[derive(Debug, Clone, Copy)]
 struct State {
-    /// Trie edges, sorted by byte (binary search keeps 64K states at a few MB).
-    edges: Vec<(u8, u32)>,
+    /// Index of this state's first edge in `edge_bytes`/`edge_targets`; its edges end where the
+    /// next state's begin. Sorted by byte for binary search.
+    first_edge: u32,
     /// The state of the longest proper suffix of this state's string that is also in the trie.
     fail: u32,
     /// Length in bytes of this state's string.
     depth: u32,
     /// The stop string that ends here and wins the tie rules: the longest one that is a suffix
-    /// of this state's string, the lowest index among equal strings.
-    output: Option<u32>,
+    /// of this state's string, the lowest index among equal strings; or `NO_OUTPUT`.
+    output: u32,
 }
 
 /// The stop strings of one request, compiled; immutable and shared by its completions.
@@ -53,69 +59,111 @@ struct State {
 pub struct StopAutomaton {
     stops: Vec<String>,
     states: Vec<State>,
+    edge_bytes: Vec<u8>,
+    edge_targets: Vec<u32>,
+    /// The root's transitions as a table (`ROOT` where it has no edge): ordinary text keeps
+    /// falling back to the root, so most bytes cost one lookup here.
+    root: [u32; 256],
 }
 
 impl StopAutomaton {
+    /// Costs time and memory linear in the stops' total length (up to 64K states): build it off
+    /// the async runtime.
     pub fn new(stops: Vec<String>) -> Result<Self, EmptyStopString> {
         if stops.iter().any(String::is_empty) {
             return Err(EmptyStopString);
         }
-        let mut states = vec![State::default()];
+        // The trie with an edge list per state, flattened below into the shared arrays.
+        let total: usize = stops.iter().map(String::len).sum();
+        let mut trie: Vec<Vec<(u8, u32)>> = Vec::with_capacity(total + 1);
+        trie.push(Vec::new());
+        let mut states = Vec::with_capacity(total + 1);
+        states.push(State { first_edge: 0, fail: ROOT, depth: 0, output: NO_OUTPUT });
         for (index, stop) in stops.iter().enumerate() {
             let mut at = ROOT;
             for &b in stop.as_bytes() {
-                at = match edge(&states[at as usize], b) {
-                    Some(next) => next,
-                    None => {
-                        let next = states.len() as u32;
+                let edges = &trie[at as usize];
+                at = match edges.binary_search_by_key(&b, |&(e, _)| e) {
+                    Ok(k) => edges[k].1,
+                    Err(slot) => {
+                        let next = trie.len() as u32;
                         let depth = states[at as usize].depth + 1;
-                        states.push(State { depth, ..State::default() });
-                        let edges = &mut states[at as usize].edges;
-                        let slot = edges.partition_point(|&(e, _)| e < b);
-                        edges.insert(slot, (b, next));
+                        trie[at as usize].insert(slot, (b, next));
+                        trie.push(Vec::new());
+                        states.push(State { first_edge: 0, fail: ROOT, depth, output: NO_OUTPUT });
                         next
                     }
                 };
             }
             // A repeated stop string keeps its first index.
-            states[at as usize].output.get_or_insert(index as u32);
+            let output = &mut states[at as usize].output;
+            if *output == NO_OUTPUT {
+                *output = index as u32;
+            }
         }
-        // Failure links breadth first, so a state's link is final before its children need it.
+        let mut automaton = StopAutomaton {
+            stops,
+            states,
+            edge_bytes: Vec::with_capacity(total),
+            edge_targets: Vec::with_capacity(total),
+            root: [ROOT; 256],
+        };
+        for (at, edges) in trie.iter().enumerate() {
+            automaton.states[at].first_edge = automaton.edge_bytes.len() as u32;
+            automaton.edge_bytes.extend(edges.iter().map(|&(b, _)| b));
+            automaton.edge_targets.extend(edges.iter().map(|&(_, next)| next));
+        }
+        for &(b, next) in &trie[ROOT as usize] {
+            automaton.root[b as usize] = next;
+        }
+        automaton.link(&trie);
+        Ok(automaton)
+    }
+
+    /// Failure links and outputs, breadth first: a state's link is shallower than the state, so
+    /// it is final before the state's children follow it.
+    fn link(&mut self, trie: &[Vec<(u8, u32)>]) {
         let mut queue = std::collections::VecDeque::from([ROOT]);
         while let Some(at) = queue.pop_front() {
-            for k in 0..states[at as usize].edges.len() {
-                let (b, child) = states[at as usize].edges[k];
-                let fail = if at == ROOT { ROOT } else { step(&states, states[at as usize].fail, b) };
-                let inherited = states[fail as usize].output;
-                let child_state = &mut states[child as usize];
-                child_state.fail = fail;
+            for &(b, child) in &trie[at as usize] {
+                let fail = if at == ROOT { ROOT } else { self.step(self.states[at as usize].fail, b, &mut 0) };
+                let inherited = self.states[fail as usize].output;
+                let state = &mut self.states[child as usize];
+                state.fail = fail;
                 // Its own stop string, if any, is longer than any reached through the link.
-                child_state.output = child_state.output.or(inherited);
+                if state.output == NO_OUTPUT {
+                    state.output = inherited;
+                }
                 queue.push_back(child);
             }
         }
-        Ok(StopAutomaton { stops, states })
     }
 
     pub fn stop_strings(&self) -> &[String] {
         &self.stops
     }
-}
 
-fn edge(state: &State, b: u8) -> Option<u32> {
-    state.edges.binary_search_by_key(&b, |&(e, _)| e).ok().map(|i| state.edges[i].1)
-}
+    fn edge(&self, at: u32, b: u8) -> Option<u32> {
+        let start = self.states[at as usize].first_edge as usize;
+        let end = self.states.get(at as usize + 1).map_or(self.edge_bytes.len(), |s| s.first_edge as usize);
+        let k = self.edge_bytes[start..end].binary_search(&b).ok()?;
+        Some(self.edge_targets[start + k])
+    }
 
-/// The state after reading `b` in state `at`: follow failure links until an edge takes `b`.
-fn step(states: &[State], mut at: u32, b: u8) -> u32 {
-    loop {
-        if let Some(next) = edge(&states[at as usize], b) {
-            return next;
+    /// The state after reading `b` in state `at`: follow failure links until an edge takes `b`.
+    /// Adds the edge lookups to `work`: one per byte plus one per link followed, and each link
+    /// lowers the depth that each byte raises by at most one, so at most two per byte in all.
+    fn step(&self, mut at: u32, b: u8, work: &mut usize) -> u32 {
+        loop {
+            *work += 1;
+            if at == ROOT {
+                return self.root[b as usize];
+            }
+            if let Some(next) = self.edge(at, b) {
+                return next;
+            }
+            at = self.states[at as usize].fail;
         }
-        if at == ROOT {
-            return ROOT;
-        }
-        at = states[at as usize].fail;
     }
 }
 
@@ -125,8 +173,7 @@ fn step(states: &[State], mut at: u32, b: u8) -> u32 {
 pub struct StopMatcher {
     automaton: Arc<StopAutomaton>,
     state: u32,
-    /// Text received but not yet released: always the automaton state's string, or a little
-    /// more to keep a character whole.
+    /// Text received but not yet released: the automaton state's string.
     held: String,
     /// Index of the stop string that matched, once one has.
     stopped: Option<usize>,
@@ -148,32 +195,44 @@ impl StopMatcher {
     /// Feeds the next delta. After a `Stopped` result every further delta is ignored (`Stopped`
     /// again with empty text), so a caller that keeps feeding cannot leak text past the stop.
     pub fn push(&mut self, delta: &str) -> StopCheck {
+        self.push_counting(delta).0
+    }
+
+    /// `push`, also returning the automaton's edge lookups: the work, which tests bound.
+    fn push_counting(&mut self, delta: &str) -> (StopCheck, usize) {
+        let mut work = 0;
         if let Some(index) = self.stopped {
-            return StopCheck::Stopped { text: String::new(), index };
+            return (StopCheck::Stopped { text: String::new(), index }, work);
         }
-        let states = &self.automaton.states;
+        let automaton = &*self.automaton;
         for (i, &b) in delta.as_bytes().iter().enumerate() {
-            self.state = step(states, self.state, b);
-            if let Some(index) = states[self.state as usize].output {
-                // A stop string ends with a whole character, so `i + 1` is a boundary of `delta`.
+            self.state = automaton.step(self.state, b, &mut work);
+            let index = automaton.states[self.state as usize].output;
+            if index != NO_OUTPUT {
+                // The first byte with an output ends the earliest-completed stop string, and the
+                // output is the one the tie rules pick there. A stop string ends with a whole
+                // character, so `i + 1` is a boundary of `delta`.
+                let index = index as usize;
                 self.held.push_str(&delta[..=i]);
-                let start = self.held.len() - self.automaton.stops[index as usize].len();
+                let start = self.held.len() - automaton.stops[index].len();
                 let text = self.held[..start].to_string();
                 self.held.clear();
-                self.stopped = Some(index as usize);
-                return StopCheck::Stopped { text, index: index as usize };
+                self.stopped = Some(index);
+                return (StopCheck::Stopped { text, index }, work);
             }
         }
         self.held.push_str(delta);
-        // Release all but the part that may still begin a stop string, keeping characters whole.
-        let keep = (states[self.state as usize].depth as usize).min(self.held.len());
+        // Release all but the state's string: the longest suffix that may still begin a stop
+        // string. That string begins with the first byte of a stop string, so on a character
+        // boundary; walking down to one only guards the slice.
+        let keep = (automaton.states[self.state as usize].depth as usize).min(self.held.len());
         let mut cut = self.held.len() - keep;
         while !self.held.is_char_boundary(cut) {
             cut -= 1;
         }
         let text = self.held[..cut].to_string();
         self.held.replace_range(..cut, "");
-        StopCheck::Continue { text }
+        (StopCheck::Continue { text }, work)
     }
 
     /// Releases held text when generation ends for another reason (EOS, length): it never
@@ -190,50 +249,66 @@ impl StopMatcher {
 mod tests {
     use super::*;
 
-    /// Failure-link steps taken to feed `text` byte by byte: the work `push` does.
-    fn transitions(automaton: &StopAutomaton, text: &[u8]) -> usize {
-        let (mut at, mut work) = (ROOT, 0);
-        for &b in text {
-            loop {
-                work += 1;
-                if let Some(next) = edge(&automaton.states[at as usize], b) {
-                    at = next;
-                    break;
+    /// Feeds `text` one character per delta; returns the released text and the work done.
+    fn feed_by_char(m: &mut StopMatcher, text: &str) -> (String, usize) {
+        let (mut released, mut work) = (String::new(), 0);
+        for c in text.chars() {
+            match m.push_counting(c.encode_utf8(&mut [0; 4])) {
+                (StopCheck::Continue { text }, w) => {
+                    released.push_str(&text);
+                    work += w;
                 }
-                if at == ROOT {
-                    break;
-                }
-                at = automaton.states[at as usize].fail;
+                (stopped, _) => panic!("no stop string occurs in the text, got {stopped:?}"),
             }
         }
-        work
+        (released, work)
     }
 
     #[test]
     fn work_per_byte_is_bounded_for_adversarial_stop_strings() {
-        // 64 stop strings of 1024 bytes that all almost match a long run of one letter: the
-        // old matcher searched each of them in the held text at every delta.
-        let stops: Vec<String> = (0..64).map(|k| "a".repeat(1000 + k) + &"b".repeat(24 - k % 24 + 1)).collect();
-        let automaton = StopAutomaton::new(stops).unwrap();
+        // 64 stop strings of 1024 bytes that all almost match a long run of one letter: the old
+        // matcher searched each of them in the held text (1023 bytes here) at every delta.
+        let stops: Vec<String> = (0..64).map(|k| "a".repeat(1023 - k) + "b" + &"a".repeat(k)).collect();
+        assert!(stops.iter().all(|s| s.len() == 1024));
+        let automaton = Arc::new(StopAutomaton::new(stops).unwrap());
+
         let text = "a".repeat(100_000);
-        assert!(transitions(&automaton, text.as_bytes()) <= 2 * text.len());
-        let mixed = "ab".repeat(50_000);
-        assert!(transitions(&automaton, mixed.as_bytes()) <= 2 * mixed.len());
+        let mut m = StopMatcher::shared(automaton.clone());
+        let (released, work) = feed_by_char(&mut m, &text);
+        assert!(work <= 2 * text.len(), "{work} edge lookups for {} bytes", text.len());
+        assert_eq!(released.len(), text.len() - 1023, "all but the longest possible stop prefix");
+        assert_eq!(released.len() + m.finish().len(), text.len());
+
+        // Falling from depth 1023 back to the root follows 1023 links in one byte: amortised
+        // over the bytes that climbed there, still two lookups per byte.
+        let text = ("a".repeat(1023) + "c").repeat(100);
+        let mut m = StopMatcher::shared(automaton);
+        let (released, work) = feed_by_char(&mut m, &text);
+        assert!(work <= 2 * text.len(), "{work} edge lookups for {} bytes", text.len());
+        assert_eq!(released, text);
     }
 
     #[test]
     fn held_text_is_never_longer_than_the_longest_stop() {
-        let mut m = StopMatcher::new(vec!["a".repeat(1024) + "b"]).unwrap();
+        let mut m = StopMatcher::new(vec!["a".repeat(1023) + "b"]).unwrap();
         for _ in 0..5000 {
             assert!(matches!(m.push("a"), StopCheck::Continue { .. }));
-            assert!(m.held.len() <= 1024);
+            assert!(m.held.len() < 1024);
         }
     }
 
     #[test]
     fn sixty_four_long_stops_compile_to_a_small_automaton() {
-        let stops: Vec<String> = (0..64).map(|k| format!("{k:04}") + &"x".repeat(1020)).collect();
+        // Almost no shared prefixes: close to one state per byte, the most a request can ask for.
+        let stops: Vec<String> = (0..64).map(|k| format!("{k:04}") + &"é".repeat(510)).collect();
         let automaton = StopAutomaton::new(stops).unwrap();
-        assert!(automaton.states.len() <= 64 * 1024 + 1);
+        // The root, "0" and "00", "000" to "006", the 64 prefixes, then 1020 bytes of each.
+        assert_eq!(automaton.states.len(), 1 + 2 + 7 + 64 + 64 * 1020);
+        let bytes = automaton.states.capacity() * std::mem::size_of::<State>()
+            + automaton.edge_bytes.capacity()
+            + automaton.edge_targets.capacity() * std::mem::size_of::<u32>()
+            + automaton.stops.iter().map(String::capacity).sum::<usize>()
+            + std::mem::size_of::<StopAutomaton>();
+        assert!(bytes <= 2 << 20, "{bytes} bytes");
     }
 }

@@ -151,3 +151,99 @@ fn detokenizer_and_stop_strings_together() {
     assert!(stopped);
     assert_eq!(out, "The answer is 😀 ");
 }
+
+/// The naive matcher: keeps everything fed, searches every stop string in all of it at every
+/// delta, and holds back the longest suffix that is a proper prefix of some stop string.
+struct NaiveStops {
+    stops: Vec<String>,
+    fed: String,
+    released: usize,
+    stopped: Option<usize>,
+}
+
+impl NaiveStops {
+    fn push(&mut self, delta: &str) -> StopCheck {
+        if let Some(index) = self.stopped {
+            return StopCheck::Stopped { text: String::new(), index };
+        }
+        self.fed.push_str(delta);
+        // A stop string's first occurrence is also where it completes first; among stop strings,
+        // the earliest end, then the longest, then the lowest index.
+        let first = self.stops.iter().enumerate().filter_map(|(i, s)| {
+            self.fed.find(s.as_str()).map(|start| (start + s.len(), std::cmp::Reverse(s.len()), i, start))
+        });
+        if let Some((_, _, index, start)) = first.min() {
+            let text = self.fed.get(self.released..start).expect("the stop string began in released text");
+            self.stopped = Some(index);
+            return StopCheck::Stopped { text: text.to_string(), index };
+        }
+        let could_begin_a_stop = |rest: &str| self.stops.iter().any(|s| s.len() > rest.len() && s.starts_with(rest));
+        let held_from = (self.released..=self.fed.len())
+            .find(|&i| self.fed.is_char_boundary(i) && could_begin_a_stop(&self.fed[i..]))
+            .unwrap();
+        let text = self.fed[self.released..held_from].to_string();
+        self.released = held_from;
+        StopCheck::Continue { text }
+    }
+
+    fn finish(&mut self) -> String {
+        if self.stopped.is_some() {
+            return String::new();
+        }
+        let text = self.fed[self.released..].to_string();
+        self.released = self.fed.len();
+        text
+    }
+}
+
+/// Random text cut into random deltas (whole characters, some empty).
+fn random_deltas(rng: &mut impl rand::Rng, alphabet: &[&str]) -> Vec<String> {
+    let chars: Vec<&str> =
+        (0..rng.random_range(0..40)).map(|_| alphabet[rng.random_range(0..alphabet.len())]).collect();
+    let mut deltas = Vec::new();
+    let mut at = 0;
+    while at < chars.len() {
+        let take = rng.random_range(0..=4.min(chars.len() - at));
+        deltas.push(chars[at..at + take].concat());
+        at += take;
+    }
+    deltas
+}
+
+#[test]
+fn random_stop_sets_agree_with_the_naive_matcher_after_every_delta() {
+    use mla_server::stop::StopAutomaton;
+    use rand::{Rng, SeedableRng};
+    use std::sync::Arc;
+
+    // Two letters and a two-byte one: overlapping, repeated and nested stop strings are common.
+    let alphabet = ["a", "b", "é"];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5709);
+    for case in 0..3000 {
+        let list: Vec<String> = (0..rng.random_range(1..=5))
+            .map(|_| (0..rng.random_range(1..=4)).map(|_| alphabet[rng.random_range(0..3)]).collect())
+            .collect();
+        let automaton = Arc::new(StopAutomaton::new(list.clone()).unwrap());
+        // Two completions on one automaton, fed in turns: their states must not mix.
+        let mut runs: Vec<_> = (0..2)
+            .map(|_| {
+                let naive = NaiveStops { stops: list.clone(), fed: String::new(), released: 0, stopped: None };
+                (StopMatcher::shared(automaton.clone()), naive, random_deltas(&mut rng, &alphabet))
+            })
+            .collect();
+        for k in 0..runs.iter().map(|r| r.2.len()).max().unwrap() {
+            for (matcher, naive, deltas) in &mut runs {
+                if let Some(delta) = deltas.get(k) {
+                    assert_eq!(
+                        matcher.push(delta),
+                        naive.push(delta),
+                        "case {case}: stops {list:?}, deltas {deltas:?}"
+                    );
+                }
+            }
+        }
+        for (matcher, naive, deltas) in &mut runs {
+            assert_eq!(matcher.finish(), naive.finish(), "case {case}: stops {list:?}, deltas {deltas:?}");
+        }
+    }
+}
