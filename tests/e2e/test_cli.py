@@ -1,6 +1,7 @@
 """The binary's flags: unimplemented features fail at start with a reason; shutdown is graceful."""
 
 import signal
+import socket
 import threading
 import time
 
@@ -157,3 +158,30 @@ def test_hf_overrides_change_the_served_model():
         assert reply.usage.completion_tokens == 2
     finally:
         server.stop()
+
+
+def test_a_busy_port_fails_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run_cli("--port", str(busy.getsockname()[1]))
+    assert r.returncode != 0
+    assert "cannot listen on" in r.stderr, r.stderr
+    # Refused before any weights were loaded or the engine started.
+    assert "loading" not in r.stderr and "engine started" not in r.stderr, r.stderr
+
+
+def test_a_second_signal_during_shutdown_exits_at_once():
+    server = Server("--max-model-len", "4096", "--shutdown-timeout", "60")
+    client = server.client()
+    stream = client.completions.create(
+        model="demo", prompt="x", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert next(iter(stream)).choices
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert server.proc.poll() is None, "the first signal drains for up to 60 s"
+    server.proc.send_signal(signal.SIGINT)
+    # 128 + SIGINT, as a shell reports it, within moments instead of the 60 s grace.
+    assert server.proc.wait(timeout=10) == 128 + signal.SIGINT
+    assert "again: exiting now" in server.log_text()

@@ -26,12 +26,9 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             if e.downcast_ref::<shutdown::EngineDied>().is_some() {
                 // A rank may still be stuck on its device (a collective its dead peer never
-                // joins), and the libraries' exit handlers could wait for it: leave now.
-                use std::io::Write;
-                let _ = std::io::stderr().flush();
-                // SAFETY: `_exit` ends the process without running exit handlers; every request
-                // has been answered and the listener closed by now.
-                unsafe { libc::_exit(1) };
+                // joins), and the libraries' exit handlers could wait for it: leave now. Every
+                // request has been answered and the listener closed by now.
+                shutdown::exit_now(1);
             }
             ExitCode::FAILURE
         }
@@ -44,10 +41,13 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         // Another node of --nnodes: no engine and no HTTP, only this node's ranks.
         return startup::serve_for_node0(&args);
     }
+    // The port first: a busy one fails now, not after minutes of loading weights. Connections
+    // wait in the listen backlog until the server is ready.
+    let listener = shutdown::bind(&args)?;
     // Loading is synchronous work; the async runtime starts only once there is something to serve.
     let started = startup::start(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(shutdown::serve(&args, started))
+    runtime.block_on(shutdown::serve(&args, listener, started))
 }
 
 fn init_logging(level: cli::LogLevel) {

@@ -13,12 +13,18 @@ use std::time::Duration;
 /// Extra time after the grace period for aborted streams to flush their last events.
 const FLUSH_MARGIN: Duration = Duration::from_secs(5);
 
-pub async fn serve(args: &Args, started: Started) -> anyhow::Result<()> {
-    let Started { state, engine } = started;
+/// Binds the HTTP port (before the model loads; see `main`).
+pub fn bind(args: &Args) -> anyhow::Result<std::net::TcpListener> {
     let address = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&address)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {address}: {e}"))?;
+    let listener =
+        std::net::TcpListener::bind(&address).map_err(|e| anyhow::anyhow!("cannot listen on {address}: {e}"))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Started) -> anyhow::Result<()> {
+    let Started { state, engine } = started;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     let local = listener.local_addr()?;
     tracing::info!("serving the OpenAI API on http://{local}/v1 (health: /health, metrics: /metrics)");
 
@@ -36,6 +42,13 @@ pub async fn serve(args: &Args, started: Started) -> anyhow::Result<()> {
                 let _ = died_tx.send(why);
             }
         }
+        // A second signal while draining means "now": an operator's second Ctrl-C, or an
+        // orchestrator that stopped waiting.
+        tokio::spawn(async {
+            let name = wait_for_signal().await;
+            tracing::warn!("{name} again: exiting now without waiting for in-flight requests");
+            exit_now(128 + signal_number(name));
+        });
         // The engine drains on its own thread; the HTTP side keeps streaming meanwhile and
         // finishes once every response has ended.
         let drain = tokio::task::spawn_blocking(move || engine_for_signal.shutdown(grace));
@@ -85,6 +98,24 @@ async fn wait_for_death(engine: &mla_engine::EngineHandle) -> String {
         }
         tokio::time::sleep(LIVENESS_POLL).await;
     }
+}
+
+fn signal_number(name: &str) -> i32 {
+    if name == "SIGINT" {
+        libc::SIGINT
+    } else {
+        libc::SIGTERM
+    }
+}
+
+/// Ends the process at once with `code` (128 + the signal, as a shell reports a process killed
+/// by it). `_exit` skips exit handlers: a rank may be inside a device call that would make
+/// them wait.
+pub fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` takes no pointers and never returns; nothing after it runs.
+    unsafe { libc::_exit(code) }
 }
 
 async fn wait_for_signal() -> &'static str {
