@@ -7,7 +7,13 @@ and /health's, as JSON (with date, commit and command) and a table on stdout.
 
 The probes live in tests/e2e/hostile.py, shared with the end-to-end test that checks the
 factor. The server's own flags (keep-alive, body timeout) must be passed here too, so the
-connection probe knows how long to wait: --keep-alive and --body-timeout.
+connection probe knows how long to wait: --keep-alive and --body-timeout. With the server's
+--max-connections passed as --max-connections, a last phase floods past it (without normal
+traffic, whose new connections would be refused too) and asks /health over a connection opened
+before the flood.
+
+Every request and socket has a timeout and the whole run stops at --budget seconds (180: the
+phases take about 100 s with the server's default timeouts); a phase cut off is recorded so.
 """
 
 import argparse
@@ -17,6 +23,7 @@ import datetime
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -34,7 +41,11 @@ def main() -> int:
     ap.add_argument("--body-timeout", type=float, default=30.0, help="the server's --body-read-timeout")
     ap.add_argument("--idle-connections", type=int, default=1100)
     ap.add_argument("--seconds", type=float, default=5.0, help="normal traffic measured per phase at least")
+    ap.add_argument("--max-connections", type=int, default=None,
+                    help="the server's --max-connections: adds a phase that floods past it")
+    ap.add_argument("--budget", type=float, default=180.0, help="seconds the whole run may take")
     args = ap.parse_args()
+    deadline = time.monotonic() + args.budget
     base = args.url.rstrip("/")
     url = urlparse(base)
     model = args.model or hostile_first_model(base)
@@ -63,24 +74,84 @@ def main() -> int:
     phases["all of the above at once"] = everything_at_once
     results = []
     for name, probe in phases.items():
-        normal, got = asyncio.run(hostile.measure_during(base, model, probe, min_seconds=args.seconds))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            results.append({"phase": name, "skipped": f"the {args.budget:.0f} s budget was spent"})
+            continue
+        try:
+            normal, got = asyncio.run(asyncio.wait_for(
+                hostile.measure_during(base, model, probe, min_seconds=args.seconds), timeout=left))
+        except asyncio.TimeoutError:
+            results.append({"phase": name, "skipped": f"cut off at the {args.budget:.0f} s budget"})
+            continue
         results.append({"phase": name, "normal": normal, "hostile": got})
-        print(f"{name:70s} p50 {fmt(normal['p50_ms'])} p95 {fmt(normal['p95_ms'])} "
-              f"health max {fmt(normal['health_max_ms'])} normal failed {len(normal['failed'])}")
-    baseline = results[0]["normal"]["p50_ms"]
+    if args.max_connections is not None:
+        flood = max(args.idle_connections, args.max_connections + 100)
+        name = f"{flood} connections over --max-connections {args.max_connections} (no normal traffic)"
+        left = deadline - time.monotonic()
+        try:
+            got = asyncio.run(asyncio.wait_for(
+                hostile.flood_over_the_cap(base, url.hostname, url.port, flood, args.keep_alive), timeout=max(left, 0)))
+            results.append({"phase": name, "hostile": got})
+        except asyncio.TimeoutError:
+            results.append({"phase": name, "skipped": f"cut off at the {args.budget:.0f} s budget"})
+
+    baseline = results[0].get("normal", {}).get("p50_ms")
     for r in results[1:]:
-        r["p50_over_unloaded"] = round(r["normal"]["p50_ms"] / baseline, 2) if baseline else None
+        if baseline and r.get("normal", {}).get("p50_ms"):
+            r["p50_over_unloaded"] = round(r["normal"]["p50_ms"] / baseline, 2)
+    print_table(results)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git("rev-parse", "--short", "HEAD"),
+        "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
         "command": " ".join(sys.argv),
         "server": base,
         "model": model,
         "phases": results,
     }
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps([{r["phase"]: r["hostile"]} for r in results[1:]], indent=1))
     return 0
+
+
+def print_table(results: list):
+    """Normal traffic per phase, then what each hostile request got."""
+    print(f"{'phase':72s} {'normal p50':>10s} {'p95':>10s} {'x unloaded':>10s} {'/health max':>11s} failed")
+    for r in results:
+        n = r.get("normal")
+        if n is None:
+            print(f"{r['phase'][:72]:72s} {r.get('skipped', '(no normal traffic)')}")
+            continue
+        ratio = r.get("p50_over_unloaded")
+        print(f"{r['phase'][:72]:72s} {fmt(n['p50_ms'])} {fmt(n['p95_ms'])} {ratio if ratio else '':>10} "
+              f"{fmt(n['health_max_ms']):>11s} {len(n['failed']) + len(n['health_not_200'])}")
+    print()
+    for r in results:
+        if r.get("hostile"):
+            print(r["phase"])
+            for line in hostile_lines(r["hostile"]):
+                print("   ", line)
+
+
+def hostile_lines(got: dict, path: str = ""):
+    """One line per hostile HTTP request (status, seconds, error code, Retry-After) and one per
+    connection probe (its counts and close times)."""
+    if "status" in got:
+        code = f" {got['code']}" if got.get("code") else ""
+        retry = f", Retry-After {got['retry_after']}" if got.get("retry_after") else ""
+        error = f" ({got['error']})" if got.get("error") else ""
+        yield f"{path}: {got['status']}{code} in {got.get('seconds', '?')} s{retry}{error}"
+        return
+    nested = lambda v: isinstance(v, dict) or (isinstance(v, list) and any(isinstance(x, dict) for x in v))  # noqa: E731
+    plain = {k: v for k, v in got.items() if not nested(v)}
+    if plain:
+        yield (f"{path}: " if path else "") + ", ".join(f"{k} {v}" for k, v in plain.items())
+    for k, v in got.items():
+        where = f"{path}.{k}" if path else k
+        if isinstance(v, dict):
+            yield from hostile_lines(v, where)
+        elif nested(v):
+            for i, x in enumerate(v):
+                yield from hostile_lines(x, f"{where}[{i}]")
 
 
 def connection_probe(*args) -> dict:

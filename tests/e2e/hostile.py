@@ -17,6 +17,9 @@ import httpx
 # Normal traffic: short chats, a few in flight, as an interactive user's requests.
 NORMAL_IN_FLIGHT = 4
 NORMAL_BODY = {"messages": [{"role": "user", "content": "Say something short."}], "max_tokens": 8}
+# Every HTTP request of the probes gives up after this: the probes end in bounded time even
+# against a server that hangs.
+REQUEST_TIMEOUT_S = 60
 
 
 def raise_fd_limit(wanted: int) -> int:
@@ -32,7 +35,7 @@ async def normal_traffic(base: str, model: str, stop: asyncio.Event) -> dict:
     latencies, health, failures = [], [], []
     # Pooled connections expire before the server's keep-alive deadline (at least 1 s in the tests).
     limits = httpx.Limits(max_connections=NORMAL_IN_FLIGHT + 1, keepalive_expiry=0.5)
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
 
         async def chats():
             while not stop.is_set():
@@ -73,9 +76,12 @@ async def measure_during(base: str, model: str, probe, min_seconds: float = 2.0)
     stop = asyncio.Event()
     traffic = asyncio.create_task(normal_traffic(base, model, stop))
     started = time.perf_counter()
-    result = await probe() if probe else {}
-    await asyncio.sleep(max(0.0, min_seconds - (time.perf_counter() - started)))
-    stop.set()
+    try:
+        result = await probe() if probe else {}
+        await asyncio.sleep(max(0.0, min_seconds - (time.perf_counter() - started)))
+    finally:
+        # Also when the probe fails or is cancelled: normal traffic must not outlive it.
+        stop.set()
     return await traffic, result
 
 
@@ -105,7 +111,7 @@ async def many_long_stop_strings(base: str, model: str, max_tokens: int = 200) -
     stops = [f"{k:02d}" + "z" * 1022 for k in range(64)]
     body = {"model": model, "prompt": "a b c", "max_tokens": max_tokens, "stop": stops,
             "stream": True, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
 
         async def stream():
             t = time.perf_counter()
@@ -123,7 +129,7 @@ async def many_long_stop_strings(base: str, model: str, max_tokens: int = 200) -
 async def huge_prompts(base: str, model: str, megabytes: int = 31) -> dict:
     """A prompt string and a token-id list of `megabytes` MB (over the body limit), and ones
     just under a 1 MiB body that cannot fit the context either."""
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
         words = ("lorem ipsum dolor sit amet " * ((megabytes << 20) // 27 + 1))[: megabytes << 20]
         big_text = json.dumps({"model": model, "prompt": words, "max_tokens": 1})
         ids = ",".join(["11"] * ((megabytes << 20) // 3))
@@ -146,7 +152,7 @@ async def huge_prompts(base: str, model: str, megabytes: int = 31) -> dict:
 
 async def request_shapes(base: str, model: str) -> dict:
     """Requests that can never be served as asked, and bodies that are not what they claim."""
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
         post = lambda path, **kw: timed_post(client, path, **kw)  # noqa: E731
         bad_call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": 5}]}
         return {
@@ -162,77 +168,215 @@ async def request_shapes(base: str, model: str) -> dict:
         }
 
 
+async def queue_full(base: str, model: str) -> dict:
+    """Against a server with --max-num-seqs 1 --max-queued-requests 1: one long stream running,
+    one waiting, then a third request, which must get 503 queue_full with Retry-After."""
+    body = {"model": model, "prompt": [0, 1, 2], "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as running:
+            # A first token: it is scheduled. The iterator is kept: a half-read one that is
+            # garbage-collected closes the connection, and the server aborts the request.
+            tokens = running.aiter_bytes()
+            await tokens.__anext__()
+            async with client.stream("POST", "/v1/completions", json=body) as waiting:
+                third = await timed_post(client, "/v1/completions", json={**body, "stream": False})
+                streams = [{"status": running.status_code}, {"status": waiting.status_code}]
+            await tokens.aclose()
+    return {"streams": streams, "third": third}
+
+
 async def open_connection(host: str, port: int):
     return await asyncio.wait_for(asyncio.open_connection(host, port), timeout=5)
 
 
-async def closed_by_server(reader: asyncio.StreamReader, within: float) -> tuple[bool, bytes]:
-    """Whether the server closes the connection within `within` seconds (what it sent first)."""
+async def watch_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, opened: float,
+                      within: float) -> dict:
+    """Reads what the server sends until it closes the connection or `within` seconds after
+    `opened` pass. Returns whether it closed, when (seconds after `opened`), whether by a reset,
+    and what it sent. Our side is closed as soon as the server's is, so the server's lingering
+    close (and its refusal slot) ends at once."""
+    answer, closed, reset = b"", False, False
     try:
-        data = await asyncio.wait_for(reader.read(4096), timeout=within)
-        rest = data
-        while data:
-            data = await asyncio.wait_for(reader.read(4096), timeout=within)
-            rest += data
-        return True, rest
-    except (asyncio.TimeoutError, ConnectionError):
-        return False, b""
+        while True:
+            left = opened + within - time.perf_counter()
+            if left <= 0:
+                break
+            data = await asyncio.wait_for(reader.read(4096), timeout=left)
+            if not data:
+                closed = True
+                break
+            answer += data
+    except asyncio.TimeoutError:
+        pass
+    except ConnectionError:
+        closed = reset = True
+    after = time.perf_counter() - opened
+    writer.close()
+    return {"opened": opened, "closed": closed, "reset": reset, "after_s": after, "answer": answer}
+
+
+def most_at_once(intervals: list) -> int:
+    """The most of the (start, end) intervals that overlap at one moment."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def status_line(answer: bytes) -> str:
+    return answer.split(b"\r\n", 1)[0].decode(errors="replace")
+
+
+def spread(seconds: list) -> list:
+    """[min, median, max] of close times, rounded, for the record."""
+    return [round(min(seconds), 3), round(statistics.median(seconds), 3), round(max(seconds), 3)] if seconds else []
+
+
+async def trickle(writer: asyncio.StreamWriter, chunk: bytes, every: float, until: float):
+    """Sends `chunk` every `every` seconds until `until` (perf_counter) or the server closes."""
+    while time.perf_counter() < until:
+        await asyncio.sleep(every)
+        if writer.is_closing():
+            return
+        try:
+            writer.write(chunk)
+            await writer.drain()
+        except ConnectionError:
+            return
 
 
 async def idle_and_slow_connections(host: str, port: int, idle: int, keep_alive: float,
-                                    body_timeout: float) -> dict:
-    """`idle` connections that send nothing, one that trickles its headers and one that trickles
-    its body: all must be closed by the server within its deadlines."""
+                                    body_timeout: float, slack: float = 3.0) -> dict:
+    """`idle` connections that send nothing, one that trickles header lines and one that
+    trickles its body, each for longer than its deadline. The server must close the idle and
+    slow-head ones once `keep_alive` (its --timeout-keep-alive, which bounds a request head
+    from the moment a connection can send one) has passed since they opened, and answer the slow
+    body 408 once `body_timeout` (--body-read-timeout) has passed since its head. Each is
+    watched for its deadline plus `slack` seconds; the close times are recorded."""
     raise_fd_limit(idle + 256)
-    conns = []
+    t0 = time.perf_counter()
+    within_head = keep_alive + slack
+    watchers, open_failed = [], None
     for _ in range(idle):
         try:
-            conns.append(await open_connection(host, port))
-        except (OSError, asyncio.TimeoutError):
+            r, w = await open_connection(host, port)
+        except (OSError, asyncio.TimeoutError) as e:
+            open_failed = repr(e)
             break
-    slow_head_r, slow_head_w = await open_connection(host, port)
-    slow_head_w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        watchers.append(asyncio.create_task(watch_close(r, w, time.perf_counter(), within_head)))
 
-    async def trickle_head():
-        for _ in range(int(keep_alive * 4) + 4):
-            await asyncio.sleep(0.5)
-            try:
-                slow_head_w.write(b"X-Slow: 1\r\n")
-                await slow_head_w.drain()
-            except ConnectionError:
-                return
+    head_r, head_w = await open_connection(host, port)
+    head_opened = time.perf_counter()
+    head_w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    head_watch = asyncio.create_task(watch_close(head_r, head_w, head_opened, within_head))
+    head_trickle = asyncio.create_task(trickle(head_w, b"X-Slow: 1\r\n", 0.25, head_opened + within_head))
 
-    slow_body_r, slow_body_w = await open_connection(host, port)
-    slow_body_w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
-    trickler = asyncio.create_task(trickle_head())
-    deadline = max(keep_alive, body_timeout) + 3
-    t = time.perf_counter()
-    idle_closed = await asyncio.gather(*(closed_by_server(r, deadline) for r, _ in conns))
-    head_closed, _ = await closed_by_server(slow_head_r, deadline)
-    body_closed, body_answer = await closed_by_server(slow_body_r, deadline)
-    trickler.cancel()
-    for _, w in conns + [(None, slow_head_w), (None, slow_body_w)]:
-        w.close()
+    body_r, body_w = await open_connection(host, port)
+    body_w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000\r\n\r\n{\"prompt\": ")
+    body_sent = time.perf_counter()
+    within_body = body_timeout + slack
+    body_watch = asyncio.create_task(watch_close(body_r, body_w, body_sent, within_body))
+    body_trickle = asyncio.create_task(trickle(body_w, b" ", 0.25, body_sent + within_body))
+
+    idle_got = await asyncio.gather(*watchers)
+    head, body = await head_watch, await body_watch
+    for task in (head_trickle, body_trickle):
+        task.cancel()
+    closed = [c["after_s"] for c in idle_got if c["closed"]]
     return {
-        "idle_opened": len(conns),
-        "idle_closed_by_server": sum(1 for c, _ in idle_closed if c),
-        "slow_head_closed": head_closed,
-        "slow_body_status": body_answer.split(b"\r\n", 1)[0].decode(errors="replace"),
-        "slow_body_closed": body_closed,
-        "seconds": round(time.perf_counter() - t, 2),
+        "idle_opened": len(watchers),
+        "idle_open_failed": open_failed,
+        "idle_closed_by_server": len(closed),
+        "idle_reset": sum(1 for c in idle_got if c["reset"]),
+        "idle_answered": sorted({status_line(c["answer"]) for c in idle_got if c["answer"]}),
+        "idle_close_s": spread(closed),
+        "slow_head_closed": head["closed"],
+        "slow_head_close_s": round(head["after_s"], 3),
+        "slow_head_answer": status_line(head["answer"]),
+        "slow_body_status": status_line(body["answer"]),
+        "slow_body_closed": body["closed"],
+        "slow_body_close_s": round(body["after_s"], 3),
+        "seconds": round(time.perf_counter() - t0, 2),
     }
 
 
-async def over_the_connection_limit(host: str, port: int, limit: int) -> dict:
-    """`limit` connections held open, then one more: it must get 503 with Retry-After."""
-    raise_fd_limit(limit + 256)
-    held = [await open_connection(host, port) for _ in range(limit)]
-    reader, writer = await open_connection(host, port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    _, answer = await closed_by_server(reader, 5)
-    for _, w in held + [(None, writer)]:
-        w.close()
-    head = answer.split(b"\r\n\r\n", 1)[0].decode(errors="replace").lower()
-    return {"status_line": head.split("\r\n", 1)[0], "retry_after": "retry-after: 1" in head,
-            "json_body": b'"too_many_connections"' in answer}
+async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_alive: float,
+                             slack: float = 3.0) -> dict:
+    """`flood` connections that send nothing against a server whose --max-connections is below
+    that, while /health is asked every 100 ms over one keep-alive connection opened before the
+    flood. Connections within the cap sit idle until the keep-alive deadline closes them; those
+    over it must be answered 503 with Retry-After and an OpenAI error body at once (or, past the
+    server's bound on refusals in progress, closed unanswered). Afterwards a new connection must
+    be served again."""
+    raise_fd_limit(flood + 256)
+    health, stop = [], asyncio.Event()
+    # One pooled connection, never left idle long enough to expire on either side.
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=60)
+    async with httpx.AsyncClient(base_url=base, timeout=10, limits=limits) as held:
+        await held.get("/health")
+
+        async def probe_health():
+            while not stop.is_set():
+                t = time.perf_counter()
+                try:
+                    status = (await held.get("/health")).status_code
+                except httpx.TransportError as e:
+                    status = repr(e)
+                health.append((time.perf_counter() - t, status))
+                await asyncio.sleep(0.1)
+
+        prober = asyncio.create_task(probe_health())
+        t0 = time.perf_counter()
+        watchers, open_failed = [], None
+        for _ in range(flood):
+            try:
+                r, w = await open_connection(host, port)
+            except (OSError, asyncio.TimeoutError) as e:
+                open_failed = repr(e)
+                break
+            watchers.append(asyncio.create_task(watch_close(r, w, time.perf_counter(), keep_alive + slack)))
+        got = await asyncio.gather(*watchers)
+        stop.set()
+        await prober
+    flood_s = time.perf_counter() - t0
+
+    refused = [c for c in got if c["answer"].startswith(b"HTTP/1.1 503")]
+    heads = [c["answer"].split(b"\r\n\r\n", 1)[0].lower() for c in refused]
+    silent = [c for c in got if c["closed"] and not c["answer"]]
+    # Held ones wait for the keep-alive deadline; ones closed unanswered at once were refused.
+    held_then_closed = [c for c in silent if c["after_s"] >= keep_alive / 2]
+
+    # A fresh connection (a new client) is served again once the flood has gone.
+    recovered_after_s, t = None, time.perf_counter()
+    while recovered_after_s is None and time.perf_counter() - t < keep_alive + slack:
+        try:
+            async with httpx.AsyncClient(timeout=2) as fresh:
+                if (await fresh.get(base + "/health")).status_code == 200:
+                    recovered_after_s = round(time.perf_counter() - t, 3)
+        except httpx.TransportError:
+            pass
+        if recovered_after_s is None:
+            await asyncio.sleep(0.1)
+
+    return {
+        "flood_opened": len(got),
+        "flood_open_failed": open_failed,
+        "refused_503": len(refused),
+        "refused_503_with_retry_after": sum(1 for h in heads if b"\r\nretry-after: " in h),
+        "refused_503_json_body": sum(1 for c in refused if b'"too_many_connections"' in c["answer"]),
+        "refused_503_close_s": spread([c["after_s"] for c in refused]),
+        "closed_unanswered_at_once": len(silent) - len(held_then_closed),
+        "held_until_keep_alive": len(held_then_closed),
+        "held_close_s": spread([c["after_s"] for c in held_then_closed]),
+        "held_at_once_max": most_at_once([(c["opened"], c["opened"] + c["after_s"]) for c in held_then_closed]),
+        "other_answers": sorted({status_line(c["answer"]) for c in got if c["answer"]} - {"HTTP/1.1 503 Service Unavailable"}),
+        "not_closed_in_time": sum(1 for c in got if not c["closed"]),
+        "health_on_held_connection": len(health),
+        "health_not_200": [h[1] for h in health if h[1] != 200],
+        "health_max_ms": round(max((h[0] * 1e3 for h in health), default=0.0), 1),
+        "recovered_after_s": recovered_after_s,
+        "seconds": round(flood_s, 2),
+    }
