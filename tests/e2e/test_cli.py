@@ -185,3 +185,21 @@ def test_a_second_signal_during_shutdown_exits_at_once():
     # 128 + SIGINT, as a shell reports it, within moments instead of the 60 s grace.
     assert server.proc.wait(timeout=10) == 128 + signal.SIGINT
     assert "again: exiting now" in server.log_text()
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_periodic_stats_line_while_busy(disabled):
+    server = Server("--max-model-len", "2048", *(["--disable-log-stats"] if disabled else []))
+    try:
+        client = server.client()
+        deadline = time.time() + 6  # one 5 s interval with work in it
+        while time.time() < deadline:
+            client.completions.create(model="demo", prompt="x", max_tokens=16, extra_body={"ignore_eos": True})
+        time.sleep(0.5)
+        stats = [line for line in server.log_text().splitlines() if "generation" in line and "tok/s, running" in line]
+        if disabled:
+            assert stats == []
+        else:
+            assert stats and "KV cache" in stats[0] and "prefix cache hit rate" in stats[0], stats
+    finally:
+        server.stop()

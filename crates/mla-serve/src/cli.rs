@@ -156,6 +156,11 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
+    /// Turns off the periodic line (every 5 s while busy) with throughput, running and waiting
+    /// requests, KV cache usage and the prefix cache hit rate. vLLM's flag.
+    #[arg(long)]
+    pub disable_log_stats: bool,
+
     /// Log verbosity.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,

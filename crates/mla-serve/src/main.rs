@@ -11,6 +11,7 @@ mod presets;
 mod shutdown;
 mod sizing;
 mod startup;
+mod stats_log;
 
 use clap::Parser;
 use std::process::ExitCode;

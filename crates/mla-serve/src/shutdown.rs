@@ -28,6 +28,9 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
     let local = listener.local_addr()?;
     tracing::info!("serving the OpenAI API on http://{local}/v1 (health: /health, metrics: /metrics)");
 
+    if !args.disable_log_stats {
+        tokio::spawn(crate::stats_log::run(engine.clone()));
+    }
     let grace = Duration::from_secs_f64(args.shutdown_timeout);
     let (draining_tx, draining_rx) = tokio::sync::oneshot::channel();
     let (died_tx, died_rx) = tokio::sync::oneshot::channel();
