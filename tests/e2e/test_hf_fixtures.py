@@ -66,6 +66,8 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
             proc.kill()
         raise
     try:
+        # stderr is a file here, not a terminal: loading logs its progress as lines.
+        assert "100% (" in server.log_text(), server.log_text()
         client = server.client()
         prompts = oracle["prompts"]
         r = client.completions.create(

@@ -5,6 +5,8 @@ use crate::parallel::Shard;
 use crate::weights::TensorSpec;
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
 
 /// Why a tensor could not be read, from a checkpoint directory or any other `WeightSource`.
 #[derive(Debug, thiserror::Error)]
@@ -75,30 +77,67 @@ pub trait WeightSource: Sync {
     }
 }
 
-/// Progress of loading `total` tensors; drawn (indicatif) only when stderr is a terminal so logs
-/// and test output stay clean.
-pub struct LoadProgress(indicatif::ProgressBar);
+/// Progress of loading `total` tensors: a bar (indicatif) when stderr is a terminal, else a log
+/// line at every tenth of the way, so a long load shows progress in Kubernetes logs and files.
+pub enum LoadProgress {
+    Bar(indicatif::ProgressBar),
+    Lines { what: String, total: usize, done: AtomicUsize, started: Instant },
+}
 
 impl LoadProgress {
     pub fn new(total: usize, what: &str) -> Self {
         if !std::io::stderr().is_terminal() {
-            return LoadProgress(indicatif::ProgressBar::hidden());
+            return LoadProgress::Lines {
+                what: what.to_string(),
+                total,
+                done: AtomicUsize::new(0),
+                started: Instant::now(),
+            };
         }
         let bar = indicatif::ProgressBar::new(total as u64);
         if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors ({elapsed})") {
             bar.set_style(style.progress_chars("=> "));
         }
         bar.set_message(what.to_string());
-        LoadProgress(bar)
+        LoadProgress::Bar(bar)
     }
 
-    /// One more tensor loaded.
+    /// One more tensor loaded (from any loading thread).
     pub fn inc(&self) {
-        self.0.inc(1);
+        match self {
+            LoadProgress::Bar(bar) => bar.inc(1),
+            LoadProgress::Lines { what, total, done, started } => {
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                if let Some(tenth) = tenth_reached(n, *total) {
+                    let secs = started.elapsed().as_secs_f64();
+                    tracing::info!("{what}: {}0% ({n}/{total} tensors, {secs:.1} s)", tenth);
+                }
+            }
+        }
     }
 
     /// Removes the bar once loading is done.
     pub fn finish(&self) {
-        self.0.finish_and_clear();
+        if let LoadProgress::Bar(bar) = self {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `Some(k)` when the `n`-th of `total` tensors is the first at or past k tenths of them.
+fn tenth_reached(n: usize, total: usize) -> Option<usize> {
+    let tenths = |m: usize| (m * 10).checked_div(total).unwrap_or(10);
+    (n > 0 && tenths(n) > tenths(n - 1)).then(|| tenths(n))
+}
+
+#[cfg(test)]
+mod progress_tests {
+    #[test]
+    fn ten_lines_per_load_whatever_the_count() {
+        for total in [1, 7, 10, 1234] {
+            let lines: Vec<usize> = (1..=total).filter_map(|n| super::tenth_reached(n, total)).collect();
+            assert_eq!(*lines.last().unwrap(), 10, "{total}");
+            assert!(lines.len() <= 10 && lines.windows(2).all(|w| w[0] < w[1]), "{total}: {lines:?}");
+        }
     }
 }
