@@ -44,7 +44,8 @@ class Server:
     def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="mla-serve-", suffix=".log", delete=False)
-        cmd = [str(binary()), "--port", str(self.port), *args]
+        # The caller's arguments first, so a command line may start as vLLM's does (`serve MODEL`).
+        cmd = [str(binary()), *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )

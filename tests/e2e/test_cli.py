@@ -37,6 +37,10 @@ from server import Server, run_cli
         (["--hf-overrides", "[1]"], "must be a JSON object"),
         (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be a positive"),
         (["--max-connections", "0"], "--max-connections must be at least 1"),
+        (["--dtype", "float16"], "--dtype float16: the cpu backend computes in float32 only"),
+        (["--dtype", "bf16"], "--dtype bfloat16: the cpu backend computes in float32 only"),
+        (["demo-a", "--model", "demo-b"], "the model is given twice"),
+        (["--chat-template", "/no/such/file"], "not a Jinja template"),
     ],
 )
 def test_bad_flags_fail_at_start(args, needle):
@@ -201,5 +205,30 @@ def test_periodic_stats_line_while_busy(disabled):
             assert stats == []
         else:
             assert stats and "KV cache" in stats[0] and "prefix cache hit rate" in stats[0], stats
+    finally:
+        server.stop()
+
+
+def test_vllm_command_lines_work():
+    """`vllm serve MODEL ...` pasted with mla-serve in front: positional model, several served
+    names, --trust-remote-code, --dtype auto, an inline chat template, --disable-log-requests."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    server = Server(
+        "serve", "test-v3", "--load-format", "dummy", "--served-model-name", "first", "second",
+        "--trust-remote-code", "--dtype", "auto", "--chat-template", template, "--disable-log-requests",
+    )
+    try:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["first", "second"]
+        reply = client.chat.completions.create(
+            model="second", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.model == "first" and reply.usage.completion_tokens == 2
+        # The inline template rendered the prompt as the bare message text: the tokens of "hi",
+        # which a completion prompt has too, after its BOS.
+        plain = client.completions.create(model="first", prompt="hi", max_tokens=1)
+        assert reply.usage.prompt_tokens == plain.usage.prompt_tokens - 1
+        log = server.log_text()
+        assert "--trust-remote-code: DeepSeek-V2/V3 need no remote code" in log
+        assert "POST /v1/chat/completions" not in log, "--disable-log-requests keeps requests out of the info log"
     finally:
         server.stop()

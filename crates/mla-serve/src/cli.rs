@@ -28,13 +28,31 @@ pub struct Args {
     #[arg(long, value_name = "DIR|PRESET|ORG/NAME")]
     pub model: Option<String>,
 
+    /// The model as vLLM takes it: `mla-serve [serve] MODEL [FLAGS]`, the same as --model.
+    #[arg(value_name = "MODEL")]
+    pub model_positional: Option<String>,
+
     /// Directory with tokenizer.json and tokenizer_config.json, when the model has none (presets).
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
 
-    /// Model name clients send and /v1/models lists. Default: the --model value.
-    #[arg(long, value_name = "NAME")]
-    pub served_model_name: Option<String>,
+    /// Model names clients may send, all listed by /v1/models; responses and metrics use the
+    /// first. Default: the --model value.
+    #[arg(long, num_args = 1.., value_name = "NAME")]
+    pub served_model_name: Vec<String>,
+
+    /// Compute precision: auto (bfloat16 on cuda, float32 on cpu, the only ones each backend
+    /// has); naming the other one is an error rather than a silent substitution.
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
+
+    /// Accepted for vLLM command lines: DeepSeek-V2/V3 need no remote code, nothing is run.
+    #[arg(long)]
+    pub trust_remote_code: bool,
+
+    /// Logs requests at debug level instead of one info line each (vLLM's flag).
+    #[arg(long)]
+    pub disable_log_requests: bool,
 
     /// Address to listen on (0.0.0.0 for every interface).
     #[arg(long, default_value = "127.0.0.1")]
@@ -127,9 +145,10 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
 
-    /// Jinja chat template file replacing the tokenizer_config.json template.
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
+    /// Jinja chat template replacing the tokenizer_config.json one: a file, or the template
+    /// itself (as vLLM takes it) when no such file exists and it contains `{{` or `{%`.
+    #[arg(long, value_name = "FILE|TEMPLATE")]
+    pub chat_template: Option<String>,
 
     /// Require `Authorization: Bearer <KEY>` on every /v1 request.
     #[arg(long, env = "MLA_SERVE_API_KEY", hide_env_values = true, value_name = "KEY")]
@@ -178,6 +197,17 @@ pub enum Device {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Dtype {
+    Auto,
+    #[value(alias = "bf16")]
+    Bfloat16,
+    #[value(alias = "half", alias = "fp16")]
+    Float16,
+    #[value(alias = "float", alias = "fp32")]
+    Float32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LoadFormat {
     Auto,
     Dummy,
@@ -205,7 +235,8 @@ impl LogLevel {
 }
 
 /// vLLM spells the parallel sizes `-tp` and `-dp`; clap's short flags are one letter, so they
-/// are rewritten to the long names before parsing.
+/// are rewritten to the long names before parsing. `vllm serve MODEL` pasted as
+/// `mla-serve serve MODEL` loses its `serve`.
 pub fn normalize<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> Vec<OsString> {
     let rewrite = |a: &str| match a.split_once('=') {
         _ if a == "-tp" || a == "-dp" => Some(format!("-{a}")),
@@ -213,14 +244,52 @@ pub fn normalize<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> Vec<Os
         _ => None,
     };
     args.into_iter()
-        .map(|a| {
-            let a: OsString = a.into();
-            a.to_str().and_then(rewrite).map(OsString::from).unwrap_or(a)
-        })
+        .map(Into::into)
+        .enumerate()
+        .filter(|(i, a): &(usize, OsString)| !(*i == 1 && a == "serve"))
+        .map(|(_, a)| a.to_str().and_then(rewrite).map(OsString::from).unwrap_or(a))
         .collect()
 }
 
 impl Args {
+    /// Folds the positional model into `--model` (they may not disagree) and logs what the
+    /// vLLM compatibility flags did; called once after parsing.
+    pub fn settle(&mut self) -> anyhow::Result<()> {
+        match (&self.model, self.model_positional.take()) {
+            (Some(flag), Some(pos)) if *flag != pos => {
+                anyhow::bail!("the model is given twice, as {pos} and as --model {flag}; give it once")
+            }
+            (_, Some(pos)) => self.model = Some(pos),
+            _ => {}
+        }
+        if self.trust_remote_code {
+            tracing::info!("--trust-remote-code: DeepSeek-V2/V3 need no remote code; nothing is run");
+        }
+        Ok(())
+    }
+
+    /// The name responses and metrics use, then the other accepted names.
+    pub fn served_names(&self, default: &str) -> (String, Vec<String>) {
+        match self.served_model_name.split_first() {
+            Some((first, rest)) => (first.clone(), rest.to_vec()),
+            None => (default.to_string(), Vec::new()),
+        }
+    }
+
+    /// Refuses a --dtype the chosen backend does not compute in (cuda: bfloat16, cpu: float32).
+    pub fn check_dtype(&self, on_cuda: bool) -> anyhow::Result<()> {
+        let (native, device) = if on_cuda { (Dtype::Bfloat16, "cuda") } else { (Dtype::Float32, "cpu") };
+        if self.dtype != Dtype::Auto && self.dtype != native {
+            let name = |d: Dtype| d.to_possible_value().map_or(String::new(), |v| v.get_name().to_string());
+            anyhow::bail!(
+                "--dtype {}: the {device} backend computes in {} only; use --dtype auto",
+                name(self.dtype),
+                name(native)
+            );
+        }
+        Ok(())
+    }
+
     pub fn watchdog(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.watchdog_timeout)
     }

@@ -36,8 +36,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: cli::Args) -> anyhow::Result<()> {
+fn run(mut args: cli::Args) -> anyhow::Result<()> {
     tracing::info!("mla-serve {}", env!("CARGO_PKG_VERSION"));
+    args.settle()?;
     if args.node_rank > 0 {
         // Another node of --nnodes: no engine and no HTTP, only this node's ranks.
         return startup::serve_for_node0(&args);

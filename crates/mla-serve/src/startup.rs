@@ -2,7 +2,7 @@
 //! KV cache, start the engine, and describe it all in the startup log.
 
 use crate::backends;
-use crate::cli::Args;
+use crate::cli::{Args, Device};
 use crate::model_source::{self, ModelSource};
 use crate::sizing::Sizing;
 use anyhow::Context;
@@ -41,6 +41,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let params = ModelSpec::new(&source.config).num_params();
     let parallel = args.parallel()?;
     let device = backends::resolve_device(device, &source.config, args)?;
+    args.check_dtype(device == Device::Cuda)?;
     let backends::Loaded { backends, sizing } = backends::load(device, &source, args, parallel)?;
     let limits = model_limits(&source, &text, &defaults, &sizing);
     let devices: Vec<String> = backends.iter().map(|b| b.device_name()).collect();
@@ -56,7 +57,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         },
     )?;
 
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| source.name.clone());
+    let (model_name, model_aliases) = args.served_names(&source.name);
     tracing::info!(
         "model: {model_name} from {} ({:?}, {} parameters)",
         source.origin,
@@ -84,6 +85,8 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let state = AppState {
         engine: engine.clone(),
         model_name,
+        model_aliases,
+        log_requests: !args.disable_log_requests,
         limits,
         defaults,
         text: Arc::new(text),
@@ -99,6 +102,7 @@ pub fn serve_for_node0(args: &Args) -> anyhow::Result<()> {
     let source = model_source::resolve(args)?;
     let parallel = args.parallel()?;
     let device = backends::resolve_device(device, &source.config, args)?;
+    args.check_dtype(device == Device::Cuda)?;
     backends::serve_for_node0(device, &source, args, parallel)?;
     tracing::info!("node 0 stopped the group; exiting");
     Ok(())
@@ -114,17 +118,25 @@ fn load_text(args: &Args, source: &ModelSource) -> anyhow::Result<TextPipeline> 
             tokenizer.vocab_size()
         );
     }
-    let template = match &args.chat_template {
-        Some(path) => {
-            Some(std::fs::read_to_string(path).with_context(|| format!("--chat-template {}", path.display()))?)
-        }
-        None => None,
-    };
+    let template = args.chat_template.as_deref().map(chat_template_source).transpose()?;
     let text = TextPipeline::new(tokenizer, template).context("compiling the chat template")?;
     if !text.has_chat_template() {
         tracing::warn!("the model has no chat template: /v1/chat/completions answers 400 (pass --chat-template FILE)");
     }
     Ok(text)
+}
+
+/// `--chat-template`: a file's contents, or the value itself when it is a template (vLLM's
+/// rule: no such file, and Jinja syntax in it).
+fn chat_template_source(value: &str) -> anyhow::Result<String> {
+    let path = std::path::Path::new(value);
+    if path.is_file() {
+        return std::fs::read_to_string(path).with_context(|| format!("--chat-template {value}"));
+    }
+    if value.contains("{{") || value.contains("{%") {
+        return Ok(value.to_string());
+    }
+    anyhow::bail!("--chat-template {value}: no such file, and not a Jinja template (no {{{{ or {{%) either")
 }
 
 fn model_limits(

@@ -27,7 +27,7 @@ pub fn router(state: Arc<AppState>, body: BodyLimits) -> Router {
         .route("/metrics", get(routes::info::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn(access_log))
+        .layer(middleware::from_fn_with_state(state.clone(), access_log))
         .layer(DefaultBodyLimit::max(body.max_bytes))
         .layer(Extension(body))
         .with_state(state)
@@ -51,14 +51,15 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
 }
 
 /// One line per request. Probes and scrapes hit /health and /metrics constantly, so those are
-/// logged only at debug level. For streams the time is until the response headers.
-async fn access_log(req: Request, next: Next) -> Response {
+/// logged only at debug level, as is everything with --disable-log-requests. For streams the
+/// time is until the response headers.
+async fn access_log(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let (method, path) = (req.method().clone(), req.uri().path().to_string());
     let start = std::time::Instant::now();
     let resp = next.run(req).await;
     let ms = start.elapsed().as_secs_f64() * 1e3;
     let status = resp.status().as_u16();
-    if path == "/health" || path == "/metrics" {
+    if path == "/health" || path == "/metrics" || !state.log_requests {
         tracing::debug!("{method} {path} {status} {ms:.1}ms");
     } else {
         tracing::info!("{method} {path} {status} {ms:.1}ms");

@@ -13,8 +13,12 @@ use std::sync::Arc;
 
 pub struct AppState {
     pub engine: EngineHandle,
-    /// The one model name this server answers to.
+    /// The model name responses and metrics carry.
     pub model_name: String,
+    /// Other names requests may use for it (`--served-model-name A B ...`).
+    pub model_aliases: Vec<String>,
+    /// One access-log line per request at info level (else at debug).
+    pub log_requests: bool,
     pub limits: ModelLimits,
     pub defaults: GenerationDefaults,
     pub text: Arc<TextPipeline>,
@@ -27,7 +31,7 @@ impl AppState {
     /// `model` absent means the served model (friendlier for curl); any other name is a 404.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != self.model_name => {
+            Some(m) if m != self.model_name && !self.model_aliases.iter().any(|a| a == m) => {
                 Err(ApiError::ModelNotFound { requested: m.to_string(), served: self.model_name.clone() })
             }
             _ => Ok(()),

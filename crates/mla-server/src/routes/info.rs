@@ -11,9 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use std::sync::Arc;
 
-fn card(state: &AppState) -> ModelCard {
+fn card(state: &AppState, name: &str) -> ModelCard {
     ModelCard {
-        id: state.model_name.clone(),
+        id: name.to_string(),
         object: "model",
         created: state.started,
         owned_by: "mla-serve",
@@ -22,7 +22,8 @@ fn card(state: &AppState) -> ModelCard {
 }
 
 pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    Json(ModelList { object: "list", data: vec![card(&state)] })
+    let names = std::iter::once(&state.model_name).chain(&state.model_aliases);
+    Json(ModelList { object: "list", data: names.map(|n| card(&state, n)).collect() })
 }
 
 pub async fn get_model(
@@ -32,7 +33,7 @@ pub async fn get_model(
     // A percent-encoded id that is not UTF-8 is the client's error, answered like the others.
     let Path(id) = id.map_err(|e| ApiError::invalid("model", format!("the model id in the path is invalid: {e}")))?;
     state.check_model(Some(&id))?;
-    Ok(Json(card(&state)))
+    Ok(Json(card(&state, &id)))
 }
 
 /// 200 with an empty body while the server accepts requests (vLLM's convention); 503 with the

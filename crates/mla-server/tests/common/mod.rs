@@ -181,6 +181,8 @@ pub fn server(opts: Options) -> TestServer {
     let state = AppState {
         engine: engine.clone(),
         model_name: "demo".into(),
+        model_aliases: vec![],
+        log_requests: true,
         limits: ModelLimits {
             max_model_len: MAX_MODEL_LEN,
             vocab_size: 512,
