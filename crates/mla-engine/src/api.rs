@@ -208,6 +208,8 @@ impl EngineStats {
         self.finished_length += o.finished_length;
         self.finished_abort += o.finished_abort;
         self.preemptions_total += o.preemptions_total;
+        self.prefix_cache_queries += o.prefix_cache_queries;
+        self.prefix_cache_hits += o.prefix_cache_hits;
         self.time_to_first_token.merge(&o.time_to_first_token);
         self.inter_token_latency.merge(&o.inter_token_latency);
         self.e2e_latency.merge(&o.e2e_latency);
