@@ -2,6 +2,7 @@
 //! Plain data only: token ids, sampling parameters, events. No blocks, no devices, no strings
 //! other than error messages.
 
+use crate::request_stats::RequestStats;
 use mla_core::SamplingParams;
 use std::time::{Duration, Instant};
 
@@ -181,6 +182,10 @@ pub struct EngineStats {
     pub inter_token_latency: Histogram,
     pub e2e_latency: Histogram,
     pub queue_time: Histogram,
+    /// Tokens each attention rank fed in one step (prompt chunks and decode tokens together).
+    pub iteration_tokens: Histogram,
+    /// Whole requests, recorded when they end.
+    pub requests: RequestStats,
 }
 
 impl Histogram {
@@ -214,5 +219,7 @@ impl EngineStats {
         self.inter_token_latency.merge(&o.inter_token_latency);
         self.e2e_latency.merge(&o.e2e_latency);
         self.queue_time.merge(&o.queue_time);
+        self.iteration_tokens.merge(&o.iteration_tokens);
+        self.requests.merge(&o.requests);
     }
 }

@@ -87,7 +87,7 @@ impl Engine {
                 check_config(&cfg, &model, *layout)?;
             }
             let (commands, inbox) = std::sync::mpsc::channel();
-            let metrics = Metrics::new(&layouts);
+            let metrics = Metrics::new(&layouts, cfg.max_model_len);
             let load = Arc::new(AtomicU64::new(0));
             let liveness = Arc::new(Liveness::default());
             let links = worker::Links {

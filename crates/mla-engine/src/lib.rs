@@ -17,18 +17,22 @@
 //!
 //! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `scheduler`
 //! (continuous batching policy, public so it can be tested and reused per DP rank), `engine`
-//! (the handle and the engine thread), `metrics` (counters and histograms), `sequence`
+//! (the handle and the engine thread), `metrics` (counters and histograms), `request_stats`
+//! (what is recorded about each request when it ends), `sequence`
 //! (per-request state; `draw_seed` fixes how each draw's seed is derived).
 
 pub mod api;
 pub mod block_manager;
+mod buckets;
 mod engine;
 mod id_map;
 mod metrics;
 pub mod prefix_hash;
+mod request_stats;
 pub mod scheduler;
 mod sequence;
 
 pub use api::*;
 pub use engine::{Engine, EngineHandle, RequestStream};
+pub use request_stats::{FinishCounts, RequestStats};
 pub use sequence::draw_seed;

@@ -20,6 +20,7 @@ use super::{Command, Liveness};
 use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RankStats, RequestTimings, TokenLogprobs};
 use crate::id_map::IdMap;
 use crate::metrics::Metrics;
+use crate::request_stats::FinishedRequest;
 use crate::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use crate::sequence::SeqKey;
 use mla_core::plan::{StepKind, StepOutput, StepPlan};
@@ -39,9 +40,49 @@ struct Client {
     prompt_len: usize,
     /// When each completion last produced a token (inter-token latency).
     last_token: Vec<Option<Instant>>,
+    /// Tokens each completion produced, and the cap on them.
+    completion_tokens: Vec<usize>,
+    max_tokens: usize,
+    /// How the request ends if nothing worse happens to it: see `worse`.
+    reason: FinishReason,
     /// The attention rank serving it, and what it adds to that rank's load.
     rank: usize,
     cost: u64,
+}
+
+impl Client {
+    /// Notes how one of its completions ended.
+    fn completion_ended(&mut self, reason: FinishReason) {
+        self.reason = worse(self.reason, reason);
+    }
+
+    /// The request as the statistics record it when it ends.
+    fn finished(&self) -> FinishedRequest<'_> {
+        FinishedRequest {
+            reason: self.reason,
+            first_scheduled: self.timings.first_scheduled,
+            first_token: self.timings.first_token,
+            last_token: self.last_token.iter().flatten().max().copied(),
+            prompt_tokens: self.prompt_len,
+            completion_tokens: &self.completion_tokens,
+            max_tokens: self.max_tokens,
+        }
+    }
+}
+
+/// A request's finish reason from its completions': an abort stands for the whole request (it
+/// did not complete), a length means the answer is truncated somewhere, else it stopped.
+fn worse(a: FinishReason, b: FinishReason) -> FinishReason {
+    let rank = |r| match r {
+        FinishReason::Stop => 0,
+        FinishReason::Length => 1,
+        FinishReason::Abort => 2,
+    };
+    if rank(b) > rank(a) {
+        b
+    } else {
+        a
+    }
 }
 
 /// What the handle shares with the engine thread.
@@ -222,6 +263,9 @@ impl Worker {
             wants_logprobs: req.logprobs.is_some(),
             prompt_len: req.prompt_tokens.len(),
             last_token: vec![None; req.n],
+            completion_tokens: vec![0; req.n],
+            max_tokens: req.max_tokens,
+            reason: FinishReason::Stop,
             rank,
             cost,
         };
@@ -238,8 +282,10 @@ impl Worker {
         self.deliver_pending_of(id);
         let Some(rank) = self.rank_of(id) else { return };
         let Some(unfinished) = self.ranks[rank].remove_request(id) else { return };
-        let client = self.forget(id);
+        let mut client = self.forget(id);
         self.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
+        client.completion_ended(FinishReason::Abort);
+        self.links.metrics.lock().requests.record(&client.finished());
         if notify {
             for index in unfinished {
                 let _ = client.events.send(EngineEvent::Finished { index, reason: FinishReason::Abort });
@@ -254,11 +300,14 @@ impl Worker {
         let Some(rank) = self.rank_of(id) else { return };
         let Some(ended) = self.ranks[rank].finish_completion(id, index, reason) else { return };
         self.links.metrics.count_finished(reason, 1);
-        let client = self.clients.get(&id).expect("every scheduled request has a client");
+        let client = self.clients.get_mut(&id).expect("every scheduled request has a client");
+        client.completion_ended(reason);
         let _ = client.events.send(EngineEvent::Finished { index, reason });
         if ended == EarlyFinish::Request {
             let client = self.forget(id);
-            self.links.metrics.lock().e2e_latency.observe(client.timings.arrived.elapsed().as_secs_f64());
+            let mut stats = self.links.metrics.lock();
+            stats.e2e_latency.observe(client.timings.arrived.elapsed().as_secs_f64());
+            stats.requests.record(&client.finished());
         }
     }
 
@@ -269,7 +318,10 @@ impl Worker {
         let Some(rank) = self.rank_of(id) else { return };
         if let Some(unfinished) = self.ranks[rank].remove_request(id) {
             self.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
-            let _ = self.forget(id).events.send(EngineEvent::Error { message });
+            let mut client = self.forget(id);
+            client.completion_ended(FinishReason::Abort);
+            self.links.metrics.lock().requests.record(&client.finished());
+            let _ = client.events.send(EngineEvent::Error { message });
         }
     }
 
@@ -313,6 +365,7 @@ impl Worker {
             tracing::error!("backend panicked starting a step: {}", panic_text(&p));
         }
         plans.iter().for_each(|p| self.mark_scheduled(p));
+        self.count_step_tokens(&plans);
         self.announce_admissions();
         InFlight { plans }
     }
@@ -399,6 +452,14 @@ impl Worker {
         }
     }
 
+    /// Each rank that works in this step feeds some tokens: prompt chunks or one per decode.
+    fn count_step_tokens(&self, plans: &[StepPlan]) {
+        let mut stats = self.links.metrics.lock();
+        for plan in plans.iter().filter(|p| !p.seqs.is_empty()) {
+            stats.iteration_tokens.observe(plan.seqs.iter().map(|s| s.tokens.len()).sum::<usize>() as f64);
+        }
+    }
+
     fn mark_scheduled(&mut self, plan: &StepPlan) {
         // A decode step only feeds sequences that were prefilled, so scheduled, before.
         if plan.kind == StepKind::Decode {
@@ -466,10 +527,14 @@ impl Worker {
             if let Some(prev) = client.last_token[t.index].replace(now) {
                 stats.inter_token_latency.observe((now - prev).as_secs_f64());
             }
+            client.completion_tokens[t.index] += 1;
             match t.finish {
                 Some(FinishReason::Stop) => stats.finished_stop += 1,
                 Some(FinishReason::Length) => stats.finished_length += 1,
                 Some(FinishReason::Abort) | None => {}
+            }
+            if let Some(reason) = t.finish {
+                client.completion_ended(reason);
             }
             let logprobs =
                 client.wants_logprobs.then_some(TokenLogprobs { logprob: t.token.logprob, top: t.token.top_logprobs });
@@ -483,6 +548,7 @@ impl Worker {
         for id in applied.finished_requests {
             let client = self.clients.remove(&id).expect("request has a client");
             stats.e2e_latency.observe((now - client.timings.arrived).as_secs_f64());
+            stats.requests.record(&client.finished());
             self.release(&client);
         }
     }
