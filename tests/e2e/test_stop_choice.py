@@ -1,5 +1,6 @@
 """A stop string ends only its own choice, in the engine too: the other choice of an n=2 request is
-unchanged, the stopped one is not decoded on, and /metrics counts one stop and one length."""
+unchanged, the stopped one is not decoded on, and /metrics counts one stop and one length among
+the completions, and the request once, as truncated (length)."""
 
 import time
 
@@ -29,8 +30,8 @@ def early_stop_string(first: str, second: str) -> str:
     raise AssertionError(f"no usable stop string in {first[:60]!r}")
 
 
-def finished(m: dict, reason: str) -> float:
-    return m.get(f'mla:request_success_total{{model_name="demo",finished_reason="{reason}"}}', 0)
+def finished(m: dict, reason: str, series: str = "mla:completion_success_total") -> float:
+    return m.get(f'{series}{{model_name="demo",finished_reason="{reason}"}}', 0)
 
 
 def test_a_stop_string_ends_one_choice_and_leaves_the_other_untouched():
@@ -59,6 +60,10 @@ def test_a_stop_string_ends_one_choice_and_leaves_the_other_untouched():
         assert finished(after, "stop") - finished(before, "stop") == 1
         assert finished(after, "length") - finished(before, "length") == 1
         assert finished(after, "abort") - finished(before, "abort") == 0
+        # The request itself counts once, as truncated: one of its answers is.
+        series = "mla:request_success_total"
+        moved = [finished(after, r, series) - finished(before, r, series) for r in ("stop", "length", "abort")]
+        assert moved == [0, 1, 0]
         # The stopped choice was decoded at most a few steps past its stop string, not for all
         # MAX_TOKENS steps of its sibling.
         generated = after["mla:generation_tokens_total"] - before["mla:generation_tokens_total"]

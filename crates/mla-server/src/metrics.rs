@@ -1,10 +1,19 @@
-//! `/metrics`: Prometheus text exposition (format 0.0.4) with vLLM's series names under an `mla:`
-//! prefix, so existing vLLM dashboards work after a prefix rename.
+//! `/metrics`: vLLM's series, under vLLM's names and labels, with the prefix `mla:` where vLLM
+//! has `vllm:`. One set of series, not a `vllm:` twin of each: a dashboard, alert or recording
+//! rule written for vLLM needs only the prefix renamed (or a `metric_relabel_configs` rule in
+//! the scrape config), and a twin would double the cardinality of every scrape for data that is
+//! already there. `docs/metrics.md` lists the series; `docs/grafana/mla-serve.json` charts them.
 //!
-//! Every number comes from one `EngineStats` snapshot, finished completions by reason included:
-//! the server ends a choice on a stop string with `RequestStream::finish_choice(.., Stop)`, so the
-//! engine counts it as a stop, and the engine counts a client that went away as aborted when it
-//! sees the closed stream.
+//! Where vLLM renamed a series, the older name is here too, with the same samples:
+//! `gpu_cache_usage_perc` (now `kv_cache_usage_perc`) and `time_per_output_token_seconds` (now
+//! `inter_token_latency_seconds`), so dashboards of either age work.
+//!
+//! Every number comes from one `EngineStats` snapshot. A request is one prompt with its `n`
+//! completions: `request_success_total` and the `request_*` histograms count it once (vLLM v1
+//! counts each of its completions), and `completion_success_total` counts the completions. The
+//! server ends a completion on a stop string with `RequestStream::finish_choice(.., Stop)`, so
+//! the engine counts it as a stop, and it counts a client that went away as aborted when it sees
+//! the closed stream.
 //!
 //! Known limit: the engine keeps decoding while the server detokenizes, so if it ends a
 //! completion by length before the server has read the token that completes a stop string (the
@@ -12,30 +21,44 @@
 //! client is told "stop" (as vLLM does) but the engine has already counted "length", and the
 //! late `finish_choice` changes nothing.
 
-use mla_engine::{EngineStats, FinishReason, Histogram, RankStats};
-use std::fmt::Write;
+mod exposition;
+
+use exposition::Exposition;
+use mla_engine::{EngineStats, FinishCounts, FinishReason, RankStats};
 
 /// Reads one per-rank gauge from a rank's statistics.
 type RankGauge = fn(&RankStats) -> f64;
 
 /// Renders the whole exposition for `model` (the served model name, a label on every sample).
 pub fn render(model: &str, stats: &EngineStats) -> String {
-    let label = format!("model_name=\"{}\"", escape_label(model));
-    let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, value: f64| {
-        family(&mut out, name, help, "gauge");
-        sample(&mut out, name, &label, value);
-    };
-    gauge("mla:num_requests_running", "Requests in the running batch.", stats.running as f64);
-    gauge("mla:num_requests_waiting", "Requests waiting for admission.", stats.waiting as f64);
-    gauge("mla:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage);
-    gauge("mla:kv_cache_capacity_tokens", "Tokens the KV cache holds in total.", stats.kv_capacity_tokens as f64);
-    gauge(
+    let mut e = Exposition::new(model);
+    scheduler_state(&mut e, stats);
+    per_rank(&mut e, stats);
+    counters(&mut e, stats);
+    latencies(&mut e, stats);
+    request_sizes(&mut e, stats);
+    e.into_text()
+}
+
+fn scheduler_state(e: &mut Exposition, s: &EngineStats) {
+    e.gauge("mla:num_requests_running", "Requests in the running batch.", s.running as f64);
+    e.gauge("mla:num_requests_waiting", "Requests waiting for admission.", s.waiting as f64);
+    e.gauge("mla:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage);
+    e.gauge(
+        "mla:gpu_cache_usage_perc",
+        "Fraction of KV cache blocks in use (1 = full). vLLM's older name for mla:kv_cache_usage_perc.",
+        s.kv_usage,
+    );
+    e.gauge("mla:kv_cache_capacity_tokens", "Tokens the KV cache holds in total.", s.kv_capacity_tokens as f64);
+}
+
+fn per_rank(e: &mut Exposition, s: &EngineStats) {
+    e.gauge(
         "mla:num_attention_ranks",
         "Attention ranks (each with its own scheduler and KV cache).",
-        stats.ranks.len() as f64,
+        s.ranks.len() as f64,
     );
-    let per_rank: [(&str, &str, RankGauge); 4] = [
+    let gauges: [(&str, &str, RankGauge); 4] = [
         ("mla:rank_num_requests_running", "Requests in the running batch, per attention rank.", |r| r.running as f64),
         ("mla:rank_num_requests_waiting", "Requests waiting for admission, per attention rank.", |r| r.waiting as f64),
         ("mla:rank_kv_cache_usage_perc", "Fraction of the rank's KV cache blocks in use.", |r| r.kv_usage),
@@ -43,100 +66,110 @@ pub fn render(model: &str, stats: &EngineStats) -> String {
             r.load_tokens as f64
         }),
     ];
-    for (name, help, value) in per_rank {
-        family(&mut out, name, help, "gauge");
-        for (i, r) in stats.ranks.iter().enumerate() {
-            sample(&mut out, name, &format!("{label},rank=\"{i}\""), value(r));
-        }
+    for (name, help, value) in gauges {
+        let samples = s.ranks.iter().enumerate().map(|(i, r)| (format!("rank=\"{i}\""), value(r)));
+        e.labelled(name, help, "gauge", samples);
     }
+}
 
-    let mut counter = |name: &str, help: &str, value: u64| {
-        family(&mut out, name, help, "counter");
-        sample(&mut out, name, &label, value as f64);
-    };
-    counter("mla:prompt_tokens_total", "Prompt tokens processed.", stats.prompt_tokens_total);
-    counter("mla:generation_tokens_total", "Tokens generated.", stats.generation_tokens_total);
-    counter("mla:num_preemptions_total", "Requests preempted because the KV cache ran out.", stats.preemptions_total);
-    counter(
+fn counters(e: &mut Exposition, s: &EngineStats) {
+    e.counter("mla:prompt_tokens_total", "Prompt tokens processed.", s.prompt_tokens_total);
+    e.counter("mla:generation_tokens_total", "Tokens generated.", s.generation_tokens_total);
+    e.counter("mla:num_preemptions_total", "Requests preempted because the KV cache ran out.", s.preemptions_total);
+    e.counter(
         "mla:prefix_cache_queries_total",
         "Prompt tokens looked up in the prefix cache when their requests were admitted.",
-        stats.prefix_cache_queries,
+        s.prefix_cache_queries,
     );
-    counter("mla:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits);
+    e.counter("mla:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits);
+    e.labelled(
+        "mla:request_success_total",
+        "Requests finished, by finished_reason: abort if aborted or failed, else length if any of its \
+         completions reached its limit, else stop. A request with n completions counts once.",
+        "counter",
+        by_reason(&s.requests.finished),
+    );
+    let completions = FinishCounts { stop: s.finished_stop, length: s.finished_length, abort: s.finished_abort };
+    e.labelled(
+        "mla:completion_success_total",
+        "Completions (choices) finished, by finished_reason.",
+        "counter",
+        by_reason(&completions),
+    );
+}
 
-    let name = "mla:request_success_total";
-    family(&mut out, name, "Completions finished, by finish_reason.", "counter");
-    for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort] {
-        let l = format!("{label},finished_reason=\"{}\"", reason.as_str());
-        let finished = match reason {
-            FinishReason::Stop => stats.finished_stop,
-            FinishReason::Length => stats.finished_length,
-            FinishReason::Abort => stats.finished_abort,
-        };
-        sample(&mut out, name, &l, finished as f64);
-    }
+fn by_reason(counts: &FinishCounts) -> Vec<(String, f64)> {
+    [FinishReason::Stop, FinishReason::Length, FinishReason::Abort]
+        .into_iter()
+        .map(|r| (format!("finished_reason=\"{}\"", r.as_str()), counts.get(r) as f64))
+        .collect()
+}
 
-    let hists = [
+fn latencies(e: &mut Exposition, s: &EngineStats) {
+    let r = &s.requests;
+    let itl = "Time between consecutive tokens of a completion.";
+    for (name, help, h) in [
+        ("mla:time_to_first_token_seconds", "Time from arrival to the first generated token.", &s.time_to_first_token),
+        ("mla:inter_token_latency_seconds", itl, &s.inter_token_latency),
         (
-            "mla:time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
-            &stats.time_to_first_token,
+            "mla:time_per_output_token_seconds",
+            "Time between consecutive tokens of a completion. vLLM's older name for \
+             mla:inter_token_latency_seconds.",
+            &s.inter_token_latency,
         ),
-        ("mla:inter_token_latency_seconds", "Time between consecutive generated tokens.", &stats.inter_token_latency),
-        ("mla:e2e_request_latency_seconds", "Time from arrival to the last token.", &stats.e2e_latency),
-        ("mla:request_queue_time_seconds", "Time from arrival to first scheduling.", &stats.queue_time),
-    ];
-    for (name, help, h) in hists {
-        histogram(&mut out, name, help, &label, h);
-    }
-    out
-}
-
-fn family(out: &mut String, name: &str, help: &str, kind: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-fn sample(out: &mut String, name: &str, labels: &str, value: f64) {
-    let _ = writeln!(out, "{name}{{{labels}}} {}", number(value));
-}
-
-/// Prometheus buckets are cumulative; the engine's counts are per bucket.
-fn histogram(out: &mut String, name: &str, help: &str, label: &str, h: &Histogram) {
-    family(out, name, help, "histogram");
-    let mut cumulative = 0u64;
-    for (bound, count) in h.bounds.iter().zip(&h.counts) {
-        cumulative += count;
-        let l = format!("{label},le=\"{}\"", number(*bound));
-        sample(out, &format!("{name}_bucket"), &l, cumulative as f64);
-    }
-    sample(out, &format!("{name}_bucket"), &format!("{label},le=\"+Inf\""), h.count as f64);
-    sample(out, &format!("{name}_sum"), label, h.sum);
-    sample(out, &format!("{name}_count"), label, h.count as f64);
-}
-
-/// Go-style float text: integers without a fraction, special values as Prometheus spells them.
-fn number(v: f64) -> String {
-    if v.is_nan() {
-        "NaN".into()
-    } else if v.is_infinite() {
-        if v > 0.0 {
-            "+Inf".into()
-        } else {
-            "-Inf".into()
-        }
-    } else {
-        format!("{v}")
+        (
+            "mla:request_time_per_output_token_seconds",
+            "Per request: decode time over the tokens after the first (of its longest completion).",
+            &r.time_per_output_token,
+        ),
+        ("mla:e2e_request_latency_seconds", "Time from arrival to the last token, per request.", &s.e2e_latency),
+        ("mla:request_queue_time_seconds", "Time from arrival to first scheduling, per request.", &s.queue_time),
+        (
+            "mla:request_inference_time_seconds",
+            "Time from first scheduling to the last token (prefill and decode), per request.",
+            &r.inference_time,
+        ),
+        (
+            "mla:request_prefill_time_seconds",
+            "Time from first scheduling to the first token, per request.",
+            &r.prefill_time,
+        ),
+        ("mla:request_decode_time_seconds", "Time from the first token to the last, per request.", &r.decode_time),
+    ] {
+        e.histogram(name, help, h);
     }
 }
 
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+fn request_sizes(e: &mut Exposition, s: &EngineStats) {
+    let r = &s.requests;
+    for (name, help, h) in [
+        ("mla:request_prompt_tokens", "Prompt tokens per request.", &r.prompt_tokens),
+        (
+            "mla:request_generation_tokens",
+            "Tokens generated per request, all its completions together.",
+            &r.generation_tokens,
+        ),
+        (
+            "mla:request_max_num_generation_tokens",
+            "Tokens of the longest completion, per request.",
+            &r.max_generation_tokens,
+        ),
+        ("mla:request_params_n", "The n parameter (completions) per request.", &r.params_n),
+        ("mla:request_params_max_tokens", "The max_tokens parameter per request.", &r.params_max_tokens),
+        (
+            "mla:iteration_tokens_total",
+            "Tokens an attention rank fed in one engine step (prompt chunks and decode tokens).",
+            &s.iteration_tokens,
+        ),
+    ] {
+        e.histogram(name, help, h);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mla_engine::{Histogram, RequestStats};
 
     fn lines(text: &str, prefix: &str) -> Vec<String> {
         text.lines().filter(|l| l.starts_with(prefix)).map(String::from).collect()
@@ -154,9 +187,10 @@ mod tests {
             preemptions_total: 1,
             prefix_cache_queries: 300,
             prefix_cache_hits: 128,
-            finished_stop: 2,
+            finished_stop: 5,
             finished_length: 0,
             finished_abort: 1,
+            requests: RequestStats { finished: FinishCounts { stop: 2, length: 0, abort: 1 }, ..RequestStats::new(16) },
             ..Default::default()
         };
         let text = render("demo", &stats);
@@ -165,6 +199,7 @@ mod tests {
         );
         assert!(text.contains("mla:num_requests_waiting{model_name=\"demo\"} 2\n"));
         assert!(text.contains("mla:kv_cache_usage_perc{model_name=\"demo\"} 0.25\n"));
+        assert!(text.contains("mla:gpu_cache_usage_perc{model_name=\"demo\"} 0.25\n"));
         assert!(
             text.contains("# TYPE mla:prompt_tokens_total counter\nmla:prompt_tokens_total{model_name=\"demo\"} 120\n")
         );
@@ -180,32 +215,42 @@ mod tests {
                 "mla:request_success_total{model_name=\"demo\",finished_reason=\"abort\"} 1",
             ]
         );
+        assert_eq!(
+            lines(&text, "mla:completion_success_total{model_name=\"demo\",finished_reason=\"stop\"}"),
+            vec!["mla:completion_success_total{model_name=\"demo\",finished_reason=\"stop\"} 5"]
+        );
     }
 
     #[test]
-    fn histograms_are_cumulative_with_inf_sum_and_count() {
-        let mut h = Histogram::with_bounds(&[0.01, 0.1, 1.0]);
-        for v in [0.005, 0.05, 0.07, 3.0] {
-            h.observe(v);
-        }
-        let stats = EngineStats { time_to_first_token: h, ..Default::default() };
+    fn every_histogram_is_declared_once_and_aliases_repeat_the_samples() {
+        let mut itl = Histogram::with_bounds(&[0.01, 0.1]);
+        itl.observe(0.05);
+        let stats = EngineStats { inter_token_latency: itl, requests: RequestStats::new(64), ..Default::default() };
         let text = render("m", &stats);
-        // Hand-computed: one value <= 0.01, three <= 0.1, three <= 1, four in all; sum 3.125.
-        assert_eq!(
-            lines(&text, "mla:time_to_first_token_seconds"),
-            vec![
-                "mla:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"0.01\"} 1",
-                "mla:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"0.1\"} 3",
-                "mla:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"1\"} 3",
-                "mla:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 4",
-                "mla:time_to_first_token_seconds_sum{model_name=\"m\"} 3.125",
-                "mla:time_to_first_token_seconds_count{model_name=\"m\"} 4",
-            ]
-        );
-        // Every family is declared once, before its samples.
-        for name in ["inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"] {
-            assert_eq!(text.matches(&format!("# TYPE mla:{name} histogram\n")).count(), 1);
+        for name in [
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "time_per_output_token_seconds",
+            "request_time_per_output_token_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "request_inference_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_prompt_tokens",
+            "request_generation_tokens",
+            "request_max_num_generation_tokens",
+            "request_params_n",
+            "request_params_max_tokens",
+            "iteration_tokens_total",
+        ] {
+            assert_eq!(text.matches(&format!("# TYPE mla:{name} histogram\n")).count(), 1, "{name}");
         }
+        let samples = |name: &str| -> Vec<String> {
+            lines(&text, name).into_iter().map(|l| l[name.len()..].to_string()).collect()
+        };
+        assert_eq!(samples("mla:inter_token_latency_seconds"), samples("mla:time_per_output_token_seconds"));
+        assert_eq!(samples("mla:inter_token_latency_seconds").len(), 5);
     }
 
     #[test]
@@ -225,11 +270,5 @@ mod tests {
         );
         assert!(text.contains("mla:rank_num_requests_running{model_name=\"m\",rank=\"1\"} 2\n"));
         assert!(text.contains("mla:rank_kv_cache_usage_perc{model_name=\"m\",rank=\"0\"} 0.5\n"));
-    }
-
-    #[test]
-    fn label_values_are_escaped() {
-        let text = render("a\"b\\c", &EngineStats::default());
-        assert!(text.contains("model_name=\"a\\\"b\\\\c\""), "{text}");
     }
 }

@@ -325,9 +325,12 @@ async fn a_stop_string_ends_its_choice_in_the_engine_and_the_other_runs_on() {
 
     wait_idle(&s).await;
     let finished = |reason: &'static str| format!(",finished_reason=\"{reason}\"");
-    assert_eq!(metric(&s, "mla:request_success_total", &finished("stop")).await, 1.0);
+    assert_eq!(metric(&s, "mla:completion_success_total", &finished("stop")).await, 1.0);
+    assert_eq!(metric(&s, "mla:completion_success_total", &finished("length")).await, 1.0);
+    assert_eq!(metric(&s, "mla:completion_success_total", &finished("abort")).await, 0.0);
+    // The request counts once, as truncated: one of its answers is.
     assert_eq!(metric(&s, "mla:request_success_total", &finished("length")).await, 1.0);
-    assert_eq!(metric(&s, "mla:request_success_total", &finished("abort")).await, 0.0);
+    assert_eq!(metric(&s, "mla:request_success_total", &finished("stop")).await, 0.0);
     assert_eq!(metric(&s, "mla:num_requests_running", "").await, 0.0);
     assert_eq!(metric(&s, "mla:kv_cache_usage_perc", "").await, 0.0);
     // Choice 0 was decoded a few steps past its stop string at most, not for all 40 steps
@@ -349,9 +352,10 @@ async fn stop_strings_ending_every_choice_count_as_stops_not_aborts() {
     }
     wait_idle(&s).await;
     let finished = |reason: &'static str| format!(",finished_reason=\"{reason}\"");
-    assert_eq!(metric(&s, "mla:request_success_total", &finished("stop")).await, 6.0);
-    assert_eq!(metric(&s, "mla:request_success_total", &finished("abort")).await, 0.0);
-    assert_eq!(metric(&s, "mla:request_success_total", &finished("length")).await, 0.0);
+    assert_eq!(metric(&s, "mla:completion_success_total", &finished("stop")).await, 6.0);
+    assert_eq!(metric(&s, "mla:completion_success_total", &finished("abort")).await, 0.0);
+    assert_eq!(metric(&s, "mla:completion_success_total", &finished("length")).await, 0.0);
+    assert_eq!(metric(&s, "mla:request_success_total", &finished("stop")).await, 2.0);
 }
 
 /// Messages the template cannot render (an assistant turn with malformed `tool_calls`) are the
