@@ -38,6 +38,12 @@ for t in "$bins"/gpu_*; do
 done
 
 echo "== HF fixtures through the server on the GPU"
+# The test needs the openai package; wheels in .whl/ serve a GPU machine without a package index.
+if compgen -G ".whl/*.whl" > /dev/null && ! python3 -c 'import openai' 2> /dev/null; then
+  site="$(mktemp -d)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl > /dev/null
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 MLA_E2E_DEVICE=cuda MLA_SERVE_BIN="$bins/mla-serve" python3 -m pytest -q tests/e2e/test_hf_fixtures.py || status=1
 
 echo "== V2-Lite shape, dummy weights: concurrent chat over HTTP"

@@ -61,6 +61,20 @@ const HANDOFF_SPIN: Duration = Duration::from_micros(1000);
 /// Steps shorter than this are awaited by polling from the start.
 const MIN_SLEEP: Duration = Duration::from_micros(200);
 
+/// A step's thread ended without answering (it panicked): the rank itself failed, as opposed
+/// to a rank whose step failed because a peer went away. Typed so that a group's error can name
+/// the cause before the failures it set off.
+#[derive(Debug)]
+pub struct ThreadDied;
+
+impl std::fmt::Display for ThreadDied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the backend's thread stopped during a step (it panicked)")
+    }
+}
+
+impl std::error::Error for ThreadDied {}
+
 /// A thread that owns a backend's device state `W` (a CUDA context is bound to the thread that
 /// created it) and runs the steps and jobs handed to it, in order. `start_step` /
 /// `finish_step` implement `Backend`'s asynchronous pair; `step` is both in one call.
@@ -218,7 +232,7 @@ impl<W: StepRunner> StepThread<W> {
         expected: Option<Duration>,
         deadline: Option<Instant>,
     ) -> Option<anyhow::Result<W::Output>> {
-        let died = || anyhow::anyhow!("the backend's thread stopped during a step (it panicked)");
+        let died = || anyhow::Error::new(ThreadDied);
         let until = |t: Instant| deadline.map_or(t, |d| d.min(t));
         // Sleep through most of the step, then poll, then (a step far longer than the last) block.
         if let Some(sleep) = expected.and_then(|e| e.checked_sub(HANDOFF_SPIN)).filter(|&s| s >= MIN_SLEEP) {

@@ -2,7 +2,7 @@
 //! `RemoteNode` is node 0's handle on another node's ranks, `serve_node` is that node's loop.
 //! They talk over the link the rendezvous left open (`cluster::rendezvous`).
 
-use super::collect::{collect, LocalRank, Participant};
+use super::collect::{collect, Failure, LocalRank, Participant};
 use super::Aborter;
 use crate::agreement::StepAgreement;
 use crate::backend::CacheLayout;
@@ -155,17 +155,17 @@ impl Participant for RemoteNode {
         format!("node {}", self.node())
     }
 
-    fn poll(&mut self, deadline: Instant) -> Option<Result<Vec<StepOutput>, String>> {
+    fn poll(&mut self, deadline: Instant) -> Option<Result<Vec<StepOutput>, Failure>> {
         if let Some(e) = self.send_error.take() {
-            return Some(Err(format!("cannot send it the step: {e}")));
+            return Some(Err(Failure::died(format!("cannot send it the step: {e}"))));
         }
         match self.answers.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(Ok(FromNode::Outputs(o))) => Some(Ok(o)),
-            Ok(Ok(FromNode::Failed(why))) => Some(Err(why)),
-            Ok(Ok(other)) => Some(Err(format!("unexpected message {other:?}"))),
-            Ok(Err(e)) => Some(Err(format!("connection lost: {e}"))),
+            Ok(Ok(FromNode::Failed(why))) => Some(Err(Failure::failed(why))),
+            Ok(Ok(other)) => Some(Err(Failure::failed(format!("unexpected message {other:?}")))),
+            Ok(Err(e)) => Some(Err(Failure::died(format!("connection lost: {e}")))),
             Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => Some(Err("connection lost".into())),
+            Err(RecvTimeoutError::Disconnected) => Some(Err(Failure::died("connection lost".into()))),
         }
     }
 }
