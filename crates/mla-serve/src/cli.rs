@@ -3,6 +3,7 @@
 //! Every flag is used. A flag whose feature does not exist for the chosen device (or at all yet)
 //! is refused by `check_supported` with a message saying so, never accepted and ignored.
 
+use crate::access_log_args::AccessLogArgs;
 use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
 use mla_core::Parallel;
@@ -49,10 +50,6 @@ pub struct Args {
     /// Accepted for vLLM command lines: DeepSeek-V2/V3 need no remote code, nothing is run.
     #[arg(long)]
     pub trust_remote_code: bool,
-
-    /// Logs requests at debug level instead of one info line each (vLLM's flag).
-    #[arg(long)]
-    pub disable_log_requests: bool,
 
     /// Address to listen on (0.0.0.0 for every interface).
     #[arg(long, default_value = "127.0.0.1")]
@@ -180,6 +177,9 @@ pub struct Args {
     #[arg(long)]
     pub disable_log_stats: bool,
 
+    #[command(flatten)]
+    pub access_log: AccessLogArgs,
+
     /// Log verbosity.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -265,6 +265,7 @@ impl Args {
         if self.trust_remote_code {
             tracing::info!("--trust-remote-code: DeepSeek-V2/V3 need no remote code; nothing is run");
         }
+        self.access_log.explain();
         Ok(())
     }
 
@@ -351,6 +352,7 @@ impl Args {
             anyhow::bail!("--max-model-len and --kv-cache-tokens must be at least 1");
         }
         self.http.check()?;
+        self.access_log.check()?;
         Ok(device)
     }
 

@@ -1,5 +1,6 @@
 //! `mla-serve`: parse flags, load the model, serve the OpenAI API until SIGINT/SIGTERM.
 
+mod access_log_args;
 mod backends;
 mod cli;
 mod demo;

@@ -6,7 +6,7 @@
 
 use crate::cli::Args;
 use crate::startup::Started;
-use mla_server::app::router;
+use mla_server::app::{router, HttpOptions};
 use mla_server::listener;
 use std::time::Duration;
 
@@ -66,7 +66,7 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
         body.max_bytes,
         body.read_timeout
     );
-    let app = router(state, body);
+    let app = router(state, HttpOptions { body, access_log: args.access_log.config() });
     let connections = listener::serve(listener, app, limits, on_signal).await;
     // The signal (or the engine's death) came: no new connections. The open ones finish their
     // responses within the grace period plus a margin for aborted streams' last events.

@@ -86,7 +86,6 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         engine: engine.clone(),
         model_name,
         model_aliases,
-        log_requests: !args.disable_log_requests,
         limits,
         defaults,
         text: Arc::new(text),

@@ -1,5 +1,7 @@
-//! The axum router: routes, API-key check, body limit, and OpenAI-shaped 404/405 answers.
+//! The axum router: routes, API-key check, body limit, the access log, and OpenAI-shaped
+//! 404/405 answers.
 
+use crate::access_log::{self, AccessLogConfig};
 use crate::error::ApiError;
 use crate::extract::BodyLimits;
 use crate::routes;
@@ -12,25 +14,32 @@ use axum::routing::{get, post};
 use axum::{Extension, Router};
 use std::sync::Arc;
 
+/// How the HTTP edge behaves, as the operator configured it.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    pub body: BodyLimits,
+    pub access_log: AccessLogConfig,
+}
+
 /// Builds the whole HTTP application. `/health` and `/metrics` stay open when an API key is set,
 /// so probes and scrapers need no secret (as in vLLM).
-pub fn router(state: Arc<AppState>, body: BodyLimits) -> Router {
+pub fn router(state: Arc<AppState>, options: HttpOptions) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(routes::chat::handle))
         .route("/v1/completions", post(routes::completions::handle))
         .route("/v1/models", get(routes::info::list_models))
         .route("/v1/models/{id}", get(routes::info::get_model))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
-    Router::new()
+    let app = Router::new()
         .merge(v1)
         .route("/health", get(routes::info::health))
         .route("/metrics", get(routes::info::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn_with_state(state.clone(), access_log))
-        .layer(DefaultBodyLimit::max(body.max_bytes))
-        .layer(Extension(body))
-        .with_state(state)
+        .layer(DefaultBodyLimit::max(options.body.max_bytes))
+        .layer(Extension(options.body));
+    // Outermost, so every layer's errors get their line too.
+    app.layer(middleware::from_fn_with_state(Arc::new(options.access_log), access_log::log_access)).with_state(state)
 }
 
 async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Result<Response, ApiError> {
@@ -48,23 +57,6 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
         }
     }
     Ok(next.run(req).await)
-}
-
-/// One line per request. Probes and scrapes hit /health and /metrics constantly, so those are
-/// logged only at debug level, as is everything with --disable-log-requests. For streams the
-/// time is until the response headers.
-async fn access_log(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let (method, path) = (req.method().clone(), req.uri().path().to_string());
-    let start = std::time::Instant::now();
-    let resp = next.run(req).await;
-    let ms = start.elapsed().as_secs_f64() * 1e3;
-    let status = resp.status().as_u16();
-    if path == "/health" || path == "/metrics" || !state.log_requests {
-        tracing::debug!("{method} {path} {status} {ms:.1}ms");
-    } else {
-        tracing::info!("{method} {path} {status} {ms:.1}ms");
-    }
-    resp
 }
 
 /// Compares without an early exit, so response timing does not reveal how much of a key matched.

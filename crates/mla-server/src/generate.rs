@@ -6,8 +6,10 @@
 //! engine stops decoding it and frees its blocks while the request's other choices go on.
 //! Dropping a `Generation` drops its engine streams, which aborts whatever is still running:
 //! that is how a closed client connection reaches the engine. Finish reasons are counted by the
-//! engine alone (`/metrics` reads them from its statistics).
+//! engine alone (`/metrics` reads them from its statistics). When a `Generation` is dropped it
+//! reports its counts and finish reasons to the request's access-log record, if it has one.
 
+use crate::access_log::{AccessRecord, GenerationOutcome};
 use crate::error::ApiError;
 use crate::protocol::common::Usage;
 use crate::text::{ChoiceText, TextPipeline};
@@ -16,6 +18,7 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::sync::Arc;
 use std::task::Poll;
+use std::time::Instant;
 
 /// A generated token as clients see it in `logprobs`.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,6 +53,8 @@ struct Choice {
     text: ChoiceText,
     completion_tokens: usize,
     finished: bool,
+    /// Why it finished, for the access log (None: cut short, or ended by an engine error).
+    reason: Option<FinishReason>,
 }
 
 /// The engine request of one prompt; its completions are choices `base .. base + n`.
@@ -72,6 +77,11 @@ pub struct Generation {
     next_poll: usize,
     /// Updates produced together (several choices closed at once), handed out one by one.
     pending: VecDeque<ChoiceUpdate>,
+    /// Where the outcome goes when this is dropped (`report_to`).
+    access: Option<AccessRecord>,
+    first_token: Option<Instant>,
+    /// The engine reported an error: the choices it cut short failed rather than aborted.
+    failed: bool,
 }
 
 /// What `Generation::start` needs per prompt: the submitted stream and its request's numbers.
@@ -100,7 +110,12 @@ impl Generation {
                 stop_token_ids: s.stop_token_ids,
             });
             prompt_tokens += s.prompt_len;
-            choices.extend((0..s.n).map(|_| Choice { text: make_text(), completion_tokens: 0, finished: false }));
+            choices.extend((0..s.n).map(|_| Choice {
+                text: make_text(),
+                completion_tokens: 0,
+                finished: false,
+                reason: None,
+            }));
         }
         Generation {
             runs,
@@ -111,7 +126,16 @@ impl Generation {
             text,
             next_poll: 0,
             pending: VecDeque::new(),
+            access: None,
+            first_token: None,
+            failed: false,
         }
+    }
+
+    /// Reports token counts, finish reasons and the first token's time to `record` once this
+    /// generation is dropped: finished, failed, or abandoned with its client.
+    pub fn report_to(&mut self, record: AccessRecord) {
+        self.access = Some(record);
     }
 
     pub fn num_choices(&self) -> usize {
@@ -132,6 +156,7 @@ impl Generation {
             }
             let (run, event) = self.next_event().await?;
             if let Err(e) = self.apply(run, event) {
+                self.failed = true;
                 self.abort_all();
                 return Some(Err(e));
             }
@@ -161,6 +186,9 @@ impl Generation {
 
     fn apply(&mut self, run: usize, event: Option<EngineEvent>) -> Result<(), ApiError> {
         let (base, n) = (self.runs[run].base, self.runs[run].n);
+        if self.first_token.is_none() && matches!(event, Some(EngineEvent::Token { .. })) {
+            self.first_token = Some(Instant::now());
+        }
         let update = match event {
             Some(EngineEvent::Token { index, token, logprobs, finish }) if index < n => {
                 self.on_token(run, base + index, token, logprobs, finish)
@@ -256,6 +284,7 @@ impl Generation {
         // Text released only at the end can still complete a stop string.
         let reason = if stop_hit && reason != FinishReason::Abort { FinishReason::Stop } else { reason };
         choice.finished = true;
+        choice.reason = Some(reason);
         Some(ChoiceUpdate { index: c, text, logprobs, finish: Some(reason) })
     }
 
@@ -287,6 +316,37 @@ impl Generation {
         }
         for c in &mut self.choices {
             c.finished = true;
+        }
+    }
+}
+
+impl Generation {
+    /// Each choice's finish reason once, in choice order: `stop`, `stop,length`; choices that
+    /// never finished count as `abort` (client gone, shutdown), or `error` if the engine failed.
+    fn finish_summary(&self) -> String {
+        let unfinished = if self.failed { "error" } else { FinishReason::Abort.as_str() };
+        let mut seen: Vec<&str> = Vec::new();
+        for c in &self.choices {
+            let r = c.reason.map_or(unfinished, |r| r.as_str());
+            if !seen.contains(&r) {
+                seen.push(r);
+            }
+        }
+        seen.join(",")
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if let Some(record) = self.access.take() {
+            let usage = self.usage();
+            record.generation_ended(GenerationOutcome {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                cached_tokens: usage.prompt_tokens_details.cached_tokens,
+                finish: self.finish_summary(),
+                first_token: self.first_token,
+            });
         }
     }
 }

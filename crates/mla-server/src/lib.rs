@@ -1,3 +1,4 @@
+pub mod access_log;
 pub mod app;
 pub mod chat_template;
 pub mod detokenizer;

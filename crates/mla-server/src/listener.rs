@@ -22,6 +22,7 @@
 
 use crate::error::ApiError;
 use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::http::Request;
 use axum::Router;
 use hyper::body::Incoming;
@@ -29,6 +30,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::future::{poll_fn, Future};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -89,10 +91,10 @@ pub async fn serve(
     http.timer(TokioTimer::new()).header_read_timeout(limits.keep_alive).max_header_size(MAX_HEADER_BYTES);
     let mut stop = std::pin::pin!(stop);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = &mut stop => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     tracing::warn!("accepting a connection failed: {e}");
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
@@ -113,7 +115,7 @@ pub async fn serve(
         };
         let (http, app, closing) = (http.clone(), app.clone(), closing.subscribe());
         tokio::spawn(async move {
-            serve_connection(stream, &http, app, closing).await;
+            serve_connection(stream, peer, &http, app, closing).await;
             drop(permit);
         });
     }
@@ -121,11 +123,20 @@ pub async fn serve(
 }
 
 /// Serves one connection until it ends, then closes it lingering (`linger`).
-async fn serve_connection(stream: TcpStream, http: &http1::Builder, app: Router, mut closing: watch::Receiver<bool>) {
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    http: &http1::Builder,
+    app: Router,
+    mut closing: watch::Receiver<bool>,
+) {
     // A boxed future keeps the connection `Unpin`, which taking the socket back at the end needs.
     let service = service_fn(move |req: Request<Incoming>| {
         let app = app.clone();
-        Box::pin(async move { app.oneshot(req.map(Body::new)).await })
+        let mut req = req.map(Body::new);
+        // The client's address, for the access log (axum's own `serve` puts it there too).
+        req.extensions_mut().insert(ConnectInfo(peer));
+        Box::pin(async move { app.oneshot(req).await })
     });
     let mut conn = http.serve_connection(TokioIo::new(stream), service);
     let mut told = false;

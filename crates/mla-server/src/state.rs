@@ -17,8 +17,6 @@ pub struct AppState {
     pub model_name: String,
     /// Other names requests may use for it (`--served-model-name A B ...`).
     pub model_aliases: Vec<String>,
-    /// One access-log line per request at info level (else at debug).
-    pub log_requests: bool,
     pub limits: ModelLimits,
     pub defaults: GenerationDefaults,
     pub text: Arc<TextPipeline>,

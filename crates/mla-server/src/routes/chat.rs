@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`.
 
 use super::output::{self, CollectedChoice, StreamFormat};
+use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
@@ -13,10 +14,14 @@ use crate::validate::{self, messages::template_messages, MaxTokensDefault};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use std::sync::Arc;
 
-pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonObject) -> Result<Response, ApiError> {
+pub async fn handle(
+    State(state): State<Arc<AppState>>,
+    Extension(access): Extension<AccessRecord>,
+    JsonObject(body): JsonObject,
+) -> Result<Response, ApiError> {
     let common: SamplingWire = parse_fields(&body)?;
     let chat: ChatWire = parse_fields(&body)?;
     validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
@@ -36,9 +41,11 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
     let (prompt, stop) =
         blocking(move || Ok((text.chat_prompt(&messages, max_model_len)?, stop_matcher(stops)?))).await?;
     let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
-    let generation = state.start_generation(vec![request], &params, stop)?;
+    let mut generation = state.start_generation(vec![request], &params, stop)?;
 
     let meta = Meta { id: response_id("chatcmpl"), created: unix_now(), model: state.model_name.clone() };
+    access.describe(&meta.id, params.stream);
+    generation.report_to(access);
     if params.stream {
         let format = ChatStream { meta, include_usage: params.include_usage };
         return Ok(output::stream(generation, format, params.include_usage));

@@ -1,6 +1,7 @@
 //! `POST /v1/completions`.
 
 use super::output::{self, CollectedChoice, StreamFormat};
+use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
@@ -14,14 +15,18 @@ use crate::validate::{self, MaxTokensDefault};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use serde_json::Value;
 use std::sync::Arc;
 
 /// OpenAI's default `max_tokens` for completions.
 const DEFAULT_MAX_TOKENS: usize = 16;
 
-pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonObject) -> Result<Response, ApiError> {
+pub async fn handle(
+    State(state): State<Arc<AppState>>,
+    Extension(access): Extension<AccessRecord>,
+    JsonObject(body): JsonObject,
+) -> Result<Response, ApiError> {
     let common: SamplingWire = parse_fields(&body)?;
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
     validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
@@ -69,9 +74,11 @@ pub async fn handle(State(state): State<Arc<AppState>>, JsonObject(body): JsonOb
         // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
         echoes.extend(std::iter::repeat_n(if echo { prompt_text } else { String::new() }, params.n));
     }
-    let generation = state.start_generation(requests, &params, stop)?;
+    let mut generation = state.start_generation(requests, &params, stop)?;
 
     let meta = Meta { id: response_id("cmpl"), created: unix_now(), model: state.model_name.clone() };
+    access.describe(&meta.id, params.stream);
+    generation.report_to(access);
     let want_logprobs = params.logprobs.is_some();
     if params.stream {
         let offsets = echoes.iter().map(|e| e.chars().count()).collect();

@@ -13,7 +13,8 @@ use http_body_util::BodyExt;
 use mla_core::plan::{SeqResult, StepOutput};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
-use mla_server::app::router;
+use mla_server::access_log::AccessLogConfig;
+use mla_server::app::{router, HttpOptions};
 use mla_server::extract::BodyLimits;
 use mla_server::generation_config::GenerationDefaults;
 use mla_server::state::AppState;
@@ -182,7 +183,6 @@ pub fn server(opts: Options) -> TestServer {
         engine: engine.clone(),
         model_name: "demo".into(),
         model_aliases: vec![],
-        log_requests: true,
         limits: ModelLimits {
             max_model_len: MAX_MODEL_LEN,
             vocab_size: 512,
@@ -195,7 +195,8 @@ pub fn server(opts: Options) -> TestServer {
         started: 0,
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
-    TestServer { app: router(Arc::new(state), body), engine, script: opts.script }
+    let http = HttpOptions { body, access_log: AccessLogConfig::default() };
+    TestServer { app: router(Arc::new(state), http), engine, script: opts.script }
 }
 
 pub struct Reply {
