@@ -4,6 +4,7 @@
 //! is refused by `check_supported` with a message saying so, never accepted and ignored.
 
 use crate::access_log_args::AccessLogArgs;
+use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
 use mla_core::Parallel;
@@ -153,6 +154,9 @@ pub struct Args {
 
     #[command(flatten)]
     pub http: HttpLimitArgs,
+
+    #[command(flatten)]
+    pub cors: CorsArgs,
 
     /// Requests allowed to wait for a batch slot; more are answered 503.
     #[arg(long, default_value_t = 1024, value_name = "N")]
@@ -353,6 +357,7 @@ impl Args {
         }
         self.http.check()?;
         self.access_log.check()?;
+        self.cors.layer()?;
         Ok(device)
     }
 

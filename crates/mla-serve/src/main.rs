@@ -3,6 +3,7 @@
 mod access_log_args;
 mod backends;
 mod cli;
+mod cors_args;
 mod demo;
 mod hf_cache;
 mod http_limits;

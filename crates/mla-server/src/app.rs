@@ -1,4 +1,4 @@
-//! The axum router: routes, API-key check, body limit, the access log, and OpenAI-shaped
+//! The axum router: routes, API-key check, body limit, CORS, the access log, and OpenAI-shaped
 //! 404/405 answers.
 
 use crate::access_log::{self, AccessLogConfig};
@@ -13,12 +13,15 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use std::sync::Arc;
+use tower_http::cors::CorsLayer;
 
 /// How the HTTP edge behaves, as the operator configured it.
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
     pub body: BodyLimits,
     pub access_log: AccessLogConfig,
+    /// None: no CORS headers at all (`--allowed-origins` not given).
+    pub cors: Option<CorsLayer>,
 }
 
 /// Builds the whole HTTP application. `/health` and `/metrics` stay open when an API key is set,
@@ -38,7 +41,12 @@ pub fn router(state: Arc<AppState>, options: HttpOptions) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(options.body.max_bytes))
         .layer(Extension(options.body));
-    // Outermost, so every layer's errors get their line too.
+    // Outside the API-key check: preflights carry no key, and a page must be able to read a 401.
+    let app = match options.cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    };
+    // Outermost, so preflights and every layer's errors get their line too.
     app.layer(middleware::from_fn_with_state(Arc::new(options.access_log), access_log::log_access)).with_state(state)
 }
 

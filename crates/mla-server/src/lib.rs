@@ -1,6 +1,7 @@
 pub mod access_log;
 pub mod app;
 pub mod chat_template;
+pub mod cors;
 pub mod detokenizer;
 pub mod error;
 pub mod extract;

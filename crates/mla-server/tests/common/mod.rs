@@ -195,7 +195,7 @@ pub fn server(opts: Options) -> TestServer {
         started: 0,
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
-    let http = HttpOptions { body, access_log: AccessLogConfig::default() };
+    let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };
     TestServer { app: router(Arc::new(state), http), engine, script: opts.script }
 }
 
