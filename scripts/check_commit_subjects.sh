@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 # The commit that introduced this check.
 rule_commit_subject="Enforce the house rules in CI: fmt, clippy, clang-format, subjects"
 max=72
+# Commits that broke the rule before it was caught and that later commits and run folders name by
+# hash, so history is not rewritten for them (one character over each).
+grandfathered=(ca200f0)
 
 if ! git rev-parse --git-dir > /dev/null 2>&1; then
   echo "not a git checkout: commit subjects not checked"
@@ -23,7 +26,7 @@ bad=0
 while IFS= read -r line; do
   sha="${line%% *}"
   subject="${line#* }"
-  if (( ${#subject} > max )); then
+  if (( ${#subject} > max )) && [[ " ${grandfathered[*]} " != *" ${sha:0:7} "* ]]; then
     echo "commit $sha: subject has ${#subject} characters (at most $max): $subject"
     bad=1
   fi
