@@ -236,6 +236,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
             seed: a.seed,
             // The prefill measurement repeats one prompt: a cache hit would hide the compute.
             prefix_caching: false,
+            step_watchdog: std::time::Duration::from_secs(600),
         },
     )?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -267,6 +267,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             max_queued_requests: 1 << 20,
             seed: a.seed,
             prefix_caching: true,
+            step_watchdog: std::time::Duration::from_secs(600),
         },
     )?;
     // Clients as in the engine benchmark and the server: one task per request on a small runtime.

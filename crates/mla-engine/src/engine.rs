@@ -6,6 +6,7 @@ use crate::metrics::Metrics;
 use crate::scheduler::blocks_to_admit;
 use crate::sequence::MAX_COMPLETIONS;
 use anyhow::{bail, Context};
+pub(crate) use liveness::Liveness;
 use mla_core::{Backend, CacheLayout, ModelConfig};
 use router::least_loaded_of;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 mod backend_call;
+mod liveness;
 mod router;
 mod worker;
 
@@ -40,25 +42,12 @@ pub(crate) enum Command {
     },
 }
 
+/// How long past its shutdown deadline an engine thread gets to stop: a step in flight ends
+/// within it unless the device hangs.
+const JOIN_MARGIN: Duration = Duration::from_secs(10);
+
 /// Starts engines; see `Engine::start`.
 pub struct Engine;
-
-/// Whether an engine thread can still run steps; set once, when its backend fails for good.
-#[derive(Debug, Default)]
-pub(crate) struct Liveness {
-    death: Mutex<Option<String>>,
-}
-
-impl Liveness {
-    pub fn mark_dead(&self, why: String) {
-        self.death.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(why);
-    }
-
-    /// Why the engine stopped, if its backend failed.
-    pub fn death(&self) -> Option<String> {
-        self.death.lock().unwrap_or_else(PoisonError::into_inner).clone()
-    }
-}
 
 impl Engine {
     /// Checks `cfg` against the backend and spawns the engine thread, which owns the backend.
@@ -89,7 +78,7 @@ impl Engine {
             let (commands, inbox) = std::sync::mpsc::channel();
             let metrics = Metrics::new(&layouts, cfg.max_model_len);
             let load = Arc::new(AtomicU64::new(0));
-            let liveness = Arc::new(Liveness::default());
+            let liveness = Arc::new(Liveness::new(cfg.step_watchdog));
             let links = worker::Links {
                 inbox,
                 metrics: metrics.clone(),
@@ -99,9 +88,16 @@ impl Engine {
             };
             let device = backend.device_name();
             let worker = worker::Worker::new(backend, cfg.clone(), links);
+            let watch = liveness.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("mla-engine-{i}"))
-                .spawn(move || worker.run())
+                .spawn(move || {
+                    // A bug in the engine thread must not leave `/health` green over a dead
+                    // engine; the unwind drops the requests' channels, which end their streams.
+                    if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run())) {
+                        watch.mark_dead(format!("the engine thread panicked: {}", backend_call::panic_text(&p)));
+                    }
+                })
                 .context("spawning the engine thread")?;
             tracing::info!(
                 replica = i,
@@ -202,9 +198,26 @@ pub struct RequestStream {
     /// The request's `n`, to check `finish_choice` indices.
     n: usize,
     commands: Sender<Command>,
+    /// Its engine's death, for a caller that must answer even if the engine thread never
+    /// sends another event (a hung step).
+    died: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl RequestStream {
+    /// Resolves with the reason once the request's engine has died. A hang is noticed when
+    /// someone asks `EngineHandle::fatal_error` (the server does every 200 ms).
+    pub fn engine_died(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let mut died = self.died.clone();
+        async move {
+            let why = died.wait_for(Option::is_some).await.ok().and_then(|why| why.clone());
+            match why {
+                Some(why) => why,
+                // The engine is gone without a recorded death: never resolve, its channel ends.
+                None => std::future::pending().await,
+            }
+        }
+    }
+
     /// Aborts the request; unfinished completions report `Finished { reason: Abort }`.
     pub fn abort(&self) {
         // A closed channel means the engine is gone, and the request with it.
@@ -257,7 +270,7 @@ impl EngineHandle {
                 None => SubmitError::ShuttingDown,
             });
         }
-        Ok(RequestStream { id, events, n, commands: replica.commands.clone() })
+        Ok(RequestStream { id, events, n, commands: replica.commands.clone(), died: replica.liveness.subscribe() })
     }
 
     /// Counters summed over every replica, with one `ranks` entry per attention rank.
@@ -294,7 +307,9 @@ impl EngineHandle {
     }
 
     /// Stops admitting, lets queued and running requests finish for at most `grace`, aborts the
-    /// rest and joins the engine thread. Later calls (from any clone) return at once.
+    /// rest and joins the engine thread. Later calls (from any clone) return at once. A thread
+    /// stuck in a step (a hung device) is left behind after `JOIN_MARGIN` past the grace period,
+    /// so that shutdown always ends and the process can exit.
     pub fn shutdown(&self, grace: Duration) {
         let s = &self.shared;
         s.shutting_down.store(true, Ordering::SeqCst);
@@ -304,10 +319,14 @@ impl EngineHandle {
         }
         for (i, r) in s.replicas.iter().enumerate() {
             let thread = r.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
-            if let Some(thread) = thread {
-                if thread.join().is_err() {
-                    tracing::error!("engine thread {i} panicked");
-                }
+            let Some(thread) = thread else { continue };
+            while !thread.is_finished() && Instant::now() < deadline + JOIN_MARGIN {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if !thread.is_finished() {
+                tracing::error!("engine thread {i} did not stop (stuck in a step); leaving it to the process's exit");
+            } else if thread.join().is_err() {
+                tracing::error!("engine thread {i} panicked");
             }
         }
     }

@@ -99,8 +99,9 @@ pub struct Args {
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     pub dist_timeout: f64,
 
-    /// Seconds a step of a multi-rank layout may take before the server stops with an error
-    /// instead of hanging (a rank stuck in a collective). SGLang's name and default.
+    /// Seconds a step may take before the engine is declared dead instead of hanging (a hung
+    /// device, a rank stuck in a collective): its requests get the error, /health turns 503 and
+    /// the server exits non-zero. SGLang's name and default.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     pub watchdog_timeout: f64,
 

@@ -54,6 +54,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             max_queued_requests: args.max_queued_requests,
             seed: args.seed,
             prefix_caching: !args.no_enable_prefix_caching,
+            step_watchdog: args.watchdog(),
         },
     )?;
 

@@ -154,13 +154,28 @@ impl Generation {
             if let Some(u) = self.pending.pop_front() {
                 return Some(Ok(u));
             }
-            let (run, event) = self.next_event().await?;
+            let (run, event) = match self.engine_death() {
+                // A hung engine sends nothing more; its death (the step watchdog) ends the wait.
+                Some(died) => tokio::select! {
+                    biased;
+                    event = self.next_event() => event?,
+                    why = died => (0, Some(EngineEvent::Error { message: why })),
+                },
+                None => self.next_event().await?,
+            };
             if let Err(e) = self.apply(run, event) {
                 self.failed = true;
                 self.abort_all();
                 return Some(Err(e));
             }
         }
+    }
+
+    /// Resolves once the engine of any live run has died, with the reason.
+    fn engine_death(&self) -> Option<impl std::future::Future<Output = String>> {
+        let deaths: Vec<_> =
+            self.runs.iter().filter_map(|r| r.stream.as_ref()).map(|s| Box::pin(s.engine_died())).collect();
+        (!deaths.is_empty()).then_some(async move { futures_util::future::select_all(deaths).await.0 })
     }
 
     /// Waits for an event from any live run; a closed channel arrives as `None` for that run.

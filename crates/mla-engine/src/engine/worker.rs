@@ -112,6 +112,8 @@ pub(super) struct Worker {
     undelivered: Option<(Applied, Instant)>,
     /// Whether the last step of several ranks prefilled on any of them (see `schedule`).
     last_kind: StepKind,
+    /// Steps finished (or being finished), for the test hook `MLA_TEST_HANG_STEP`.
+    steps: u64,
 }
 
 /// A step the backend is running.
@@ -142,6 +144,7 @@ impl Worker {
             seeds: SplitMix64::new(cfg.seed),
             deadline: None,
             undelivered: None,
+            steps: 0,
             last_kind: StepKind::Decode,
         }
     }
@@ -359,6 +362,7 @@ impl Worker {
     /// Hands the step to the backend. A panic while starting is the step's failure.
     fn launch(&mut self, plans: Vec<StepPlan>) -> InFlight {
         let plans = Arc::new(plans);
+        self.links.liveness.step_started();
         let backend = &mut self.backend;
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| backend.start_step(&plans))) {
             // finish_step then reports the step as never started (or panics again, also caught).
@@ -372,10 +376,13 @@ impl Worker {
 
     /// Waits for the step in flight and applies it; false when the engine cannot go on.
     fn finish(&mut self, f: InFlight) -> bool {
+        self.steps += 1;
+        mla_core::fault::maybe_hang(self.steps);
         let backend = &mut self.backend;
         let result = catch_unwind(AssertUnwindSafe(|| backend.finish_step()))
             .unwrap_or_else(|p| Err(anyhow::anyhow!("backend panicked: {}", panic_text(&p))))
             .and_then(|outs| check_outputs(&f.plans, &outs).map(|()| outs));
+        self.links.liveness.step_ended();
         self.conclude(f.plans, result)
     }
 

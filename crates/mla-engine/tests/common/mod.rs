@@ -346,6 +346,7 @@ pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
         max_queued_requests: 64,
         seed: 42,
         prefix_caching: true,
+        step_watchdog: std::time::Duration::from_secs(300),
     }
 }
 

@@ -177,6 +177,7 @@ pub fn server(opts: Options) -> TestServer {
         max_queued_requests: opts.max_queued,
         seed: 0,
         prefix_caching: true,
+        step_watchdog: std::time::Duration::from_secs(300),
     };
     let engine = Engine::start(Box::new(backend), cfg).unwrap();
     let state = AppState {
