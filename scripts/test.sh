@@ -8,6 +8,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# CI machines' disks vary (one run died with "No space left on device" two minutes in): say how
+# much there is, and keep the debug build small. Line tables keep backtraces' file:line but drop
+# the full debug info, and no incremental caches: together several GB less in target/.
+echo "== Disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free in $PWD"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 # Kernels are compiled on every run so CI proves they build; nvcc comes from PyPI if absent.
 if [ -x scripts/install_nvcc.sh ]; then
   nvcc_path="$(scripts/install_nvcc.sh)"
