@@ -52,8 +52,9 @@ pub struct Args {
     #[arg(long)]
     pub trust_remote_code: bool,
 
-    /// Address to listen on (0.0.0.0 for every interface).
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to listen on (0.0.0.0 for every interface). MLA_SERVE_HOST sets the default, so
+    /// the Docker image listens on every interface and `docker run IMAGE --host X` still wins.
+    #[arg(long, env = "MLA_SERVE_HOST", default_value = "127.0.0.1")]
     pub host: String,
 
     #[arg(long, default_value_t = 8000)]
