@@ -6,8 +6,8 @@
 #   docker run --gpus all --ipc=host -p 8000:8000 -v ~/.cache/huggingface:/data/hf:ro mla-serve \
 #       --model deepseek-ai/DeepSeek-V2-Lite-Chat
 #
-# Builds with BuildKit (Docker 23+ by default) or the legacy builder. No `# syntax=` line: it
-# would pull a frontend image, and CI builds where no registry can be reached.
+# Built with BuildKit (the default since Docker 23; DOCKER_BUILDKIT=1 before), the legacy builder
+# untried. No `# syntax=` line: it would pull a frontend image, and CI reaches no registry.
 
 # Every stage starts from this image: debian:bookworm-slim from a registry, or where there is
 # none, the one scripts/docker_base.sh makes from Debian's packages (--build-arg BASE_IMAGE=...).
