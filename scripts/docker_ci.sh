@@ -44,7 +44,7 @@ cleanup() {
   local status=$?
   set +e
   if [[ -n "$docker" ]] && "$docker" info > /dev/null 2>&1; then
-    "$docker" rm -f "$container" > /dev/null 2>&1
+    "$docker" rm -f "$container" "$container-host" > /dev/null 2>&1
     if [[ "$keep" != 1 ]]; then
       "$docker" image rm -f "$image" > /dev/null 2>&1
       if [[ -n "$dockerd_pid" ]]; then
@@ -122,20 +122,25 @@ check "runs as the non-root user mla"
 check "cuBLAS 13 and NCCL in the loader cache with every dependency; no libcuda (the host's comes in)"
 
 phase "Run the demo model on the CPU"
+# Waits until $2/health answers 200 from the host; fails with the log if the container exits.
+wait_for_health() {
+  for _ in $(seq 120); do
+    curl -fsS -m 2 "$2/health" > /dev/null 2>&1 && return 0
+    [[ "$("$docker" inspect -f '{{.State.Running}}' "$1")" == true ]] || break
+    sleep 0.5
+  done
+  "$docker" logs "$1" 2>&1 | tail -n 20
+  fail "$1: no 200 from $2/health"
+}
 port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-# --host and --port override the image's defaults, as any flag must; --health-interval only makes
-# the HEALTHCHECK answer sooner than its 30 s.
-"$docker" run -d --name "$container" --network host --health-interval 2s "$image" \
-  --host 127.0.0.1 --port "$port" > /dev/null
-url="http://127.0.0.1:$port"
-for _ in $(seq 120); do
-  curl -fsS -m 2 "$url/health" > /dev/null 2>&1 && break
-  [[ "$("$docker" inspect -f '{{.State.Running}}' "$container")" == true ]] \
-    || { "$docker" logs "$container" 2>&1 | tail -n 20; fail "the container exited"; }
-  sleep 0.5
-done
-curl -fsS -m 2 "$url/health" > /dev/null || { "$docker" logs "$container" 2>&1 | tail -n 20; fail "/health"; }
-check "/health is 200 on the port given with --port ($port)"
+# Loopback addresses other than the default 127.0.0.1 show which setting took effect, without
+# listening on the machine's other interfaces: here MLA_SERVE_HOST (how the image sets --host's
+# default) and --port, later --host. --health-interval only makes the HEALTHCHECK answer sooner.
+"$docker" run -d --name "$container" --network host --health-interval 2s -e MLA_SERVE_HOST=127.0.0.2 \
+  "$image" --port "$port" > /dev/null
+url="http://127.0.0.2:$port"
+wait_for_health "$container" "$url"
+check "/health is 200 at MLA_SERVE_HOST and the port given with --port (127.0.0.2:$port)"
 # --device auto names why it chose the CPU; a binary without kernels would say so instead.
 "$docker" logs "$container" > "$work/server.log" 2>&1
 grep -q 'using cpu because no NVIDIA GPU is visible' "$work/server.log" \
@@ -178,6 +183,11 @@ phase "Stop (SIGTERM)"
 [[ "$("$docker" inspect -f '{{.State.ExitCode}}' "$container")" == 0 ]] \
   || { "$docker" logs "$container" 2>&1 | tail -n 20; fail "exit status after SIGTERM"; }
 check "graceful stop, exit status 0"
+
+phase "--host after the image"
+"$docker" run -d --name "$container-host" --network host "$image" --host 127.0.0.3 --port "$port" > /dev/null
+wait_for_health "$container-host" "http://127.0.0.3:$port"
+check "--host wins over the image's MLA_SERVE_HOST (127.0.0.3:$port)"
 
 phase "done: image built in ${build_s}s, $((SECONDS - t0))s in all"
 echo "docker: $passed passed, 0 failed"
