@@ -6,18 +6,16 @@
 //! - `profile`: eager steps between cuProfilerStart/Stop, for a per-kernel breakdown under ncu.
 //! - `collectives`: NCCL all-reduce, all-gather and reduce-scatter at the sizes the multi-GPU
 //!   steps move, eager and from CUDA graphs, one thread per GPU.
-//! - `serve`: a load generator against any OpenAI-compatible server, with `vllm bench serve`'s
-//!   metric definitions, as a table and as JSON.
+//! - `serve`: a load generator against any OpenAI-compatible server that stands in for
+//!   `vllm bench serve`: its flags, datasets, metric definitions, table and result file.
 //!
 //! Every JSON result carries the GPU, the UTC date, the commit (`MLA_GIT_COMMIT`) and the command.
 
 mod collectives;
-mod dataset;
 mod dummy_model;
 mod engine_bench;
 mod host_bench;
 mod kernels;
-mod metrics;
 mod profile;
 mod report;
 mod serve;
@@ -151,62 +149,9 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Load generator against an OpenAI-compatible server (`/v1/completions`, streamed).
-    Serve {
-        #[arg(long, default_value = "http://127.0.0.1:8000")]
-        base_url: String,
-        /// Model name to send (default: the first `/v1/models` lists).
-        #[arg(long)]
-        model: Option<String>,
-        /// `random`; `file`; `prefix-repetition` (vLLM's: --num-prefixes shared prefixes of
-        /// --prefix-len ids, then --input-len ids of each prompt's own); `multi-turn`
-        /// (--num-prompts conversations of --num-turns turns, each turn adding --input-len ids
-        /// to the history, which holds the earlier replies too; one conversation per slot of
-        /// --max-concurrency).
-        #[arg(long, default_value = "random")]
-        dataset: String,
-        #[arg(long, default_value_t = 2000)]
-        prefix_len: usize,
-        #[arg(long, default_value_t = 1)]
-        num_prefixes: usize,
-        #[arg(long, default_value_t = 8)]
-        num_turns: usize,
-        /// JSONL file for `--dataset file`: {"prompt": "text" | [ids], "max_tokens": n}.
-        #[arg(long)]
-        dataset_path: Option<PathBuf>,
-        #[arg(long, default_value_t = 1024)]
-        input_len: usize,
-        #[arg(long, default_value_t = 256)]
-        output_len: usize,
-        /// Random prompts draw token ids uniformly from this range (lo..hi).
-        #[arg(long, default_value = "100..30000")]
-        token_id_range: String,
-        #[arg(long, default_value_t = 1000)]
-        num_prompts: usize,
-        #[arg(long, default_value_t = 256)]
-        max_concurrency: usize,
-        /// Requests per second (Poisson arrivals); `inf` sends all at once.
-        #[arg(long, default_value = "inf")]
-        request_rate: f64,
-        #[arg(long)]
-        ignore_eos: bool,
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f64,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// GPU name to record in the JSON (the server runs elsewhere).
-        #[arg(long, default_value = "unknown")]
-        gpu: String,
-        #[arg(long)]
-        out: Option<PathBuf>,
-    },
-}
-
-fn parse_range(s: &str) -> anyhow::Result<(u32, u32)> {
-    let (a, b) = s.split_once("..").ok_or_else(|| anyhow::anyhow!("--token-id-range {s}: expected LO..HI"))?;
-    let (a, b): (u32, u32) = (a.trim().parse()?, b.trim().parse()?);
-    anyhow::ensure!(a < b, "--token-id-range {s}: empty");
-    Ok((a, b))
+    /// Load generator against any OpenAI-compatible server, a drop-in for `vllm bench serve`:
+    /// its flags, datasets, metric definitions, table and result file.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -298,77 +243,6 @@ fn main() -> anyhow::Result<()> {
             report::write(out.as_deref(), &v)
         }
         Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, &batch, context, prefill_len),
-        Cmd::Serve {
-            base_url,
-            model,
-            dataset: ds,
-            prefix_len,
-            num_prefixes,
-            num_turns,
-            dataset_path,
-            input_len,
-            output_len,
-            token_id_range,
-            num_prompts,
-            max_concurrency,
-            request_rate,
-            ignore_eos,
-            temperature,
-            seed,
-            gpu,
-            out,
-        } => {
-            let ids = parse_range(&token_id_range)?;
-            let mut conversations = None;
-            let prompts = match ds.as_str() {
-                "random" => dataset::random(num_prompts, input_len, output_len, ids, seed),
-                "file" => dataset::from_file(
-                    &dataset_path.ok_or_else(|| anyhow::anyhow!("--dataset file needs --dataset-path"))?,
-                    num_prompts,
-                    output_len,
-                )?,
-                "prefix-repetition" => {
-                    dataset::prefix_repetition(num_prompts, prefix_len, input_len, num_prefixes, output_len, ids, seed)
-                }
-                "multi-turn" => {
-                    conversations = Some(dataset::conversations(num_prompts, num_turns, input_len, ids, seed));
-                    vec![]
-                }
-                other => anyhow::bail!("--dataset {other}: expected random, file, prefix-repetition or multi-turn"),
-            };
-            let target = serve::Target::parse(&base_url)?;
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            let model = match model {
-                Some(m) => m,
-                None => rt.block_on(serve::first_model(&target))?,
-            };
-            let o = serve::LoadOptions {
-                model: model.clone(),
-                request_rate,
-                max_concurrency,
-                ignore_eos,
-                temperature,
-                seed,
-            };
-            let (records, dur) = match conversations {
-                Some(c) => rt.block_on(serve::run_conversations(target, o, c, output_len)),
-                None => rt.block_on(serve::run(target, o, prompts)),
-            };
-            if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
-                eprintln!("first failure: {e}");
-            }
-            let m = metrics::calculate(&records, dur.as_secs_f64());
-            println!("{}", metrics::table(&m));
-            let v = report::envelope(
-                &gpu,
-                serde_json::json!({
-                    "base_url": base_url, "model": model, "dataset": ds, "input_len": input_len, "output_len": output_len,
-                    "prefix_len": prefix_len, "num_prefixes": num_prefixes, "num_turns": num_turns,
-                    "num_prompts": num_prompts, "max_concurrency": max_concurrency, "request_rate": if request_rate.is_finite() { serde_json::json!(request_rate) } else { serde_json::json!("inf") },
-                    "ignore_eos": ignore_eos, "temperature": temperature, "metrics": m,
-                }),
-            );
-            report::write(out.as_deref(), &v)
-        }
+        Cmd::Serve(args) => serve::main(*args),
     }
 }
