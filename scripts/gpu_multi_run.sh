@@ -256,8 +256,8 @@ stage_serve() {
   # shellcheck disable=SC2046
   v2lite_server "$out/serve-$mode.server.log" $(flags_of "$mode") || return 1
   run_logged "serve-$mode" "$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --input-len 1024 \
-    --output-len 256 --num-prompts $((4 * c)) --max-concurrency "$c" --ignore-eos --gpu "$gpu_name x$gpus $mode" \
-    --out "$out/serve-$mode.json"
+    --output-len 256 --num-prompts $((4 * c)) --max-concurrency "$c" --ignore-eos --temperature 0 \
+    --gpu "$gpu_name x$gpus $mode" --out "$out/serve-$mode.json"
   local rc=$?
   server_stop || rc=1
   return $rc

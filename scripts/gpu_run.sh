@@ -267,9 +267,12 @@ stage_serve() {
   esac
   need_bin mla-bench || return 1
   server_up || return 1
-  bounded "$(limit_of "$name")" "$out/$name.log" 'throughput|TTFT|TPOT|ITL|Failed|failure|duration' \
+  # --temperature 0: greedy, as every recorded run sampled (mla-bench sends no temperature
+  # unless asked, as vllm bench serve does).
+  bounded "$(limit_of "$name")" "$out/$name.log" 'throughput|TTFT|TPOT|ITL|Failed|^Error|duration' \
     "$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --input-len 1024 --output-len 256 \
-    --num-prompts "$prompts" --max-concurrency "$c" --ignore-eos --gpu "$gpu_name" --out "$out/$name.json"
+    --num-prompts "$prompts" --max-concurrency "$c" --ignore-eos --temperature 0 --gpu "$gpu_name" \
+    --out "$out/$name.json"
 }
 
 wheels() {
@@ -283,28 +286,31 @@ wheels() {
 }
 
 stage_prefix_cache() {
-  local rc=0 mode bench=("$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --ignore-eos --gpu "$gpu_name")
+  local rc=0 mode
+  local bench=("$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --ignore-eos --temperature 0
+    --gpu "$gpu_name")
   wheels || return 1
   MLA_E2E_DEVICE=cuda MLA_SERVE_BIN="$bins/mla-serve" bounded 120 "$out/prefix-e2e.log" 'passed|failed|Error' \
     python3 -m pytest -q tests/e2e/test_prefix_cache.py || rc=1
   for mode in on off; do
     MLA_RUN_SERVER_ARGS="$([[ $mode == off ]] && echo --no-enable-prefix-caching)" server_up || return 1
-    bounded 150 "$out/prefix-multiturn-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
+    bounded 150 "$out/prefix-multiturn-$mode.log" 'throughput|TTFT|hit rate|Failed|^Error' "${bench[@]}" \
       --dataset multi-turn --num-prompts 64 --num-turns 8 --input-len 512 --output-len 128 --max-concurrency 64 \
       --out "$out/prefix-multiturn-$mode.json" || rc=1
     # The same at concurrency 8: time to first token with little queueing in front of it.
-    bounded 150 "$out/prefix-multiturn-c8-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
+    bounded 150 "$out/prefix-multiturn-c8-$mode.log" 'throughput|TTFT|hit rate|Failed|^Error' "${bench[@]}" \
       --dataset multi-turn --num-prompts 8 --num-turns 8 --input-len 512 --output-len 128 --max-concurrency 8 \
       --seed 1 --out "$out/prefix-multiturn-c8-$mode.json" || rc=1
     # One conversation at a time: a later turn's first token waits only for its own prefill.
-    bounded 150 "$out/prefix-multiturn-c1-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
+    bounded 150 "$out/prefix-multiturn-c1-$mode.log" 'throughput|TTFT|hit rate|Failed|^Error' "${bench[@]}" \
       --dataset multi-turn --num-prompts 8 --num-turns 8 --input-len 512 --output-len 128 --max-concurrency 1 \
       --seed 2 --out "$out/prefix-multiturn-c1-$mode.json" || rc=1
-    bounded 150 "$out/prefix-shared-$mode.log" 'throughput|TTFT|hit rate|Failed|failure' "${bench[@]}" \
-      --dataset prefix-repetition --num-prompts 1000 --prefix-len 2000 --input-len 200 --output-len 128 \
+    bounded 150 "$out/prefix-shared-$mode.log" 'throughput|TTFT|hit rate|Failed|^Error' "${bench[@]}" \
+      --dataset-name prefix_repetition --num-prompts 1000 --prefix-repetition-prefix-len 2000 \
+      --prefix-repetition-suffix-len 200 --prefix-repetition-num-prefixes 1 --output-len 128 \
       --max-concurrency 64 --out "$out/prefix-shared-$mode.json" || rc=1
-    bounded 150 "$out/prefix-random-$mode.log" 'Output token throughput|Median TTFT|hit rate|Failed' "${bench[@]}" \
-      --input-len 1024 --output-len 256 --num-prompts 1024 --max-concurrency 256 \
+    bounded 150 "$out/prefix-random-$mode.log" 'Output token throughput|Median TTFT|hit rate|Failed|^Error' \
+      "${bench[@]}" --input-len 1024 --output-len 256 --num-prompts 1024 --max-concurrency 256 \
       --out "$out/prefix-random-$mode.json" || rc=1
     server_down
   done
