@@ -219,7 +219,10 @@ def test_vllm_command_lines_work():
     )
     try:
         client = server.client()
-        assert [m.id for m in client.models.list().data] == ["first", "second"]
+        cards = client.models.list().data
+        assert [m.id for m in cards] == ["first", "second"]
+        # vLLM's root is the --model value (its bench client takes the tokenizer from it).
+        assert {m.root for m in cards} == {"test-v3"} and all(m.parent is None for m in cards)
         reply = client.chat.completions.create(
             model="second", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert reply.model == "first" and reply.usage.completion_tokens == 2

@@ -87,6 +87,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         engine: engine.clone(),
         model_name,
         model_aliases,
+        model_root: source.name.clone(),
         limits,
         defaults,
         text: Arc::new(text),

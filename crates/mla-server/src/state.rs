@@ -17,6 +17,8 @@ pub struct AppState {
     pub model_name: String,
     /// Other names requests may use for it (`--served-model-name A B ...`).
     pub model_aliases: Vec<String>,
+    /// What the model was loaded from (`--model`), the model card's `root`.
+    pub model_root: String,
     pub limits: ModelLimits,
     pub defaults: GenerationDefaults,
     pub text: Arc<TextPipeline>,

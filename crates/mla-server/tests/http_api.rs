@@ -233,6 +233,9 @@ async fn api_key_guards_v1_but_not_health_and_metrics() {
     assert_eq!(v["object"], "list");
     assert_eq!(v["data"][0]["id"], "demo");
     assert_eq!(v["data"][0]["max_model_len"], common::MAX_MODEL_LEN);
+    // vLLM's card fields that its clients read (`vllm bench serve` takes its tokenizer from root).
+    assert_eq!(v["data"][0]["root"], "demo");
+    assert!(v["data"][0]["parent"].is_null());
     assert_eq!(s.call("GET", "/health", None, &[]).await.status, 200);
     assert_eq!(s.call("GET", "/metrics", None, &[]).await.status, 200);
 }

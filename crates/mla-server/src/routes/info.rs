@@ -17,6 +17,8 @@ fn card(state: &AppState, name: &str) -> ModelCard {
         object: "model",
         created: state.started,
         owned_by: "mla-serve",
+        root: state.model_root.clone(),
+        parent: None,
         max_model_len: state.limits.max_model_len,
     }
 }

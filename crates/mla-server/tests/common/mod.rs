@@ -184,6 +184,7 @@ pub fn server(opts: Options) -> TestServer {
         engine: engine.clone(),
         model_name: "demo".into(),
         model_aliases: vec![],
+        model_root: "demo".into(),
         limits: ModelLimits {
             max_model_len: MAX_MODEL_LEN,
             vocab_size: 512,
