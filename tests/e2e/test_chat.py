@@ -100,3 +100,15 @@ def test_content_parts_and_system_messages(client):
     ]
     r = client.chat.completions.create(model="demo", messages=messages, max_tokens=3, **GREEDY)
     assert r.usage.completion_tokens == 3
+
+
+def test_developer_role_is_rendered_as_system(client):
+    """OpenAI's `developer` role is its newer name for `system`: the same prompt, so the same
+    prompt token count and the same greedy reply."""
+    def ask(role):
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        return client.chat.completions.create(model="demo", messages=messages, max_tokens=4, **GREEDY)
+
+    as_system, as_developer = ask("system"), ask("developer")
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content

@@ -1,11 +1,13 @@
 //! Chat messages -> the message objects the chat template sees (as transformers passes them):
 //! `role`, `content` as one string, and `name`, `tool_calls`, `tool_call_id` when sent.
+//! OpenAI's `developer` role (its newer name for `system`) reaches the template as `system`: the
+//! DeepSeek templates know only system, user, assistant and tool, and would drop it silently.
 
 use crate::error::ApiError;
 use crate::protocol::chat::{ContentWire, MessageWire};
 use serde_json::{Map, Value};
 
-const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 pub fn template_messages(messages: &[MessageWire]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
@@ -52,7 +54,8 @@ fn template_message(i: usize, m: &MessageWire) -> Result<Value, ApiError> {
         }
     };
     let mut obj = Map::new();
-    obj.insert("role".into(), Value::String(m.role.clone()));
+    let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+    obj.insert("role".into(), Value::String(role.to_string()));
     obj.insert("content".into(), content);
     if let Some(name) = &m.name {
         obj.insert("name".into(), Value::String(name.clone()));
@@ -90,6 +93,13 @@ mod tests {
         assert!(out[2]["content"].is_null());
         assert_eq!(out[2]["tool_calls"][0]["function"]["name"], "f");
         assert_eq!(out[3]["tool_call_id"], "call_1");
+    }
+
+    #[test]
+    fn developer_is_system_to_the_template() {
+        let out =
+            msgs(json!([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])).unwrap();
+        assert_eq!(out[0], json!({"role": "system", "content": "be brief"}));
     }
 
     #[test]
