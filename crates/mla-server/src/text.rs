@@ -41,6 +41,17 @@ impl TextPipeline {
     /// adding special tokens: the template wrote BOS itself. A rendering clearly longer than
     /// `max_tokens` is refused before it is tokenized whole.
     pub fn chat_prompt(&self, messages: &[Value], max_tokens: usize) -> Result<Vec<u32>, ApiError> {
+        self.chat_prompt_with(messages, max_tokens, true)
+    }
+
+    /// `chat_prompt`, choosing whether the assistant prompt is appended (`/tokenize` lets the
+    /// client choose, as vLLM does).
+    pub fn chat_prompt_with(
+        &self,
+        messages: &[Value],
+        max_tokens: usize,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
         let template = self.template.as_ref().ok_or_else(|| {
             ApiError::invalid(
                 "messages",
@@ -48,7 +59,7 @@ impl TextPipeline {
             )
         })?;
         let options = RenderOptions {
-            add_generation_prompt: true,
+            add_generation_prompt,
             special_tokens: self.tokenizer.template_special_tokens(),
             ..Default::default()
         };

@@ -9,6 +9,7 @@ pub mod chat;
 pub mod common;
 pub mod completions;
 pub mod models;
+pub mod tokenize;
 
 use crate::error::ApiError;
 use serde::de::DeserializeOwned;
