@@ -306,6 +306,11 @@ impl EngineHandle {
         })
     }
 
+    /// Whether shutdown has begun: new requests are refused from then on.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shared.shutting_down.load(Ordering::SeqCst)
+    }
+
     /// Stops admitting, lets queued and running requests finish for at most `grace`, aborts the
     /// rest and joins the engine thread. Later calls (from any clone) return at once. A thread
     /// stuck in a step (a hung device) is left behind after `JOIN_MARGIN` past the grace period,

@@ -411,3 +411,15 @@ async fn prompts_times_n_is_capped_at_the_batch_size() {
     let ok = s.post("/v1/completions", json!({"prompt": ["a", "b"], "n": 4, "max_tokens": 2})).await;
     assert_eq!(ok.status, 200, "{}", ok.text);
 }
+
+#[tokio::test]
+async fn health_is_503_while_the_server_drains() {
+    let s = common::server(common::Options::default());
+    assert_eq!(s.call("GET", "/health", None, &[]).await.status, 200);
+    let engine = s.engine.clone();
+    tokio::task::spawn_blocking(move || engine.shutdown(std::time::Duration::ZERO)).await.unwrap();
+    // A request now would be refused, so a load balancer must see the server as unavailable.
+    let r = s.call("GET", "/health", None, &[]).await;
+    assert_eq!(r.status, 503);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("shutting down"), "{}", r.json());
+}

@@ -39,12 +39,13 @@ pub async fn get_model(
 }
 
 /// 200 with an empty body while the server accepts requests (vLLM's convention); 503 with the
-/// reason once the backend failed for good (a rank died), so a load balancer stops sending
-/// traffic while the server exits.
+/// reason once the engine died (a rank, its thread, a step past the watchdog) or while it
+/// drains for shutdown, so a load balancer stops sending traffic that would be refused.
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
     match state.engine.fatal_error() {
-        None => axum::http::StatusCode::OK.into_response(),
         Some(why) => ApiError::Unavailable(why).into_response(),
+        None if state.engine.is_shutting_down() => ApiError::ShuttingDown.into_response(),
+        None => axum::http::StatusCode::OK.into_response(),
     }
 }
 
