@@ -10,6 +10,7 @@ pub mod collective;
 pub mod config;
 pub mod dummy;
 pub mod fault;
+pub mod fd_limit;
 pub mod fp8;
 pub mod group;
 pub mod json_patch;

@@ -71,7 +71,7 @@ impl HttpLimitArgs {
     /// The connection limits, with `--max-connections` lowered to what the descriptor limit
     /// (raised to its hard limit first) leaves room for.
     pub fn connections(&self) -> ConnectionLimits {
-        let fds = raise_fd_limit();
+        let fds = mla_core::fd_limit::raise();
         let room = fds.map(|n| n.saturating_sub(RESERVED_FDS).max(1) as usize);
         let max_connections = match room {
             Some(room) if room < self.max_connections => {
@@ -86,25 +86,4 @@ impl HttpLimitArgs {
         };
         ConnectionLimits { max_connections, keep_alive: Duration::from_secs_f64(self.timeout_keep_alive) }
     }
-}
-
-/// Raises the soft open-file limit to the hard one (the soft default, often 1024, is what an
-/// unprivileged process may lift itself) and returns the limit now in force, if it is known.
-fn raise_fd_limit() -> Option<u64> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes one rlimit into the struct we own.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return None;
-    }
-    if lim.rlim_cur < lim.rlim_max {
-        let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
-        // SAFETY: setrlimit reads the struct we pass; lowering nothing, raising soft to hard.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
-            lim.rlim_cur = lim.rlim_max;
-        }
-    }
-    if lim.rlim_cur == libc::RLIM_INFINITY {
-        return Some(u64::MAX);
-    }
-    Some(lim.rlim_cur)
 }

@@ -1,7 +1,7 @@
-//! Without `--max-concurrency` every prompt may be in flight at once, one socket each: 1000 by
-//! default, near the soft open-file limit many systems start processes with (1024). The soft
-//! limit is raised to the hard one, which an unprivileged process may do for itself, so such a
-//! run is limited by the server rather than by the client's file descriptors.
+//! The open-file limit of a process with many sockets: the server's connections
+//! (`--max-connections`) and the benchmark client's requests in flight both exceed the soft limit
+//! many systems start processes with (1024). The soft limit is raised to the hard one, which an
+//! unprivileged process may do for itself.
 
 /// Raises the soft open-file limit to the hard one; returns the limit now in force, if known.
 pub fn raise() -> Option<u64> {
