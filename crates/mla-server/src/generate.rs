@@ -15,7 +15,8 @@ use crate::protocol::common::Usage;
 use crate::text::{ChoiceText, TextPipeline};
 use mla_engine::{EngineEvent, FinishReason, RequestStream, TokenLogprobs};
 use std::collections::VecDeque;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
@@ -80,6 +81,9 @@ pub struct Generation {
     /// Where the outcome goes when this is dropped (`report_to`).
     access: Option<AccessRecord>,
     first_token: Option<Instant>,
+    /// Resolves when the engine of a live run dies (`engine_death`); built once, not per event,
+    /// and dropped when a run ends so that only live runs' engines are watched.
+    death: Option<Pin<Box<dyn Future<Output = String> + Send>>>,
     /// The engine reported an error: the choices it cut short failed rather than aborted.
     failed: bool,
 }
@@ -129,6 +133,7 @@ impl Generation {
             access: None,
             first_token: None,
             failed: false,
+            death: None,
         }
     }
 
@@ -154,13 +159,20 @@ impl Generation {
             if let Some(u) = self.pending.pop_front() {
                 return Some(Ok(u));
             }
-            let (run, event) = match self.engine_death() {
+            if self.death.is_none() {
+                self.death = self.engine_death();
+            }
+            let (run, event) = match self.death.take() {
                 // A hung engine sends nothing more; its death (the step watchdog) ends the wait.
-                Some(died) => tokio::select! {
-                    biased;
-                    event = self.next_event() => event?,
-                    why = died => (0, Some(EngineEvent::Error { message: why })),
-                },
+                Some(mut died) => {
+                    let woke = tokio::select! {
+                        biased;
+                        event = self.next_event() => event,
+                        why = &mut died => Some((0, Some(EngineEvent::Error { message: why }))),
+                    };
+                    self.death = Some(died);
+                    woke?
+                }
                 None => self.next_event().await?,
             };
             if let Err(e) = self.apply(run, event) {
@@ -172,10 +184,18 @@ impl Generation {
     }
 
     /// Resolves once the engine of any live run has died, with the reason.
-    fn engine_death(&self) -> Option<impl std::future::Future<Output = String>> {
+    fn engine_death(&self) -> Option<Pin<Box<dyn Future<Output = String> + Send>>> {
         let deaths: Vec<_> =
             self.runs.iter().filter_map(|r| r.stream.as_ref()).map(|s| Box::pin(s.engine_died())).collect();
-        (!deaths.is_empty()).then_some(async move { futures_util::future::select_all(deaths).await.0 })
+        (!deaths.is_empty()).then(|| -> Pin<Box<dyn Future<Output = String> + Send>> {
+            Box::pin(async move { futures_util::future::select_all(deaths).await.0 })
+        })
+    }
+
+    /// Stops listening to run `run` (its choices are done, or its engine went away).
+    fn end_run(&mut self, run: usize) {
+        self.runs[run].stream = None;
+        self.death = None;
     }
 
     /// Waits for an event from any live run; a closed channel arrives as `None` for that run.
@@ -220,7 +240,7 @@ impl Generation {
             None => {
                 // The engine dropped the request without finishing every choice (it is gone):
                 // the rest are reported as aborted.
-                self.runs[run].stream = None;
+                self.end_run(run);
                 for c in base..base + n {
                     if let Some(u) = self.finish(c, FinishReason::Abort, vec![]) {
                         self.pending.push_back(u);
@@ -233,7 +253,7 @@ impl Generation {
         // Every choice of this prompt is done: stop listening. The engine has ended (or been told
         // to end) each of them, so dropping the stream aborts nothing.
         if (base..base + n).all(|c| self.choices[c].finished) {
-            self.runs[run].stream = None;
+            self.end_run(run);
         }
         Ok(())
     }
@@ -329,6 +349,7 @@ impl Generation {
         for r in &mut self.runs {
             r.stream = None;
         }
+        self.death = None;
         for c in &mut self.choices {
             c.finished = true;
         }
