@@ -36,5 +36,12 @@ pub fn decode_plan(batch: usize, context_len: usize, blocks_per_seq: usize, j: u
 }
 
 pub fn greedy(seed: u64) -> SampleRequest {
-    SampleRequest { params: SamplingParams::greedy(), seed, top_logprobs: None, penalty: None }
+    SampleRequest {
+        params: SamplingParams::greedy(),
+        seed,
+        top_logprobs: None,
+        penalty: None,
+        logit_bias: Vec::new(),
+        allowed: None,
+    }
 }

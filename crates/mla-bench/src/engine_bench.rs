@@ -75,6 +75,9 @@ pub(crate) fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, ma
         stop_token_ids: vec![],
         logprobs: None,
         owner: None,
+        logit_bias: Vec::new(),
+        min_tokens: 0,
+        constraint: None,
     }
 }
 

@@ -48,6 +48,8 @@ mod tests {
                 seed: 0,
                 top_logprobs: None,
                 penalty: None,
+                logit_bias: Vec::new(),
+                allowed: None,
             }),
         };
         StepPlan { kind, seqs: (0..seqs).map(seq).collect() }

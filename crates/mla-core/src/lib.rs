@@ -20,6 +20,7 @@ pub mod rng;
 pub mod rope;
 pub mod sampling;
 pub mod step_thread;
+pub mod token_mask;
 pub mod weight_source;
 pub mod weights;
 

@@ -4,6 +4,7 @@
 //! strings or HTTP, so both sides can be tested alone. Plans and outputs serialize, so the ranks
 //! of a group spanning several nodes receive them over the network.
 
+use crate::token_mask::TokenMask;
 /// How a sequence draws its next token (the order of operations is in `sampling`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
@@ -88,6 +89,26 @@ pub struct SampleRequest {
     pub top_logprobs: Option<usize>,
     /// Filled only when a penalty is active.
     pub penalty: Option<PenaltyTokens>,
+    /// Added to the raw logits before anything else (OpenAI's `logit_bias`; `-inf` on the stop
+    /// tokens while `min_tokens` is not reached). Sorted by token, each token once.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Structured output: only these tokens may be drawn. The engine fills the mask while the
+    /// step's forward pass runs (`TokenMask`). Log-probabilities stay those of the model.
+    #[serde(default)]
+    pub allowed: Option<TokenMask>,
+}
+
+impl SampleRequest {
+    /// A draw with `params` and `seed` and nothing else asked for.
+    pub fn new(params: SamplingParams, seed: u64) -> Self {
+        SampleRequest { params, seed, top_logprobs: None, penalty: None, logit_bias: Vec::new(), allowed: None }
+    }
+
+    /// Whether the raw logits are changed before the sampler's usual processing.
+    pub fn shapes_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || self.allowed.is_some()
+    }
 }
 
 /// One sequence's share of a step.

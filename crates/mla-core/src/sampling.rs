@@ -1,11 +1,13 @@
 //! The host reference sampler (the parameters it reads are plain data in `plan.rs`).
 //!
 //! Order of operations follows vLLM: penalties, then temperature (0 means greedy), then top-k,
-//! top-p and min-p filtering, then one draw from the renormalised distribution. Log-probabilities
-//! returned to users are of the unmodified model distribution.
+//! top-p and min-p filtering, then one draw from the renormalised distribution. Logit bias and the
+//! structured-output mask come first of all (a banned token must stay banned whatever the
+//! penalties do). Log-probabilities returned to users are of the unmodified model distribution.
 
 use crate::plan::{PenaltyTokens, SampleRequest, SampledToken, SamplingParams};
 use crate::rng::SplitMix64;
+use crate::token_mask::{allows, MaskError, MASK_WAIT};
 
 /// Log-softmax in f64 for stability, returned as f32.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -70,8 +72,25 @@ pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &Pe
     }
 }
 
-/// Draws one token from `logits` (one row of `vocab_size`) as `req` asks.
-pub fn sample(logits: &[f32], req: &SampleRequest) -> SampledToken {
+/// Adds `bias` to the logits and sends every token `allowed` refuses to `-inf`.
+pub fn apply_shaping(logits: &mut [f32], bias: &[(u32, f32)], allowed: Option<&[u32]>) {
+    for &(t, b) in bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+    if let Some(words) = allowed {
+        for (t, l) in logits.iter_mut().enumerate() {
+            if !allows(words, t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// Draws one token from `logits` (one row of `vocab_size`) as `req` asks. Fails only when the
+/// request's structured-output mask never arrives or does not fit the vocabulary.
+pub fn sample(logits: &[f32], req: &SampleRequest) -> Result<SampledToken, MaskError> {
     let (logprob, top_logprobs, raw_lp) = match req.top_logprobs {
         Some(k) => {
             let lp = log_softmax(logits);
@@ -82,12 +101,16 @@ pub fn sample(logits: &[f32], req: &SampleRequest) -> SampledToken {
     };
     let p = &req.params;
     let mut work = logits.to_vec();
+    if req.shapes_logits() {
+        let words = req.allowed.as_ref().map(|m| m.wait(logits.len(), MASK_WAIT)).transpose()?;
+        apply_shaping(&mut work, &req.logit_bias, words.as_deref());
+    }
     if let Some(h) = &req.penalty {
         apply_penalties(&mut work, p, h);
     }
     let token = if p.is_greedy() { argmax(&work) } else { draw(&work, p, req.seed) };
     let logprob = raw_lp.map_or(logprob, |lp| lp[token as usize]);
-    SampledToken { token, logprob, top_logprobs }
+    Ok(SampledToken { token, logprob, top_logprobs })
 }
 
 fn draw(logits: &[f32], p: &SamplingParams, seed: u64) -> u32 {
@@ -133,7 +156,7 @@ mod tests {
     use super::*;
 
     fn req(params: SamplingParams, seed: u64) -> SampleRequest {
-        SampleRequest { params, seed, top_logprobs: None, penalty: None }
+        SampleRequest { params, seed, top_logprobs: None, penalty: None, logit_bias: Vec::new(), allowed: None }
     }
 
     #[test]
@@ -141,7 +164,7 @@ mod tests {
         let logits = [0.5, 2.0, -1.0, 2.0];
         let mut r = req(SamplingParams::greedy(), 0);
         r.top_logprobs = Some(2);
-        let s = sample(&logits, &r);
+        let s = sample(&logits, &r).unwrap();
         assert_eq!(s.token, 1);
         // Hand-computed: log(e^2 / (e^0.5 + 2e^2 + e^-1)).
         let z = 0.5f64.exp() + 2.0 * 2f64.exp() + (-1f64).exp();
@@ -153,10 +176,10 @@ mod tests {
     fn top_k_one_is_greedy_and_seeds_reproduce() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
         let p = SamplingParams { top_k: Some(1), ..Default::default() };
-        assert_eq!(sample(&logits, &req(p, 9)).token, argmax(&logits));
+        assert_eq!(sample(&logits, &req(p, 9)).unwrap().token, argmax(&logits));
         let p = SamplingParams::default();
-        let a: Vec<u32> = (0..20).map(|s| sample(&logits, &req(p.clone(), s)).token).collect();
-        let b: Vec<u32> = (0..20).map(|s| sample(&logits, &req(p.clone(), s)).token).collect();
+        let a: Vec<u32> = (0..20).map(|s| sample(&logits, &req(p.clone(), s)).unwrap().token).collect();
+        let b: Vec<u32> = (0..20).map(|s| sample(&logits, &req(p.clone(), s)).unwrap().token).collect();
         assert_eq!(a, b);
         assert!(a.iter().any(|&t| t != a[0]), "different seeds should give different draws");
     }
@@ -166,7 +189,7 @@ mod tests {
         // p = softmax([ln 1, ln 3]) = [0.25, 0.75].
         let logits = [0.0f32, 3f32.ln()];
         let n = 20_000;
-        let ones = (0..n).filter(|&s| sample(&logits, &req(SamplingParams::default(), s)).token == 1).count();
+        let ones = (0..n).filter(|&s| sample(&logits, &req(SamplingParams::default(), s)).unwrap().token == 1).count();
         let frac = ones as f64 / n as f64;
         assert!((frac - 0.75).abs() < 0.015, "{frac}");
     }
@@ -176,11 +199,11 @@ mod tests {
         // probs 0.5, 0.3, 0.2 (temperature 1).
         let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
         let p = SamplingParams { top_p: 0.6, ..Default::default() };
-        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).token <= 1));
+        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).unwrap().token <= 1));
         let p = SamplingParams { min_p: 0.5, ..Default::default() };
-        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).token <= 1));
+        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).unwrap().token <= 1));
         let p = SamplingParams { min_p: 0.7, ..Default::default() };
-        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).token == 0));
+        assert!((0..500).all(|s| sample(&logits, &req(p.clone(), s)).unwrap().token == 0));
     }
 
     #[test]
@@ -195,5 +218,32 @@ mod tests {
         let h = PenaltyTokens { prompt: vec![0], output: vec![1, 2, 2] };
         apply_penalties(&mut logits, &p, &h);
         assert_eq!(logits, vec![1.0, -4.0 - 0.75, 0.5 - 1.25, 0.0]);
+    }
+
+    #[test]
+    fn bias_and_mask_steer_the_draw_but_not_the_reported_logprobs() {
+        use crate::token_mask::TokenMask;
+        let logits = [3.0f32, 1.0, 0.5, 2.0];
+        let mut r = req(SamplingParams::greedy(), 0);
+        r.top_logprobs = Some(1);
+        r.logit_bias = vec![(2, 10.0)];
+        let s = sample(&logits, &r).unwrap();
+        assert_eq!(s.token, 2, "a +10 bias makes token 2 the argmax");
+        let raw = log_softmax(&logits);
+        assert_eq!(s.logprob, raw[2], "reported logprobs are of the unmodified distribution");
+        assert_eq!(s.top_logprobs, vec![(0, raw[0])]);
+        // Only tokens 1 and 3 allowed: greedy takes 3, sampling never leaves {1, 3}.
+        let mut r = req(SamplingParams::greedy(), 0);
+        r.allowed = Some(TokenMask::ready(vec![0b1010u32]));
+        assert_eq!(sample(&logits, &r).unwrap().token, 3);
+        for seed in 0..300 {
+            let mut r = req(SamplingParams::default(), seed);
+            r.allowed = Some(TokenMask::ready(vec![0b1010u32]));
+            r.logit_bias = vec![(3, f32::NEG_INFINITY)];
+            assert_eq!(sample(&logits, &r).unwrap().token, 1, "seed {seed}");
+        }
+        let mut r = req(SamplingParams::greedy(), 0);
+        r.allowed = Some(TokenMask::ready(vec![1u32, 1]));
+        assert!(sample(&logits, &r).is_err(), "a mask of the wrong size is an error, not a guess");
     }
 }

@@ -80,7 +80,9 @@ impl CpuRank {
             let sampled = s
                 .sample
                 .as_ref()
-                .map(|req| sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req));
+                .map(|req| sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?;
             let logits = match s.logits {
                 LogitsRequest::None => vec![],
                 LogitsRequest::Last => vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")],

@@ -37,7 +37,14 @@ fn worst_row(ours: &[Vec<f32>], oracle: &[Vec<f32>]) -> (f32, usize) {
 }
 
 fn greedy_request() -> SampleRequest {
-    SampleRequest { params: SamplingParams::greedy(), seed: 0, top_logprobs: None, penalty: None }
+    SampleRequest {
+        params: SamplingParams::greedy(),
+        seed: 0,
+        top_logprobs: None,
+        penalty: None,
+        logit_bias: Vec::new(),
+        allowed: None,
+    }
 }
 
 fn check_variant(variant: &str) {

@@ -138,7 +138,14 @@ fn logits_requests_and_greedy_sampling_follow_the_plan() {
     let table = [2u32, 0];
     let mut s = seq(7, &prompt, 0, &table);
     s.logits = LogitsRequest::Last;
-    s.sample = Some(SampleRequest { params: SamplingParams::greedy(), seed: 0, top_logprobs: Some(3), penalty: None });
+    s.sample = Some(SampleRequest {
+        params: SamplingParams::greedy(),
+        seed: 0,
+        top_logprobs: Some(3),
+        penalty: None,
+        logit_bias: Vec::new(),
+        allowed: None,
+    });
     let mut other = seq(8, &prompt[..4], 0, &[3]);
     other.logits = LogitsRequest::None;
     let out = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![s, other] }).unwrap();

@@ -30,7 +30,14 @@ fn sample(i: usize) -> Option<SampleRequest> {
     } else {
         SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() }
     };
-    Some(SampleRequest { params, seed: 77 + i as u64, top_logprobs: Some(2), penalty: None })
+    Some(SampleRequest {
+        params,
+        seed: 77 + i as u64,
+        top_logprobs: Some(2),
+        penalty: None,
+        logit_bias: Vec::new(),
+        allowed: None,
+    })
 }
 
 fn decode(active: &[usize], lens: &[usize], last: &[u32], tables: &[Vec<u32>]) -> StepPlan {

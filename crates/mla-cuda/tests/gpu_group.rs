@@ -57,7 +57,14 @@ fn sample(i: usize) -> Option<SampleRequest> {
     } else {
         SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() }
     };
-    Some(SampleRequest { params, seed: 91 + i as u64, top_logprobs: Some(3), penalty: None })
+    Some(SampleRequest {
+        params,
+        seed: 91 + i as u64,
+        top_logprobs: Some(3),
+        penalty: None,
+        logit_bias: Vec::new(),
+        allowed: None,
+    })
 }
 
 /// Six sequences with their own blocks; each step feeds a subset. The same sequence keeps its

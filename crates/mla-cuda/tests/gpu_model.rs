@@ -64,7 +64,14 @@ fn oracle_logits(file: &str, name: &str) -> Vec<Vec<f32>> {
 }
 
 fn greedy() -> Option<SampleRequest> {
-    Some(SampleRequest { params: SamplingParams::greedy(), seed: 0, top_logprobs: Some(2), penalty: None })
+    Some(SampleRequest {
+        params: SamplingParams::greedy(),
+        seed: 0,
+        top_logprobs: Some(2),
+        penalty: None,
+        logit_bias: Vec::new(),
+        allowed: None,
+    })
 }
 
 fn step(b: &mut CudaBackend, kind: StepKind, seqs: Vec<SeqStep>) -> StepOutput {
@@ -243,7 +250,14 @@ fn decode_graph_replay_gives_the_eager_tokens() {
                 } else {
                     SamplingParams { temperature: 0.8, top_p: 0.9, ..Default::default() }
                 };
-                Some(SampleRequest { params, seed: 1000 + i as u64, top_logprobs: Some(3), penalty: None })
+                Some(SampleRequest {
+                    params,
+                    seed: 1000 + i as u64,
+                    top_logprobs: Some(3),
+                    penalty: None,
+                    logit_bias: Vec::new(),
+                    allowed: None,
+                })
             };
             let prefill = StepPlan {
                 kind: StepKind::Prefill,
@@ -326,7 +340,14 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
             },
         };
         let penalty = (i % 4 == 3).then(|| mla_core::plan::PenaltyTokens { prompt: vec![1, 2, 3], output: vec![] });
-        Some(SampleRequest { params, seed: i as u64, top_logprobs: Some(5), penalty })
+        Some(SampleRequest {
+            params,
+            seed: i as u64,
+            top_logprobs: Some(5),
+            penalty,
+            logit_bias: Vec::new(),
+            allowed: None,
+        })
     };
     let seqs = prompts
         .iter()

@@ -71,7 +71,7 @@ fn sample_rows(dev: &mla_cuda::Device, logits: &[f32], vocab: usize, reqs: &[Sam
 }
 
 fn req(params: SamplingParams, seed: u64, top_logprobs: Option<usize>) -> SampleRequest {
-    SampleRequest { params, seed, top_logprobs, penalty: None }
+    SampleRequest { params, seed, top_logprobs, penalty: None, logit_bias: Vec::new(), allowed: None }
 }
 
 #[test]
@@ -97,7 +97,7 @@ fn sampling_greedy_logprobs_filters_penalties_and_seeds() {
     let got = sample_rows(&dev, &logits, vocab, &reqs);
     for r in 0..rows {
         let row = &logits[r * vocab..(r + 1) * vocab];
-        let want = mla_core::sampling::sample(row, &reqs[r]);
+        let want = mla_core::sampling::sample(row, &reqs[r]).expect("no mask");
         assert_eq!(got[r].0 as u32, want.token, "row {r}: token");
         let lp = log_softmax(row);
         assert!(

@@ -46,6 +46,35 @@ pub struct GenerateRequest {
     /// Requests with the same owner share one fair share of the batch (the HTTP layer gives
     /// all prompts of one HTTP request one owner); `None`: the request is its own owner.
     pub owner: Option<u64>,
+    /// Added to the raw logits of every draw (OpenAI's `logit_bias`), sorted by token, each once.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The stop tokens cannot be drawn before this many tokens have been generated.
+    pub min_tokens: usize,
+    /// Structured output: what each completion may generate.
+    pub constraint: Option<ConstraintFactory>,
+}
+
+/// Restricts what one completion may generate next (structured output). The server builds it
+/// from a grammar; the engine asks it for the allowed tokens before every draw and tells it each
+/// token drawn. It speaks token ids only: no strings reach the engine.
+pub trait TokenConstraint: Send {
+    /// Sets bit `t % 32` of `mask[t / 32]` for every token `t` allowed next. `mask` arrives zeroed
+    /// with one bit per vocabulary entry. Must allow at least one token (a finished grammar
+    /// allows the end-of-sequence token).
+    fn fill_mask(&mut self, mask: &mut [u32]);
+    /// Records the token drawn. An error means the token breaks the constraint; the completion
+    /// then ends (aborted) with the message logged.
+    fn accept(&mut self, token: u32) -> Result<(), String>;
+}
+
+/// Makes one `TokenConstraint` per completion of a request (`n` completions diverge).
+#[derive(Clone)]
+pub struct ConstraintFactory(pub std::sync::Arc<dyn Fn() -> Box<dyn TokenConstraint> + Send + Sync>);
+
+impl std::fmt::Debug for ConstraintFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConstraintFactory")
+    }
 }
 
 /// Why a completion ended (OpenAI's `finish_reason`).

@@ -26,7 +26,8 @@ mod worker;
 pub(crate) enum Command {
     Submit {
         id: u64,
-        req: GenerateRequest,
+        // Boxed: the request is far larger than the other commands.
+        req: Box<GenerateRequest>,
         events: UnboundedSender<EngineEvent>,
         arrived: Instant,
     },
@@ -261,7 +262,7 @@ impl EngineHandle {
         // Counted before the engine thread sees it, so a burst of submissions spreads out.
         replica.load.fetch_add(cost, Ordering::SeqCst);
         let (tx, events) = unbounded_channel();
-        let cmd = Command::Submit { id, req, events: tx, arrived: Instant::now() };
+        let cmd = Command::Submit { id, req: Box::new(req), events: tx, arrived: Instant::now() };
         if replica.commands.send(cmd).is_err() {
             s.queued.fetch_sub(1, Ordering::SeqCst);
             replica.load.fetch_sub(cost, Ordering::SeqCst);

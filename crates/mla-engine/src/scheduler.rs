@@ -40,12 +40,14 @@ use crate::api::{FinishReason, GenerateRequest};
 use crate::block_manager::BlockManager;
 use crate::id_map::IdMap;
 use crate::prefix_hash::PrefixHasher;
-use crate::sequence::{Group, Owner, Seq, SeqKey, SeqState, Slot};
+use crate::sequence::{Constraints, Group, Owner, Seq, SeqKey, SeqState, Slot};
 use mla_core::plan::{SampledToken, SeqStep, StepOutput};
+use mla_core::token_mask::MaskWriter;
 use mla_core::{CacheLayout, StepKind, StepPlan};
 use std::collections::VecDeque;
 
 mod admission;
+mod constraints;
 mod fairness;
 mod steps;
 
@@ -115,6 +117,8 @@ pub struct Scheduler {
     /// Requests admitted for the first time since the last `take_admitted`, with the prompt
     /// tokens the cache held for them.
     admitted: Vec<(u64, usize)>,
+    /// Structured-output masks the last plan is waiting for (`fill_masks`).
+    mask_jobs: Vec<(SeqKey, MaskWriter)>,
 }
 
 impl Scheduler {
@@ -132,6 +136,7 @@ impl Scheduler {
             hasher: PrefixHasher::default(),
             prefix_stats: PrefixCacheStats::default(),
             admitted: Vec::new(),
+            mask_jobs: Vec::new(),
         }
     }
 
@@ -187,7 +192,8 @@ impl Scheduler {
             .map(|_| Seq::new(req.prompt_tokens.clone(), self.blocks.new_table(), SeqState::Waiting))
             .collect();
         let owner = req.owner.map_or(Owner::Request(id), Owner::Shared);
-        self.groups.insert(id, Group { req, owner, seed, prefix: None, completions, cached_tokens: 0 });
+        let constraints = Constraints::for_request(&req);
+        self.groups.insert(id, Group { req, owner, seed, prefix: None, completions, cached_tokens: 0, constraints });
         self.new_queue.push_back(id);
     }
 
@@ -244,7 +250,9 @@ impl Scheduler {
             };
             if !seqs.is_empty() {
                 self.last_kind = Some(kind);
-                return Some(StepPlan { kind, seqs });
+                let mut plan = StepPlan { kind, seqs };
+                self.attach_masks(&mut plan);
+                return Some(plan);
             }
         }
         None

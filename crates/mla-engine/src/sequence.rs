@@ -1,7 +1,7 @@
 //! Per-request generation state the scheduler keeps: the request's parameters, its optional
 //! shared prompt prefix and one `Seq` per completion.
 
-use crate::api::{FinishReason, GenerateRequest};
+use crate::api::{FinishReason, GenerateRequest, TokenConstraint};
 use crate::block_manager::BlockTable;
 use crate::prefix_hash::BlockHash;
 use mla_core::SplitMix64;
@@ -115,6 +115,24 @@ pub struct Group {
     pub completions: Vec<Seq>,
     /// Prompt tokens found in the prefix cache when the request was admitted.
     pub cached_tokens: usize,
+    /// Structured output: one constraint per completion, or none at all.
+    pub constraints: Constraints,
+}
+
+/// The `TokenConstraint` of each completion of a constrained request (empty otherwise).
+#[derive(Default)]
+pub struct Constraints(pub Vec<Box<dyn TokenConstraint>>);
+
+impl Constraints {
+    pub fn for_request(req: &GenerateRequest) -> Constraints {
+        Constraints(req.constraint.as_ref().map(|f| (0..req.n).map(|_| (f.0)()).collect()).unwrap_or_default())
+    }
+}
+
+impl std::fmt::Debug for Constraints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Constraints({})", self.0.len())
+    }
 }
 
 impl Group {
@@ -151,7 +169,13 @@ impl Group {
         let seq = &mut self.completions[i];
         seq.tokens.push(token);
         let len = seq.tokens.len();
-        let reason = if self.req.stop_token_ids.contains(&token) {
+        let broke = self.constraints.0.get_mut(i).map(|c| c.accept(token)).and_then(Result::err);
+        let reason = if let Some(why) = broke {
+            // The sampler only draws allowed tokens, so this is a bug in the grammar engine or
+            // its vocabulary; the completion ends visibly rather than going on unconstrained.
+            tracing::error!("completion {i} left its structured-output grammar at token {token}: {why}");
+            FinishReason::Abort
+        } else if self.req.stop_token_ids.contains(&token) {
             FinishReason::Stop
         } else if len - prompt_len >= max_tokens || len >= max_model_len {
             FinishReason::Length

@@ -24,6 +24,9 @@ fn req(prompt_len: usize, n: usize, max_tokens: usize) -> GenerateRequest {
         stop_token_ids: vec![],
         logprobs: None,
         owner: None,
+        logit_bias: Vec::new(),
+        min_tokens: 0,
+        constraint: None,
     }
 }
 

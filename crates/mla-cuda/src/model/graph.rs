@@ -50,6 +50,8 @@ fn pad_row(i: usize, pad_block: usize) -> SeqStep {
             seed: 0,
             top_logprobs: None,
             penalty: None,
+            logit_bias: Vec::new(),
+            allowed: None,
         }),
     }
 }

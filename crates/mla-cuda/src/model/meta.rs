@@ -344,6 +344,10 @@ fn sample_params(
     pen_end: i32,
 ) -> anyhow::Result<SampleParamsRaw> {
     let p = &req.params;
+    anyhow::ensure!(
+        !req.shapes_logits(),
+        "sequence {seq_id}: logit_bias, min_tokens and structured output are not supported by the CUDA sampler yet"
+    );
     let n_logprobs = match req.top_logprobs {
         Some(k) if k > MAX_TOP_LOGPROBS => {
             anyhow::bail!(
@@ -575,6 +579,8 @@ mod tests {
             seed: 9,
             top_logprobs: None,
             penalty,
+            logit_bias: Vec::new(),
+            allowed: None,
         });
         s
     }

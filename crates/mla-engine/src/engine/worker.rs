@@ -114,6 +114,8 @@ pub(super) struct Worker {
     last_kind: StepKind,
     /// Steps finished (or being finished), for the test hook `MLA_TEST_HANG_STEP`.
     steps: u64,
+    /// Threads that compute structured-output masks together (the host's cores).
+    mask_threads: usize,
 }
 
 /// A step the backend is running.
@@ -146,6 +148,7 @@ impl Worker {
             undelivered: None,
             steps: 0,
             last_kind: StepKind::Decode,
+            mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
 
@@ -247,7 +250,7 @@ impl Worker {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, req, events, arrived } => self.admit(id, req, events, arrived),
+            Command::Submit { id, req, events, arrived } => self.admit(id, *req, events, arrived),
             Command::Abort(id) => self.abort(id, true),
             Command::FinishChoice { id, index, reason } => self.finish_choice(id, index, reason),
             Command::Shutdown { deadline } => self.deadline = Some(self.deadline.map_or(deadline, |d| d.min(deadline))),
@@ -368,6 +371,10 @@ impl Worker {
             // finish_step then reports the step as never started (or panics again, also caught).
             tracing::error!("backend panicked starting a step: {}", panic_text(&p));
         }
+        // Structured-output masks are computed now, while the backend runs the forward pass;
+        // its sampler waits for them.
+        let vocab = self.backend.model_config().vocab_size;
+        self.ranks.iter_mut().for_each(|s| s.fill_masks(vocab, self.mask_threads));
         plans.iter().for_each(|p| self.mark_scheduled(p));
         self.count_step_tokens(&plans);
         self.announce_admissions();

@@ -140,5 +140,25 @@ fn sample_request(g: &Group, i: usize) -> SampleRequest {
         seed: draw_seed(g.seed, i, outputs.len()),
         top_logprobs: g.req.logprobs,
         penalty,
+        logit_bias: logit_bias(g, outputs.len()),
+        // Filled by `Scheduler::attach_masks` once the plan is built.
+        allowed: None,
     }
+}
+
+/// The request's logit bias, plus `-inf` on every stop token while fewer than `min_tokens`
+/// tokens have been generated (vLLM's `min_tokens`: the stop tokens cannot end it early).
+fn logit_bias(g: &Group, generated: usize) -> Vec<(u32, f32)> {
+    let req = &g.req;
+    if generated >= req.min_tokens || req.stop_token_ids.is_empty() {
+        return req.logit_bias.clone();
+    }
+    let mut bias = req.logit_bias.clone();
+    for &t in &req.stop_token_ids {
+        match bias.binary_search_by_key(&t, |&(tok, _)| tok) {
+            Ok(at) => bias[at].1 = f32::NEG_INFINITY,
+            Err(at) => bias.insert(at, (t, f32::NEG_INFINITY)),
+        }
+    }
+    bias
 }

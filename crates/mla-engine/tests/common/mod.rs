@@ -198,7 +198,7 @@ impl HistoryBackend {
                         .with_context(|| format!("seq {} reads unwritten position {p}", s.seq_id))
                 })
                 .collect::<anyhow::Result<Vec<u32>>>()?;
-            let sampled = s.sample.as_ref().map(|r| sample(&logits_for(&history), r));
+            let sampled = s.sample.as_ref().map(|r| sample(&logits_for(&history), r)).transpose()?;
             seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
         }
         Ok(StepOutput { seqs })
@@ -275,8 +275,10 @@ pub fn reference(
             seed: mla_engine::draw_seed(seed, completion, out.len()),
             top_logprobs: None,
             penalty: params.has_penalties().then(|| PenaltyTokens { prompt: prompt.to_vec(), output: out.clone() }),
+            logit_bias: Vec::new(),
+            allowed: None,
         };
-        let t = sample(&logits_for(&history), &req).token;
+        let t = sample(&logits_for(&history), &req).expect("no mask").token;
         out.push(t);
         history.push(t);
         if stop.contains(&t) || out.len() == max_tokens || history.len() == max_len {
@@ -365,6 +367,9 @@ pub fn request(
         stop_token_ids: vec![],
         logprobs: None,
         owner: None,
+        logit_bias: Vec::new(),
+        min_tokens: 0,
+        constraint: None,
     }
 }
 

@@ -1,0 +1,116 @@
+//! Logit bias, `min_tokens` and structured-output constraints through the engine thread, on a
+//! backend that computes on the engine's thread and on one with a step thread of its own (where
+//! the masks are computed while the step runs and the sampler waits for them).
+
+mod common;
+
+use common::*;
+use mla_core::sampling::argmax;
+use mla_core::{Backend, CacheLayout, SamplingParams};
+use mla_engine::{ConstraintFactory, Engine, FinishReason, TokenConstraint};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const MAX_LEN: usize = 64;
+const LAYOUT: CacheLayout = CacheLayout { block_size: 4, num_blocks: 256 };
+
+fn backends() -> Vec<(&'static str, Box<dyn Backend>)> {
+    vec![
+        ("inline", Box::new(HistoryBackend::new(LAYOUT, MAX_LEN))),
+        ("threaded", Box::new(Threaded::new(HistoryBackend::new(LAYOUT, MAX_LEN)))),
+    ]
+}
+
+/// Allows only `cycle[k % len]` as the k-th token, and records what it was told.
+struct Cycle {
+    cycle: Vec<u32>,
+    seen: Arc<Mutex<Vec<u32>>>,
+}
+
+impl TokenConstraint for Cycle {
+    fn fill_mask(&mut self, mask: &mut [u32]) {
+        let t = self.cycle[self.seen.lock().unwrap().len() % self.cycle.len()];
+        mask[t as usize / 32] |= 1 << (t % 32);
+    }
+
+    fn accept(&mut self, token: u32) -> Result<(), String> {
+        self.seen.lock().unwrap().push(token);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_constraint_decides_every_token_and_sees_each_one() {
+    for (name, backend) in backends() {
+        let engine = Engine::start(backend, engine_config(MAX_LEN)).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let cycle = vec![5u32, 40, 63, 0];
+        let (c, s) = (cycle.clone(), seen.clone());
+        let mut req =
+            request(prompts(1).remove(0), SamplingParams { temperature: 1.0, ..Default::default() }, Some(3), 10);
+        req.constraint = Some(ConstraintFactory(Arc::new(move || {
+            Box::new(Cycle { cycle: c.clone(), seen: s.clone() }) as Box<dyn TokenConstraint>
+        })));
+        let got = collect(&mut engine.submit(req).unwrap(), 1);
+        assert_eq!(got.error, None, "{name}");
+        let want: Vec<u32> = (0..10).map(|k| cycle[k % 4]).collect();
+        assert_eq!(got.tokens[0], want, "{name}: only the allowed token can be drawn");
+        assert_eq!(*seen.lock().unwrap(), want, "{name}: the constraint is told every token");
+        engine.shutdown(Duration::from_secs(1));
+    }
+}
+
+#[test]
+fn logit_bias_and_min_tokens_steer_greedy_decoding() {
+    for (name, backend) in backends() {
+        let engine = Engine::start(backend, engine_config(MAX_LEN)).unwrap();
+        let prompt = prompts(1).remove(0);
+        // What greedy decoding picks first, and a +100 bias on another token overriding it.
+        let first = argmax(&logits_for(&prompt));
+        let other = (first + 1) % VOCAB as u32;
+        let mut req = request(prompt.clone(), SamplingParams::greedy(), None, 3);
+        req.logit_bias = vec![(other, 100.0)];
+        let got = collect(&mut engine.submit(req).unwrap(), 1);
+        assert_eq!(got.tokens[0], vec![other; 3], "{name}");
+
+        // The unbiased run's first token as the stop token: it ends at once without
+        // min_tokens, and cannot be drawn before the fourth token with min_tokens = 4.
+        let mut req = request(prompt.clone(), SamplingParams::greedy(), None, 20);
+        req.stop_token_ids = vec![first];
+        let got = collect(&mut engine.submit(req.clone()).unwrap(), 1);
+        assert_eq!((got.tokens[0].clone(), got.finish[0]), (vec![first], Some(FinishReason::Stop)), "{name}");
+        req.min_tokens = 4;
+        let got = collect(&mut engine.submit(req).unwrap(), 1);
+        let out = &got.tokens[0];
+        assert!(out.len() >= 4, "{name}: {out:?}");
+        assert!(!out[..3].contains(&first), "{name}: a stop token before min_tokens: {out:?}");
+        engine.shutdown(Duration::from_secs(1));
+    }
+}
+
+/// A constraint that panics while computing its mask fails its own request only.
+struct Panics;
+
+impl TokenConstraint for Panics {
+    fn fill_mask(&mut self, _: &mut [u32]) {
+        panic!("grammar engine bug");
+    }
+    fn accept(&mut self, _: u32) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_failing_constraint_fails_its_request_and_no_other() {
+    for (name, backend) in backends() {
+        let engine = Engine::start(backend, engine_config(MAX_LEN)).unwrap();
+        let mut bad = request(prompts(2).remove(0), SamplingParams::greedy(), None, 5);
+        bad.constraint = Some(ConstraintFactory(Arc::new(|| Box::new(Panics) as Box<dyn TokenConstraint>)));
+        let good = request(prompts(2).remove(1), SamplingParams::greedy(), None, 5);
+        let (mut b, mut g) = (engine.submit(bad).unwrap(), engine.submit(good).unwrap());
+        let (b, g) = (collect(&mut b, 1), collect(&mut g, 1));
+        assert!(b.error.as_deref().is_some_and(|e| e.contains("mask")), "{name}: {:?}", b.error);
+        assert_eq!((g.error, g.tokens[0].len()), (None, 5), "{name}");
+        engine.shutdown(Duration::from_secs(1));
+    }
+}
