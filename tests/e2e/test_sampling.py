@@ -41,3 +41,34 @@ def test_n_samples_differ_but_reproduce_with_a_seed(client):
     b = ids(client, n=3, max_tokens=16, temperature=1.0, seed=11)
     assert a == b
     assert len({tuple(x) for x in a}) == 3
+
+
+def test_logit_bias_forces_and_bans_tokens(client):
+    greedy = ids(client, max_tokens=8, temperature=0)
+    forced = 100 if greedy[0] != 100 else 101
+    assert ids(client, max_tokens=8, temperature=0, logit_bias={str(forced): 100}) == [forced] * 8
+    banned = ids(client, max_tokens=8, temperature=0, logit_bias={str(t): -100 for t in set(greedy)})
+    assert not set(banned) & set(greedy)
+    sampled = ids(client, max_tokens=32, temperature=1.0, seed=5, logit_bias={str(forced): 100})
+    assert sampled == [forced] * 32
+
+
+def test_min_tokens_holds_off_the_stop_token(client):
+    first = ids(client, max_tokens=1, temperature=0)[0]
+    stop = {"stop_token_ids": [first], "ignore_eos": False}
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=20, temperature=0, extra_body=stop)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (1, "stop")
+    r = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={**stop, "min_tokens": 6}
+    )
+    assert r.usage.completion_tokens >= 6
+
+
+@pytest.mark.parametrize(
+    "body", [{"logit_bias": {"x": 1}}, {"logit_bias": {"3": 101}}, {"min_tokens": 9, "max_tokens": 4}]
+)
+def test_bad_logit_bias_and_min_tokens_are_400(client, body):
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="demo", prompt=PROMPT, extra_body=body, **({} if "max_tokens" in body else {"max_tokens": 4}))

@@ -25,6 +25,10 @@ pub struct SamplingWire {
     pub skip_special_tokens: Option<bool>,
     /// vLLM extension: logprob tokens as `token_id:<id>`.
     pub return_tokens_as_token_ids: Option<bool>,
+    /// Token id (as a string, OpenAI's shape) -> bias added to its logit, in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// vLLM extension: stop tokens (and stop strings) cannot end a completion earlier.
+    pub min_tokens: Option<i64>,
 }
 
 /// `stop`: one string or a list of them.
@@ -54,7 +58,6 @@ pub struct StreamOptionsWire {
 /// what the client asked for. (Fields that do not change the output, like `user`, are ignored.)
 #[derive(Debug, Default, Deserialize)]
 pub struct UnsupportedWire {
-    pub logit_bias: Option<Value>,
     pub best_of: Option<i64>,
     pub suffix: Option<String>,
     pub response_format: Option<Value>,

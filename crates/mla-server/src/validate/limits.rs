@@ -72,6 +72,9 @@ impl ModelLimits {
             stop_token_ids,
             logprobs: params.logprobs,
             owner: None,
+            logit_bias: params.logit_bias.clone(),
+            min_tokens: params.min_tokens,
+            constraint: None,
         })
     }
 }

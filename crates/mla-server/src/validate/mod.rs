@@ -44,6 +44,9 @@ pub struct ValidatedParams {
     pub include_usage: bool,
     /// Logprob tokens are named `token_id:<id>` (vLLM's `return_tokens_as_token_ids`).
     pub tokens_as_ids: bool,
+    /// Sorted by token, each token once.
+    pub logit_bias: Vec<(u32, f32)>,
+    pub min_tokens: usize,
 }
 
 /// Validates the shared fields. `max_tokens` is the endpoint's effective field (chat prefers
@@ -113,6 +116,17 @@ pub fn validate_params(
         .into_iter()
         .map(|t| token_id("stop_token_ids", t, vocab_size))
         .collect::<Result<Vec<_>, _>>()?;
+    let logit_bias = logit_bias(w.logit_bias.unwrap_or_default(), vocab_size)?;
+    let min_tokens = match w.min_tokens.unwrap_or(0) {
+        m if m < 0 => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be at least 0, got {m}"))),
+        m if max_tokens.is_some_and(|x| m as usize > x) => {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!("min_tokens ({m}) must be at most {max_name} ({})", max_tokens.unwrap_or(0)),
+            ))
+        }
+        m => m as usize,
+    };
     let stream = w.stream.unwrap_or(false);
     if w.stream_options.is_some() && !stream {
         return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
@@ -140,7 +154,37 @@ pub fn validate_params(
         stream,
         include_usage: w.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         tokens_as_ids: w.return_tokens_as_token_ids.unwrap_or(false),
+        logit_bias,
+        min_tokens,
     })
+}
+
+/// OpenAI's bias range: -100 bans a token in effect, +100 all but forces it.
+pub const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// `logit_bias` (token id strings -> bias) as sorted (token, bias) pairs.
+fn logit_bias(map: std::collections::BTreeMap<String, f64>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut bias = Vec::with_capacity(map.len());
+    for (key, b) in map {
+        let t = key
+            .trim()
+            .parse::<i64>()
+            .map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias keys must be token ids, got {key:?}")))?;
+        let t = token_id("logit_bias", t, vocab_size)?;
+        if !(b.is_finite() && (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b)) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("the bias of token {t} must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b}"),
+            ));
+        }
+        bias.push((t, b as f32));
+    }
+    bias.sort_by_key(|&(t, _)| t);
+    // "01" and "1" name one token; which bias was meant is not clear, so neither is guessed.
+    if let Some(w) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid("logit_bias", format!("token {} appears twice in logit_bias", w[0].0)));
+    }
+    Ok(bias)
 }
 
 /// Chat's `logprobs: bool` + `top_logprobs: int` -> alternatives per token.
@@ -185,9 +229,6 @@ fn check_range(field: &str, v: f64, lo: f64, hi: f64) -> Result<(), ApiError> {
 /// Refuses OpenAI features that would change the output but are not implemented.
 pub fn refuse_unsupported(u: &UnsupportedWire) -> Result<(), ApiError> {
     let unsupported = |field: &str| Err(ApiError::invalid(field, format!("{field} is not supported by this server")));
-    if u.logit_bias.as_ref().is_some_and(|b| b.as_object().is_none_or(|m| !m.is_empty())) {
-        return unsupported("logit_bias");
-    }
     if u.best_of.is_some_and(|b| b != 1) {
         return unsupported("best_of");
     }

@@ -106,14 +106,11 @@ fn logprob_fields() {
 
 #[test]
 fn unsupported_features_are_refused_not_ignored() {
-    let u: UnsupportedWire = parse_fields(&json!({"logit_bias": {"5": 10}})).unwrap();
-    assert_eq!(param_of(refuse_unsupported(&u).unwrap_err()), "logit_bias");
     let u: UnsupportedWire = parse_fields(&json!({"tools": [{"type": "function"}]})).unwrap();
     assert_eq!(param_of(refuse_unsupported(&u).unwrap_err()), "tools");
     // Values that ask for nothing special are fine.
     let u: UnsupportedWire =
-        parse_fields(&json!({"logit_bias": {}, "best_of": 1, "response_format": {"type": "text"}, "tools": []}))
-            .unwrap();
+        parse_fields(&json!({"best_of": 1, "response_format": {"type": "text"}, "tools": []})).unwrap();
     refuse_unsupported(&u).unwrap();
 }
 
@@ -150,4 +147,28 @@ fn generation_config_max_new_tokens_replaces_the_default() {
     let p = validate(json!({})).unwrap();
     let r = l.engine_request(&p, vec![7; 30], MaxTokensDefault::RestOfContext, "messages").unwrap();
     assert_eq!(r.max_tokens, 5);
+}
+
+fn params_of(body: serde_json::Value) -> Result<ValidatedParams, ApiError> {
+    let w: SamplingWire = parse_fields(&body).unwrap();
+    let max = w.max_tokens;
+    validate_params(w, ("max_tokens", max), None, &GenerationDefaults::default(), 512)
+}
+
+#[test]
+fn logit_bias_is_checked_and_sorted() {
+    let p = params_of(json!({"logit_bias": {"7": -100, "3": 2.5}})).unwrap();
+    assert_eq!(p.logit_bias, vec![(3, 2.5), (7, -100.0)]);
+    for bad in [json!({"7": 1, "007": 2}), json!({"x": 1}), json!({"512": 1}), json!({"-1": 1}), json!({"5": 100.5})] {
+        let err = params_of(json!({ "logit_bias": bad })).unwrap_err();
+        assert_eq!(param_of(err), "logit_bias", "{bad}");
+    }
+}
+
+#[test]
+fn min_tokens_must_fit_max_tokens() {
+    assert_eq!(params_of(json!({"min_tokens": 4, "max_tokens": 4})).unwrap().min_tokens, 4);
+    assert_eq!(params_of(json!({"min_tokens": 9})).unwrap().min_tokens, 9);
+    assert_eq!(param_of(params_of(json!({"min_tokens": 5, "max_tokens": 4})).unwrap_err()), "min_tokens");
+    assert_eq!(param_of(params_of(json!({"min_tokens": -1})).unwrap_err()), "min_tokens");
 }
