@@ -209,6 +209,8 @@ pub struct EngineStats {
     /// Prompt tokens looked up in the prefix cache at admission, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Structured-output grammar masks computed, and the host time it took.
+    pub structured_masks: MaskStats,
     /// Seconds.
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
@@ -247,11 +249,36 @@ impl EngineStats {
         self.preemptions_total += o.preemptions_total;
         self.prefix_cache_queries += o.prefix_cache_queries;
         self.prefix_cache_hits += o.prefix_cache_hits;
+        self.structured_masks.merge(&o.structured_masks);
         self.time_to_first_token.merge(&o.time_to_first_token);
         self.inter_token_latency.merge(&o.inter_token_latency);
         self.e2e_latency.merge(&o.e2e_latency);
         self.queue_time.merge(&o.queue_time);
         self.iteration_tokens.merge(&o.iteration_tokens);
         self.requests.merge(&o.requests);
+    }
+}
+
+/// Structured-output masks since start: how many, in how many steps, and the engine thread's
+/// time computing them. That time overlaps the device's forward pass (the sampler waits only for
+/// whatever is left of it), so per step it is the most a constrained step can lose.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MaskStats {
+    pub masks: u64,
+    pub steps: u64,
+    pub seconds: f64,
+}
+
+impl MaskStats {
+    pub fn record(&mut self, masks: usize, took: Duration) {
+        self.masks += masks as u64;
+        self.steps += 1;
+        self.seconds += took.as_secs_f64();
+    }
+
+    pub fn merge(&mut self, o: &MaskStats) {
+        self.masks += o.masks;
+        self.steps += o.steps;
+        self.seconds += o.seconds;
     }
 }

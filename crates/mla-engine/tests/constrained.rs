@@ -56,6 +56,8 @@ fn a_constraint_decides_every_token_and_sees_each_one() {
         let want: Vec<u32> = (0..10).map(|k| cycle[k % 4]).collect();
         assert_eq!(got.tokens[0], want, "{name}: only the allowed token can be drawn");
         assert_eq!(*seen.lock().unwrap(), want, "{name}: the constraint is told every token");
+        let masks = engine.stats().structured_masks;
+        assert_eq!((masks.masks, masks.steps), (10, 10), "{name}: one mask per draw");
         engine.shutdown(Duration::from_secs(1));
     }
 }

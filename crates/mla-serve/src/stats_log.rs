@@ -35,8 +35,17 @@ pub fn line(before: &EngineStats, after: &EngineStats, elapsed: Duration) -> Opt
         0 => String::new(),
         q => format!(", prefix cache hit rate {:.1}%", 100.0 * hits as f64 / q as f64),
     };
+    let (m0, m1) = (&before.structured_masks, &after.structured_masks);
+    let masks = match m1.steps.saturating_sub(m0.steps) {
+        0 => String::new(),
+        steps => format!(
+            ", grammar masks {:.1} per step in {:.0} us",
+            m1.masks.saturating_sub(m0.masks) as f64 / steps as f64,
+            (m1.seconds - m0.seconds) / steps as f64 * 1e6
+        ),
+    };
     Some(format!(
-        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}",
+        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{masks}",
         prompt as f64 / secs,
         generated as f64 / secs,
         after.running,
@@ -71,5 +80,10 @@ mod tests {
         let done = EngineStats { running: 0, waiting: 0, ..busy.clone() };
         assert!(line(&EngineStats::default(), &done, INTERVAL).is_some());
         assert_eq!(line(&done, &done, INTERVAL), None);
+        let masked = EngineStats {
+            structured_masks: mla_engine::MaskStats { masks: 64, steps: 2, seconds: 0.0003 },
+            ..busy.clone()
+        };
+        assert!(line(&busy, &masked, INTERVAL).unwrap().ends_with(", grammar masks 32.0 per step in 150 us"));
     }
 }

@@ -17,7 +17,9 @@
 use super::backend_call::{check_outputs, panic_text, run_checked, split_by_request};
 use super::router::least_loaded;
 use super::{Command, Liveness};
-use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RankStats, RequestTimings, TokenLogprobs};
+use crate::api::{
+    EngineConfig, EngineEvent, FinishReason, GenerateRequest, MaskStats, RankStats, RequestTimings, TokenLogprobs,
+};
 use crate::id_map::IdMap;
 use crate::metrics::Metrics;
 use crate::request_stats::FinishedRequest;
@@ -116,6 +118,7 @@ pub(super) struct Worker {
     steps: u64,
     /// Threads that compute structured-output masks together (the host's cores).
     mask_threads: usize,
+    masks: MaskStats,
 }
 
 /// A step the backend is running.
@@ -149,6 +152,7 @@ impl Worker {
             steps: 0,
             last_kind: StepKind::Decode,
             mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            masks: MaskStats::default(),
         }
     }
 
@@ -373,8 +377,11 @@ impl Worker {
         }
         // Structured-output masks are computed now, while the backend runs the forward pass;
         // its sampler waits for them.
-        let vocab = self.backend.model_config().vocab_size;
-        self.ranks.iter_mut().for_each(|s| s.fill_masks(vocab, self.mask_threads));
+        let (vocab, started) = (self.backend.model_config().vocab_size, Instant::now());
+        let masks: usize = self.ranks.iter_mut().map(|s| s.fill_masks(vocab, self.mask_threads)).sum();
+        if masks > 0 {
+            self.masks.record(masks, started.elapsed());
+        }
         plans.iter().for_each(|p| self.mark_scheduled(p));
         self.count_step_tokens(&plans);
         self.announce_admissions();
@@ -588,5 +595,6 @@ impl Worker {
         stats.preemptions_total = self.ranks.iter().map(Scheduler::preemptions).sum();
         stats.prefix_cache_queries = self.ranks.iter().map(|s| s.prefix_cache_stats().queries).sum();
         stats.prefix_cache_hits = self.ranks.iter().map(|s| s.prefix_cache_stats().hits).sum();
+        stats.structured_masks = self.masks;
     }
 }

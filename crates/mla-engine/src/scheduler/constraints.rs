@@ -30,12 +30,12 @@ impl Scheduler {
         }
     }
 
-    /// Computes the masks of the plan last built, using up to `threads` threads. Called after
-    /// the step has started; a constraint that panics leaves its writer dropped, which fails
-    /// that draw (and so the step) instead of hanging it.
-    pub fn fill_masks(&mut self, vocab_size: usize, threads: usize) {
+    /// Computes the masks of the plan last built, using up to `threads` threads, and returns
+    /// how many. Called after the step has started; a constraint that panics leaves its writer
+    /// dropped, which fails that draw (and so the step) instead of hanging it.
+    pub fn fill_masks(&mut self, vocab_size: usize, threads: usize) -> usize {
         if self.mask_jobs.is_empty() {
-            return;
+            return 0;
         }
         let mut writers: HashMap<SeqKey, MaskWriter> = self.mask_jobs.drain(..).collect();
         let mut work: Vec<(&mut Box<dyn TokenConstraint>, MaskWriter)> = Vec::with_capacity(writers.len());
@@ -60,16 +60,17 @@ impl Scheduler {
                 }
             }
         };
-        let threads = threads.clamp(1, work.len());
-        if work.len() < PARALLEL_FROM || threads == 1 {
+        let (count, threads) = (work.len(), threads.clamp(1, work.len()));
+        if count < PARALLEL_FROM || threads == 1 {
             run(&mut work);
-            return;
+            return count;
         }
-        let per = work.len().div_ceil(threads);
+        let per = count.div_ceil(threads);
         std::thread::scope(|scope| {
             for chunk in work.chunks_mut(per) {
                 scope.spawn(|| run(chunk));
             }
         });
+        count
     }
 }
