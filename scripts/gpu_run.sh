@@ -21,6 +21,11 @@
 #                  1000 prompts of a shared 2000-token prefix
 #                  + 200 own tokens (128 out) at c=64, and
 #                  1024 random 1024/256 prompts at c=256
+#   structured     structured output on the GPU server:        structured-check.log,
+#                  scripts/gpu_structured_check.py, then      structured-c{1,64}-{plain,regex}.json,
+#                  mla-bench serve at c=1 and c=64, plain      structured-masks.log
+#                  and every token under a grammar (a regex
+#                  that cannot end within 256 tokens)
 #   ncu            ncu per-kernel times of eager steps        ncu.csv, ncu-breakdown.md
 #   all            kernels engine engine-nopdl serve-c1 serve-c256 tests (not ncu)
 # Every stage also leaves its whole output in STAGE.log (the tests stage: gpu-tests.log); the
@@ -40,7 +45,8 @@
 #   MLA_RUN_PORT           port of the benchmark server [8011]
 #   MLA_RUN_TIMEOUT_<STAGE> time limit in seconds, e.g. MLA_RUN_TIMEOUT_SERVE_C256=600
 #                          [kernels 180, engine 300, engine-nopdl 180, serve-c1 120,
-#                           serve-c256 300, other serve-cN 240, tests 600, ncu 300]
+#                           serve-c256 300, other serve-cN 240, tests 600, structured 420,
+#                           ncu 300]
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 given=("$@")
@@ -74,7 +80,7 @@ expanded=()
 for s in "${stages[@]}"; do
   case "$s" in
     all) expanded+=(kernels engine engine-nopdl serve-c1 serve-c256 tests) ;;
-    kernels | engine | engine-nopdl | tests | ncu | prefix-cache) expanded+=("$s") ;;
+    kernels | engine | engine-nopdl | tests | ncu | prefix-cache | structured) expanded+=("$s") ;;
     serve-c[1-9]*) [[ "$s" =~ ^serve-c[0-9]+$ ]] || { echo "unknown stage $s" >&2; usage; }; expanded+=("$s") ;;
     *) echo "unknown stage $s" >&2; usage ;;
   esac
@@ -126,6 +132,7 @@ limit_of() {
     serve-c1) default=120 ;;
     serve-c*) default=240 ;;
     tests | prefix-cache) default=600 ;;
+    structured) default=420 ;;
   esac
   echo "${!var:-$default}"
 }
@@ -317,6 +324,31 @@ stage_prefix_cache() {
   return $rc
 }
 
+stage_structured() {
+  local rc=0 c mode prompts extra
+  # Every token of the constrained runs is under a grammar: a regex that cannot end within the
+  # 256 output tokens (the wide tokenizer's ids are words " w<id>").
+  local regex='( w[0-9]+){300}'
+  wheels || return 1
+  need_bin mla-bench || return 1
+  server_up || return 1
+  bounded 240 "$out/structured-check.log" '^ok|^FAIL|passed|failed|Error' \
+    python3 scripts/gpu_structured_check.py "http://127.0.0.1:$port" deepseek-v2-lite 32 || rc=1
+  for c in 1 64; do
+    prompts=$((c == 1 ? 12 : 4 * c))
+    for mode in plain regex; do
+      extra=()
+      [[ $mode == regex ]] && extra=(--extra-body "{\"guided_regex\": \"$regex\"}")
+      bounded 150 "$out/structured-c$c-$mode.log" 'throughput|TPOT|ITL|Failed|^Error' "$bins/mla-bench" serve \
+        --base-url "http://127.0.0.1:$port" --input-len 1024 --output-len 256 --num-prompts "$prompts" \
+        --max-concurrency "$c" --ignore-eos --temperature 0 --gpu "$gpu_name" "${extra[@]}" \
+        --out "$out/structured-c$c-$mode.json" || rc=1
+    done
+  done
+  ((dry)) || grep -E "grammar masks" "$out/server.log" > "$out/structured-masks.log"
+  return $rc
+}
+
 stage_tests() {
   wheels || return 1
   bounded "$(limit_of tests)" "$out/gpu-tests.log" \
@@ -354,6 +386,7 @@ for s in "${stages[@]}"; do
     tests) stage_tests ;;
     ncu) stage_ncu ;;
     prefix-cache) stage_prefix_cache ;;
+    structured) stage_structured ;;
   esac
   rc=$?
   ((rc == 0)) || failed+=("$s")
