@@ -1,0 +1,104 @@
+//! The reasoning and tool-call parsers over realistic DeepSeek replies
+//! (tests/fixtures/parsers/replies.json): the whole reply at once, the reply cut in two at every
+//! character, fed one character at a time, and fed token by token through the demo tokenizer's
+//! incremental detokenizer (which keeps the tool-call markers: they are not special tokens).
+//! Every way must give the fixture's expected reasoning, content and calls.
+
+mod common;
+
+use common::{demo_tokenizer, read_json, workspace_root};
+use mla_server::detokenizer::IncrementalDetokenizer;
+use mla_server::parsers::{OutputParsing, ParsedMessage, ReasoningParserKind, ToolParserKind};
+use serde_json::Value;
+
+fn parsing(case: &Value) -> OutputParsing {
+    OutputParsing {
+        reasoning: case["reasoning_parser"].as_str().map(|n| ReasoningParserKind::from_name(n).unwrap()),
+        tools: case["tool_call_parser"].as_str().map(|n| (ToolParserKind::from_name(n).unwrap(), None)),
+    }
+}
+
+fn expected(case: &Value) -> ParsedMessage {
+    let e = &case["expected"];
+    ParsedMessage {
+        reasoning: e["reasoning"].as_str().unwrap_or_default().to_string(),
+        content: e["content"].as_str().unwrap().to_string(),
+        tool_calls: e["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c[0].as_str().unwrap().to_string(), c[1].as_str().unwrap().to_string()))
+            .collect(),
+    }
+}
+
+fn feed<'a>(parsing: &OutputParsing, pieces: impl IntoIterator<Item = &'a str>) -> ParsedMessage {
+    let mut parser = parsing.choice_parser();
+    let mut message = ParsedMessage::default();
+    for piece in pieces {
+        let delta = parser.push(piece);
+        message.absorb(delta);
+    }
+    message.absorb(parser.finish());
+    message
+}
+
+fn cases() -> Vec<Value> {
+    let fixture = read_json(workspace_root().join("tests/fixtures/parsers/replies.json"));
+    let cases = fixture["cases"].as_array().unwrap().clone();
+    assert!(cases.len() >= 8, "too few fixture replies");
+    cases
+}
+
+#[test]
+fn whole_replies_parse_as_expected() {
+    for case in cases() {
+        let got = ParsedMessage::parse(&parsing(&case), case["text"].as_str().unwrap());
+        assert_eq!(got, expected(&case), "{}", case["name"]);
+    }
+}
+
+#[test]
+fn every_split_point_gives_the_same_result() {
+    for case in cases() {
+        let (p, text, want) = (parsing(&case), case["text"].as_str().unwrap(), expected(&case));
+        for (at, _) in text.char_indices().skip(1) {
+            let got = feed(&p, [&text[..at], &text[at..]]);
+            assert_eq!(got, want, "{} split at byte {at}", case["name"]);
+        }
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        assert_eq!(feed(&p, chars.iter().map(String::as_str)), want, "{} char by char", case["name"]);
+    }
+}
+
+#[test]
+fn token_by_token_through_the_detokenizer() {
+    let tokenizer = demo_tokenizer();
+    for case in cases() {
+        let text = case["text"].as_str().unwrap();
+        let ids = tokenizer.encode(text, false).unwrap();
+        let mut detok = IncrementalDetokenizer::new(true);
+        let mut deltas: Vec<String> = ids.iter().map(|&id| detok.push(&tokenizer, id).unwrap()).collect();
+        deltas.push(detok.finish(&tokenizer).unwrap());
+        assert_eq!(deltas.concat(), text, "{}: the markers survive skip_special_tokens", case["name"]);
+        let got = feed(&parsing(&case), deltas.iter().map(String::as_str));
+        assert_eq!(got, expected(&case), "{} token by token", case["name"]);
+    }
+}
+
+/// Streamed pieces never contain marker text: every content and argument piece is free of the
+/// markers' characters unless the fixture's own content has them.
+#[test]
+fn no_marker_text_leaks_into_streamed_pieces() {
+    for case in cases() {
+        let p = parsing(&case);
+        let mut parser = p.choice_parser();
+        for c in case["text"].as_str().unwrap().chars() {
+            let d = parser.push(&c.to_string());
+            let pieces = d.tool_calls.iter().map(|t| t.arguments.as_str()).chain([d.content.as_str()]);
+            for piece in pieces {
+                assert!(!piece.contains('｜') && !piece.contains("</think"), "{}: leaked {piece:?}", case["name"]);
+            }
+        }
+    }
+}
