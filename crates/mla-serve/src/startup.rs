@@ -22,6 +22,7 @@ pub struct Started {
 
 pub fn start(args: &Args) -> anyhow::Result<Started> {
     let device = args.check_supported()?;
+    let parsers = args.parsers()?;
     let source = model_source::resolve(args)?;
     for w in &source.warnings {
         tracing::warn!("{w}");
@@ -91,6 +92,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         limits,
         defaults,
         text: Arc::new(text),
+        parsers,
         api_key: args.api_key.clone(),
         started: mla_server::protocol::unix_now(),
     };

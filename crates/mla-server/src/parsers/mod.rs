@@ -109,7 +109,7 @@ impl ParsedDelta {
         self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
     }
 
-    fn append(&mut self, other: ParsedDelta) {
+    pub fn append(&mut self, other: ParsedDelta) {
         self.reasoning.push_str(&other.reasoning);
         self.content.push_str(&other.content);
         self.tool_calls.extend(other.tool_calls);
