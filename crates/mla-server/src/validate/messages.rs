@@ -102,7 +102,7 @@ fn template_tool_calls(i: usize, calls: &Value) -> Result<Value, ApiError> {
         let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) else {
             return bad(format!("{at}.function"), "must be an object with name and arguments");
         };
-        if !function.get("name").and_then(Value::as_str).is_some_and(|n| !n.is_empty()) {
+        if function.get("name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return bad(format!("{at}.function.name"), "must be a non-empty string");
         }
         let arguments = match function.get("arguments") {
