@@ -84,6 +84,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         ranks.len(),
         sizing.max_model_len
     );
+    let hidden = parsers.hidden_markers(text.tokenizer());
+    if !hidden.is_empty() {
+        tracing::warn!(
+            "the tokenizer drops {} when it skips special tokens: replies will not be parsed there (requests need skip_special_tokens: false)",
+            hidden.join(" ")
+        );
+    }
     let state = AppState {
         engine: engine.clone(),
         model_name,

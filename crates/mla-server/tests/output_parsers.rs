@@ -102,3 +102,18 @@ fn no_marker_text_leaks_into_streamed_pieces() {
         }
     }
 }
+
+/// The demo tokenizer, like DeepSeek's, keeps every marker through `skip_special_tokens`; its
+/// begin-of-sentence token (special) would be dropped, which is what the startup check reports.
+#[test]
+fn startup_check_finds_no_hidden_markers_in_the_demo_tokenizer() {
+    use mla_server::parsers::ParserConfig;
+    let all = ParserConfig {
+        reasoning: Some(ReasoningParserKind::DeepSeekR1),
+        tool_call: Some(ToolParserKind::DeepSeekV3),
+        enable_auto_tool_choice: true,
+    };
+    let tokenizer = demo_tokenizer();
+    assert_eq!(all.hidden_markers(&tokenizer), Vec::<&str>::new());
+    assert_eq!(tokenizer.decode(&tokenizer.encode("<｜begin▁of▁sentence｜>", false).unwrap(), true).unwrap(), "");
+}

@@ -201,6 +201,30 @@ impl ParsedMessage {
     }
 }
 
+impl ParserConfig {
+    /// The markers the configured parsers look for that this tokenizer would not hand them:
+    /// a marker the tokenizer treats as a special token is dropped by `skip_special_tokens`
+    /// decoding (the default), so the parser could never see it. DeepSeek's own tokenizers keep
+    /// them (their `special` flag is false); a converted or custom tokenizer might not.
+    pub fn hidden_markers(&self, tokenizer: &crate::tokenizer::TextTokenizer) -> Vec<&'static str> {
+        let mut markers = vec![];
+        if self.reasoning.is_some() {
+            markers.extend([reasoning::THINK_START, reasoning::THINK_END]);
+        }
+        if self.tool_call.is_some() {
+            use deepseek_v3::*;
+            markers.extend([CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]);
+        }
+        markers
+            .into_iter()
+            .filter(|m| {
+                let decoded = tokenizer.encode(m, false).and_then(|ids| tokenizer.decode(&ids, true));
+                decoded.ok().as_deref() != Some(*m)
+            })
+            .collect()
+    }
+}
+
 /// A fresh OpenAI-style tool call id (`call_` and 24 hex digits).
 pub fn tool_call_id() -> String {
     format!("call_{:024x}", rand::random::<u128>() >> 32)
