@@ -153,3 +153,17 @@ async fn parallel_tool_calls_false_reports_the_first_call_only() {
     let one = s.post("/v1/chat/completions", body).await.json();
     assert_eq!(one["choices"][0]["message"]["tool_calls"].as_array().unwrap().len(), 1);
 }
+
+/// Stop strings apply to the generated text first (as without parsers); the parsers see only
+/// what is left: here the stop string ends the reply before its tool call.
+#[tokio::test]
+async fn stop_strings_cut_before_parsing() {
+    let s = scripted(&reply(), all_parsers());
+    let mut body = request(false);
+    body["stop"] = json!("Checking");
+    let choice = s.post("/v1/chat/completions", body).await.json()["choices"][0].clone();
+    assert_eq!(choice["message"]["reasoning_content"], "Let me think.\n");
+    assert_eq!(choice["message"]["content"], "\n\n");
+    assert!(choice["message"].get("tool_calls").is_none());
+    assert_eq!(choice["finish_reason"], "stop");
+}

@@ -71,6 +71,33 @@ fn every_split_point_gives_the_same_result() {
     }
 }
 
+/// Several cuts at once (a marker can span three deltas): pseudo-random cut sets, reproducible.
+#[test]
+fn random_multi_way_splits_give_the_same_result() {
+    let mut seed: u64 = 0x5eed;
+    let mut next = move |bound: usize| {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % bound
+    };
+    for case in cases() {
+        let (p, text, want) = (parsing(&case), case["text"].as_str().unwrap(), expected(&case));
+        let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).skip(1).collect();
+        for _ in 0..200 {
+            let mut cuts: Vec<usize> = (0..1 + next(8)).map(|_| bounds[next(bounds.len())]).collect();
+            cuts.sort_unstable();
+            cuts.dedup();
+            let mut pieces = vec![];
+            let mut from = 0;
+            for &cut in &cuts {
+                pieces.push(&text[from..cut]);
+                from = cut;
+            }
+            pieces.push(&text[from..]);
+            assert_eq!(feed(&p, pieces.iter().copied()), want, "{} cut at {cuts:?}", case["name"]);
+        }
+    }
+}
+
 #[test]
 fn token_by_token_through_the_detokenizer() {
     let tokenizer = demo_tokenizer();
