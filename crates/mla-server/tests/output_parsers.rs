@@ -113,21 +113,31 @@ fn token_by_token_through_the_detokenizer() {
     }
 }
 
-/// Streamed pieces never contain marker text: every content and argument piece is free of the
-/// markers' characters unless the fixture's own content has them.
+/// Streamed pieces never show marker text: what the pushes released, accumulated, has no end tag
+/// in the reasoning and no marker characters in content or arguments (no fixture's own text
+/// has them).
 #[test]
 fn no_marker_text_leaks_into_streamed_pieces() {
     for case in cases() {
         let p = parsing(&case);
         let mut parser = p.choice_parser();
+        let (mut reasoning, mut visible) = (String::new(), String::new());
         for c in case["text"].as_str().unwrap().chars() {
             let d = parser.push(&c.to_string());
-            let pieces = d.tool_calls.iter().map(|t| t.arguments.as_str()).chain([d.content.as_str()]);
-            for piece in pieces {
-                assert!(!piece.contains('｜') && !piece.contains("</think"), "{}: leaked {piece:?}", case["name"]);
-            }
+            reasoning.push_str(&d.reasoning);
+            visible.push_str(&d.content);
+            d.tool_calls.iter().for_each(|t| visible.push_str(&t.arguments));
         }
+        assert!(!reasoning.contains(reasoning_end()), "{}: end tag leaked: {reasoning:?}", case["name"]);
+        if p.tools.is_some() {
+            assert!(!visible.contains('｜'), "{}: marker leaked: {visible:?}", case["name"]);
+        }
+        assert!(!visible.contains(reasoning_end()), "{}: end tag leaked: {visible:?}", case["name"]);
     }
+}
+
+fn reasoning_end() -> &'static str {
+    mla_server::parsers::reasoning::THINK_END
 }
 
 /// The demo tokenizer, like DeepSeek's, keeps every marker through `skip_special_tokens`; its
