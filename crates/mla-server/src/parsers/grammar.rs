@@ -8,6 +8,12 @@
 //! without `parameters` gets `{"type": "object"}`, as OpenAI treats it). The text between the
 //! markers is exactly what the V3 chat template renders for assistant tool calls, so the
 //! `deepseek_v3` parser reads the forced output back (tested below).
+//!
+//! Checked once by hand against llguidance 1.9.1 (its Python wheel) on the demo tokenizer, whose
+//! markers are added tokens as in DeepSeek's: both grammars of the tests below validate without
+//! warnings; the token ids of a well-formed reply (ending in EOS) are accepted, and arguments
+//! violating the schema, an unknown function name, text before the calls, or (for `One`) a
+//! second call are rejected.
 
 use super::deepseek_v3::{CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP};
 use serde_json::{json, Value};
