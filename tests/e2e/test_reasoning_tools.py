@@ -190,3 +190,10 @@ def test_bad_parser_flags_fail_at_startup(args, needle):
     r = run_cli(*args, "--port", "1")
     assert r.returncode != 0
     assert needle in r.stderr, r.stderr
+
+
+def test_flags_are_in_help():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for flag in ["--reasoning-parser", "--tool-call-parser", "--enable-auto-tool-choice"]:
+        assert flag in r.stdout, flag
