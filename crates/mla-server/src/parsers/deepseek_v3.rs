@@ -18,8 +18,9 @@
 //! pieces, holding back only a tail that could still become the closing fence or marker, so a
 //! streamed reply never shows marker text and the pieces add up to the non-streamed result.
 //! Differences from vLLM, on purpose:
-//! - the closing fence is matched leniently (any whitespace around an optional "```"), where
-//!   vLLM's regex demands exactly "\n```" and otherwise returns the whole reply as content;
+//! - the fences are matched leniently (an opening "```" with any or no language tag, or none;
+//!   any whitespace around an optional closing "```"), where vLLM's regex demands exactly
+//!   "```json\n" and "\n```" and otherwise returns the whole reply as content;
 //! - text after `<｜tool▁calls▁end｜>` (or anything that is not a call between calls) stays
 //!   `content` instead of being dropped;
 //! - a call cut off inside its arguments (length limit) is still reported, with the arguments
@@ -33,7 +34,6 @@ pub const CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 pub const CALL_END: &str = "<｜tool▁call▁end｜>";
 pub const SEP: &str = "<｜tool▁sep｜>";
 const FENCE: &str = "```";
-const FENCE_OPEN: &str = "```json\n";
 
 /// Which DeepSeek generation wrote the calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,13 +166,9 @@ impl DeepSeekToolParser {
                 let Some(nl) = self.held[after..].find('\n') else { return false };
                 let name = self.held[after..after + nl].trim().to_string();
                 let body = after + nl + 1;
-                let rest = &self.held[body..];
-                if rest.starts_with(FENCE_OPEN) {
-                    (name, body + FENCE_OPEN.len())
-                } else if FENCE_OPEN.starts_with(rest) {
-                    return false; // the fence may still be arriving
-                } else {
-                    (name, body) // no fence: the arguments follow the name line directly
+                match opening_fence_len(&self.held[body..]) {
+                    Some(fence) => (name, body + fence),
+                    None => return false, // the fence may still be arriving
                 }
             }
         };
@@ -215,6 +211,26 @@ impl DeepSeekToolParser {
         }
         done
     }
+}
+
+/// Bytes of the fence line opening the arguments ("```json\n", or "```" with another or no
+/// language tag), 0 when the arguments start without one, `None` while it cannot be told yet.
+fn opening_fence_len(rest: &str) -> Option<usize> {
+    const MAX_TAG: usize = 16;
+    if rest.len() < FENCE.len() {
+        return if FENCE.starts_with(rest) { None } else { Some(0) };
+    }
+    if !rest.starts_with(FENCE) {
+        return Some(0);
+    }
+    for (i, c) in rest[FENCE.len()..].char_indices() {
+        match c {
+            '\n' => return Some(FENCE.len() + i + 1),
+            c if c.is_ascii_alphanumeric() && i < MAX_TAG => {}
+            _ => return Some(0), // not a fence line: the backticks are argument text
+        }
+    }
+    None
 }
 
 /// The arguments before `\s*(```)?\s*` at their end.
@@ -315,6 +331,24 @@ mod tests {
         let s = p.push(text);
         assert_eq!(s.calls.iter().filter(|d| d.name.is_some()).count(), 1);
         assert_eq!(p.reported_calls(), 1);
+    }
+
+    #[test]
+    fn opening_fences() {
+        let call = |open: &str| {
+            let text = format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n{open}{{\"a\": 1}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>");
+            parse(ToolFormat::V3, &text).1
+        };
+        let want = vec![("f".to_string(), "{\"a\": 1}".to_string())];
+        assert_eq!(call("```json\n"), want);
+        assert_eq!(call("```\n"), want);
+        assert_eq!(call("```JSON5\n"), want);
+        assert_eq!(call(""), want, "no fence at all");
+        assert_eq!(opening_fence_len("``"), None);
+        assert_eq!(opening_fence_len("```js"), None);
+        assert_eq!(opening_fence_len("``x"), Some(0));
+        assert_eq!(opening_fence_len("```js {"), Some(0));
+        assert_eq!(opening_fence_len("{"), Some(0));
     }
 
     #[test]
