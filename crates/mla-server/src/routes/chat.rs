@@ -99,11 +99,11 @@ fn output_parsing(state: &AppState, tools: &ToolRequest) -> Result<OutputParsing
                 "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
             ))
         }
-        // INTEGRATION(constrained decoding): "required" and named choices must force a call.
-        // Build the grammar with `parsers::grammar::deepseek_v3_tool_grammar` (named: only that
-        // tool, CallCount::One; required: all tools, OneOrMore unless parallel_tool_calls is
-        // false), hand it to the sampler, and parse the reply with the server's tool-call parser
-        // as for "auto". Until then they are refused rather than silently treated as "auto".
+        // INTEGRATION(constrained decoding): "required" and named choices must force a call:
+        // hand `tools.forced_call_grammar()` (a Lark grammar of DeepSeek-V3-format calls) to the
+        // sampler, and parse the reply with the V3 tool-call parser as for "auto" (whatever
+        // --tool-call-parser says: the grammar writes the V3 format). Until then they are
+        // refused rather than silently treated as "auto".
         (ToolChoice::Required | ToolChoice::Named(_), _, _) => {
             return Err(ApiError::invalid(
                 "tool_choice",

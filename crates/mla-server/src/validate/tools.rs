@@ -3,6 +3,7 @@
 //! `tool_choice` other than "none" needs tools. No `tool_choice` with tools means "auto".
 
 use crate::error::ApiError;
+use crate::parsers::grammar::{deepseek_v3_tool_grammar, CallCount};
 use serde_json::Value;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +21,27 @@ pub struct ToolRequest {
     pub choice: ToolChoice,
     /// `parallel_tool_calls` (default true): false reports only the first call.
     pub parallel: bool,
+}
+
+impl ToolRequest {
+    /// The Lark grammar forcing what `tool_choice` demands, for constrained decoding: one call of
+    /// the named function, or one or more calls of any tool for "required" (exactly one when
+    /// `parallel_tool_calls` is false). `None` for "none" and "auto", which force nothing.
+    pub fn forced_call_grammar(&self) -> Option<String> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => None,
+            ToolChoice::Required => {
+                let count = if self.parallel { CallCount::OneOrMore } else { CallCount::One };
+                Some(deepseek_v3_tool_grammar(tools, count))
+            }
+            ToolChoice::Named(name) => {
+                let named: Vec<Value> =
+                    tools.iter().filter(|t| t["function"]["name"].as_str() == Some(name)).take(1).cloned().collect();
+                Some(deepseek_v3_tool_grammar(&named, CallCount::One))
+            }
+        }
+    }
 }
 
 pub fn tool_request(
@@ -151,6 +173,23 @@ mod tests {
         let r = req(json!({"tools": [weather()], "parallel_tool_calls": false})).unwrap();
         assert!(!r.parallel && r.tools.unwrap().len() == 1);
         assert_eq!(req(json!({"tool_choice": "none"})).unwrap().choice, ToolChoice::None);
+    }
+
+    #[test]
+    fn forced_call_grammars() {
+        let now = json!({"type": "function", "function": {"name": "now"}});
+        let tools = json!([weather(), now]);
+        assert_eq!(req(json!({"tools": tools})).unwrap().forced_call_grammar(), None);
+        let required = req(json!({"tools": tools, "tool_choice": "required"})).unwrap().forced_call_grammar().unwrap();
+        assert!(required.contains("call (\"\\n\" call)*") && required.contains("call: call_0 | call_1"), "{required}");
+        let one = req(json!({"tools": tools, "tool_choice": "required", "parallel_tool_calls": false})).unwrap();
+        assert!(one
+            .forced_call_grammar()
+            .unwrap()
+            .starts_with("start: <｜tool▁calls▁begin｜> call <｜tool▁calls▁end｜>"));
+        let named = json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "now"}}});
+        let g = req(named).unwrap().forced_call_grammar().unwrap();
+        assert!(g.contains("\"now\\n```json\\n\"") && !g.contains("get_weather"), "{g}");
     }
 
     #[test]
