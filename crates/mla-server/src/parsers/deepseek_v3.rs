@@ -156,21 +156,21 @@ impl DeepSeekToolParser {
         }
     }
 
-    /// Waits for the whole header, then reports the call's name.
+    /// Waits for the whole header, then reports the call's name. A header not complete within
+    /// `MAX_HEADER` bytes is not one (the model went off format): the text goes back to content
+    /// instead of being held to the end. Only the first `MAX_HEADER` bytes are ever looked at,
+    /// so a streamed reply decides as the whole reply does.
     fn header(&mut self, out: &mut ToolSplit) -> bool {
-        let Some(sep) = self.held.find(SEP) else { return false };
-        let (name, args_at) = match self.format {
-            ToolFormat::V31 => (self.held[..sep].trim().to_string(), sep + SEP.len()),
-            ToolFormat::V3 => {
-                let after = sep + SEP.len();
-                let Some(nl) = self.held[after..].find('\n') else { return false };
-                let name = self.held[after..after + nl].trim().to_string();
-                let body = after + nl + 1;
-                match opening_fence_len(&self.held[body..]) {
-                    Some(fence) => (name, body + fence),
-                    None => return false, // the fence may still be arriving
-                }
+        let mut view = self.held.len().min(MAX_HEADER);
+        while !self.held.is_char_boundary(view) {
+            view -= 1;
+        }
+        let Some((name, args_at)) = header_end(self.format, &self.held[..view]) else {
+            if self.held.len() > MAX_HEADER {
+                self.state = State::AfterCalls;
+                return true;
             }
+            return false;
         };
         let index = self.calls;
         self.calls += 1;
@@ -210,6 +210,25 @@ impl DeepSeekToolParser {
             self.state = State::BetweenCalls;
         }
         done
+    }
+}
+
+/// Longest call header looked for: type, separator, name (OpenAI caps names at 64 characters)
+/// and fence line fit many times over.
+const MAX_HEADER: usize = 512;
+
+/// The call's name and where its arguments start, once `text` holds the whole header.
+fn header_end(format: ToolFormat, text: &str) -> Option<(String, usize)> {
+    let sep = text.find(SEP)?;
+    match format {
+        ToolFormat::V31 => Some((text[..sep].trim().to_string(), sep + SEP.len())),
+        ToolFormat::V3 => {
+            let after = sep + SEP.len();
+            let nl = text[after..].find('\n')?;
+            let body = after + nl + 1;
+            let fence = opening_fence_len(&text[body..])?;
+            Some((text[after..after + nl].trim().to_string(), body + fence))
+        }
     }
 }
 
@@ -331,6 +350,24 @@ mod tests {
         let s = p.push(text);
         assert_eq!(s.calls.iter().filter(|d| d.name.is_some()).count(), 1);
         assert_eq!(p.reported_calls(), 1);
+    }
+
+    #[test]
+    fn an_endless_header_is_content_whatever_the_split() {
+        let text =
+            format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function{}<｜tool▁sep｜>f\n{{}}", "x".repeat(600));
+        let whole = parse(ToolFormat::V3, &text);
+        assert_eq!(whole.1, vec![]);
+        assert!(whole.0.starts_with("functionxxx") && whole.0.ends_with("<｜tool▁sep｜>f\n{}"));
+        for (at, _) in text.char_indices().step_by(7) {
+            let mut p = DeepSeekToolParser::new(ToolFormat::V3, None);
+            let mut got = p.push(&text[..at]);
+            for part in [p.push(&text[at..]), p.finish()] {
+                got.content.push_str(&part.content);
+                got.calls.extend(part.calls);
+            }
+            assert_eq!((got.content, got.calls.len()), (whole.0.clone(), 0), "split at {at}");
+        }
     }
 
     #[test]
