@@ -8,6 +8,7 @@ use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
 use mla_core::Parallel;
+use mla_server::parsers::{ParserConfig, ReasoningParserKind, ToolParserKind};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -150,6 +151,21 @@ pub struct Args {
     #[arg(long, value_name = "FILE|TEMPLATE")]
     pub chat_template: Option<String>,
 
+    /// Splits chat replies into `reasoning_content` and `content` at the end of the model's
+    /// thinking block (vLLM's flag). Known: deepseek_r1 (also spelled deepseek-r1).
+    #[arg(long, value_name = "NAME", value_parser = parse_reasoning_parser)]
+    pub reasoning_parser: Option<ReasoningParserKind>,
+
+    /// Reads tool calls out of chat replies in this format (vLLM's flag; needs
+    /// --enable-auto-tool-choice). Known: deepseek_v3 (V3, R1), deepseek_v31 (V3.1).
+    #[arg(long, value_name = "NAME", value_parser = parse_tool_call_parser)]
+    pub tool_call_parser: Option<ToolParserKind>,
+
+    /// Lets requests use `tool_choice: "auto"` (the default when they send tools): the model
+    /// decides whether to call tools, parsed with --tool-call-parser (vLLM's flag).
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+
     /// Require `Authorization: Bearer <KEY>` on every /v1 request.
     #[arg(long, env = "MLA_SERVE_API_KEY", hide_env_values = true, value_name = "KEY")]
     pub api_key: Option<String>,
@@ -257,7 +273,30 @@ pub fn normalize<A: Into<OsString>>(args: impl IntoIterator<Item = A>) -> Vec<Os
         .collect()
 }
 
+fn parse_reasoning_parser(name: &str) -> Result<ReasoningParserKind, String> {
+    ReasoningParserKind::from_name(name)
+}
+
+fn parse_tool_call_parser(name: &str) -> Result<ToolParserKind, String> {
+    ToolParserKind::from_name(name)
+}
+
 impl Args {
+    /// The output parser flags; auto tool choice without a parser is refused, as vLLM does.
+    pub fn parsers(&self) -> anyhow::Result<ParserConfig> {
+        if self.enable_auto_tool_choice && self.tool_call_parser.is_none() {
+            anyhow::bail!(
+                "--enable-auto-tool-choice needs --tool-call-parser NAME (known: {})",
+                ToolParserKind::NAMES.join(", ")
+            );
+        }
+        Ok(ParserConfig {
+            reasoning: self.reasoning_parser,
+            tool_call: self.tool_call_parser,
+            enable_auto_tool_choice: self.enable_auto_tool_choice,
+        })
+    }
+
     /// Folds the positional model into `--model` (they may not disagree) and logs what the
     /// vLLM compatibility flags did; called once after parsing.
     pub fn settle(&mut self) -> anyhow::Result<()> {

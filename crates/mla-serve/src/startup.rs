@@ -22,6 +22,7 @@ pub struct Started {
 
 pub fn start(args: &Args) -> anyhow::Result<Started> {
     let device = args.check_supported()?;
+    let parsers = args.parsers()?;
     let source = model_source::resolve(args)?;
     for w in &source.warnings {
         tracing::warn!("{w}");
@@ -83,6 +84,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         ranks.len(),
         sizing.max_model_len
     );
+    let hidden = parsers.hidden_markers(text.tokenizer());
+    if !hidden.is_empty() {
+        tracing::warn!(
+            "the tokenizer drops {} when it skips special tokens: replies will not be parsed there (requests need skip_special_tokens: false)",
+            hidden.join(" ")
+        );
+    }
     let state = AppState {
         engine: engine.clone(),
         model_name,
@@ -91,6 +99,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         limits,
         defaults,
         text: Arc::new(text),
+        parsers,
         api_key: args.api_key.clone(),
         started: mla_server::protocol::unix_now(),
     };

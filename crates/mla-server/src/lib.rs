@@ -9,6 +9,7 @@ pub mod generate;
 pub mod generation_config;
 pub mod listener;
 pub mod metrics;
+pub mod parsers;
 pub mod prompt_size;
 pub mod protocol;
 pub mod python_format;

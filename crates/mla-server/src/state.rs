@@ -4,6 +4,7 @@
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
+use crate::parsers::ParserConfig;
 use crate::stop::StopMatcher;
 use crate::text::TextPipeline;
 use crate::validate::{ModelLimits, ValidatedParams};
@@ -22,6 +23,8 @@ pub struct AppState {
     pub limits: ModelLimits,
     pub defaults: GenerationDefaults,
     pub text: Arc<TextPipeline>,
+    /// `--reasoning-parser`, `--tool-call-parser`, `--enable-auto-tool-choice`.
+    pub parsers: ParserConfig,
     pub api_key: Option<String>,
     /// Unix time the server started (`created` of the model card).
     pub started: u64,

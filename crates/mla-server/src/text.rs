@@ -41,7 +41,18 @@ impl TextPipeline {
     /// adding special tokens: the template wrote BOS itself. A rendering clearly longer than
     /// `max_tokens` is refused before it is tokenized whole.
     pub fn chat_prompt(&self, messages: &[Value], max_tokens: usize) -> Result<Vec<u32>, ApiError> {
-        self.chat_prompt_with(messages, max_tokens, true)
+        self.render_prompt(messages, max_tokens, true, None)
+    }
+
+    /// `chat_prompt` with the request's tools passed to the template (as transformers'
+    /// `apply_chat_template(tools=...)`; the published V3/R1 templates do not print them).
+    pub fn chat_prompt_with_tools(
+        &self,
+        messages: &[Value],
+        max_tokens: usize,
+        tools: Option<&[Value]>,
+    ) -> Result<Vec<u32>, ApiError> {
+        self.render_prompt(messages, max_tokens, true, tools)
     }
 
     /// `chat_prompt`, choosing whether the assistant prompt is appended (`/tokenize` lets the
@@ -52,6 +63,16 @@ impl TextPipeline {
         max_tokens: usize,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ApiError> {
+        self.render_prompt(messages, max_tokens, add_generation_prompt, None)
+    }
+
+    fn render_prompt(
+        &self,
+        messages: &[Value],
+        max_tokens: usize,
+        add_generation_prompt: bool,
+        tools: Option<&[Value]>,
+    ) -> Result<Vec<u32>, ApiError> {
         let template = self.template.as_ref().ok_or_else(|| {
             ApiError::invalid(
                 "messages",
@@ -60,6 +81,7 @@ impl TextPipeline {
         })?;
         let options = RenderOptions {
             add_generation_prompt,
+            tools,
             special_tokens: self.tokenizer.template_special_tokens(),
             ..Default::default()
         };

@@ -133,3 +133,42 @@ fn strftime_now_is_local_wall_clock_time() {
     let after = date();
     assert!(rendered == before || rendered == after, "strftime_now gave {rendered:?}, date(1) {before:?}");
 }
+
+/// Assistant tool calls whose `arguments` arrive as objects render exactly as HF rendered the
+/// fixtures' JSON-string form (recorded with `json.dumps(arguments, ensure_ascii=False)`, what
+/// the OpenAI SDK sends): the server serializes objects the same way before the template runs.
+#[test]
+fn object_tool_call_arguments_render_like_the_string_form() {
+    use mla_server::protocol::{chat::MessageWire, parse_fields};
+    use mla_server::validate::messages::template_messages;
+    let fixture = read_json(template_fixtures_dir().join("deepseek-v3.json"));
+    let template =
+        ChatTemplate::new(&std::fs::read_to_string(template_fixtures_dir().join("deepseek-v3.jinja")).unwrap())
+            .unwrap();
+    let tokenizer = demo_tokenizer();
+    let mut checked = 0;
+    for case in fixture["cases"].as_array().unwrap() {
+        let mut messages = case["messages"].clone();
+        let mut converted = false;
+        for m in messages.as_array_mut().unwrap() {
+            for call in m.get_mut("tool_calls").and_then(Value::as_array_mut).into_iter().flatten() {
+                let args = &mut call["function"]["arguments"];
+                *args = serde_json::from_str(args.as_str().unwrap()).unwrap();
+                converted = true;
+            }
+        }
+        let (true, Some(want)) = (converted, case["rendered"].as_str()) else { continue };
+        let wire: Vec<MessageWire> = parse_fields(&messages).unwrap();
+        let messages = template_messages(&wire).unwrap();
+        let tools = case.get("tools").and_then(Value::as_array).map(Vec::as_slice);
+        let options = RenderOptions {
+            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap_or(false),
+            tools,
+            special_tokens: tokenizer.template_special_tokens(),
+            ..Default::default()
+        };
+        assert_eq!(template.render(&messages, &options).unwrap(), want, "{}", case["name"]);
+        checked += 1;
+    }
+    assert!(checked >= 3, "only {checked} fixture cases have tool calls");
+}

@@ -362,7 +362,7 @@ async fn stop_strings_ending_every_choice_count_as_stops_not_aborts() {
 }
 
 /// Messages the template cannot render (an assistant turn with malformed `tool_calls`) are the
-/// request's fault: 400 on `messages`, not 500.
+/// request's fault: 400 naming the call, not 500.
 #[tokio::test]
 async fn messages_the_template_cannot_render_are_refused_with_400() {
     let s = server(Options::default());
@@ -374,7 +374,8 @@ async fn messages_the_template_cannot_render_are_refused_with_400() {
         ], "max_tokens": 2});
         let r = s.post("/v1/chat/completions", body).await;
         assert_eq!(r.status, 400, "tool_calls {tool_calls}: {}", r.text);
-        assert_eq!(r.json()["error"]["param"], "messages");
+        let param = r.json()["error"]["param"].as_str().unwrap().to_string();
+        assert!(param.starts_with("messages[1].tool_calls"), "{param}");
     }
 }
 

@@ -11,6 +11,11 @@ pub struct ChatWire {
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    /// Read as JSON values so that `validate::tools` can name what is wrong with them.
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
+    pub functions: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -59,7 +64,47 @@ pub struct ChatChoice {
 #[derive(Debug, Clone, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when a parser took everything (all reasoning, or only tool calls), as OpenAI.
+    pub content: Option<String>,
+    /// The reply's thinking block (`--reasoning-parser`), vLLM's field name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// A JSON text, as the model wrote it.
+    pub arguments: String,
+}
+
+/// A piece of a streamed tool call: the first piece of a call has `id`, `type` and
+/// `function.name` (with empty arguments), later ones only argument text, as OpenAI streams.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallChunk {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionChunk,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionChunk {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -109,4 +154,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallChunk>>,
 }

@@ -1,15 +1,18 @@
 //! `POST /v1/chat/completions`.
 
+use super::chat_parsed::{self, StreamedChoice};
 use super::output::{self, CollectedChoice, StreamFormat};
 use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
+use crate::parsers::OutputParsing;
 use crate::protocol::chat::*;
 use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::validate::tools::{tool_request, ToolChoice, ToolRequest};
 use crate::validate::{self, messages::template_messages, MaxTokensDefault};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -24,7 +27,17 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let common: SamplingWire = parse_fields(&body)?;
     let chat: ChatWire = parse_fields(&body)?;
-    validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
+    let tools = tool_request(
+        chat.tools.as_ref(),
+        chat.tool_choice.as_ref(),
+        chat.parallel_tool_calls.as_ref(),
+        chat.functions.as_ref(),
+    )?;
+    let mut unsupported: UnsupportedWire = parse_fields(&body)?;
+    // Checked above (`tool_request`); the shared check refuses them for completions.
+    (unsupported.tools, unsupported.tool_choice, unsupported.functions) = (None, None, None);
+    validate::refuse_unsupported(&unsupported)?;
+    let parsing = output_parsing(&state, &tools)?;
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::chat_logprobs(chat.logprobs, chat.top_logprobs)?;
     // max_completion_tokens replaced max_tokens in OpenAI's API; the newer field wins.
@@ -38,8 +51,12 @@ pub async fn handle(
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
     let stops = params.stop.clone();
-    let (prompt, stop) =
-        blocking(move || Ok((text.chat_prompt(&messages, max_model_len)?, stop_matcher(stops)?))).await?;
+    let tool_list = tools.tools;
+    let (prompt, stop) = blocking(move || {
+        let prompt = text.chat_prompt_with_tools(&messages, max_model_len, tool_list.as_deref())?;
+        Ok((prompt, stop_matcher(stops)?))
+    })
+    .await?;
     let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
     let mut generation = state.start_generation(vec![request], &params, stop)?;
 
@@ -47,7 +64,7 @@ pub async fn handle(
     access.describe(&meta.id, params.stream);
     generation.report_to(access);
     if params.stream {
-        let format = ChatStream { meta, include_usage: params.include_usage };
+        let format = ChatStream { meta, include_usage: params.include_usage, parsing, choices: vec![] };
         return Ok(output::stream(generation, format, params.include_usage));
     }
     let (choices, usage) = output::collect(generation).await?;
@@ -57,7 +74,7 @@ pub async fn handle(
         object: "chat.completion",
         created: meta.created,
         model: meta.model,
-        choices: choices.into_iter().enumerate().map(|(index, c)| choice(index, c, want_logprobs)).collect(),
+        choices: choices.into_iter().enumerate().map(|(index, c)| choice(index, c, want_logprobs, &parsing)).collect(),
         usage,
     };
     Ok(Json(body).into_response())
@@ -69,12 +86,52 @@ struct Meta {
     model: String,
 }
 
-fn choice(index: usize, c: CollectedChoice, want_logprobs: bool) -> ChatChoice {
+/// What the request's replies go through: the server's reasoning parser, and its tool-call
+/// parser when the request lets the model choose tools (vLLM's rules: "auto" needs both flags,
+/// "none" renders the tools but parses nothing).
+fn output_parsing(state: &AppState, tools: &ToolRequest) -> Result<OutputParsing, ApiError> {
+    let tool_parser = match (&tools.choice, state.parsers.enable_auto_tool_choice, state.parsers.tool_call) {
+        (ToolChoice::None, _, _) => None,
+        (ToolChoice::Auto, true, Some(kind)) => Some((kind, (!tools.parallel).then_some(1))),
+        (ToolChoice::Auto, _, _) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
+            ))
+        }
+        // INTEGRATION(constrained decoding): "required" and named choices must force a call:
+        // hand `tools.forced_call_grammar()` (a Lark grammar of DeepSeek-V3-format calls) to the
+        // sampler, and parse the reply with the V3 tool-call parser as for "auto" (whatever
+        // --tool-call-parser says: the grammar writes the V3 format). Until then they are
+        // refused rather than silently treated as "auto".
+        (ToolChoice::Required | ToolChoice::Named(_), _, _) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice \"required\" and named functions are not supported yet (they need constrained decoding); use \"auto\" or \"none\"",
+            ))
+        }
+    };
+    Ok(OutputParsing { reasoning: state.parsers.reasoning, tools: tool_parser })
+}
+
+fn choice(index: usize, c: CollectedChoice, want_logprobs: bool, parsing: &OutputParsing) -> ChatChoice {
+    let (message, called) = match parsing.is_active() {
+        true => chat_parsed::message(parsing, &c.text),
+        false => {
+            let message = AssistantMessage {
+                role: "assistant",
+                content: Some(c.text),
+                reasoning_content: None,
+                tool_calls: vec![],
+            };
+            (message, false)
+        }
+    };
     ChatChoice {
         index,
-        message: AssistantMessage { role: "assistant", content: c.text },
+        message,
         logprobs: want_logprobs.then(|| chat_logprobs(c.logprobs)),
-        finish_reason: c.finish.map(|f| f.as_str()),
+        finish_reason: c.finish.map(|f| chat_parsed::finish_reason(f, called)),
     }
 }
 
@@ -99,6 +156,9 @@ fn chat_logprobs(tokens: Vec<TokenLogprob>) -> ChatLogprobs {
 struct ChatStream {
     meta: Meta,
     include_usage: bool,
+    parsing: OutputParsing,
+    /// Per choice, when `parsing` is active.
+    choices: Vec<StreamedChoice>,
 }
 
 impl ChatStream {
@@ -121,9 +181,12 @@ impl ChatStream {
 
 impl StreamFormat for ChatStream {
     fn opening(&mut self, num_choices: usize) -> Vec<Bytes> {
+        if self.parsing.is_active() {
+            self.choices = (0..num_choices).map(|_| StreamedChoice::new(&self.parsing)).collect();
+        }
         (0..num_choices)
             .map(|index| {
-                let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
+                let delta = Delta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
                 self.chunk(
                     vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }],
                     UsageField::Absent,
@@ -136,10 +199,28 @@ impl StreamFormat for ChatStream {
         if u.text.is_empty() && u.logprobs.is_empty() && u.finish.is_none() {
             return None;
         }
-        let delta = Delta { role: None, content: (!u.text.is_empty()).then_some(u.text) };
-        let logprobs = (!u.logprobs.is_empty()).then(|| chat_logprobs(u.logprobs));
-        let c = ChatChunkChoice { index: u.index, delta, logprobs, finish_reason: u.finish.map(|f| f.as_str()) };
-        Some(self.chunk(vec![c], UsageField::Absent))
+        let (mut deltas, called) = match self.choices.get_mut(u.index) {
+            Some(parser) => parser.deltas(&u.text, u.finish.is_some()),
+            None => (vec![Delta { content: (!u.text.is_empty()).then_some(u.text), ..Default::default() }], false),
+        };
+        let mut logprobs = (!u.logprobs.is_empty()).then(|| chat_logprobs(u.logprobs));
+        if deltas.is_empty() {
+            if logprobs.is_none() && u.finish.is_none() {
+                return None; // the parser holds the text back for now
+            }
+            deltas.push(Delta::default());
+        }
+        // Several deltas (reasoning, content, tool calls) go out as consecutive events; the
+        // first carries the token logprobs, the last the finish reason.
+        let last = deltas.len() - 1;
+        let mut events = Vec::new();
+        for (k, delta) in deltas.into_iter().enumerate() {
+            let finish_reason =
+                (k == last).then_some(u.finish).flatten().map(|f| chat_parsed::finish_reason(f, called));
+            let c = ChatChunkChoice { index: u.index, delta, logprobs: logprobs.take(), finish_reason };
+            events.extend_from_slice(&self.chunk(vec![c], UsageField::Absent));
+        }
+        Some(Bytes::from(events))
     }
 
     fn usage(&mut self, usage: Usage) -> Bytes {

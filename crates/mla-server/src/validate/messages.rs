@@ -1,10 +1,15 @@
 //! Chat messages -> the message objects the chat template sees (as transformers passes them):
 //! `role`, `content` as one string, and `name`, `tool_calls`, `tool_call_id` when sent.
+//! Assistant `tool_calls` are checked (each needs `function.name` and `arguments`) and their
+//! `arguments` reach the template as a JSON string, which DeepSeek's templates concatenate into the
+//! prompt: an object, which some clients send, is serialized as Python's `json.dumps` would (what
+//! the OpenAI SDK sends as the string form, so both forms give the same prompt).
 //! OpenAI's `developer` role (its newer name for `system`) reaches the template as `system`: the
 //! DeepSeek templates know only system, user, assistant and tool, and would drop it silently.
 
 use crate::error::ApiError;
 use crate::protocol::chat::{ContentWire, MessageWire};
+use crate::python_format::{json_dumps, JsonDumpsOptions};
 use serde_json::{Map, Value};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -61,12 +66,58 @@ fn template_message(i: usize, m: &MessageWire) -> Result<Value, ApiError> {
         obj.insert("name".into(), Value::String(name.clone()));
     }
     if let Some(calls) = &m.tool_calls {
-        obj.insert("tool_calls".into(), calls.clone());
+        obj.insert("tool_calls".into(), template_tool_calls(i, calls)?);
     }
     if let Some(id) = &m.tool_call_id {
         obj.insert("tool_call_id".into(), Value::String(id.clone()));
     }
     Ok(Value::Object(obj))
+}
+
+/// Checks a message's `tool_calls` and makes every `arguments` a string.
+fn template_tool_calls(i: usize, calls: &Value) -> Result<Value, ApiError> {
+    let field = format!("messages[{i}].tool_calls");
+    let bad = |f: String, why: &str| Err(ApiError::invalid(f.clone(), format!("{f}: {why}")));
+    let list = match calls {
+        Value::Null => return Ok(Value::Null),
+        Value::Array(list) => list,
+        _ => return bad(field, "must be a list of tool calls"),
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (j, call) in list.iter().enumerate() {
+        let at = format!("{field}[{j}]");
+        let Some(call) = call.as_object() else { return bad(at, "must be an object") };
+        let mut call = call.clone();
+        match call.get("type") {
+            // OpenAI's only call type; templates print it (V3: `function<｜tool▁sep｜>`).
+            None | Some(Value::Null) => {
+                call.insert("type".into(), Value::String("function".into()));
+            }
+            Some(Value::String(t)) if t == "function" => {}
+            Some(_) => return bad(format!("{at}.type"), "must be \"function\""),
+        }
+        if call.get("id").is_some_and(|id| !id.is_null() && !id.is_string()) {
+            return bad(format!("{at}.id"), "must be a string");
+        }
+        let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) else {
+            return bad(format!("{at}.function"), "must be an object with name and arguments");
+        };
+        if function.get("name").and_then(Value::as_str).is_none_or(str::is_empty) {
+            return bad(format!("{at}.function.name"), "must be a non-empty string");
+        }
+        let arguments = match function.get("arguments") {
+            Some(Value::String(s)) => s.clone(),
+            Some(args @ Value::Object(_)) => {
+                let options = JsonDumpsOptions::default();
+                json_dumps(&minijinja::Value::from_serialize(args), &options)
+                    .map_err(|e| ApiError::invalid(format!("{at}.function.arguments"), e.to_string()))?
+            }
+            _ => return bad(format!("{at}.function.arguments"), "must be a JSON string or an object"),
+        };
+        function.insert("arguments".into(), Value::String(arguments));
+        out.push(Value::Object(call));
+    }
+    Ok(Value::Array(out))
 }
 
 #[cfg(test)]
@@ -93,6 +144,40 @@ mod tests {
         assert!(out[2]["content"].is_null());
         assert_eq!(out[2]["tool_calls"][0]["function"]["name"], "f");
         assert_eq!(out[3]["tool_call_id"], "call_1");
+    }
+
+    #[test]
+    fn object_arguments_become_python_json_strings() {
+        let out = msgs(json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "function": {"name": "f", "arguments": {"city": "東京", "n": [1, 2.5]}}}]},
+        ]))
+        .unwrap();
+        let call = &out[1]["tool_calls"][0];
+        assert_eq!(call["function"]["arguments"], "{\"city\": \"東京\", \"n\": [1, 2.5]}");
+        assert_eq!(call["type"], "function");
+    }
+
+    #[test]
+    fn malformed_tool_calls_name_the_field() {
+        let param = |calls: Value| {
+            let m = json!([{"role": "assistant", "content": null, "tool_calls": calls}]);
+            msgs(m).unwrap_err().body()["error"]["param"].as_str().unwrap().to_string()
+        };
+        assert_eq!(param(json!({"a": 1})), "messages[0].tool_calls");
+        assert_eq!(param(json!(["x"])), "messages[0].tool_calls[0]");
+        assert_eq!(param(json!([{"type": "function"}])), "messages[0].tool_calls[0].function");
+        assert_eq!(param(json!([{"function": {"arguments": "{}"}}])), "messages[0].tool_calls[0].function.name");
+        assert_eq!(param(json!([{"function": {"name": "f"}}])), "messages[0].tool_calls[0].function.arguments");
+        assert_eq!(
+            param(json!([{"function": {"name": "f", "arguments": 3}}])),
+            "messages[0].tool_calls[0].function.arguments"
+        );
+        assert_eq!(
+            param(json!([{"type": "code", "function": {"name": "f", "arguments": "{}"}}])),
+            "messages[0].tool_calls[0].type"
+        );
     }
 
     #[test]

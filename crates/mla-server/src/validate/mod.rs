@@ -8,6 +8,7 @@ mod tests;
 
 pub mod messages;
 pub mod prompt;
+pub mod tools;
 
 pub use limits::{MaxTokensDefault, ModelLimits};
 

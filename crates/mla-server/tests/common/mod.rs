@@ -139,6 +139,7 @@ pub struct Options {
     pub delay: Duration,
     pub max_num_seqs: usize,
     pub fail_after: Option<usize>,
+    pub parsers: mla_server::parsers::ParserConfig,
 }
 
 impl Default for Options {
@@ -154,6 +155,7 @@ impl Default for Options {
             delay: Duration::ZERO,
             max_num_seqs: 16,
             fail_after: None,
+            parsers: Default::default(),
         }
     }
 }
@@ -193,6 +195,7 @@ pub fn server(opts: Options) -> TestServer {
         },
         defaults: GenerationDefaults::default(),
         text: Arc::new(TextPipeline::new(demo_tokenizer(), None).unwrap()),
+        parsers: opts.parsers,
         api_key: opts.api_key,
         started: 0,
     };
