@@ -203,6 +203,12 @@ impl CudaModel {
             me.upload_meta(dev, meta)?;
             g.graph.launch(dev.stream())?;
             let launched = std::time::Instant::now();
+            if !meta.masks.is_empty() {
+                // The graph sampled without the masks, which the engine computes while the device
+                // runs the forward pass: sample again once they are in (every output overwritten).
+                me.upload_masks(dev, meta)?;
+                me.queue_sampler(dev, meta)?;
+            }
             let out = me.read_outputs(dev, meta)?;
             Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
         };
