@@ -243,12 +243,11 @@ fn tokens(out: &StepOutput) -> Vec<u32> {
 #[ignore = "needs an NVIDIA GPU"]
 fn masked_decode_steps_replay_the_graph_with_the_eager_tokens() {
     let mut b = backend(vec![1, 2, 4]);
-    let split = b.with_worker(|w| w.graphs.graphs().iter().map(|g| g.splits_sampler()).collect::<Vec<_>>()).unwrap();
-    assert!(
-        split.iter().all(|&x| x),
-        "the sampler node was not found in every decode graph ({split:?}): masked steps still work, sampling twice"
-    );
     let graph_steps = |b: &CudaBackend| b.step_clock().lock().unwrap().graph_steps;
+    // Whether the graph of `batch` rows has its sampler node enabled (off after a masked step).
+    let samples_in_graph = |b: &CudaBackend, batch: usize| {
+        b.with_worker(move |w| w.graphs.graphs().iter().find(|g| g.batch == batch).unwrap().samples_in_graph()).unwrap()
+    };
     let mut rng = Rng::new(12);
     let n = 3;
     let prompts: Vec<Vec<u32>> = (0..n).map(|i| (0..20 + 7 * i).map(|_| rng.below(512) as u32).collect()).collect();
@@ -295,12 +294,20 @@ fn masked_decode_steps_replay_the_graph_with_the_eager_tokens() {
     assert_ne!(tokens(&replayed)[0], 300, "the -inf bias bans token 300");
     // The plan's clone shares the (now filled) mask slots.
     assert_eq!(replayed, eager_as_graph(&b, &plan, 2), "masked replay vs eager");
+    // The tokens are right either way; this is about the launch the split saves.
+    let split = b.with_worker(|w| w.graphs.graphs().iter().map(|g| g.splits_sampler()).collect::<Vec<_>>()).unwrap();
+    assert!(
+        split.iter().all(|&x| x),
+        "the sampler node was not found in every decode graph ({split:?}): masked steps still work, sampling twice"
+    );
+    assert!(!samples_in_graph(&b, 2), "disabling the sampler node failed (see the log): masked steps sample twice");
     advance(&mut last, &mut lens, &active, &replayed);
 
     // 2. The next step has no masks: the graph samples again itself, still the eager tokens.
     let plan = decode(&active, &lens, &last, &tables);
     let replayed = b.step(&plan).unwrap();
     assert_eq!(graph_steps(&b), before + 2);
+    assert!(samples_in_graph(&b, 2), "an unmasked step runs the graph's own sampler again");
     assert_eq!(replayed, eager_as_graph(&b, &plan, 2), "unmasked replay after a masked one vs eager");
     advance(&mut last, &mut lens, &active, &replayed);
 

@@ -32,6 +32,12 @@ impl DecodeGraph {
         self.sampler.is_some()
     }
 
+    /// Whether the graph's sampler node runs at the next launch (tests: off after a masked
+    /// step, on again after an unmasked one).
+    pub fn samples_in_graph(&self) -> bool {
+        self.sampler_on
+    }
+
     /// Asks for the sampler node to run (`on`) or not at the next launch; returns whether it
     /// will. A failed switch is logged and leaves the node as it was: the caller then samples
     /// eagerly after the graph whenever the node did not, which is correct either way.
