@@ -57,11 +57,10 @@ impl Graph {
             // SAFETY: a kernel node of the live graph; the parameters are plain data (all-zero is a
             // valid value to be overwritten) and only `func` is read.
             let mut params: sys::CUDA_KERNEL_NODE_PARAMS_v2 = unsafe { std::mem::zeroed() };
-            // SAFETY: as above; `params` outlives the call.
-            unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) }
-                .result()
-                .ctx("reading a kernel node's parameters")?;
-            if params.func == func {
+            // SAFETY: as above; `params` outlives the call. A node whose parameters cannot be read
+            // (a library's kernel launched some other way) is not ours.
+            let read = unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) }.result();
+            if read.is_ok() && params.func == func {
                 found.push(GraphNode(node));
             }
         }
