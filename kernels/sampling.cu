@@ -1,12 +1,16 @@
 // Token sampling on the device, one block of 512 threads per sequence.
 //
-// Semantics follow mla-core's reference sampler (vLLM order): penalties, then temperature (0 means
+// Semantics follow mla-core's reference sampler (vLLM order): logit bias and the structured-output
+// mask first (a disallowed token is -inf from then on), penalties, then temperature (0 means
 // greedy), top-k, top-p and min-p filtering, then one seeded draw; log-probabilities are those of
 // the unmodified model distribution. The filters are computed as value thresholds instead of a
 // sort: top-k by radix selection of the k-th largest logit, top-p by bisection on the threshold
 // whose kept probability mass first reaches top_p, min-p in closed form. Ties at a threshold are
 // all kept. The draw is a Gumbel-max over the kept tokens with counter-based noise from
-// (seed, token id), so a seed gives the same token whatever the batch looks like.
+// (seed, token id), so a seed gives the same token whatever the batch looks like. A -inf token
+// (masked, or biased by -inf) is never drawn while any token is finite: it may pass a threshold
+// (top-k asking for more tokens than are allowed), but its Gumbel score stays -inf. A row with no
+// finite logit at all takes the greedy token (the lowest index).
 #include "common.cuh"
 
 struct __align__(8) SampleParams {
@@ -17,8 +21,12 @@ struct __align__(8) SampleParams {
     float repetition_penalty, frequency_penalty, presence_penalty;
     int n_logprobs;  // top alternatives to report (0..=20); < 0: no log-probabilities
     unsigned long long seed;
-    int pen_begin, pen_end;  // range of this row's penalty entries
+    int pen_begin, pen_end;    // range of this row's penalty entries
+    int bias_begin, bias_end;  // range of this row's logit-bias entries
+    int mask_row;              // row of the step's mask table; < 0: every token allowed
+    int reserved;
 };
+static_assert(sizeof(SampleParams) == 64, "SampleParams is mirrored by SampleParamsRaw (ops/sampling.rs)");
 
 struct BlockArgmax {
     float v;
@@ -79,7 +87,11 @@ extern "C" __global__ void __launch_bounds__(512)
                   const SampleParams* __restrict__ params,
                   // A device word holding the address of the penalty entries (token, output count, seen in
                   // prompt or output): read at run time, so a captured graph follows the buffer when it grows.
-                  const int* const* __restrict__ penalty_table, float* __restrict__ work, int* __restrict__ out_token,
+                  const int* const* __restrict__ penalty_table,
+                  // Likewise for the logit-bias entries: (token, bias as float bits) pairs.
+                  const int* const* __restrict__ bias_table,
+                  // [mask rows, ceil(vocab / 32)]: bit t % 32 of word t / 32 set = token t allowed.
+                  const unsigned* __restrict__ mask_table, float* __restrict__ work, int* __restrict__ out_token,
                   float* __restrict__ out_logprob, int* __restrict__ out_top_ids, float* __restrict__ out_top_lps) {
     PDL_ENTRY();
     __shared__ float sf[32];
@@ -122,26 +134,45 @@ extern "C" __global__ void __launch_bounds__(512)
         }
     }
 
-    // Penalised working copy (only when a penalty is active).
+    // Working copy (only when the row shapes its logits): masked tokens to -inf, biases added,
+    // then the penalties. Bias entries name each token once, so no two threads write one entry.
     const float* w = raw;
-    if (p.pen_end > p.pen_begin) {
+    const bool masked = p.mask_row >= 0;
+    if (masked || p.bias_end > p.bias_begin || p.pen_end > p.pen_begin) {
         float* wr = work + (size_t)r * vocab;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) wr[i] = raw[i];
-        __syncthreads();
-        const int* pen = *penalty_table;
-        for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
-            const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
-            float v = wr[tok];
-            if (seen && p.repetition_penalty != 1.f) v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
-            if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
-            wr[tok] = v;
+        if (masked) {
+            const unsigned* allowed = mask_table + (size_t)p.mask_row * ((vocab + 31) / 32);
+            for_row(raw, vocab, [&](int i, float v) { wr[i] = (allowed[i >> 5] >> (i & 31)) & 1u ? v : -INFINITY; });
+        } else {
+            for_row(raw, vocab, [&](int i, float v) { wr[i] = v; });
         }
         __syncthreads();
+        if (p.bias_end > p.bias_begin) {
+            const int* bias = *bias_table;
+            for (int e = p.bias_begin + threadIdx.x; e < p.bias_end; e += blockDim.x) {
+                // -inf stays -inf whatever the bias (-inf + -inf, or a masked token's finite bias).
+                const int tok = bias[2 * e];
+                wr[tok] += __int_as_float(bias[2 * e + 1]);
+            }
+            __syncthreads();
+        }
+        if (p.pen_end > p.pen_begin) {
+            const int* pen = *penalty_table;
+            for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
+                const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
+                float v = wr[tok];
+                if (seen && p.repetition_penalty != 1.f)
+                    v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
+                if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
+                wr[tok] = v;
+            }
+            __syncthreads();
+        }
         w = wr;
     }
 
-    int token;
-    if (p.temperature < 1e-5f) {
+    // Greedy: the largest working logit, lowest index on ties (every token -inf: token 0).
+    auto greedy = [&]() {
         float bv = -INFINITY;
         int bi = 0x7fffffff;
         for_row(w, vocab, [&](int i, float v) {
@@ -150,13 +181,19 @@ extern "C" __global__ void __launch_bounds__(512)
                 bi = i;
             }
         });
-        token = block_argmax(bv, bi, sf, si).i;
+        return block_argmax(bv, bi, sf, si).i;
+    };
+    int token;
+    if (p.temperature < 1e-5f) {
+        token = greedy();
     } else {
         const float inv_t = 1.f / p.temperature;
         float wm = -INFINITY;
         for_row(w, vocab, [&](int, float v) { wm = fmaxf(wm, v); });
         wm = block_max(wm, sf);
-        // top-k: the key of the k-th largest value, built bit by bit from the top.
+        // top-k: the key of the k-th largest value, built bit by bit from the top. When fewer than
+        // k tokens are finite it is the key of -inf, which keeps every token; the -inf ones still
+        // cannot win the draw below.
         uint32_t kkey = 0;
         if (p.top_k > 0 && p.top_k < vocab) {
             for (int bit = 31; bit >= 0; --bit) {
@@ -167,8 +204,9 @@ extern "C" __global__ void __launch_bounds__(512)
             }
         }
         // top-p: the largest threshold whose kept mass (relative to the top-k set) reaches top_p.
+        // -inf tokens weigh exp(-inf) = 0.
         uint32_t pkey = kkey;
-        if (p.top_p < 1.f) {
+        if (p.top_p < 1.f && wm > -INFINITY) {
             double z = 0.0;
             for_row(w, vocab, [&](int, float v) {
                 if (float_key(v) >= kkey) z += exp((double)(v - wm) * inv_t);
@@ -190,17 +228,24 @@ extern "C" __global__ void __launch_bounds__(512)
         const float log_min_p = p.min_p > 0.f ? logf(p.min_p) : -INFINITY;
         float bv = -INFINITY;
         int bi = 0x7fffffff;
-        for_row(w, vocab, [&](int i, float v) {
-            const float z = (v - wm) * inv_t;
-            if (float_key(v) < pkey || z < log_min_p) return;
-            const double u = uniform_open(mix64(p.seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
-            const float gumbel = (float)(-log(-log(u)));
-            if (better(z + gumbel, i, bv, bi)) {
-                bv = z + gumbel;
-                bi = i;
-            }
-        });
+        if (wm > -INFINITY) {
+            for_row(w, vocab, [&](int i, float v) {
+                // A -inf token is never a candidate (its score would be -inf, and -inf ties are
+                // broken by index, which could pick it over nothing).
+                if (v == -INFINITY) return;
+                const float z = (v - wm) * inv_t;
+                if (float_key(v) < pkey || z < log_min_p) return;
+                const double u = uniform_open(mix64(p.seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
+                const float gumbel = (float)(-log(-log(u)));
+                if (better(z + gumbel, i, bv, bi)) {
+                    bv = z + gumbel;
+                    bi = i;
+                }
+            });
+        }
         token = block_argmax(bv, bi, sf, si).i;
+        // No candidate (no finite logit in the row): the greedy token. Uniform across the block.
+        if (token == 0x7fffffff) token = greedy();
     }
     if (threadIdx.x == 0) {
         out_token[r] = token;

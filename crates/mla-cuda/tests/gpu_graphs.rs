@@ -7,8 +7,11 @@ mod common;
 
 use common::*;
 use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
+use mla_core::token_mask::{mask_words, MaskWriter, TokenMask};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
+use std::sync::Arc;
+use std::time::Duration;
 
 fn backend(graph_sizes: Vec<usize>) -> CudaBackend {
     let dir = real_dims_dir();
@@ -193,4 +196,144 @@ fn a_long_penalty_history_grows_its_buffer_under_the_graphs() {
         .unwrap()
         .unwrap();
     assert_eq!(replayed, eager);
+}
+
+/// The mask words allowing exactly `allowed` of the fixture's 512 tokens.
+fn allow(allowed: &[u32]) -> Vec<u32> {
+    let mut w = vec![0u32; mask_words(512)];
+    for &t in allowed {
+        w[t as usize / 32] |= 1 << (t % 32);
+    }
+    w
+}
+
+/// Gives every row of `plan` an empty mask slot (and row 0 a -inf bias on `banned`, as min_tokens
+/// does); returns the writers, which the test fills after the step has started, as the engine does.
+fn with_pending_masks(plan: &mut StepPlan, banned: u32) -> Vec<MaskWriter> {
+    let mut writers = Vec::new();
+    for (k, s) in plan.seqs.iter_mut().enumerate() {
+        let (mask, writer) = TokenMask::pending();
+        let r = s.sample.as_mut().unwrap();
+        r.allowed = Some(mask);
+        if k == 0 {
+            r.logit_bias = vec![(banned, f32::NEG_INFINITY)];
+        }
+        writers.push(writer);
+    }
+    writers
+}
+
+/// Starts `plan`, fills its masks with `masks` only once the step is under way (the forward pass
+/// queued, the sampler waiting), and returns the step's output.
+fn step_filling_late(b: &mut CudaBackend, plan: &StepPlan, writers: Vec<MaskWriter>, masks: &[Vec<u32>]) -> StepOutput {
+    b.start_step(&Arc::new(vec![plan.clone()]));
+    std::thread::sleep(Duration::from_millis(30));
+    for (w, m) in writers.into_iter().zip(masks) {
+        w.fill(m.clone());
+    }
+    let mut outs = b.finish_step().unwrap();
+    outs.pop().unwrap()
+}
+
+fn tokens(out: &StepOutput) -> Vec<u32> {
+    out.seqs.iter().map(|s| s.sampled.as_ref().unwrap().token).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn masked_decode_steps_replay_the_graph_with_the_eager_tokens() {
+    let mut b = backend(vec![1, 2, 4]);
+    let graph_steps = |b: &CudaBackend| b.step_clock().lock().unwrap().graph_steps;
+    // Whether the graph of `batch` rows has its sampler node enabled (off after a masked step).
+    let samples_in_graph = |b: &CudaBackend, batch: usize| {
+        b.with_worker(move |w| w.graphs.graphs().iter().find(|g| g.batch == batch).unwrap().samples_in_graph()).unwrap()
+    };
+    let mut rng = Rng::new(12);
+    let n = 3;
+    let prompts: Vec<Vec<u32>> = (0..n).map(|i| (0..20 + 7 * i).map(|_| rng.below(512) as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..n as u32).map(|i| vec![4 * i + 2, 4 * i + 3]).collect();
+    let prefill = StepPlan {
+        kind: StepKind::Prefill,
+        seqs: (0..n).map(|i| seq(i as u64, &prompts[i], 0, &tables[i], LogitsRequest::None, sample(i))).collect(),
+    };
+    let mut last = tokens(&b.step(&prefill).unwrap());
+    let mut lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let advance = |last: &mut Vec<u32>, lens: &mut Vec<usize>, active: &[usize], out: &StepOutput| {
+        for (k, &i) in active.iter().enumerate() {
+            last[i] = out.seqs[k].sampled.as_ref().unwrap().token;
+            lens[i] += 1;
+        }
+    };
+    // The eager step of `plan` with the split count of the graph of `batch` rows (bitwise equal
+    // to an unpadded replay).
+    let eager_as_graph = |b: &CudaBackend, plan: &StepPlan, batch: usize| -> StepOutput {
+        let p = plan.clone();
+        b.with_worker(move |w| {
+            w.model.decode_splits_override = Some(w.model.graph_decode_splits(&w.dev, batch));
+            let out = w.model.step(&w.dev, &p);
+            w.model.decode_splits_override = None;
+            out
+        })
+        .unwrap()
+        .unwrap()
+    };
+
+    // 1. Two sequences (the graph of 2, unpadded), greedy and seeded top-p, each with a few
+    // allowed tokens and sequence 0's best one banned by a -inf bias.
+    let active = [0usize, 1];
+    let allowed = [vec![7u32, 100, 300, 511], vec![1u32, 42, 200, 333, 480]];
+    let mut plan = decode(&active, &lens, &last, &tables);
+    let writers = with_pending_masks(&mut plan, 300);
+    let before = graph_steps(&b);
+    let masks: Vec<Vec<u32>> = allowed.iter().map(|a| allow(a)).collect();
+    let replayed = step_filling_late(&mut b, &plan, writers, &masks);
+    assert_eq!(graph_steps(&b), before + 1, "a masked decode step replays its graph");
+    for (k, t) in tokens(&replayed).iter().enumerate() {
+        assert!(allowed[k].contains(t), "sequence {k} drew {t}, outside its mask {:?}", allowed[k]);
+    }
+    assert_ne!(tokens(&replayed)[0], 300, "the -inf bias bans token 300");
+    // The plan's clone shares the (now filled) mask slots.
+    assert_eq!(replayed, eager_as_graph(&b, &plan, 2), "masked replay vs eager");
+    // The tokens are right either way; this is about the launch the split saves.
+    let split = b.with_worker(|w| w.graphs.graphs().iter().map(|g| g.splits_sampler()).collect::<Vec<_>>()).unwrap();
+    assert!(
+        split.iter().all(|&x| x),
+        "the sampler node was not found in every decode graph ({split:?}): masked steps still work, sampling twice"
+    );
+    assert!(!samples_in_graph(&b, 2), "disabling the sampler node failed (see the log): masked steps sample twice");
+    advance(&mut last, &mut lens, &active, &replayed);
+
+    // 2. The next step has no masks: the graph samples again itself, still the eager tokens.
+    let plan = decode(&active, &lens, &last, &tables);
+    let replayed = b.step(&plan).unwrap();
+    assert_eq!(graph_steps(&b), before + 2);
+    assert!(samples_in_graph(&b, 2), "an unmasked step runs the graph's own sampler again");
+    assert_eq!(replayed, eager_as_graph(&b, &plan, 2), "unmasked replay after a masked one vs eager");
+    advance(&mut last, &mut lens, &active, &replayed);
+
+    // 3. Three sequences pad to the graph of 4: one allowed token each, so the tokens are known.
+    let active = [0usize, 1, 2];
+    let only = [vec![17u32], vec![256u32], vec![511u32]];
+    let mut plan = decode(&active, &lens, &last, &tables);
+    let writers = with_pending_masks(&mut plan, 5);
+    let masks: Vec<Vec<u32>> = only.iter().map(|a| allow(a)).collect();
+    let replayed = step_filling_late(&mut b, &plan, writers, &masks);
+    assert_eq!(graph_steps(&b), before + 3, "a padded masked step replays its graph");
+    assert_eq!(replayed.seqs.len(), 3, "padding rows leaked into the output");
+    assert_eq!(tokens(&replayed), vec![17, 256, 511]);
+    advance(&mut last, &mut lens, &active, &replayed);
+
+    // 4. A mask that never comes (its writer dropped: the engine's constraint failed) fails the
+    // step with an error naming the sequence; the backend goes on.
+    let mut plan = decode(&active, &lens, &last, &tables);
+    let writers = with_pending_masks(&mut plan, 5);
+    b.start_step(&Arc::new(vec![plan.clone()]));
+    let mut writers = writers.into_iter();
+    writers.next().unwrap().fill(allow(&[9]));
+    drop(writers);
+    let err = format!("{:#}", b.finish_step().expect_err("a dropped mask writer fails the step"));
+    assert!(err.contains("sequence 1"), "the error should name the sequence: {err}");
+    let plan = decode(&active, &lens, &last, &tables);
+    let out = b.step(&plan).unwrap();
+    assert_eq!(out.seqs.len(), 3, "the backend steps on after a failed mask");
 }

@@ -19,7 +19,7 @@ pub use blas::{Blas, Gemm, GemmOut};
 pub use buffer::{download as download_slice, DSlice, DeviceBuffer, PinnedBuffer};
 pub use context::{Gpu, GpuInfo};
 pub use event::Event;
-pub use graph::Graph;
+pub use graph::{Graph, GraphNode};
 pub use module::{Arg, Kernel, Modules};
 
 /// A CUDA driver or cuBLAS failure, with what we were doing.

@@ -37,6 +37,11 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// The loaded function (to find this kernel's nodes in a captured graph).
+    pub fn func(&self) -> sys::CUfunction {
+        self.func
+    }
+
     /// Queues the kernel on `stream`. Launch-configuration errors are reported here; faults
     /// inside the kernel surface at the next synchronisation.
     pub fn launch(

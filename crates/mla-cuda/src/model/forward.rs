@@ -277,7 +277,11 @@ impl CudaModel {
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
             me.upload_meta(dev, meta)?;
             let splits = me.default_decode_splits(dev, meta);
-            me.queue_forward(dev, meta, splits, rows)?;
+            // The forward pass is queued before the structured-output masks are waited for, so
+            // the engine computes them while the device runs it.
+            me.queue_model(dev, meta, splits, rows)?;
+            me.upload_masks(dev, meta)?;
+            me.queue_sampler(dev, meta)?;
             me.read_outputs(dev, meta)
         };
         let out = run(self, &mut meta);
@@ -299,15 +303,34 @@ impl CudaModel {
         dev.k.attention.splits(batch, self.cfg.num_attention_heads, self.lim.max_blocks_per_seq)
     }
 
-    /// Queues the copies of the step's metadata and penalty entries (see `MetaBuffers`).
+    /// Queues the copies of the step's metadata, penalty and bias entries (see `MetaBuffers`).
     pub fn upload_meta(&mut self, dev: &Device, meta: &mut StepMeta) -> anyhow::Result<()> {
         self.meta.upload(dev, meta)
     }
 
-    /// Queues the whole forward pass and sampling for an uploaded step (graph-capturable).
+    /// Waits for the step's structured-output masks and queues their copy (see `MetaBuffers`);
+    /// nothing to do for a step without masks. Between the forward pass and the sampler.
+    pub fn upload_masks(&mut self, dev: &Device, meta: &StepMeta) -> anyhow::Result<()> {
+        self.meta.upload_masks(dev, meta)
+    }
+
+    /// Queues the whole forward pass and sampling for an uploaded step (graph-capturable): a
+    /// step whose masks are uploaded already, or one without masks.
     /// `ffn_rows` is how the FFN collectives of DP attention lay out the ranks' rows; other
     /// modes ignore it.
     pub fn queue_forward(
+        &self,
+        dev: &Device,
+        m: &StepMeta,
+        decode_splits: usize,
+        ffn_rows: FfnRows,
+    ) -> anyhow::Result<()> {
+        self.queue_model(dev, m, decode_splits, ffn_rows)?;
+        self.queue_sampler(dev, m)
+    }
+
+    /// Queues the forward pass up to the logits, without the sampler (`queue_forward`).
+    pub fn queue_model(
         &self,
         dev: &Device,
         m: &StepMeta,
@@ -356,6 +379,16 @@ impl CudaModel {
             let head = self.weights.output_projection();
             self.linears.linear_f32_out(dev, &head, rows(&ws.h_rows, hidden), r, rows(&ws.logits, v))?;
         }
+        Ok(())
+    }
+
+    /// Queues the sampler over the step's logits rows (after `queue_model`, and after
+    /// `upload_masks` when the step has masks). One launch; none for a step that samples nothing.
+    pub fn queue_sampler(&self, dev: &Device, m: &StepMeta) -> anyhow::Result<()> {
+        let (s, k) = (dev.stream(), &dev.k);
+        let ws = &self.ws;
+        let cfg = &self.cfg;
+        let words = self.meta.words_for(m.words.len());
         if m.sample_rows > 0 {
             let out = SamplerOutputs {
                 token: ws.sampled_token.slice(),
@@ -370,6 +403,8 @@ impl CudaModel {
                 vocab: cfg.vocab_size,
                 params: m.sampling.on(words),
                 penalty_table: m.penalty_table.on(words),
+                bias_table: m.bias_table.on(words),
+                mask_table: self.meta.mask_table(),
                 work: ws.sample_work.slice(),
                 out,
             };

@@ -1,10 +1,16 @@
 //! Decode steps replayed from a CUDA graph: capture once per batch size, then each step only
 //! uploads its metadata, launches the graph and reads the sampled tokens.
+//!
+//! A step with structured-output masks cannot sample inside the graph: its masks are computed by
+//! the engine while the forward pass runs. Its replay disables the graph's sampler node, launches
+//! the graph, waits for the masks, copies them and launches the sampler on its own, so the mask
+//! computation overlaps the forward pass; the next step without masks enables the node again
+//! (one cheap host call, only when the state changes), so unmasked steps keep their single launch.
 
 use super::forward::{CudaModel, FfnRows, RankMode};
 use super::meta::{MetaLimits, StepMeta};
 use crate::device::Device;
-use crate::gpu::Graph;
+use crate::gpu::{Graph, GraphNode};
 use crate::ops::PAGE_SIZE;
 use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::SamplingParams;
@@ -13,6 +19,58 @@ pub struct DecodeGraph {
     graph: Graph,
     pub batch: usize,
     pub splits: usize,
+    /// The sampler's node, when it was found in the capture (else a masked step lets the graph
+    /// sample and samples again once the masks are in, which overwrites every output).
+    sampler: Option<GraphNode>,
+    /// Whether the sampler node runs at the next launch.
+    sampler_on: bool,
+}
+
+impl DecodeGraph {
+    /// Whether masked steps replaying this graph skip its sampler (tests).
+    pub fn splits_sampler(&self) -> bool {
+        self.sampler.is_some()
+    }
+
+    /// Whether the graph's sampler node runs at the next launch (tests: off after a masked
+    /// step, on again after an unmasked one).
+    pub fn samples_in_graph(&self) -> bool {
+        self.sampler_on
+    }
+
+    /// Asks for the sampler node to run (`on`) or not at the next launch; returns whether it
+    /// will. A failed switch is logged and leaves the node as it was: the caller then samples
+    /// eagerly after the graph whenever the node did not, which is correct either way.
+    fn switch_sampler(&mut self, on: bool) -> bool {
+        if let Some(node) = self.sampler {
+            if self.sampler_on != on {
+                match self.graph.set_enabled(node, on) {
+                    Ok(()) => self.sampler_on = on,
+                    Err(e) => tracing::warn!(
+                        "could not {} the sampler of the decode graph for batch {}: {e}",
+                        if on { "enable" } else { "disable" },
+                        self.batch
+                    ),
+                }
+            }
+        }
+        self.sampler_on
+    }
+}
+
+/// The sampler's node in a captured decode graph, if exactly one kernel node launches it.
+fn find_sampler(dev: &Device, graph: &Graph, batch: usize) -> Option<GraphNode> {
+    match graph.kernel_nodes(dev.k.sampling.sample_tokens_func()) {
+        Ok(nodes) if nodes.len() == 1 => Some(nodes[0]),
+        Ok(nodes) => {
+            tracing::warn!("decode graph for batch {batch}: {} sampler nodes found, expected one; steps with structured-output masks sample twice", nodes.len());
+            None
+        }
+        Err(e) => {
+            tracing::warn!("decode graph for batch {batch}: looking for the sampler node failed ({e}); steps with structured-output masks sample twice");
+            None
+        }
+    }
 }
 
 /// Decode graphs for a set of batch-size buckets, captured once at startup. A decode step of
@@ -59,6 +117,11 @@ fn pad_row(i: usize, pad_block: usize) -> SeqStep {
 impl DecodeGraphs {
     pub fn batch_sizes(&self) -> Vec<usize> {
         self.graphs.iter().map(|g| g.batch).collect()
+    }
+
+    /// The captured graphs, smallest batch first.
+    pub fn graphs(&self) -> &[DecodeGraph] {
+        &self.graphs
     }
 
     pub fn is_empty(&self) -> bool {
@@ -154,7 +217,8 @@ impl CudaModel {
                 break;
             }
             set.bytes += took;
-            set.graphs.push(DecodeGraph { graph, batch: b, splits });
+            let sampler = find_sampler(dev, &graph, b);
+            set.graphs.push(DecodeGraph { graph, batch: b, splits, sampler, sampler_on: true });
         }
         Ok(set)
     }
@@ -197,12 +261,20 @@ impl CudaModel {
     ) -> anyhow::Result<(StepOutput, ReplayTimes)> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
         let words = std::mem::take(&mut set.spare_words);
-        let g = &set.graphs[i];
-        let mut meta = graph_step_meta(plan, &set.pads, g.batch, &self.lim, words)?;
-        let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<(StepOutput, ReplayTimes)> {
+        let batch = set.graphs[i].batch;
+        let mut meta = graph_step_meta(plan, &set.pads, batch, &self.lim, words)?;
+        let g = &mut set.graphs[i];
+        let mut run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<(StepOutput, ReplayTimes)> {
             me.upload_meta(dev, meta)?;
+            let masked = !meta.masks.is_empty();
+            let sampled_in_graph = g.switch_sampler(!masked);
             g.graph.launch(dev.stream())?;
             let launched = std::time::Instant::now();
+            if masked || !sampled_in_graph {
+                // While the device runs the forward pass, the engine computes the masks.
+                me.upload_masks(dev, meta)?;
+                me.queue_sampler(dev, meta)?;
+            }
             let out = me.read_outputs(dev, meta)?;
             Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
         };

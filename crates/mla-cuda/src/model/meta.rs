@@ -3,12 +3,24 @@
 //! `meta_words`) and uploaded with one copy. Decode steps use a layout whose offsets
 //! depend only on the batch size, so a CUDA graph captured for that size stays valid: what changes
 //! between steps (tokens, lengths, block tables, sampling parameters) is data the kernels read,
-//! never a launch argument. The penalty entries, whose count grows with the outputs, live in a
-//! buffer of their own whose address is itself one of the words.
+//! never a launch argument. The penalty and logit-bias entries, whose counts vary without bound,
+//! live in buffers of their own whose addresses are themselves words. Structured-output masks are
+//! not known yet when the words are built (the engine fills them during the forward pass): a
+//! step lists the rows that have one (`MaskRow`), and the model uploads them just before it
+//! queues the sampler.
 
 use super::meta_words::{Arena, Section};
 use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE, PREFILL_TILE_Q};
 use mla_core::plan::{slot_of, LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
+use mla_core::token_mask::TokenMask;
+
+/// A sampled row whose draw a structured-output mask restricts: row `mask_row` of the step's
+/// mask table (the rows' order in `StepMeta::masks`).
+#[derive(Debug, Clone)]
+pub struct MaskRow {
+    pub seq_id: u64,
+    pub mask: TokenMask,
+}
 
 /// What the host needs to turn device results into a `StepOutput`.
 #[derive(Debug, Clone)]
@@ -87,6 +99,12 @@ pub struct StepMeta {
     /// Penalty entries, three words each (token, output count, seen flag); `sampling` rows index
     /// them by entry.
     pub penalties: Vec<i32>,
+    /// One word the model fills with the device address of `biases` when it uploads.
+    pub bias_table: Section<u64>,
+    /// Logit-bias entries, two words each (token, bias as `f32` bits); rows index them by entry.
+    pub biases: Vec<i32>,
+    /// The masked rows, in mask-table order (`SampleParamsRaw::mask_row`).
+    pub masks: Vec<MaskRow>,
     pub layout: StepLayout,
     pub outputs: Vec<SeqOut>,
 }
@@ -136,13 +154,13 @@ impl MetaLimits {
     /// uploads into a buffer of its own (`MetaBuffers`).
     pub fn words(&self) -> usize {
         let (t, s) = (self.max_tokens, self.max_seqs);
-        // tokens/positions/slots, output rows, sampling params (12 words each), the penalty
-        // address, decode lengths and block tables, prefill offsets, tiles and key windows; a few
-        // words of alignment between sections.
+        // tokens/positions/slots, output rows, sampling params (16 words each), the penalty and
+        // bias addresses, decode lengths and block tables, prefill offsets, tiles and key windows;
+        // a few words of alignment between sections.
         3 * t
             + self.max_logit_rows
-            + 12 * s
-            + 2
+            + 16 * s
+            + 4
             + s
             + 1
             + s * self.max_blocks_per_seq
@@ -180,8 +198,17 @@ struct Common {
     sample_rows: usize,
     outputs: Vec<SeqOut>,
     sampling: Section<SampleParamsRaw>,
+    side: SideTables,
+}
+
+/// What `push_sampling` builds besides the parameters: the entry tables the rows index, their
+/// address words, and the masked rows.
+struct SideTables {
     penalty_table: Section<u64>,
     penalties: Vec<i32>,
+    bias_table: Section<u64>,
+    biases: Vec<i32>,
+    masks: Vec<MaskRow>,
 }
 
 impl StepMeta {
@@ -218,9 +245,8 @@ impl StepMeta {
         let mut a = Arena { words };
         let (token_ids, positions, slots) = push_tokens(&mut a, rows, t, lim)?;
         let (logit_src, sample_rows, outputs) = push_outputs(&mut a, rows, lim)?;
-        let (sampling, penalty_table, penalties) = push_sampling(&mut a, rows, sample_rows, lim)?;
-        let common =
-            Common { token_ids, positions, slots, logit_src, sample_rows, outputs, sampling, penalty_table, penalties };
+        let (sampling, side) = push_sampling(&mut a, rows, sample_rows, lim)?;
+        let common = Common { token_ids, positions, slots, logit_src, sample_rows, outputs, sampling, side };
         let layout = match kind {
             StepKind::Decode => StepLayout::Decode(push_decode_tables(&mut a, rows, lim)),
             StepKind::Prefill => StepLayout::Prefill(push_prefill_tiles(&mut a, seqs, lim)),
@@ -235,8 +261,11 @@ impl StepMeta {
             logit_src: common.logit_src,
             sample_rows: common.sample_rows,
             sampling: common.sampling,
-            penalty_table: common.penalty_table,
-            penalties: common.penalties,
+            penalty_table: common.side.penalty_table,
+            penalties: common.side.penalties,
+            bias_table: common.side.bias_table,
+            biases: common.side.biases,
+            masks: common.side.masks,
             layout,
             outputs: common.outputs,
         })
@@ -309,45 +338,60 @@ fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<(
     Ok((a.push(&src), sample_rows, outputs))
 }
 
-/// The sampling parameters of every sampling row, the penalty address word, and the penalty
-/// entries (unique tokens of each penalised history).
+/// The sampling parameters of every sampling row, the penalty and bias address words, the
+/// penalty entries (unique tokens of each penalised history), the bias entries, and the rows
+/// with a structured-output mask.
 fn push_sampling(
     a: &mut Arena,
     rows: Rows,
     sample_rows: usize,
     lim: &MetaLimits,
-) -> anyhow::Result<(Section<SampleParamsRaw>, Section<u64>, Vec<i32>)> {
+) -> anyhow::Result<(Section<SampleParamsRaw>, SideTables)> {
     let params = a.section::<SampleParamsRaw>(sample_rows);
     let penalty_table = a.section::<u64>(1);
+    let bias_table = a.section::<u64>(1);
     let mut pen: Vec<i32> = Vec::new();
+    let mut biases: Vec<i32> = Vec::new();
+    let mut masks: Vec<MaskRow> = Vec::new();
     let mut history: Vec<(u32, bool)> = Vec::new();
     let sampled = rows.iter().filter_map(|sq| sq.sample.as_ref().map(|r| (sq.seq_id, r)));
     for (row, (seq_id, req)) in sampled.enumerate() {
-        let begin = (pen.len() / 3) as i32;
+        let pen_begin = (pen.len() / 3) as i32;
         if req.params.has_penalties() {
             if let Some(h) = &req.penalty {
                 penalty_entries(&h.prompt, &h.output, lim.vocab, &mut history, &mut pen);
             }
         }
-        let raw = sample_params(seq_id, req, lim.vocab, begin, (pen.len() / 3) as i32)?;
+        let bias_begin = (biases.len() / 2) as i32;
+        bias_entries(&req.logit_bias, lim.vocab, &mut biases);
+        let mask_row = match &req.allowed {
+            Some(mask) => {
+                masks.push(MaskRow { seq_id, mask: mask.clone() });
+                masks.len() as i32 - 1
+            }
+            None => -1,
+        };
+        let ranges = EntryRanges {
+            pen: (pen_begin, (pen.len() / 3) as i32),
+            bias: (bias_begin, (biases.len() / 2) as i32),
+            mask_row,
+        };
+        let raw = sample_params(seq_id, req, lim.vocab, ranges)?;
         a.set(params, row, &raw);
     }
-    Ok((params, penalty_table, pen))
+    Ok((params, SideTables { penalty_table, penalties: pen, bias_table, biases, masks }))
+}
+
+/// Where one row's entries sit in the step's tables.
+struct EntryRanges {
+    pen: (i32, i32),
+    bias: (i32, i32),
+    mask_row: i32,
 }
 
 /// One row's parameters as the sampler kernel reads them.
-fn sample_params(
-    seq_id: u64,
-    req: &SampleRequest,
-    vocab: usize,
-    pen_begin: i32,
-    pen_end: i32,
-) -> anyhow::Result<SampleParamsRaw> {
+fn sample_params(seq_id: u64, req: &SampleRequest, vocab: usize, at: EntryRanges) -> anyhow::Result<SampleParamsRaw> {
     let p = &req.params;
-    anyhow::ensure!(
-        !req.shapes_logits(),
-        "sequence {seq_id}: logit_bias, min_tokens and structured output are not supported by the CUDA sampler yet"
-    );
     let n_logprobs = match req.top_logprobs {
         Some(k) if k > MAX_TOP_LOGPROBS => {
             anyhow::bail!(
@@ -371,9 +415,35 @@ fn sample_params(
         presence_penalty: p.presence_penalty,
         n_logprobs,
         seed: req.seed,
-        pen_begin,
-        pen_end,
+        pen_begin: at.pen.0,
+        pen_end: at.pen.1,
+        bias_begin: at.bias.0,
+        bias_end: at.bias.1,
+        mask_row: at.mask_row,
+        reserved: 0,
     })
+}
+
+/// Appends one request's logit-bias entries, two words each (token, bias as `f32` bits), in the
+/// request's order (sorted, each token once); tokens outside the vocabulary are dropped, as the
+/// host sampler ignores them.
+/// A list that breaks that promise is sorted and its repeats summed here, since the kernel adds
+/// a row's entries in parallel and two entries of one token would race.
+fn bias_entries(bias: &[(u32, f32)], vocab: usize, out: &mut Vec<i32>) {
+    let mut push = |tk: u32, b: f32| {
+        if (tk as usize) < vocab {
+            out.extend_from_slice(&[tk as i32, b.to_bits() as i32]);
+        }
+    };
+    if bias.windows(2).all(|w| w[0].0 < w[1].0) {
+        bias.iter().for_each(|&(tk, b)| push(tk, b));
+        return;
+    }
+    let mut sorted = bias.to_vec();
+    sorted.sort_by_key(|e| e.0);
+    for run in sorted.chunk_by(|x, y| x.0 == y.0) {
+        push(run[0].0, run.iter().map(|e| e.1).sum());
+    }
 }
 
 /// Appends the penalty entries of one history, three words each (token, occurrences in the
@@ -603,6 +673,48 @@ mod tests {
         // The entries live in their own buffer: the words end at the used block tables.
         let d = m.decode().unwrap();
         assert_eq!(m.words.len(), d.block_tables.off + 2);
+    }
+
+    #[test]
+    fn bias_entries_and_mask_rows_are_packed_per_row() {
+        use mla_core::token_mask::TokenMask;
+        // Row 0: bias on 2 tokens plus one outside the vocabulary (dropped) and a mask; row 1:
+        // nothing; row 2: a -inf bias (min_tokens) and a mask still being computed.
+        let mut a = sampled(seq(1, 7, 1, vec![0]), None);
+        let r = a.sample.as_mut().unwrap();
+        r.logit_bias = vec![(4, 2.5), (9, -100.0), (900, 1.0)];
+        r.allowed = Some(TokenMask::ready(vec![u32::MAX; 16]));
+        let b = sampled(seq(2, 7, 1, vec![1]), None);
+        let mut c = sampled(seq(3, 7, 1, vec![2]), None);
+        let (pending, _writer) = TokenMask::pending();
+        let r = c.sample.as_mut().unwrap();
+        r.logit_bias = vec![(1, f32::NEG_INFINITY)];
+        r.allowed = Some(pending);
+        let plan = StepPlan { kind: StepKind::Decode, seqs: vec![a, b, c] };
+        let m = StepMeta::build(&plan, &lim()).unwrap();
+        let bits = |x: f32| x.to_bits() as i32;
+        assert_eq!(m.biases, vec![4, bits(2.5), 9, bits(-100.0), 1, bits(f32::NEG_INFINITY)]);
+        let params = m.sampling.read(&m.words);
+        let row = |r: usize| (params[r].bias_begin, params[r].bias_end, params[r].mask_row);
+        assert_eq!((row(0), row(1), row(2)), ((0, 2, 0), (2, 2, -1), (2, 3, 1)));
+        assert_eq!(m.masks.iter().map(|x| x.seq_id).collect::<Vec<_>>(), vec![1, 3]);
+        assert!(params.iter().all(|p| p.reserved == 0 && p.pen_begin == p.pen_end));
+        // The bias address word sits next to the penalty one, at offsets that depend only on
+        // the batch size (a captured graph reads both).
+        assert_eq!(m.bias_table.off, m.penalty_table.off + 2);
+        let plain =
+            StepPlan { kind: StepKind::Decode, seqs: (1..4).map(|i| sampled(seq(i, 7, 1, vec![0]), None)).collect() };
+        let mp = StepMeta::build(&plain, &lim()).unwrap();
+        assert_eq!((mp.bias_table, mp.sampling.off), (m.bias_table, m.sampling.off));
+        assert!(mp.biases.is_empty() && mp.masks.is_empty());
+        assert!(mp.sampling.read(&mp.words).iter().all(|p| p.mask_row == -1 && p.bias_begin == p.bias_end));
+    }
+
+    #[test]
+    fn unsorted_or_repeated_bias_entries_are_merged() {
+        let mut out = Vec::new();
+        bias_entries(&[(7, 1.0), (3, 2.0), (7, 0.5)], 512, &mut out);
+        assert_eq!(out, vec![3, 2f32.to_bits() as i32, 7, 1.5f32.to_bits() as i32]);
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub unsafe trait MetaValue: Copy + 'static {}
 unsafe impl MetaValue for i32 {}
 // SAFETY: a primitive of 8 bytes; holds device addresses.
 unsafe impl MetaValue for u64 {}
-// SAFETY: repr(C), 48 bytes: eight 4-byte fields, a u64, two 4-byte fields; no padding (its
+// SAFETY: repr(C), 64 bytes: eight 4-byte fields, a u64, six 4-byte fields; no padding (its
 // definition asserts the size).
 unsafe impl MetaValue for SampleParamsRaw {}
 
@@ -125,11 +125,11 @@ mod tests {
         let p = a.push(&[params, SampleParamsRaw::default()]);
         assert_eq!((ints.off, ints.len, addr.off, p.off), (1, 2, 4, 6));
         assert_eq!(a.words[3], 0, "the alignment gap is zeroed");
-        assert_eq!(words_of::<SampleParamsRaw>(), 12);
-        assert_eq!(a.words.len(), 6 + 24);
+        assert_eq!(words_of::<SampleParamsRaw>(), 16);
+        assert_eq!(a.words.len(), 6 + 32);
         assert_eq!(ints.read(&a.words), vec![1, 2]);
         assert_eq!(addr.read(&a.words), vec![0x1122_3344_5566_7788]);
         assert_eq!(p.read(&a.words)[0], params);
-        assert_eq!(p.words(), 6..30);
+        assert_eq!(p.words(), 6..38);
     }
 }

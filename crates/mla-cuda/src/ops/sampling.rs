@@ -3,7 +3,7 @@
 use super::dims::MAX_TOP_LOGPROBS;
 use super::ensure_len;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
-use cudarc::driver::sys::CUstream;
+use cudarc::driver::sys::{CUfunction, CUstream};
 
 pub struct SamplingKernels {
     sample_tokens: Kernel,
@@ -11,7 +11,7 @@ pub struct SamplingKernels {
 
 /// Mirror of the kernel's `SampleParams` (same field order, sizes and alignment).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SampleParamsRaw {
     pub temperature: f32,
     pub top_p: f32,
@@ -26,9 +26,39 @@ pub struct SampleParamsRaw {
     /// This row's penalty entries, `[pen_begin, pen_end)` of the step's penalty table.
     pub pen_begin: i32,
     pub pen_end: i32,
+    /// This row's logit-bias entries, `[bias_begin, bias_end)` of the step's bias table.
+    pub bias_begin: i32,
+    pub bias_end: i32,
+    /// This row's row of the step's mask table; negative: every token allowed.
+    pub mask_row: i32,
+    /// Zero (keeps the size a multiple of 8 without padding bytes).
+    pub reserved: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<SampleParamsRaw>() == 48);
+/// Zero everywhere but `mask_row`, which is -1: no mask (row 0 would be a mask).
+impl Default for SampleParamsRaw {
+    fn default() -> Self {
+        SampleParamsRaw {
+            temperature: 0.0,
+            top_p: 0.0,
+            min_p: 0.0,
+            top_k: 0,
+            repetition_penalty: 0.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            n_logprobs: 0,
+            seed: 0,
+            pen_begin: 0,
+            pen_end: 0,
+            bias_begin: 0,
+            bias_end: 0,
+            mask_row: -1,
+            reserved: 0,
+        }
+    }
+}
+
+const _: () = assert!(std::mem::size_of::<SampleParamsRaw>() == 64);
 
 /// Where the sampler writes, sized for the rows of one launch.
 pub struct SamplerOutputs<'a> {
@@ -51,7 +81,13 @@ pub struct Sample<'a> {
     /// count, seen-anywhere flag) that the rows index by `[pen_begin, pen_end)`. Read at run time,
     /// so the entries may move between steps without invalidating a captured graph.
     pub penalty_table: DSlice<'a, u64>,
-    /// `[rows, vocab]` scratch for the penalised logits.
+    /// Likewise one word holding the address of the logit-bias entries: pairs (token, bias as
+    /// `f32` bits) that the rows index by `[bias_begin, bias_end)`.
+    pub bias_table: DSlice<'a, u64>,
+    /// `[mask rows, vocab.div_ceil(32)]` allowed-token bits, indexed by the rows' `mask_row`
+    /// (bit `t % 32` of word `t / 32`: token `t` may be drawn). Read only by rows with a mask.
+    pub mask_table: DSlice<'a, u32>,
+    /// `[rows, vocab]` scratch for the shaped (biased, masked, penalised) logits.
     pub work: DSlice<'a, f32>,
     pub out: SamplerOutputs<'a>,
 }
@@ -59,6 +95,11 @@ pub struct Sample<'a> {
 impl SamplingKernels {
     pub fn load(m: &Modules) -> anyhow::Result<Self> {
         Ok(SamplingKernels { sample_tokens: m.kernel("sampling", "sample_tokens")? })
+    }
+
+    /// The sampler's function, to find its node in a captured graph.
+    pub fn sample_tokens_func(&self) -> CUfunction {
+        self.sample_tokens.func()
     }
 
     pub fn sample(&self, s: CUstream, p: &Sample) -> anyhow::Result<()> {
@@ -70,6 +111,7 @@ impl SamplingKernels {
         ensure_len!(p.logits, (rows - 1) * stride + vocab, "logits");
         ensure_len!(p.params, rows, "sampling parameters");
         ensure_len!(p.penalty_table, 1, "penalty table address");
+        ensure_len!(p.bias_table, 1, "logit-bias table address");
         ensure_len!(p.work, rows * vocab, "sampling workspace");
         ensure_len!(p.out.token, rows, "sampled tokens");
         ensure_len!(p.out.logprob, rows, "sampled log-probabilities");
@@ -86,6 +128,8 @@ impl SamplingKernels {
                 Arg::I32(vocab as i32),
                 Arg::Ptr(p.params.ptr),
                 Arg::Ptr(p.penalty_table.ptr),
+                Arg::Ptr(p.bias_table.ptr),
+                Arg::Ptr(p.mask_table.ptr),
                 Arg::Ptr(p.work.ptr),
                 Arg::Ptr(p.out.token.ptr),
                 Arg::Ptr(p.out.logprob.ptr),
