@@ -206,6 +206,11 @@ impl StepPlan {
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
     }
+
+    /// Whether a draw of this plan waits for a structured-output mask not yet computed.
+    pub fn has_pending_masks(&self) -> bool {
+        self.seqs.iter().any(|s| s.sample.as_ref().and_then(|r| r.allowed.as_ref()).is_some_and(|m| !m.is_filled()))
+    }
 }
 
 /// Physical cache slot (block * block_size + offset) of logical position `pos`.

@@ -90,6 +90,11 @@ impl TokenMask {
         Ok(words)
     }
 
+    /// Whether the engine has filled (or given up on) the mask.
+    pub fn is_filled(&self) -> bool {
+        !matches!(*self.0.state.lock().unwrap_or_else(|p| p.into_inner()), State::Pending)
+    }
+
     /// The words if already filled (for comparisons and serialisation of finished plans).
     fn peek(&self) -> Option<MaskWords> {
         match &*self.0.state.lock().unwrap_or_else(|p| p.into_inner()) {

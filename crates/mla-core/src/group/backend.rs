@@ -41,12 +41,14 @@ pub struct GroupBackend<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
     refused: Option<anyhow::Error>,
     /// A rank failed: the group's collectives are broken for good.
     broken: Option<String>,
+    /// A step waiting to be sent to the other nodes (see `start_step`).
+    unsent: Option<Arc<NodeStep>>,
 }
 
 impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> GroupBackend<W> {
     pub fn new(parts: GroupParts<W>) -> Self {
         let world = parts.local.len() + parts.remotes.iter().map(|(_, n)| n).sum::<usize>();
-        GroupBackend { p: parts, world, refused: None, broken: None }
+        GroupBackend { p: parts, world, refused: None, broken: None, unsent: None }
     }
 
     pub fn world(&self) -> usize {
@@ -82,6 +84,12 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> GroupBackend<W> {
             }
         }
         Ok(())
+    }
+
+    fn send_to_nodes(&mut self, step: &NodeStep) {
+        for (r, _) in &mut self.p.remotes {
+            r.start(step);
+        }
     }
 
     fn abort_all(&mut self) {
@@ -131,8 +139,14 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> Backend for GroupBacke
         }
         let agreed = self.p.dp_attention.then(|| agree(plans, &self.p.graph_batches, self.p.graphable));
         let step = Arc::new(NodeStep { plans: plans.clone(), agreed });
-        for (r, _) in &mut self.p.remotes {
-            r.start(&step);
+        // Other nodes get the plans serialised, and a structured-output mask serialises as its
+        // words, which the engine computes only after this returns: such a step goes out at
+        // the start of `finish_step` instead (the local ranks start now and wait for the
+        // remote ones in their first collective).
+        if plans.iter().any(StepPlan::has_pending_masks) {
+            self.unsent = Some(step.clone());
+        } else {
+            self.send_to_nodes(&step);
         }
         for t in &mut self.p.local {
             t.start_step(&step);
@@ -140,6 +154,9 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> Backend for GroupBacke
     }
 
     fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        if let Some(step) = self.unsent.take() {
+            self.send_to_nodes(&step);
+        }
         if let Some(e) = self.refused.take() {
             return Err(e);
         }
