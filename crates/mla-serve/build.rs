@@ -5,7 +5,10 @@ use std::fmt::Write;
 use std::path::Path;
 
 fn main() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    // Read at run time, not baked in with env!(): a build-script binary reused from another
+    // checkout sharing the target directory (a git worktree) must read this checkout's configs.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let dir = Path::new(&manifest).join("../../configs");
     println!("cargo:rerun-if-changed={}", dir.display());
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
         .expect("configs/ next to the workspace root")
