@@ -23,6 +23,7 @@ fn req(prompt_len: usize, n: usize, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        prompt_logprobs: None,
         owner: None,
     }
 }
