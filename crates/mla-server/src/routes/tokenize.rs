@@ -6,6 +6,7 @@ use crate::extract::JsonObject;
 use crate::protocol::parse_fields;
 use crate::protocol::tokenize::*;
 use crate::state::{blocking, AppState};
+use crate::text::ChatPromptOptions;
 use crate::validate::{messages::template_messages, token_id};
 use axum::extract::State;
 use axum::Json;
@@ -50,7 +51,8 @@ pub async fn tokenize(
             let messages = template_messages(&messages)?;
             let generation_prompt = wire.add_generation_prompt.unwrap_or(true);
             // No length limit: the body-size limit bounds the work, and the count is the answer.
-            blocking(move || text.chat_prompt_with(&messages, usize::MAX, generation_prompt)).await?
+            let options = ChatPromptOptions { add_generation_prompt: generation_prompt, ..Default::default() };
+            blocking(move || text.chat_prompt(&messages, usize::MAX, &options)).await?
         }
         _ => return Err(ApiError::invalid("prompt", "send exactly one of `prompt` and `messages`")),
     };

@@ -71,7 +71,7 @@ impl ModelLimits {
             max_tokens,
             stop_token_ids,
             logprobs: params.logprobs,
-            prompt_logprobs: None,
+            prompt_logprobs: params.prompt_logprobs,
             owner: None,
         })
     }
