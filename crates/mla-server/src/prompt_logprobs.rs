@@ -47,10 +47,13 @@ pub fn legacy_entries(
     let Some(&first) = prompt.first() else { return vec![] };
     let mut out = vec![LegacyEntry { token: name(first), logprob: None, top: None }];
     out.extend(entries.iter().map(|e| {
-        let mut top: Vec<(String, f32)> = e.top.iter().take(k).map(|&(id, lp)| (name(id), lp)).collect();
+        // The prompt token first, as vLLM orders them: where two tokens share a name, the
+        // alternative's entry is the one a name-keyed object keeps.
+        let mut top = vec![];
         if !e.top.iter().take(k).any(|&(id, _)| id == e.token) {
             top.push((name(e.token), e.logprob));
         }
+        top.extend(e.top.iter().take(k).map(|&(id, lp)| (name(id), lp)));
         LegacyEntry { token: name(e.token), logprob: Some(e.logprob), top: Some(top) }
     }));
     out
