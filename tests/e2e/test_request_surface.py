@@ -201,3 +201,14 @@ def test_unknown_fields_are_logged_once_per_name(client, demo):
     lines = [l for l in demo.log_text().splitlines() if "surely_not_a_field" in l]
     assert len(lines) == 1 and "ignored" in lines[0]
     assert not any("ignored" in l and "user" in l.split("ignored:")[-1] for l in demo.log_text().splitlines())
+
+
+def test_tokenize_takes_the_chat_prompt_options(client, demo):
+    convo = USER + [{"role": "assistant", "content": "Once"}]
+    body = {"messages": convo, "add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"thinking": True}}
+    ids = requests.post(demo.base + "/tokenize", json=body, timeout=30).json()["tokens"]
+    extra = {k: v for k, v in body.items() if k != "messages"}
+    assert len(ids) == prompt_tokens(client, convo, **extra)
+    r = requests.post(demo.base + "/tokenize", json={**body, "add_generation_prompt": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
