@@ -11,7 +11,7 @@
 //! until its prompt logprobs are complete (see `Scheduler`), as in vLLM.
 
 use crate::api::PromptTokenLogprob;
-use mla_core::sampling::{log_softmax, top_k_entries};
+use mla_core::sampling::top_k_entries;
 
 /// Most prompt positions one step asks all logits for, per sequence: a row is `vocab_size`
 /// floats (0.5 MB for DeepSeek's 129K vocabulary), so a whole 8K-token chunk would move 4 GB
@@ -67,12 +67,17 @@ impl PromptLogprobs {
 }
 
 /// `token`'s log-probability under `logits`, its rank (1 + the number of tokens scored higher,
-/// as vLLM counts it) and the `k` most likely tokens.
+/// as vLLM counts it) and the `k` most likely tokens. This runs on the engine thread for every
+/// prompt position, so it makes one pass for the normaliser (as `log_softmax` computes it, in
+/// f64) and one for the rank, and normalises only the values it returns.
 pub fn score(logits: &[f32], token: u32, k: usize) -> PromptTokenLogprob {
-    let lp = log_softmax(logits);
-    let logprob = lp[token as usize];
-    let rank = 1 + lp.iter().filter(|&&x| x > logprob).count() as u32;
-    PromptTokenLogprob { token, logprob, rank, top: top_k_entries(&lp, k) }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+    let logprob = |x: f32| (x as f64 - lse) as f32;
+    let own = logits[token as usize];
+    let rank = 1 + logits.iter().filter(|&&x| x > own).count() as u32;
+    let top = top_k_entries(logits, k).into_iter().map(|(id, x)| (id, logprob(x))).collect();
+    PromptTokenLogprob { token, logprob: logprob(own), rank, top }
 }
 
 #[cfg(test)]
@@ -106,6 +111,11 @@ mod tests {
 
     #[test]
     fn score_matches_log_softmax() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1013) as f32 / 97.0).collect();
+        let lp = mla_core::sampling::log_softmax(&logits);
+        let s = score(&logits, 5, 4);
+        assert_eq!(s.logprob, lp[5]);
+        assert_eq!(s.top, top_k_entries(&lp, 4));
         let s = score(&[1.0, 2.0, 3.0], 0, 2);
         let z = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
         assert!((s.logprob as f64 - (1.0 - z)).abs() < 1e-6);

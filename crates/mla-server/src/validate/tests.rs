@@ -151,3 +151,19 @@ fn generation_config_max_new_tokens_replaces_the_default() {
     let r = l.engine_request(&p, vec![7; 30], MaxTokensDefault::RestOfContext, "messages").unwrap();
     assert_eq!(r.max_tokens, 5);
 }
+
+#[test]
+fn prompt_logprobs_and_usage_options_follow_vllm() {
+    let p = validate(json!({"prompt_logprobs": 3, "include_stop_str_in_output": true})).unwrap();
+    assert_eq!((p.prompt_logprobs, p.include_stop_str), (Some(3), true));
+    assert_eq!(param_of(validate(json!({"prompt_logprobs": 21})).unwrap_err()), "prompt_logprobs");
+    assert_eq!(param_of(validate(json!({"prompt_logprobs": -1})).unwrap_err()), "prompt_logprobs");
+    // A stream has no place for them; 0 asks for none, so it passes (and computes nothing).
+    let streamed = json!({"prompt_logprobs": 1, "stream": true});
+    assert_eq!(param_of(validate(streamed).unwrap_err()), "prompt_logprobs");
+    assert_eq!(validate(json!({"prompt_logprobs": 0, "stream": true})).unwrap().prompt_logprobs, None);
+    // Per-chunk usage only where the final usage is asked for.
+    let opts = |o: serde_json::Value| validate(json!({"stream": true, "stream_options": o})).unwrap().continuous_usage;
+    assert!(opts(json!({"include_usage": true, "continuous_usage_stats": true})));
+    assert!(!opts(json!({"continuous_usage_stats": true})));
+}
