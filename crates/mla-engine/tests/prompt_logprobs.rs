@@ -64,3 +64,22 @@ fn prompt_logprobs_are_exact_across_chunks_sharing_and_a_warm_prefix_cache() {
     wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
     engine.shutdown(Duration::from_secs(1));
 }
+
+#[test]
+fn prompt_logprobs_survive_preemption() {
+    // 16 blocks of 4 tokens: a long-running request and a scored one do not fit together, so
+    // the newer is preempted (during its prefill or after) and recomputed.
+    let backend = HistoryBackend::new(CacheLayout { block_size: 4, num_blocks: 16 }, MAX_LEN);
+    let engine = Engine::start(Box::new(backend), engine_config(MAX_LEN)).unwrap();
+    let long: Vec<u32> = (0..10).map(|i| (i * 5 % 60 + 2) as u32).collect();
+    let scored: Vec<u32> = (0..30).map(|i| (i * 11 % 60 + 1) as u32).collect();
+    let mut a = engine.submit(request(long, SamplingParams::greedy(), None, 40)).unwrap();
+    let mut b =
+        engine.submit(GenerateRequest { max_tokens: 20, ..with_prompt_logprobs(scored.clone(), 1, 3) }).unwrap();
+    let (ca, cb) = (collect(&mut a, 1), collect(&mut b, 1));
+    assert_eq!((ca.error, cb.error), (None, None));
+    let got: Vec<_> = cb.prompt_logprobs.unwrap().into_iter().map(|e| (e.token, e.logprob, e.rank, e.top)).collect();
+    assert_eq!(got, expected(&scored, 3));
+    assert!(engine.stats().preemptions_total > 0, "the cache was meant to force preemption");
+    engine.shutdown(Duration::from_secs(1));
+}
