@@ -212,3 +212,13 @@ def test_tokenize_takes_the_chat_prompt_options(client, demo):
     assert len(ids) == prompt_tokens(client, convo, **extra)
     r = requests.post(demo.base + "/tokenize", json={**body, "add_generation_prompt": True}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_add_special_tokens(client):
+    def count(**extra):
+        return client.completions.create(model="demo", prompt="Hello", max_tokens=1, extra_body=extra).usage.prompt_tokens
+
+    assert count(add_special_tokens=False) == count() - 1, "no BOS"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=USER, max_tokens=1, extra_body={"add_special_tokens": True})
+    assert e.value.body["param"] == "add_special_tokens"

@@ -121,11 +121,18 @@ impl TextPipeline {
         }
     }
 
-    /// A completions text prompt, with the tokenizer's special tokens (BOS) as vLLM adds them;
-    /// `field` names it in the error when it is clearly longer than `max_tokens`.
-    pub fn encode_prompt(&self, text: &str, max_tokens: usize, field: &str) -> Result<Vec<u32>, ApiError> {
+    /// A completions text prompt, with the tokenizer's special tokens (BOS) unless
+    /// `add_special_tokens` is false (vLLM's default and field); `field` names it in the error
+    /// when it is clearly longer than `max_tokens`.
+    pub fn encode_prompt(
+        &self,
+        text: &str,
+        max_tokens: usize,
+        field: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ApiError> {
         self.refuse_clearly_over(text, max_tokens, field)?;
-        self.tokenizer.encode(text, true).map_err(internal)
+        self.tokenizer.encode(text, add_special_tokens).map_err(internal)
     }
 
     fn refuse_clearly_over(&self, text: &str, limit: usize, field: &str) -> Result<(), ApiError> {

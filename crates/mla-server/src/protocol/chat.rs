@@ -20,6 +20,9 @@ pub struct ChatWire {
     /// Let special-token text inside message content become special tokens (off: such text is
     /// tokenized as the plain text it is, so content cannot forge turns).
     pub parse_special_tokens_in_content: Option<bool>,
+    /// vLLM's: add the tokenizer's special tokens on top of the template's; only false (the
+    /// default) is supported, as the templates write BOS themselves.
+    pub add_special_tokens: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

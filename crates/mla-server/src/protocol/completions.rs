@@ -11,6 +11,8 @@ pub struct CompletionWire {
     /// Number of alternatives to report per token (OpenAI's completions form: an integer).
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
+    /// vLLM's: text prompts get the tokenizer's special tokens (BOS); default true.
+    pub add_special_tokens: Option<bool>,
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists.

@@ -52,6 +52,7 @@ pub async fn handle(
         params.prompt_logprobs = Some(params.prompt_logprobs.map_or(k, |p| p.max(k)));
     }
     let inputs = prompt_inputs(wire.prompt, state.limits.vocab_size)?;
+    let add_special_tokens = wire.add_special_tokens.unwrap_or(true);
     state.check_batch_shape(inputs.len(), params.n)?;
 
     let text = state.text.clone();
@@ -63,7 +64,9 @@ pub async fn handle(
             .into_iter()
             .enumerate()
             .map(|(i, p)| match p {
-                PromptInput::Text(s) => Ok((text.encode_prompt(&s, max_model_len, &prompt_field(single, i))?, s)),
+                PromptInput::Text(s) => {
+                    Ok((text.encode_prompt(&s, max_model_len, &prompt_field(single, i), add_special_tokens)?, s))
+                }
                 PromptInput::Tokens(ids) => {
                     let echo_text = if echo { text.decode(&ids, false)? } else { String::new() };
                     Ok((ids, echo_text))

@@ -25,6 +25,12 @@ pub fn chat_prompt_options(w: &ChatWire, messages: &[Value]) -> Result<ChatPromp
             "`continue_final_message` needs the final message to be an assistant message to continue",
         ));
     }
+    if w.add_special_tokens == Some(true) {
+        return Err(ApiError::invalid(
+            "add_special_tokens",
+            "`add_special_tokens: true` is not supported for chat: the chat template writes the special tokens",
+        ));
+    }
     let template_kwargs = match &w.chat_template_kwargs {
         None | Some(Value::Null) => None,
         Some(Value::Object(kwargs)) => {
