@@ -136,3 +136,19 @@ def test_lm_eval_loglikelihood_matches_hf(variant, tmp_path):
             assert only["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][:-1]
     finally:
         assert server.stop() == 0
+
+
+def test_lm_eval_string_prompts_score_like_their_token_ids(demo):
+    """lm-eval with `tokenized_requests=False` sends the texts; they are scored exactly as the
+    token ids the server's tokenizer gives them (with BOS, as /tokenize reports)."""
+    texts = ["The cat sat", "on the mat."]
+    payload = {"model": "demo", "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    by_text = requests.post(demo.base + "/v1/completions", json={**payload, "prompt": texts}, timeout=60).json()
+    ids = [requests.post(demo.base + "/tokenize", json={"prompt": t}, timeout=30).json()["tokens"] for t in texts]
+    by_ids = requests.post(demo.base + "/v1/completions", json={**payload, "prompt": ids}, timeout=60).json()
+    for a, b, prompt in zip(by_text["choices"], by_ids["choices"], ids):
+        assert len(a["logprobs"]["token_logprobs"]) == len(prompt) + 1
+        assert a["logprobs"]["token_logprobs"] == b["logprobs"]["token_logprobs"]
+        assert a["logprobs"]["top_logprobs"] == b["logprobs"]["top_logprobs"]
+        assert a["text"].startswith(texts[a["index"]])
+    assert parse_logprobs(by_text, [1, 1])
