@@ -74,6 +74,7 @@ pub(crate) fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, ma
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        prompt_logprobs: None,
         owner: None,
         logit_bias: Vec::new(),
         min_tokens: 0,
@@ -105,7 +106,7 @@ fn submit_all(
                         }
                     }
                     EngineEvent::Finished { .. } => break,
-                    EngineEvent::Admitted { .. } => {}
+                    EngineEvent::Admitted { .. } | EngineEvent::PromptLogprobs { .. } => {}
                     EngineEvent::Error { message } => panic!("engine error: {message}"),
                 }
             }

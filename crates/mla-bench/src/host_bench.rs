@@ -284,7 +284,9 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             while let Some(ev) = stream.events.recv().await {
                 match ev {
                     EngineEvent::Token { .. } => tokens += 1,
-                    EngineEvent::Finished { .. } | EngineEvent::Admitted { .. } => {}
+                    EngineEvent::Finished { .. }
+                    | EngineEvent::Admitted { .. }
+                    | EngineEvent::PromptLogprobs { .. } => {}
                     EngineEvent::Error { message } => panic!("engine error: {message}"),
                 }
             }

@@ -53,6 +53,7 @@ fn request(prompt: Vec<u32>, sampling: SamplingParams, seed: Option<u64>, max_to
         logit_bias: Vec::new(),
         min_tokens: 0,
         constraint: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -62,7 +63,7 @@ fn run(engine: &EngineHandle, req: GenerateRequest) -> (Vec<u32>, Option<FinishR
     let (mut tokens, mut finish) = (Vec::new(), None);
     while let Some(ev) = stream.events.blocking_recv() {
         match ev {
-            EngineEvent::Admitted { .. } => {}
+            EngineEvent::Admitted { .. } | EngineEvent::PromptLogprobs { .. } => {}
             EngineEvent::Token { token, finish: f, .. } => {
                 tokens.push(token);
                 finish = f;

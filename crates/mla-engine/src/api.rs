@@ -43,6 +43,10 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// `Some(k)`: report each sampled token's logprob and `k` alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: report every prompt token's logprob with `k` alternatives
+    /// (`EngineEvent::PromptLogprobs`). It costs a logits row per prompt position, and the
+    /// prompt is computed in full rather than taken from the prefix cache.
+    pub prompt_logprobs: Option<usize>,
     /// Requests with the same owner share one fair share of the batch (the HTTP layer gives
     /// all prompts of one HTTP request one owner); `None`: the request is its own owner.
     pub owner: Option<u64>,
@@ -104,12 +108,26 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
+/// One prompt token's log-probability given the prompt before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// 1 + the number of tokens the model scored higher (vLLM's rank).
+    pub rank: u32,
+    /// The most likely tokens there, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the engine streams back for one request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
     /// The request got its place in the KV cache; `cached_tokens` of its prompt were already
     /// there (prefix caching) and are not computed again. Sent once, before any token.
     Admitted { cached_tokens: usize },
+    /// Asked for with `prompt_logprobs`: entry `i` scores prompt token `i + 1` (the first token
+    /// has nothing before it). Sent once, before any token.
+    PromptLogprobs { entries: Vec<PromptTokenLogprob> },
     /// Completion `index` produced `token`. `finish` is set on its last token.
     Token { index: usize, token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
     /// Completion `index` ended without a new token: aborted, or ended by the caller

@@ -28,6 +28,7 @@ mod engine;
 mod id_map;
 mod metrics;
 pub mod prefix_hash;
+mod prompt_logprobs;
 mod request_stats;
 pub mod scheduler;
 mod sequence;

@@ -32,14 +32,18 @@
 //!   after preemption) takes the longest cached run of the sequence's leading blocks and
 //!   prefills only the rest, always recomputing at least the block that holds the last prompt
 //!   token, so the first sample has fresh logits and nobody writes into a shared block.
+//! - Prompt logprobs (`prompt_logprobs`): prompt chunks that compute positions still missing
+//!   ask for all their logits and are cut to `prompt_logprobs::LOGITS_CHUNK` tokens; until the
+//!   request has them all, admission takes nothing from the prefix cache.
 //! - A completion can be ended from outside (`finish_completion`: a stop string only the caller
 //!   sees). It leaves the running set or the resume queue at once, its blocks go back, and a
 //!   request still waiting is admitted with only its live completions.
 
-use crate::api::{FinishReason, GenerateRequest};
+use crate::api::{FinishReason, GenerateRequest, PromptTokenLogprob};
 use crate::block_manager::BlockManager;
 use crate::id_map::IdMap;
 use crate::prefix_hash::PrefixHasher;
+use crate::prompt_logprobs::PromptLogprobs;
 use crate::sequence::{Constraints, Group, Owner, Seq, SeqKey, SeqState, Slot};
 use mla_core::plan::{SampledToken, SeqStep, StepOutput};
 use mla_core::token_mask::MaskWriter;
@@ -83,6 +87,8 @@ pub struct TokenOutcome {
 /// What applying one step's output changed.
 #[derive(Debug, Default)]
 pub struct Applied {
+    /// Requests whose prompt logprobs became complete, delivered before their tokens.
+    pub prompt_logprobs: Vec<(u64, Vec<PromptTokenLogprob>)>,
     pub tokens: Vec<TokenOutcome>,
     /// Requests whose completions have all finished; the scheduler has forgotten them.
     pub finished_requests: Vec<u64>,
@@ -192,8 +198,11 @@ impl Scheduler {
             .map(|_| Seq::new(req.prompt_tokens.clone(), self.blocks.new_table(), SeqState::Waiting))
             .collect();
         let owner = req.owner.map_or(Owner::Request(id), Owner::Shared);
+        let prompt_logprobs = req.prompt_logprobs.map(|k| PromptLogprobs::new(req.prompt_tokens.len(), k));
         let constraints = Constraints::for_request(&req);
-        self.groups.insert(id, Group { req, owner, seed, prefix: None, completions, cached_tokens: 0, constraints });
+        let group =
+            Group { req, owner, seed, prefix: None, completions, cached_tokens: 0, prompt_logprobs, constraints };
+        self.groups.insert(id, group);
         self.new_queue.push_back(id);
     }
 
@@ -265,10 +274,17 @@ impl Scheduler {
 
     /// Records a successful step. `out` must answer `plan` seq by seq (the engine checks).
     pub fn apply(&mut self, plan: &StepPlan, out: &StepOutput) -> Applied {
-        let mut applied = Applied { tokens: Vec::with_capacity(plan.seqs.len()), finished_requests: Vec::new() };
+        let mut applied = Applied { tokens: Vec::with_capacity(plan.seqs.len()), ..Applied::default() };
         for (step, res) in plan.seqs.iter().zip(&out.seqs) {
             let key = SeqKey::from_seq_id(step.seq_id);
             let Some(g) = self.groups.get_mut(&key.request) else { continue };
+            if let Some(p) = g.prompt_logprobs.as_mut() {
+                p.record(&g.req.prompt_tokens, step.context_len, &res.logits);
+                // Complete at the latest in the step that samples the first token.
+                if let Some(entries) = p.take_complete() {
+                    applied.prompt_logprobs.push((key.request, entries));
+                }
+            }
             let seq = g.seq_mut(key.slot).expect("scheduled sequence exists");
             debug_assert_eq!(seq.computed, step.context_len, "plan applied out of order");
             seq.computed += step.tokens.len();

@@ -4,6 +4,7 @@
 use crate::api::{FinishReason, GenerateRequest, TokenConstraint};
 use crate::block_manager::BlockTable;
 use crate::prefix_hash::BlockHash;
+use crate::prompt_logprobs::PromptLogprobs;
 use mla_core::SplitMix64;
 
 /// Which sequence of a request: the shared prompt prefix (`n > 1` only) or completion `i`.
@@ -115,6 +116,8 @@ pub struct Group {
     pub completions: Vec<Seq>,
     /// Prompt tokens found in the prefix cache when the request was admitted.
     pub cached_tokens: usize,
+    /// Gathered while the prompt is computed, when the request asked for them.
+    pub prompt_logprobs: Option<PromptLogprobs>,
     /// Structured output: one constraint per completion, or none at all.
     pub constraints: Constraints,
 }
@@ -136,6 +139,12 @@ impl std::fmt::Debug for Constraints {
 }
 
 impl Group {
+    /// Cached prefix blocks may stand in for computing the prompt only once the prompt's
+    /// logprobs, if asked for, are complete (a cached block has no logits).
+    pub fn may_reuse_cache(&self) -> bool {
+        self.prompt_logprobs.as_ref().is_none_or(|p| p.complete())
+    }
+
     pub fn prompt_len(&self) -> usize {
         self.req.prompt_tokens.len()
     }

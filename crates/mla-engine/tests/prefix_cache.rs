@@ -27,6 +27,7 @@ fn req(prompt: Vec<u32>, n: usize, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        prompt_logprobs: None,
         owner: None,
         logit_bias: Vec::new(),
         min_tokens: 0,

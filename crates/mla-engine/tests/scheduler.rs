@@ -2,7 +2,7 @@
 //! Tokens are answered by a stand-in that derives them from the position, so a recompute can
 //! be checked against what was sampled before.
 
-use mla_core::plan::{SampledToken, SeqResult, StepOutput};
+use mla_core::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput};
 use mla_core::{CacheLayout, SamplingParams, StepKind, StepPlan};
 use mla_engine::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use mla_engine::{FinishReason, GenerateRequest};
@@ -23,6 +23,7 @@ fn req(prompt_len: usize, n: usize, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        prompt_logprobs: None,
         owner: None,
         logit_bias: Vec::new(),
         min_tokens: 0,
@@ -366,4 +367,74 @@ fn fair_shares_do_not_preempt_within_the_share_or_ping_pong() {
     assert_eq!(s.preemptions(), 0);
     let log = run_to_end(&mut s);
     assert!(log.len() < 200, "{} steps: admissions went back and forth", log.len());
+}
+
+/// Logits a stand-in model gives position `p` (64 ids): a function of the position alone, so
+/// a recomputed position gets the row it had before.
+fn logits_at(p: usize) -> Vec<f32> {
+    (0..64).map(|v| ((p * 31 + v * 17) % 97) as f32 / 10.0).collect()
+}
+
+/// `step`, answering `LogitsRequest::All` with a row per fed position.
+fn step_with_logits(s: &mut Scheduler) -> (StepPlan, Applied) {
+    let plan = s.schedule().expect("the scheduler has work");
+    let seqs = plan
+        .seqs
+        .iter()
+        .map(|q| SeqResult {
+            seq_id: q.seq_id,
+            logits: match q.logits {
+                LogitsRequest::All => (q.context_len..q.end_pos()).map(logits_at).collect(),
+                _ => vec![],
+            },
+            sampled: q.sample.as_ref().map(|_| SampledToken {
+                token: token_at(q.end_pos()),
+                logprob: 0.0,
+                top_logprobs: vec![],
+            }),
+        })
+        .collect();
+    let applied = s.apply(&plan, &StepOutput { seqs });
+    (plan, applied)
+}
+
+#[test]
+fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
+    let mut preempted_mid_prefill = false;
+    // 8 blocks hold either request at its longest (30 and 26 tokens), not both.
+    for num_blocks in 8..16 {
+        let cfg =
+            SchedulerConfig { max_model_len: 4096, max_num_seqs: 8, max_num_batched_tokens: 4, prefix_caching: true };
+        let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks });
+        s.add(1, req(4, 1, 26), 0);
+        let scored = req(24, 1, 2);
+        let prompt = scored.prompt_tokens.clone();
+        s.add(2, GenerateRequest { prompt_logprobs: Some(2), ..scored }, 0);
+        let (mut fed, mut got, mut first_token) = (false, None, false);
+        while s.has_work() {
+            let (p, a) = step_with_logits(&mut s);
+            for q in p.seqs.iter().filter(|q| q.seq_id >> 16 == 2) {
+                // A request-2 chunk from position 0 after an earlier one, before any token: it was
+                // preempted during its prefill and is recomputed from scratch (not from the cache).
+                preempted_mid_prefill |= q.context_len == 0 && fed && !first_token;
+                fed = true;
+            }
+            for (id, entries) in a.prompt_logprobs {
+                assert!(id == 2 && got.replace(entries).is_none(), "sent once, to request 2");
+            }
+            if a.tokens.iter().any(|t| t.request == 2) {
+                assert!(got.is_some(), "prompt logprobs come before the first token");
+                first_token = true;
+            }
+        }
+        let got = got.expect("prompt logprobs delivered");
+        assert_eq!(got.len(), prompt.len() - 1);
+        for (p, e) in got.iter().enumerate() {
+            let lp = mla_core::sampling::log_softmax(&logits_at(p));
+            assert_eq!((e.token, e.logprob), (prompt[p + 1], lp[prompt[p + 1] as usize]), "blocks {num_blocks}");
+            assert_eq!(e.top, mla_core::sampling::top_k_entries(&lp, 2));
+        }
+        assert_eq!(s.block_manager().used_blocks(), 0);
+    }
+    assert!(preempted_mid_prefill, "no cache size preempted the scored request during its prefill");
 }

@@ -15,7 +15,7 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// transformers' marker for `continue_final_message` (its exact spelling matters: it is searched for).
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 /// Variables the renderer itself sets; `extra_variables` may not replace them (HF raises too).
-const RESERVED_VARIABLES: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+pub const RESERVED_VARIABLES: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ChatTemplateError {

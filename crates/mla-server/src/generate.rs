@@ -11,9 +11,9 @@
 
 use crate::access_log::{AccessRecord, GenerationOutcome};
 use crate::error::ApiError;
-use crate::protocol::common::Usage;
+use crate::protocol::common::{StopReason, Usage};
 use crate::text::{ChoiceText, TextPipeline};
-use mla_engine::{EngineEvent, FinishReason, RequestStream, TokenLogprobs};
+use mla_engine::{EngineEvent, FinishReason, PromptTokenLogprob, RequestStream, TokenLogprobs};
 use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
@@ -41,6 +41,16 @@ pub struct LogprobOptions {
     pub tokens_as_ids: bool,
 }
 
+/// How a choice's end is reported.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopOptions {
+    /// The request's own `stop_token_ids`: ending on one of them is its `stop_reason` (EOS is not).
+    pub requested_ids: Vec<u32>,
+    /// The stop token's text stays in the output (`include_stop_str_in_output`; a special token
+    /// is still dropped when `skip_special_tokens`).
+    pub include_stop: bool,
+}
+
 /// New output of one choice. `text` may be empty (held back while it could start a stop string).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChoiceUpdate {
@@ -48,6 +58,16 @@ pub struct ChoiceUpdate {
     pub text: String,
     pub logprobs: Vec<TokenLogprob>,
     pub finish: Option<FinishReason>,
+    /// With `finish`: the stop string or requested stop token that ended the choice.
+    pub stop_reason: Option<StopReason>,
+    /// The prompt's logprobs (when asked for), on the choice's first update only.
+    pub prompt_logprobs: Option<Arc<Vec<PromptTokenLogprob>>>,
+}
+
+impl ChoiceUpdate {
+    fn new(index: usize, text: String, logprobs: Vec<TokenLogprob>) -> Self {
+        ChoiceUpdate { index, text, logprobs, finish: None, stop_reason: None, prompt_logprobs: None }
+    }
 }
 
 struct Choice {
@@ -56,6 +76,8 @@ struct Choice {
     finished: bool,
     /// Why it finished, for the access log (None: cut short, or ended by an engine error).
     reason: Option<FinishReason>,
+    /// Its first update has gone out (it carries the prompt logprobs).
+    started: bool,
 }
 
 /// The engine request of one prompt; its completions are choices `base .. base + n`.
@@ -64,6 +86,8 @@ struct PromptRun {
     base: usize,
     n: usize,
     stop_token_ids: Vec<u32>,
+    /// `EngineEvent::PromptLogprobs`, which comes before the run's first token.
+    prompt_logprobs: Option<Arc<Vec<PromptTokenLogprob>>>,
 }
 
 pub struct Generation {
@@ -73,6 +97,7 @@ pub struct Generation {
     /// Prompt tokens of all runs the prefix cache held at admission.
     cached_tokens: usize,
     logprobs: LogprobOptions,
+    stops: StopOptions,
     text: Arc<TextPipeline>,
     /// Round-robin start so one busy prompt cannot starve the others' updates.
     next_poll: usize,
@@ -101,6 +126,7 @@ impl Generation {
         submitted: Vec<Submitted>,
         make_text: impl Fn() -> ChoiceText,
         logprobs: LogprobOptions,
+        stops: StopOptions,
         text: Arc<TextPipeline>,
     ) -> Self {
         let mut runs = vec![];
@@ -112,6 +138,7 @@ impl Generation {
                 base: choices.len(),
                 n: s.n,
                 stop_token_ids: s.stop_token_ids,
+                prompt_logprobs: None,
             });
             prompt_tokens += s.prompt_len;
             choices.extend((0..s.n).map(|_| Choice {
@@ -119,6 +146,7 @@ impl Generation {
                 completion_tokens: 0,
                 finished: false,
                 reason: None,
+                started: false,
             }));
         }
         Generation {
@@ -127,6 +155,7 @@ impl Generation {
             prompt_tokens,
             cached_tokens: 0,
             logprobs,
+            stops,
             text,
             next_poll: 0,
             pending: VecDeque::new(),
@@ -233,6 +262,10 @@ impl Generation {
                 self.cached_tokens += cached_tokens;
                 None
             }
+            Some(EngineEvent::PromptLogprobs { entries }) => {
+                self.runs[run].prompt_logprobs = Some(Arc::new(entries));
+                None
+            }
             Some(EngineEvent::Error { message }) => return Err(ApiError::Internal(message)),
             Some(other) => {
                 return Err(ApiError::Internal(format!("engine sent an event for an unknown completion: {other:?}")))
@@ -249,7 +282,10 @@ impl Generation {
                 None
             }
         };
-        self.pending.extend(update);
+        if let Some(u) = update {
+            let u = self.first_carries_prompt(run, u);
+            self.pending.push_back(u);
+        }
         // Every choice of this prompt is done: stop listening. The engine has ended (or been told
         // to end) each of them, so dropping the stream aborts nothing.
         if (base..base + n).all(|c| self.choices[c].finished) {
@@ -272,17 +308,20 @@ impl Generation {
             return None;
         }
         choice.completion_tokens += 1;
-        // The stop token that ends a completion is counted but is not text (as in vLLM).
-        if finish.is_some() && self.runs[run].stop_token_ids.contains(&token) {
-            return self.finish(c, finish.unwrap_or(FinishReason::Stop), vec![]);
-        }
         let lp = match (&logprobs, self.logprobs.enabled) {
             (Some(l), true) => vec![self.token_logprob(token, l)],
             _ => vec![],
         };
+        // The stop token that ends a completion is counted and has its logprob, but is not text
+        // unless `include_stop_str_in_output` asks for it (as in vLLM).
+        if let Some(reason) = finish.filter(|_| self.runs[run].stop_token_ids.contains(&token)) {
+            let text = if self.stops.include_stop { self.choices[c].text.push(token).0 } else { String::new() };
+            let stop_reason = self.stops.requested_ids.contains(&token).then_some(StopReason::Token(token));
+            return self.finish_with_text(c, reason, text, lp).map(|u| u.with_stop_reason(stop_reason));
+        }
         let choice = &mut self.choices[c];
         let (text, stop_hit) = choice.text.push(token);
-        if stop_hit {
+        if let Some(stop) = stop_hit {
             if finish.is_none() {
                 // The engine cannot see the stop string: end this completion there as well, so
                 // it stops decoding it now instead of when the whole request ends.
@@ -290,11 +329,13 @@ impl Generation {
                     stream.finish_choice(c - self.runs[run].base, FinishReason::Stop);
                 }
             }
-            return self.finish_with_text(c, FinishReason::Stop, text, lp);
+            return self
+                .finish_with_text(c, FinishReason::Stop, text, lp)
+                .map(|u| u.with_stop_reason(Some(StopReason::Text(stop))));
         }
         match finish {
             Some(reason) => self.finish_with_text(c, reason, text, lp),
-            None => Some(ChoiceUpdate { index: c, text, logprobs: lp, finish: None }),
+            None => Some(ChoiceUpdate::new(c, text, lp)),
         }
     }
 
@@ -317,10 +358,13 @@ impl Generation {
         let (tail, stop_hit) = choice.text.finish();
         text.push_str(&tail);
         // Text released only at the end can still complete a stop string.
-        let reason = if stop_hit && reason != FinishReason::Abort { FinishReason::Stop } else { reason };
+        let (reason, stop_reason) = match stop_hit {
+            Some(stop) if reason != FinishReason::Abort => (FinishReason::Stop, Some(StopReason::Text(stop))),
+            _ => (reason, None),
+        };
         choice.finished = true;
         choice.reason = Some(reason);
-        Some(ChoiceUpdate { index: c, text, logprobs, finish: Some(reason) })
+        Some(ChoiceUpdate { finish: Some(reason), stop_reason, ..ChoiceUpdate::new(c, text, logprobs) })
     }
 
     fn token_logprob(&self, token: u32, l: &TokenLogprobs) -> TokenLogprob {
@@ -344,6 +388,16 @@ impl Generation {
         TokenLogprob { token: text, bytes, logprob: l.logprob, top }
     }
 
+    /// Gives a choice's first update its run's prompt logprobs.
+    fn first_carries_prompt(&mut self, run: usize, mut u: ChoiceUpdate) -> ChoiceUpdate {
+        let choice = &mut self.choices[u.index];
+        if !choice.started {
+            choice.started = true;
+            u.prompt_logprobs = self.runs[run].prompt_logprobs.clone();
+        }
+        u
+    }
+
     /// Drops every engine stream, which aborts whatever still runs (the engine counts those).
     fn abort_all(&mut self) {
         for r in &mut self.runs {
@@ -353,6 +407,16 @@ impl Generation {
         for c in &mut self.choices {
             c.finished = true;
         }
+    }
+}
+
+impl ChoiceUpdate {
+    /// Sets the stop reason unless a stop string found while flushing already did.
+    fn with_stop_reason(mut self, reason: Option<StopReason>) -> Self {
+        if self.stop_reason.is_none() {
+            self.stop_reason = reason;
+        }
+        self
     }
 }
 

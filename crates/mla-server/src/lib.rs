@@ -1,6 +1,7 @@
 pub mod access_log;
 pub mod app;
 pub mod chat_template;
+pub mod content_special;
 pub mod cors;
 pub mod detokenizer;
 pub mod error;
@@ -10,6 +11,7 @@ pub mod generation_config;
 pub mod listener;
 pub mod metrics;
 pub mod parsers;
+pub mod prompt_logprobs;
 pub mod prompt_size;
 pub mod protocol;
 pub mod python_format;

@@ -2,7 +2,7 @@
 //! pipeline and the API key.
 
 use crate::error::ApiError;
-use crate::generate::{Generation, LogprobOptions, Submitted};
+use crate::generate::{Generation, LogprobOptions, StopOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
 use crate::parsers::ParserConfig;
 use crate::stop::StopMatcher;
@@ -65,11 +65,12 @@ impl AppState {
             submitted.push(Submitted { stream, prompt_len, n, stop_token_ids });
         }
         let text = self.text.clone();
-        let skip_special = params.skip_special_tokens;
+        let (skip_special, include_stop) = (params.skip_special_tokens, params.include_stop_str);
         Ok(Generation::new(
             submitted,
-            move || text.choice_text(stop.clone(), skip_special),
+            move || text.choice_text(stop.clone(), skip_special, include_stop),
             LogprobOptions { enabled: params.logprobs.is_some(), tokens_as_ids: params.tokens_as_ids },
+            StopOptions { requested_ids: params.stop_token_ids.clone(), include_stop },
             self.text.clone(),
         ))
     }

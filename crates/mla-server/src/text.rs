@@ -4,18 +4,43 @@
 //! module only turns their errors into `ApiError`s.
 
 use crate::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
+use crate::content_special::{ContentGuard, Segment};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
 use crate::prompt_size;
 use crate::stop::{StopCheck, StopMatcher};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use std::sync::Arc;
 
 pub struct TextPipeline {
     tokenizer: TextTokenizer,
     /// `None` when the model has no chat template: chat requests are then refused (400).
     template: Option<ChatTemplate>,
+    /// Keeps special-token text in message content plain text (`None`: no special tokens).
+    guard: Option<ContentGuard>,
+}
+
+/// How a conversation becomes a prompt, besides its messages.
+#[derive(Debug, Clone, Default)]
+pub struct ChatPromptOptions {
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    /// Extra template variables (`chat_template_kwargs`).
+    pub template_kwargs: Option<Map<String, Value>>,
+    /// Special-token text in message content becomes special tokens (off by default; see
+    /// `content_special`).
+    pub content_special_tokens: bool,
+    /// The request's tools, passed to the template as transformers' `apply_chat_template(tools=)`
+    /// does (the published V3/R1 templates do not print them).
+    pub tools: Option<Vec<Value>>,
+}
+
+impl ChatPromptOptions {
+    /// The assistant prompt appended, nothing else: what a plain chat request renders.
+    pub fn generation() -> Self {
+        ChatPromptOptions { add_generation_prompt: true, ..Default::default() }
+    }
 }
 
 impl TextPipeline {
@@ -26,7 +51,8 @@ impl TextPipeline {
             None => tokenizer.config().chat_templates.select(None, false).ok().map(str::to_string),
         };
         let template = source.map(|s| ChatTemplate::new(&s)).transpose()?;
-        Ok(TextPipeline { tokenizer, template })
+        let guard = ContentGuard::new(tokenizer.special_token_texts());
+        Ok(TextPipeline { tokenizer, template, guard })
     }
 
     pub fn tokenizer(&self) -> &TextTokenizer {
@@ -37,41 +63,14 @@ impl TextPipeline {
         self.template.is_some()
     }
 
-    /// Renders the conversation (with the assistant prompt appended) and tokenizes it without
-    /// adding special tokens: the template wrote BOS itself. A rendering clearly longer than
-    /// `max_tokens` is refused before it is tokenized whole.
-    pub fn chat_prompt(&self, messages: &[Value], max_tokens: usize) -> Result<Vec<u32>, ApiError> {
-        self.render_prompt(messages, max_tokens, true, None)
-    }
-
-    /// `chat_prompt` with the request's tools passed to the template (as transformers'
-    /// `apply_chat_template(tools=...)`; the published V3/R1 templates do not print them).
-    pub fn chat_prompt_with_tools(
+    /// Renders the conversation and tokenizes it without adding special tokens: the template
+    /// wrote BOS itself. A rendering clearly longer than `max_tokens` is refused before it is
+    /// tokenized whole.
+    pub fn chat_prompt(
         &self,
         messages: &[Value],
         max_tokens: usize,
-        tools: Option<&[Value]>,
-    ) -> Result<Vec<u32>, ApiError> {
-        self.render_prompt(messages, max_tokens, true, tools)
-    }
-
-    /// `chat_prompt`, choosing whether the assistant prompt is appended (`/tokenize` lets the
-    /// client choose, as vLLM does).
-    pub fn chat_prompt_with(
-        &self,
-        messages: &[Value],
-        max_tokens: usize,
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, ApiError> {
-        self.render_prompt(messages, max_tokens, add_generation_prompt, None)
-    }
-
-    fn render_prompt(
-        &self,
-        messages: &[Value],
-        max_tokens: usize,
-        add_generation_prompt: bool,
-        tools: Option<&[Value]>,
+        options: &ChatPromptOptions,
     ) -> Result<Vec<u32>, ApiError> {
         let template = self.template.as_ref().ok_or_else(|| {
             ApiError::invalid(
@@ -79,13 +78,18 @@ impl TextPipeline {
                 "this model has no chat template; start the server with --chat-template FILE or use /v1/completions",
             )
         })?;
-        let options = RenderOptions {
-            add_generation_prompt,
-            tools,
-            special_tokens: self.tokenizer.template_special_tokens(),
-            ..Default::default()
+        let (messages, marks) = match (&self.guard, options.content_special_tokens) {
+            (Some(guard), false) => guard.mark(messages),
+            _ => (messages.to_vec(), None),
         };
-        let rendered = template.render(messages, &options).map_err(|e| match e {
+        let render = RenderOptions {
+            add_generation_prompt: options.add_generation_prompt,
+            continue_final_message: options.continue_final_message,
+            special_tokens: self.tokenizer.template_special_tokens(),
+            extra_variables: options.template_kwargs.as_ref(),
+            tools: options.tools.as_deref(),
+        };
+        let rendered = template.render(&messages, &render).map_err(|e| match e {
             // The template refused the conversation, the messages are malformed, or rendering
             // failed on them (a template that compiled at start and renders ordinary turns fails
             // on what the request put in, e.g. `tool_calls` that are not a list of calls): the
@@ -102,14 +106,36 @@ impl TextPipeline {
             ChatTemplateError::Syntax(_) => ApiError::Internal(e.to_string()),
         })?;
         self.refuse_clearly_over(&rendered, max_tokens, "messages")?;
-        self.tokenizer.encode_chat_prompt(&rendered).map_err(internal)
+        match (&self.guard, marks) {
+            (Some(guard), Some(marks)) => {
+                let mut ids = vec![];
+                for segment in guard.segments(&rendered, &marks) {
+                    ids.extend(
+                        match segment {
+                            Segment::Template(t) => self.tokenizer.encode_chat_prompt(t),
+                            Segment::Text(t) => self.tokenizer.encode_as_plain_text(t),
+                        }
+                        .map_err(internal)?,
+                    );
+                }
+                Ok(ids)
+            }
+            _ => self.tokenizer.encode_chat_prompt(&rendered).map_err(internal),
+        }
     }
 
-    /// A completions text prompt, with the tokenizer's special tokens (BOS) as vLLM adds them;
-    /// `field` names it in the error when it is clearly longer than `max_tokens`.
-    pub fn encode_prompt(&self, text: &str, max_tokens: usize, field: &str) -> Result<Vec<u32>, ApiError> {
+    /// A completions text prompt, with the tokenizer's special tokens (BOS) unless
+    /// `add_special_tokens` is false (vLLM's default and field); `field` names it in the error
+    /// when it is clearly longer than `max_tokens`.
+    pub fn encode_prompt(
+        &self,
+        text: &str,
+        max_tokens: usize,
+        field: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ApiError> {
         self.refuse_clearly_over(text, max_tokens, field)?;
-        self.tokenizer.encode(text, true).map_err(internal)
+        self.tokenizer.encode(text, add_special_tokens).map_err(internal)
     }
 
     fn refuse_clearly_over(&self, text: &str, limit: usize, field: &str) -> Result<(), ApiError> {
@@ -139,9 +165,21 @@ impl TextPipeline {
         (text, bytes)
     }
 
-    /// The text state of one completion.
-    pub fn choice_text(self: &Arc<Self>, stop: StopMatcher, skip_special_tokens: bool) -> ChoiceText {
-        ChoiceText { text: self.clone(), detok: IncrementalDetokenizer::new(skip_special_tokens), stop }
+    /// The text state of one completion; `include_stop` keeps a matched stop string in the
+    /// text (vLLM's `include_stop_str_in_output`).
+    pub fn choice_text(
+        self: &Arc<Self>,
+        stop: StopMatcher,
+        skip_special_tokens: bool,
+        include_stop: bool,
+    ) -> ChoiceText {
+        ChoiceText {
+            text: self.clone(),
+            detok: IncrementalDetokenizer::new(skip_special_tokens),
+            stop,
+            include_stop,
+            stopped: false,
+        }
     }
 }
 
@@ -154,33 +192,46 @@ pub struct ChoiceText {
     text: Arc<TextPipeline>,
     detok: IncrementalDetokenizer,
     stop: StopMatcher,
+    include_stop: bool,
+    /// A stop string ended the completion; the matcher reports it again on every later push.
+    stopped: bool,
 }
 
 impl ChoiceText {
-    /// Text released by `token`, and whether a stop string has now ended the completion.
-    pub fn push(&mut self, token: u32) -> (String, bool) {
+    /// Text released by `token`, and the stop string that has now ended the completion.
+    pub fn push(&mut self, token: u32) -> (String, Option<String>) {
         let delta = self.detok.push(&self.text.tokenizer, token).unwrap_or_else(|e| {
             tracing::warn!("detokenizing token {token}: {e}");
             String::new()
         });
-        stop_result(self.stop.push(&delta))
+        let check = self.stop.push(&delta);
+        self.stop_result(check)
     }
 
-    /// The text still held back when the completion ends, and whether it completed a stop string.
-    pub fn finish(&mut self) -> (String, bool) {
+    /// The text still held back when the completion ends, and the stop string it completed.
+    pub fn finish(&mut self) -> (String, Option<String>) {
         let rest = self.detok.finish(&self.text.tokenizer).unwrap_or_default();
-        let (mut text, stopped) = stop_result(self.stop.push(&rest));
-        if !stopped {
+        let check = self.stop.push(&rest);
+        let (mut text, stopped) = self.stop_result(check);
+        if stopped.is_none() {
             text.push_str(&self.stop.finish());
         }
         (text, stopped)
     }
-}
 
-fn stop_result(check: StopCheck) -> (String, bool) {
-    match check {
-        StopCheck::Continue { text } => (text, false),
-        StopCheck::Stopped { text, .. } => (text, true),
+    fn stop_result(&mut self, check: StopCheck) -> (String, Option<String>) {
+        match check {
+            StopCheck::Continue { text } => (text, None),
+            StopCheck::Stopped { .. } if self.stopped => (String::new(), None),
+            StopCheck::Stopped { mut text, index } => {
+                self.stopped = true;
+                let stop = self.stop.stop_strings()[index].clone();
+                if self.include_stop {
+                    text.push_str(&stop);
+                }
+                (text, Some(stop))
+            }
+        }
     }
 }
 

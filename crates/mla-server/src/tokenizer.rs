@@ -12,6 +12,7 @@
 use crate::tokenizer_config::{TokenizerConfig, TokenizerConfigError};
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::OnceLock;
 use tokenizers::models::ModelWrapper;
 use tokenizers::Tokenizer;
 
@@ -40,6 +41,9 @@ pub struct TextTokenizer {
     bos: Option<SpecialToken>,
     eos: Option<SpecialToken>,
     special_ids: HashSet<u32>,
+    /// `inner` with special-token text encoded as plain text (`encode_as_plain_text`), built on
+    /// first use: most servers never need it.
+    plain: OnceLock<Tokenizer>,
 }
 
 impl TextTokenizer {
@@ -82,7 +86,7 @@ impl TextTokenizer {
         let eos = resolve("eos_token")?;
         let special_ids =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, token)| token.special).map(|(id, _)| id).collect();
-        let tokenizer = Self { inner, config, bos, eos, special_ids };
+        let tokenizer = Self { inner, config, bos, eos, special_ids, plain: OnceLock::new() };
         tokenizer.cross_check_bos_flag()?;
         Ok(tokenizer)
     }
@@ -98,6 +102,24 @@ impl TextTokenizer {
     /// Token ids of a prompt rendered by the chat template: the template wrote any BOS itself.
     pub fn encode_chat_prompt(&self, rendered: &str) -> Result<Vec<u32>, TokenizerError> {
         self.encode(rendered, false)
+    }
+
+    /// Token ids of `text` with any special-token text in it encoded as the plain text it is
+    /// (no special tokens added either).
+    pub fn encode_as_plain_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let encoding = plain.encode_fast(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The texts of the special added tokens (those `skip_special_tokens` removes).
+    pub fn special_token_texts(&self) -> Vec<String> {
+        let decoder = self.inner.get_added_tokens_decoder();
+        self.special_ids.iter().filter_map(|id| decoder.get(id).map(|t| t.content.clone())).collect()
     }
 
     /// Text of `ids`; ids outside the vocabulary are dropped, as transformers does.

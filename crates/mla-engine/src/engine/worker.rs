@@ -507,6 +507,7 @@ impl Worker {
         let mut applied = Applied::default();
         for ((sched, plan), out) in self.ranks.iter_mut().zip(plans).zip(outs) {
             let a = sched.apply(plan, out);
+            applied.prompt_logprobs.extend(a.prompt_logprobs);
             applied.tokens.extend(a.tokens);
             applied.finished_requests.extend(a.finished_requests);
         }
@@ -516,7 +517,10 @@ impl Worker {
     /// Delivers the pending events of request `id` alone, before something else is sent to it.
     fn deliver_pending_of(&mut self, id: u64) {
         let Some((applied, at)) = self.undelivered.as_mut() else { return };
-        if !applied.tokens.iter().any(|t| t.request == id) && !applied.finished_requests.contains(&id) {
+        if !applied.tokens.iter().any(|t| t.request == id)
+            && !applied.finished_requests.contains(&id)
+            && !applied.prompt_logprobs.iter().any(|(r, _)| *r == id)
+        {
             return;
         }
         let at = *at;
@@ -525,7 +529,10 @@ impl Worker {
         let (finished_requests, rest) =
             std::mem::take(&mut applied.finished_requests).into_iter().partition(|&r| r == id);
         applied.finished_requests = rest;
-        self.deliver(Applied { tokens, finished_requests }, at);
+        let (prompt_logprobs, rest) =
+            std::mem::take(&mut applied.prompt_logprobs).into_iter().partition(|(r, _)| *r == id);
+        applied.prompt_logprobs = rest;
+        self.deliver(Applied { prompt_logprobs, tokens, finished_requests }, at);
     }
 
     fn deliver_undelivered(&mut self) {
@@ -538,6 +545,10 @@ impl Worker {
     fn deliver(&mut self, applied: Applied, now: Instant) {
         let metrics = self.links.metrics.clone();
         let mut stats = metrics.lock();
+        for (id, entries) in applied.prompt_logprobs {
+            let client = self.clients.get(&id).expect("request has a client");
+            let _ = client.events.send(EngineEvent::PromptLogprobs { entries });
+        }
         for t in applied.tokens {
             let client = self.clients.get_mut(&t.request).expect("request has a client");
             stats.generation_tokens_total += 1;

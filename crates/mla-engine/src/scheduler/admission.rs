@@ -67,7 +67,7 @@ impl Scheduler {
         if running + n > self.cfg.max_num_seqs {
             return None;
         }
-        let hashes = match (self.cfg.prefix_caching, live.first()) {
+        let hashes = match (self.cfg.prefix_caching && g.may_reuse_cache(), live.first()) {
             (true, Some(&first)) => {
                 // Kept on the first live completion, so a request waiting at the head of the
                 // queue hashes its prompt once, not at every step it does not fit.
@@ -131,9 +131,11 @@ impl Scheduler {
             return false;
         }
         let bs = self.blocks.block_size();
-        let seq = self.groups.get_mut(&key.request).and_then(|g| g.seq_mut(key.slot)).expect("queued sequence exists");
+        let g = self.groups.get_mut(&key.request).expect("queued sequence exists");
+        let may_reuse = self.cfg.prefix_caching && g.may_reuse_cache();
+        let seq = g.seq_mut(key.slot).expect("queued sequence exists");
         let len = seq.tokens.len();
-        let reusable = if self.cfg.prefix_caching { reusable_blocks(len, bs) } else { 0 };
+        let reusable = if may_reuse { reusable_blocks(len, bs) } else { 0 };
         self.hasher.extend(&mut seq.hashes, &seq.tokens, reusable * bs, bs);
         let hashes = &seq.hashes[..reusable.min(seq.hashes.len())];
         let found = self.blocks.probe(hashes);

@@ -1,6 +1,7 @@
 //! Building the sequences of a prefill or a decode step.
 
 use super::Scheduler;
+use crate::prompt_logprobs::LOGITS_CHUNK;
 use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
 use mla_core::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
 
@@ -106,7 +107,14 @@ fn decodable(g: &Group, slot: Slot) -> bool {
 /// any (`Scheduler::recycle`).
 fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> SeqStep {
     let seq = g.seq(key.slot).expect("resident sequence exists");
-    let end = seq.computed + seq.uncomputed().min(at_most);
+    let mut end = seq.computed + seq.uncomputed().min(at_most);
+    let logits = match &g.prompt_logprobs {
+        Some(p) if p.wants(seq.computed, end) => {
+            end = end.min(seq.computed + LOGITS_CHUNK);
+            LogitsRequest::All
+        }
+        _ => LogitsRequest::None,
+    };
     let sample = match key.slot {
         Slot::Completion(i) if end == seq.tokens.len() => Some(sample_request(g, i)),
         _ => None,
@@ -119,14 +127,7 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> Se
     tokens.extend_from_slice(&seq.tokens[seq.computed..end]);
     block_table.clear();
     block_table.extend_from_slice(seq.table.blocks());
-    SeqStep {
-        seq_id: key.seq_id(),
-        tokens,
-        context_len: seq.computed,
-        block_table,
-        logits: LogitsRequest::None,
-        sample,
-    }
+    SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample }
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {

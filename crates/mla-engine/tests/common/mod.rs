@@ -7,7 +7,7 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context};
-use mla_core::plan::{slot_of, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
+use mla_core::plan::{slot_of, LogitsRequest, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
 use mla_core::sampling::sample;
 use mla_core::step_thread::{StepRunner, StepThread};
 use mla_core::SplitMix64;
@@ -199,7 +199,12 @@ impl HistoryBackend {
                 })
                 .collect::<anyhow::Result<Vec<u32>>>()?;
             let sampled = s.sample.as_ref().map(|r| sample(&logits_for(&history), r)).transpose()?;
-            seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
+            let logits = match s.logits {
+                LogitsRequest::None => vec![],
+                LogitsRequest::Last => vec![logits_for(&history)],
+                LogitsRequest::All => (s.context_len..s.end_pos()).map(|p| logits_for(&history[..=p])).collect(),
+            };
+            seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled });
         }
         Ok(StepOutput { seqs })
     }
@@ -296,6 +301,8 @@ pub struct Collected {
     pub error: Option<String>,
     /// The prompt tokens the prefix cache held at admission (`EngineEvent::Admitted`).
     pub cached_tokens: Option<usize>,
+    /// `EngineEvent::PromptLogprobs`, which must come before any token.
+    pub prompt_logprobs: Option<Vec<mla_engine::PromptTokenLogprob>>,
 }
 
 pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
@@ -306,6 +313,7 @@ pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
         finish: vec![None; n],
         error: None,
         cached_tokens: None,
+        prompt_logprobs: None,
     };
     // A stuck engine fails the test instead of hanging it.
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
@@ -327,6 +335,10 @@ pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
             }
             EngineEvent::Error { message } => c.error = Some(message),
             EngineEvent::Admitted { cached_tokens } => c.cached_tokens = Some(cached_tokens),
+            EngineEvent::PromptLogprobs { entries } => {
+                assert!(c.tokens.iter().all(Vec::is_empty), "prompt logprobs after a token");
+                assert!(c.prompt_logprobs.replace(entries).is_none(), "prompt logprobs sent twice");
+            }
         }
     }
     c
@@ -366,6 +378,7 @@ pub fn request(
         max_tokens,
         stop_token_ids: vec![],
         logprobs: None,
+        prompt_logprobs: None,
         owner: None,
         logit_bias: Vec::new(),
         min_tokens: 0,

@@ -1,6 +1,6 @@
 //! `/v1/chat/completions`: request fields, the response and its stream chunks.
 
-use super::common::{Usage, UsageField};
+use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -16,6 +16,18 @@ pub struct ChatWire {
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<Value>,
     pub functions: Option<Value>,
+    /// Whether the template appends the assistant prompt (default true, as vLLM).
+    pub add_generation_prompt: Option<bool>,
+    /// End the prompt inside the final (assistant) message, so the model continues it.
+    pub continue_final_message: Option<bool>,
+    /// Extra chat template variables (vLLM's), e.g. `thinking` for DeepSeek V3.1.
+    pub chat_template_kwargs: Option<Value>,
+    /// Let special-token text inside message content become special tokens (off: such text is
+    /// tokenized as the plain text it is, so content cannot forge turns).
+    pub parse_special_tokens_in_content: Option<bool>,
+    /// vLLM's: add the tokenizer's special tokens on top of the template's; only false (the
+    /// default) is supported, as the templates write BOS themselves.
+    pub add_special_tokens: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -51,6 +63,9 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// vLLM's `prompt_logprobs` (chat has one prompt, so they sit here, not in a choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobsWire>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -59,6 +74,7 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReason>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -146,6 +162,7 @@ pub struct ChatChunkChoice {
     pub delta: Delta,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReason>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]

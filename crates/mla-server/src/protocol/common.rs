@@ -29,6 +29,10 @@ pub struct SamplingWire {
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     /// vLLM extension: stop tokens (and stop strings) cannot end a completion earlier.
     pub min_tokens: Option<i64>,
+    /// vLLM extension: keep the matched stop string (or stop token text) in the output.
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM extension: the logprob of every prompt token with this many alternatives.
+    pub prompt_logprobs: Option<i64>,
 }
 
 /// `stop`: one string or a list of them.
@@ -51,6 +55,8 @@ impl StopWire {
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamOptionsWire {
     pub include_usage: Option<bool>,
+    /// vLLM extension: with `include_usage`, every chunk carries the usage so far.
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// OpenAI fields that change what is generated but that this server does not implement.
@@ -64,6 +70,41 @@ pub struct UnsupportedWire {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Vec<Value>>,
+}
+
+/// vLLM's `stop_reason`: the stop string that ended a choice, or the `stop_token_ids` entry;
+/// `null` when it ended with EOS or by length.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+/// vLLM's prompt logprobs: `null` for the first prompt token, then per token an object keyed by
+/// token id holding the prompt token itself and the most likely alternatives.
+pub type PromptLogprobsWire = Vec<Option<PromptPositionWire>>;
+
+/// One position's entries in vLLM's order: the prompt token first, then the alternatives.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptPositionWire(pub Vec<(u32, LogprobEntryWire)>);
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LogprobEntryWire {
+    pub logprob: f32,
+    pub rank: u32,
+    pub decoded_token: String,
+}
+
+impl Serialize for PromptPositionWire {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (id, entry) in &self.0 {
+            map.serialize_entry(id, entry)?;
+        }
+        map.end()
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,6 +1,6 @@
 //! `/v1/completions`: request fields, the response and its stream chunks.
 
-use super::common::{Usage, UsageField};
+use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -11,6 +11,8 @@ pub struct CompletionWire {
     /// Number of alternatives to report per token (OpenAI's completions form: an integer).
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
+    /// vLLM's: text prompts get the tokenizer's special tokens (BOS); default true.
+    pub add_special_tokens: Option<bool>,
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists.
@@ -40,14 +42,19 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReason>,
+    /// vLLM's `prompt_logprobs`, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobsWire>,
 }
 
-/// The legacy logprobs object: parallel lists, one entry per generated token.
+/// The legacy logprobs object: parallel lists, one entry per token (with `echo`, the prompt's
+/// tokens first; the first prompt token has `null` for its logprob and alternatives).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
     pub text_offset: Vec<usize>,
 }
 

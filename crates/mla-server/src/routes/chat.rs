@@ -1,17 +1,20 @@
 //! `POST /v1/chat/completions`.
 
 use super::chat_parsed::{self, StreamedChoice};
-use super::output::{self, CollectedChoice, StreamFormat};
+use super::output::{self, CollectedChoice, StreamFormat, UsageReporting};
 use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
 use crate::parsers::OutputParsing;
+use crate::prompt_logprobs;
 use crate::protocol::chat::*;
 use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
+use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::validate::chat_options::chat_prompt_options;
 use crate::validate::tools::{tool_request, ToolChoice, ToolRequest};
 use crate::validate::{self, messages::template_messages, MaxTokensDefault};
 use axum::body::Bytes;
@@ -37,6 +40,8 @@ pub async fn handle(
     // Checked above (`tool_request`); the shared check refuses them for completions.
     (unsupported.tools, unsupported.tool_choice, unsupported.functions) = (None, None, None);
     validate::refuse_unsupported(&unsupported)?;
+    let known = [field_names::<SamplingWire>(), field_names::<ChatWire>(), field_names::<UnsupportedWire>()];
+    log_ignored("/v1/chat/completions", &body, &known);
     let parsing = output_parsing(&state, &tools)?;
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::chat_logprobs(chat.logprobs, chat.top_logprobs)?;
@@ -47,16 +52,14 @@ pub async fn handle(
     };
     let params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, state.limits.vocab_size)?;
     let messages = template_messages(&chat.messages)?;
+    let mut options = chat_prompt_options(&chat, &messages)?;
+    options.tools = tools.tools;
 
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
     let stops = params.stop.clone();
-    let tool_list = tools.tools;
-    let (prompt, stop) = blocking(move || {
-        let prompt = text.chat_prompt_with_tools(&messages, max_model_len, tool_list.as_deref())?;
-        Ok((prompt, stop_matcher(stops)?))
-    })
-    .await?;
+    let (prompt, stop) =
+        blocking(move || Ok((text.chat_prompt(&messages, max_model_len, &options)?, stop_matcher(stops)?))).await?;
     let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
     let mut generation = state.start_generation(vec![request], &params, stop)?;
 
@@ -65,10 +68,16 @@ pub async fn handle(
     generation.report_to(access);
     if params.stream {
         let format = ChatStream { meta, include_usage: params.include_usage, parsing, choices: vec![] };
-        return Ok(output::stream(generation, format, params.include_usage));
+        let usage = UsageReporting { final_chunk: params.include_usage, continuous: params.continuous_usage };
+        return Ok(output::stream(generation, format, usage));
     }
     let (choices, usage) = output::collect(generation).await?;
     let want_logprobs = params.logprobs.is_some();
+    // One prompt: every choice carries the same prompt logprobs.
+    let prompt_logprobs = params.prompt_logprobs.and_then(|k| {
+        let entries = choices.iter().find_map(|c| c.prompt_logprobs.clone())?;
+        Some(prompt_logprobs::vllm_list(&state.text, &entries, k))
+    });
     let body = ChatCompletion {
         id: meta.id,
         object: "chat.completion",
@@ -76,6 +85,7 @@ pub async fn handle(
         model: meta.model,
         choices: choices.into_iter().enumerate().map(|(index, c)| choice(index, c, want_logprobs, &parsing)).collect(),
         usage,
+        prompt_logprobs,
     };
     Ok(Json(body).into_response())
 }
@@ -132,6 +142,7 @@ fn choice(index: usize, c: CollectedChoice, want_logprobs: bool, parsing: &Outpu
         message,
         logprobs: want_logprobs.then(|| chat_logprobs(c.logprobs)),
         finish_reason: c.finish.map(|f| chat_parsed::finish_reason(f, called)),
+        stop_reason: c.stop_reason,
     }
 }
 
@@ -180,22 +191,20 @@ impl ChatStream {
 }
 
 impl StreamFormat for ChatStream {
-    fn opening(&mut self, num_choices: usize) -> Vec<Bytes> {
+    fn opening(&mut self, num_choices: usize, usage: Option<Usage>) -> Vec<Bytes> {
         if self.parsing.is_active() {
             self.choices = (0..num_choices).map(|_| StreamedChoice::new(&self.parsing)).collect();
         }
         (0..num_choices)
             .map(|index| {
                 let delta = Delta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
-                self.chunk(
-                    vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }],
-                    UsageField::Absent,
-                )
+                let c = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None, stop_reason: None };
+                self.chunk(vec![c], usage.map_or(UsageField::Absent, UsageField::Counts))
             })
             .collect()
     }
 
-    fn update(&mut self, u: ChoiceUpdate) -> Option<Bytes> {
+    fn update(&mut self, u: ChoiceUpdate, usage: Option<Usage>) -> Option<Bytes> {
         if u.text.is_empty() && u.logprobs.is_empty() && u.finish.is_none() {
             return None;
         }
@@ -211,14 +220,16 @@ impl StreamFormat for ChatStream {
             deltas.push(Delta::default());
         }
         // Several deltas (reasoning, content, tool calls) go out as consecutive events; the
-        // first carries the token logprobs, the last the finish reason.
+        // first carries the token logprobs, the last the finish and stop reasons.
         let last = deltas.len() - 1;
+        let usage = usage.map_or(UsageField::Absent, UsageField::Counts);
         let mut events = Vec::new();
         for (k, delta) in deltas.into_iter().enumerate() {
             let finish_reason =
                 (k == last).then_some(u.finish).flatten().map(|f| chat_parsed::finish_reason(f, called));
-            let c = ChatChunkChoice { index: u.index, delta, logprobs: logprobs.take(), finish_reason };
-            events.extend_from_slice(&self.chunk(vec![c], UsageField::Absent));
+            let stop_reason = if k == last { u.stop_reason.clone() } else { None };
+            let c = ChatChunkChoice { index: u.index, delta, logprobs: logprobs.take(), finish_reason, stop_reason };
+            events.extend_from_slice(&self.chunk(vec![c], usage));
         }
         Some(Bytes::from(events))
     }

@@ -1,22 +1,27 @@
 //! `POST /v1/completions`.
 
-use super::output::{self, CollectedChoice, StreamFormat};
+use super::output::{self, CollectedChoice, StreamFormat, UsageReporting};
 use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
+use crate::prompt_logprobs::{self, LegacyEntry};
 use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::completions::*;
+use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::text::TextPipeline;
 use crate::validate::prompt::{prompt_inputs, PromptInput};
 use crate::validate::{self, MaxTokensDefault};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use mla_engine::{FinishReason, PromptTokenLogprob};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// OpenAI's default `max_tokens` for completions.
@@ -30,16 +35,24 @@ pub async fn handle(
     let common: SamplingWire = parse_fields(&body)?;
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
     validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
+    let known = [field_names::<SamplingWire>(), field_names::<CompletionWire>(), field_names::<UnsupportedWire>()];
+    log_ignored("/v1/completions", &body, &known);
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::completion_logprobs(wire.logprobs)?;
     let echo = wire.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        // That combination asks for prompt logprobs, which the engine does not compute.
-        return Err(ApiError::invalid("echo", "echo together with logprobs (prompt logprobs) is not supported"));
+    // OpenAI's scoring form: `echo` with `max_tokens: 0` returns the prompt alone. The engine
+    // always draws a first token, so one is generated and dropped (as vLLM does).
+    let echo_only = echo && common.max_tokens == Some(0);
+    let max_tokens = ("max_tokens", if echo_only { Some(1) } else { common.max_tokens });
+    let mut params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, state.limits.vocab_size)?;
+    let explicit_prompt_logprobs = params.prompt_logprobs;
+    // `echo` with `logprobs` puts the prompt's logprobs in the same object (streamed too).
+    let echo_logprobs = params.logprobs.filter(|_| echo);
+    if let Some(k) = echo_logprobs {
+        params.prompt_logprobs = Some(params.prompt_logprobs.map_or(k, |p| p.max(k)));
     }
-    let max_tokens = ("max_tokens", common.max_tokens);
-    let params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, state.limits.vocab_size)?;
     let inputs = prompt_inputs(wire.prompt, state.limits.vocab_size)?;
+    let add_special_tokens = wire.add_special_tokens.unwrap_or(true);
     state.check_batch_shape(inputs.len(), params.n)?;
 
     let text = state.text.clone();
@@ -51,7 +64,9 @@ pub async fn handle(
             .into_iter()
             .enumerate()
             .map(|(i, p)| match p {
-                PromptInput::Text(s) => Ok((text.encode_prompt(&s, max_model_len, &prompt_field(single, i))?, s)),
+                PromptInput::Text(s) => {
+                    Ok((text.encode_prompt(&s, max_model_len, &prompt_field(single, i), add_special_tokens)?, s))
+                }
                 PromptInput::Tokens(ids) => {
                     let echo_text = if echo { text.decode(&ids, false)? } else { String::new() };
                     Ok((ids, echo_text))
@@ -65,36 +80,111 @@ pub async fn handle(
     let mut echoes = Vec::new();
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
         let field = prompt_field(single, i);
+        // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
+        let echo = Echo {
+            text: if echo { prompt_text } else { String::new() },
+            prompt: Arc::new(if echo_logprobs.is_some() { tokens.clone() } else { vec![] }),
+        };
+        echoes.extend(std::iter::repeat_n(echo, params.n));
         requests.push(state.limits.engine_request(
             &params,
             tokens,
             MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS),
             &field,
         )?);
-        // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
-        echoes.extend(std::iter::repeat_n(if echo { prompt_text } else { String::new() }, params.n));
     }
     let mut generation = state.start_generation(requests, &params, stop)?;
 
     let meta = Meta { id: response_id("cmpl"), created: unix_now(), model: state.model_name.clone() };
     access.describe(&meta.id, params.stream);
     generation.report_to(access);
-    let want_logprobs = params.logprobs.is_some();
+    let shape = Shape {
+        logprobs: params.logprobs,
+        echo_logprobs,
+        echo_only,
+        prompt_logprobs: explicit_prompt_logprobs,
+        tokens_as_ids: params.tokens_as_ids,
+        text: state.text.clone(),
+    };
     if params.stream {
-        let offsets = echoes.iter().map(|e| e.chars().count()).collect();
-        let format = CompletionStream { meta, include_usage: params.include_usage, echoes, offsets, want_logprobs };
-        return Ok(output::stream(generation, format, params.include_usage));
+        let usage = UsageReporting { final_chunk: params.include_usage, continuous: params.continuous_usage };
+        let offsets = echoes.iter().map(|e| if echo_logprobs.is_some() { 0 } else { e.text.chars().count() }).collect();
+        let pending_echo = vec![true; echoes.len()];
+        let format =
+            CompletionStream { meta, include_usage: params.include_usage, echoes, pending_echo, offsets, shape };
+        return Ok(output::stream(generation, format, usage));
     }
     let (choices, usage) = output::collect(generation).await?;
-    let choices = choices
-        .into_iter()
-        .zip(echoes)
-        .enumerate()
-        .map(|(index, (c, echo_text))| choice(index, c, echo_text, want_logprobs))
-        .collect();
+    let choices =
+        choices.into_iter().zip(echoes).enumerate().map(|(index, (c, echo))| shape.choice(index, c, echo)).collect();
+    let usage = shape.usage(usage);
     let body =
         Completion { id: meta.id, object: "text_completion", created: meta.created, model: meta.model, choices, usage };
     Ok(Json(body).into_response())
+}
+
+/// What a choice starts with under `echo`: the prompt's text (empty without `echo`) and ids.
+#[derive(Clone)]
+struct Echo {
+    text: String,
+    prompt: Arc<Vec<u32>>,
+}
+
+/// How this request's choices are reported.
+struct Shape {
+    /// Alternatives per token in `logprobs`, when asked for.
+    logprobs: Option<usize>,
+    /// `echo` with `logprobs`: the prompt's tokens lead the `logprobs` object.
+    echo_logprobs: Option<usize>,
+    /// `echo` with `max_tokens: 0`: the prompt alone, the generated token dropped.
+    echo_only: bool,
+    /// vLLM's `prompt_logprobs` field, as asked.
+    prompt_logprobs: Option<usize>,
+    tokens_as_ids: bool,
+    text: Arc<TextPipeline>,
+}
+
+impl Shape {
+    fn choice(&self, index: usize, c: CollectedChoice, echo: Echo) -> CompletionChoice {
+        let prompt_entries = self.prompt_entries(&echo, c.prompt_logprobs.as_deref());
+        let generated: &[TokenLogprob] = if self.echo_only { &[] } else { &c.logprobs };
+        let offset = if prompt_entries.is_empty() { echo.text.chars().count() } else { 0 };
+        let logprobs = self.logprobs.map(|_| legacy_logprobs(&prompt_entries, generated, &mut offset.clone()));
+        let (text, finish, stop_reason) = if self.echo_only {
+            (echo.text, Some("length"), None)
+        } else {
+            (echo.text + &c.text, c.finish.map(|f| f.as_str()), c.stop_reason)
+        };
+        CompletionChoice {
+            index,
+            text,
+            logprobs,
+            finish_reason: finish,
+            stop_reason,
+            prompt_logprobs: self.prompt_logprobs.and_then(|k| {
+                c.prompt_logprobs.as_deref().map(|entries| prompt_logprobs::vllm_list(&self.text, entries, k))
+            }),
+        }
+    }
+
+    /// The prompt's half of the legacy object (empty unless `echo` with `logprobs`).
+    fn prompt_entries(&self, echo: &Echo, entries: Option<&Vec<PromptTokenLogprob>>) -> Vec<LegacyEntry> {
+        match (self.echo_logprobs, entries) {
+            (Some(k), Some(entries)) => {
+                prompt_logprobs::legacy_entries(&self.text, &echo.prompt, entries, k, self.tokens_as_ids)
+            }
+            _ => vec![],
+        }
+    }
+
+    /// `echo` alone completes nothing: the token drawn and dropped is not counted.
+    fn usage(&self, usage: Usage) -> Usage {
+        if self.echo_only {
+            Usage::new(usage.prompt_tokens, 0, usage.prompt_tokens_details.cached_tokens)
+        } else {
+            usage
+        }
+    }
 }
 
 /// How errors name prompt `i`: `prompt` alone, or `prompt[i]` in a list.
@@ -127,26 +217,25 @@ struct Meta {
     model: String,
 }
 
-fn choice(index: usize, c: CollectedChoice, echo: String, want_logprobs: bool) -> CompletionChoice {
-    let offset = echo.chars().count();
-    CompletionChoice {
-        index,
-        logprobs: want_logprobs.then(|| legacy_logprobs(&c.logprobs, &mut offset.clone())),
-        text: echo + &c.text,
-        finish_reason: c.finish.map(|f| f.as_str()),
-    }
-}
-
-/// The legacy parallel-list form; `offset` is advanced past the tokens (character offsets into
-/// the choice's text, as OpenAI counts them).
-fn legacy_logprobs(tokens: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
+/// The legacy parallel-list form: the prompt's entries (with `echo`), then the generated
+/// tokens, whose alternatives include the token itself as OpenAI's do. `offset` is advanced past
+/// the tokens (character offsets into the choice's text, as OpenAI counts them).
+fn legacy_logprobs(prompt: &[LegacyEntry], generated: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
-    for t in tokens {
-        out.tokens.push(t.token.clone());
-        out.token_logprobs.push(t.logprob);
-        out.top_logprobs.push(t.top.iter().map(|(s, _, lp)| (s.clone(), *lp)).collect());
+    let mut push = |token: &str, logprob: Option<f32>, top: Option<BTreeMap<String, f32>>| {
+        out.tokens.push(token.to_string());
+        out.token_logprobs.push(logprob);
+        out.top_logprobs.push(top);
         out.text_offset.push(*offset);
-        *offset += t.token.chars().count();
+        *offset += token.chars().count();
+    };
+    for e in prompt {
+        push(&e.token, e.logprob, e.top.as_ref().map(|t| t.iter().cloned().collect()));
+    }
+    for t in generated {
+        let mut top: BTreeMap<String, f32> = t.top.iter().map(|(s, _, lp)| (s.clone(), *lp)).collect();
+        top.entry(t.token.clone()).or_insert(t.logprob);
+        push(&t.token, Some(t.logprob), Some(top));
     }
     out
 }
@@ -154,11 +243,14 @@ fn legacy_logprobs(tokens: &[TokenLogprob], offset: &mut usize) -> CompletionLog
 struct CompletionStream {
     meta: Meta,
     include_usage: bool,
-    /// Prompt text each choice starts with (empty without `echo`); sent first.
-    echoes: Vec<String>,
+    /// What each choice starts with (empty text without `echo`); sent first.
+    echoes: Vec<Echo>,
+    /// Whether each choice's echo is still to be sent: at the opening, or with its first update
+    /// when the prompt's logprobs go with it.
+    pending_echo: Vec<bool>,
     /// Character offset of the next token in each choice's text.
     offsets: Vec<usize>,
-    want_logprobs: bool,
+    shape: Shape,
 }
 
 impl CompletionStream {
@@ -177,34 +269,71 @@ impl CompletionStream {
             usage,
         })
     }
+
+    fn usage_so_far(&self, usage: Option<Usage>) -> UsageField {
+        usage.map_or(UsageField::Absent, |u| UsageField::Counts(self.shape.usage(u)))
+    }
 }
 
 impl StreamFormat for CompletionStream {
-    fn opening(&mut self, _num_choices: usize) -> Vec<Bytes> {
-        let echoes = std::mem::take(&mut self.echoes);
-        echoes
-            .into_iter()
-            .enumerate()
-            .filter(|(_, e)| !e.is_empty())
-            .map(|(index, text)| {
-                let c = CompletionChoice { index, text, logprobs: None, finish_reason: None };
-                self.chunk(vec![c], UsageField::Absent)
-            })
-            .collect()
+    fn opening(&mut self, _num_choices: usize, usage: Option<Usage>) -> Vec<Bytes> {
+        if self.shape.echo_logprobs.is_some() {
+            // The echo waits for the prompt's logprobs, which come with the first update.
+            return vec![];
+        }
+        let mut chunks = vec![];
+        for index in 0..self.echoes.len() {
+            self.pending_echo[index] = false;
+            let text = std::mem::take(&mut self.echoes[index].text);
+            if !text.is_empty() {
+                let c = CompletionChoice {
+                    index,
+                    text,
+                    logprobs: None,
+                    finish_reason: None,
+                    stop_reason: None,
+                    prompt_logprobs: None,
+                };
+                chunks.push(self.chunk(vec![c], self.usage_so_far(usage)));
+            }
+        }
+        chunks
     }
 
-    fn update(&mut self, u: ChoiceUpdate) -> Option<Bytes> {
-        if u.text.is_empty() && u.logprobs.is_empty() && u.finish.is_none() {
+    fn update(&mut self, mut u: ChoiceUpdate, usage: Option<Usage>) -> Option<Bytes> {
+        if self.shape.echo_only {
+            // Only the echo and the end go out; the drawn token is not part of the answer.
+            u.text.clear();
+            u.logprobs.clear();
+            u.stop_reason = None;
+            u.finish = u.finish.map(|_| FinishReason::Length);
+        }
+        let mut text = String::new();
+        let mut prompt_entries = vec![];
+        if std::mem::take(&mut self.pending_echo[u.index]) {
+            let echo = std::mem::take(&mut self.echoes[u.index].text);
+            prompt_entries = self.shape.prompt_entries(&self.echoes[u.index], u.prompt_logprobs.as_deref());
+            text = echo;
+        }
+        text.push_str(&u.text);
+        if text.is_empty() && u.logprobs.is_empty() && prompt_entries.is_empty() && u.finish.is_none() {
             return None;
         }
-        let logprobs = (self.want_logprobs && !u.logprobs.is_empty())
-            .then(|| legacy_logprobs(&u.logprobs, &mut self.offsets[u.index]));
-        let c =
-            CompletionChoice { index: u.index, text: u.text, logprobs, finish_reason: u.finish.map(|f| f.as_str()) };
-        Some(self.chunk(vec![c], UsageField::Absent))
+        let has_logprobs = !u.logprobs.is_empty() || !prompt_entries.is_empty();
+        let logprobs = (self.shape.logprobs.is_some() && has_logprobs)
+            .then(|| legacy_logprobs(&prompt_entries, &u.logprobs, &mut self.offsets[u.index]));
+        let c = CompletionChoice {
+            index: u.index,
+            text,
+            logprobs,
+            finish_reason: u.finish.map(|f| f.as_str()),
+            stop_reason: u.stop_reason,
+            prompt_logprobs: None,
+        };
+        Some(self.chunk(vec![c], self.usage_so_far(usage)))
     }
 
     fn usage(&mut self, usage: Usage) -> Bytes {
-        self.chunk(vec![], UsageField::Counts(usage))
+        self.chunk(vec![], UsageField::Counts(self.shape.usage(usage)))
     }
 }

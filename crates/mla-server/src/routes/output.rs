@@ -3,12 +3,13 @@
 
 use crate::error::ApiError;
 use crate::generate::{ChoiceUpdate, Generation, TokenLogprob};
-use crate::protocol::common::Usage;
+use crate::protocol::common::{StopReason, Usage};
 use crate::sse;
 use axum::body::Bytes;
 use axum::response::Response;
-use mla_engine::FinishReason;
+use mla_engine::{FinishReason, PromptTokenLogprob};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 /// One choice after generation ended.
 #[derive(Debug, Clone, Default)]
@@ -16,6 +17,9 @@ pub struct CollectedChoice {
     pub text: String,
     pub logprobs: Vec<TokenLogprob>,
     pub finish: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+    /// The prompt's logprobs when they were asked for.
+    pub prompt_logprobs: Option<Arc<Vec<PromptTokenLogprob>>>,
 }
 
 /// Runs the generation to the end. An engine error fails the whole request.
@@ -28,25 +32,40 @@ pub async fn collect(mut generation: Generation) -> Result<(Vec<CollectedChoice>
         c.logprobs.extend(u.logprobs);
         if u.finish.is_some() {
             c.finish = u.finish;
+            c.stop_reason = u.stop_reason;
+        }
+        if u.prompt_logprobs.is_some() {
+            c.prompt_logprobs = u.prompt_logprobs;
         }
     }
     Ok((choices, generation.usage()))
 }
 
-/// The chunk shapes of one endpoint's stream.
+/// The chunk shapes of one endpoint's stream. `usage` is the usage so far, given only when the
+/// client asked for it on every chunk (`stream_options.continuous_usage_stats`).
 pub trait StreamFormat: Send + 'static {
     /// Chunks sent before any token (chat: one role chunk per choice; completions: echo).
-    fn opening(&mut self, num_choices: usize) -> Vec<Bytes>;
+    fn opening(&mut self, num_choices: usize, usage: Option<Usage>) -> Vec<Bytes>;
     /// The chunk for one update, or nothing when it carries nothing.
-    fn update(&mut self, u: ChoiceUpdate) -> Option<Bytes>;
+    fn update(&mut self, u: ChoiceUpdate, usage: Option<Usage>) -> Option<Bytes>;
     /// The final usage chunk (`choices: []`), sent only when the client asked for it.
     fn usage(&mut self, usage: Usage) -> Bytes;
+}
+
+/// Which usage a stream reports.
+#[derive(Debug, Clone, Copy)]
+pub struct UsageReporting {
+    /// The final usage chunk (`stream_options.include_usage`).
+    pub final_chunk: bool,
+    /// The usage so far on every chunk (`stream_options.continuous_usage_stats`).
+    pub continuous: bool,
 }
 
 struct StreamState<F> {
     generation: Generation,
     format: F,
     include_usage: bool,
+    continuous_usage: bool,
     queue: VecDeque<Bytes>,
     ended: bool,
 }
@@ -55,9 +74,17 @@ struct StreamState<F> {
 /// asked, then `[DONE]`; an engine error becomes an error event before `[DONE]`.
 /// The response body owns the generation: a client that disconnects drops it, aborting the
 /// engine requests.
-pub fn stream<F: StreamFormat>(generation: Generation, mut format: F, include_usage: bool) -> Response {
-    let queue = format.opening(generation.num_choices()).into();
-    let state = StreamState { generation, format, include_usage, queue, ended: false };
+pub fn stream<F: StreamFormat>(generation: Generation, mut format: F, usage: UsageReporting) -> Response {
+    let so_far = usage.continuous.then(|| generation.usage());
+    let queue = format.opening(generation.num_choices(), so_far).into();
+    let state = StreamState {
+        generation,
+        format,
+        include_usage: usage.final_chunk,
+        continuous_usage: usage.continuous,
+        queue,
+        ended: false,
+    };
     let events = futures_util::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(b) = s.queue.pop_front() {
@@ -67,7 +94,10 @@ pub fn stream<F: StreamFormat>(generation: Generation, mut format: F, include_us
                 return None;
             }
             match s.generation.next().await {
-                Some(Ok(u)) => s.queue.extend(s.format.update(u)),
+                Some(Ok(u)) => {
+                    let so_far = s.continuous_usage.then(|| s.generation.usage());
+                    s.queue.extend(s.format.update(u, so_far))
+                }
                 Some(Err(e)) => {
                     s.queue.push_back(sse::error_event(&e));
                     s.queue.push_back(sse::done_event());

@@ -3,9 +3,11 @@
 
 use crate::error::ApiError;
 use crate::extract::JsonObject;
+use crate::protocol::chat::ChatWire;
 use crate::protocol::parse_fields;
 use crate::protocol::tokenize::*;
 use crate::state::{blocking, AppState};
+use crate::validate::chat_options::chat_prompt_options;
 use crate::validate::{messages::template_messages, token_id};
 use axum::extract::State;
 use axum::Json;
@@ -14,8 +16,7 @@ use std::sync::Arc;
 
 /// Request fields of vLLM's tokenize request that change its result and are not implemented
 /// here: refused by name rather than ignored.
-const UNSUPPORTED: [&str; 5] =
-    ["chat_template", "chat_template_kwargs", "tools", "continue_final_message", "mm_processor_kwargs"];
+const UNSUPPORTED: [&str; 3] = ["chat_template", "tools", "mm_processor_kwargs"];
 
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
@@ -48,9 +49,10 @@ pub async fn tokenize(
                 ));
             }
             let messages = template_messages(&messages)?;
-            let generation_prompt = wire.add_generation_prompt.unwrap_or(true);
+            // The chat endpoint's prompt options, so the count is the prompt chat would send.
+            let options = chat_prompt_options(&parse_fields::<ChatWire>(&body)?, &messages)?;
             // No length limit: the body-size limit bounds the work, and the count is the answer.
-            blocking(move || text.chat_prompt_with(&messages, usize::MAX, generation_prompt)).await?
+            blocking(move || text.chat_prompt(&messages, usize::MAX, &options)).await?
         }
         _ => return Err(ApiError::invalid("prompt", "send exactly one of `prompt` and `messages`")),
     };

@@ -71,6 +71,7 @@ impl ModelLimits {
             max_tokens,
             stop_token_ids,
             logprobs: params.logprobs,
+            prompt_logprobs: params.prompt_logprobs,
             owner: None,
             logit_bias: params.logit_bias.clone(),
             min_tokens: params.min_tokens,

@@ -6,6 +6,7 @@ mod limits;
 #[cfg(test)]
 mod tests;
 
+pub mod chat_options;
 pub mod messages;
 pub mod prompt;
 pub mod tools;
@@ -48,6 +49,13 @@ pub struct ValidatedParams {
     /// Sorted by token, each token once.
     pub logit_bias: Vec<(u32, f32)>,
     pub min_tokens: usize,
+    /// The matched stop string (or stop token's text) stays in the output.
+    pub include_stop_str: bool,
+    /// With `include_usage`, every chunk carries the usage so far.
+    pub continuous_usage: bool,
+    /// `Some(k)`: the engine scores every prompt token with `k` alternatives (vLLM's
+    /// `prompt_logprobs`; completions' `echo` with `logprobs` asks for them too).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Validates the shared fields. `max_tokens` is the endpoint's effective field (chat prefers
@@ -133,6 +141,14 @@ pub fn validate_params(
         return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
     }
 
+    let prompt_logprobs = w.prompt_logprobs.map(|k| logprob_count("prompt_logprobs", k)).transpose()?;
+    // vLLM's rule: a stream has no place for them (0 asks for none, so it passes).
+    if stream && prompt_logprobs.is_some_and(|k| k > 0) {
+        return Err(ApiError::invalid("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`"));
+    }
+    let include_usage = w.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let continuous_usage = w.stream_options.as_ref().and_then(|o| o.continuous_usage_stats).unwrap_or(false);
+
     Ok(ValidatedParams {
         sampling: SamplingParams {
             temperature: temperature as f32,
@@ -153,10 +169,14 @@ pub fn validate_params(
         skip_special_tokens: w.skip_special_tokens.unwrap_or(true),
         logprobs,
         stream,
-        include_usage: w.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        include_usage,
         tokens_as_ids: w.return_tokens_as_token_ids.unwrap_or(false),
         logit_bias,
         min_tokens,
+        include_stop_str: w.include_stop_str_in_output.unwrap_or(false),
+        // As vLLM: per-chunk usage only where the final usage is asked for.
+        continuous_usage: include_usage && continuous_usage,
+        prompt_logprobs: prompt_logprobs.filter(|_| !stream),
     })
 }
 

@@ -172,3 +172,19 @@ fn min_tokens_must_fit_max_tokens() {
     assert_eq!(param_of(params_of(json!({"min_tokens": 5, "max_tokens": 4})).unwrap_err()), "min_tokens");
     assert_eq!(param_of(params_of(json!({"min_tokens": -1})).unwrap_err()), "min_tokens");
 }
+
+#[test]
+fn prompt_logprobs_and_usage_options_follow_vllm() {
+    let p = validate(json!({"prompt_logprobs": 3, "include_stop_str_in_output": true})).unwrap();
+    assert_eq!((p.prompt_logprobs, p.include_stop_str), (Some(3), true));
+    assert_eq!(param_of(validate(json!({"prompt_logprobs": 21})).unwrap_err()), "prompt_logprobs");
+    assert_eq!(param_of(validate(json!({"prompt_logprobs": -1})).unwrap_err()), "prompt_logprobs");
+    // A stream has no place for them; 0 asks for none, so it passes (and computes nothing).
+    let streamed = json!({"prompt_logprobs": 1, "stream": true});
+    assert_eq!(param_of(validate(streamed).unwrap_err()), "prompt_logprobs");
+    assert_eq!(validate(json!({"prompt_logprobs": 0, "stream": true})).unwrap().prompt_logprobs, None);
+    // Per-chunk usage only where the final usage is asked for.
+    let opts = |o: serde_json::Value| validate(json!({"stream": true, "stream_options": o})).unwrap().continuous_usage;
+    assert!(opts(json!({"include_usage": true, "continuous_usage_stats": true})));
+    assert!(!opts(json!({"continuous_usage_stats": true})));
+}

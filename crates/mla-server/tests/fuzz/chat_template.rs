@@ -12,7 +12,7 @@ use crate::{config, tokenizer};
 use mla_server::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
 use mla_server::protocol::chat::MessageWire;
 use mla_server::protocol::parse_fields;
-use mla_server::text::TextPipeline;
+use mla_server::text::{ChatPromptOptions, TextPipeline};
 use mla_server::validate::messages::template_messages;
 use proptest::prelude::*;
 use serde_json::{Map, Value};
@@ -116,7 +116,7 @@ proptest! {
             inputs.extend(template_messages(&wire).ok());
         }
         for input in inputs {
-            if let Err(e) = pipeline(v3).chat_prompt(&input, max_tokens) {
+            if let Err(e) = pipeline(v3).chat_prompt(&input, max_tokens, &ChatPromptOptions::generation()) {
                 prop_assert_eq!(e.status().as_u16(), 400, "{:?} for {:?}", e, input);
             }
         }

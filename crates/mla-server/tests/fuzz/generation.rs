@@ -52,12 +52,13 @@ fn choices_seen(a: &Answer, chat: bool, n: usize) -> Result<(Vec<ChoiceSeen>, Op
 }
 
 /// What a completion must say, from the script alone: the script cycled to `max_tokens` and cut
-/// at the first stop token (counted, not text), decoded in one go by the tokenizer, then cut
+/// at the first stop token (counted and in logprobs, not text), decoded in one go by the tokenizer, then cut
 /// before the stop string that is completed first (at the same end, the longer one).
 struct Expected {
     text: String,
     finish: &'static str,
-    /// Ids reported in logprobs and the count in usage; unknown when a stop string ended it.
+    /// Ids reported in logprobs (the stop token included, as vLLM reports it) and the count in
+    /// usage; unknown when a stop string ended it.
     ids: Option<Vec<u32>>,
     completion_tokens: Option<usize>,
 }
@@ -76,7 +77,7 @@ fn expected(generated: &[u32], stop_ids: &[u32], stops: &[String], skip_special:
         Some((_, _, at)) => {
             Expected { text: full[..at].to_string(), finish: "stop", ids: None, completion_tokens: None }
         }
-        None => Expected { text: full, finish, ids: Some(emitted.to_vec()), completion_tokens: Some(count) },
+        None => Expected { text: full, finish, ids: Some(generated[..count].to_vec()), completion_tokens: Some(count) },
     }
 }
 
