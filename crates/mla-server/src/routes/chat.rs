@@ -10,6 +10,7 @@ use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::structured;
 use crate::validate::{self, messages::template_messages, MaxTokensDefault};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -25,6 +26,7 @@ pub async fn handle(
     let common: SamplingWire = parse_fields(&body)?;
     let chat: ChatWire = parse_fields(&body)?;
     validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
+    let structured = structured::wire::requested(parse_fields(&body)?)?;
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::chat_logprobs(chat.logprobs, chat.top_logprobs)?;
     // max_completion_tokens replaced max_tokens in OpenAI's API; the newer field wins.
@@ -38,9 +40,16 @@ pub async fn handle(
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
     let stops = params.stop.clone();
-    let (prompt, stop) =
-        blocking(move || Ok((text.chat_prompt(&messages, max_model_len)?, stop_matcher(stops)?))).await?;
-    let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
+    let grammars = state.grammars.clone();
+    let (prompt, stop, grammar) = blocking(move || {
+        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
+        Ok((text.chat_prompt(&messages, max_model_len)?, stop_matcher(stops)?, grammar))
+    })
+    .await?;
+    let mut request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
+    if let Some(g) = &grammar {
+        structured::constrain(&mut request, g);
+    }
     let mut generation = state.start_generation(vec![request], &params, stop)?;
 
     let meta = Meta { id: response_id("chatcmpl"), created: unix_now(), model: state.model_name.clone() };

@@ -10,6 +10,7 @@ use crate::protocol::completions::*;
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::structured;
 use crate::validate::prompt::{prompt_inputs, PromptInput};
 use crate::validate::{self, MaxTokensDefault};
 use axum::body::Bytes;
@@ -30,6 +31,7 @@ pub async fn handle(
     let common: SamplingWire = parse_fields(&body)?;
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
     validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
+    let structured = structured::wire::requested(parse_fields(&body)?)?;
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::completion_logprobs(wire.logprobs)?;
     let echo = wire.echo.unwrap_or(false);
@@ -46,7 +48,10 @@ pub async fn handle(
     let max_model_len = state.limits.max_model_len;
     let single = inputs.len() == 1;
     let stops = params.stop.clone();
-    let (prompts, stop) = blocking(move || {
+    let grammars = state.grammars.clone();
+    let (prompts, stop, grammar) = blocking(move || {
+        // One compilation serves every prompt and every completion of the request.
+        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
         let prompts = inputs
             .into_iter()
             .enumerate()
@@ -58,19 +63,19 @@ pub async fn handle(
                 }
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        Ok((prompts, stop_matcher(stops)?))
+        Ok((prompts, stop_matcher(stops)?, grammar))
     })
     .await?;
     let mut requests = Vec::with_capacity(prompts.len());
     let mut echoes = Vec::new();
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
         let field = prompt_field(single, i);
-        requests.push(state.limits.engine_request(
-            &params,
-            tokens,
-            MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS),
-            &field,
-        )?);
+        let mut request =
+            state.limits.engine_request(&params, tokens, MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS), &field)?;
+        if let Some(g) = &grammar {
+            structured::constrain(&mut request, g);
+        }
+        requests.push(request);
         // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
         echoes.extend(std::iter::repeat_n(if echo { prompt_text } else { String::new() }, params.n));
     }
