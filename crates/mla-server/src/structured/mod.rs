@@ -48,13 +48,22 @@ pub enum StructuredOutput {
     Lark(String),
 }
 
+/// The whitespace allowed between two JSON tokens unless the request says otherwise: up to 32
+/// spaces or tabs, or one line break and up to 32 spaces or tabs (any pretty-printed layout).
+/// vLLM leaves it unbounded (`[ \n\r\t]+`, llguidance's default), which lets a model that
+/// likes whitespace loop on it until `max_tokens` and return JSON that never closes; the demo
+/// model does exactly that.
+pub const DEFAULT_JSON_WHITESPACE: &str = r"(?:[\x20\x09]{1,32}|\x0D?\x0A[\x20\x09]{0,32})";
+
 /// Layout options of the JSON forms.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct JsonOptions {
     /// vLLM's `disable_any_whitespace`: compact JSON (`,` and `:` with no whitespace). By default
-    /// whitespace is allowed between tokens, as in vLLM (a model trained to indent may).
+    /// whitespace is allowed between tokens (`DEFAULT_JSON_WHITESPACE`): a model trained to
+    /// pretty-print may.
     pub compact: bool,
-    /// llguidance's `whitespace_pattern`: a regex for the whitespace between JSON tokens.
+    /// llguidance's `whitespace_pattern`: a regex for the whitespace between JSON tokens
+    /// (`[\x20\x0A\x0D\x09]+` is vLLM's unbounded default).
     pub whitespace_pattern: Option<String>,
 }
 
@@ -101,8 +110,9 @@ fn with_options(schema: &Value, options: &JsonOptions) -> Value {
                 g.entry("item_separator").or_insert(json!(","));
                 g.entry("key_separator").or_insert(json!(":"));
             }
-            if let Some(p) = &options.whitespace_pattern {
-                g.entry("whitespace_pattern").or_insert(json!(p));
+            if !options.compact {
+                let pattern = options.whitespace_pattern.as_deref().unwrap_or(DEFAULT_JSON_WHITESPACE);
+                g.entry("whitespace_pattern").or_insert(json!(pattern));
             }
         }
     }

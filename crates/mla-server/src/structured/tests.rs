@@ -125,6 +125,21 @@ fn a_json_schema_document_is_accepted_and_completes() {
 }
 
 #[test]
+fn whitespace_between_json_tokens_is_bounded_by_default() {
+    let g = grammars();
+    let space = g.tok_env().tok_trie().token_id_at_bytes(b" ").expect("a lone space token");
+    let mut c = g.compile(&StructuredOutput::JsonObject { options: JsonOptions::default() }).unwrap().constraint(Arc::from(vec![EOS]), 0);
+    feed(&mut c, "{");
+    for _ in 0..32 {
+        assert!(allowed(&mut c, 600).contains(&space));
+        c.accept(space).unwrap();
+    }
+    assert!(!allowed(&mut c, 600).contains(&space), "a 33rd space");
+    feed(&mut c, "\"k\": 1}");
+    assert_eq!(allowed(&mut c, 600), vec![EOS]);
+}
+
+#[test]
 fn min_tokens_keeps_stop_tokens_out_until_only_they_remain() {
     let g = grammars();
     let compiled = g.compile(&StructuredOutput::Regex("a+".into())).unwrap();
