@@ -128,7 +128,10 @@ fn a_json_schema_document_is_accepted_and_completes() {
 fn whitespace_between_json_tokens_is_bounded_by_default() {
     let g = grammars();
     let space = g.tok_env().tok_trie().token_id_at_bytes(b" ").expect("a lone space token");
-    let mut c = g.compile(&StructuredOutput::JsonObject { options: JsonOptions::default() }).unwrap().constraint(Arc::from(vec![EOS]), 0);
+    let mut c = g
+        .compile(&StructuredOutput::JsonObject { options: JsonOptions::default() })
+        .unwrap()
+        .constraint(Arc::from(vec![EOS]), 0);
     feed(&mut c, "{");
     for _ in 0..32 {
         assert!(allowed(&mut c, 600).contains(&space));
