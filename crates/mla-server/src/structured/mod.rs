@@ -18,7 +18,18 @@
 //!    forward pass, and reports every token drawn.
 //!
 //! `StructuredOutput::Lark` is also the entry point for grammars built by the server itself
-//! (`tool_choice: "required"` or a named tool: a Lark grammar of DeepSeek's tool-call format).
+//! (`tool_choice: "required"` or a named tool: a Lark grammar of DeepSeek's tool-call format),
+//! wired as a handler wires the request's own fields:
+//!
+//! ```ignore
+//! let r = wire::Requested { output: StructuredOutput::Lark(grammar), field: "tool_choice".into() };
+//! let g = structured::compile_requested(state.grammars.as_deref(), &r)?; // on a blocking thread
+//! structured::constrain(&mut engine_request, &g);
+//! ```
+//!
+//! In such a grammar, text of a non-special added token (V3's `<｜tool▁calls▁begin｜>` ...) is a
+//! plain string literal, and special tokens are written bare, `<｜end▁of▁sentence｜>`, or by id,
+//! `<[1]>` (see `tok_env`).
 
 mod constraint;
 #[cfg(test)]
@@ -65,6 +76,9 @@ pub struct JsonOptions {
     /// llguidance's `whitespace_pattern`: a regex for the whitespace between JSON tokens
     /// (`[\x20\x0A\x0D\x09]+` is vLLM's unbounded default).
     pub whitespace_pattern: Option<String>,
+    /// vLLM's `disable_additional_properties`: object schemas that do not say otherwise get
+    /// `additionalProperties: false` (JSON schema's default allows any extra key).
+    pub closed_objects: bool,
 }
 
 impl StructuredOutput {
@@ -102,6 +116,9 @@ impl StructuredOutput {
 /// there wins). Boolean schemas (`true`) have nowhere to put them and keep the defaults.
 fn with_options(schema: &Value, options: &JsonOptions) -> Value {
     let mut schema = schema.clone();
+    if options.closed_objects {
+        close_objects(&mut schema);
+    }
     if let Value::Object(map) = &mut schema {
         let guidance = map.entry("x-guidance").or_insert_with(|| json!({}));
         if let Value::Object(g) = guidance {
@@ -117,6 +134,23 @@ fn with_options(schema: &Value, options: &JsonOptions) -> Value {
         }
     }
     schema
+}
+
+/// Adds `additionalProperties: false` to every object schema (one with `"type": "object"` or
+/// `properties`) that does not set it, at any depth (`$defs`, `items`, `anyOf` ...).
+fn close_objects(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            let is_object_schema =
+                map.get("type").is_some_and(|t| t == "object") || map.get("properties").is_some_and(Value::is_object);
+            if is_object_schema && !map.contains_key("additionalProperties") {
+                map.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            map.values_mut().for_each(close_objects);
+        }
+        Value::Array(items) => items.iter_mut().for_each(close_objects),
+        _ => {}
+    }
 }
 
 /// The served model's grammar compiler: the token trie and llguidance's per-vocabulary tables,

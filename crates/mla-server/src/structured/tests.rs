@@ -108,7 +108,7 @@ fn a_json_schema_document_is_accepted_and_completes() {
     for (compact, doc) in [(true, r#"{"name":"Ada","age":36}"#), (false, "{\"name\": \"Ada\",\n  \"age\": 36}")] {
         let so = StructuredOutput::Json {
             schema: schema.clone(),
-            options: JsonOptions { compact, whitespace_pattern: None },
+            options: JsonOptions { compact, ..JsonOptions::default() },
         };
         let mut c = g.compile(&so).unwrap().constraint(Arc::from(vec![EOS]), 0);
         feed(&mut c, doc);
@@ -117,7 +117,7 @@ fn a_json_schema_document_is_accepted_and_completes() {
         assert!(c.is_finished());
     }
     // A missing required key cannot close the object.
-    let so = StructuredOutput::Json { schema, options: JsonOptions { compact: true, whitespace_pattern: None } };
+    let so = StructuredOutput::Json { schema, options: JsonOptions { compact: true, ..JsonOptions::default() } };
     let mut c = g.compile(&so).unwrap().constraint(Arc::from(vec![EOS]), 0);
     feed(&mut c, r#"{"name":"Ada""#);
     let close = demo_text().tokenizer().encode("}", false).unwrap()[0];
@@ -235,4 +235,46 @@ fn compile_errors_name_the_field() {
     assert_eq!(e.status().as_u16(), 400);
     assert_eq!(param(e), "guided_regex");
     assert!(compile_requested(None, &r).is_err());
+}
+
+#[test]
+fn closed_objects_refuse_extra_keys() {
+    let g = grammars();
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let key = |closed_objects: bool| {
+        let options = JsonOptions { compact: true, closed_objects, ..JsonOptions::default() };
+        let mut c = g
+            .compile(&StructuredOutput::Json { schema: schema.clone(), options })
+            .unwrap()
+            .constraint(Arc::from(vec![EOS]), 0);
+        feed(&mut c, "{\"a\":1");
+        let comma = demo_text().tokenizer().encode(",", false).unwrap()[0];
+        allowed(&mut c, 600).contains(&comma)
+    };
+    assert!(key(false), "JSON schema allows extra keys by default");
+    assert!(!key(true), "disable_additional_properties closes the object");
+    let r =
+        wire(json!({"structured_outputs": {"json": schema, "disable_additional_properties": true}})).unwrap().unwrap();
+    assert!(matches!(r.output, StructuredOutput::Json { options: JsonOptions { closed_objects: true, .. }, .. }));
+}
+
+#[test]
+fn lark_grammars_name_added_and_special_tokens() {
+    // The tool-call hook: V3's tool tokens are non-special added tokens (plain text in a grammar);
+    // special ones are named bare.
+    let g = grammars();
+    let mut c = g
+        .compile(&StructuredOutput::Lark("start: \"<｜tool▁calls▁begin｜>\" \"x\"".into()))
+        .unwrap()
+        .constraint(Arc::from(vec![EOS]), 0);
+    assert!(allowed(&mut c, 600).contains(&503));
+    c.accept(503).unwrap();
+    let mut c = g
+        .compile(&StructuredOutput::Lark("start: <｜User｜> \"x\"".into()))
+        .unwrap()
+        .constraint(Arc::from(vec![EOS]), 0);
+    assert_eq!(allowed(&mut c, 600), vec![501]);
+    let mut c =
+        g.compile(&StructuredOutput::Lark("start: <[502]>".into())).unwrap().constraint(Arc::from(vec![EOS]), 0);
+    assert_eq!(allowed(&mut c, 600), vec![502]);
 }

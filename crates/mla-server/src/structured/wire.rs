@@ -9,7 +9,7 @@
 //!   `guided_choice` (strings), `guided_grammar` (Lark, llguidance's dialect: vLLM hands EBNF to
 //!   xgrammar, which this server does not have), `guided_whitespace_pattern`.
 //! - vLLM's newer `structured_outputs: {json | regex | choice | grammar | json_object}` with
-//!   `disable_any_whitespace` and `whitespace_pattern`.
+//!   `disable_any_whitespace`, `disable_additional_properties` and `whitespace_pattern`.
 //!
 //! More than one constraint in a request is a 400: vLLM refuses two `guided_*`/structured
 //! fields too, and which one would win otherwise is not obvious to a client.
@@ -57,12 +57,10 @@ pub fn requested(w: StructuredWire) -> Result<Option<Requested>, ApiError> {
     if so.structural_tag.is_some() {
         return Err(unsupported("structured_outputs.structural_tag"));
     }
-    if so.disable_additional_properties == Some(true) {
-        return Err(unsupported("structured_outputs.disable_additional_properties"));
-    }
     let options = JsonOptions {
         compact: so.disable_any_whitespace.unwrap_or(false),
         whitespace_pattern: so.whitespace_pattern.or(w.guided_whitespace_pattern),
+        closed_objects: so.disable_additional_properties.unwrap_or(false),
     };
     let mut found: Vec<Requested> = Vec::new();
     let mut add = |field: &str, output: StructuredOutput| found.push(Requested { output, field: field.to_string() });
