@@ -8,6 +8,8 @@ real DeepSeek replies (markers, fences, split tags) is covered by the Rust tests
 (crates/mla-server/tests/output_parsers.rs, http_parsers.rs).
 """
 
+import json
+
 import openai
 import pytest
 
@@ -128,8 +130,6 @@ def test_auto_without_the_flags_is_a_400(client):
 @pytest.mark.parametrize(
     "tool_choice, needle",
     [
-        ("required", "not supported yet"),
-        ({"type": "function", "function": {"name": "get_weather"}}, "not supported yet"),
         ({"type": "function", "function": {"name": "get_time"}}, "not among the request's tools"),
         ("sometimes", "tool_choice"),
     ],
@@ -197,3 +197,71 @@ def test_flags_are_in_help():
     assert r.returncode == 0
     for flag in ["--reasoning-parser", "--tool-call-parser", "--enable-auto-tool-choice"]:
         assert flag in r.stdout, flag
+
+
+# Random weights would write an unbounded string forever (a valid reply cut by max_tokens); a
+# bounded schema makes every finished call checkable.
+BOUNDED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.0, "seed": 4}])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_is_a_valid_call_even_from_random_weights(client, tool_choice, sampling):
+    # No parser flags: "required" and named choices constrain decoding to DeepSeek-V3's call
+    # format with arguments valid against the tool's schema, and parse it with the V3 parser.
+    r = client.chat.completions.create(
+        model="demo", messages=MSG, tools=BOUNDED_TOOLS, tool_choice=tool_choice, max_tokens=300, **sampling
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls and {c.function.name for c in calls} <= {"get_weather", "get_time"}
+    if isinstance(tool_choice, dict):
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        if c.function.name == "get_weather":
+            assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 12, args
+        else:
+            assert args == {}, args
+
+
+def test_a_forced_tool_call_streams_as_tool_call_deltas(client):
+    stream = client.chat.completions.create(
+        model="demo", messages=MSG, tools=BOUNDED_TOOLS[:1], tool_choice="required", max_tokens=300, stream=True,
+        temperature=0,
+    )
+    names, args, finish = [], {}, []
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                if d.function and d.function.name:
+                    names.append(d.function.name)
+                args[d.index] = args.get(d.index, "") + ((d.function and d.function.arguments) or "")
+            if ch.finish_reason:
+                finish.append(ch.finish_reason)
+    assert finish == ["tool_calls"] and names and set(names) == {"get_weather"}
+    assert all(isinstance(json.loads(a)["city"], str) for a in args.values())
+
+
+def test_a_forced_tool_call_with_response_format_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="demo", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=8,
+            response_format={"type": "json_object"},
+        )
+    assert "tool_choice" in e.value.message

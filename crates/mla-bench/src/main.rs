@@ -6,6 +6,8 @@
 //! - `profile`: eager steps between cuProfilerStart/Stop, for a per-kernel breakdown under ncu.
 //! - `collectives`: NCCL all-reduce, all-gather and reduce-scatter at the sizes the multi-GPU
 //!   steps move, eager and from CUDA graphs, one thread per GPU.
+//! - `grammar-mask`: the CPU cost of a structured-output token mask per decode step (llguidance
+//!   over a DeepSeek-V3-sized vocabulary), at batch 1 and 64.
 //! - `serve`: a load generator against any OpenAI-compatible server that stands in for
 //!   `vllm bench serve`: its flags, datasets, metric definitions, table and result file.
 //!
@@ -14,6 +16,7 @@
 mod collectives;
 mod dummy_model;
 mod engine_bench;
+mod grammar_mask;
 mod host_bench;
 mod kernels;
 mod profile;
@@ -149,6 +152,23 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Structured output: CPU time of one grammar token mask (a JSON schema) per draw, on a
+    /// V3-sized vocabulary (synthetic unless --tokenizer), at the batch sizes given.
+    GrammarMask {
+        /// A model directory with tokenizer.json (a real DeepSeek-V3 one, say).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// The model's vocab_size (masks cover it all); DeepSeek-V3's by default.
+        #[arg(long, default_value_t = 129_280)]
+        vocab_size: usize,
+        /// Decode steps timed per batch size.
+        #[arg(long, default_value_t = 200)]
+        steps: usize,
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        batch: Vec<usize>,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Load generator against any OpenAI-compatible server, a drop-in for `vllm bench serve`:
     /// its flags, datasets, metric definitions, table and result file.
     Serve(Box<serve::ServeArgs>),
@@ -243,6 +263,12 @@ fn main() -> anyhow::Result<()> {
             report::write(out.as_deref(), &v)
         }
         Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, &batch, context, prefill_len),
+        Cmd::GrammarMask { tokenizer, vocab_size, steps, batch, out } => {
+            let r = grammar_mask::run(&grammar_mask::GrammarMaskArgs { tokenizer, vocab_size, steps, batches: batch })?;
+            let v = report::envelope("none (CPU only)", r);
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            report::write(out.as_deref(), &v)
+        }
         Cmd::Serve(args) => serve::main(*args),
     }
 }

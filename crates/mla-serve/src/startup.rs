@@ -10,6 +10,7 @@ use mla_core::{ModelSpec, Parallel};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::generation_config::GenerationDefaults;
 use mla_server::state::AppState;
+use mla_server::structured::Grammars;
 use mla_server::text::TextPipeline;
 use mla_server::tokenizer::TextTokenizer;
 use mla_server::validate::ModelLimits;
@@ -34,10 +35,23 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             source.config.n_routed_experts
         );
     }
-    let text = load_text(args, &source)?;
+    let text = Arc::new(load_text(args, &source)?);
     let defaults = match &source.generation_config_dir {
         Some(dir) => GenerationDefaults::from_model_dir(dir)?,
         None => GenerationDefaults::default(),
+    };
+    // The structured-output tables (a trie of the vocabulary, llguidance's token slices) take
+    // about a second for a 128k vocabulary: built on their own thread while the weights load.
+    let grammars = {
+        let (text, vocab, eos) = (text.clone(), source.config.vocab_size, eos_ids(&source, &text, &defaults));
+        std::thread::Builder::new()
+            .name("grammars".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                let g = Grammars::new(text, vocab, &eos);
+                (g, started.elapsed())
+            })
+            .context("starting the structured-output thread")?
     };
     let params = ModelSpec::new(&source.config).num_params();
     let parallel = args.parallel()?;
@@ -91,6 +105,17 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             hidden.join(" ")
         );
     }
+    let grammars = match grammars.join() {
+        Ok((Ok(g), took)) => {
+            tracing::info!("structured output: grammar tables for {} tokens built in {took:.2?}", limits.vocab_size);
+            Some(Arc::new(g))
+        }
+        Ok((Err(e), _)) => {
+            tracing::warn!("structured output is unavailable: {e:#}");
+            None
+        }
+        Err(_) => anyhow::bail!("building the structured-output tables panicked"),
+    };
     let state = AppState {
         engine: engine.clone(),
         model_name,
@@ -98,10 +123,11 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         model_root: source.name.clone(),
         limits,
         defaults,
-        text: Arc::new(text),
+        text,
         parsers,
         api_key: args.api_key.clone(),
         started: mla_server::protocol::unix_now(),
+        grammars,
     };
     Ok(Started { state: Arc::new(state), engine })
 }
@@ -155,18 +181,22 @@ fn model_limits(
     defaults: &GenerationDefaults,
     sizing: &Sizing,
 ) -> ModelLimits {
-    // End-of-sequence ids from every place a model declares them; any of them ends a completion.
+    ModelLimits {
+        max_model_len: sizing.max_model_len,
+        vocab_size: source.config.vocab_size,
+        eos_token_ids: eos_ids(source, text, defaults),
+        default_max_new_tokens: defaults.max_new_tokens,
+    }
+}
+
+/// End-of-sequence ids from every place a model declares them; any of them ends a completion.
+fn eos_ids(source: &ModelSource, text: &TextPipeline, defaults: &GenerationDefaults) -> Vec<u32> {
     let mut eos = source.config.eos_token_ids.clone();
     eos.extend(&defaults.eos_token_ids);
     eos.extend(text.tokenizer().eos().map(|t| t.id));
     eos.sort_unstable();
     eos.dedup();
-    ModelLimits {
-        max_model_len: sizing.max_model_len,
-        vocab_size: source.config.vocab_size,
-        eos_token_ids: eos,
-        default_max_new_tokens: defaults.max_new_tokens,
-    }
+    eos
 }
 
 /// The layout as the flags that give it, for the startup log.

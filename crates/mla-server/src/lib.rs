@@ -19,6 +19,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod stop;
+pub mod structured;
 pub mod template_env;
 pub mod text;
 pub mod tokenizer;

@@ -6,6 +6,7 @@ use crate::generate::{Generation, LogprobOptions, StopOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
 use crate::parsers::ParserConfig;
 use crate::stop::StopMatcher;
+use crate::structured::Grammars;
 use crate::text::TextPipeline;
 use crate::validate::{ModelLimits, ValidatedParams};
 use mla_engine::{EngineHandle, GenerateRequest};
@@ -28,6 +29,9 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Unix time the server started (`created` of the model card).
     pub started: u64,
+    /// The structured-output grammar compiler for this model's vocabulary (built once at
+    /// startup); `None` if the model cannot have one (no end-of-sequence token).
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 impl AppState {

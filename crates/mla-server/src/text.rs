@@ -237,7 +237,7 @@ impl ChoiceText {
 
 /// Inverts GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other
 /// 68 bytes were shifted to U+0100.. in byte order. `None` if `token` has a character outside it.
-fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
+pub(crate) fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
     let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let shifted: Vec<u32> = (0..=255u32).filter(|&b| !printable(b)).collect();
     token

@@ -153,6 +153,15 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The added tokens (`tokenizer.json`'s `added_tokens`): id, content and whether it is special.
+    /// Their content is plain text, not in the byte-level alphabet of the model's vocabulary.
+    pub fn added_tokens(&self) -> Vec<(u32, String, bool)> {
+        let mut added: Vec<_> =
+            self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content, t.special)).collect();
+        added.sort_unstable_by_key(|&(id, _, _)| id);
+        added
+    }
+
     pub fn config(&self) -> &TokenizerConfig {
         &self.config
     }

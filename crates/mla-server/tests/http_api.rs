@@ -424,3 +424,22 @@ async fn health_is_503_while_the_server_drains() {
     assert_eq!(r.status, 503);
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("shutting down"), "{}", r.json());
 }
+
+#[tokio::test]
+async fn structured_output_reaches_the_engine_and_bad_grammars_are_400() {
+    let mut script = demo_tokenizer().encode("yes", false).unwrap();
+    script.push(1); // the demo EOS id
+    let s = server(Options { script, ..Options::default() });
+    let v = s.post("/v1/chat/completions", chat("x", json!({"max_tokens": 10, "guided_choice": ["yes", "no"]}))).await;
+    assert_eq!(v.status, 200, "{}", v.text);
+    let v = v.json();
+    assert_eq!(v["choices"][0]["message"]["content"], "yes");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // The scripted backend ignores masks: a token off the grammar ends the completion visibly.
+    let v = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 10, "guided_regex": "no"})).await.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "abort");
+    let r = s.post("/v1/completions", json!({"prompt": "x", "guided_regex": "("})).await;
+    assert_eq!((r.status.as_u16(), r.json()["error"]["param"].clone()), (400, json!("guided_regex")));
+    let r = s.post("/v1/chat/completions", chat("x", json!({"guided_regex": "a", "guided_json": {}}))).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+}

@@ -123,7 +123,7 @@ async fn tool_choice_none_parses_no_calls_but_reasoning_still_splits() {
 }
 
 #[tokio::test]
-async fn auto_needs_the_flags_and_required_is_not_supported_yet() {
+async fn auto_needs_the_flags_and_a_forced_call_takes_no_other_constraint() {
     let s = scripted(&reply(), ParserConfig::default());
     let r = s.post("/v1/chat/completions", request(false)).await;
     assert_eq!(r.status, 400);
@@ -131,9 +131,11 @@ async fn auto_needs_the_flags_and_required_is_not_supported_yet() {
     let s = scripted(&reply(), all_parsers());
     let mut body = request(false);
     body["tool_choice"] = json!("required");
+    body["response_format"] = json!({"type": "json_object"});
     let r = s.post("/v1/chat/completions", body).await;
     assert_eq!(r.status, 400);
-    assert!(r.json()["error"]["message"].as_str().unwrap().contains("not supported yet"), "{}", r.text);
+    assert_eq!(r.json()["error"]["param"], "response_format", "{}", r.text);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("tool_choice"), "{}", r.text);
 }
 
 #[tokio::test]

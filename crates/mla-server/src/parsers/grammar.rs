@@ -5,7 +5,8 @@
 //! `<think>` and `<|python_tag|>`); the DeepSeek markers are such tokens, so the grammar names them
 //! as `<｜tool▁sep｜>` etc. and the model must emit the marker token itself, not its spelling in
 //! pieces. Arguments are constrained by the tool's JSON schema through `%json { ... }` (a tool
-//! without `parameters` gets `{"type": "object"}`, as OpenAI treats it). The text between the
+//! without `parameters` gets `{"type": "object"}`, as OpenAI treats it), laid out as Python's
+//! `json.dumps` writes JSON. The text between the
 //! markers is exactly what the V3 chat template renders for assistant tool calls, so the
 //! `deepseek_v3` parser reads the forced output back (tested below).
 //!
@@ -41,10 +42,17 @@ pub fn deepseek_v3_tool_grammar(tools: &[Value], count: CallCount) -> String {
     for (i, tool) in tools.iter().enumerate() {
         let function = &tool["function"];
         let name = function["name"].as_str().unwrap_or_default();
-        let schema = match function.get("parameters") {
+        let mut schema = match function.get("parameters") {
             Some(p) if p.is_object() => p.clone(),
             _ => json!({"type": "object"}),
         };
+        // Arguments laid out as Python's json.dumps writes them (what the template renders for
+        // object arguments in the history): no whitespace runs for a model to wander in.
+        schema
+            .as_object_mut()
+            .expect("checked above")
+            .entry("x-guidance")
+            .or_insert_with(|| json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
         let header = quote(&format!("{name}\n```json\n"));
         lark.push_str(&format!(
             "call_{i}: {} \"function\" {} {header} args_{i} \"\\n```\" {}\n",
@@ -89,9 +97,12 @@ mod tests {
             lines[2],
             "call_0: <｜tool▁call▁begin｜> \"function\" <｜tool▁sep｜> \"get_weather\\n```json\\n\" args_0 \"\\n```\" <｜tool▁call▁end｜>"
         );
-        let schema: Value = serde_json::from_str(lines[3].strip_prefix("args_0: %json ").unwrap()).unwrap();
+        let mut schema: Value = serde_json::from_str(lines[3].strip_prefix("args_0: %json ").unwrap()).unwrap();
+        let layout = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        assert_eq!(schema.as_object_mut().unwrap().remove("x-guidance"), Some(layout.clone()));
         assert_eq!(schema, tools()[0]["function"]["parameters"]);
-        assert_eq!(lines[5], "args_1: %json {\"type\":\"object\"}");
+        let bare: Value = serde_json::from_str(lines[5].strip_prefix("args_1: %json ").unwrap()).unwrap();
+        assert_eq!(bare, json!({"type": "object", "x-guidance": layout}));
         assert_eq!(lines.len(), 6);
     }
 

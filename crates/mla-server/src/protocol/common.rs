@@ -60,13 +60,12 @@ pub struct StreamOptionsWire {
 }
 
 /// OpenAI fields that change what is generated but that this server does not implement.
-/// They are read only to refuse them: silently ignoring them would return something other than
+/// They are read only to refuse them (`response_format` is read by `structured::wire`): silently ignoring them would return something other than
 /// what the client asked for. (Fields that do not change the output, like `user`, are ignored.)
 #[derive(Debug, Default, Deserialize)]
 pub struct UnsupportedWire {
     pub best_of: Option<i64>,
     pub suffix: Option<String>,
-    pub response_format: Option<Value>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Vec<Value>>,

@@ -6,7 +6,7 @@ use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
-use crate::parsers::OutputParsing;
+use crate::parsers::{OutputParsing, ToolParserKind};
 use crate::prompt_logprobs;
 use crate::protocol::chat::*;
 use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
@@ -14,6 +14,7 @@ use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::structured::{self, wire::Requested, StructuredOutput};
 use crate::validate::chat_options::chat_prompt_options;
 use crate::validate::tools::{tool_request, ToolChoice, ToolRequest};
 use crate::validate::{self, messages::template_messages, MaxTokensDefault};
@@ -40,9 +41,15 @@ pub async fn handle(
     // Checked above (`tool_request`); the shared check refuses them for completions.
     (unsupported.tools, unsupported.tool_choice, unsupported.functions) = (None, None, None);
     validate::refuse_unsupported(&unsupported)?;
-    let known = [field_names::<SamplingWire>(), field_names::<ChatWire>(), field_names::<UnsupportedWire>()];
+    let known = [
+        field_names::<SamplingWire>(),
+        field_names::<ChatWire>(),
+        field_names::<UnsupportedWire>(),
+        field_names::<structured::wire::StructuredWire>(),
+    ];
     log_ignored("/v1/chat/completions", &body, &known);
     let parsing = output_parsing(&state, &tools)?;
+    let structured = constraint_of(structured::wire::requested(parse_fields(&body)?)?, &tools)?;
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::chat_logprobs(chat.logprobs, chat.top_logprobs)?;
     // max_completion_tokens replaced max_tokens in OpenAI's API; the newer field wins.
@@ -58,9 +65,16 @@ pub async fn handle(
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
     let stops = params.stop.clone();
-    let (prompt, stop) =
-        blocking(move || Ok((text.chat_prompt(&messages, max_model_len, &options)?, stop_matcher(stops)?))).await?;
-    let request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
+    let grammars = state.grammars.clone();
+    let (prompt, stop, grammar) = blocking(move || {
+        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
+        Ok((text.chat_prompt(&messages, max_model_len, &options)?, stop_matcher(stops)?, grammar))
+    })
+    .await?;
+    let mut request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
+    if let Some(g) = &grammar {
+        structured::constrain(&mut request, g);
+    }
     let mut generation = state.start_generation(vec![request], &params, stop)?;
 
     let meta = Meta { id: response_id("chatcmpl"), created: unix_now(), model: state.model_name.clone() };
@@ -109,19 +123,34 @@ fn output_parsing(state: &AppState, tools: &ToolRequest) -> Result<OutputParsing
                 "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
             ))
         }
-        // INTEGRATION(constrained decoding): "required" and named choices must force a call:
-        // hand `tools.forced_call_grammar()` (a Lark grammar of DeepSeek-V3-format calls) to the
-        // sampler, and parse the reply with the V3 tool-call parser as for "auto" (whatever
-        // --tool-call-parser says: the grammar writes the V3 format). Until then they are
-        // refused rather than silently treated as "auto".
+        // "required" and named choices force a call: `constraint_of` constrains decoding to the
+        // DeepSeek-V3 call format, so the reply is parsed with the V3 parser whatever
+        // --tool-call-parser says (vLLM needs no parser flag for these either).
         (ToolChoice::Required | ToolChoice::Named(_), _, _) => {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "tool_choice \"required\" and named functions are not supported yet (they need constrained decoding); use \"auto\" or \"none\"",
-            ))
+            Some((ToolParserKind::DeepSeekV3, (!tools.parallel).then_some(1)))
         }
     };
     Ok(OutputParsing { reasoning: state.parsers.reasoning, tools: tool_parser })
+}
+
+/// The request's one decoding constraint: its structured-output fields, or the grammar that a
+/// "required" or named `tool_choice` forces (one or more calls in DeepSeek-V3's format whose
+/// arguments validate against the tools' schemas, `validate::tools`). Both at once is a 400, as
+/// any two constraints are.
+fn constraint_of(requested: Option<Requested>, tools: &ToolRequest) -> Result<Option<Requested>, ApiError> {
+    let forced = tools
+        .forced_call_grammar()
+        .map(|g| Requested { output: StructuredOutput::Lark(g), field: "tool_choice".to_string() });
+    match (requested, forced) {
+        (Some(r), Some(_)) => Err(ApiError::invalid(
+            &r.field,
+            format!(
+                "{} cannot be combined with a \"required\" or named tool_choice: both constrain the reply",
+                r.field
+            ),
+        )),
+        (r, f) => Ok(r.or(f)),
+    }
 }
 
 fn choice(index: usize, c: CollectedChoice, want_logprobs: bool, parsing: &OutputParsing) -> ChatChoice {

@@ -12,6 +12,7 @@ use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
+use crate::structured;
 use crate::text::TextPipeline;
 use crate::validate::prompt::{prompt_inputs, PromptInput};
 use crate::validate::{self, MaxTokensDefault};
@@ -35,8 +36,14 @@ pub async fn handle(
     let common: SamplingWire = parse_fields(&body)?;
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
     validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
-    let known = [field_names::<SamplingWire>(), field_names::<CompletionWire>(), field_names::<UnsupportedWire>()];
+    let known = [
+        field_names::<SamplingWire>(),
+        field_names::<CompletionWire>(),
+        field_names::<UnsupportedWire>(),
+        field_names::<structured::wire::StructuredWire>(),
+    ];
     log_ignored("/v1/completions", &body, &known);
+    let structured = structured::wire::requested(parse_fields(&body)?)?;
     state.check_model(common.model.as_deref())?;
     let logprobs = validate::completion_logprobs(wire.logprobs)?;
     let echo = wire.echo.unwrap_or(false);
@@ -59,7 +66,10 @@ pub async fn handle(
     let max_model_len = state.limits.max_model_len;
     let single = inputs.len() == 1;
     let stops = params.stop.clone();
-    let (prompts, stop) = blocking(move || {
+    let grammars = state.grammars.clone();
+    let (prompts, stop, grammar) = blocking(move || {
+        // One compilation serves every prompt and every completion of the request.
+        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
         let prompts = inputs
             .into_iter()
             .enumerate()
@@ -73,7 +83,7 @@ pub async fn handle(
                 }
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        Ok((prompts, stop_matcher(stops)?))
+        Ok((prompts, stop_matcher(stops)?, grammar))
     })
     .await?;
     let mut requests = Vec::with_capacity(prompts.len());
@@ -86,12 +96,12 @@ pub async fn handle(
             prompt: Arc::new(if echo_logprobs.is_some() { tokens.clone() } else { vec![] }),
         };
         echoes.extend(std::iter::repeat_n(echo, params.n));
-        requests.push(state.limits.engine_request(
-            &params,
-            tokens,
-            MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS),
-            &field,
-        )?);
+        let mut request =
+            state.limits.engine_request(&params, tokens, MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS), &field)?;
+        if let Some(g) = &grammar {
+            structured::constrain(&mut request, g);
+        }
+        requests.push(request);
     }
     let mut generation = state.start_generation(requests, &params, stop)?;
 

@@ -256,9 +256,6 @@ pub fn refuse_unsupported(u: &UnsupportedWire) -> Result<(), ApiError> {
     if u.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return unsupported("suffix");
     }
-    if u.response_format.as_ref().is_some_and(|f| f.get("type").and_then(|t| t.as_str()) != Some("text")) {
-        return unsupported("response_format");
-    }
     if u.tools.as_ref().is_some_and(|t| !t.is_empty()) || u.functions.as_ref().is_some_and(|f| !f.is_empty()) {
         return unsupported("tools");
     }

@@ -18,6 +18,7 @@ use mla_server::app::{router, HttpOptions};
 use mla_server::extract::BodyLimits;
 use mla_server::generation_config::GenerationDefaults;
 use mla_server::state::AppState;
+use mla_server::structured::Grammars;
 use mla_server::text::TextPipeline;
 use mla_server::tokenizer::TextTokenizer;
 use mla_server::validate::ModelLimits;
@@ -182,6 +183,7 @@ pub fn server(opts: Options) -> TestServer {
         step_watchdog: std::time::Duration::from_secs(300),
     };
     let engine = Engine::start(Box::new(backend), cfg).unwrap();
+    let text = Arc::new(TextPipeline::new(demo_tokenizer(), None).unwrap());
     let state = AppState {
         engine: engine.clone(),
         model_name: "demo".into(),
@@ -194,10 +196,11 @@ pub fn server(opts: Options) -> TestServer {
             default_max_new_tokens: None,
         },
         defaults: GenerationDefaults::default(),
-        text: Arc::new(TextPipeline::new(demo_tokenizer(), None).unwrap()),
+        text: text.clone(),
         parsers: opts.parsers,
         api_key: opts.api_key,
         started: 0,
+        grammars: Some(Arc::new(Grammars::new(text, 512, &[1]).unwrap())),
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
     let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };

@@ -1,0 +1,273 @@
+//! Structured output (issue 15): JSON schema, any JSON object, regex, a choice of strings or a
+//! Lark grammar, enforced token by token.
+//!
+//! The grammar engine is llguidance (crates.io `llguidance`, with `toktrie`): it is Rust (no FFI
+//! or Python), it is what vLLM (`--structured-outputs-config.backend guidance`, its default
+//! pick for JSON schemas xgrammar cannot do) and SGLang use, it computes a mask over a 128k
+//! vocabulary in tens of microseconds without precompiling the grammar against the vocabulary,
+//! and one crate covers every request form vLLM accepts (JSON schema, regex, Lark, choice).
+//!
+//! How a request flows:
+//! 1. `wire::structured_output` reads the request's fields into one `StructuredOutput` (400 if
+//!    there is more than one or it is malformed).
+//! 2. The handler compiles it on a blocking thread (`Grammars::compile`): a schema, regex or
+//!    grammar llguidance rejects is a 400 naming the problem, never an engine failure.
+//! 3. The compiled matcher is cloned once per completion (`CompiledGrammar::factory`), so `n`
+//!    completions share one compilation and its lexer caches but walk the grammar apart.
+//! 4. The engine asks each completion's `GrammarConstraint` for a mask while the device runs the
+//!    forward pass, and reports every token drawn.
+//!
+//! `StructuredOutput::Lark` is also the entry point for grammars built by the server itself
+//! (`tool_choice: "required"` or a named tool: a Lark grammar of DeepSeek's tool-call format),
+//! wired as a handler wires the request's own fields:
+//!
+//! ```ignore
+//! let r = wire::Requested { output: StructuredOutput::Lark(grammar), field: "tool_choice".into() };
+//! let g = structured::compile_requested(state.grammars.as_deref(), &r)?; // on a blocking thread
+//! structured::constrain(&mut engine_request, &g);
+//! ```
+//!
+//! In such a grammar, text of a non-special added token (V3's `<｜tool▁calls▁begin｜>` ...) is a
+//! plain string literal, and special tokens are written bare, `<｜end▁of▁sentence｜>`, or by id,
+//! `<[1]>` (see `tok_env`).
+
+mod constraint;
+#[cfg(test)]
+mod tests;
+pub mod tok_env;
+pub mod wire;
+
+pub use constraint::GrammarConstraint;
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+use tok_env::TokenEnv;
+
+/// What one request constrains its output to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StructuredOutput {
+    /// JSON valid against a JSON schema (`response_format: json_schema`, `guided_json`).
+    Json { schema: Value, options: JsonOptions },
+    /// Any JSON object (`response_format: json_object`).
+    JsonObject { options: JsonOptions },
+    /// Text matching a regular expression, whole (`guided_regex`; Rust `regex` syntax).
+    Regex(String),
+    /// Exactly one of these strings (`guided_choice`).
+    Choice(Vec<String>),
+    /// Text of a Lark grammar, llguidance's dialect (`guided_grammar`, and the tool-call hook).
+    Lark(String),
+}
+
+/// The whitespace allowed between two JSON tokens unless the request says otherwise: up to 32
+/// spaces or tabs, or one line break and up to 32 spaces or tabs (any pretty-printed layout).
+/// vLLM leaves it unbounded (`[ \n\r\t]+`, llguidance's default), which lets a model that
+/// likes whitespace loop on it until `max_tokens` and return JSON that never closes; the demo
+/// model does exactly that.
+pub const DEFAULT_JSON_WHITESPACE: &str = r"(?:[\x20\x09]{1,32}|\x0D?\x0A[\x20\x09]{0,32})";
+
+/// Layout options of the JSON forms.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JsonOptions {
+    /// vLLM's `disable_any_whitespace`: compact JSON (`,` and `:` with no whitespace). By default
+    /// whitespace is allowed between tokens (`DEFAULT_JSON_WHITESPACE`): a model trained to
+    /// pretty-print may.
+    pub compact: bool,
+    /// llguidance's `whitespace_pattern`: a regex for the whitespace between JSON tokens
+    /// (`[\x20\x0A\x0D\x09]+` is vLLM's unbounded default).
+    pub whitespace_pattern: Option<String>,
+    /// vLLM's `disable_additional_properties`: object schemas that do not say otherwise get
+    /// `additionalProperties: false` (JSON schema's default allows any extra key).
+    pub closed_objects: bool,
+}
+
+impl StructuredOutput {
+    /// The grammar llguidance compiles.
+    fn grammar(&self) -> TopLevelGrammar {
+        match self {
+            StructuredOutput::Json { schema, options } => {
+                TopLevelGrammar::from_json_schema(with_options(schema, options))
+            }
+            StructuredOutput::JsonObject { options } => {
+                TopLevelGrammar::from_json_schema(with_options(&json!({"type": "object"}), options))
+            }
+            StructuredOutput::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            StructuredOutput::Choice(choices) => {
+                let alternatives: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
+                TopLevelGrammar::from_regex(&format!("(?:{})", alternatives.join("|")))
+            }
+            StructuredOutput::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        }
+    }
+
+    /// The request field it came from, for error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StructuredOutput::Json { .. } => "JSON schema",
+            StructuredOutput::JsonObject { .. } => "JSON object",
+            StructuredOutput::Regex(_) => "regex",
+            StructuredOutput::Choice(_) => "choice",
+            StructuredOutput::Lark(_) => "grammar",
+        }
+    }
+}
+
+/// The schema with llguidance's layout options in its `x-guidance` key (a key the client set
+/// there wins). Boolean schemas (`true`) have nowhere to put them and keep the defaults.
+fn with_options(schema: &Value, options: &JsonOptions) -> Value {
+    let mut schema = schema.clone();
+    if options.closed_objects {
+        close_objects(&mut schema);
+    }
+    if let Value::Object(map) = &mut schema {
+        let guidance = map.entry("x-guidance").or_insert_with(|| json!({}));
+        if let Value::Object(g) = guidance {
+            if options.compact {
+                g.entry("whitespace_flexible").or_insert(json!(false));
+                g.entry("item_separator").or_insert(json!(","));
+                g.entry("key_separator").or_insert(json!(":"));
+            }
+            if !options.compact {
+                let pattern = options.whitespace_pattern.as_deref().unwrap_or(DEFAULT_JSON_WHITESPACE);
+                g.entry("whitespace_pattern").or_insert(json!(pattern));
+            }
+        }
+    }
+    schema
+}
+
+/// Adds `additionalProperties: false` to every object schema (one with `"type": "object"` or
+/// `properties`) that does not set it, at any depth (`$defs`, `items`, `anyOf` ...).
+fn close_objects(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            let is_object_schema =
+                map.get("type").is_some_and(|t| t == "object") || map.get("properties").is_some_and(Value::is_object);
+            if is_object_schema && !map.contains_key("additionalProperties") {
+                map.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            map.values_mut().for_each(close_objects);
+        }
+        Value::Array(items) => items.iter_mut().for_each(close_objects),
+        _ => {}
+    }
+}
+
+/// The served model's grammar compiler: the token trie and llguidance's per-vocabulary tables,
+/// built once at startup (`Grammars::new`, a second or so for a 128k vocabulary) and shared.
+pub struct Grammars {
+    factory: ParserFactory,
+    eos: Eos,
+    vocab_size: usize,
+}
+
+/// Every id that ends a completion (`ModelLimits::eos_token_ids`): a finished grammar allows all
+/// of them, and llguidance's one EOS (`matcher`) stands for any of them.
+#[derive(Clone)]
+struct Eos {
+    all: Arc<[u32]>,
+    matcher: u32,
+}
+
+impl Grammars {
+    /// `eos_ids` must not be empty; the tokenizer's own EOS is preferred as llguidance's EOS.
+    pub fn new(text: Arc<crate::text::TextPipeline>, vocab_size: usize, eos_ids: &[u32]) -> anyhow::Result<Self> {
+        let eos = text
+            .tokenizer()
+            .eos()
+            .map(|t| t.id)
+            .filter(|id| eos_ids.contains(id))
+            .or_else(|| eos_ids.first().copied())
+            .ok_or_else(|| anyhow::anyhow!("the model declares no end-of-sequence token"))?;
+        let env = TokenEnv::new(text, vocab_size, eos)?;
+        if env.fallbacks > 0 {
+            tracing::warn!(
+                "structured output: {} tokens are not in the byte-level alphabet; their bytes come from decoding",
+                env.fallbacks
+            );
+        }
+        let env: toktrie::TokEnv = Arc::new(env);
+        let mut factory = ParserFactory::new_simple(&env)?;
+        // Errors reach the client as 400s; llguidance's own stderr logging would duplicate them.
+        factory.quiet();
+        Ok(Grammars { factory, eos: Eos { all: eos_ids.into(), matcher: eos }, vocab_size })
+    }
+
+    /// Compiles `so` (CPU work, milliseconds for a large schema: call it on a blocking thread).
+    /// The error explains what is wrong with the schema, regex or grammar.
+    pub fn compile(&self, so: &StructuredOutput) -> Result<CompiledGrammar, String> {
+        if let StructuredOutput::Choice(c) = so {
+            if c.is_empty() {
+                return Err("the list of choices is empty".into());
+            }
+        }
+        let parser = self.factory.create_parser(so.grammar()).map_err(|e| e.to_string())?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(e);
+        }
+        Ok(CompiledGrammar { matcher: Arc::new(Mutex::new(matcher)), eos: self.eos.clone() })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    pub fn tok_env(&self) -> &toktrie::TokEnv {
+        self.factory.tok_env()
+    }
+}
+
+/// One request's compiled grammar: the matcher every completion starts from.
+#[derive(Clone)]
+pub struct CompiledGrammar {
+    /// Cloned per completion; the mutex only makes the prototype shareable across threads.
+    matcher: Arc<Mutex<Matcher>>,
+    eos: Eos,
+}
+
+impl CompiledGrammar {
+    /// A fresh constraint at the grammar's start.
+    ///
+    /// `stop_ids` are the request's stop tokens and `min_tokens` its vLLM `min_tokens`: while
+    /// fewer tokens have been drawn, the constraint leaves the stop tokens out of its masks
+    /// unless the grammar allows nothing else. (The engine's own `min_tokens` must then be 0:
+    /// it bans stop tokens with `-inf` regardless, and a complete grammar that only allows EOS
+    /// would leave no token at all.)
+    pub fn constraint(&self, stop_ids: Arc<[u32]>, min_tokens: usize) -> GrammarConstraint {
+        // A poisoned lock means a clone panicked half-way: the prototype itself is untouched.
+        let matcher = self.matcher.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        GrammarConstraint::new(matcher, &self.eos, stop_ids, min_tokens)
+    }
+
+    /// The engine's factory: one constraint per completion.
+    pub fn factory(&self, stop_ids: Vec<u32>, min_tokens: usize) -> mla_engine::ConstraintFactory {
+        let grammar = self.clone();
+        let stop_ids: Arc<[u32]> = stop_ids.into();
+        mla_engine::ConstraintFactory(Arc::new(move || Box::new(grammar.constraint(stop_ids.clone(), min_tokens))))
+    }
+}
+
+/// Compiles a request's constraint. An invalid schema, regex or grammar is a 400 naming the
+/// field; `grammars` is `None` when the model cannot do structured output (no EOS token).
+pub fn compile_requested(
+    grammars: Option<&Grammars>,
+    r: &wire::Requested,
+) -> Result<CompiledGrammar, crate::error::ApiError> {
+    let grammars = grammars.ok_or_else(|| {
+        crate::error::ApiError::invalid(
+            &r.field,
+            "structured output is not available for this model (it has no end-of-sequence token)",
+        )
+    })?;
+    grammars.compile(&r.output).map_err(|e| {
+        crate::error::ApiError::invalid(&r.field, format!("invalid {} in {}: {e}", r.output.kind(), r.field))
+    })
+}
+
+/// Puts `grammar` on an engine request built by `ModelLimits::engine_request`. Its `min_tokens`
+/// moves into the constraint (see `CompiledGrammar::constraint`).
+pub fn constrain(req: &mut mla_engine::GenerateRequest, grammar: &CompiledGrammar) {
+    req.constraint = Some(grammar.factory(req.stop_token_ids.clone(), req.min_tokens));
+    req.min_tokens = 0;
+}

@@ -1,0 +1,276 @@
+use super::wire::{requested, StructuredWire};
+use super::*;
+use crate::protocol::parse_fields;
+use crate::text::TextPipeline;
+use crate::tokenizer::TextTokenizer;
+use mla_engine::TokenConstraint;
+use std::path::PathBuf;
+use toktrie::TokTrie;
+
+const EOS: u32 = 1;
+
+fn demo_text() -> Arc<TextPipeline> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/demo");
+    Arc::new(TextPipeline::new(TextTokenizer::from_dir(&dir).unwrap(), None).unwrap())
+}
+
+/// The demo tokenizer in a model whose vocabulary is larger than the tokenizer (600 > 512).
+fn grammars() -> Grammars {
+    Grammars::new(demo_text(), 600, &[EOS]).unwrap()
+}
+
+fn allowed(c: &mut GrammarConstraint, vocab: usize) -> Vec<u32> {
+    let mut mask = vec![0u32; vocab.div_ceil(32)];
+    c.fill_mask(&mut mask);
+    (0..vocab as u32).filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1).collect()
+}
+
+/// Feeds the tokenizer's tokens of `text`, checking each was allowed first.
+fn feed(c: &mut GrammarConstraint, text: &str) {
+    let ids = demo_text().tokenizer().encode(text, false).unwrap();
+    for t in ids {
+        assert!(allowed(c, 600).contains(&t), "token {t} of {text:?} not allowed");
+        c.accept(t).unwrap();
+    }
+}
+
+#[test]
+fn token_bytes_round_trip_through_the_trie() {
+    let text = demo_text();
+    let (words, fallbacks) = tok_env::token_bytes(text.tokenizer(), 600);
+    assert_eq!(fallbacks, 0, "the demo tokenizer is byte-level throughout");
+    // Special tokens carry toktrie's marker; non-special added tokens are their text; ids past
+    // the tokenizer have no bytes.
+    assert_eq!(words[1], [&[TokTrie::SPECIAL_TOKEN_MARKER][..], "<｜end▁of▁sentence｜>".as_bytes()].concat());
+    assert_eq!(words[503], [&[0xFF], "<｜tool▁calls▁begin｜>".as_bytes()].concat());
+    assert!(words[512..].iter().all(|w| w.is_empty()));
+    // The bytes of a text's tokens are the text, whatever its characters.
+    for s in ["Hello there, world!\n\tindented", "naïve café — 東京 ✓ 🙂", "{\"a\": [1, 2.5e-3, null]}"] {
+        let ids = text.tokenizer().encode(s, false).unwrap();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&t| words[t as usize].clone()).collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), s);
+    }
+    let g = grammars();
+    let trie = g.tok_env().tok_trie();
+    assert_eq!((trie.vocab_size(), trie.eos_token()), (600, EOS));
+    assert!(trie.is_special_token(0) && trie.is_special_token(503), "added tokens are control tokens");
+}
+
+#[test]
+fn invalid_grammars_are_compile_errors() {
+    let g = grammars();
+    let err = |so: StructuredOutput| g.compile(&so).err().unwrap_or_else(|| panic!("{so:?} compiled"));
+    assert!(!err(StructuredOutput::Regex("(unclosed".into())).is_empty());
+    let e = err(StructuredOutput::Json { schema: json!({"type": "nonsense"}), options: JsonOptions::default() });
+    assert!(e.contains("nonsense"), "{e}");
+    assert!(!err(StructuredOutput::Lark("start: missing_rule".into())).is_empty());
+    assert!(!err(StructuredOutput::Choice(vec![])).is_empty());
+    for ok in [
+        StructuredOutput::Regex("[0-9]{3}".into()),
+        StructuredOutput::JsonObject { options: JsonOptions::default() },
+        StructuredOutput::Lark("start: \"yes\" | \"no\"".into()),
+        StructuredOutput::Json { schema: json!(true), options: JsonOptions::default() },
+    ] {
+        g.compile(&ok).unwrap();
+    }
+}
+
+#[test]
+fn a_choice_driven_token_by_token_then_only_eos() {
+    let g = grammars();
+    let choices = vec!["yes".to_string(), "no (really)".to_string()];
+    let compiled = g.compile(&StructuredOutput::Choice(choices)).unwrap();
+    let mut c = compiled.constraint(Arc::from(vec![EOS]), 0);
+    let first = allowed(&mut c, 600);
+    assert!(!first.contains(&EOS) && first.iter().all(|&t| t < 512), "{first:?}");
+    feed(&mut c, "no (really)");
+    assert_eq!(allowed(&mut c, 600), vec![EOS], "a complete choice allows only EOS");
+    c.accept(EOS).unwrap();
+    // With ignore_eos the engine keeps drawing: EOS, and nothing else, forever.
+    assert_eq!(allowed(&mut c, 600), vec![EOS]);
+    c.accept(EOS).unwrap();
+    assert!(c.accept(40).is_err());
+    // A token the grammar refuses is an error, not silently accepted.
+    let mut d = compiled.constraint(Arc::from(vec![EOS]), 0);
+    let x = demo_text().tokenizer().encode("x", false).unwrap()[0];
+    assert!(d.accept(x).is_err());
+}
+
+#[test]
+fn a_json_schema_document_is_accepted_and_completes() {
+    let g = grammars();
+    let schema = json!({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": false
+    });
+    for (compact, doc) in [(true, r#"{"name":"Ada","age":36}"#), (false, "{\"name\": \"Ada\",\n  \"age\": 36}")] {
+        let so = StructuredOutput::Json {
+            schema: schema.clone(),
+            options: JsonOptions { compact, ..JsonOptions::default() },
+        };
+        let mut c = g.compile(&so).unwrap().constraint(Arc::from(vec![EOS]), 0);
+        feed(&mut c, doc);
+        assert_eq!(allowed(&mut c, 600), vec![EOS], "{doc}");
+        c.accept(EOS).unwrap();
+        assert!(c.is_finished());
+    }
+    // A missing required key cannot close the object.
+    let so = StructuredOutput::Json { schema, options: JsonOptions { compact: true, ..JsonOptions::default() } };
+    let mut c = g.compile(&so).unwrap().constraint(Arc::from(vec![EOS]), 0);
+    feed(&mut c, r#"{"name":"Ada""#);
+    let close = demo_text().tokenizer().encode("}", false).unwrap()[0];
+    assert!(!allowed(&mut c, 600).contains(&close));
+}
+
+#[test]
+fn whitespace_between_json_tokens_is_bounded_by_default() {
+    let g = grammars();
+    let space = g.tok_env().tok_trie().token_id_at_bytes(b" ").expect("a lone space token");
+    let mut c = g
+        .compile(&StructuredOutput::JsonObject { options: JsonOptions::default() })
+        .unwrap()
+        .constraint(Arc::from(vec![EOS]), 0);
+    feed(&mut c, "{");
+    for _ in 0..32 {
+        assert!(allowed(&mut c, 600).contains(&space));
+        c.accept(space).unwrap();
+    }
+    assert!(!allowed(&mut c, 600).contains(&space), "a 33rd space");
+    feed(&mut c, "\"k\": 1}");
+    assert_eq!(allowed(&mut c, 600), vec![EOS]);
+}
+
+#[test]
+fn min_tokens_keeps_stop_tokens_out_until_only_they_remain() {
+    let g = grammars();
+    let compiled = g.compile(&StructuredOutput::Regex("a+".into())).unwrap();
+    let mut c = compiled.constraint(Arc::from(vec![EOS]), 3);
+    feed(&mut c, "a");
+    assert!(!allowed(&mut c, 600).contains(&EOS), "stop tokens wait for min_tokens");
+    let mut c = compiled.constraint(Arc::from(vec![EOS]), 0);
+    feed(&mut c, "a");
+    assert!(allowed(&mut c, 600).contains(&EOS));
+    // A grammar that can only stop wins over min_tokens: the mask is never empty.
+    let compiled = g.compile(&StructuredOutput::Choice(vec!["a".into()])).unwrap();
+    let mut c = compiled.constraint(Arc::from(vec![EOS]), 5);
+    feed(&mut c, "a");
+    assert_eq!(allowed(&mut c, 600), vec![EOS]);
+}
+
+#[test]
+fn n_completions_walk_the_grammar_apart() {
+    let g = grammars();
+    let compiled = g.compile(&StructuredOutput::Choice(vec!["ab".into(), "cd".into()])).unwrap();
+    let factory = compiled.factory(vec![EOS], 0);
+    let (mut a, mut b) = ((factory.0)(), (factory.0)());
+    let tok = |s: &str| demo_text().tokenizer().encode(s, false).unwrap();
+    for t in tok("ab") {
+        a.accept(t).unwrap();
+    }
+    for t in tok("cd") {
+        b.accept(t).unwrap();
+    }
+    assert!(a.accept(EOS).is_ok() && b.accept(EOS).is_ok());
+}
+
+fn wire(body: serde_json::Value) -> Result<Option<wire::Requested>, crate::error::ApiError> {
+    requested(parse_fields::<StructuredWire>(&body).unwrap())
+}
+
+fn param(e: crate::error::ApiError) -> String {
+    match e {
+        crate::error::ApiError::InvalidRequest { param, .. } => param.unwrap_or_default(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn request_fields() {
+    assert_eq!(wire(json!({})).unwrap(), None);
+    assert_eq!(wire(json!({"response_format": {"type": "text"}})).unwrap(), None);
+    let r = wire(json!({"response_format": {"type": "json_object"}})).unwrap().unwrap();
+    assert_eq!(r.output, StructuredOutput::JsonObject { options: JsonOptions::default() });
+    let schema = json!({"type": "object"});
+    let r = wire(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}}))
+        .unwrap()
+        .unwrap();
+    assert_eq!((r.field.as_str(), r.output.kind()), ("response_format", "JSON schema"));
+    // guided_json as a string holding the schema, as vLLM's clients send it.
+    let r = wire(json!({"guided_json": "{\"type\": \"object\"}"})).unwrap().unwrap();
+    assert_eq!(r.output, StructuredOutput::Json { schema: schema.clone(), options: JsonOptions::default() });
+    let r =
+        wire(json!({"structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": true}})).unwrap().unwrap();
+    assert_eq!(r.output, StructuredOutput::Choice(vec!["a".into(), "b".into()]));
+    let r = wire(json!({"structured_outputs": {"json": schema, "disable_any_whitespace": true}})).unwrap().unwrap();
+    assert!(matches!(r.output, StructuredOutput::Json { options: JsonOptions { compact: true, .. }, .. }));
+    assert_eq!(wire(json!({"guided_grammar": "start: \"x\""})).unwrap().unwrap().output.kind(), "grammar");
+
+    // Two constraints, or a malformed one, are 400s naming a field.
+    assert_eq!(param(wire(json!({"guided_regex": "a", "guided_choice": ["b"]})).unwrap_err()), "guided_choice");
+    assert_eq!(
+        param(wire(json!({"response_format": {"type": "json_object"}, "guided_json": {}})).unwrap_err()),
+        "guided_json"
+    );
+    assert_eq!(param(wire(json!({"guided_choice": []})).unwrap_err()), "guided_choice");
+    assert_eq!(param(wire(json!({"guided_json": "{not json"})).unwrap_err()), "guided_json");
+    assert_eq!(param(wire(json!({"guided_json": 3})).unwrap_err()), "guided_json");
+    assert_eq!(
+        param(wire(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})).unwrap_err()),
+        "response_format.json_schema.schema"
+    );
+    assert_eq!(param(wire(json!({"response_format": {"type": "yaml"}})).unwrap_err()), "response_format.type");
+    assert_eq!(
+        param(wire(json!({"response_format": {"type": "structural_tag"}})).unwrap_err()),
+        "response_format.structural_tag"
+    );
+}
+
+#[test]
+fn compile_errors_name_the_field() {
+    let g = grammars();
+    let r = wire(json!({"guided_regex": "(unclosed"})).unwrap().unwrap();
+    let e = compile_requested(Some(&g), &r).err().unwrap();
+    assert_eq!(e.status().as_u16(), 400);
+    assert_eq!(param(e), "guided_regex");
+    assert!(compile_requested(None, &r).is_err());
+}
+
+#[test]
+fn closed_objects_refuse_extra_keys() {
+    let g = grammars();
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let key = |closed_objects: bool| {
+        let options = JsonOptions { compact: true, closed_objects, ..JsonOptions::default() };
+        let mut c = g
+            .compile(&StructuredOutput::Json { schema: schema.clone(), options })
+            .unwrap()
+            .constraint(Arc::from(vec![EOS]), 0);
+        feed(&mut c, "{\"a\":1");
+        let comma = demo_text().tokenizer().encode(",", false).unwrap()[0];
+        allowed(&mut c, 600).contains(&comma)
+    };
+    assert!(key(false), "JSON schema allows extra keys by default");
+    assert!(!key(true), "disable_additional_properties closes the object");
+    let r =
+        wire(json!({"structured_outputs": {"json": schema, "disable_additional_properties": true}})).unwrap().unwrap();
+    assert!(matches!(r.output, StructuredOutput::Json { options: JsonOptions { closed_objects: true, .. }, .. }));
+}
+
+#[test]
+fn lark_grammars_name_added_and_special_tokens() {
+    // The tool-call hook: added tokens (special or not, like V3's tool markers) are control
+    // tokens, named bare or by id. (llguidance also draws the control token for a string literal
+    // of exactly its text.)
+    let g = grammars();
+    let compile =
+        |lark: &str| g.compile(&StructuredOutput::Lark(lark.into())).unwrap().constraint(Arc::from(vec![EOS]), 0);
+    let mut c = compile("start: <｜tool▁calls▁begin｜> \"x\"");
+    assert_eq!(allowed(&mut c, 600), vec![503]);
+    c.accept(503).unwrap();
+    let mut c = compile("start: \"<｜tool▁calls▁begin｜>\" \"x\"");
+    assert_eq!(allowed(&mut c, 600), vec![503]);
+    assert_eq!(allowed(&mut compile("start: <｜User｜> \"x\""), 600), vec![501]);
+    assert_eq!(allowed(&mut compile("start: <[502]>"), 600), vec![502]);
+}
