@@ -331,7 +331,9 @@ stage_structured() {
   local regex='( w[0-9]+){300}'
   wheels || return 1
   need_bin mla-bench || return 1
-  server_up || return 1
+  # No prefix caching: the constrained runs send the plain runs' prompts again, and cached
+  # prefills would flatter them.
+  MLA_RUN_SERVER_ARGS="--no-enable-prefix-caching ${MLA_RUN_SERVER_ARGS:-}" server_up || return 1
   bounded 240 "$out/structured-check.log" '^ok|^FAIL|passed|failed|Error' \
     python3 scripts/gpu_structured_check.py "http://127.0.0.1:$port" deepseek-v2-lite 32 || rc=1
   for c in 1 64; do

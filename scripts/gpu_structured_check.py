@@ -28,6 +28,9 @@ Short = Annotated[str, pydantic.StringConstraints(max_length=16)]
 
 
 class Person(pydantic.BaseModel):
+    # No extra properties (OpenAI's strict schemas have none): with them allowed, random weights
+    # may add a property whose value is an unbounded string.
+    model_config = pydantic.ConfigDict(extra="forbid")
     name: Short
     age: Annotated[int, pydantic.Field(ge=0, le=150)]
     tags: Annotated[list[Short], pydantic.Field(max_length=3)]
