@@ -72,3 +72,15 @@ def test_bad_logit_bias_and_min_tokens_are_400(client, body):
 
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="demo", prompt=PROMPT, extra_body=body, **({} if "max_tokens" in body else {"max_tokens": 4}))
+
+
+def test_min_tokens_holds_off_stop_strings(client):
+    base = {"model": "demo", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    text = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[:2]
+    assert len(stop) == 2, text
+    r = client.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 8
+    r = client.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 8})
+    # As vLLM: stop strings count only from token 9 on, so the text starts as without the stop.
+    assert r.usage.completion_tokens >= 8 and r.choices[0].text.startswith(stop)

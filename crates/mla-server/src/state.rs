@@ -69,10 +69,11 @@ impl AppState {
             submitted.push(Submitted { stream, prompt_len, n, stop_token_ids });
         }
         let text = self.text.clone();
-        let (skip_special, include_stop) = (params.skip_special_tokens, params.include_stop_str);
+        let (skip_special, include_stop, min_tokens) =
+            (params.skip_special_tokens, params.include_stop_str, params.min_tokens);
         Ok(Generation::new(
             submitted,
-            move || text.choice_text(stop.clone(), skip_special, include_stop),
+            move || text.choice_text(stop.clone(), skip_special, include_stop, min_tokens),
             LogprobOptions { enabled: params.logprobs.is_some(), tokens_as_ids: params.tokens_as_ids },
             StopOptions { requested_ids: params.stop_token_ids.clone(), include_stop },
             self.text.clone(),

@@ -172,6 +172,7 @@ impl TextPipeline {
         stop: StopMatcher,
         skip_special_tokens: bool,
         include_stop: bool,
+        min_tokens: usize,
     ) -> ChoiceText {
         ChoiceText {
             text: self.clone(),
@@ -179,6 +180,7 @@ impl TextPipeline {
             stop,
             include_stop,
             stopped: false,
+            unchecked_tokens: min_tokens,
         }
     }
 }
@@ -195,6 +197,9 @@ pub struct ChoiceText {
     include_stop: bool,
     /// A stop string ended the completion; the matcher reports it again on every later push.
     stopped: bool,
+    /// Tokens still to come before stop strings count (vLLM's `min_tokens` applies to stop
+    /// strings too); their text goes out unchecked.
+    unchecked_tokens: usize,
 }
 
 impl ChoiceText {
@@ -204,6 +209,10 @@ impl ChoiceText {
             tracing::warn!("detokenizing token {token}: {e}");
             String::new()
         });
+        if self.unchecked_tokens > 0 {
+            self.unchecked_tokens -= 1;
+            return (delta, None);
+        }
         let check = self.stop.push(&delta);
         self.stop_result(check)
     }
