@@ -5,7 +5,9 @@ prompt and each prompt twice, must reproduce HF transformers' continuation (test
 /metrics must show the ranks."""
 
 import json
+import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -144,6 +146,15 @@ def test_two_nodes_serve_hf_greedy_and_stop_together(layout, tmp_path):
         for p, got in zip(prompts, outputs):
             k = comparable(p)
             assert got[:k] == p["continuation"][:k], f"{layout} {p['name']}"
+        # A grammar-constrained step reaches node 1 once its masks exist (they are computed
+        # while the step runs; sent any earlier, it waited for them and failed after 60 s).
+        started = time.monotonic()
+        r = client.with_options(timeout=30).completions.create(
+            model="m", prompt="x", max_tokens=24, temperature=1.0, seed=1, n=2,
+            extra_body={"guided_regex": "(ab|cd){1,5}"},
+        )
+        assert all(re.fullmatch("(ab|cd){1,5}", c.text) for c in r.choices), [c.text for c in r.choices]
+        assert time.monotonic() - started < 20
     finally:
         assert server.stop() == 0
         assert node1.wait(timeout=30) == 0, Path(log1).read_text()
