@@ -43,14 +43,7 @@ mod tests {
             context_len: 0,
             block_table: vec![0],
             logits: LogitsRequest::None,
-            sample: Some(SampleRequest {
-                params: SamplingParams::greedy(),
-                seed: 0,
-                top_logprobs: None,
-                penalty: None,
-                logit_bias: Vec::new(),
-                allowed: None,
-            }),
+            sample: Some(SampleRequest::new(SamplingParams::greedy(), 0)),
         };
         StepPlan { kind, seqs: (0..seqs).map(seq).collect() }
     }

@@ -37,14 +37,7 @@ fn worst_row(ours: &[Vec<f32>], oracle: &[Vec<f32>]) -> (f32, usize) {
 }
 
 fn greedy_request() -> SampleRequest {
-    SampleRequest {
-        params: SamplingParams::greedy(),
-        seed: 0,
-        top_logprobs: None,
-        penalty: None,
-        logit_bias: Vec::new(),
-        allowed: None,
-    }
+    SampleRequest::new(SamplingParams::greedy(), 0)
 }
 
 fn check_variant(variant: &str) {
