@@ -72,8 +72,10 @@ pub async fn handle(
     })
     .await?;
     let mut request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
-    if let Some(g) = &grammar {
-        structured::constrain(&mut request, g);
+    match (&grammar, parsing.reasoning.is_some()) {
+        (Some(g), true) => structured::constrain_after_reasoning(&mut request, g),
+        (Some(g), false) => structured::constrain(&mut request, g),
+        (None, _) => {}
     }
     let mut generation = state.start_generation(vec![request], &params, stop)?;
 

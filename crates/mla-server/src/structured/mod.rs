@@ -32,6 +32,7 @@
 //! `<[1]>` (see `tok_env`).
 
 mod constraint;
+pub mod reasoning_gate;
 #[cfg(test)]
 mod tests;
 pub mod tok_env;
@@ -40,6 +41,7 @@ pub mod wire;
 pub use constraint::GrammarConstraint;
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
+use reasoning_gate::{AfterReasoning, ThinkingTable};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use tok_env::TokenEnv;
@@ -159,6 +161,8 @@ pub struct Grammars {
     factory: ParserFactory,
     eos: Eos,
     vocab_size: usize,
+    /// For grammars that start after a reasoning model's thinking (`reasoning_gate`).
+    thinking: Arc<ThinkingTable>,
 }
 
 /// Every id that ends a completion (`ModelLimits::eos_token_ids`): a finished grammar allows all
@@ -187,10 +191,13 @@ impl Grammars {
             );
         }
         let env: toktrie::TokEnv = Arc::new(env);
+        let trie = env.tok_trie();
+        let thinking =
+            Arc::new(ThinkingTable::new((0..vocab_size as u32).map(|id| trie.token(id).to_vec()), vocab_size));
         let mut factory = ParserFactory::new_simple(&env)?;
         // Errors reach the client as 400s; llguidance's own stderr logging would duplicate them.
         factory.quiet();
-        Ok(Grammars { factory, eos: Eos { all: eos_ids.into(), matcher: eos }, vocab_size })
+        Ok(Grammars { factory, eos: Eos { all: eos_ids.into(), matcher: eos }, vocab_size, thinking })
     }
 
     /// Compiles `so` (CPU work, milliseconds for a large schema: call it on a blocking thread).
@@ -206,7 +213,11 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(CompiledGrammar { matcher: Arc::new(Mutex::new(matcher)), eos: self.eos.clone() })
+        Ok(CompiledGrammar {
+            matcher: Arc::new(Mutex::new(matcher)),
+            eos: self.eos.clone(),
+            thinking: self.thinking.clone(),
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -224,6 +235,7 @@ pub struct CompiledGrammar {
     /// Cloned per completion; the mutex only makes the prototype shareable across threads.
     matcher: Arc<Mutex<Matcher>>,
     eos: Eos,
+    thinking: Arc<ThinkingTable>,
 }
 
 impl CompiledGrammar {
@@ -245,6 +257,17 @@ impl CompiledGrammar {
         let grammar = self.clone();
         let stop_ids: Arc<[u32]> = stop_ids.into();
         mla_engine::ConstraintFactory(Arc::new(move || Box::new(grammar.constraint(stop_ids.clone(), min_tokens))))
+    }
+
+    /// `factory` for a reasoning model: each completion thinks freely, then follows the grammar
+    /// (`reasoning_gate`).
+    pub fn factory_after_reasoning(&self, stop_ids: Vec<u32>, min_tokens: usize) -> mla_engine::ConstraintFactory {
+        let grammar = self.clone();
+        let stop_ids: Arc<[u32]> = stop_ids.into();
+        mla_engine::ConstraintFactory(Arc::new(move || {
+            let inner = grammar.constraint(stop_ids.clone(), min_tokens);
+            Box::new(AfterReasoning::new(inner, grammar.thinking.clone()))
+        }))
     }
 }
 
@@ -269,5 +292,12 @@ pub fn compile_requested(
 /// moves into the constraint (see `CompiledGrammar::constraint`).
 pub fn constrain(req: &mut mla_engine::GenerateRequest, grammar: &CompiledGrammar) {
     req.constraint = Some(grammar.factory(req.stop_token_ids.clone(), req.min_tokens));
+    req.min_tokens = 0;
+}
+
+/// `constrain` for a chat completion of a reasoning model (`--reasoning-parser`): the grammar
+/// governs what follows the thinking block, as the parser splits it off.
+pub fn constrain_after_reasoning(req: &mut mla_engine::GenerateRequest, grammar: &CompiledGrammar) {
+    req.constraint = Some(grammar.factory_after_reasoning(req.stop_token_ids.clone(), req.min_tokens));
     req.min_tokens = 0;
 }

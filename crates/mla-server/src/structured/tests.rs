@@ -19,14 +19,14 @@ fn grammars() -> Grammars {
     Grammars::new(demo_text(), 600, &[EOS]).unwrap()
 }
 
-fn allowed(c: &mut GrammarConstraint, vocab: usize) -> Vec<u32> {
+fn allowed(c: &mut dyn TokenConstraint, vocab: usize) -> Vec<u32> {
     let mut mask = vec![0u32; vocab.div_ceil(32)];
     c.fill_mask(&mut mask);
     (0..vocab as u32).filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1).collect()
 }
 
 /// Feeds the tokenizer's tokens of `text`, checking each was allowed first.
-fn feed(c: &mut GrammarConstraint, text: &str) {
+fn feed(c: &mut dyn TokenConstraint, text: &str) {
     let ids = demo_text().tokenizer().encode(text, false).unwrap();
     for t in ids {
         assert!(allowed(c, 600).contains(&t), "token {t} of {text:?} not allowed");
@@ -273,4 +273,24 @@ fn lark_grammars_name_added_and_special_tokens() {
     assert_eq!(allowed(&mut c, 600), vec![503]);
     assert_eq!(allowed(&mut compile("start: <｜User｜> \"x\""), 600), vec![501]);
     assert_eq!(allowed(&mut compile("start: <[502]>"), 600), vec![502]);
+}
+
+#[test]
+fn after_reasoning_the_grammar_starts_at_the_end_of_the_thinking_block() {
+    let g = grammars();
+    let compiled = g.compile(&StructuredOutput::Regex("[0-9]{3}".into())).unwrap();
+    let mut gated = (compiled.factory_after_reasoning(vec![EOS], 0).0)();
+    // Thinking: every id with text is allowed (the 512 tokenizer ids, not the padding 512..600).
+    assert_eq!(allowed(gated.as_mut(), 600), (0..512).collect::<Vec<u32>>());
+    // The closing tag spelled in pieces across tokens still ends the block.
+    feed(gated.as_mut(), "Let me think: 12 or 345? </thi");
+    assert_eq!(allowed(gated.as_mut(), 600).len(), 512, "a partial tag keeps it thinking");
+    feed(gated.as_mut(), "nk>");
+    let digits = allowed(gated.as_mut(), 600);
+    assert!(!digits.is_empty() && digits.len() < 20, "{digits:?}");
+    feed(gated.as_mut(), "123");
+    assert_eq!(allowed(gated.as_mut(), 600), vec![EOS], "the answer follows the grammar to its end");
+    // Without the gate the same grammar applies from the first token.
+    let mut plain = (compiled.factory(vec![EOS], 0).0)();
+    assert_eq!(allowed(plain.as_mut(), 600), digits);
 }
