@@ -35,6 +35,17 @@ def test_tokenize_matches_what_requests_are_charged(demo, client):
     assert back.status_code == 200 and back.json() == {"prompt": text}
 
 
+def test_tokenize_takes_the_chat_tools(demo, client):
+    messages = [{"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = post(demo, "/tokenize", {"messages": messages, "tools": tools})
+    assert r.status_code == 200, r.text
+    chat = client.chat.completions.create(
+        model="demo", messages=messages, tools=tools, tool_choice="none", max_tokens=1
+    )
+    assert r.json()["count"] == chat.usage.prompt_tokens
+
+
 def test_bad_tokenize_requests_are_400_naming_the_field(demo):
     cases = [
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
@@ -42,6 +53,7 @@ def test_bad_tokenize_requests_are_400_naming_the_field(demo):
         ({"messages": [{"role": "user", "content": "b"}], "chat_template": "{{x}}"}, "chat_template"),
         ({"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True}, "add_special_tokens"),
         ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"messages": [{"role": "user", "content": "b"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ]
     for body, param in cases:
         r = post(demo, "/tokenize", body)

@@ -8,6 +8,7 @@ use crate::protocol::parse_fields;
 use crate::protocol::tokenize::*;
 use crate::state::{blocking, AppState};
 use crate::validate::chat_options::chat_prompt_options;
+use crate::validate::tools::tool_request;
 use crate::validate::{messages::template_messages, token_id};
 use axum::extract::State;
 use axum::Json;
@@ -16,7 +17,7 @@ use std::sync::Arc;
 
 /// Request fields of vLLM's tokenize request that change its result and are not implemented
 /// here: refused by name rather than ignored.
-const UNSUPPORTED: [&str; 3] = ["chat_template", "tools", "mm_processor_kwargs"];
+const UNSUPPORTED: [&str; 2] = ["chat_template", "mm_processor_kwargs"];
 
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
@@ -49,8 +50,11 @@ pub async fn tokenize(
                 ));
             }
             let messages = template_messages(&messages)?;
-            // The chat endpoint's prompt options, so the count is the prompt chat would send.
-            let options = chat_prompt_options(&parse_fields::<ChatWire>(&body)?, &messages)?;
+            // The chat endpoint's prompt options and tools, so the count is the prompt chat
+            // would send.
+            let chat = parse_fields::<ChatWire>(&body)?;
+            let mut options = chat_prompt_options(&chat, &messages)?;
+            options.tools = tool_request(chat.tools.as_ref(), None, None, chat.functions.as_ref())?.tools;
             // No length limit: the body-size limit bounds the work, and the count is the answer.
             blocking(move || text.chat_prompt(&messages, usize::MAX, &options)).await?
         }
