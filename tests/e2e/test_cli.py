@@ -41,6 +41,8 @@ from server import Server, run_cli
         (["--dtype", "bf16"], "--dtype bfloat16: the cpu backend computes in float32 only"),
         (["demo-a", "--model", "demo-b"], "the model is given twice"),
         (["--chat-template", "/no/such/file"], "not a Jinja template"),
+        (["--quantization", "fp8"], "--quantization fp8: not implemented"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto"),
     ],
 )
 def test_bad_flags_fail_at_start(args, needle):

@@ -53,6 +53,17 @@ pub struct Args {
     #[arg(long)]
     pub trust_remote_code: bool,
 
+    /// vLLM's weight quantization. Weights are computed in bf16: block-FP8 checkpoints (V3, R1)
+    /// are dequantized on load, and FP8 compute (`fp8`) is not implemented yet, so any method is
+    /// refused at start with that reason rather than ignored.
+    #[arg(long, value_name = "METHOD")]
+    pub quantization: Option<String>,
+
+    /// vLLM's KV cache dtype: `auto` (the compute dtype, the only one there is); an FP8 latent
+    /// cache is not implemented, and naming it is an error rather than a silent bf16 cache.
+    #[arg(long, value_name = "DTYPE", default_value = "auto")]
+    pub kv_cache_dtype: String,
+
     /// Address to listen on (0.0.0.0 for every interface). MLA_SERVE_HOST sets the default, so
     /// the Docker image listens on every interface and `docker run IMAGE --host X` still wins.
     #[arg(long, env = "MLA_SERVE_HOST", default_value = "127.0.0.1")]
@@ -322,6 +333,22 @@ impl Args {
         }
     }
 
+    /// Refuses vLLM's quantization flags this server has no implementation for.
+    fn check_quantization(&self) -> anyhow::Result<()> {
+        if let Some(method) = &self.quantization {
+            anyhow::bail!(
+                "--quantization {method}: not implemented; weights are computed in bf16 (FP8 checkpoints are dequantized to bf16 on load), so leave the flag out"
+            );
+        }
+        if self.kv_cache_dtype != "auto" {
+            anyhow::bail!(
+                "--kv-cache-dtype {}: only auto (the compute dtype) is implemented; an FP8 latent cache is not",
+                self.kv_cache_dtype
+            );
+        }
+        Ok(())
+    }
+
     /// Refuses a --dtype the chosen backend does not compute in (cuda: bfloat16, cpu: float32).
     pub fn check_dtype(&self, on_cuda: bool) -> anyhow::Result<()> {
         let (native, device) = if on_cuda { (Dtype::Bfloat16, "cuda") } else { (Dtype::Float32, "cpu") };
@@ -360,6 +387,7 @@ impl Args {
 
     /// Resolves `--device auto` and refuses flags the chosen device cannot honour.
     pub fn check_supported(&self) -> anyhow::Result<Device> {
+        self.check_quantization()?;
         let parallel = self.parallel()?;
         self.check_nodes(&parallel)?;
         // auto is resolved once the model is known (backends::resolve_device): it needs the
