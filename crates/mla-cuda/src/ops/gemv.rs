@@ -20,14 +20,14 @@ pub enum GemvOut<'a> {
 }
 
 impl GemvOut<'_> {
-    fn ptr_len_stride(&self) -> (u64, usize, usize) {
+    pub(super) fn ptr_len_stride(&self) -> (u64, usize, usize) {
         match self {
             GemvOut::Bf16(s) => (s.data.ptr, s.data.len, s.stride),
             GemvOut::F32(s) => (s.data.ptr, s.data.len, s.stride),
         }
     }
 
-    fn is_f32(&self) -> bool {
+    pub(super) fn is_f32(&self) -> bool {
         matches!(self, GemvOut::F32(_))
     }
 }

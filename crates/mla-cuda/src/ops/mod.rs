@@ -12,6 +12,7 @@ pub mod dims {
 mod attention;
 mod elementwise;
 mod gemv;
+mod gemv_fp8;
 mod grouped_gemm;
 mod latent;
 mod linear;
@@ -29,6 +30,7 @@ pub use dims::{
 };
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
+pub use gemv_fp8::{Fp8Linear, GemvFp8Kernels, FP8_BLOCK};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, Sm90Schedule, TileM};
 pub use latent::{AbsorbQ, LatentKernels, RopeCache};
 pub use linear::{Linear, Strided};
@@ -46,6 +48,7 @@ pub struct Kernels {
     pub moe: MoeKernels,
     pub grouped_gemm: GroupedGemmKernels,
     pub gemv: GemvKernels,
+    pub gemv_fp8: GemvFp8Kernels,
     pub moe_gemv: MoeGemvKernels,
     pub sampling: SamplingKernels,
     pub sm_count: usize,
@@ -60,6 +63,7 @@ impl Kernels {
             moe: MoeKernels::load(m)?,
             grouped_gemm: GroupedGemmKernels::load(m, info)?,
             gemv: GemvKernels::load(m)?,
+            gemv_fp8: GemvFp8Kernels::load(m)?,
             moe_gemv: MoeGemvKernels::load(m, info)?,
             sampling: SamplingKernels::load(m)?,
             sm_count: info.sm_count,
