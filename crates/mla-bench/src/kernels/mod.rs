@@ -11,6 +11,7 @@ mod decode_step;
 mod moe_experts;
 mod prefill_attention;
 mod timing;
+mod weight_gemv;
 
 use crate::report;
 use mla_core::ModelConfig;
@@ -35,11 +36,14 @@ pub enum Bench {
     MoeExperts,
     /// One decode step (dummy weights, context 4096) at B = 1 and 64, eager and graph-replayed.
     DecodeStep,
+    /// The bf16 and block-FP8 weight-streaming GEMVs on V3's dense shapes, 1 and 4 rows.
+    WeightGemv,
 }
 
 impl Bench {
     /// Run order, whatever order `--only` names them in.
-    const ALL: [Bench; 4] = [Bench::DecodeAttention, Bench::PrefillAttention, Bench::MoeExperts, Bench::DecodeStep];
+    const ALL: [Bench; 5] =
+        [Bench::DecodeAttention, Bench::PrefillAttention, Bench::MoeExperts, Bench::DecodeStep, Bench::WeightGemv];
 
     fn key(self) -> &'static str {
         match self {
@@ -47,6 +51,7 @@ impl Bench {
             Bench::PrefillAttention => "prefill_attention",
             Bench::MoeExperts => "moe_experts",
             Bench::DecodeStep => "decode_step",
+            Bench::WeightGemv => "weight_gemv",
         }
     }
 }
@@ -64,6 +69,7 @@ pub fn run(only: &[Bench], config: &Path, out: Option<&Path>) -> anyhow::Result<
             Bench::PrefillAttention => prefill_attention::run(&dev)?,
             Bench::MoeExperts => moe_experts::run(&dev)?,
             Bench::DecodeStep => decode_step::run(&dev, &ModelConfig::from_file(config)?)?,
+            Bench::WeightGemv => weight_gemv::run(&dev)?,
         };
         results.insert(bench.key().into(), r);
     }
