@@ -90,14 +90,7 @@ pub fn run(args: &GrammarMaskArgs) -> anyhow::Result<serde_json::Value> {
                 per_mask_us.push(t.elapsed().as_secs_f64() * 1e6);
             }
             step_seq_us.push(step.elapsed().as_secs_f64() * 1e6);
-            for i in 0..batch {
-                let token = draw(&masks[i], &grammars, &mut rngs[i]);
-                if token == eos {
-                    cons[i] = (factory.0)();
-                } else {
-                    cons[i].accept(token).map_err(anyhow::Error::msg)?;
-                }
-            }
+            advance(&mut cons, &masks, &mut rngs, &grammars, eos, &factory)?;
         }
         // The engine's way at this batch: the masks split over `threads` threads while the
         // forward pass runs (`Scheduler::fill_masks`); here, the same split, timed alone.
@@ -117,14 +110,7 @@ pub fn run(args: &GrammarMaskArgs) -> anyhow::Result<serde_json::Value> {
                     }
                 });
                 step_par_us.push(t.elapsed().as_secs_f64() * 1e6);
-                for i in 0..batch {
-                    let token = draw(&masks[i], &grammars, &mut rngs[i]);
-                    if token == eos {
-                        cons[i] = (factory.0)();
-                    } else {
-                        cons[i].accept(token).map_err(anyhow::Error::msg)?;
-                    }
-                }
+                advance(&mut cons, &masks, &mut rngs, &grammars, eos, &factory)?;
             }
         }
         let r = json!({
@@ -159,6 +145,27 @@ fn round(x: f64) -> f64 {
 }
 
 /// A random allowed token: half the time among the allowed tokens of at most two bytes.
+/// Draws each completion's next token from its mask and feeds it back; a completion that drew
+/// EOS starts over with a fresh constraint, so the batch stays full.
+fn advance(
+    cons: &mut [Box<dyn TokenConstraint>],
+    masks: &[Vec<u32>],
+    rngs: &mut [StdRng],
+    grammars: &Grammars,
+    eos: u32,
+    factory: &mla_engine::ConstraintFactory,
+) -> anyhow::Result<()> {
+    for ((c, m), rng) in cons.iter_mut().zip(masks).zip(rngs.iter_mut()) {
+        let token = draw(m, grammars, rng);
+        if token == eos {
+            *c = (factory.0)();
+        } else {
+            c.accept(token).map_err(anyhow::Error::msg)?;
+        }
+    }
+    Ok(())
+}
+
 fn draw(mask: &[u32], grammars: &Grammars, rng: &mut StdRng) -> u32 {
     let allowed: Vec<u32> = (0..mask.len() as u32 * 32)
         .filter(|&t| mask.get(t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1))
