@@ -11,6 +11,7 @@ pub mod dims {
 
 mod attention;
 mod elementwise;
+mod expert_mats;
 mod gemv;
 mod gemv_fp8;
 mod grouped_gemm;
@@ -29,6 +30,7 @@ pub use dims::{
     PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
 };
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
+pub use expert_mats::ExpertMats;
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
 pub use gemv_fp8::{Fp8Linear, GemvFp8Kernels, FP8_BLOCK};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, Sm90Schedule, TileM};
