@@ -8,7 +8,9 @@ This script builds tiny random DeepSeek models with deterministic seeds, writes 
 FP8 block-quantised weights for v3_fp8) and records HF's logits and greedy continuations.
 
 Format (CONTRIBUTING.md): config.json, model.safetensors, oracle.json,
-oracle_f32.safetensors (HF float32 on CPU), oracle_bf16_cuda.safetensors (HF bfloat16 on CUDA).
+oracle_f32.safetensors (HF float32 on CPU), oracle_bf16_cuda.safetensors (HF bfloat16 on CUDA);
+v3_fp8_real_dims also oracle_w8a8_f32.safetensors (HF float32 with W8A8 activation quantisation
+emulated, see act_quant).
 
 Needs torch and transformers (5.17 was used); the bf16 oracle needs a CUDA GPU.
     python3 scripts/make_fixtures.py --out tests/fixtures
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import sys
+import types
 from collections import OrderedDict
 
 import torch
@@ -171,6 +174,30 @@ REAL_DIMS = {
     "moe_intermediate_size": 32,
 }
 
+# Issue 12's model: V3 (noaux_tc, groups, bias, q LoRA) stored block-FP8 with the dims the CUDA
+# backend is built for. Every input dim is a multiple of 128 (hidden 256, q_lora 256, latent 512,
+# heads x v 512, I 384, moe I 128), so each activation row splits into whole 128-column groups as in
+# the published V3; kv_a_proj_with_mqa's 576 rows end in a half block (4.5 blocks of 128).
+V3_FP8_REAL_DIMS = {
+    **V3_FP8,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "intermediate_size": 384,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+}
+
+# block_factor_log2: the range of the per-128x128-block weight factors (default [-1, 1], i.e. 0.5-2);
+# w8a8: also write oracle_w8a8_f32 (activation quantisation emulated).
 VARIANTS = OrderedDict(
     [
         ("v2_lite", dict(config=V2_LITE, seed=1001, fp8=False)),
@@ -178,6 +205,10 @@ VARIANTS = OrderedDict(
         ("v3", dict(config=V3, seed=1003, fp8=False)),
         ("v3_fp8", dict(config=V3_FP8, seed=1003, fp8=True)),  # same seed: v3's weights
         ("real_dims", dict(config=REAL_DIMS, seed=1005, fp8=False)),
+        (
+            "v3_fp8_real_dims",
+            dict(config=V3_FP8_REAL_DIMS, seed=1006, fp8=True, block_factor_log2=(-4.0, 1.0), w8a8=True),
+        ),
     ]
 )
 
@@ -246,11 +277,12 @@ def bf16_exact(t):
     return t.to(torch.bfloat16).to(torch.float32)
 
 
-def make_weights(c, seed):
+def make_weights(c, seed, block_factor_log2=None):
     """Random weights with a larger spread than HF's init so logits and routing are not degenerate.
 
     Linear weights: N(0, 1/fan_in) (0.08-0.18 for these sizes), each 128x128 block additionally
-    scaled by its own factor in [0.5, 2] so FP8 block scales differ per block. Norm gains N(1, 0.1).
+    scaled by its own factor in [0.5, 2] so FP8 block scales differ per block (with
+    `block_factor_log2=(lo, hi)`: 2**U(lo, hi) instead). Norm gains N(1, 0.1).
     The router gets a wider spread so expert choice depends on the token. Everything is rounded to
     bf16 here, before any HF run.
     """
@@ -271,7 +303,11 @@ def make_weights(c, seed):
         elif role == LINEAR:
             w = torch.randn(shape, generator=g) / math.sqrt(shape[1])
             rows, cols = math.ceil(shape[0] / FP8_BLOCK), math.ceil(shape[1] / FP8_BLOCK)
-            factors = torch.exp((torch.rand(rows, cols, generator=g) * 2.0 - 1.0) * math.log(2.0))
+            if block_factor_log2 is None:
+                factors = torch.exp((torch.rand(rows, cols, generator=g) * 2.0 - 1.0) * math.log(2.0))
+            else:
+                lo, hi = block_factor_log2
+                factors = torch.exp2(lo + torch.rand(rows, cols, generator=g) * (hi - lo))
             w = w * expand_blocks(factors, shape)
         else:
             raise AssertionError(role)
@@ -484,6 +520,121 @@ def group_limit(scores, G, TG, v3):
 
 
 # ----------------------------------------------------------------------------------------------
+# W8A8: the activations entering the FP8 linears quantised as DeepSeek-V3 does at run time.
+# ----------------------------------------------------------------------------------------------
+
+
+def act_quant(x):
+    """DeepSeek-V3's dynamic activation quantisation ("activation_scheme": "dynamic"), emulated in f32.
+
+    Per token and per group of 128 columns: scale = amax / 448, x_q = e4m3(x / scale) (clamped to
+    +-448), returned dequantised as x_q * scale. A last partial group (none in these models) is
+    padded with zeros; an all-zero group gets a tiny scale instead of 0/0.
+    """
+    k = x.shape[-1]
+    pad = -k % FP8_BLOCK
+    groups = (k + pad) // FP8_BLOCK
+    g = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], groups, FP8_BLOCK)
+    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).reshape(*x.shape[:-1], k + pad)[..., :k].to(x.dtype)
+
+
+def quantised_experts_forward(quant):
+    """transformers 5.17's eager DeepseekV3Experts.forward, op for op, with `quant` applied to the
+    input of gate_up_proj and of down_proj (the fused experts call F.linear, so no hook can reach)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            current_state = quant(hidden_states[token_idx])
+            gate, up = torch.nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current_hidden_states = quant(self.act_fn(gate) * up)
+            current_hidden_states = torch.nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])
+            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    return forward
+
+
+def quantise_fp8_linear_inputs(model, roles, quant):
+    """Apply `quant` to the input of every linear whose weight is stored FP8 (the LINEAR role: q_a,
+    q_b, kv_a, kv_b, o_proj, dense/shared/routed gate, up, down; not lm_head or the router).
+    Returns a function that undoes it."""
+    handles, patched = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and roles.get(name + ".weight") == LINEAR:
+            handles.append(m.register_forward_pre_hook(lambda _m, args: (quant(args[0]), *args[1:])))
+        elif name.endswith(".mlp.experts") and hasattr(m, "gate_up_proj"):
+            m.forward = types.MethodType(quantised_experts_forward(quant), m)
+            patched.append(m)
+    covered = len(handles) + sum(3 * m.num_experts for m in patched)
+    want = sum(r == LINEAR for r in roles.values())
+    if covered != want:
+        raise SystemExit(f"W8A8 emulation covers {covered} FP8 linears of {want}")
+
+    def undo():
+        for h in handles:
+            h.remove()
+        for m in patched:
+            del m.forward  # back to the class's (HF's) forward
+
+    return undo
+
+
+@torch.no_grad()
+def record_w8a8(model, roles, sequences, f32_logits, records):
+    """oracle_w8a8_f32: the f32 model on the same token sequences with W8A8 activations, and how far
+    it is from oracle_f32 (what FP8 activation quantisation alone costs)."""
+    # With an identity quantiser the patched model must be HF's model: nothing but the inputs changes.
+    undo = quantise_fp8_linear_inputs(model, roles, lambda x: x)
+    same = max((logits_of(model, s) - f32_logits[n]).abs().max().item() for n, s in sequences.items())
+    undo()
+    if same > 1e-6:
+        raise SystemExit(f"the W8A8 emulation with an identity quantiser changes the logits by {same}")
+
+    undo = quantise_fp8_linear_inputs(model, roles, act_quant)
+    logits = OrderedDict((n, logits_of(model, s).contiguous()) for n, s in sequences.items())
+    agree, divergence_gaps = [], []
+    for r in records:
+        cont = greedy(model, r["prompt"], CONTINUATION_LEN)
+        j = next((j for j, (a, b) in enumerate(zip(cont, r["continuation"])) if a != b), CONTINUATION_LEN)
+        agree.append(j)
+        if j < CONTINUATION_LEN:
+            divergence_gaps.append(r["gaps"][j])
+    undo()
+
+    row_diff = torch.cat([(logits[n] - f32_logits[n]).abs().max(-1).values for n in logits])
+    flips = 0
+    for r in records:
+        p = len(r["prompt"])
+        rows = logits[r["name"]][p - 1 : p - 1 + CONTINUATION_LEN]
+        flips += sum(int(a) != b for a, b in zip(rows.argmax(-1), r["continuation"]))
+    out = {
+        "identity_quantiser_max_diff": same,
+        "max_abs_diff": row_diff.max().item(),
+        "row_max_diff_median": row_diff.median().item(),
+        "rows_over_0.5": f"{int((row_diff > 0.5).sum())}/{len(row_diff)}",
+        # Teacher-forced: argmax of the W8A8 rows vs HF f32's continuation.
+        "argmax_flips": f"{flips}/{CONTINUATION_LEN * len(records)}",
+        # Free-running W8A8 greedy: leading tokens equal to HF f32's continuation, per prompt, and
+        # HF f32's top1-top2 gap at each first divergence.
+        "greedy_agreement": agree,
+        "greedy_divergence_f32_gaps": divergence_gaps,
+    }
+    return logits, out
+
+
+# ----------------------------------------------------------------------------------------------
 # Checks that the written files are what HF itself would load.
 # ----------------------------------------------------------------------------------------------
 
@@ -558,7 +709,7 @@ def write_variant(out_root, name, spec, skip_bf16):
         json.dump(published_config(c), f, indent=2)
         f.write("\n")
 
-    weights = make_weights(c, spec["seed"])
+    weights = make_weights(c, spec["seed"], spec.get("block_factor_log2"))
     saved, model_w, roles = checkpoint_and_model_weights(c, weights, spec["fp8"])
     save_file(saved, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
 
@@ -587,6 +738,11 @@ def write_variant(out_root, name, spec, skip_bf16):
     stats["eos_in_continuation"] = any(EOS in r["continuation"] for r in records)
     stats["logit_std"] = float(torch.cat(list(f32_logits.values())).std())
     stats["routing"] = routing_report(model, c, sequences.values())
+    oracle_extra = {}
+    if spec.get("w8a8"):
+        w8a8_logits, oracle_extra["w8a8"] = record_w8a8(model, roles, sequences, f32_logits, records)
+        save_file(w8a8_logits, os.path.join(d, "oracle_w8a8_f32.safetensors"), metadata={"format": "pt"})
+        stats["w8a8"] = oracle_extra["w8a8"]
 
     if spec["fp8"]:
         check_fp8_file(d, model_w, roles)
@@ -603,6 +759,7 @@ def write_variant(out_root, name, spec, skip_bf16):
                 "transformers_version": transformers.__version__,
                 "torch_version": torch.__version__,
                 "prompts": records,
+                **oracle_extra,
             },
             f,
         )
@@ -664,18 +821,31 @@ def main():
         stats = write_variant(args.out, name, VARIANTS[name], args.skip_bf16)
         print(json.dumps(stats), flush=True)
         all_stats.append(stats)
-    with open(os.path.join(args.out, "generation_log.json"), "w") as f:
-        json.dump(
-            {
-                "transformers_version": transformers.__version__,
-                "torch_version": torch.__version__,
-                "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                "variants": all_stats,
-            },
-            f,
-            indent=2,
-        )
+    run = {
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    log_path = os.path.join(args.out, "generation_log.json")
+    if set(args.variants) != set(VARIANTS) and os.path.exists(log_path):
+        all_stats, run = merged_log(log_path, all_stats, run)
+    with open(log_path, "w") as f:
+        json.dump({**run, "variants": all_stats}, f, indent=2)
         f.write("\n")
+
+
+def merged_log(log_path, new_stats, run):
+    """A --variants subset updates its entries of an existing generation_log.json and keeps the
+    others; where this run's versions or GPU differ from the log's, its entries say so under "run"."""
+    with open(log_path) as f:
+        old = json.load(f)
+    old_run = {k: old.get(k) for k in run}
+    if old_run != run:
+        new_stats = [{**s, "run": run} for s in new_stats]
+    entries = OrderedDict((s["variant"], s) for s in old.get("variants", []))
+    entries.update((s["variant"], s) for s in new_stats)
+    order = [n for n in VARIANTS if n in entries] + [n for n in entries if n not in VARIANTS]
+    return [entries[n] for n in order], old_run
 
 
 if __name__ == "__main__":
