@@ -33,7 +33,7 @@ if DEVICE == "cuda":
     NEAR_TIE = 0.05
     DEVICE_FLAGS = ["--device", "cuda", "--gpu-memory-utilization", "0.3"]
 else:
-    VARIANTS = ["v2_lite", "v2", "v3", "v3_fp8", "real_dims"]
+    VARIANTS = ["v2_lite", "v2", "v3", "v3_fp8", "real_dims", "v3_fp8_real_dims"]
     NEAR_TIE = 1e-3
     DEVICE_FLAGS = ["--device", "cpu"]
 

@@ -142,3 +142,8 @@ fn v3_fp8_matches_hf() {
 fn real_dims_matches_hf() {
     check_variant("real_dims");
 }
+
+#[test]
+fn v3_fp8_real_dims_matches_hf() {
+    check_variant("v3_fp8_real_dims");
+}
