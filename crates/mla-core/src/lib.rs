@@ -12,6 +12,7 @@ pub mod dummy;
 pub mod fault;
 pub mod fd_limit;
 pub mod fp8;
+pub mod fp8_source;
 pub mod group;
 pub mod json_patch;
 pub mod parallel;

@@ -29,6 +29,8 @@ pub enum CheckpointError {
     WrongDtype { name: String, path: PathBuf, expected: String, found: String },
     #[error("tensor `{name}` in {path} is F8_E4M3 but config.json has no quantization_config with weight_block_size")]
     Fp8WithoutQuantization { name: String, path: PathBuf },
+    #[error("tensor `{name}`: this rank's share cannot be cut from the FP8 tensor: {message}")]
+    Fp8Shard { name: String, message: String },
 }
 
 /// A block-FP8 weight as stored: E4M3 bytes `[rows, cols]` and fp32 scales over `block` tiles.
@@ -67,6 +69,13 @@ pub trait WeightSource: Sync {
     /// The stored FP8 bytes and scales when the tensor is block-FP8 in this source, else `None`
     /// (for backends that compute in FP8 instead of dequantizing).
     fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError>;
+
+    /// The part `shard` of a block-FP8 tensor, with the scales of its blocks (`None` as for
+    /// `read_fp8`). Cuts must fall on scale blocks; tensor parallelism over V3's dims does.
+    fn read_fp8_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Option<Fp8Tensor>, CheckpointError> {
+        let Some(t) = self.read_fp8(spec)? else { return Ok(None) };
+        t.shard(shard).map(Some).map_err(|message| CheckpointError::Fp8Shard { name: spec.name.clone(), message })
+    }
 
     /// The part `shard` of the tensor as bf16 bits (see `read_f32_shard`).
     fn read_bf16_bits_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<u16>, CheckpointError> {
@@ -139,5 +148,30 @@ mod progress_tests {
             assert_eq!(*lines.last().unwrap(), 10, "{total}");
             assert!(lines.len() <= 10 && lines.windows(2).all(|w| w[0] < w[1]), "{total}: {lines:?}");
         }
+    }
+}
+
+/// A shared source reads like the source itself (wrappers such as `Fp8Quantized` hold one).
+impl<T: WeightSource + Send + ?Sized> WeightSource for std::sync::Arc<T> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+    fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
+        (**self).read_f32(spec)
+    }
+    fn read_f32_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<f32>, CheckpointError> {
+        (**self).read_f32_shard(spec, shard)
+    }
+    fn read_bf16_bits(&self, spec: &TensorSpec) -> Result<Vec<u16>, CheckpointError> {
+        (**self).read_bf16_bits(spec)
+    }
+    fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {
+        (**self).read_fp8(spec)
+    }
+    fn read_fp8_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Option<Fp8Tensor>, CheckpointError> {
+        (**self).read_fp8_shard(spec, shard)
+    }
+    fn read_bf16_bits_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<u16>, CheckpointError> {
+        (**self).read_bf16_bits_shard(spec, shard)
     }
 }
