@@ -98,7 +98,9 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
             }
             if (lane == gi) my_group_score = gs;
         }
-        // Keep the topk_group best groups; HF masks the others' experts with 0.0.
+        // Keep the topk_group best groups; HF masks the others' experts with 0.0 for V2 (softmax
+        // scores, never negative) and -inf for V3, whose biased scores may be negative: a 0.0
+        // there could beat a kept expert.
         bool keep = false;
         float gv = lane < n_group ? my_group_score : -INFINITY;
         for (int r = 0; r < topk_group; ++r) {
@@ -114,7 +116,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
 #pragma unroll
         for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
             const int e = lane + 32 * j;
-            if (e < experts && !((kept >> (e / per_group)) & 1u)) choice[j] = 0.f;
+            if (e < experts && !((kept >> (e / per_group)) & 1u))
+                choice[j] = method == ROUTE_NOAUX_TC ? -INFINITY : 0.f;
         }
     }
 

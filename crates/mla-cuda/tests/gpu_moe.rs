@@ -16,12 +16,16 @@ use mla_cuda::ops::*;
 fn moe_routing_matches_the_cpu_reference_for_every_method() {
     let dev = device();
     let (s, k) = (dev.stream(), &dev.k);
-    for (name, seed) in [("deepseek-v2-lite.json", 10u64), ("deepseek-v2.json", 11), ("deepseek-v3.json", 12)] {
+    // The second V3 case shifts every correction bias below -1.25, so every biased score is negative:
+    // experts of dropped groups must lose to them (HF masks with -inf there, not 0.0).
+    let cases = [("deepseek-v2-lite.json", 10u64, 0.0), ("deepseek-v2.json", 11, 0.0), ("deepseek-v3.json", 12, 0.0)];
+    for (name, seed, shift) in cases.into_iter().chain([("deepseek-v3.json", 13, -1.5f32)]) {
         let cfg = config(name);
         let mut rng = Rng::new(seed);
         let (t, e, top) = (300, cfg.n_routed_experts, cfg.num_experts_per_tok);
         let logits = rng.uniform(t * e, 3.0);
-        let bias = (cfg.topk_method == mla_core::config::TopkMethod::NoauxTc).then(|| rng.uniform(e, 0.25));
+        let bias = (cfg.topk_method == mla_core::config::TopkMethod::NoauxTc)
+            .then(|| rng.uniform(e, 0.25).iter().map(|b| b + shift).collect::<Vec<f32>>());
         let bufs = RoutingBufs::new(t, e, top);
         let r = bufs.routing(t, e, top);
         let d_logits = up(&logits);
