@@ -10,7 +10,7 @@ use mla_cuda::Device;
 
 /// `CudaModel::new` over weights drawn on the device, with the whole cache drawn from N(0, 1).
 pub fn build(dev: &Device, cfg: &ModelConfig, opts: &ModelOptions) -> anyhow::Result<CudaModel> {
-    let weights = DeviceWeights::dummy(cfg, &dev.k, dev.stream(), 11)?;
+    let weights = DeviceWeights::dummy(cfg, dev, 11)?;
     let model = CudaModel::new(dev, cfg.clone(), weights, opts)?;
     dev.k.elementwise.fill_normal_bf16(dev.stream(), model.cache.slice(), Normal { mean: 0.0, std: 1.0, seed: 12 })?;
     dev.gpu.sync()?;

@@ -180,13 +180,12 @@ pub fn start_worker(
     let (w, source) = match weights {
         WeightsFrom::Checkpoint(dir) => {
             let ckpt = Checkpoint::open(&dir, &cfg)?;
-            (DeviceWeights::load_rank(&cfg, &ckpt, layout)?, format!("checkpoint {}", dir.display()))
+            (DeviceWeights::load_rank(&cfg, &ckpt, layout, &dev)?, format!("checkpoint {}", dir.display()))
         }
-        WeightsFrom::DummyOnDevice { seed } => (
-            DeviceWeights::dummy(&local, &dev.k, dev.stream(), seed)?,
-            format!("dummy weights drawn on the device (seed {seed})"),
-        ),
-        WeightsFrom::Host(src) => (DeviceWeights::load_rank(&cfg, src.as_ref(), layout)?, src.describe()),
+        WeightsFrom::DummyOnDevice { seed } => {
+            (DeviceWeights::dummy(&local, &dev, seed)?, format!("dummy weights drawn on the device (seed {seed})"))
+        }
+        WeightsFrom::Host(src) => (DeviceWeights::load_rank(&cfg, src.as_ref(), layout, &dev)?, src.describe()),
     };
     dev.gpu.sync()?;
     let max_model_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
@@ -204,6 +203,7 @@ pub fn start_worker(
         small_batch_gemv: opts.small_batch_gemv,
     };
     let weight_bytes = w.bytes();
+    let fp8 = w.fp8_share();
     let model = CudaModel::new_rank(&dev, local, w, &mopts, mode)?;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let who = if layout.world > 1 {
@@ -211,6 +211,14 @@ pub fn start_worker(
     } else {
         format!("cuda:{}", opts.device)
     };
+    if fp8.matrices > 0 {
+        tracing::info!(
+            "{who}: {} weight matrices in block FP8 ({:.2} GiB of the {:.2} GiB of weights, scales included)",
+            fp8.matrices,
+            gib(fp8.bytes),
+            gib(weight_bytes)
+        );
+    }
     tracing::info!(
         "{who} ({}): weights {:.2} GiB from {source} in {:.1}s; activations {:.2} GiB (measured); KV cache {:.2} GiB = {} blocks of {PAGE_SIZE} = {} tokens",
         dev.gpu.info.name,

@@ -159,6 +159,7 @@ impl CudaModel {
             vocab: cfg.vocab_size,
         };
         let (free0, total) = dev.gpu.mem_info()?;
+        let linears = SmallLinear::new(opts.small_batch_gemv, weights.fp8_share().largest_projection)?;
         let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count, mode.collective_kind())?;
         let meta = MetaBuffers::new(&lim)?;
         let (free1, _) = dev.gpu.mem_info()?;
@@ -219,7 +220,7 @@ impl CudaModel {
             max_model_len,
             activation_bytes,
             decode_splits_override: None,
-            linears: SmallLinear::new(opts.small_batch_gemv),
+            linears,
             mode,
         })
     }
@@ -343,7 +344,7 @@ impl CudaModel {
         let ws = &self.ws;
         let words = self.meta.words_for(m.words.len());
         let embedding = Embedding {
-            table: self.weights.embed.buf.slice(),
+            table: self.weights.embed.lin().w,
             vocab: cfg.vocab_size,
             ids: m.token_ids.on(words),
             out: ws.residual.slice(),
@@ -523,14 +524,18 @@ impl CudaModel {
         let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
         let h = rows(&ws.h, hidden);
         // q (or q_a) and kv_a both read h: one launch at small batch.
-        let kv_a = lw.kv_a.lin();
+        let kv_a = lw.kv_a.proj();
         match &lw.query {
-            QueryWeights::Direct(q) => {
-                self.linears.linear_pair(dev, h, t, (&q.lin(), rows(&ws.q, heads * qd)), (&kv_a, rows(&ws.kva, lat)))?
-            }
+            QueryWeights::Direct(q) => self.linears.linear_pair(
+                dev,
+                h,
+                t,
+                (&q.proj(), rows(&ws.q, heads * qd)),
+                (&kv_a, rows(&ws.kva, lat)),
+            )?,
             QueryWeights::LowRank { a, a_norm, b } => {
                 let r = a.out;
-                self.linears.linear_pair(dev, h, t, (&a.lin(), rows(&ws.q_a, r)), (&kv_a, rows(&ws.kva, lat)))?;
+                self.linears.linear_pair(dev, h, t, (&a.proj(), rows(&ws.q_a, r)), (&kv_a, rows(&ws.kva, lat)))?;
                 let norm = RmsNormBf16 {
                     x: ws.q_a.slice(),
                     x_stride: r,
@@ -542,7 +547,7 @@ impl CudaModel {
                     eps: self.eps,
                 };
                 k.elementwise.rmsnorm_bf16(s, &norm)?;
-                self.linears.linear(dev, &b.lin(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
+                self.linears.linear(dev, &b.proj(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
             }
         }
         let cache = self.layer_cache(l);
@@ -587,7 +592,7 @@ impl CudaModel {
             }
             StepLayout::Prefill(p) => self.prefill_attention(dev, p, m, &layer)?,
         }
-        self.linears.linear(dev, &lw.o_proj.lin(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
+        self.linears.linear(dev, &lw.o_proj.proj(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
         Ok(())
     }
 
@@ -679,9 +684,9 @@ impl CudaModel {
         let inter = w.down.inp;
         let ws = &self.ws;
         let x = Strided::new(x, hidden);
-        self.linears.linear(dev, &w.gate_up.lin(), x, t, rows(&ws.gate_up, 2 * inter))?;
+        self.linears.linear(dev, &w.gate_up.proj(), x, t, rows(&ws.gate_up, 2 * inter))?;
         dev.k.elementwise.silu_mul(dev.stream(), ws.gate_up.slice(), ws.act.slice(), t, inter)?;
-        self.linears.linear(dev, &w.down.lin(), rows(&ws.act, inter), t, Strided::new(out, hidden))?;
+        self.linears.linear(dev, &w.down.proj(), rows(&ws.act, inter), t, Strided::new(out, hidden))?;
         Ok(())
     }
 
@@ -716,15 +721,20 @@ impl CudaModel {
         k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
         let gate_up = GroupedGateUp {
             a: mb.grouped_x.slice(),
-            w: w.gate_up.slice(),
+            w: moe_small::bf16_experts(w.gate_up.mats())?,
             gate_up: mb.grouped_gate_up.slice(),
             act: mb.grouped_act.slice(),
             inter: im,
             k: hidden,
         };
         k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
-        let down =
-            GroupedGemm { a: mb.grouped_act.slice(), w: w.down.slice(), c: mb.grouped_y.slice(), n: hidden, k: im };
+        let down = GroupedGemm {
+            a: mb.grouped_act.slice(),
+            w: moe_small::bf16_experts(w.down.mats())?,
+            c: mb.grouped_y.slice(),
+            n: hidden,
+            k: im,
+        };
         k.grouped_gemm.gemm(s, &down, &r)?;
         let shared = match &w.shared {
             Some(sh) => {

@@ -1,47 +1,76 @@
-//! Which kernel runs a dense projection: for single-row steps (decode at B=1) the weight-streaming
-//! GEMV (`ops::GemvKernels`) instead of cuBLAS, whose M = 1 kernels read weights at 1.37 TB/s on
-//! the H200 (ncu, run S1 in docs/runs/2026-11-22.md). On the H200 it made B=1 decode 3.5% faster
-//! and B=2..4 slower than cuBLAS (runs S4/S5), so steps of more rows, and shapes the kernel cannot
+//! Which kernel runs a dense projection.
+//!
+//! bf16 weights: for single-row steps (decode at B=1) the weight-streaming GEMV
+//! (`ops::GemvKernels`) instead of cuBLAS, whose M = 1 kernels read weights at 1.37 TB/s on the
+//! H200 (ncu, run S1 in docs/runs/2026-11-22.md). On the H200 it made B=1 decode 3.5% faster and
+//! B=2..4 slower than cuBLAS (runs S4/S5), so steps of more rows, and shapes the kernel cannot
 //! take (unaligned rows), go to cuBLAS.
+//!
+//! Block-FP8 weights (issue 12): steps of up to `GEMV_KERNEL_MAX_ROWS` rows stream the FP8 bytes
+//! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16). Larger
+//! steps dequantize the weight into a bf16 scratch matrix (`bf16(fp8 · scale)`, the very weight
+//! the bf16 loader used to build) and run cuBLAS on it: exact, and for prefill-sized steps the
+//! extra pass is small next to the GEMM, but it reads 2.5x the bf16 bytes, so mid-sized decode
+//! batches are slower than with bf16 weights until an FP8 GEMM replaces it.
 
 use crate::device::Device;
-use crate::ops::{GemvKernels, GemvLaunch, GemvOut, Linear, Strided};
+use crate::gpu::DeviceBuffer;
+use crate::ops::GEMV_KERNEL_MAX_ROWS;
+use crate::ops::{Fp8Linear, GemvFp8Kernels, GemvKernels, GemvLaunch, GemvOut, Linear, Proj, Strided};
 use half::bf16;
 
-/// Most rows the GEMV kernel is used for, from the H200 measurements above (the kernel itself
+/// Most rows the bf16 GEMV kernel is used for, from the H200 measurements above (the kernel itself
 /// takes up to `ops::GEMV_KERNEL_MAX_ROWS`; the GPU test covers all of them).
 pub const GEMV_MAX_ROWS: usize = 1;
 
 pub struct SmallLinear {
-    /// `CudaOptions::small_batch_gemv`: off sends every projection to cuBLAS (A/B runs).
+    /// `CudaOptions::small_batch_gemv`: off sends every bf16 projection to cuBLAS (A/B runs).
     enabled: bool,
-    /// Steps of up to this many rows use the kernel (`GEMV_MAX_ROWS`; tests raise it to
+    /// Steps of up to this many rows use the bf16 kernel (`GEMV_MAX_ROWS`; tests raise it to
     /// `GEMV_KERNEL_MAX_ROWS`).
     pub max_rows: usize,
+    /// Most rows the FP8 GEMV takes before the dequantize + cuBLAS path (tests lower it to 0 to
+    /// run that path on decode steps).
+    pub fp8_gemv_max_rows: usize,
+    /// bf16 copy of one FP8 weight for the cuBLAS path: as large as the largest FP8 projection
+    /// (empty when the model has none).
+    scratch: DeviceBuffer<bf16>,
 }
 
 impl SmallLinear {
-    pub fn new(enabled: bool) -> Self {
-        SmallLinear { enabled, max_rows: GEMV_MAX_ROWS }
+    /// `fp8_scratch`: elements of the largest FP8 projection of the model (0 without any).
+    pub fn new(enabled: bool, fp8_scratch: usize) -> anyhow::Result<Self> {
+        Ok(SmallLinear {
+            enabled,
+            max_rows: GEMV_MAX_ROWS,
+            fp8_gemv_max_rows: GEMV_KERNEL_MAX_ROWS,
+            scratch: DeviceBuffer::alloc(fp8_scratch.max(1))?,
+        })
     }
 
     fn gemv_takes(&self, lin: &Linear, x: &Strided<bf16>, rows: usize) -> bool {
         self.enabled && rows <= self.max_rows && GemvKernels::takes(lin, x, rows)
     }
 
-    /// `ya = x · aᵀ` and `yb = x · bᵀ` (bf16 out) in one launch when the kernel takes both, as
-    /// two `linear` calls otherwise.
+    fn fp8_gemv_takes(&self, lin: &Fp8Linear, x: &Strided<bf16>, rows: usize) -> bool {
+        rows <= self.fp8_gemv_max_rows && GemvFp8Kernels::takes(lin, x, rows)
+    }
+
+    /// `ya = x · aᵀ` and `yb = x · bᵀ` (bf16 out) in one launch when both are bf16 and the kernel
+    /// takes both, as two `linear` calls otherwise.
     pub fn linear_pair(
         &self,
         dev: &Device,
         x: Strided<bf16>,
         rows: usize,
-        a: (&Linear, Strided<bf16>),
-        b: (&Linear, Strided<bf16>),
+        a: (&Proj, Strided<bf16>),
+        b: (&Proj, Strided<bf16>),
     ) -> anyhow::Result<()> {
-        if self.gemv_takes(a.0, &x, rows) && self.gemv_takes(b.0, &x, rows) && a.0.inp == b.0.inp {
-            let p = GemvLaunch { lin: a.0, x, rows, y: GemvOut::Bf16(a.1), second: Some((b.0, GemvOut::Bf16(b.1))) };
-            return dev.k.gemv.launch(dev.stream(), &p);
+        if let (Proj::Bf16(la), Proj::Bf16(lb)) = (a.0, b.0) {
+            if self.gemv_takes(la, &x, rows) && self.gemv_takes(lb, &x, rows) && la.inp == lb.inp {
+                let p = GemvLaunch { lin: la, x, rows, y: GemvOut::Bf16(a.1), second: Some((lb, GemvOut::Bf16(b.1))) };
+                return dev.k.gemv.launch(dev.stream(), &p);
+            }
         }
         self.linear(dev, a.0, x, rows, a.1)?;
         self.linear(dev, b.0, x, rows, b.1)
@@ -51,19 +80,38 @@ impl SmallLinear {
     pub fn linear(
         &self,
         dev: &Device,
-        lin: &Linear,
+        w: &Proj,
         x: Strided<bf16>,
         rows: usize,
         y: Strided<bf16>,
     ) -> anyhow::Result<()> {
-        if self.gemv_takes(lin, &x, rows) {
-            dev.k.gemv.launch(dev.stream(), &GemvLaunch { lin, x, rows, y: GemvOut::Bf16(y), second: None })
-        } else {
-            dev.blas.linear(lin, x, rows, y)
+        match w {
+            Proj::Bf16(lin) if self.gemv_takes(lin, &x, rows) => {
+                dev.k.gemv.launch(dev.stream(), &GemvLaunch { lin, x, rows, y: GemvOut::Bf16(y), second: None })
+            }
+            Proj::Bf16(lin) => dev.blas.linear(lin, x, rows, y),
+            Proj::Fp8(lin) if self.fp8_gemv_takes(lin, &x, rows) => {
+                dev.k.gemv_fp8.launch(dev.stream(), lin, x, rows, GemvOut::Bf16(y))
+            }
+            Proj::Fp8(lin) => {
+                if rows == 0 {
+                    return Ok(());
+                }
+                let w = self.scratch.slice();
+                anyhow::ensure!(
+                    w.len >= lin.out * lin.inp,
+                    "fp8 projection [{}, {}] exceeds the dequantize scratch ({} values)",
+                    lin.out,
+                    lin.inp,
+                    w.len
+                );
+                dev.k.fp8_convert.dequantize(dev.stream(), lin, w)?;
+                dev.blas.linear(&Linear::new(w, lin.out, lin.inp), x, rows, y)
+            }
         }
     }
 
-    /// Same with f32 output (logits), as `Blas::linear_f32_out`.
+    /// Same with f32 output (logits), as `Blas::linear_f32_out` (the head is never FP8).
     pub fn linear_f32_out(
         &self,
         dev: &Device,

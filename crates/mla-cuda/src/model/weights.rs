@@ -1,16 +1,24 @@
-//! Model weights in device memory (bf16; the router and the noaux_tc bias in f32, as HF computes
-//! routing in f32), laid out for the kernels: gate and up projections fused into one `[2I, H]`
-//! matrix, routed experts stacked into `[E, 2I, H]` and `[E, H, I]` for the grouped GEMM.
+//! Model weights in device memory, laid out for the kernels: gate and up projections fused into
+//! one `[2I, H]` matrix, routed experts stacked into `[E, 2I, H]` and `[E, H, I]` for the grouped
+//! GEMM. bf16, except the router and the noaux_tc bias in f32 (HF computes routing in f32) and,
+//! when the config has a block-FP8 `quantization` (DeepSeek-V3/R1 checkpoints, or
+//! `--quantization fp8`), the linear weights in block-FP8: e4m3 bytes with one f32 scale per
+//! 128x128 block, as the checkpoint stores them (issue 12). `kv_b_proj` stays bf16 (dequantized):
+//! the absorbed attention reads it as W_UK and W_UV through batched bf16 GEMMs, and it is 1.4% of
+//! V3's weight bytes. A matrix the FP8 kernels cannot take (a fused gate/up whose halves do not
+//! end on a 128-row block, rows not a multiple of 16 bytes) stays bf16, as does a MoE layer any of
+//! whose expert matrices cannot be FP8 (routed and shared experts share the small-step kernels).
 //!
-//! Two ways in: from any `WeightSource` (checkpoint, fp8 dequantized to bf16 on the host as it is
-//! read, or mla-core's dummy weights), or `--load-format dummy`, which draws random values on the
-//! device itself with the same per-role distributions as mla-core's `DummyWeights` (a different
-//! random stream: device dummy weights are for shapes and speed, not for comparisons).
+//! Three ways in: from any `WeightSource` (a checkpoint, whose FP8 tensors are copied as stored;
+//! bf16 tensors of an FP8 model are quantized on the device, bit-exact with mla-core's quantizer),
+//! or `--load-format dummy`, which draws random values on the device itself with the same per-role
+//! distributions as mla-core's `DummyWeights` (a different random stream: device dummy weights are
+//! for shapes and speed, not for comparisons), quantized the same way for FP8 models.
 
+use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer};
-use crate::ops::{Kernels, Linear, Normal};
+use crate::ops::{ExpertMats, Fp8Linear, Linear, Normal, Proj, FP8_BLOCK};
 use anyhow::Context;
-use cudarc::driver::sys::CUstream;
 use half::bf16;
 use mla_core::config::{ModelConfig, TopkMethod};
 use mla_core::dummy::{dummy_distribution, DummyWeights};
@@ -18,20 +26,90 @@ use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
 use mla_core::{RankLayout, WeightSource};
 use std::collections::HashMap;
 
-/// A bf16 matrix `[out, inp]`.
+/// A projection's weight `[out, inp]`.
 pub struct Mat {
-    pub buf: DeviceBuffer<bf16>,
+    pub data: MatData,
     pub out: usize,
     pub inp: usize,
 }
 
+pub enum MatData {
+    Bf16(DeviceBuffer<bf16>),
+    /// e4m3 bytes `[out, inp]` and the scale grid `[ceil(out / 128), ceil(inp / 128)]`.
+    Fp8 {
+        w: DeviceBuffer<u8>,
+        scale_inv: DeviceBuffer<f32>,
+    },
+}
+
 impl Mat {
     fn alloc(out: usize, inp: usize) -> anyhow::Result<Self> {
-        Ok(Mat { buf: DeviceBuffer::alloc(out * inp)?, out, inp })
+        Ok(Mat { data: MatData::Bf16(DeviceBuffer::alloc(out * inp)?), out, inp })
     }
 
+    /// FP8 when `fp8` and the FP8 kernels take the shape (see the module doc), else bf16.
+    fn alloc_maybe_fp8(out: usize, inp: usize, fp8: bool) -> anyhow::Result<Self> {
+        if !(fp8 && inp.is_multiple_of(16)) {
+            return Self::alloc(out, inp);
+        }
+        let grid = out.div_ceil(FP8_BLOCK) * inp.div_ceil(FP8_BLOCK);
+        let data = MatData::Fp8 { w: DeviceBuffer::alloc(out * inp)?, scale_inv: DeviceBuffer::alloc(grid)? };
+        Ok(Mat { data, out, inp })
+    }
+
+    /// The weight for `SmallLinear`, which picks the kernel by format.
+    pub fn proj(&self) -> Proj<'_> {
+        match &self.data {
+            MatData::Bf16(b) => Proj::Bf16(Linear::new(b.slice(), self.out, self.inp)),
+            MatData::Fp8 { w, scale_inv } => {
+                Proj::Fp8(Fp8Linear { w: w.slice(), scale_inv: scale_inv.slice(), out: self.out, inp: self.inp })
+            }
+        }
+    }
+
+    /// The bf16 weight of a matrix that is never FP8 (embedding, head, `kv_b_proj`).
     pub fn lin(&self) -> Linear<'_> {
-        Linear::new(self.buf.slice(), self.out, self.inp)
+        match &self.data {
+            MatData::Bf16(b) => Linear::new(b.slice(), self.out, self.inp),
+            MatData::Fp8 { .. } => unreachable!("only projections are FP8, and they are read through proj()"),
+        }
+    }
+
+    pub fn is_fp8(&self) -> bool {
+        matches!(self.data, MatData::Fp8 { .. })
+    }
+
+    /// This matrix as a stack of one expert (the shared experts in the MoE kernels).
+    pub fn expert_mats(&self) -> ExpertMats<'_> {
+        match &self.data {
+            MatData::Bf16(b) => ExpertMats::Bf16(b.slice()),
+            MatData::Fp8 { w, scale_inv } => ExpertMats::Fp8 { w: w.slice(), scale_inv: scale_inv.slice() },
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            MatData::Bf16(b) => b.bytes(),
+            MatData::Fp8 { w, scale_inv } => w.bytes() + scale_inv.bytes(),
+        }
+    }
+
+    /// Where the loader writes rows `rows` of this matrix (a half of a fused gate/up matrix, or
+    /// all of it). FP8 halves start on a scale block (the allocation rule guarantees it).
+    fn dest(&self, rows: std::ops::Range<usize>) -> Dest<'_> {
+        match &self.data {
+            MatData::Bf16(b) => Dest::Bf16(b.sub(rows.start * self.inp, rows.len() * self.inp)),
+            MatData::Fp8 { w, scale_inv } => {
+                let gc = self.inp.div_ceil(FP8_BLOCK);
+                let g = rows.start / FP8_BLOCK..rows.end.div_ceil(FP8_BLOCK);
+                Dest::Fp8(Fp8Linear {
+                    w: w.sub(rows.start * self.inp, rows.len() * self.inp),
+                    scale_inv: scale_inv.sub(g.start * gc, g.len() * gc),
+                    out: rows.len(),
+                    inp: self.inp,
+                })
+            }
+        }
     }
 }
 
@@ -46,13 +124,65 @@ pub struct MlpWeights {
     pub down: Mat,
 }
 
+/// One layer's routed experts stacked `[E, n, k]`, in bf16 or block-FP8 (per-expert scale grids
+/// stacked the same way).
+pub enum ExpertStack {
+    Bf16(DeviceBuffer<bf16>),
+    Fp8 { w: DeviceBuffer<u8>, scale_inv: DeviceBuffer<f32> },
+}
+
+impl ExpertStack {
+    fn alloc(experts: usize, n: usize, k: usize, fp8: bool) -> anyhow::Result<Self> {
+        Ok(if fp8 {
+            let grid = n.div_ceil(FP8_BLOCK) * k.div_ceil(FP8_BLOCK);
+            ExpertStack::Fp8 {
+                w: DeviceBuffer::alloc(experts * n * k)?,
+                scale_inv: DeviceBuffer::alloc(experts * grid)?,
+            }
+        } else {
+            ExpertStack::Bf16(DeviceBuffer::alloc(experts * n * k)?)
+        })
+    }
+
+    pub fn mats(&self) -> ExpertMats<'_> {
+        match self {
+            ExpertStack::Bf16(b) => ExpertMats::Bf16(b.slice()),
+            ExpertStack::Fp8 { w, scale_inv } => ExpertMats::Fp8 { w: w.slice(), scale_inv: scale_inv.slice() },
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            ExpertStack::Bf16(b) => b.bytes(),
+            ExpertStack::Fp8 { w, scale_inv } => w.bytes() + scale_inv.bytes(),
+        }
+    }
+
+    /// Rows `rows` of expert `e` of a stack of `[n, k]` matrices (see `Mat::dest`).
+    fn dest(&self, e: usize, n: usize, k: usize, rows: std::ops::Range<usize>) -> Dest<'_> {
+        match self {
+            ExpertStack::Bf16(b) => Dest::Bf16(b.sub((e * n + rows.start) * k, rows.len() * k)),
+            ExpertStack::Fp8 { w, scale_inv } => {
+                let (gr, gc) = (n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK));
+                let g = rows.start / FP8_BLOCK..rows.end.div_ceil(FP8_BLOCK);
+                Dest::Fp8(Fp8Linear {
+                    w: w.sub((e * n + rows.start) * k, rows.len() * k),
+                    scale_inv: scale_inv.sub((e * gr + g.start) * gc, g.len() * gc),
+                    out: rows.len(),
+                    inp: k,
+                })
+            }
+        }
+    }
+}
+
 pub struct MoeWeights {
     pub router: DeviceBuffer<f32>,
     pub bias: Option<DeviceBuffer<f32>>,
     /// [E, 2I, H]
-    pub gate_up: DeviceBuffer<bf16>,
+    pub gate_up: ExpertStack,
     /// [E, H, I]
-    pub down: DeviceBuffer<bf16>,
+    pub down: ExpertStack,
     pub shared: Option<MlpWeights>,
 }
 
@@ -80,80 +210,132 @@ pub struct DeviceWeights {
     pub lm_head: Option<Mat>,
 }
 
+/// How much of the weights is block-FP8, for the startup log.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Share {
+    /// FP8 matrices (an expert stack counts once per expert).
+    pub matrices: usize,
+    /// Their bytes, scales included.
+    pub bytes: usize,
+    /// Elements of the largest FP8 projection outside the experts (the dequantize scratch).
+    pub largest_projection: usize,
+}
+
 impl DeviceWeights {
     pub fn output_projection(&self) -> Linear<'_> {
         self.lm_head.as_ref().unwrap_or(&self.embed).lin()
     }
 
+    /// Every projection matrix outside the expert stacks.
+    fn mats(&self) -> Vec<&Mat> {
+        let mut v = vec![&self.embed];
+        v.extend(&self.lm_head);
+        for l in &self.layers {
+            match &l.query {
+                QueryWeights::Direct(m) => v.push(m),
+                QueryWeights::LowRank { a, b, .. } => v.extend([a, b]),
+            }
+            v.extend([&l.kv_a, &l.kv_b, &l.o_proj]);
+            let mlp = match &l.ffn {
+                FfnWeights::Dense(m) => Some(m),
+                FfnWeights::Moe(m) => m.shared.as_ref(),
+            };
+            if let Some(m) = mlp {
+                v.extend([&m.gate_up, &m.down]);
+            }
+        }
+        v
+    }
+
+    fn stacks(&self) -> impl Iterator<Item = &ExpertStack> {
+        self.layers.iter().flat_map(|l| match &l.ffn {
+            FfnWeights::Moe(m) => vec![&m.gate_up, &m.down],
+            FfnWeights::Dense(_) => vec![],
+        })
+    }
+
     /// Bytes of device memory the weights occupy.
     pub fn bytes(&self) -> usize {
-        let mut n = self.embed.buf.bytes() + self.norm.bytes() + self.lm_head.as_ref().map_or(0, |m| m.buf.bytes());
+        let mut n = self.norm.bytes();
+        n += self.mats().iter().map(|m| m.bytes()).sum::<usize>();
+        n += self.stacks().map(|s| s.bytes()).sum::<usize>();
         for l in &self.layers {
-            n += l.input_norm.bytes()
-                + l.kv_a.buf.bytes()
-                + l.kv_a_norm.bytes()
-                + l.kv_b.buf.bytes()
-                + l.o_proj.buf.bytes()
-                + l.post_norm.bytes();
-            n += match &l.query {
-                QueryWeights::Direct(m) => m.buf.bytes(),
-                QueryWeights::LowRank { a, a_norm, b } => a.buf.bytes() + a_norm.bytes() + b.buf.bytes(),
-            };
-            let mlp = |m: &MlpWeights| m.gate_up.buf.bytes() + m.down.buf.bytes();
-            n += match &l.ffn {
-                FfnWeights::Dense(m) => mlp(m),
-                FfnWeights::Moe(m) => {
-                    m.router.bytes()
-                        + m.bias.as_ref().map_or(0, |b| b.bytes())
-                        + m.gate_up.bytes()
-                        + m.down.bytes()
-                        + m.shared.as_ref().map_or(0, mlp)
-                }
-            };
+            n += l.input_norm.bytes() + l.kv_a_norm.bytes() + l.post_norm.bytes();
+            if let QueryWeights::LowRank { a_norm, .. } = &l.query {
+                n += a_norm.bytes();
+            }
+            if let FfnWeights::Moe(m) = &l.ffn {
+                n += m.router.bytes() + m.bias.as_ref().map_or(0, |b| b.bytes());
+            }
         }
         n
+    }
+
+    /// How much is FP8 (all zero for a bf16 model).
+    pub fn fp8_share(&self) -> Fp8Share {
+        let mut s = Fp8Share::default();
+        for m in self.mats().into_iter().filter(|m| m.is_fp8()) {
+            s.matrices += 1;
+            s.bytes += m.bytes();
+            s.largest_projection = s.largest_projection.max(m.out * m.inp);
+        }
+        for l in &self.layers {
+            if let FfnWeights::Moe(m) = &l.ffn {
+                if let ExpertStack::Fp8 { .. } = m.gate_up {
+                    // gate, up and down of every expert (the router is [E, H]).
+                    s.matrices += 3 * m.router.len() / self.norm.len();
+                    s.bytes += m.gate_up.bytes() + m.down.bytes();
+                }
+            }
+        }
+        s
     }
 
     /// Allocates (uninitialised) device memory for every tensor of `cfg`.
     fn alloc(cfg: &ModelConfig) -> anyhow::Result<Self> {
         let h = cfg.hidden_size;
         let heads = cfg.num_attention_heads;
-        let mlp = |inter: usize| -> anyhow::Result<MlpWeights> {
-            Ok(MlpWeights { gate_up: Mat::alloc(2 * inter, h)?, down: Mat::alloc(h, inter)? })
+        let fp8 = cfg.quantization.is_some();
+        // A fused gate/up matrix is FP8 only when its up half starts on a scale block.
+        let mlp_fp8 = |inter: usize| fp8 && inter.is_multiple_of(FP8_BLOCK) && h.is_multiple_of(16);
+        let mlp = |inter: usize, fp8: bool| -> anyhow::Result<MlpWeights> {
+            Ok(MlpWeights {
+                gate_up: Mat::alloc_maybe_fp8(2 * inter, h, fp8 && mlp_fp8(inter))?,
+                down: Mat::alloc_maybe_fp8(h, inter, fp8)?,
+            })
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let query = match cfg.q_lora_rank {
-                None => QueryWeights::Direct(Mat::alloc(heads * cfg.q_head_dim(), h)?),
+                None => QueryWeights::Direct(Mat::alloc_maybe_fp8(heads * cfg.q_head_dim(), h, fp8)?),
                 Some(r) => QueryWeights::LowRank {
-                    a: Mat::alloc(r, h)?,
+                    a: Mat::alloc_maybe_fp8(r, h, fp8)?,
                     a_norm: DeviceBuffer::alloc(r)?,
-                    b: Mat::alloc(heads * cfg.q_head_dim(), r)?,
+                    b: Mat::alloc_maybe_fp8(heads * cfg.q_head_dim(), r, fp8)?,
                 },
             };
             let ffn = if cfg.is_moe_layer(i) {
                 let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
+                let shared_i = (cfg.n_shared_experts > 0).then(|| cfg.shared_expert_intermediate_size());
+                // Routed and shared experts run in the same small-step kernels: one format.
+                let layer_fp8 = mlp_fp8(im) && shared_i.is_none_or(mlp_fp8);
                 FfnWeights::Moe(MoeWeights {
                     router: DeviceBuffer::alloc(e * h)?,
                     bias: if cfg.topk_method == TopkMethod::NoauxTc { Some(DeviceBuffer::alloc(e)?) } else { None },
-                    gate_up: DeviceBuffer::alloc(e * 2 * im * h)?,
-                    down: DeviceBuffer::alloc(e * h * im)?,
-                    shared: if cfg.n_shared_experts > 0 {
-                        Some(mlp(cfg.shared_expert_intermediate_size())?)
-                    } else {
-                        None
-                    },
+                    gate_up: ExpertStack::alloc(e, 2 * im, h, layer_fp8)?,
+                    down: ExpertStack::alloc(e, h, im, layer_fp8)?,
+                    shared: shared_i.map(|si| mlp(si, layer_fp8)).transpose()?,
                 })
             } else {
-                FfnWeights::Dense(mlp(cfg.intermediate_size)?)
+                FfnWeights::Dense(mlp(cfg.intermediate_size, fp8)?)
             };
             layers.push(LayerWeights {
                 input_norm: DeviceBuffer::alloc(h)?,
                 query,
-                kv_a: Mat::alloc(cfg.kv_cache_dim(), h)?,
+                kv_a: Mat::alloc_maybe_fp8(cfg.kv_cache_dim(), h, fp8)?,
                 kv_a_norm: DeviceBuffer::alloc(cfg.kv_lora_rank)?,
                 kv_b: Mat::alloc(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
-                o_proj: Mat::alloc(h, heads * cfg.v_head_dim)?,
+                o_proj: Mat::alloc_maybe_fp8(h, heads * cfg.v_head_dim, fp8)?,
                 post_norm: DeviceBuffer::alloc(h)?,
                 ffn,
             });
@@ -168,51 +350,47 @@ impl DeviceWeights {
 
     /// Where each tensor of the spec lives on the device.
     fn destinations<'a>(&'a self, spec: &'a ModelSpec) -> Vec<(&'a TensorSpec, Dest<'a>)> {
-        let mut out: Vec<(&TensorSpec, Dest)> = vec![(&spec.embed_tokens, Dest::Bf16(self.embed.buf.slice()))];
-        let mlp = |out: &mut Vec<(&'a TensorSpec, Dest<'a>)>,
-                   s: &'a MlpSpec,
-                   gate_up: DSlice<'a, bf16>,
-                   down: DSlice<'a, bf16>| {
-            let half = gate_up.len / 2;
-            out.push((&s.gate_proj, Dest::Bf16(gate_up.sub(0, half))));
-            out.push((&s.up_proj, Dest::Bf16(gate_up.sub(half, half))));
-            out.push((&s.down_proj, Dest::Bf16(down)));
+        let mut out: Vec<(&TensorSpec, Dest)> = vec![(&spec.embed_tokens, self.embed.dest(0..self.embed.out))];
+        let mlp = |out: &mut Vec<(&'a TensorSpec, Dest<'a>)>, s: &'a MlpSpec, w: &'a MlpWeights| {
+            let half = w.gate_up.out / 2;
+            out.push((&s.gate_proj, w.gate_up.dest(0..half)));
+            out.push((&s.up_proj, w.gate_up.dest(half..2 * half)));
+            out.push((&s.down_proj, w.down.dest(0..w.down.out)));
         };
+        let whole = |m: &'a Mat| m.dest(0..m.out);
         for (ls, lw) in spec.layers.iter().zip(&self.layers) {
             out.push((&ls.input_layernorm, Dest::Bf16(lw.input_norm.slice())));
             match (&ls.self_attn.query, &lw.query) {
-                (QuerySpec::Direct { q_proj }, QueryWeights::Direct(m)) => {
-                    out.push((q_proj, Dest::Bf16(m.buf.slice())))
-                }
+                (QuerySpec::Direct { q_proj }, QueryWeights::Direct(m)) => out.push((q_proj, whole(m))),
                 (QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj }, QueryWeights::LowRank { a, a_norm, b }) => {
-                    out.push((q_a_proj, Dest::Bf16(a.buf.slice())));
+                    out.push((q_a_proj, whole(a)));
                     out.push((q_a_layernorm, Dest::Bf16(a_norm.slice())));
-                    out.push((q_b_proj, Dest::Bf16(b.buf.slice())));
+                    out.push((q_b_proj, whole(b)));
                 }
                 _ => unreachable!("weights allocated from the same config as the spec"),
             }
             let a = &ls.self_attn;
-            out.push((&a.kv_a_proj_with_mqa, Dest::Bf16(lw.kv_a.buf.slice())));
+            out.push((&a.kv_a_proj_with_mqa, whole(&lw.kv_a)));
             out.push((&a.kv_a_layernorm, Dest::Bf16(lw.kv_a_norm.slice())));
-            out.push((&a.kv_b_proj, Dest::Bf16(lw.kv_b.buf.slice())));
-            out.push((&a.o_proj, Dest::Bf16(lw.o_proj.buf.slice())));
+            out.push((&a.kv_b_proj, whole(&lw.kv_b)));
+            out.push((&a.o_proj, whole(&lw.o_proj)));
             out.push((&ls.post_attention_layernorm, Dest::Bf16(lw.post_norm.slice())));
             match (&ls.mlp, &lw.ffn) {
-                (FfnSpec::Dense(s), FfnWeights::Dense(w)) => {
-                    mlp(&mut out, s, w.gate_up.buf.slice(), w.down.buf.slice())
-                }
+                (FfnSpec::Dense(s), FfnWeights::Dense(w)) => mlp(&mut out, s, w),
                 (FfnSpec::Moe(s), FfnWeights::Moe(w)) => {
                     out.push((&s.gate, Dest::F32(w.router.slice())));
                     if let (Some(bs), Some(bw)) = (&s.e_score_correction_bias, &w.bias) {
                         out.push((bs, Dest::F32(bw.slice())));
                     }
-                    let n = s.experts.len();
-                    let (gu, dn) = (w.gate_up.len() / n, w.down.len() / n);
+                    let h = self.norm.len();
+                    let im = es_inter(s);
                     for (e, es) in s.experts.iter().enumerate() {
-                        mlp(&mut out, es, w.gate_up.sub(e * gu, gu), w.down.sub(e * dn, dn));
+                        out.push((&es.gate_proj, w.gate_up.dest(e, 2 * im, h, 0..im)));
+                        out.push((&es.up_proj, w.gate_up.dest(e, 2 * im, h, im..2 * im)));
+                        out.push((&es.down_proj, w.down.dest(e, h, im, 0..h)));
                     }
                     if let (Some(ss), Some(sw)) = (&s.shared_experts, &w.shared) {
-                        mlp(&mut out, ss, sw.gate_up.buf.slice(), sw.down.buf.slice());
+                        mlp(&mut out, ss, sw);
                     }
                 }
                 _ => unreachable!("weights allocated from the same config as the spec"),
@@ -220,39 +398,74 @@ impl DeviceWeights {
         }
         out.push((&spec.norm, Dest::Bf16(self.norm.slice())));
         if let (Some(s), Some(m)) = (&spec.lm_head, &self.lm_head) {
-            out.push((s, Dest::Bf16(m.buf.slice())));
+            out.push((s, whole(m)));
         }
         out
     }
 
     /// Reads every tensor from `src` (converted to bf16 on the host) into device memory.
-    pub fn load(cfg: &ModelConfig, src: &dyn WeightSource) -> anyhow::Result<Self> {
-        Self::load_rank(cfg, src, RankLayout::SINGLE)
+    pub fn load(cfg: &ModelConfig, src: &dyn WeightSource, dev: &Device) -> anyhow::Result<Self> {
+        Self::load_rank(cfg, src, RankLayout::SINGLE, dev)
     }
 
     /// Rank `layout`'s share of `cfg`'s weights (`RankLayout::shard` of each tensor), laid out
-    /// for its own config (`RankLayout::local_config`).
-    pub fn load_rank(cfg: &ModelConfig, src: &dyn WeightSource, layout: RankLayout) -> anyhow::Result<Self> {
+    /// for its own config (`RankLayout::local_config`). FP8 tensors are copied as stored (their
+    /// shards cut on scale blocks); bf16 tensors of FP8 matrices are quantized on the device.
+    pub fn load_rank(
+        cfg: &ModelConfig,
+        src: &dyn WeightSource,
+        layout: RankLayout,
+        dev: &Device,
+    ) -> anyhow::Result<Self> {
         let local = layout.local_config(cfg);
         let w = Self::alloc(&local)?;
         let (full_spec, local_spec) = (ModelSpec::new(cfg), ModelSpec::new(&local));
         let full: HashMap<&str, &TensorSpec> = full_spec.tensors().into_iter().map(|t| (t.name.as_str(), t)).collect();
         let dests = w.destinations(&local_spec);
+        let mut staging = Staging::new(&dests)?;
         let bar = mla_core::weight_source::LoadProgress::new(dests.len(), "loading weights to the GPU");
         for (t, d) in &dests {
             let f = full[t.name.as_str()];
             let part = layout.shard(f);
             let n: usize = part.shape(&f.shape).iter().product();
             anyhow::ensure!(n == d.len(), "{}: {n} elements in this rank's share, device slot {}", t.name, d.len());
-            match *d {
+            let reading = || format!("reading {}", t.name);
+            match d {
                 Dest::Bf16(s) => {
-                    let bits = src.read_bf16_bits_shard(f, &part).with_context(|| format!("reading {}", t.name))?;
+                    let bits = src.read_bf16_bits_shard(f, &part).with_context(reading)?;
                     upload(s.cast::<u16>(), &bits)?;
                 }
                 Dest::F32(s) => {
-                    let v = src.read_f32_shard(f, &part).with_context(|| format!("reading {}", t.name))?;
-                    upload(s, &v)?;
+                    let v = src.read_f32_shard(f, &part).with_context(reading)?;
+                    upload(*s, &v)?;
                 }
+                Dest::Fp8(dst) => match src.read_fp8_shard(f, &part).with_context(reading)? {
+                    Some(q) => {
+                        anyhow::ensure!(
+                            q.block == [FP8_BLOCK, FP8_BLOCK] && q.rows == dst.out && q.cols == dst.inp,
+                            "{}: FP8 [{}, {}] in {:?} blocks; the kernels take [{}, {}] in 128x128 blocks",
+                            t.name,
+                            q.rows,
+                            q.cols,
+                            q.block,
+                            dst.out,
+                            dst.inp
+                        );
+                        upload(dst.w, &q.data)?;
+                        upload(dst.scale_inv, &q.scale_inv)?;
+                    }
+                    None => {
+                        let bits = src.read_bf16_bits_shard(f, &part).with_context(reading)?;
+                        let buf = staging.take(bits.len())?;
+                        upload(buf.cast::<u16>(), &bits)?;
+                        dev.k
+                            .fp8_convert
+                            .quantize(dev.stream(), buf, dst)
+                            .with_context(|| format!("quantizing {}", t.name))?;
+                        // The staging buffer is reused by the next tensor.
+                        dev.gpu.sync()?;
+                    }
+                },
             }
             bar.inc();
         }
@@ -263,26 +476,41 @@ impl DeviceWeights {
     /// Random weights drawn on the device (`--load-format dummy`), for `cfg` as given (a rank
     /// passes its own local config: its shares are drawn like whole tensors of their shape, so a
     /// rank's dummy weights are not a cut of one model's, which nothing compares them with).
-    pub fn dummy(cfg: &ModelConfig, k: &Kernels, stream: CUstream, seed: u64) -> anyhow::Result<Self> {
+    /// FP8 matrices are drawn in bf16 and quantized.
+    pub fn dummy(cfg: &ModelConfig, dev: &Device, seed: u64) -> anyhow::Result<Self> {
+        let (k, stream) = (&dev.k, dev.stream());
         let w = Self::alloc(cfg)?;
         let spec = ModelSpec::new(cfg);
         let source = DummyWeights::new(seed);
-        for (t, d) in w.destinations(&spec) {
+        let dests = w.destinations(&spec);
+        let mut staging = Staging::new(&dests)?;
+        for (t, d) in dests {
             let (mean, std) = dummy_distribution(t);
             let dist = Normal { mean, std, seed: source.tensor_seed(&t.name) };
             match d {
                 Dest::Bf16(s) => k.elementwise.fill_normal_bf16(stream, s, dist)?,
                 Dest::F32(s) => k.elementwise.fill_normal_f32(stream, s, dist)?,
+                Dest::Fp8(dst) => {
+                    let buf = staging.take(dst.out * dst.inp)?;
+                    k.elementwise.fill_normal_bf16(stream, buf, dist)?;
+                    k.fp8_convert.quantize(stream, buf, &dst)?;
+                }
             }
         }
         Ok(w)
     }
 }
 
+/// moe_intermediate_size from an expert's spec (`down_proj` is `[H, I]`).
+fn es_inter(s: &mla_core::weights::MoeSpec) -> usize {
+    s.experts[0].down_proj.shape[1]
+}
+
 #[derive(Clone, Copy)]
 enum Dest<'a> {
     Bf16(DSlice<'a, bf16>),
     F32(DSlice<'a, f32>),
+    Fp8(Fp8Linear<'a>),
 }
 
 impl Dest<'_> {
@@ -290,7 +518,25 @@ impl Dest<'_> {
         match self {
             Dest::Bf16(s) => s.len,
             Dest::F32(s) => s.len,
+            Dest::Fp8(f) => f.out * f.inp,
         }
+    }
+}
+
+/// One bf16 buffer as large as the largest FP8 tensor, where bf16 values wait to be quantized.
+struct Staging {
+    buf: DeviceBuffer<bf16>,
+}
+
+impl Staging {
+    fn new(dests: &[(&TensorSpec, Dest)]) -> anyhow::Result<Self> {
+        let most = dests.iter().filter(|(_, d)| matches!(d, Dest::Fp8(_))).map(|(_, d)| d.len()).max().unwrap_or(0);
+        Ok(Staging { buf: DeviceBuffer::alloc(most.max(1))? })
+    }
+
+    fn take(&mut self, n: usize) -> anyhow::Result<DSlice<'_, bf16>> {
+        anyhow::ensure!(n <= self.buf.len(), "staging buffer of {} values for {n}", self.buf.len());
+        Ok(self.buf.sub(0, n))
     }
 }
 

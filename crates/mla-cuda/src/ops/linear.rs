@@ -2,6 +2,7 @@
 
 use super::dims::{LATENT, NOPE, ROPE, V_HEAD};
 use super::ensure_len;
+use super::gemv_fp8::Fp8Linear;
 use crate::gpu::{Blas, DSlice, Gemm, GemmOut};
 use half::bf16;
 
@@ -17,6 +18,31 @@ impl<'a> Linear<'a> {
     pub fn new(w: DSlice<'a, bf16>, out: usize, inp: usize) -> Self {
         assert!(w.len >= out * inp, "linear weight holds {} elements, [{out}, {inp}] needs {}", w.len, out * inp);
         Linear { w, out, inp }
+    }
+}
+
+/// A dense projection's weight as the model holds it: bf16, or block-FP8 as DeepSeek-V3
+/// checkpoints (and `--quantization fp8`) give it. Which kernel runs it is `model::small_linear`'s
+/// decision.
+#[derive(Clone, Copy)]
+pub enum Proj<'a> {
+    Bf16(Linear<'a>),
+    Fp8(Fp8Linear<'a>),
+}
+
+impl Proj<'_> {
+    pub fn out(&self) -> usize {
+        match self {
+            Proj::Bf16(l) => l.out,
+            Proj::Fp8(l) => l.out,
+        }
+    }
+
+    pub fn inp(&self) -> usize {
+        match self {
+            Proj::Bf16(l) => l.inp,
+            Proj::Fp8(l) => l.inp,
+        }
     }
 }
 

@@ -12,6 +12,7 @@ pub mod dims {
 mod attention;
 mod elementwise;
 mod expert_mats;
+mod fp8_convert;
 mod gemv;
 mod gemv_fp8;
 mod grouped_gemm;
@@ -31,11 +32,12 @@ pub use dims::{
 };
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use expert_mats::ExpertMats;
+pub use fp8_convert::Fp8ConvertKernels;
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
 pub use gemv_fp8::{Fp8Linear, GemvFp8Kernels, FP8_BLOCK};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, Sm90Schedule, TileM};
 pub use latent::{AbsorbQ, LatentKernels, RopeCache};
-pub use linear::{Linear, Strided};
+pub use linear::{Linear, Proj, Strided};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams};
 pub use moe_gemv::{MoeGemvExperts, MoeGemvKernels, MoeGemvRouter};
 pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
@@ -51,6 +53,7 @@ pub struct Kernels {
     pub grouped_gemm: GroupedGemmKernels,
     pub gemv: GemvKernels,
     pub gemv_fp8: GemvFp8Kernels,
+    pub fp8_convert: Fp8ConvertKernels,
     pub moe_gemv: MoeGemvKernels,
     pub sampling: SamplingKernels,
     pub sm_count: usize,
@@ -66,6 +69,7 @@ impl Kernels {
             grouped_gemm: GroupedGemmKernels::load(m, info)?,
             gemv: GemvKernels::load(m)?,
             gemv_fp8: GemvFp8Kernels::load(m)?,
+            fp8_convert: Fp8ConvertKernels::load(m, info.sm_count)?,
             moe_gemv: MoeGemvKernels::load(m, info)?,
             sampling: SamplingKernels::load(m)?,
             sm_count: info.sm_count,

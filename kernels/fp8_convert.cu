@@ -1,0 +1,63 @@
+// Block-FP8 weight conversion on the device (issue 12). The quantizer turns bf16 weights into
+// DeepSeek-V3's block-FP8 layout at load time (`--quantization fp8`, FP8 dummy weights):
+// per 128x128 block scale_inv = max(amax, 1e-12) / 448 and fp8 = e4m3(w / scale_inv), rounded
+// to nearest even and saturated, bit-exact with mla-core's fp8::quantize_block_fp8 (the CPU
+// reference quantizes with it). The dequantizer writes bf16(fp8 * scale_inv) (one f32 multiply,
+// then round to nearest even): exactly the bf16 weight the loader used to build from an FP8
+// checkpoint, so a projection run as dequantize + bf16 GEMM computes what the bf16 model did.
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+namespace {
+constexpr int QB = 128;  // scale block edge (DeepSeek-V3's weight_block_size)
+
+DEVICE_INLINE float fp8_to_f32(uint8_t b) {
+    __nv_fp8_e4m3 v;
+    v.__x = b;
+    return static_cast<float>(v);
+}
+}  // namespace
+
+// Grid (ceil(cols / 128), ceil(rows / 128)) blocks of 256 threads, one scale block each; the
+// scale grid is [ceil(rows / 128), ceil(cols / 128)] row-major, as checkpoints store it.
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_quantize_block(const bf16* __restrict__ w, int rows, int cols, uint8_t* __restrict__ q,
+                       float* __restrict__ scale_inv) {
+    __shared__ float scratch[32];
+    PDL_ENTRY();
+    const int r0 = blockIdx.y * QB, c0 = blockIdx.x * QB;
+    const int nr = min(QB, rows - r0), nc = min(QB, cols - c0);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < nr * nc; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(to_f32(w[(size_t)(r0 + i / nc) * cols + c0 + i % nc])));
+    amax = block_max(amax, scratch);
+    const float s = __fdiv_rn(fmaxf(amax, 1e-12f), 448.f);
+    if (threadIdx.x == 0) scale_inv[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = s;
+    for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+        const size_t at = (size_t)(r0 + i / nc) * cols + c0 + i % nc;
+        q[at] = __nv_cvt_float_to_fp8(__fdiv_rn(to_f32(w[at]), s), __NV_SATFINITE, __NV_E4M3);
+    }
+}
+
+// out[r, c] = bf16(fp8[r, c] * scale_inv[r / 128][c / 128]) for a [rows, cols] weight with
+// cols % 16 == 0 (16-byte chunks, which never straddle a 128-wide block); grid-stride over chunks.
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_dequantize_bf16(const uint8_t* __restrict__ q, const float* __restrict__ scale_inv, int rows, int cols,
+                        bf16* __restrict__ out) {
+    PDL_ENTRY();
+    const int row_chunks = cols / 16, grid_cols = (cols + QB - 1) / QB;
+    const size_t chunks = (size_t)rows * row_chunks;
+    for (size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x; c < chunks; c += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(c / row_chunks), k = (int)(c % row_chunks) * 16;
+        const float s = __ldg(scale_inv + (size_t)(r / QB) * grid_cols + k / QB);
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(q + (size_t)r * cols + k));
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(&v);
+        __align__(16) bf16 o[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) o[i] = __float2bfloat16_rn(fp8_to_f32(b[i]) * s);
+        uint4* dst = reinterpret_cast<uint4*>(out + (size_t)r * cols + k);
+        dst[0] = reinterpret_cast<const uint4*>(o)[0];
+        dst[1] = reinterpret_cast<const uint4*>(o)[1];
+    }
+}
