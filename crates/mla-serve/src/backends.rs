@@ -8,6 +8,7 @@ use crate::cli::{Args, Device};
 use crate::model_source::{ModelSource, WeightsFrom};
 use crate::sizing::{self, Sizing};
 use anyhow::bail;
+use mla_core::fp8_source::Fp8Quantized;
 use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
 use mla_cpu::CpuBackend;
 use mla_cuda::ops::PAGE_SIZE;
@@ -74,10 +75,7 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
         let group = crate::nodes::lead(args, source, Device::Cpu, cuda_options(args), Some(cache))?;
         return Ok(Loaded { backends: vec![group], sizing });
     }
-    let weights: Arc<dyn WeightSource + Send + Sync> = match &source.weights {
-        WeightsFrom::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, &cfg)?),
-        WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
-    };
+    let weights = host_weights(source)?;
     let one_copy = Parallel { replicas: 1, ..parallel };
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
     for _ in 0..parallel.replicas {
@@ -88,6 +86,21 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
         });
     }
     Ok(Loaded { backends, sizing })
+}
+
+/// The weights as the host reads them (the CPU backend, and the demo on the GPU). An FP8 model's
+/// linear weights read as the exact dequantization of their FP8 values, quantized here when the
+/// checkpoint stores them in bf16 (`--quantization fp8`), as the CUDA loader quantizes them.
+pub(crate) fn host_weights(source: &ModelSource) -> anyhow::Result<Arc<dyn WeightSource + Send + Sync>> {
+    let cfg = &source.config;
+    let plain: Arc<dyn WeightSource + Send + Sync> = match &source.weights {
+        WeightsFrom::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, cfg)?),
+        WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
+    };
+    Ok(match cfg.quantization {
+        Some(q) => Arc::new(Fp8Quantized::new(plain, q.block)),
+        None => plain,
+    })
 }
 
 /// What every node checks before its CUDA ranks start.
@@ -159,8 +172,8 @@ pub(crate) fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
         WeightsFrom::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
         // The demo draws the same host-side weights as on the CPU, so both give the same replies;
         // big dummy models are drawn on the device, which is much faster.
-        WeightsFrom::Dummy { seed } if source.is_demo => {
-            mla_cuda::WeightsFrom::Host(Arc::new(DummyWeights::new(*seed)))
+        WeightsFrom::Dummy { .. } if source.is_demo => {
+            mla_cuda::WeightsFrom::Host(host_weights(source).expect("dummy weights open without I/O"))
         }
         WeightsFrom::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
     }

@@ -53,9 +53,10 @@ pub struct Args {
     #[arg(long)]
     pub trust_remote_code: bool,
 
-    /// vLLM's weight quantization. Weights are computed in bf16: block-FP8 checkpoints (V3, R1)
-    /// are dequantized on load, and FP8 compute (`fp8`) is not implemented yet, so any method is
-    /// refused at start with that reason rather than ignored.
+    /// vLLM's weight quantization: `fp8` keeps the linear weights in block-FP8 (e4m3 with one f32
+    /// scale per 128x128 block, DeepSeek-V3's format), quantizing a bf16 checkpoint's on load:
+    /// half the weight bytes. FP8 checkpoints (V3, R1) are kept in FP8 with or without the flag.
+    /// Other methods are refused.
     #[arg(long, value_name = "METHOD")]
     pub quantization: Option<String>,
 
@@ -335,9 +336,9 @@ impl Args {
 
     /// Refuses vLLM's quantization flags this server has no implementation for.
     fn check_quantization(&self) -> anyhow::Result<()> {
-        if let Some(method) = &self.quantization {
+        if let Some(method) = self.quantization.as_deref().filter(|m| *m != "fp8") {
             anyhow::bail!(
-                "--quantization {method}: not implemented; weights are computed in bf16 (FP8 checkpoints are dequantized to bf16 on load), so leave the flag out"
+                "--quantization {method}: not implemented; `fp8` (block FP8, DeepSeek-V3's format) is the only method"
             );
         }
         if self.kv_cache_dtype != "auto" {

@@ -4,6 +4,8 @@
 use crate::cli::{Args, LoadFormat};
 use crate::{demo, hf_cache, presets};
 use anyhow::{bail, Context};
+use mla_core::config::Fp8BlockQuant;
+use mla_core::fp8::DEEPSEEK_BLOCK;
 use mla_core::ModelConfig;
 use std::path::PathBuf;
 
@@ -37,6 +39,17 @@ pub enum WeightsFrom {
 pub const DUMMY_WEIGHT_SEED: u64 = 0;
 
 pub fn resolve(args: &Args) -> anyhow::Result<ModelSource> {
+    let mut source = resolve_files(args)?;
+    if args.quantization.as_deref() == Some("fp8") && source.config.quantization.is_none() {
+        // The model becomes a block-FP8 one: every backend reads its linear weights quantized
+        // (see mla_core::fp8_source).
+        source.config.quantization = Some(Fp8BlockQuant { block: DEEPSEEK_BLOCK });
+        source.origin.push_str(", linear weights quantized to block FP8 (--quantization fp8)");
+    }
+    Ok(source)
+}
+
+fn resolve_files(args: &Args) -> anyhow::Result<ModelSource> {
     let Some(model) = args.model.as_deref() else {
         return demo_source(args);
     };

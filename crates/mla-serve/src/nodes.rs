@@ -13,7 +13,7 @@ use mla_core::cluster::rendezvous::{self, Hello, PROTOCOL};
 use mla_core::cluster::tcp_collective::{start_hub, TcpRank};
 use mla_core::collective::Collective;
 use mla_core::group::{serve_node, FromNode, GroupBackend, NodeReady, RemoteNode};
-use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, Parallel, WeightSource};
+use mla_core::{Backend, CacheLayout, Parallel};
 use mla_cuda::collective::NcclConnector;
 use mla_cuda::gpu::nccl::NcclId;
 use mla_cuda::group::{GroupOptions, LocalRanks};
@@ -81,13 +81,6 @@ impl Plan {
     }
 }
 
-fn host_weights(source: &ModelSource) -> anyhow::Result<Arc<dyn WeightSource + Send + Sync>> {
-    Ok(match &source.weights {
-        WeightsFrom::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, &source.config)?),
-        WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
-    })
-}
-
 /// CPU ranks `ranks` connected to the collective hub at `hub`.
 fn cpu_ranks(
     source: &ModelSource,
@@ -100,7 +93,14 @@ fn cpu_ranks(
         .my_ranks()
         .map(|r| TcpRank::connect(hub, r, world, p.watchdog).map(|c| Box::new(c) as Box<dyn Collective + Send>))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    mla_cpu::group::start_ranks(&source.config, host_weights(source)?, p.parallel, p.my_ranks(), comms, cache)
+    mla_cpu::group::start_ranks(
+        &source.config,
+        crate::backends::host_weights(source)?,
+        p.parallel,
+        p.my_ranks(),
+        comms,
+        cache,
+    )
 }
 
 /// Node 0: meets the other nodes, starts its ranks alongside theirs and returns the group as
