@@ -9,7 +9,7 @@ use common::*;
 use half::bf16;
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::small_linear::SmallLinear;
-use mla_cuda::ops::{Linear, Strided, GEMV_KERNEL_MAX_ROWS};
+use mla_cuda::ops::{Linear, Proj, Strided, GEMV_KERNEL_MAX_ROWS};
 
 fn reference(w: &[f32], x: &[f32], n: usize, k: usize, m: usize, x_stride: usize) -> Vec<f64> {
     let mut y = vec![0f64; m * n];
@@ -31,7 +31,7 @@ fn rel(a: &[f32], b: &[f64]) -> f64 {
 #[ignore = "needs an NVIDIA GPU"]
 fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
     let dev = device();
-    let mut gemv = SmallLinear::new(true);
+    let mut gemv = SmallLinear::new(true, 0).unwrap();
     gemv.max_rows = GEMV_KERNEL_MAX_ROWS;
     let mut rng = Rng::new(21);
     // (out, in): q_proj, kv_a, o_proj, shared gate_up, shared down, dense down, lm_head slice;
@@ -54,7 +54,7 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
             let y16 = up_bf16(&vec![f32::NAN; m * n]);
             let y32 = up(&vec![f32::NAN; m * n]);
             let x = Strided::new(xd.slice(), stride);
-            gemv.linear(&dev, &lin, x, m, Strided::new(y16.slice(), n)).unwrap();
+            gemv.linear(&dev, &Proj::Bf16(lin), x, m, Strided::new(y16.slice(), n)).unwrap();
             gemv.linear_f32_out(&dev, &lin, x, m, Strided::new(y32.slice(), n)).unwrap();
             let blas16: DeviceBuffer<bf16> = up_bf16(&vec![f32::NAN; m * n]);
             dev.blas.linear(&lin, x, m, Strided::new(blas16.slice(), n)).unwrap();
@@ -75,7 +75,7 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
 #[ignore = "needs an NVIDIA GPU"]
 fn paired_gemv_writes_both_outputs() {
     let dev = device();
-    let gemv = SmallLinear::new(true);
+    let gemv = SmallLinear::new(true, 0).unwrap();
     let mut rng = Rng::new(22);
     let k = 2048;
     let (na, nb) = (3072, 576);
@@ -87,7 +87,7 @@ fn paired_gemv_writes_both_outputs() {
     let (ya, yb) = (up_bf16(&vec![f32::NAN; na]), up_bf16(&vec![f32::NAN; nb]));
     let x_rows = Strided::new(xd.slice(), k);
     let (out_a, out_b) = (Strided::new(ya.slice(), na), Strided::new(yb.slice(), nb));
-    gemv.linear_pair(&dev, x_rows, 1, (&la, out_a), (&lb, out_b)).unwrap();
+    gemv.linear_pair(&dev, x_rows, 1, (&Proj::Bf16(la), out_a), (&Proj::Bf16(lb), out_b)).unwrap();
     dev.gpu.sync().unwrap();
     for (name, got, w, n) in [("a", down_bf16(ya.slice()), &wa, na), ("b", down_bf16(yb.slice()), &wb, nb)] {
         let e = rel(&got, &reference(w, &x, n, k, 1, k));

@@ -9,11 +9,11 @@
 
 mod common;
 
+use common::hf::*;
 use common::*;
 use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
-use mla_core::weights::TensorSpec;
+use mla_core::DummyWeights;
 use mla_core::{Backend, ModelConfig, SamplingParams};
-use mla_core::{CheckpointError, DummyWeights, Fp8Tensor, WeightSource};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
 fn fixture_backend() -> (CudaBackend, ModelConfig) {
     let cfg = ModelConfig::from_file(&real_dims_dir().join("config.json")).unwrap();
@@ -27,92 +27,18 @@ fn fixture_backend() -> (CudaBackend, ModelConfig) {
     (CudaBackend::new(cfg.clone(), WeightsFrom::Checkpoint(real_dims_dir()), opts).unwrap(), cfg)
 }
 
-struct Prompt {
-    name: String,
-    prompt: Vec<u32>,
-    continuation: Vec<u32>,
-    gaps: Vec<f32>,
-}
-
-fn oracle() -> Vec<Prompt> {
-    let text = std::fs::read_to_string(real_dims_dir().join("oracle.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids =
-        |x: &serde_json::Value| x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
-    v["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| Prompt {
-            name: p["name"].as_str().unwrap().to_string(),
-            prompt: ids(&p["prompt"]),
-            continuation: ids(&p["continuation"]),
-            gaps: p["gaps"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap() as f32).collect(),
-        })
-        .collect()
-}
-
-/// Rows of `name` in an oracle safetensors file: [len, vocab] f32.
-fn oracle_logits(file: &str, name: &str) -> Vec<Vec<f32>> {
-    let bytes = std::fs::read(real_dims_dir().join(file)).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), safetensors::Dtype::F32);
-    let (rows, cols) = (t.shape()[0], t.shape()[1]);
-    let data: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    (0..rows).map(|r| data[r * cols..(r + 1) * cols].to_vec()).collect()
-}
-
-fn greedy() -> Option<SampleRequest> {
-    Some(SampleRequest {
-        params: SamplingParams::greedy(),
-        seed: 0,
-        top_logprobs: Some(2),
-        penalty: None,
-        logit_bias: Vec::new(),
-        allowed: None,
-    })
-}
-
 fn step(b: &mut CudaBackend, kind: StepKind, seqs: Vec<SeqStep>) -> StepOutput {
     b.step(&StepPlan { kind, seqs }).unwrap()
-}
-
-fn mean_abs(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    let n: usize = a.iter().map(|r| r.len()).sum();
-    a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()).sum::<f32>()).sum::<f32>() / n as f32
-}
-
-fn max_abs_rows(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| max_abs(x, y)).fold(0.0, f32::max)
-}
-
-/// Tolerance, from the fixture itself: HF's own bf16 run on the H200 differs from its f32 run by
-/// `hf` (mean |Δ| over all logits of a prompt). Our bf16 forward rounds at the same places as
-/// HF's (bf16 weights and activations, f32 accumulation, f32 softmax/norm statistics), so it must
-/// land within the same noise: at most 2x HF's mean deviation from f32 (+0.01 for the order of
-/// reductions), and within 3x of HF-bf16 itself. Single logits may move by up to ~1 where bf16
-/// flips a token's expert choice (HF bf16 itself shows 0.92 on `long`), so the max is bounded by
-/// 1.5 only.
-fn check_logits(name: &str, ours: &[Vec<f32>], f32_ref: &[Vec<f32>], bf16_ref: &[Vec<f32>]) {
-    let hf = mean_abs(bf16_ref, f32_ref);
-    let (d32, d16) = (mean_abs(ours, f32_ref), mean_abs(ours, bf16_ref));
-    let (m32, mhf) = (max_abs_rows(ours, f32_ref), max_abs_rows(bf16_ref, f32_ref));
-    println!("{name}: mean |ours-f32| {d32:.4}, |ours-hf_bf16| {d16:.4}, |hf_bf16-f32| {hf:.4}; max |ours-f32| {m32:.3} (hf_bf16 {mhf:.3})");
-    assert!(ours.iter().flatten().all(|x| x.is_finite()), "{name}: non-finite logits");
-    assert!(d32 <= 2.0 * hf + 0.01, "{name}: mean deviation from f32 {d32} vs HF bf16's {hf}");
-    assert!(d16 <= 3.0 * hf + 0.01, "{name}: mean deviation from HF bf16 {d16} vs {hf}");
-    assert!(m32 <= 1.5, "{name}: max deviation from f32 {m32}");
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn real_dims_logits_match_hf_bf16_and_f32() {
     let (mut b, _) = fixture_backend();
-    for (i, p) in oracle().iter().enumerate() {
+    for (i, p) in oracle(&real_dims_dir()).iter().enumerate() {
         let tokens: Vec<u32> = p.prompt.iter().chain(&p.continuation).copied().collect();
-        let f32_ref = oracle_logits("oracle_f32.safetensors", &p.name);
-        let bf16_ref = oracle_logits("oracle_bf16_cuda.safetensors", &p.name);
+        let f32_ref = oracle_logits(&real_dims_dir(), "oracle_f32.safetensors", &p.name);
+        let bf16_ref = oracle_logits(&real_dims_dir(), "oracle_bf16_cuda.safetensors", &p.name);
         // Scattered, descending blocks: 2 blocks of 64 per sequence, never in order.
         let table: Vec<u32> = vec![40 - 2 * i as u32, 7 + 3 * i as u32];
         // One prefill over everything (normal path).
@@ -152,7 +78,7 @@ fn real_dims_logits_match_hf_bf16_and_f32() {
 fn real_dims_greedy_continuation_matches_hf_until_a_near_tie() {
     let (mut b, _) = fixture_backend();
     // All three prompts decode together in one batch, each on its own blocks.
-    let prompts = oracle();
+    let prompts = oracle(&real_dims_dir());
     let tables: Vec<Vec<u32>> = (0..prompts.len() as u32).map(|i| vec![50 - i, 10 + 5 * i]).collect();
     let seqs: Vec<SeqStep> = prompts
         .iter()
@@ -214,12 +140,12 @@ fn both_paths(
 #[ignore = "needs an NVIDIA GPU"]
 fn absorbed_decode_agrees_with_the_normal_path_on_the_same_cache() {
     let (mut b, _) = fixture_backend();
-    let prompts = oracle();
+    let prompts = oracle(&real_dims_dir());
     let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| p.prompt.clone()).collect();
     let nexts: Vec<u32> = prompts.iter().map(|p| p.continuation[0]).collect();
     let tables: Vec<Vec<u32>> = (0..3u32).map(|i| vec![60 - i, 20 + i]).collect();
     let (dec, pre) = both_paths(&mut b, &inputs, &nexts, &tables);
-    let row = |file: &str, p: &Prompt| oracle_logits(file, &p.name)[p.prompt.len()].clone();
+    let row = |file: &str, p: &Prompt| oracle_logits(&real_dims_dir(), file, &p.name)[p.prompt.len()].clone();
     let f32_rows: Vec<Vec<f32>> = prompts.iter().map(|p| row("oracle_f32.safetensors", p)).collect();
     let bf16_rows: Vec<Vec<f32>> = prompts.iter().map(|p| row("oracle_bf16_cuda.safetensors", p)).collect();
     let hf = mean_abs(&bf16_rows, &f32_rows);
@@ -240,7 +166,7 @@ fn absorbed_decode_agrees_with_the_normal_path_on_the_same_cache() {
 #[ignore = "needs an NVIDIA GPU"]
 fn decode_graph_replay_gives_the_eager_tokens() {
     let (b, cfg) = fixture_backend();
-    let prompts: Vec<Vec<u32>> = oracle().into_iter().map(|p| p.prompt).collect();
+    let prompts: Vec<Vec<u32>> = oracle(&real_dims_dir()).into_iter().map(|p| p.prompt).collect();
     let result = b
         .with_worker(move |w| -> anyhow::Result<()> {
             let tables: Vec<Vec<u32>> = (0..3u32).map(|i| vec![30 + i, 3 * i]).collect();
@@ -395,26 +321,6 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
         let e = rel_l2(d, p);
         println!("V2-Lite seq {i}: absorbed vs normal rel {e:.2e}, max {:.3}", max_abs(d, p));
         assert!(e < 6e-2, "V2-Lite seq {i}: absorbed vs normal rel {e}");
-    }
-}
-
-/// mla-core's dummy weights, optionally rounded to bf16 (so the f32 CPU reference and the bf16
-/// CUDA backend can compute with identical weights).
-struct Dummy {
-    inner: DummyWeights,
-    bf16: bool,
-}
-
-impl WeightSource for Dummy {
-    fn describe(&self) -> String {
-        format!("{}{}", self.inner.describe(), if self.bf16 { " rounded to bf16" } else { "" })
-    }
-    fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
-        let v = self.inner.read_f32(spec)?;
-        Ok(if self.bf16 { round(&v) } else { v })
-    }
-    fn read_fp8(&self, _spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {
-        Ok(None)
     }
 }
 

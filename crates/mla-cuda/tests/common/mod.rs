@@ -5,13 +5,17 @@
 
 use half::bf16;
 use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep};
+use mla_core::weights::TensorSpec;
 use mla_core::ModelConfig;
 use mla_core::SplitMix64;
+use mla_core::{CheckpointError, DummyWeights, Fp8Tensor, WeightSource};
 use mla_cuda::gpu::{DSlice, DeviceBuffer};
 use mla_cuda::model::StepMeta;
 use mla_cuda::ops::{AbsorbQ, DecodeAttention, RopeCache, LATENT, NOPE, V_HEAD};
 use mla_cuda::Device;
 use std::path::PathBuf;
+
+pub mod hf;
 
 pub fn device() -> Device {
     Device::new(0).expect("these tests need an NVIDIA GPU with libcuda and cuBLAS on the library path")
@@ -264,5 +268,25 @@ impl<'a> RopeCase<'a> {
                 head_stride: lat,
             }),
         }
+    }
+}
+
+/// mla-core's dummy weights, optionally rounded to bf16 (so the f32 CPU reference and the bf16
+/// CUDA backend can compute with identical weights).
+pub struct Dummy {
+    pub inner: DummyWeights,
+    pub bf16: bool,
+}
+
+impl WeightSource for Dummy {
+    fn describe(&self) -> String {
+        format!("{}{}", self.inner.describe(), if self.bf16 { " rounded to bf16" } else { "" })
+    }
+    fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
+        let v = self.inner.read_f32(spec)?;
+        Ok(if self.bf16 { round(&v) } else { v })
+    }
+    fn read_fp8(&self, _spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {
+        Ok(None)
     }
 }
