@@ -107,13 +107,11 @@ impl Fp8Tensor {
     /// boundaries keep the blocks intact; any other cut is an error naming the boundary.
     pub fn shard(&self, shard: &Shard) -> Result<Fp8Tensor, String> {
         let [grid_rows, grid_cols] = scale_grid(self.rows, self.cols, self.block);
-        let aligned = |r: &std::ops::Range<usize>, b: usize, len: usize| {
-            r.start.is_multiple_of(b) && (r.end.is_multiple_of(b) || r.end == len)
-        };
+        let full = [self.rows, self.cols];
         match shard {
             Shard::Whole => Ok(self.clone()),
             Shard::Rows(r) => {
-                if !aligned(r, self.block[0], self.rows) {
+                if !shard.on_blocks(&full, self.block[0]) {
                     return Err(format!(
                         "rows {r:?} of {} do not fall on {}-row scale blocks",
                         self.rows, self.block[0]
@@ -129,14 +127,13 @@ impl Fp8Tensor {
                 })
             }
             Shard::Cols(c) => {
-                if !aligned(c, self.block[1], self.cols) {
+                if !shard.on_blocks(&full, self.block[1]) {
                     return Err(format!(
                         "columns {c:?} of {} do not fall on {}-column scale blocks",
                         self.cols, self.block[1]
                     ));
                 }
                 let g = c.start / self.block[1]..c.end.div_ceil(self.block[1]);
-                let full = [self.rows, self.cols];
                 Ok(Fp8Tensor {
                     data: shard.take(&self.data, &full),
                     rows: self.rows,

@@ -10,19 +10,24 @@ use crate::parallel::Shard;
 use crate::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
 use crate::weights::TensorSpec;
 
+/// `S` is anything that derefs to a source: `&dyn WeightSource`, an `Arc` of one, `&Checkpoint`.
 pub struct Fp8Quantized<S> {
     pub inner: S,
     /// Scale block of the quantized tensors (`[128, 128]`, DeepSeek-V3's).
     pub block: [usize; 2],
 }
 
-impl<S: WeightSource> Fp8Quantized<S> {
+impl<S> Fp8Quantized<S> {
     pub fn new(inner: S, block: [usize; 2]) -> Self {
         Fp8Quantized { inner, block }
     }
 }
 
-impl<S: WeightSource> WeightSource for Fp8Quantized<S> {
+impl<S> WeightSource for Fp8Quantized<S>
+where
+    S: std::ops::Deref + Sync,
+    S::Target: WeightSource,
+{
     fn describe(&self) -> String {
         format!("{} (linear weights in block FP8)", self.inner.describe())
     }
@@ -66,7 +71,8 @@ mod tests {
         let cfg = ModelConfig::from_json_str(include_str!("../../../configs/test-v3.json"), "test-v3").unwrap();
         let spec = ModelSpec::new(&cfg);
         let plain = DummyWeights::new(5);
-        let q = Fp8Quantized::new(DummyWeights::new(5), [128, 128]);
+        let inner = DummyWeights::new(5);
+        let q = Fp8Quantized::new(&inner, [128, 128]);
         let (mut linear, mut other) = (0, 0);
         for t in spec.tensors() {
             let (a, b) = (plain.read_f32(t).unwrap(), q.read_f32(t).unwrap());

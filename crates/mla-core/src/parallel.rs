@@ -199,6 +199,20 @@ impl Shard {
     }
 
     /// This part of `data`, a row-major tensor of shape `full`.
+    /// Whether the cut falls on `block`-sized blocks of a tensor of shape `full` (its ends at
+    /// multiples of `block` or at the tensor's edge), so that block-wise quantization of the part
+    /// equals the part of the quantized tensor.
+    pub fn on_blocks(&self, full: &[usize], block: usize) -> bool {
+        let on = |r: &Range<usize>, len: usize| {
+            r.start.is_multiple_of(block) && (r.end.is_multiple_of(block) || r.end == len)
+        };
+        match self {
+            Shard::Whole => true,
+            Shard::Rows(r) => on(r, full[0]),
+            Shard::Cols(c) => on(c, full[1]),
+        }
+    }
+
     pub fn take<T: Copy>(&self, data: &[T], full: &[usize]) -> Vec<T> {
         match self {
             Shard::Whole => data.to_vec(),

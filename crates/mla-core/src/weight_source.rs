@@ -150,28 +150,3 @@ mod progress_tests {
         }
     }
 }
-
-/// A shared source reads like the source itself (wrappers such as `Fp8Quantized` hold one).
-impl<T: WeightSource + Send + ?Sized> WeightSource for std::sync::Arc<T> {
-    fn describe(&self) -> String {
-        (**self).describe()
-    }
-    fn read_f32(&self, spec: &TensorSpec) -> Result<Vec<f32>, CheckpointError> {
-        (**self).read_f32(spec)
-    }
-    fn read_f32_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<f32>, CheckpointError> {
-        (**self).read_f32_shard(spec, shard)
-    }
-    fn read_bf16_bits(&self, spec: &TensorSpec) -> Result<Vec<u16>, CheckpointError> {
-        (**self).read_bf16_bits(spec)
-    }
-    fn read_fp8(&self, spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {
-        (**self).read_fp8(spec)
-    }
-    fn read_fp8_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Option<Fp8Tensor>, CheckpointError> {
-        (**self).read_fp8_shard(spec, shard)
-    }
-    fn read_bf16_bits_shard(&self, spec: &TensorSpec, shard: &Shard) -> Result<Vec<u16>, CheckpointError> {
-        (**self).read_bf16_bits_shard(spec, shard)
-    }
-}
