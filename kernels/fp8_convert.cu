@@ -61,3 +61,34 @@ extern "C" __global__ void __launch_bounds__(256)
         dst[1] = reinterpret_cast<const uint4*>(o)[1];
     }
 }
+
+// Activations for the block-scaled FP8 GEMM (cuBLASLt VEC128 x BLK128x128): per row and group of
+// 128 columns, scale = max(amax, 1e-12) / 448 and q = e4m3(x / scale), the weights' recipe on
+// 1x128 blocks (bit-exact with mla-core's quantize_block_fp8 with block [1, 128]). q is packed
+// [rows, cols]; the scale of row r, group g goes to scales[g * scale_ld + r] (M-major, as
+// cuBLASLt reads VEC128 scales). Grid (ceil(cols / 128), ceil(rows / 8)), 256 threads: one warp
+// per (row, group), four values per lane.
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_quantize_act(const bf16* __restrict__ x, int x_stride, int rows, int cols, uint8_t* __restrict__ q,
+                     float* __restrict__ scales, int scale_ld) {
+    PDL_ENTRY();
+    const int lane = threadIdx.x & 31, r = blockIdx.y * 8 + (threadIdx.x >> 5), c0 = blockIdx.x * QB;
+    if (r >= rows) return;
+    const int n = min(QB, cols - c0);
+    float v[4];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = lane * 4 + i;
+        v[i] = c < n ? to_f32(x[(size_t)r * x_stride + c0 + c]) : 0.f;
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = warp_max(amax);
+    const float s = __fdiv_rn(fmaxf(amax, 1e-12f), 448.f);
+    if (lane == 0) scales[(size_t)blockIdx.x * scale_ld + r] = s;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = lane * 4 + i;
+        if (c < n) q[(size_t)r * cols + c0 + c] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+    }
+}

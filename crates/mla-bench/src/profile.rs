@@ -42,6 +42,7 @@ pub fn run(config: &Path, batches: &[usize], context: usize, prefill_len: usize)
         num_blocks: Some(max_batch * pages + prefill_len.div_ceil(PAGE_SIZE)),
         max_model_len: context.max(prefill_len) + PAGE_SIZE,
         small_batch_gemv: true,
+        fp8_w8a8: true,
     };
     let mut model = dummy_model::build(&dev, &cfg, &opts)?;
     let vocab = cfg.vocab_size;

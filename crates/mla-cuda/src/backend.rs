@@ -48,6 +48,9 @@ pub struct CudaOptions {
     /// Dense projections of single-row steps through the weight-streaming GEMV kernel instead of
     /// cuBLAS (`model::small_linear`; off for A/B runs).
     pub small_batch_gemv: bool,
+    /// FP8 projections of prefill-sized steps in W8A8 through cuBLASLt's block-scaled GEMM (the
+    /// engines' numerics and speed), else dequantized to bf16 for cuBLAS (exact W8A16; tests).
+    pub fp8_w8a8: bool,
 }
 
 /// The default decode graph buckets: fine steps at small batches, where padding costs most.
@@ -67,6 +70,7 @@ impl Default for CudaOptions {
             cuda_graph_batch_sizes: DEFAULT_GRAPH_BATCH_SIZES.to_vec(),
             cuda_graph_memory_budget: 256 << 20,
             small_batch_gemv: true,
+            fp8_w8a8: true,
         }
     }
 }

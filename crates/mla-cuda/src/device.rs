@@ -1,11 +1,13 @@
-//! Everything one GPU needs to run kernels: context + stream, loaded modules, cuBLAS.
+//! Everything one GPU needs to run kernels: context + stream, loaded modules, cuBLAS(Lt).
 
-use crate::gpu::{Blas, Gpu, Modules};
+use crate::gpu::{Blas, BlasLt, Gpu, Modules};
 use crate::ops::Kernels;
 
 /// Owned by one thread. Field order is drop order: cuBLAS and modules go before the context.
 pub struct Device {
     pub blas: Blas,
+    /// cuBLASLt, for the block-scaled FP8 GEMMs.
+    pub blas_lt: BlasLt,
     pub k: Kernels,
     modules: Modules,
     pub gpu: Gpu,
@@ -24,7 +26,8 @@ impl Device {
         }
         let k = Kernels::load(&modules, &gpu.info)?;
         let blas = Blas::new(gpu.stream())?;
-        Ok(Device { blas, k, modules, gpu })
+        let blas_lt = BlasLt::new()?;
+        Ok(Device { blas, blas_lt, k, modules, gpu })
     }
 
     pub fn stream(&self) -> cudarc::driver::sys::CUstream {

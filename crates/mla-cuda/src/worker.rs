@@ -201,6 +201,7 @@ pub fn start_worker(
         num_blocks: opts.num_blocks,
         max_model_len,
         small_batch_gemv: opts.small_batch_gemv,
+        fp8_w8a8: opts.fp8_w8a8,
     };
     let weight_bytes = w.bytes();
     let fp8 = w.fp8_share();

@@ -9,6 +9,7 @@ use common::*;
 use half::bf16;
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::small_linear::SmallLinear;
+use mla_cuda::model::weights::Fp8Share;
 use mla_cuda::ops::{Linear, Proj, Strided, GEMV_KERNEL_MAX_ROWS};
 
 fn reference(w: &[f32], x: &[f32], n: usize, k: usize, m: usize, x_stride: usize) -> Vec<f64> {
@@ -31,7 +32,7 @@ fn rel(a: &[f32], b: &[f64]) -> f64 {
 #[ignore = "needs an NVIDIA GPU"]
 fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
     let dev = device();
-    let mut gemv = SmallLinear::new(true, 0).unwrap();
+    let mut gemv = SmallLinear::new(true, &Fp8Share::default(), 4, false).unwrap();
     gemv.max_rows = GEMV_KERNEL_MAX_ROWS;
     let mut rng = Rng::new(21);
     // (out, in): q_proj, kv_a, o_proj, shared gate_up, shared down, dense down, lm_head slice;
@@ -75,7 +76,7 @@ fn gemv_matches_an_f64_reference_and_cublas_on_v2_lite_shapes() {
 #[ignore = "needs an NVIDIA GPU"]
 fn paired_gemv_writes_both_outputs() {
     let dev = device();
-    let gemv = SmallLinear::new(true, 0).unwrap();
+    let gemv = SmallLinear::new(true, &Fp8Share::default(), 4, false).unwrap();
     let mut rng = Rng::new(22);
     let k = 2048;
     let (na, nb) = (3072, 576);

@@ -29,6 +29,7 @@ pub fn run(dev: &Device, cfg: &ModelConfig) -> anyhow::Result<Value> {
         num_blocks: Some(max_batch * blocks_per_seq),
         max_model_len: CONTEXT + 64,
         small_batch_gemv: true,
+        fp8_w8a8: true,
     };
     let mut model = dummy_model::build(dev, cfg, &opts)?;
     let load_s = t0.elapsed().as_secs_f64();

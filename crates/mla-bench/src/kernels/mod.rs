@@ -8,6 +8,7 @@
 
 mod decode_attention;
 mod decode_step;
+mod fp8_gemm;
 mod moe_experts;
 mod prefill_attention;
 mod timing;
@@ -38,12 +39,21 @@ pub enum Bench {
     DecodeStep,
     /// The bf16 and block-FP8 weight-streaming GEMVs on V3's dense shapes, 1 and 4 rows.
     WeightGemv,
+    /// FP8 projections past the GEMV (W8A8 through cuBLASLt, dequantize + bf16) against bf16
+    /// cuBLAS on V3's dense shapes, 64 to 4096 rows.
+    Fp8Gemm,
 }
 
 impl Bench {
     /// Run order, whatever order `--only` names them in.
-    const ALL: [Bench; 5] =
-        [Bench::DecodeAttention, Bench::PrefillAttention, Bench::MoeExperts, Bench::DecodeStep, Bench::WeightGemv];
+    const ALL: [Bench; 6] = [
+        Bench::DecodeAttention,
+        Bench::PrefillAttention,
+        Bench::MoeExperts,
+        Bench::DecodeStep,
+        Bench::WeightGemv,
+        Bench::Fp8Gemm,
+    ];
 
     fn key(self) -> &'static str {
         match self {
@@ -52,6 +62,7 @@ impl Bench {
             Bench::MoeExperts => "moe_experts",
             Bench::DecodeStep => "decode_step",
             Bench::WeightGemv => "weight_gemv",
+            Bench::Fp8Gemm => "fp8_gemm",
         }
     }
 }
@@ -70,6 +81,7 @@ pub fn run(only: &[Bench], config: &Path, out: Option<&Path>) -> anyhow::Result<
             Bench::MoeExperts => moe_experts::run(&dev)?,
             Bench::DecodeStep => decode_step::run(&dev, &ModelConfig::from_file(config)?)?,
             Bench::WeightGemv => weight_gemv::run(&dev)?,
+            Bench::Fp8Gemm => fp8_gemm::run(&dev)?,
         };
         results.insert(bench.key().into(), r);
     }

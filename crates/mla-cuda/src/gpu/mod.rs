@@ -8,6 +8,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 mod blas;
+mod blas_lt;
 mod buffer;
 mod context;
 mod event;
@@ -16,6 +17,7 @@ mod module;
 pub mod nccl;
 
 pub use blas::{Blas, Gemm, GemmOut};
+pub use blas_lt::{BlasLt, Fp8BlockGemm};
 pub use buffer::{download as download_slice, DSlice, DeviceBuffer, PinnedBuffer};
 pub use context::{Gpu, GpuInfo};
 pub use event::Event;

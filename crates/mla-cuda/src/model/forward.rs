@@ -34,6 +34,9 @@ pub struct ModelOptions {
     pub max_model_len: usize,
     /// Single-row projections through the weight-streaming GEMV instead of cuBLAS (`SmallLinear`).
     pub small_batch_gemv: bool,
+    /// FP8 projections of steps past the GEMV's rows in W8A8 through cuBLASLt's block-scaled GEMM
+    /// (sm_90 only); off, or on other GPUs, they dequantize to bf16 for cuBLAS (`SmallLinear`).
+    pub fp8_w8a8: bool,
 }
 
 /// How a model's forward pass relates to other ranks. The config a rank is built with is its own
@@ -159,7 +162,9 @@ impl CudaModel {
             vocab: cfg.vocab_size,
         };
         let (free0, total) = dev.gpu.mem_info()?;
-        let linears = SmallLinear::new(opts.small_batch_gemv, weights.fp8_share().largest_projection)?;
+        let fp8 = weights.fp8_share();
+        let w8a8 = opts.fp8_w8a8 && dev.gpu.info.compute_capability == (9, 0);
+        let linears = SmallLinear::new(opts.small_batch_gemv, &fp8, opts.limits.max_tokens, w8a8)?;
         let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count, mode.collective_kind())?;
         let meta = MetaBuffers::new(&lim)?;
         let (free1, _) = dev.gpu.mem_info()?;

@@ -8,15 +8,17 @@
 //!
 //! Block-FP8 weights (issue 12): steps of up to `GEMV_KERNEL_MAX_ROWS` rows stream the FP8 bytes
 //! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16). Larger
-//! steps dequantize the weight into a bf16 scratch matrix (`bf16(fp8 · scale)`, the very weight
-//! the bf16 loader used to build) and run cuBLAS on it: exact, and for prefill-sized steps the
-//! extra pass is small next to the GEMM, but it reads 2.5x the bf16 bytes, so mid-sized decode
-//! batches are slower than with bf16 weights until an FP8 GEMM replaces it.
+//! steps, on Hopper, quantize the activations per row and 128 columns and run cuBLASLt's
+//! block-scaled FP8 GEMM (W8A8, what DeepGEMM, vLLM and SGLang compute). Otherwise (other GPUs,
+//! or `fp8_w8a8` off for exact comparisons) they dequantize the weight into a bf16 scratch matrix
+//! (`bf16(fp8 · scale)`, the very weight the bf16 loader used to build) and run cuBLAS: exact
+//! W8A16, but 2.5x the bf16 bytes.
 
+use super::weights::Fp8Share;
 use crate::device::Device;
-use crate::gpu::DeviceBuffer;
-use crate::ops::GEMV_KERNEL_MAX_ROWS;
-use crate::ops::{Fp8Linear, GemvFp8Kernels, GemvKernels, GemvLaunch, GemvOut, Linear, Proj, Strided};
+use crate::gpu::{DeviceBuffer, Fp8BlockGemm};
+use crate::ops::{Fp8Act, Fp8Linear, GemvFp8Kernels, GemvKernels, GemvLaunch, GemvOut, Linear, Proj, Strided};
+use crate::ops::{FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 use half::bf16;
 
 /// Most rows the bf16 GEMV kernel is used for, from the H200 measurements above (the kernel itself
@@ -32,20 +34,33 @@ pub struct SmallLinear {
     /// Most rows the FP8 GEMV takes before the dequantize + cuBLAS path (tests lower it to 0 to
     /// run that path on decode steps).
     pub fp8_gemv_max_rows: usize,
-    /// bf16 copy of one FP8 weight for the cuBLAS path: as large as the largest FP8 projection
-    /// (empty when the model has none).
-    scratch: DeviceBuffer<bf16>,
+    /// How larger FP8 steps run, with its scratch.
+    fp8_large: Fp8Large,
+}
+
+/// The path of FP8 projections past the GEMV's rows.
+enum Fp8Large {
+    /// W8A8: quantized activations `[rows, widest input]` and their scales `[groups, rows]`.
+    BlockScaled { q: DeviceBuffer<u8>, scales: DeviceBuffer<f32>, max_rows: usize },
+    /// A bf16 copy of one weight, as large as the largest FP8 projection.
+    Dequantize { scratch: DeviceBuffer<bf16> },
 }
 
 impl SmallLinear {
-    /// `fp8_scratch`: elements of the largest FP8 projection of the model (0 without any).
-    pub fn new(enabled: bool, fp8_scratch: usize) -> anyhow::Result<Self> {
-        Ok(SmallLinear {
-            enabled,
-            max_rows: GEMV_MAX_ROWS,
-            fp8_gemv_max_rows: GEMV_KERNEL_MAX_ROWS,
-            scratch: DeviceBuffer::alloc(fp8_scratch.max(1))?,
-        })
+    /// `fp8`: the model's FP8 projections (all zero without any), whose steps have at most
+    /// `max_rows` rows; `w8a8` picks cuBLASLt's block-scaled GEMM for their larger steps.
+    pub fn new(enabled: bool, fp8: &Fp8Share, max_rows: usize, w8a8: bool) -> anyhow::Result<Self> {
+        let fp8_large = if w8a8 && fp8.matrices > 0 {
+            let groups = fp8.widest_input.div_ceil(FP8_BLOCK);
+            Fp8Large::BlockScaled {
+                q: DeviceBuffer::alloc(max_rows * fp8.widest_input)?,
+                scales: DeviceBuffer::alloc(groups * max_rows)?,
+                max_rows,
+            }
+        } else {
+            Fp8Large::Dequantize { scratch: DeviceBuffer::alloc(fp8.largest_projection.max(1))? }
+        };
+        Ok(SmallLinear { enabled, max_rows: GEMV_MAX_ROWS, fp8_gemv_max_rows: GEMV_KERNEL_MAX_ROWS, fp8_large })
     }
 
     fn gemv_takes(&self, lin: &Linear, x: &Strided<bf16>, rows: usize) -> bool {
@@ -93,20 +108,52 @@ impl SmallLinear {
             Proj::Fp8(lin) if self.fp8_gemv_takes(lin, &x, rows) => {
                 dev.k.gemv_fp8.launch(dev.stream(), lin, x, rows, GemvOut::Bf16(y))
             }
-            Proj::Fp8(lin) => {
-                if rows == 0 {
-                    return Ok(());
-                }
-                let w = self.scratch.slice();
+            Proj::Fp8(lin) => self.fp8_large(dev, lin, x, rows, y),
+        }
+    }
+
+    fn fp8_large(
+        &self,
+        dev: &Device,
+        w: &Fp8Linear,
+        x: Strided<bf16>,
+        rows: usize,
+        y: Strided<bf16>,
+    ) -> anyhow::Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        match &self.fp8_large {
+            Fp8Large::BlockScaled { q, scales, max_rows } => {
+                anyhow::ensure!(rows <= *max_rows, "fp8 projection of {rows} rows, scratch for {max_rows}");
+                let act = Fp8Act { q: q.slice(), scales: scales.slice(), scale_ld: *max_rows };
+                anyhow::ensure!(y.stride >= w.out && y.data.len >= y.need(rows, w.out), "fp8 linear: output too small");
+                dev.k.fp8_convert.quantize_act(dev.stream(), x, rows, w.inp, &act)?;
+                let g = Fp8BlockGemm {
+                    rows,
+                    out: w.out,
+                    inp: w.inp,
+                    x: act.q.ptr,
+                    x_scales: act.scales.ptr,
+                    x_scale_ld: act.scale_ld,
+                    w: w.w.ptr,
+                    w_scales: w.scale_inv.ptr,
+                    y: y.data.ptr,
+                    y_stride: y.stride,
+                };
+                Ok(dev.blas_lt.fp8_block_gemm(dev.stream(), &g)?)
+            }
+            Fp8Large::Dequantize { scratch } => {
+                let s = scratch.slice();
                 anyhow::ensure!(
-                    w.len >= lin.out * lin.inp,
+                    s.len >= w.out * w.inp,
                     "fp8 projection [{}, {}] exceeds the dequantize scratch ({} values)",
-                    lin.out,
-                    lin.inp,
-                    w.len
+                    w.out,
+                    w.inp,
+                    s.len
                 );
-                dev.k.fp8_convert.dequantize(dev.stream(), lin, w)?;
-                dev.blas.linear(&Linear::new(w, lin.out, lin.inp), x, rows, y)
+                dev.k.fp8_convert.dequantize(dev.stream(), w, s)?;
+                dev.blas.linear(&Linear::new(s, w.out, w.inp), x, rows, y)
             }
         }
     }

@@ -22,6 +22,7 @@ use anyhow::Context;
 use half::bf16;
 use mla_core::config::{ModelConfig, TopkMethod};
 use mla_core::dummy::{dummy_distribution, DummyWeights};
+use mla_core::fp8_source::Fp8Quantized;
 use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
 use mla_core::{RankLayout, WeightSource};
 use std::collections::HashMap;
@@ -219,6 +220,8 @@ pub struct Fp8Share {
     pub bytes: usize,
     /// Elements of the largest FP8 projection outside the experts (the dequantize scratch).
     pub largest_projection: usize,
+    /// Widest input of those projections (the quantized-activation scratch).
+    pub widest_input: usize,
 }
 
 impl DeviceWeights {
@@ -278,6 +281,7 @@ impl DeviceWeights {
             s.matrices += 1;
             s.bytes += m.bytes();
             s.largest_projection = s.largest_projection.max(m.out * m.inp);
+            s.widest_input = s.widest_input.max(m.inp);
         }
         for l in &self.layers {
             if let FfnWeights::Moe(m) = &l.ffn {
@@ -423,6 +427,11 @@ impl DeviceWeights {
         let full: HashMap<&str, &TensorSpec> = full_spec.tensors().into_iter().map(|t| (t.name.as_str(), t)).collect();
         let dests = w.destinations(&local_spec);
         let mut staging = Staging::new(&dests)?;
+        // In an FP8 model every quantizable tensor is the dequantization of its FP8 form, also
+        // where the GPU keeps it in bf16 (kv_b_proj, shapes the FP8 kernels cannot take): those
+        // read through Fp8Quantized (stored FP8 passes through, bf16 is quantized on the host),
+        // as the CPU reference reads them.
+        let quantized = cfg.quantization.map(|q| Fp8Quantized::new(src, q.block));
         let bar = mla_core::weight_source::LoadProgress::new(dests.len(), "loading weights to the GPU");
         for (t, d) in &dests {
             let f = full[t.name.as_str()];
@@ -432,7 +441,11 @@ impl DeviceWeights {
             let reading = || format!("reading {}", t.name);
             match d {
                 Dest::Bf16(s) => {
-                    let bits = src.read_bf16_bits_shard(f, &part).with_context(reading)?;
+                    let reader: &dyn WeightSource = match &quantized {
+                        Some(q) if f.fp8_quantizable() => q,
+                        _ => src,
+                    };
+                    let bits = reader.read_bf16_bits_shard(f, &part).with_context(reading)?;
                     upload(s.cast::<u16>(), &bits)?;
                 }
                 Dest::F32(s) => {
@@ -455,6 +468,13 @@ impl DeviceWeights {
                         upload(dst.scale_inv, &q.scale_inv)?;
                     }
                     None => {
+                        // Quantizing a shard on the device equals cutting the quantized tensor
+                        // only when the cut falls on scale blocks.
+                        anyhow::ensure!(
+                            part.on_blocks(&f.shape, FP8_BLOCK),
+                            "{}: this rank's share {part:?} does not fall on 128x128 scale blocks, so it cannot be quantized to FP8 on its own; use another --tp",
+                            t.name
+                        );
                         let bits = src.read_bf16_bits_shard(f, &part).with_context(reading)?;
                         let buf = staging.take(bits.len())?;
                         upload(buf.cast::<u16>(), &bits)?;

@@ -10,13 +10,19 @@ use half::bf16;
 pub struct Fp8ConvertKernels {
     quantize: Kernel,
     dequantize: Kernel,
+    pub(super) quantize_act: Kernel,
     sm_count: usize,
 }
 
 impl Fp8ConvertKernels {
     pub fn load(m: &Modules, sm_count: usize) -> anyhow::Result<Self> {
         let k = |name| m.kernel("fp8_convert", name);
-        Ok(Fp8ConvertKernels { quantize: k("fp8_quantize_block")?, dequantize: k("fp8_dequantize_bf16")?, sm_count })
+        Ok(Fp8ConvertKernels {
+            quantize: k("fp8_quantize_block")?,
+            dequantize: k("fp8_dequantize_bf16")?,
+            quantize_act: k("fp8_quantize_act")?,
+            sm_count,
+        })
     }
 
     /// Quantizes the bf16 `[out, inp]` weight `w` into `dst` (bytes and scale grid), with

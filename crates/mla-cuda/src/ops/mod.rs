@@ -13,6 +13,7 @@ mod attention;
 mod elementwise;
 mod expert_mats;
 mod fp8_convert;
+mod fp8_gemm;
 mod gemv;
 mod gemv_fp8;
 mod grouped_gemm;
@@ -33,6 +34,7 @@ pub use dims::{
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use expert_mats::ExpertMats;
 pub use fp8_convert::Fp8ConvertKernels;
+pub use fp8_gemm::Fp8Act;
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
 pub use gemv_fp8::{Fp8Linear, GemvFp8Kernels, FP8_BLOCK};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, Sm90Schedule, TileM};

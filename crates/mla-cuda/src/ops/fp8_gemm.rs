@@ -1,0 +1,55 @@
+//! The activation side of W8A8 block-scaled FP8 projections (issue 12): kernels/fp8_convert.cu's
+//! quantizer, per row and 128 columns, into the layout cuBLASLt's block-scaled GEMM
+//! (`gpu::BlasLt`) reads. `model::small_linear` runs the two.
+
+use super::fp8_convert::Fp8ConvertKernels;
+use super::gemv_fp8::FP8_BLOCK;
+use super::linear::Strided;
+use crate::gpu::{Arg, DSlice};
+use cudarc::driver::sys::CUstream;
+use half::bf16;
+
+/// Scratch for the quantized activations of one projection.
+#[derive(Clone, Copy)]
+pub struct Fp8Act<'a> {
+    /// e4m3 `[rows, inp]`, packed.
+    pub q: DSlice<'a, u8>,
+    /// `[ceil(inp / 128), scale_ld]` f32.
+    pub scales: DSlice<'a, f32>,
+    /// Rows the scale buffer has room for (its leading dimension).
+    pub scale_ld: usize,
+}
+
+impl Fp8ConvertKernels {
+    /// Quantizes `rows` rows of `x` (width `cols`) into `act`.
+    pub fn quantize_act(
+        &self,
+        s: CUstream,
+        x: Strided<bf16>,
+        rows: usize,
+        cols: usize,
+        act: &Fp8Act,
+    ) -> anyhow::Result<()> {
+        let groups = cols.div_ceil(FP8_BLOCK);
+        anyhow::ensure!(rows <= act.scale_ld, "fp8 activations: {rows} rows, scales for {}", act.scale_ld);
+        anyhow::ensure!(act.q.len >= rows * cols, "fp8 activations: {} bytes for [{rows}, {cols}]", act.q.len);
+        anyhow::ensure!(act.scales.len >= groups * act.scale_ld, "fp8 activation scales: {}", act.scales.len);
+        anyhow::ensure!(x.stride >= cols && x.data.len >= x.need(rows, cols), "fp8 activations: input too small");
+        self.quantize_act.launch(
+            s,
+            (groups as u32, rows.div_ceil(8) as u32, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(x.data.ptr),
+                Arg::I32(x.stride as i32),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::Ptr(act.q.ptr),
+                Arg::Ptr(act.scales.ptr),
+                Arg::I32(act.scale_ld as i32),
+            ],
+        )?;
+        Ok(())
+    }
+}

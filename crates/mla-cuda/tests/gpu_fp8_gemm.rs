@@ -1,0 +1,83 @@
+//! The W8A8 path of FP8 projections (`model::small_linear` on Hopper): the activation quantizer
+//! bit for bit against mla-core's block quantizer on 1x128 blocks, and the projection (quantizer +
+//! cuBLASLt's block-scaled GEMM) against an f64 product of the same quantized operands, rounded
+//! to bf16 as the output is: weights with block scales over four decades, rows 5 to 300 (partial
+//! 128-row tiles), N with a partial block (576 rows = 4.5 blocks), K ending in a partial group.
+//!
+//! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_fp8_gemm -- --ignored`.
+
+mod common;
+
+use common::*;
+use mla_core::fp8::{dequantize_block_fp8, quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
+use mla_cuda::model::small_linear::SmallLinear;
+use mla_cuda::model::weights::Fp8Share;
+use mla_cuda::ops::{Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK};
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn w8a8_projection_matches_f64_on_the_quantized_operands() {
+    let dev = device();
+    if dev.gpu.info.compute_capability != (9, 0) {
+        println!("SKIPPED: cuBLASLt's block-scaled FP8 GEMM needs sm_90");
+        return;
+    }
+    let mut rng = Rng::new(51);
+    // (out, in): V3's kv_a (576: 4.5 blocks), q_b, o_proj at TP8, V2-Lite's dense down (K =
+    // 10944: 85.5 groups), a small one.
+    for (n, k) in [(576, 7168), (3072, 1536), (7168, 2048), (2048, 10944), (256, 384)] {
+        let [gr, gc] = scale_grid(n, k, DEEPSEEK_BLOCK);
+        let mags: Vec<f32> =
+            rng.uniform(gr * gc, 2.0).iter().map(|u| 10f32.powf(u - 1.0) / (k as f32).sqrt()).collect();
+        let u = rng.uniform(n * k, 1.0);
+        let w: Vec<f32> = (0..n * k).map(|i| mags[(i / k / FP8_BLOCK) * gc + (i % k) / FP8_BLOCK] * u[i]).collect();
+        let wq = quantize_block_fp8(&w, n, k, DEEPSEEK_BLOCK);
+        let wf = wq.dequantize();
+        let (wd, sd) = (up(&wq.data), up(&wq.scale_inv));
+        let lin = Fp8Linear { w: wd.slice(), scale_inv: sd.slice(), out: n, inp: k };
+        let share = Fp8Share { matrices: 1, bytes: 0, largest_projection: n * k, widest_input: k };
+        let max_rows = 300;
+        let linear = SmallLinear::new(true, &share, max_rows, true).unwrap();
+        for m in [5, 64, 129, 300] {
+            let stride = k + 8;
+            let x = round(&rng.uniform(m * stride, 2.0));
+            let xd = up_bf16(&x);
+            let xs = Strided::new(xd.slice(), stride);
+            // The quantizer alone, bit for bit.
+            let packed: Vec<f32> = (0..m).flat_map(|r| x[r * stride..r * stride + k].to_vec()).collect();
+            let want_q = quantize_block_fp8(&packed, m, k, [1, FP8_BLOCK]);
+            let groups = k.div_ceil(FP8_BLOCK);
+            let (qd, qs) = (up(&vec![0u8; m * k]), up(&vec![f32::NAN; groups * m]));
+            let act = Fp8Act { q: qd.slice(), scales: qs.slice(), scale_ld: m };
+            dev.k.fp8_convert.quantize_act(dev.stream(), xs, m, k, &act).unwrap();
+            let yd = up_bf16(&vec![f32::NAN; m * n]);
+            linear.linear(&dev, &Proj::Fp8(lin), xs, m, Strided::new(yd.slice(), n)).unwrap();
+            dev.gpu.sync().unwrap();
+            let (got_q, got_s) = (down(qd.slice()), down(qs.slice()));
+            let bytes_differ = got_q.iter().zip(&want_q.data).filter(|(a, b)| a != b).count();
+            let scales_differ = (0..m * groups)
+                .filter(|&i| got_s[(i % groups) * m + i / groups].to_bits() != want_q.scale_inv[i].to_bits())
+                .count();
+            assert_eq!(
+                (bytes_differ, scales_differ),
+                (0, 0),
+                "[{m}, {k}]: quantized activations differ from mla-core's"
+            );
+            // The projection against f64 on the same quantized operands, rounded to bf16.
+            let xq = dequantize_block_fp8(&want_q.data, m, k, &want_q.scale_inv, [1, FP8_BLOCK]);
+            let want: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, j) = (i / n, i % n);
+                    let v: f64 = (0..k).map(|c| wf[j * k + c] as f64 * xq[r * k + c] as f64).sum();
+                    half::bf16::from_f64(v).to_f32()
+                })
+                .collect();
+            let got = down_bf16(yd.slice());
+            assert!(got.iter().all(|v| v.is_finite()), "[{m}x{k}]·[{n}x{k}]ᵀ: unwritten outputs");
+            let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b).abs() as f64).sum();
+            let den: f64 = want.iter().map(|b| b.abs() as f64).sum();
+            println!("W8A8 [{m}, {k}] x [{n}, {k}]: mean rel error {:.2e} vs f64 rounded to bf16", num / den);
+            assert!(num / den < 1e-3, "W8A8 [{m}, {k}] x [{n}, {k}]: mean rel error {}", num / den);
+        }
+    }
+}
