@@ -7,7 +7,7 @@
 use super::weights::MoeWeights;
 use crate::device::Device;
 use crate::gpu::DSlice;
-use crate::ops::{MoeGemvExperts, MoeGemvRouter, MoeRouting};
+use crate::ops::{ExpertMats, MoeGemvExperts, MoeGemvRouter, MoeRouting};
 use half::bf16;
 use mla_core::ModelConfig;
 
@@ -75,9 +75,12 @@ pub fn experts(dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo)
         x: io.x,
         topk_ids: io.routing.topk_ids,
         topk_w: io.routing.topk_w,
-        gate_up: w.gate_up.slice(),
-        down: w.down.slice(),
-        shared: w.shared.as_ref().map(|sh| (sh.gate_up.buf.slice(), sh.down.buf.slice())),
+        gate_up: ExpertMats::Bf16(w.gate_up.slice()),
+        down: ExpertMats::Bf16(w.down.slice()),
+        shared: w
+            .shared
+            .as_ref()
+            .map(|sh| (ExpertMats::Bf16(sh.gate_up.buf.slice()), ExpertMats::Bf16(sh.down.buf.slice()))),
         act: io.act,
         act_shared: io.act_shared,
         out: io.out,
