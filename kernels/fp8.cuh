@@ -1,6 +1,6 @@
 // Block-FP8 weights (DeepSeek-V3's checkpoint layout: e4m3 bytes with one f32 scale_inv per
 // 128x128 block of an [n, k] matrix, edge blocks partial): conversions shared by the kernels that
-// read them (gemv_fp8.cu, moe_gemv.cu).
+// read them (gemv_fp8.cu, moe_gemv.cu, grouped_gemm.cu).
 #pragma once
 #include <cuda_fp8.h>
 
@@ -34,4 +34,15 @@ DEVICE_INLINE void bf16x16_to_f32(const __nv_bfloat16* p, float* f) {
         f[8 + 2 * i] = p1.x;
         f[8 + 2 * i + 1] = p1.y;
     }
+}
+
+// 8 e4m3 values (one 8-byte load) dequantized with their block's scale, each rounded once to bf16:
+// bf16(float(e4m3) * scale), what a host dequantization to bf16 gives. Packed as 8 bf16.
+DEVICE_INLINE uint4 fp8x8_dequant_bf16(const uint2& v, float scale) {
+    const __nv_fp8x4_e4m3* q = reinterpret_cast<const __nv_fp8x4_e4m3*>(&v);
+    const float4 lo = static_cast<float4>(q[0]), hi = static_cast<float4>(q[1]);
+    return make_uint4(pack_bf16(__fmul_rn(lo.x, scale), __fmul_rn(lo.y, scale)),
+                      pack_bf16(__fmul_rn(lo.z, scale), __fmul_rn(lo.w, scale)),
+                      pack_bf16(__fmul_rn(hi.x, scale), __fmul_rn(hi.y, scale)),
+                      pack_bf16(__fmul_rn(hi.z, scale), __fmul_rn(hi.w, scale)));
 }

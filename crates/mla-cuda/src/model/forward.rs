@@ -15,8 +15,8 @@ use crate::device::Device;
 use crate::gpu::nccl::NcclComm;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, Linear, NormDelta, PrefillAttention,
-    PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
+    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, ExpertMats, GroupedGateUp, GroupedGemm, Linear, NormDelta,
+    PrefillAttention, PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
     COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
@@ -716,15 +716,20 @@ impl CudaModel {
         k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
         let gate_up = GroupedGateUp {
             a: mb.grouped_x.slice(),
-            w: w.gate_up.slice(),
+            w: ExpertMats::Bf16(w.gate_up.slice()),
             gate_up: mb.grouped_gate_up.slice(),
             act: mb.grouped_act.slice(),
             inter: im,
             k: hidden,
         };
         k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
-        let down =
-            GroupedGemm { a: mb.grouped_act.slice(), w: w.down.slice(), c: mb.grouped_y.slice(), n: hidden, k: im };
+        let down = GroupedGemm {
+            a: mb.grouped_act.slice(),
+            w: ExpertMats::Bf16(w.down.slice()),
+            c: mb.grouped_y.slice(),
+            n: hidden,
+            k: im,
+        };
         k.grouped_gemm.gemm(s, &down, &r)?;
         let shared = match &w.shared {
             Some(sh) => {

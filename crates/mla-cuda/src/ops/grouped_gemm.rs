@@ -1,11 +1,14 @@
 //! kernels/grouped_gemm.cu and grouped_gemm_sm90.cu: the expert GEMMs over rows grouped by expert
 //! (`MoeKernels::align`'s tile map), in three kernel families chosen by the tile height: mma.sync
 //! tiles of 16 rows (decode-sized batches) or 64 rows, and on sm_90 warp-specialised wgmma kernels
-//! of 128 rows, with SiLU·mul fused into the gate/up GEMM.
+//! of 128 rows, with SiLU·mul fused into the gate/up GEMM. The mma.sync families also take
+//! block-FP8 expert weights (dequantized to bf16 as they are staged into shared memory).
 
 use super::dims::{
     GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL,
 };
+use super::expert_mats::ExpertMats;
+use super::gemv_fp8::FP8_BLOCK;
 use super::moe::MoeRouting;
 use super::{ensure_len, ensure_smem, grid_for};
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
@@ -79,7 +82,7 @@ impl Sm90Schedule {
 /// `c[rows of e] = a[rows of e] · w[e]ᵀ` over every expert, w `[experts, n, k]`.
 pub struct GroupedGemm<'a> {
     pub a: DSlice<'a, bf16>,
-    pub w: DSlice<'a, bf16>,
+    pub w: ExpertMats<'a>,
     pub c: DSlice<'a, bf16>,
     pub n: usize,
     pub k: usize,
@@ -87,9 +90,10 @@ pub struct GroupedGemm<'a> {
 
 /// `act[rows of e] = silu(a · gate[e]ᵀ) · (a · up[e]ᵀ)` over every expert, w `[experts, 2·inter, k]`
 /// (gate rows then up rows). `gate_up` `[rows, 2·inter]` is scratch for the unfused tile sizes.
+/// Block-FP8 weights need `inter % 128 == 0` (the gate and up scale grids then stack exactly).
 pub struct GroupedGateUp<'a> {
     pub a: DSlice<'a, bf16>,
-    pub w: DSlice<'a, bf16>,
+    pub w: ExpertMats<'a>,
     pub gate_up: DSlice<'a, bf16>,
     pub act: DSlice<'a, bf16>,
     pub inter: usize,
@@ -99,6 +103,9 @@ pub struct GroupedGateUp<'a> {
 pub struct GroupedGemmKernels {
     rows16: Kernel,
     rows64: Kernel,
+    /// The same two on block-FP8 weights.
+    rows16_fp8: Kernel,
+    rows64_fp8: Kernel,
     /// The four wgmma kernels (256- and 128-row items, plain and SiLU-fused), sm_90a only.
     wgmma: Option<Sm90Kernels>,
     /// elementwise.cu's silu_mul: the second half of the gate/up path when SiLU is not fused.
@@ -135,6 +142,8 @@ impl GroupedGemmKernels {
         Ok(GroupedGemmKernels {
             rows16: m.kernel("grouped_gemm", "moe_grouped_gemm_small")?,
             rows64: m.kernel("grouped_gemm", "moe_grouped_gemm")?,
+            rows16_fp8: m.kernel("grouped_gemm", "moe_grouped_gemm_small_fp8")?,
+            rows64_fp8: m.kernel("grouped_gemm", "moe_grouped_gemm_fp8")?,
             wgmma,
             silu_mul: m.kernel("elementwise", "silu_mul")?,
             sm_count: info.sm_count,
@@ -146,10 +155,26 @@ impl GroupedGemmKernels {
         TileM::ALL.into_iter().filter(|&t| t != TileM::Rows128 || self.wgmma.is_some()).collect()
     }
 
+    /// The tile heights this GPU runs on block-FP8 weights: the mma.sync families (the wgmma
+    /// kernels take bf16 weights only).
+    pub fn available_fp8(&self) -> Vec<TileM> {
+        vec![TileM::Rows16, TileM::Rows64]
+    }
+
     /// The tile height for a batch on this GPU: 16-row tiles when experts get at most 16 rows on
     /// average, otherwise the wgmma kernel's 128-row tiles on sm_90 and 64-row tiles elsewhere.
     pub fn tile_for(&self, tokens: usize, top_k: usize, experts: usize) -> TileM {
         TileM::pick(tokens, top_k, experts, if self.wgmma.is_some() { TileM::Rows128 } else { TileM::Rows64 })
+    }
+
+    /// `tile_for` for weights in a given format: block-FP8 weights (`fp8`) take 64-row tiles
+    /// where bf16 would take the wgmma kernel's 128-row ones.
+    pub fn tile_for_mats(&self, tokens: usize, top_k: usize, experts: usize, fp8: bool) -> TileM {
+        if fp8 {
+            TileM::pick(tokens, top_k, experts, TileM::Rows64)
+        } else {
+            self.tile_for(tokens, top_k, experts)
+        }
     }
 
     pub fn gemm(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
@@ -165,16 +190,23 @@ impl GroupedGemmKernels {
         );
         let rows = r.rows();
         ensure_len!(p.a, rows * k, "grouped GEMM input");
-        ensure_len!(p.w, r.experts * n * k, "expert weights");
         ensure_len!(p.c, rows * n, "grouped GEMM output");
         let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile) as u32;
+        let fp8 = p.w.is_fp8();
         let launch = match r.tile {
-            TileM::Rows16 => {
-                Launch { kernel: &self.rows16, grid: (n.div_ceil(64) as u32, tiles), threads: 128, smem: 0 }
-            }
-            TileM::Rows64 => {
-                Launch { kernel: &self.rows64, grid: (n.div_ceil(128) as u32, tiles), threads: 128, smem: 0 }
-            }
+            TileM::Rows16 => Launch {
+                kernel: if fp8 { &self.rows16_fp8 } else { &self.rows16 },
+                grid: (n.div_ceil(64) as u32, tiles),
+                threads: 128,
+                smem: 0,
+            },
+            TileM::Rows64 => Launch {
+                kernel: if fp8 { &self.rows64_fp8 } else { &self.rows64 },
+                grid: (n.div_ceil(128) as u32, tiles),
+                threads: 128,
+                smem: 0,
+            },
+            TileM::Rows128 if fp8 => return Err(no_fp8_wgmma()),
             TileM::Rows128 => Launch {
                 kernel: self.sm90_kernel(sched.item_rows, false)?,
                 grid: (self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent), 1),
@@ -182,7 +214,7 @@ impl GroupedGemmKernels {
                 smem: GROUPED_SM90_SMEM_BYTES,
             },
         };
-        launch.run(s, p, r)
+        launch.run_rows(s, p, r, n)
     }
 
     /// The gate/up GEMM with SiLU·mul: one wgmma kernel with SiLU·mul in its epilogue on 128-row
@@ -200,6 +232,11 @@ impl GroupedGemmKernels {
         sched: Sm90Schedule,
     ) -> anyhow::Result<()> {
         let (inter, k, rows) = (p.inter, p.k, r.rows());
+        anyhow::ensure!(
+            !p.w.is_fp8() || inter.is_multiple_of(FP8_BLOCK),
+            "grouped gate/up on block-FP8 weights needs an intermediate size that is a multiple of {FP8_BLOCK}, got \
+             {inter} (the gate and up scale grids would not stack)"
+        );
         if r.tile != TileM::Rows128 {
             self.gemm(s, &GroupedGemm { a: p.a, w: p.w, c: p.gate_up, n: 2 * inter, k }, r)?;
             ensure_len!(p.act, rows * inter, "silu_mul output");
@@ -213,12 +250,14 @@ impl GroupedGemmKernels {
             )?;
             return Ok(());
         }
+        if p.w.is_fp8() {
+            return Err(no_fp8_wgmma());
+        }
         anyhow::ensure!(
             inter.is_multiple_of(8) && k.is_multiple_of(8) && inter > 0 && k > 0,
             "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}"
         );
         ensure_len!(p.a, rows * k, "grouped GEMM input");
-        ensure_len!(p.w, r.experts * 2 * inter * k, "expert gate/up weights");
         ensure_len!(p.act, rows * inter, "expert activations");
         // An item covers item_rows / 2 gate rows and as many up rows: that many act columns.
         Launch {
@@ -227,7 +266,7 @@ impl GroupedGemmKernels {
             threads: GROUPED_SM90_THREADS as u32,
             smem: GROUPED_SM90_SMEM_BYTES,
         }
-        .run(s, &GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k }, r)
+        .run_rows(s, &GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k }, r, 2 * inter)
     }
 
     fn sm90_kernel(&self, item_rows: usize, silu: bool) -> anyhow::Result<&Kernel> {
@@ -255,6 +294,14 @@ impl GroupedGemmKernels {
     }
 }
 
+/// Asking for the wgmma kernels on block-FP8 weights.
+fn no_fp8_wgmma() -> anyhow::Error {
+    anyhow::anyhow!(
+        "the grouped GEMM has no block-FP8 kernel for tiles of 128 rows (wgmma): route FP8 weights with \
+         tile_for_mats, which picks tiles of 16 or 64 rows"
+    )
+}
+
 /// One launch of a grouped-GEMM kernel (the tile map and its count are read on the device).
 struct Launch<'k> {
     kernel: &'k Kernel,
@@ -264,25 +311,21 @@ struct Launch<'k> {
 }
 
 impl Launch<'_> {
-    /// `p.c` gets `p.n` columns per row (the activation's width for the SiLU-fused kernels).
-    fn run(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
-        self.kernel.launch(
-            s,
-            (self.grid.0, self.grid.1, 1),
-            self.threads,
-            self.smem as u32,
-            &[
-                Arg::Ptr(p.a.ptr),
-                Arg::Ptr(p.w.ptr),
-                Arg::Ptr(p.c.ptr),
-                Arg::I32(p.n as i32),
-                Arg::I32(p.k as i32),
-                Arg::Ptr(r.tile_expert.ptr),
-                Arg::Ptr(r.tile_row0.ptr),
-                Arg::Ptr(r.tile_rows.ptr),
-                Arg::Ptr(r.num_tiles.ptr),
-            ],
-        )?;
+    /// `p.c` gets `p.n` columns per row (the activation's width for the SiLU-fused kernels);
+    /// every expert's weight has `w_rows` rows of `p.k` (checked here, with its block scales).
+    fn run_rows(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting, w_rows: usize) -> anyhow::Result<()> {
+        let mut args = vec![Arg::Ptr(p.a.ptr)];
+        args.extend(p.w.args("expert weights", r.experts, w_rows, p.k)?);
+        args.extend([
+            Arg::Ptr(p.c.ptr),
+            Arg::I32(p.n as i32),
+            Arg::I32(p.k as i32),
+            Arg::Ptr(r.tile_expert.ptr),
+            Arg::Ptr(r.tile_row0.ptr),
+            Arg::Ptr(r.tile_rows.ptr),
+            Arg::Ptr(r.num_tiles.ptr),
+        ]);
+        self.kernel.launch(s, (self.grid.0, self.grid.1, 1), self.threads, self.smem as u32, &args)?;
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use mla_core::ModelConfig;
 use mla_core::SplitMix64;
 use mla_cuda::gpu::{DSlice, DeviceBuffer};
 use mla_cuda::model::StepMeta;
-use mla_cuda::ops::{AbsorbQ, DecodeAttention, RopeCache, FP8_BLOCK, LATENT, NOPE, V_HEAD};
+use mla_cuda::ops::{AbsorbQ, DecodeAttention, MoeRouting, RopeCache, TileM, FP8_BLOCK, LATENT, NOPE, V_HEAD};
 use mla_cuda::Device;
 use std::path::PathBuf;
 
@@ -277,6 +277,58 @@ pub fn fp8_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
             }
         })
         .collect()
+}
+
+/// Device buffers of one routing, owned by a test.
+pub struct RoutingBufs {
+    pub ids: DeviceBuffer<i32>,
+    pub w: DeviceBuffer<f32>,
+    pub off: DeviceBuffer<i32>,
+    pub perm: DeviceBuffer<i32>,
+    pub inv: DeviceBuffer<i32>,
+    pub te: DeviceBuffer<i32>,
+    pub tr0: DeviceBuffer<i32>,
+    pub trs: DeviceBuffer<i32>,
+    pub nt: DeviceBuffer<i32>,
+}
+
+impl RoutingBufs {
+    pub fn new(t: usize, e: usize, top: usize) -> Self {
+        let a = t * top;
+        let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
+        let i = |n| DeviceBuffer::<i32>::alloc(n).unwrap();
+        RoutingBufs {
+            ids: i(a),
+            w: DeviceBuffer::alloc(a).unwrap(),
+            off: i(e + 1),
+            perm: i(a),
+            inv: i(a),
+            te: i(tiles),
+            tr0: i(tiles),
+            trs: i(tiles),
+            nt: i(1),
+        }
+    }
+    pub fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting<'_> {
+        self.routing_tiles(t, e, top, TileM::Rows64)
+    }
+    pub fn routing_tiles(&self, t: usize, e: usize, top: usize, tile: TileM) -> MoeRouting<'_> {
+        MoeRouting {
+            tokens: t,
+            tile,
+            experts: e,
+            top_k: top,
+            topk_ids: self.ids.slice(),
+            topk_w: self.w.slice(),
+            expert_off: self.off.slice(),
+            perm_src: self.perm.slice(),
+            inv_row: self.inv.slice(),
+            tile_expert: self.te.slice(),
+            tile_row0: self.tr0.slice(),
+            tile_rows: self.trs.slice(),
+            num_tiles: self.nt.slice(),
+        }
+    }
 }
 
 /// Random block-FP8 scales, 10^[-3, 1): four decades, never all ones.
