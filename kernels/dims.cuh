@@ -55,6 +55,9 @@ constexpr int GROUPED_TILE_M_SMALL = 16;
 constexpr int GROUPED_TILE_M_SM90 = 128;
 constexpr int GROUPED_SM90_THREADS = 384;
 constexpr int GROUPED_SM90_SMEM_BYTES = 4 * (128 + 256) * 64 * 2 + 1024 + 128;
+// The block-FP8 wgmma kernels add a ring of 2 raw e4m3 weight slices [256 x 64] after the
+// mbarriers, staged by cp.async before their dequantization into the bf16 stages.
+constexpr int GROUPED_SM90_FP8_SMEM_BYTES = GROUPED_SM90_SMEM_BYTES + 2 * 256 * 64;
 
 // Weight-streaming GEMV of small steps: most rows one launch can take, weight rows per block.
 constexpr int GEMV_KERNEL_MAX_ROWS = 4;

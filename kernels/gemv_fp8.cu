@@ -5,39 +5,11 @@
 // scheme as gemv.cu's bf16 kernel with half the weight bytes: each warp owns ROWS output rows and
 // streams them with 16-byte loads (16 weights), dequantizing in registers. A 16-weight chunk never
 // crosses a 128-wide scale block, so each chunk's partial sum is scaled once.
-#include <cuda_fp8.h>
-
-#include "common.cuh"
+#include "fp8.cuh"
 
 namespace {
-constexpr int MAXM = GEMV_KERNEL_MAX_ROWS, ROWS = 2, UNROLL = 8, WARPS = 4, SCALE_BLOCK = 128;
+constexpr int MAXM = GEMV_KERNEL_MAX_ROWS, ROWS = 2, UNROLL = 8, WARPS = 4, SCALE_BLOCK = FP8_SCALE_BLOCK;
 static_assert(WARPS * ROWS == GEMV_ROWS_PER_BLOCK, "gemv_fp8: dims.cuh's rows per block differ from the kernel's");
-
-DEVICE_INLINE void fp8x16_to_f32(const uint4& v, float* f) {
-    const __nv_fp8x4_e4m3* q = reinterpret_cast<const __nv_fp8x4_e4m3*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float4 t = static_cast<float4>(q[i]);
-        f[4 * i] = t.x;
-        f[4 * i + 1] = t.y;
-        f[4 * i + 2] = t.z;
-        f[4 * i + 3] = t.w;
-    }
-}
-
-DEVICE_INLINE void bf16x16_to_f32(const __nv_bfloat16* p, float* f) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(p)), b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
-    const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 p0 = __bfloat1622float2(h0[i]), p1 = __bfloat1622float2(h1[i]);
-        f[2 * i] = p0.x;
-        f[2 * i + 1] = p0.y;
-        f[8 + 2 * i] = p1.x;
-        f[8 + 2 * i + 1] = p1.y;
-    }
-}
 }  // namespace
 
 // Grid: ceil(N / (WARPS * ROWS)) blocks of 32 * WARPS threads. K % 16 == 0, x_stride % 8 == 0,

@@ -29,11 +29,23 @@
 //
 // Partial tiles in rows, N and K are zero-filled on load and masked on store; N and K must be
 // multiples of 8 (16-byte copies; checked by the Rust wrapper).
+//
+// The _fp8 kernels take block-FP8 weights (e4m3 bytes [E, N, K] (or [E, 2N, K]) with one f32
+// scale_inv per 128x128 block of each expert): the producer copies A with cp.async as before and
+// the weights' raw bytes with cp.async into a ring of two raw slices (slice kt + 1 in flight
+// while slice kt is converted; each thread converts only the chunks it copied), then reads its
+// chunks back, stores each weight as bf16(float(e4m3) * scale) into the same swizzled layout
+// with st.shared, makes the stores visible to the async proxy and arrives on the stage's full
+// barrier a second time (the barrier expects both the cp.async arrival and this one). The wgmma
+// operands are exactly what the bf16 kernels read from weights dequantized on the host to bf16,
+// so outputs are bitwise equal. The scales of slice kt + 1 are loaded into registers during
+// slice kt. Requires N % 128 == 0 for the SILU kernels (the wrapper checks).
+#include "fp8.cuh"
 #include "wgmma.cuh"
 
 // Dynamic shared memory (the Rust wrapper computes the same): STAGES x (128 + BN) x 128 bytes
 // (BN 256: 4 stages, BN 128: 6 stages; 192 KB either way) + 1024 bytes of alignment slack + 128
-// bytes for the 2 x STAGES mbarriers.
+// bytes for the 2 x STAGES mbarriers; the FP8 kernels add 2 raw slices of BN x 64 bytes.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace {
@@ -43,15 +55,73 @@ constexpr int GG_BM = GROUPED_TILE_M_SM90, GG_BK = 64;
 static_assert(4 * (GG_BM + 256) * GG_BK * 2 + 1024 + 128 == GROUPED_SM90_SMEM_BYTES &&
                   6 * (GG_BM + 128) * GG_BK * 2 <= 4 * (GG_BM + 256) * GG_BK * 2,
               "wgmma grouped GEMM: dims.cuh's shared-memory size differs from the kernel's layout");
+static_assert(GROUPED_SM90_SMEM_BYTES + 2 * 256 * GG_BK == GROUPED_SM90_FP8_SMEM_BYTES,
+              "wgmma grouped GEMM: dims.cuh's FP8 shared-memory size differs from the kernel's layout");
 }  // namespace
+
+// Block-FP8 weights in the producer. Thread tid's chunks of a K slice are 8 bytes (8 weights) of
+// rows r0 + 16 i (i < WI; with SILU also the up rows N further on), as for bf16; raw slot entry
+// (half * WI + i) * 128 + tid holds one. FP8_RAW_SLOTS slices of the ring are in flight.
+constexpr int FP8_RAW_SLOTS = 2;
+
+DEVICE_INLINE void cp_async_8s(uint32_t saddr, const void* gmem, bool valid) {
+    const int n = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(saddr), "l"(gmem), "r"(n));
+}
+
+// Copies this thread's chunks of a slice (q: its chunk of row r0) into a raw slot (raw: its entry
+// 0), zero-filling rows at or past w_left and, with !kok, chunks past K (reading nothing: `any` is
+// a valid address to name instead).
+template <bool SILU, int WI>
+DEVICE_INLINE void fp8_raw_copy(const uint8_t* __restrict__ q, const void* any, uint32_t raw, bool kok, int w_left,
+                                int N, int K) {
+    // One running pointer behind an empty asm, as for the bf16 copies (few producer registers).
+    const uint8_t* p = q;
+#pragma unroll
+    for (int half = 0; half < (SILU ? 2 : 1); ++half) {
+        if (half) {
+            p += (size_t)(N - 16 * WI) * K;  // from the gate rows' end to the up rows
+            asm volatile("" : "+l"(p));
+        }
+#pragma unroll
+        for (int i = 0; i < WI; ++i) {
+            const bool ok = kok && 16 * i < w_left;
+            cp_async_8s(raw + (half * WI + i) * 128 * 8, ok ? p : any, ok);
+            p += (size_t)16 * K;
+            asm volatile("" : "+l"(p));
+        }
+    }
+}
+
+// Dequantizes this thread's chunks of a raw slot into the stage's swizzled weight rows (sB: its
+// 16 bytes of row r0) as bf16(float(e4m3) * scale): scale[half] with SILU (gate and up rows each
+// within one 128-row block), else scale[16 i / 128].
+template <bool SILU, int WI>
+DEVICE_INLINE void fp8_raw_dequant(uint32_t raw, uint32_t sB, const float (&scale)[2]) {
+#pragma unroll
+    for (int half = 0; half < (SILU ? 2 : 1); ++half)
+#pragma unroll
+        for (int i = 0; i < WI; ++i) {
+            uint2 v8;
+            asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                         : "=r"(v8.x), "=r"(v8.y)
+                         : "r"(raw + (half * WI + i) * 128 * 8));
+            const uint4 v = fp8x8_dequant_bf16(v8, scale[SILU ? half : 16 * i / FP8_SCALE_BLOCK]);
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sB + (half * WI + i) * 2048), "r"(v.x),
+                         "r"(v.y), "r"(v.z), "r"(v.w)
+                         : "memory");
+        }
+}
 
 // SILU == false: W is [E, N, K], C is [rows, N], item columns n0 = BN · column block.
 // SILU == true:  W is [E, 2N, K] (gate rows then up rows), C is [rows, N] = act, n0 = BN/2 · block.
-template <bool SILU, int BN>
-DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* __restrict__ W, bf16* __restrict__ C,
-                                        int N, int K, const int* __restrict__ tile_expert,
-                                        const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
-                                        const int* __restrict__ num_tiles) {
+// WT = bf16, or uint8_t for block-FP8 weights with scale_inv (unused for bf16).
+template <bool SILU, int BN, typename WT>
+DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __restrict__ W,
+                                        const float* __restrict__ scale_inv, bf16* __restrict__ C, int N, int K,
+                                        const int* __restrict__ tile_expert, const int* __restrict__ tile_row0,
+                                        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles) {
+    constexpr bool FP8 = sizeof(WT) == 1;
     constexpr int STAGES = BN == 256 ? 4 : 6, NACC = BN / 2;
     constexpr int COLS = SILU ? BN / 2 : BN;
     constexpr uint32_t A_BYTES = GG_BM * GG_BK * 2, STAGE_BYTES = (GG_BM + BN) * GG_BK * 2;
@@ -69,12 +139,15 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* 
     const int tid = threadIdx.x;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bars + 8 * s, 128);
+            mbar_init(bars + 8 * s, FP8 ? 256 : 128);
             mbar_init(bars + 8 * (STAGES + s), 256);
         }
     }
     __syncthreads();
     const int w_rows = SILU ? 2 * N : N;
+    // FP8: each expert's scale grid, [ceil(w_rows / 128), ceil(K / 128)].
+    const int s_rows = (w_rows + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK,
+              s_cols = (K + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
     struct Item {
         int e, row0, rows, n0;
     };
@@ -90,15 +163,52 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* 
         // one running pointer per operand instead of hoisting 24 (the producer has 40 registers).
         const int ch = tid & 7, r0 = tid >> 3;
         const uint32_t soff = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
+        // FP8: this thread's entry of raw slot 0 (the ring follows the mbarriers).
+        constexpr uint32_t raw_bytes = BN * GG_BK;
+        const uint32_t raw_base = bars + 128 + tid * 8;
         const size_t step = (size_t)16 * K;
         for (int turn = 0, g = 0; turn < my_items; ++turn) {
             const Item li = item_of(turn);
             // Rows r0 + 16 i of A exist for 16 i < a_left; weight rows for 16 i < w_left.
             const int a_left = li.rows - r0, w_left = N - li.n0 - r0;
             const bf16* a_row = A + (size_t)(li.row0 + r0) * K + ch * 8;
-            const bf16* w_row = W + ((size_t)li.e * w_rows + li.n0 + r0) * K + ch * 8;
+            const WT* w_row = W + ((size_t)li.e * w_rows + li.n0 + r0) * K + ch * 8;
+            // SILU: gate rows for i < BN / 32, then the matching up rows N rows further on.
+            constexpr int WI = SILU ? BN / 32 : BN / 16;
+            // FP8: the scales of the item's first 128-row block (n0 is a multiple of 128, or of
+            // 64 with SILU and BN = 128, whose items then stay inside one block), the two a slice's
+            // chunks need (gate and up with SILU, N % 128 == 0; else the item's first two blocks,
+            // the second only where it has rows), and the raw slice ring, slice kt + 1 in flight
+            // while slice kt is dequantized (each thread reads back only its own copies).
+            const float* s_item =
+                FP8 ? scale_inv + ((size_t)li.e * s_rows + li.n0 / FP8_SCALE_BLOCK) * s_cols : nullptr;
+            auto fp8_scales = [&](int kt, float (&s)[2]) {
+                const float* c = s_item + kt * GG_BK / FP8_SCALE_BLOCK;
+                s[0] = __ldg(c);
+                if (SILU)
+                    s[1] = __ldg(c + (size_t)(N / FP8_SCALE_BLOCK) * s_cols);
+                else
+                    s[1] = BN > FP8_SCALE_BLOCK && li.n0 + FP8_SCALE_BLOCK < N ? __ldg(c + s_cols) : 0.f;
+            };
+            auto fp8_copy = [&](int kt, int slice) {
+                fp8_raw_copy<SILU, WI>(reinterpret_cast<const uint8_t*>(w_row) + kt * GG_BK, W,
+                                       raw_base + (slice % FP8_RAW_SLOTS) * raw_bytes, kt * GG_BK + ch * 8 < K, w_left,
+                                       N, K);
+            };
+            float s_next[2] = {0.f, 0.f};
+            if constexpr (FP8) {
+                fp8_copy(0, g);
+                cp_async_commit();
+                fp8_scales(0, s_next);
+            }
             for (int kt = 0; kt < KT; ++kt, ++g) {
                 const int st = g % STAGES, fill = g / STAGES;
+                float s_cur[2] = {s_next[0], s_next[1]};
+                if constexpr (FP8)
+                    if (kt + 1 < KT) {
+                        fp8_copy(kt + 1, g + 1);
+                        fp8_scales(kt + 1, s_next);
+                    }
                 if (fill > 0) mbar_wait(bars + 8 * (STAGES + st), (fill + 1) & 1);
                 const bool kok = kt * GG_BK + ch * 8 < K;
                 const uint32_t sA = s_base + st * STAGE_BYTES + soff, sB = sA + A_BYTES;
@@ -110,20 +220,27 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* 
                     p += step;
                     asm volatile("" : "+l"(p));
                 }
-                // SILU: gate rows for i < BN / 32, then the matching up rows N rows further on.
-                constexpr int WI = SILU ? BN / 32 : BN / 16;
+                if constexpr (FP8) {
+                    cp_async_arrive_noinc(bars + 8 * st);  // the A copies (and the raw ones before them)
+                    cp_async_commit();
+                    cp_async_wait<1>();  // all but this slice's group: raw slice kt has landed
+                    fp8_raw_dequant<SILU, WI>(raw_base + (g % FP8_RAW_SLOTS) * raw_bytes, sB, s_cur);
+                    fence_proxy_async();  // the st.shared writes (generic proxy) before wgmma reads them
+                    mbar_arrive(bars + 8 * st);
+                } else {
 #pragma unroll
-                for (int half = 0; half < (SILU ? 2 : 1); ++half) {
-                    const bf16* q = w_row + kt * GG_BK + (half ? (size_t)N * K : 0);
+                    for (int half = 0; half < (SILU ? 2 : 1); ++half) {
+                        const WT* q = w_row + kt * GG_BK + (half ? (size_t)N * K : 0);
 #pragma unroll
-                    for (int i = 0; i < WI; ++i) {
-                        const bool ok = kok && 16 * i < w_left;
-                        cp_async_16s(sB + (half * WI + i) * 2048, ok ? q : W, ok);
-                        q += step;
-                        asm volatile("" : "+l"(q));
+                        for (int i = 0; i < WI; ++i) {
+                            const bool ok = kok && 16 * i < w_left;
+                            cp_async_16s(sB + (half * WI + i) * 2048, ok ? q : W, ok);
+                            q += step;
+                            asm volatile("" : "+l"(q));
+                        }
                     }
+                    cp_async_arrive_noinc(bars + 8 * st);
                 }
-                cp_async_arrive_noinc(bars + 8 * st);
             }
         }
         cp_async_commit();
@@ -201,30 +318,30 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const bf16* 
     const bf16 *__restrict__ A, const bf16 *__restrict__ W, bf16 *__restrict__ C, int N, int K,                    \
         const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
         const int *__restrict__ num_tiles
+#define GROUPED_GEMM_SM90_FP8_ARGS                                                                                  \
+    const bf16 *__restrict__ A, const uint8_t *__restrict__ W, const float *__restrict__ scale_inv,                 \
+        bf16 *__restrict__ C, int N, int K, const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, \
+        const int *__restrict__ tile_rows, const int *__restrict__ num_tiles
 
 // Grid: one block per SM (persistent) or per worst-case item, 384 threads. C = A · W[e]ᵀ (N output columns per
-// row), or with _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows.
+// row), or with _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows. _fp8:
+// block-FP8 weights.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(SILU, BN) grouped_gemm_ws_sm90<SILU, BN>(A, W, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
+#define GG_BODY(SILU, BN, WT, SCALES) \
+    grouped_gemm_ws_sm90<SILU, BN, WT>(A, W, SCALES, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
 #else
-#define GG_BODY(SILU, BN)
+#define GG_BODY(SILU, BN, WT, SCALES)
 #endif
-extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1) moe_grouped_gemm_sm90(GROUPED_GEMM_SM90_ARGS) {
-    PDL_ENTRY();
-    GG_BODY(false, 256);
-}
-extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1)
-    moe_grouped_gemm_silu_sm90(GROUPED_GEMM_SM90_ARGS) {
-    PDL_ENTRY();
-    GG_BODY(true, 256);
-}
-extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1)
-    moe_grouped_gemm_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
-    PDL_ENTRY();
-    GG_BODY(false, 128);
-}
-extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1)
-    moe_grouped_gemm_silu_sm90_n128(GROUPED_GEMM_SM90_ARGS) {
-    PDL_ENTRY();
-    GG_BODY(true, 128);
-}
+#define GG_KERNEL(NAME, SILU, BN, ARGS, WT, SCALES)                                    \
+    extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1) NAME(ARGS) { \
+        PDL_ENTRY();                                                                   \
+        GG_BODY(SILU, BN, WT, SCALES);                                                 \
+    }
+GG_KERNEL(moe_grouped_gemm_sm90, false, 256, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
+GG_KERNEL(moe_grouped_gemm_silu_sm90, true, 256, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
+GG_KERNEL(moe_grouped_gemm_sm90_n128, false, 128, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
+GG_KERNEL(moe_grouped_gemm_silu_sm90_n128, true, 128, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
+GG_KERNEL(moe_grouped_gemm_sm90_fp8, false, 256, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
+GG_KERNEL(moe_grouped_gemm_silu_sm90_fp8, true, 256, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
+GG_KERNEL(moe_grouped_gemm_sm90_n128_fp8, false, 128, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
+GG_KERNEL(moe_grouped_gemm_silu_sm90_n128_fp8, true, 128, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)

@@ -7,7 +7,15 @@
 // in the down epilogue. Rounding follows HF as the grouped path does (moe.cu, elementwise.cu):
 // gate, up and silu rounded to bf16, each expert's output rounded to bf16 before its weight, the
 // routed sum rounded to bf16 before the shared experts' bf16 output is added.
-#include "common.cuh"
+//
+// The gate/up and down kernels are templates on the expert weights' format: bf16, or block-FP8
+// (e4m3 bytes, one f32 scale_inv per 128x128 block of each expert matrix, DeepSeek-V3's
+// checkpoint layout; the _fp8 kernels). FP8 weights stream as 16-byte chunks of 16 weights,
+// dequantized in registers to f32: a chunk's 16 products are summed in f32, then scaled by its
+// block's scale (a chunk never crosses a 128-wide block), as gemv_fp8.cu does. The epilogues
+// and their bf16 rounding points are the same for both formats. Routed and shared experts share
+// the format of a launch.
+#include "fp8.cuh"
 
 namespace {
 constexpr int WARPS = MOE_GEMV_WARPS;  // warps per block of the router and gate/up kernels
@@ -29,19 +37,27 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
     return s;
 }
 
+// Chunks c0 + 32 i (i < U) of two weight rows and, with WITH_V, of a vector; zeros past `chunks`.
+template <bool WITH_V>
+__device__ __forceinline__ void load_chunks(const uint4* __restrict__ r0, const uint4* __restrict__ r1,
+                                            const uint4* __restrict__ v, int c0, int chunks, uint4 (&w0)[U],
+                                            uint4 (&w1)[U], uint4 (&x)[U]) {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+        const int c = c0 + 32 * i;
+        const bool in = c < chunks;
+        w0[i] = in ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
+        w1[i] = in ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
+        if constexpr (WITH_V) x[i] = in ? __ldg(v + c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
 // Per-lane partial dots of two weight rows with one vector, `chunks` 16-byte chunks long.
 __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const uint4* __restrict__ r1,
                                           const uint4* __restrict__ v, int chunks, int lane, float& a0, float& a1) {
     for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
         uint4 w0[U], w1[U], x[U];
-#pragma unroll
-        for (int i = 0; i < U; ++i) {
-            const int c = c0 + 32 * i;
-            const bool in = c < chunks;
-            w0[i] = in ? __ldg(r0 + c) : make_uint4(0, 0, 0, 0);
-            w1[i] = in ? __ldg(r1 + c) : make_uint4(0, 0, 0, 0);
-            x[i] = in ? __ldg(v + c) : make_uint4(0, 0, 0, 0);
-        }
+        load_chunks<true>(r0, r1, v, c0, chunks, w0, w1, x);
 #pragma unroll
         for (int i = 0; i < U; ++i) {
             a0 += dot8(w0[i], x[i]);
@@ -49,6 +65,41 @@ __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const ui
         }
     }
 }
+
+// dot2_rows for FP8 rows of `chunks` 16-weight chunks: s0 / s1 point at the rows' scale-grid row
+// (their 128-row block's scales), and chunk c of the rows has scale (coff + c) / 8, coff being the
+// rows' first column in chunks (a slice of a wider matrix).
+__device__ __forceinline__ void dot2_rows_fp8(const uint4* __restrict__ r0, const uint4* __restrict__ r1,
+                                              const float* __restrict__ s0, const float* __restrict__ s1, int coff,
+                                              const bf16* __restrict__ v, int chunks, int lane, float& a0, float& a1) {
+    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 w0[U], w1[U];
+        load_chunks<false>(r0, r1, nullptr, c0, chunks, w0, w1, w1);
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int c = c0 + 32 * i;
+            if (c >= chunks) break;
+            float xf[16], f0[16], f1[16];
+            bf16x16_to_f32(v + (size_t)c * 16, xf);
+            fp8x16_to_f32(w0[i], f0);
+            fp8x16_to_f32(w1[i], f1);
+            float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                p0 = fmaf(f0[j], xf[j], p0);
+                p1 = fmaf(f1[j], xf[j], p1);
+            }
+            const int b = (coff + c) / CHUNKS_PER_BLOCK;
+            a0 = fmaf(p0, __ldg(s0 + b), a0);
+            a1 = fmaf(p1, __ldg(s1 + b), a1);
+        }
+    }
+}
+
+// Whether a weight type is FP8 (e4m3 bytes with block scales) rather than bf16.
+template <typename WT>
+constexpr bool is_fp8 = sizeof(WT) == 1;
 }  // namespace
 
 // logits[m, e] = f32(x[m, :]) · w[e, :] with f32 router weights, as HF computes the gate
@@ -85,11 +136,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
 // the shared experts' [2 * Is, H] (when w_sh is not null). One warp per output element at a time,
 // reading the gate and up rows together; the grid is one wave of resident blocks and each warp
 // strides over the items, so the last wave is not a ragged tail. hidden % 8 == 0, rows 16-byte
-// aligned.
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-    moe_gemv_gate_up(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
-                     const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims,
-                     bf16* __restrict__ act, bf16* __restrict__ act_sh) {
+// aligned. FP8 (WT = uint8_t): s_gu = [E, 2I / 128, ceil(H / 128)] and s_sh = [2 Is / 128,
+// ceil(H / 128)] (I and Is multiples of 128, so gate and up rows never share a scale block),
+// hidden % 16 == 0.
+template <typename WT>
+DEVICE_INLINE void moe_gemv_gate_up_body(const bf16* __restrict__ x, int hidden, int tokens,
+                                         const int* __restrict__ topk_ids, int top_k, const WT* __restrict__ w_gu,
+                                         const float* __restrict__ s_gu, int im, const WT* __restrict__ w_sh,
+                                         const float* __restrict__ s_sh, int ims, bf16* __restrict__ act,
+                                         bf16* __restrict__ act_sh) {
     const int lane = threadIdx.x & 31;
     const long long first = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     const long long stride = (long long)gridDim.x * WARPS;
@@ -100,12 +155,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
         for (long long item = first < routed ? first + ((routed - first + stride - 1) / stride) * stride : first;
              item < total; item += stride) {
             const int n = (int)((item - routed) % ims);
-            prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * 2));
-            prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * 2));
+            prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * sizeof(WT)));
+            prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * sizeof(WT)));
         }
     PDL_ENTRY();
+    // FP8: scales per 128-row block of the stacked [rows, H] matrices (each expert's rows a
+    // multiple of 128, so a row's block is its stacked index / 128).
+    const int kb = (hidden + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
     for (long long item = first; item < total; item += stride) {
-        const bf16 *g_row, *u_row;
+        const WT *g_row, *u_row;
+        const float *g_sc = nullptr, *u_sc = nullptr;
         bf16* out;
         int m;
         if (item < routed) {
@@ -114,6 +173,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
             const size_t e = (size_t)topk_ids[slot];
             g_row = w_gu + (e * 2 * im + n) * hidden;
             u_row = w_gu + (e * 2 * im + im + n) * hidden;
+            if constexpr (is_fp8<WT>) {
+                g_sc = s_gu + (e * 2 * im + n) / FP8_SCALE_BLOCK * kb;
+                u_sc = s_gu + (e * 2 * im + im + n) / FP8_SCALE_BLOCK * kb;
+            }
             out = act + (size_t)slot * im + n;
         } else {
             const long long i = item - routed;
@@ -121,15 +184,38 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
             const int n = (int)(i - (long long)m * ims);
             g_row = w_sh + (size_t)n * hidden;
             u_row = w_sh + (size_t)(ims + n) * hidden;
+            if constexpr (is_fp8<WT>) {
+                g_sc = s_sh + (size_t)(n / FP8_SCALE_BLOCK) * kb;
+                u_sc = s_sh + (size_t)((ims + n) / FP8_SCALE_BLOCK) * kb;
+            }
             out = act_sh + (size_t)m * ims + n;
         }
         float g = 0.f, u = 0.f;
-        dot2_rows(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row),
-                  reinterpret_cast<const uint4*>(x + (size_t)m * hidden), hidden / 8, lane, g, u);
+        if constexpr (is_fp8<WT>)
+            dot2_rows_fp8(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row), g_sc, u_sc, 0,
+                          x + (size_t)m * hidden, hidden / 16, lane, g, u);
+        else
+            dot2_rows(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row),
+                      reinterpret_cast<const uint4*>(x + (size_t)m * hidden), hidden / 8, lane, g, u);
         g = round_bf16(warp_sum(g));
         u = round_bf16(warp_sum(u));
         if (lane == 0) *out = to_bf16(round_bf16(g / (1.f + __expf(-g))) * u);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    moe_gemv_gate_up(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
+                     const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims,
+                     bf16* __restrict__ act, bf16* __restrict__ act_sh) {
+    moe_gemv_gate_up_body(x, hidden, tokens, topk_ids, top_k, w_gu, nullptr, im, w_sh, nullptr, ims, act, act_sh);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    moe_gemv_gate_up_fp8(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids,
+                         int top_k, const uint8_t* __restrict__ w_gu, const float* __restrict__ s_gu, int im,
+                         const uint8_t* __restrict__ w_sh, const float* __restrict__ s_sh, int ims,
+                         bf16* __restrict__ act, bf16* __restrict__ act_sh) {
+    moe_gemv_gate_up_body(x, hidden, tokens, topk_ids, top_k, w_gu, s_gu, im, w_sh, s_sh, ims, act, act_sh);
 }
 
 // out[m, n] = bf16( bf16(sum_j w[m, j] * bf16(act[m * top_k + j] · down_e(j)[n]))
@@ -137,11 +223,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
 // A block covers two output rows of one token at a time (grid (blocks, tokens), one wave; the
 // block strides over the row pairs); its warps are the top_k routed experts and `pieces` equal
 // slices of the shared experts' Is = pieces * I columns, so every warp streams two I-long row
-// slices. hidden even, I % 8 == 0.
-extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, const bf16* __restrict__ w_d,
-                                         const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int top_k,
-                                         const bf16* __restrict__ act_sh, int ims, const bf16* __restrict__ w_sh_d,
-                                         int pieces, bf16* __restrict__ out, int hidden) {
+// slices. hidden even, I % 8 == 0. FP8: s_d = [E, ceil(H / 128), ceil(I / 128)], s_sh_d =
+// [ceil(H / 128), ceil(Is / 128)], I % 16 == 0 (a row pair never straddles a 128-row block).
+template <typename WT>
+DEVICE_INLINE void moe_gemv_down_body(const bf16* __restrict__ act, int im, const WT* __restrict__ w_d,
+                                      const float* __restrict__ s_d, const int* __restrict__ topk_ids,
+                                      const float* __restrict__ topk_w, int top_k, const bf16* __restrict__ act_sh,
+                                      int ims, const WT* __restrict__ w_sh_d, const float* __restrict__ s_sh_d,
+                                      int pieces, bf16* __restrict__ out, int hidden) {
     __shared__ float part[32][2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m = blockIdx.y;
@@ -149,26 +238,40 @@ extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, c
     const int p = warp - top_k;
     if (is_shared && lane == 0)
         for (int n = blockIdx.x * 2; n < hidden; n += gridDim.x * 2) {
-            prefetch_l2(w_sh_d + (size_t)n * ims + (size_t)p * im, (unsigned)(im * 2));
-            prefetch_l2(w_sh_d + (size_t)(n + 1) * ims + (size_t)p * im, (unsigned)(im * 2));
+            prefetch_l2(w_sh_d + (size_t)n * ims + (size_t)p * im, (unsigned)(im * sizeof(WT)));
+            prefetch_l2(w_sh_d + (size_t)(n + 1) * ims + (size_t)p * im, (unsigned)(im * sizeof(WT)));
         }
     PDL_ENTRY();
+    const int hb = (hidden + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
     for (int n = blockIdx.x * 2; n < hidden; n += gridDim.x * 2) {
-        const bf16 *r0, *r1, *v;
+        const WT *r0, *r1;
+        const bf16* v;
+        const float* sc = nullptr;
+        int coff = 0;
         if (!is_shared) {
             const int slot = m * top_k + warp;
             const size_t e = (size_t)topk_ids[slot];
             r0 = w_d + (e * hidden + n) * im;
             r1 = r0 + im;
             v = act + (size_t)slot * im;
+            if constexpr (is_fp8<WT>)
+                sc = s_d + (e * hb + n / FP8_SCALE_BLOCK) * ((im + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK);
         } else {
             r0 = w_sh_d + (size_t)n * ims + (size_t)p * im;
             r1 = r0 + ims;
             v = act_sh + (size_t)m * ims + (size_t)p * im;
+            if constexpr (is_fp8<WT>) {
+                sc = s_sh_d + (size_t)(n / FP8_SCALE_BLOCK) * ((ims + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK);
+                coff = p * im / 16;
+            }
         }
         float a0 = 0.f, a1 = 0.f;
-        dot2_rows(reinterpret_cast<const uint4*>(r0), reinterpret_cast<const uint4*>(r1),
-                  reinterpret_cast<const uint4*>(v), im / 8, lane, a0, a1);
+        if constexpr (is_fp8<WT>)
+            dot2_rows_fp8(reinterpret_cast<const uint4*>(r0), reinterpret_cast<const uint4*>(r1), sc, sc, coff, v,
+                          im / 16, lane, a0, a1);
+        else
+            dot2_rows(reinterpret_cast<const uint4*>(r0), reinterpret_cast<const uint4*>(r1),
+                      reinterpret_cast<const uint4*>(v), im / 8, lane, a0, a1);
         a0 = warp_sum(a0);
         a1 = warp_sum(a1);
         if (lane == 0) {
@@ -190,4 +293,21 @@ extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, c
         }
         __syncthreads();  // part is rewritten by the next row pair
     }
+}
+
+extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, const bf16* __restrict__ w_d,
+                                         const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int top_k,
+                                         const bf16* __restrict__ act_sh, int ims, const bf16* __restrict__ w_sh_d,
+                                         int pieces, bf16* __restrict__ out, int hidden) {
+    moe_gemv_down_body(act, im, w_d, nullptr, topk_ids, topk_w, top_k, act_sh, ims, w_sh_d, nullptr, pieces, out,
+                       hidden);
+}
+
+extern "C" __global__ void moe_gemv_down_fp8(const bf16* __restrict__ act, int im, const uint8_t* __restrict__ w_d,
+                                             const float* __restrict__ s_d, const int* __restrict__ topk_ids,
+                                             const float* __restrict__ topk_w, int top_k,
+                                             const bf16* __restrict__ act_sh, int ims,
+                                             const uint8_t* __restrict__ w_sh_d, const float* __restrict__ s_sh_d,
+                                             int pieces, bf16* __restrict__ out, int hidden) {
+    moe_gemv_down_body(act, im, w_d, s_d, topk_ids, topk_w, top_k, act_sh, ims, w_sh_d, s_sh_d, pieces, out, hidden);
 }

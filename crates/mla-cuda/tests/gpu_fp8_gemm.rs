@@ -1,8 +1,8 @@
 //! The W8A8 path of FP8 projections (`model::small_linear` on Hopper): the activation quantizer
 //! bit for bit against mla-core's block quantizer on 1x128 blocks, and the projection (quantizer +
-//! cuBLASLt's block-scaled GEMM) against an f64 product of the same quantized operands, rounded
-//! to bf16 as the output is: weights with block scales over four decades, rows 5 to 300 (partial
-//! 128-row tiles), N with a partial block (576 rows = 4.5 blocks), K ending in a partial group.
+//! cuBLASLt's block-scaled GEMM on rows up to a multiple of 4, the W8A16 GEMV on the rest) against
+//! an f64 product of the same operands, rounded to bf16 as the output is: weights with block
+//! scales over four decades, rows 4 to 300 (partial 128-row tiles), N with a partial block (576 rows = 4.5 blocks), K ending in a partial group.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_fp8_gemm -- --ignored`.
 
@@ -38,7 +38,7 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
         let share = Fp8Share { matrices: 1, bytes: 0, largest_projection: n * k, widest_input: k };
         let max_rows = 300;
         let linear = SmallLinear::new(true, &share, max_rows, true).unwrap();
-        for m in [5, 64, 129, 300] {
+        for m in [4, 5, 7, 64, 129, 300] {
             let stride = k + 8;
             let x = round(&rng.uniform(m * stride, 2.0));
             let xd = up_bf16(&x);
@@ -63,12 +63,16 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
                 (0, 0),
                 "[{m}, {k}]: quantized activations differ from mla-core's"
             );
-            // The projection against f64 on the same quantized operands, rounded to bf16.
+            // The projection against f64 on the same quantized operands, rounded to bf16: the
+            // rows up to a multiple of 4 with quantized activations (cuBLASLt), the others as the
+            // W8A16 GEMV takes them.
             let xq = dequantize_block_fp8(&want_q.data, m, k, &want_q.scale_inv, [1, FP8_BLOCK]);
+            let main = m / 4 * 4;
             let want: Vec<f32> = (0..m * n)
                 .map(|i| {
                     let (r, j) = (i / n, i % n);
-                    let v: f64 = (0..k).map(|c| wf[j * k + c] as f64 * xq[r * k + c] as f64).sum();
+                    let xr = |c: usize| if r < main { xq[r * k + c] } else { packed[r * k + c] };
+                    let v: f64 = (0..k).map(|c| wf[j * k + c] as f64 * xr(c) as f64).sum();
                     half::bf16::from_f64(v).to_f32()
                 })
                 .collect();

@@ -11,18 +11,6 @@ use common::*;
 use mla_core::fp8::{dequantize_block_fp8, scale_grid};
 use mla_cuda::ops::{Fp8Linear, GemvOut, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 
-/// Random e4m3 bytes, avoiding the two NaN codes.
-fn fp8_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
-    (0..n)
-        .map(|_| loop {
-            let b = rng.below(256) as u8;
-            if b & 0x7f != 0x7f {
-                break b;
-            }
-        })
-        .collect()
-}
-
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn fp8_gemv_matches_an_f64_reference_with_partial_blocks() {
@@ -33,8 +21,7 @@ fn fp8_gemv_matches_an_f64_reference_with_partial_blocks() {
     for (n, k) in [(576, 7168), (1536, 7168), (2112, 7168), (384, 1360), (13, 48)] {
         let bytes = fp8_bytes(&mut rng, n * k);
         let [gr, gc] = scale_grid(n, k, [FP8_BLOCK, FP8_BLOCK]);
-        // 10^[-3, 1): scales over four decades.
-        let scales: Vec<f32> = rng.uniform(gr * gc, 2.0).iter().map(|u| 10f32.powf(u - 1.0)).collect();
+        let scales = fp8_scales(&mut rng, gr * gc);
         let w = dequantize_block_fp8(&bytes, n, k, &scales, [FP8_BLOCK, FP8_BLOCK]);
         let (wd, sd) = (up(&bytes), up(&scales));
         let lin = Fp8Linear { w: wd.slice(), scale_inv: sd.slice(), out: n, inp: k };

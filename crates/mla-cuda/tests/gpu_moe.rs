@@ -57,58 +57,6 @@ fn moe_routing_matches_the_cpu_reference_for_every_method() {
     }
 }
 
-/// Device buffers of one routing, owned by a test.
-struct RoutingBufs {
-    ids: DeviceBuffer<i32>,
-    w: DeviceBuffer<f32>,
-    off: DeviceBuffer<i32>,
-    perm: DeviceBuffer<i32>,
-    inv: DeviceBuffer<i32>,
-    te: DeviceBuffer<i32>,
-    tr0: DeviceBuffer<i32>,
-    trs: DeviceBuffer<i32>,
-    nt: DeviceBuffer<i32>,
-}
-
-impl RoutingBufs {
-    fn new(t: usize, e: usize, top: usize) -> Self {
-        let a = t * top;
-        let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
-        let i = |n| DeviceBuffer::<i32>::alloc(n).unwrap();
-        RoutingBufs {
-            ids: i(a),
-            w: DeviceBuffer::alloc(a).unwrap(),
-            off: i(e + 1),
-            perm: i(a),
-            inv: i(a),
-            te: i(tiles),
-            tr0: i(tiles),
-            trs: i(tiles),
-            nt: i(1),
-        }
-    }
-    fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting<'_> {
-        self.routing_tiles(t, e, top, TileM::Rows64)
-    }
-    fn routing_tiles(&self, t: usize, e: usize, top: usize, tile: TileM) -> MoeRouting<'_> {
-        MoeRouting {
-            tokens: t,
-            tile,
-            experts: e,
-            top_k: top,
-            topk_ids: self.ids.slice(),
-            topk_w: self.w.slice(),
-            expert_off: self.off.slice(),
-            perm_src: self.perm.slice(),
-            inv_row: self.inv.slice(),
-            tile_expert: self.te.slice(),
-            tile_row0: self.tr0.slice(),
-            tile_rows: self.trs.slice(),
-            num_tiles: self.nt.slice(),
-        }
-    }
-}
-
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn moe_grouping_grouped_gemm_and_combine_match_the_cpu_reference() {
@@ -190,10 +138,17 @@ fn grouped_moe_case(dev: &mla_cuda::Device, hidden: usize, inter: usize, seed: u
         let out = nan(t * hidden);
         k.moe.align(s, &r).unwrap();
         k.elementwise.gather_rows(s, d_x.slice(), r.perm_src, gx.slice(), r.rows(), hidden).unwrap();
-        let gate_up =
-            GroupedGateUp { a: gx.slice(), w: d_gu.slice(), gate_up: ggu.slice(), act: gact.slice(), inter, k: hidden };
+        let gate_up = GroupedGateUp {
+            a: gx.slice(),
+            w: ExpertMats::Bf16(d_gu.slice()),
+            gate_up: ggu.slice(),
+            act: gact.slice(),
+            inter,
+            k: hidden,
+        };
         k.grouped_gemm.gate_up_act_with(s, &gate_up, &r, sched).unwrap();
-        let down_proj = GroupedGemm { a: gact.slice(), w: d_down.slice(), c: gy.slice(), n: hidden, k: inter };
+        let down_proj =
+            GroupedGemm { a: gact.slice(), w: ExpertMats::Bf16(d_down.slice()), c: gy.slice(), n: hidden, k: inter };
         k.grouped_gemm.gemm_with(s, &down_proj, &r, sched).unwrap();
         k.moe.combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
         dev.gpu.sync().unwrap();

@@ -6,7 +6,7 @@
 use super::timing::{download_f32, fill, rel_diff, time_ms};
 use half::bf16;
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::ops::{GroupedGateUp, GroupedGemm, MoeRouting, Sm90Schedule, TileM};
+use mla_cuda::ops::{ExpertMats, GroupedGateUp, GroupedGemm, MoeRouting, Sm90Schedule, TileM};
 use mla_cuda::Device;
 use serde_json::{json, Value};
 
@@ -72,10 +72,16 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             y.upload(&vec![bf16::NAN; a * h])?;
             let wgmma = tile == TileM::Rows128;
             let default = tile == default_tile && (!wgmma || sched == Sm90Schedule::for_routing(&r));
-            let gate_up =
-                GroupedGateUp { a: x.slice(), w: w_gu.slice(), gate_up: gu.slice(), act: act.slice(), inter: im, k: h };
+            let gate_up = GroupedGateUp {
+                a: x.slice(),
+                w: ExpertMats::Bf16(w_gu.slice()),
+                gate_up: gu.slice(),
+                act: act.slice(),
+                inter: im,
+                k: h,
+            };
             let gate_up_ms = time_ms(dev, 5, 9, |_| k.grouped_gemm.gate_up_act_with(s, &gate_up, &r, sched))?;
-            let down = GroupedGemm { a: act.slice(), w: w_down.slice(), c: y.slice(), n: h, k: im };
+            let down = GroupedGemm { a: act.slice(), w: ExpertMats::Bf16(w_down.slice()), c: y.slice(), n: h, k: im };
             let down_ms = time_ms(dev, 5, 9, |_| k.grouped_gemm.gemm_with(s, &down, &r, sched))?;
             let ms = gate_up_ms + down_ms;
             let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);

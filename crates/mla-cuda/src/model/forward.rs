@@ -702,7 +702,8 @@ impl CudaModel {
         let hidden = cfg.hidden_size;
         let ws = &self.ws;
         let mb = ws.moe.as_ref().expect("MoE buffers exist when a layer is MoE");
-        let r = mb.routing(t, cfg, k.grouped_gemm.tile_for(t, cfg.num_experts_per_tok, cfg.n_routed_experts));
+        let fp8 = w.gate_up.mats().is_fp8();
+        let r = mb.routing(t, cfg, k.grouped_gemm.tile_for_mats(t, cfg.num_experts_per_tok, cfg.n_routed_experts, fp8));
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         let route = |logits: DSlice<f32>| k.moe.route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, &self.route);
         if moe_small::takes(cfg, w, t) {
@@ -726,20 +727,15 @@ impl CudaModel {
         k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
         let gate_up = GroupedGateUp {
             a: mb.grouped_x.slice(),
-            w: moe_small::bf16_experts(w.gate_up.mats())?,
+            w: w.gate_up.mats(),
             gate_up: mb.grouped_gate_up.slice(),
             act: mb.grouped_act.slice(),
             inter: im,
             k: hidden,
         };
         k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
-        let down = GroupedGemm {
-            a: mb.grouped_act.slice(),
-            w: moe_small::bf16_experts(w.down.mats())?,
-            c: mb.grouped_y.slice(),
-            n: hidden,
-            k: im,
-        };
+        let down =
+            GroupedGemm { a: mb.grouped_act.slice(), w: w.down.mats(), c: mb.grouped_y.slice(), n: hidden, k: im };
         k.grouped_gemm.gemm(s, &down, &r)?;
         let shared = match &w.shared {
             Some(sh) => {

@@ -75,23 +75,12 @@ pub fn experts(dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo)
         x: io.x,
         topk_ids: io.routing.topk_ids,
         topk_w: io.routing.topk_w,
-        gate_up: bf16_experts(w.gate_up.mats())?,
-        down: bf16_experts(w.down.mats())?,
-        shared: match &w.shared {
-            Some(sh) => Some((bf16_experts(sh.gate_up.expert_mats())?, bf16_experts(sh.down.expert_mats())?)),
-            None => None,
-        },
+        gate_up: w.gate_up.mats(),
+        down: w.down.mats(),
+        shared: w.shared.as_ref().map(|sh| (sh.gate_up.expert_mats(), sh.down.expert_mats())),
         act: io.act,
         act_shared: io.act_shared,
         out: io.out,
     };
     dev.k.moe_gemv.experts(dev.stream(), &p)
-}
-
-/// TEMPORARY until the FP8 expert kernels land: the bf16 stack, or an error for FP8.
-pub(super) fn bf16_experts(m: crate::ops::ExpertMats) -> anyhow::Result<DSlice<bf16>> {
-    match m {
-        crate::ops::ExpertMats::Bf16(b) => Ok(b),
-        crate::ops::ExpertMats::Fp8 { .. } => anyhow::bail!("FP8 expert weights need the FP8 MoE kernels"),
-    }
 }

@@ -9,7 +9,8 @@
 //! Block-FP8 weights (issue 12): steps of up to `GEMV_KERNEL_MAX_ROWS` rows stream the FP8 bytes
 //! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16). Larger
 //! steps, on Hopper, quantize the activations per row and 128 columns and run cuBLASLt's
-//! block-scaled FP8 GEMM (W8A8, what DeepGEMM, vLLM and SGLang compute). Otherwise (other GPUs,
+//! block-scaled FP8 GEMM (W8A8, what DeepGEMM, vLLM and SGLang compute) on the rows up to a
+//! multiple of 4, the GEMV on the rest. Otherwise (other GPUs,
 //! or `fp8_w8a8` off for exact comparisons) they dequantize the weight into a bf16 scratch matrix
 //! (`bf16(fp8 · scale)`, the very weight the bf16 loader used to build) and run cuBLAS: exact
 //! W8A16, but 2.5x the bf16 bytes.
@@ -126,11 +127,15 @@ impl SmallLinear {
         match &self.fp8_large {
             Fp8Large::BlockScaled { q, scales, max_rows } => {
                 anyhow::ensure!(rows <= *max_rows, "fp8 projection of {rows} rows, scratch for {max_rows}");
-                let act = Fp8Act { q: q.slice(), scales: scales.slice(), scale_ld: *max_rows };
                 anyhow::ensure!(y.stride >= w.out && y.data.len >= y.need(rows, w.out), "fp8 linear: output too small");
-                dev.k.fp8_convert.quantize_act(dev.stream(), x, rows, w.inp, &act)?;
+                // cuBLASLt's block-scaled kernels take row counts in multiples of 4 (others are
+                // INVALID_VALUE, measured on cuBLASLt 13.1): the last rows % 4 rows go through the
+                // W8A16 GEMV.
+                let main = rows / 4 * 4;
+                let act = Fp8Act { q: q.slice(), scales: scales.slice(), scale_ld: *max_rows };
+                dev.k.fp8_convert.quantize_act(dev.stream(), x, main, w.inp, &act)?;
                 let g = Fp8BlockGemm {
-                    rows,
+                    rows: main,
                     out: w.out,
                     inp: w.inp,
                     x: act.q.ptr,
@@ -141,7 +146,12 @@ impl SmallLinear {
                     y: y.data.ptr,
                     y_stride: y.stride,
                 };
-                Ok(dev.blas_lt.fp8_block_gemm(dev.stream(), &g)?)
+                dev.blas_lt.fp8_block_gemm(dev.stream(), &g)?;
+                if main < rows {
+                    let (xt, yt) = (tail_rows(x, main), tail_rows(y, main));
+                    dev.k.gemv_fp8.launch(dev.stream(), w, xt, rows - main, GemvOut::Bf16(yt))?;
+                }
+                Ok(())
             }
             Fp8Large::Dequantize { scratch } => {
                 let s = scratch.slice();
@@ -173,4 +183,10 @@ impl SmallLinear {
             dev.blas.linear_f32_out(lin, x, rows, y)
         }
     }
+}
+
+/// The rows of `s` from row `from` on.
+fn tail_rows(s: Strided<'_, bf16>, from: usize) -> Strided<'_, bf16> {
+    let skip = from * s.stride;
+    Strided::new(s.data.sub(skip, s.data.len - skip), s.stride)
 }

@@ -1,11 +1,15 @@
 //! kernels/grouped_gemm.cu and grouped_gemm_sm90.cu: the expert GEMMs over rows grouped by expert
 //! (`MoeKernels::align`'s tile map), in three kernel families chosen by the tile height: mma.sync
 //! tiles of 16 rows (decode-sized batches) or 64 rows, and on sm_90 warp-specialised wgmma kernels
-//! of 128 rows, with SiLU·mul fused into the gate/up GEMM.
+//! of 128 rows, with SiLU·mul fused into the gate/up GEMM. Every family also takes block-FP8
+//! expert weights (dequantized to bf16 as they are staged into shared memory).
 
 use super::dims::{
-    GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS, GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL,
+    GROUPED_SM90_FP8_SMEM_BYTES, GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS, GROUPED_TILE_M, GROUPED_TILE_M_SM90,
+    GROUPED_TILE_M_SMALL,
 };
+use super::expert_mats::ExpertMats;
+use super::gemv_fp8::FP8_BLOCK;
 use super::moe::MoeRouting;
 use super::{ensure_len, ensure_smem, grid_for};
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
@@ -79,7 +83,7 @@ impl Sm90Schedule {
 /// `c[rows of e] = a[rows of e] · w[e]ᵀ` over every expert, w `[experts, n, k]`.
 pub struct GroupedGemm<'a> {
     pub a: DSlice<'a, bf16>,
-    pub w: DSlice<'a, bf16>,
+    pub w: ExpertMats<'a>,
     pub c: DSlice<'a, bf16>,
     pub n: usize,
     pub k: usize,
@@ -87,9 +91,10 @@ pub struct GroupedGemm<'a> {
 
 /// `act[rows of e] = silu(a · gate[e]ᵀ) · (a · up[e]ᵀ)` over every expert, w `[experts, 2·inter, k]`
 /// (gate rows then up rows). `gate_up` `[rows, 2·inter]` is scratch for the unfused tile sizes.
+/// Block-FP8 weights need `inter % 128 == 0` (the gate and up scale grids then stack exactly).
 pub struct GroupedGateUp<'a> {
     pub a: DSlice<'a, bf16>,
-    pub w: DSlice<'a, bf16>,
+    pub w: ExpertMats<'a>,
     pub gate_up: DSlice<'a, bf16>,
     pub act: DSlice<'a, bf16>,
     pub inter: usize,
@@ -99,8 +104,12 @@ pub struct GroupedGateUp<'a> {
 pub struct GroupedGemmKernels {
     rows16: Kernel,
     rows64: Kernel,
-    /// The four wgmma kernels (256- and 128-row items, plain and SiLU-fused), sm_90a only.
-    wgmma: Option<Sm90Kernels>,
+    /// The same two on block-FP8 weights.
+    rows16_fp8: Kernel,
+    rows64_fp8: Kernel,
+    /// The four wgmma kernels (256- and 128-row items, plain and SiLU-fused), sm_90a only, on
+    /// bf16 and on block-FP8 weights.
+    wgmma: Option<[Sm90Kernels; 2]>,
     /// elementwise.cu's silu_mul: the second half of the gate/up path when SiLU is not fused.
     silu_mul: Kernel,
     sm_count: usize,
@@ -118,23 +127,37 @@ impl GroupedGemmKernels {
         // Like the wgmma attention kernel, these exist only in the sm_90a cubin.
         let wgmma = if info.compute_capability == (9, 0) {
             ensure_smem(info, GROUPED_SM90_SMEM_BYTES, "the wgmma grouped GEMM")?;
-            let k = |name| m.kernel("grouped_gemm_sm90", name);
-            let kernels = Sm90Kernels {
-                items256: k("moe_grouped_gemm_sm90")?,
-                items256_silu: k("moe_grouped_gemm_silu_sm90")?,
-                items128: k("moe_grouped_gemm_sm90_n128")?,
-                items128_silu: k("moe_grouped_gemm_silu_sm90_n128")?,
+            ensure_smem(info, GROUPED_SM90_FP8_SMEM_BYTES, "the wgmma grouped GEMM on FP8 weights")?;
+            let family = |[a, b, c, d]: [&'static str; 4], smem: usize| -> anyhow::Result<Sm90Kernels> {
+                let k = |name| m.kernel("grouped_gemm_sm90", name);
+                let kernels =
+                    Sm90Kernels { items256: k(a)?, items256_silu: k(b)?, items128: k(c)?, items128_silu: k(d)? };
+                for k in [&kernels.items256, &kernels.items256_silu, &kernels.items128, &kernels.items128_silu] {
+                    k.set_max_dynamic_smem(smem)?;
+                }
+                Ok(kernels)
             };
-            for k in [&kernels.items256, &kernels.items256_silu, &kernels.items128, &kernels.items128_silu] {
-                k.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
-            }
-            Some(kernels)
+            let bf16 = [
+                "moe_grouped_gemm_sm90",
+                "moe_grouped_gemm_silu_sm90",
+                "moe_grouped_gemm_sm90_n128",
+                "moe_grouped_gemm_silu_sm90_n128",
+            ];
+            let fp8 = [
+                "moe_grouped_gemm_sm90_fp8",
+                "moe_grouped_gemm_silu_sm90_fp8",
+                "moe_grouped_gemm_sm90_n128_fp8",
+                "moe_grouped_gemm_silu_sm90_n128_fp8",
+            ];
+            Some([family(bf16, GROUPED_SM90_SMEM_BYTES)?, family(fp8, GROUPED_SM90_FP8_SMEM_BYTES)?])
         } else {
             None
         };
         Ok(GroupedGemmKernels {
             rows16: m.kernel("grouped_gemm", "moe_grouped_gemm_small")?,
             rows64: m.kernel("grouped_gemm", "moe_grouped_gemm")?,
+            rows16_fp8: m.kernel("grouped_gemm", "moe_grouped_gemm_small_fp8")?,
+            rows64_fp8: m.kernel("grouped_gemm", "moe_grouped_gemm_fp8")?,
             wgmma,
             silu_mul: m.kernel("elementwise", "silu_mul")?,
             sm_count: info.sm_count,
@@ -146,10 +169,25 @@ impl GroupedGemmKernels {
         TileM::ALL.into_iter().filter(|&t| t != TileM::Rows128 || self.wgmma.is_some()).collect()
     }
 
+    /// The tile heights this GPU runs on block-FP8 weights (every family has FP8 kernels).
+    pub fn available_fp8(&self) -> Vec<TileM> {
+        self.available()
+    }
+
     /// The tile height for a batch on this GPU: 16-row tiles when experts get at most 16 rows on
     /// average, otherwise the wgmma kernel's 128-row tiles on sm_90 and 64-row tiles elsewhere.
     pub fn tile_for(&self, tokens: usize, top_k: usize, experts: usize) -> TileM {
         TileM::pick(tokens, top_k, experts, if self.wgmma.is_some() { TileM::Rows128 } else { TileM::Rows64 })
+    }
+
+    /// `tile_for` for weights in a given format (`fp8`: block-FP8): a family with kernels for
+    /// it. Every family has FP8 kernels, so this is `tile_for`'s choice; FP8 callers ask here so
+    /// that a format-specific choice has one place to go (the wgmma FP8 kernels are not yet
+    /// measured against the 64-row ones).
+    pub fn tile_for_mats(&self, tokens: usize, top_k: usize, experts: usize, fp8: bool) -> TileM {
+        let tile = self.tile_for(tokens, top_k, experts);
+        debug_assert!(!fp8 || self.available_fp8().contains(&tile));
+        tile
     }
 
     pub fn gemm(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
@@ -165,24 +203,30 @@ impl GroupedGemmKernels {
         );
         let rows = r.rows();
         ensure_len!(p.a, rows * k, "grouped GEMM input");
-        ensure_len!(p.w, r.experts * n * k, "expert weights");
         ensure_len!(p.c, rows * n, "grouped GEMM output");
         let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile) as u32;
+        let fp8 = p.w.is_fp8();
         let launch = match r.tile {
-            TileM::Rows16 => {
-                Launch { kernel: &self.rows16, grid: (n.div_ceil(64) as u32, tiles), threads: 128, smem: 0 }
-            }
-            TileM::Rows64 => {
-                Launch { kernel: &self.rows64, grid: (n.div_ceil(128) as u32, tiles), threads: 128, smem: 0 }
-            }
+            TileM::Rows16 => Launch {
+                kernel: if fp8 { &self.rows16_fp8 } else { &self.rows16 },
+                grid: (n.div_ceil(64) as u32, tiles),
+                threads: 128,
+                smem: 0,
+            },
+            TileM::Rows64 => Launch {
+                kernel: if fp8 { &self.rows64_fp8 } else { &self.rows64 },
+                grid: (n.div_ceil(128) as u32, tiles),
+                threads: 128,
+                smem: 0,
+            },
             TileM::Rows128 => Launch {
-                kernel: self.sm90_kernel(sched.item_rows, false)?,
+                kernel: self.sm90_kernel(sched.item_rows, false, fp8)?,
                 grid: (self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent), 1),
                 threads: GROUPED_SM90_THREADS as u32,
-                smem: GROUPED_SM90_SMEM_BYTES,
+                smem: sm90_smem(fp8),
             },
         };
-        launch.run(s, p, r)
+        launch.run_rows(s, p, r, n)
     }
 
     /// The gate/up GEMM with SiLU·mul: one wgmma kernel with SiLU·mul in its epilogue on 128-row
@@ -200,6 +244,11 @@ impl GroupedGemmKernels {
         sched: Sm90Schedule,
     ) -> anyhow::Result<()> {
         let (inter, k, rows) = (p.inter, p.k, r.rows());
+        anyhow::ensure!(
+            !p.w.is_fp8() || inter.is_multiple_of(FP8_BLOCK),
+            "grouped gate/up on block-FP8 weights needs an intermediate size that is a multiple of {FP8_BLOCK}, got \
+             {inter} (the gate and up scale grids would not stack)"
+        );
         if r.tile != TileM::Rows128 {
             self.gemm(s, &GroupedGemm { a: p.a, w: p.w, c: p.gate_up, n: 2 * inter, k }, r)?;
             ensure_len!(p.act, rows * inter, "silu_mul output");
@@ -218,22 +267,21 @@ impl GroupedGemmKernels {
             "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}"
         );
         ensure_len!(p.a, rows * k, "grouped GEMM input");
-        ensure_len!(p.w, r.experts * 2 * inter * k, "expert gate/up weights");
         ensure_len!(p.act, rows * inter, "expert activations");
         // An item covers item_rows / 2 gate rows and as many up rows: that many act columns.
         Launch {
-            kernel: self.sm90_kernel(sched.item_rows, true)?,
+            kernel: self.sm90_kernel(sched.item_rows, true, p.w.is_fp8())?,
             grid: (self.sm90_grid(r, inter.div_ceil(sched.item_rows / 2), sched.persistent), 1),
             threads: GROUPED_SM90_THREADS as u32,
-            smem: GROUPED_SM90_SMEM_BYTES,
+            smem: sm90_smem(p.w.is_fp8()),
         }
-        .run(s, &GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k }, r)
+        .run_rows(s, &GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k }, r, 2 * inter)
     }
 
-    fn sm90_kernel(&self, item_rows: usize, silu: bool) -> anyhow::Result<&Kernel> {
-        let k = self.wgmma.as_ref().ok_or_else(|| {
+    fn sm90_kernel(&self, item_rows: usize, silu: bool, fp8: bool) -> anyhow::Result<&Kernel> {
+        let k = &self.wgmma.as_ref().ok_or_else(|| {
             anyhow::anyhow!("the wgmma grouped GEMM (tiles of 128 rows) needs compute capability 9.0")
-        })?;
+        })?[fp8 as usize];
         Ok(match (item_rows, silu) {
             (256, false) => &k.items256,
             (256, true) => &k.items256_silu,
@@ -255,6 +303,15 @@ impl GroupedGemmKernels {
     }
 }
 
+/// Dynamic shared memory of the wgmma kernels on bf16 or block-FP8 weights.
+fn sm90_smem(fp8: bool) -> usize {
+    if fp8 {
+        GROUPED_SM90_FP8_SMEM_BYTES
+    } else {
+        GROUPED_SM90_SMEM_BYTES
+    }
+}
+
 /// One launch of a grouped-GEMM kernel (the tile map and its count are read on the device).
 struct Launch<'k> {
     kernel: &'k Kernel,
@@ -264,25 +321,21 @@ struct Launch<'k> {
 }
 
 impl Launch<'_> {
-    /// `p.c` gets `p.n` columns per row (the activation's width for the SiLU-fused kernels).
-    fn run(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
-        self.kernel.launch(
-            s,
-            (self.grid.0, self.grid.1, 1),
-            self.threads,
-            self.smem as u32,
-            &[
-                Arg::Ptr(p.a.ptr),
-                Arg::Ptr(p.w.ptr),
-                Arg::Ptr(p.c.ptr),
-                Arg::I32(p.n as i32),
-                Arg::I32(p.k as i32),
-                Arg::Ptr(r.tile_expert.ptr),
-                Arg::Ptr(r.tile_row0.ptr),
-                Arg::Ptr(r.tile_rows.ptr),
-                Arg::Ptr(r.num_tiles.ptr),
-            ],
-        )?;
+    /// `p.c` gets `p.n` columns per row (the activation's width for the SiLU-fused kernels);
+    /// every expert's weight has `w_rows` rows of `p.k` (checked here, with its block scales).
+    fn run_rows(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting, w_rows: usize) -> anyhow::Result<()> {
+        let mut args = vec![Arg::Ptr(p.a.ptr)];
+        args.extend(p.w.args("expert weights", r.experts, w_rows, p.k)?);
+        args.extend([
+            Arg::Ptr(p.c.ptr),
+            Arg::I32(p.n as i32),
+            Arg::I32(p.k as i32),
+            Arg::Ptr(r.tile_expert.ptr),
+            Arg::Ptr(r.tile_row0.ptr),
+            Arg::Ptr(r.tile_rows.ptr),
+            Arg::Ptr(r.num_tiles.ptr),
+        ]);
+        self.kernel.launch(s, (self.grid.0, self.grid.1, 1), self.threads, self.smem as u32, &args)?;
         Ok(())
     }
 }

@@ -1,8 +1,11 @@
 //! kernels/moe_gemv.cu: DeepSeekMoE for steps of a few tokens as weight-streaming GEMVs: the
 //! router, gate/up with SiLU·mul, and down with the weighted combine, routed and shared experts in
-//! the same launches. When the model takes this path is `model::moe_small`'s decision.
+//! the same launches, on bf16 or block-FP8 expert weights. When the model takes this path is
+//! `model::moe_small`'s decision.
 
 use super::dims::MOE_GEMV_WARPS;
+use super::expert_mats::ExpertMats;
+use super::gemv_fp8::FP8_BLOCK;
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
@@ -12,10 +15,15 @@ pub struct MoeGemvKernels {
     router: Kernel,
     gate_up: Kernel,
     down: Kernel,
+    /// The same two on block-FP8 expert weights.
+    gate_up_fp8: Kernel,
+    down_fp8: Kernel,
     /// Blocks of the gate/up kernel that fit on the GPU at once (its grid is one wave).
     gate_up_wave: usize,
-    /// The same for the down kernel by block size, which depends on the model (asked at first use).
-    down_waves: RefCell<Vec<(u32, usize)>>,
+    gate_up_fp8_wave: usize,
+    /// The same for the down kernels by format (FP8 or not) and block size, which depends on the
+    /// model (asked at first use).
+    down_waves: RefCell<Vec<(bool, u32, usize)>>,
     sm_count: usize,
 }
 
@@ -43,10 +51,11 @@ pub struct MoeGemvExperts<'a> {
     pub topk_ids: DSlice<'a, i32>,
     pub topk_w: DSlice<'a, f32>,
     /// `[experts, 2·inter, hidden]` and `[experts, hidden, inter]`.
-    pub gate_up: DSlice<'a, bf16>,
-    pub down: DSlice<'a, bf16>,
-    /// The shared experts' `[2·Is, hidden]` and `[hidden, Is]`, when `shared_pieces > 0`.
-    pub shared: Option<(DSlice<'a, bf16>, DSlice<'a, bf16>)>,
+    pub gate_up: ExpertMats<'a>,
+    pub down: ExpertMats<'a>,
+    /// The shared experts' `[2·Is, hidden]` and `[hidden, Is]` (one expert each), when
+    /// `shared_pieces > 0`; in the routed experts' format.
+    pub shared: Option<(ExpertMats<'a>, ExpertMats<'a>)>,
     /// `[tokens · top_k, inter]` and `[tokens, Is]` scratch.
     pub act: DSlice<'a, bf16>,
     pub act_shared: DSlice<'a, bf16>,
@@ -57,11 +66,16 @@ impl MoeGemvKernels {
     pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
         let k = |name| m.kernel("moe_gemv", name);
         let gate_up = k("moe_gemv_gate_up")?;
+        let gate_up_fp8 = k("moe_gemv_gate_up_fp8")?;
+        let threads = (32 * MOE_GEMV_WARPS) as u32;
         Ok(MoeGemvKernels {
             router: k("moe_router_gemv")?,
-            gate_up_wave: info.sm_count * gate_up.max_active_blocks_per_sm((32 * MOE_GEMV_WARPS) as u32, 0)?,
+            gate_up_wave: info.sm_count * gate_up.max_active_blocks_per_sm(threads, 0)?,
+            gate_up_fp8_wave: info.sm_count * gate_up_fp8.max_active_blocks_per_sm(threads, 0)?,
             gate_up,
             down: k("moe_gemv_down")?,
+            gate_up_fp8,
+            down_fp8: k("moe_gemv_down_fp8")?,
             down_waves: RefCell::default(),
             sm_count: info.sm_count,
         })
@@ -91,7 +105,8 @@ impl MoeGemvKernels {
     }
 
     /// Gate/up with SiLU·mul, then down with the combine into `p.out`, after routing filled the
-    /// top-k ids and weights.
+    /// top-k ids and weights. Routed and shared experts must share a format; block-FP8 needs
+    /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
         let (t, k, h, im, pieces) = (p.tokens, p.top_k, p.hidden, p.inter, p.shared_pieces);
         let ims = pieces * im;
@@ -100,63 +115,79 @@ impl MoeGemvKernels {
             "moe gemv: buffers too small"
         );
         anyhow::ensure!(k + pieces <= 32, "moe gemv: top_k {k} + {pieces} shared pieces exceed one warp per slot");
-        let (sh_gu, sh_down) = match (pieces, p.shared) {
-            (0, _) => (0, 0),
-            (_, Some((gu, down))) => (gu.ptr, down.ptr),
+        let shared = match (pieces, p.shared) {
+            (0, _) => None,
+            (_, Some(sh)) => Some(sh),
             (_, None) => anyhow::bail!("moe gemv: {pieces} shared pieces without shared-expert weights"),
+        };
+        let fp8 = p.gate_up.is_fp8();
+        anyhow::ensure!(
+            p.down.is_fp8() == fp8 && shared.is_none_or(|(gu, d)| gu.is_fp8() == fp8 && d.is_fp8() == fp8),
+            "moe gemv: the routed and shared experts' gate/up and down weights must all be bf16 or all block-FP8"
+        );
+        if fp8 {
+            anyhow::ensure!(
+                h.is_multiple_of(16) && im.is_multiple_of(FP8_BLOCK),
+                "moe gemv on block-FP8 experts needs hidden % 16 == 0 and inter % {FP8_BLOCK} == 0, got {h} and {im}"
+            );
+        }
+        // Each matrix's kernel arguments: its pointer, then its scales' for FP8.
+        let experts = p.gate_up.count(2 * im, h);
+        anyhow::ensure!(experts > 0, "moe gemv: no routed experts' weights");
+        let gate_up = p.gate_up.args("routed gate/up weights", experts, 2 * im, h)?;
+        let down = p.down.args("routed down weights", experts, h, im)?;
+        let (sh_gate_up, sh_down) = match shared {
+            Some((gu, d)) => {
+                (gu.args("shared gate/up weights", 1, 2 * ims, h)?, d.args("shared down weights", 1, h, ims)?)
+            }
+            None => (ExpertMats::null_args(fp8), ExpertMats::null_args(fp8)),
         };
         let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
         // One wave of blocks whose warps stride over the items (no ragged last wave).
-        self.gate_up.launch(
+        let (kernel, wave) =
+            if fp8 { (&self.gate_up_fp8, self.gate_up_fp8_wave) } else { (&self.gate_up, self.gate_up_wave) };
+        let mut args = vec![
+            Arg::Ptr(p.x.ptr),
+            Arg::I32(h as i32),
+            Arg::I32(t as i32),
+            Arg::Ptr(p.topk_ids.ptr),
+            Arg::I32(k as i32),
+        ];
+        args.extend(gate_up);
+        args.push(Arg::I32(im as i32));
+        args.extend(sh_gate_up);
+        args.extend([Arg::I32(ims as i32), Arg::Ptr(p.act.ptr), Arg::Ptr(p.act_shared.ptr)]);
+        kernel.launch(
             s,
-            (items.div_ceil(MOE_GEMV_WARPS).min(self.gate_up_wave) as u32, 1, 1),
+            (items.div_ceil(MOE_GEMV_WARPS).min(wave) as u32, 1, 1),
             (32 * MOE_GEMV_WARPS) as u32,
             0,
-            &[
-                Arg::Ptr(p.x.ptr),
-                Arg::I32(h as i32),
-                Arg::I32(t as i32),
-                Arg::Ptr(p.topk_ids.ptr),
-                Arg::I32(k as i32),
-                Arg::Ptr(p.gate_up.ptr),
-                Arg::I32(im as i32),
-                Arg::Ptr(sh_gu),
-                Arg::I32(ims as i32),
-                Arg::Ptr(p.act.ptr),
-                Arg::Ptr(p.act_shared.ptr),
-            ],
+            &args,
         )?;
+        let kernel = if fp8 { &self.down_fp8 } else { &self.down };
         let down_threads = (32 * (k + pieces)) as u32;
         // Same for the down kernel; its block size is fixed per model, so ask once per size.
-        let known = self.down_waves.borrow().iter().find(|(b, _)| *b == down_threads).map(|&(_, w)| w);
+        let known = self.down_waves.borrow().iter().find(|&&(f, b, _)| f == fp8 && b == down_threads).map(|x| x.2);
         let wave = match known {
             Some(w) => w,
             None => {
-                let w = self.sm_count * self.down.max_active_blocks_per_sm(down_threads, 0)?;
-                self.down_waves.borrow_mut().push((down_threads, w));
+                let w = self.sm_count * kernel.max_active_blocks_per_sm(down_threads, 0)?;
+                self.down_waves.borrow_mut().push((fp8, down_threads, w));
                 w
             }
         };
-        self.down.launch(
-            s,
-            ((h / 2).min(wave.div_ceil(t).max(1)) as u32, t as u32, 1),
-            down_threads,
-            0,
-            &[
-                Arg::Ptr(p.act.ptr),
-                Arg::I32(im as i32),
-                Arg::Ptr(p.down.ptr),
-                Arg::Ptr(p.topk_ids.ptr),
-                Arg::Ptr(p.topk_w.ptr),
-                Arg::I32(k as i32),
-                Arg::Ptr(p.act_shared.ptr),
-                Arg::I32(ims as i32),
-                Arg::Ptr(sh_down),
-                Arg::I32(pieces as i32),
-                Arg::Ptr(p.out.ptr),
-                Arg::I32(h as i32),
-            ],
-        )?;
+        let mut args = vec![Arg::Ptr(p.act.ptr), Arg::I32(im as i32)];
+        args.extend(down);
+        args.extend([
+            Arg::Ptr(p.topk_ids.ptr),
+            Arg::Ptr(p.topk_w.ptr),
+            Arg::I32(k as i32),
+            Arg::Ptr(p.act_shared.ptr),
+            Arg::I32(ims as i32),
+        ]);
+        args.extend(sh_down);
+        args.extend([Arg::I32(pieces as i32), Arg::Ptr(p.out.ptr), Arg::I32(h as i32)]);
+        kernel.launch(s, ((h / 2).min(wave.div_ceil(t).max(1)) as u32, t as u32, 1), down_threads, 0, &args)?;
         Ok(())
     }
 }

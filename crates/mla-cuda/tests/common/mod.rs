@@ -11,7 +11,7 @@ use mla_core::SplitMix64;
 use mla_core::{CheckpointError, DummyWeights, Fp8Tensor, WeightSource};
 use mla_cuda::gpu::{DSlice, DeviceBuffer};
 use mla_cuda::model::StepMeta;
-use mla_cuda::ops::{AbsorbQ, DecodeAttention, RopeCache, LATENT, NOPE, V_HEAD};
+use mla_cuda::ops::{AbsorbQ, DecodeAttention, MoeRouting, RopeCache, TileM, FP8_BLOCK, LATENT, NOPE, V_HEAD};
 use mla_cuda::Device;
 use std::path::PathBuf;
 
@@ -288,5 +288,151 @@ impl WeightSource for Dummy {
     }
     fn read_fp8(&self, _spec: &TensorSpec) -> Result<Option<Fp8Tensor>, CheckpointError> {
         Ok(None)
+    }
+}
+
+/// Random e4m3 bytes, avoiding the two NaN codes.
+pub fn fp8_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|_| loop {
+            let b = rng.below(256) as u8;
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        })
+        .collect()
+}
+
+/// Device buffers of one routing, owned by a test.
+pub struct RoutingBufs {
+    pub ids: DeviceBuffer<i32>,
+    pub w: DeviceBuffer<f32>,
+    pub off: DeviceBuffer<i32>,
+    pub perm: DeviceBuffer<i32>,
+    pub inv: DeviceBuffer<i32>,
+    pub te: DeviceBuffer<i32>,
+    pub tr0: DeviceBuffer<i32>,
+    pub trs: DeviceBuffer<i32>,
+    pub nt: DeviceBuffer<i32>,
+}
+
+impl RoutingBufs {
+    pub fn new(t: usize, e: usize, top: usize) -> Self {
+        let a = t * top;
+        let tiles = MoeRouting::max_tiles(a, e, TileM::Rows16);
+        let i = |n| DeviceBuffer::<i32>::alloc(n).unwrap();
+        RoutingBufs {
+            ids: i(a),
+            w: DeviceBuffer::alloc(a).unwrap(),
+            off: i(e + 1),
+            perm: i(a),
+            inv: i(a),
+            te: i(tiles),
+            tr0: i(tiles),
+            trs: i(tiles),
+            nt: i(1),
+        }
+    }
+    pub fn routing(&self, t: usize, e: usize, top: usize) -> MoeRouting<'_> {
+        self.routing_tiles(t, e, top, TileM::Rows64)
+    }
+    pub fn routing_tiles(&self, t: usize, e: usize, top: usize, tile: TileM) -> MoeRouting<'_> {
+        MoeRouting {
+            tokens: t,
+            tile,
+            experts: e,
+            top_k: top,
+            topk_ids: self.ids.slice(),
+            topk_w: self.w.slice(),
+            expert_off: self.off.slice(),
+            perm_src: self.perm.slice(),
+            inv_row: self.inv.slice(),
+            tile_expert: self.te.slice(),
+            tile_row0: self.tr0.slice(),
+            tile_rows: self.trs.slice(),
+            num_tiles: self.nt.slice(),
+        }
+    }
+}
+
+/// Random block-FP8 scales, 10^[-3, 1): four decades, never all ones.
+pub fn fp8_scales(rng: &mut Rng, n: usize) -> Vec<f32> {
+    rng.uniform(n, 2.0).iter().map(|u| 10f32.powf(u - 1.0)).collect()
+}
+
+/// A random block-FP8 stack of `count` `[rows, cols]` matrices as DeepSeek-V3 checkpoints store
+/// them: e4m3 bytes (no NaN codes) and one scale per 128x128 block of each matrix.
+pub struct Fp8Stack {
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: Vec<u8>,
+    pub scales: Vec<f32>,
+}
+
+impl Fp8Stack {
+    pub fn random(rng: &mut Rng, count: usize, rows: usize, cols: usize) -> Self {
+        let [gr, gc] = mla_core::fp8::scale_grid(rows, cols, [FP8_BLOCK, FP8_BLOCK]);
+        Fp8Stack {
+            count,
+            rows,
+            cols,
+            bytes: fp8_bytes(rng, count * rows * cols),
+            scales: fp8_scales(rng, count * gr * gc),
+        }
+    }
+
+    fn grid(&self) -> [usize; 2] {
+        mla_core::fp8::scale_grid(self.rows, self.cols, [FP8_BLOCK, FP8_BLOCK])
+    }
+
+    /// Dequantized on the host as a loader would: f32(float(e4m3) · scale), matrix by matrix.
+    pub fn dequant_f32(&self) -> Vec<f32> {
+        let ([gr, gc], n) = (self.grid(), self.rows * self.cols);
+        (0..self.count)
+            .flat_map(|m| {
+                let s = &self.scales[m * gr * gc..(m + 1) * gr * gc];
+                mla_core::fp8::dequantize_block_fp8(
+                    &self.bytes[m * n..(m + 1) * n],
+                    self.rows,
+                    self.cols,
+                    s,
+                    [FP8_BLOCK, FP8_BLOCK],
+                )
+            })
+            .collect()
+    }
+
+    /// The exact values float(e4m3) · scale, in f64.
+    pub fn exact_f64(&self) -> Vec<f64> {
+        let [gr, gc] = self.grid();
+        let (r, c) = (self.rows, self.cols);
+        self.bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                let (m, rr, cc) = (i / (r * c), i / c % r, i % c);
+                let s = self.scales[(m * gr + rr / FP8_BLOCK) * gc + cc / FP8_BLOCK];
+                mla_core::fp8::fp8_e4m3_to_f32(b) as f64 * s as f64
+            })
+            .collect()
+    }
+
+    /// The same bytes read with every block taking the scale of the next block along both axes
+    /// (cyclically): what a kernel indexing the scale grid wrongly would compute.
+    pub fn with_shifted_scales(&self) -> Self {
+        let [gr, gc] = self.grid();
+        let scales = (0..self.count * gr * gc)
+            .map(|i| {
+                let (m, rb, kb) = (i / (gr * gc), i / gc % gr, i % gc);
+                self.scales[(m * gr + (rb + 1) % gr) * gc + (kb + 1) % gc]
+            })
+            .collect();
+        Fp8Stack { bytes: self.bytes.clone(), scales, ..*self }
+    }
+
+    /// Device copies of the bytes and the scales.
+    pub fn upload(&self) -> (DeviceBuffer<u8>, DeviceBuffer<f32>) {
+        (up(&self.bytes), up(&self.scales))
     }
 }
