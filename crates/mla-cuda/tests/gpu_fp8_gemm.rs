@@ -12,7 +12,7 @@ use common::*;
 use mla_core::fp8::{dequantize_block_fp8, quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
 use mla_cuda::model::small_linear::SmallLinear;
 use mla_cuda::model::weights::Fp8Share;
-use mla_cuda::ops::{Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK};
+use mla_cuda::ops::{Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -38,6 +38,7 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
         let share = Fp8Share { matrices: 1, bytes: 0, largest_projection: n * k, widest_input: k };
         let max_rows = 300;
         let linear = SmallLinear::new(true, &share, max_rows, true).unwrap();
+        // 4 rows: the GEMV alone; 5 and 7: cuBLASLt on 4 rows and the GEMV on the rest.
         for m in [4, 5, 7, 64, 129, 300] {
             let stride = k + 8;
             let x = round(&rng.uniform(m * stride, 2.0));
@@ -67,7 +68,7 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
             // rows up to a multiple of 4 with quantized activations (cuBLASLt), the others as the
             // W8A16 GEMV takes them.
             let xq = dequantize_block_fp8(&want_q.data, m, k, &want_q.scale_inv, [1, FP8_BLOCK]);
-            let main = m / 4 * 4;
+            let main = if m <= GEMV_KERNEL_MAX_ROWS { 0 } else { m / 4 * 4 };
             let want: Vec<f32> = (0..m * n)
                 .map(|i| {
                     let (r, j) = (i / n, i % n);
@@ -82,6 +83,60 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
             let den: f64 = want.iter().map(|b| b.abs() as f64).sum();
             println!("W8A8 [{m}, {k}] x [{n}, {k}]: mean rel error {:.2e} vs f64 rounded to bf16", num / den);
             assert!(num / den < 1e-3, "W8A8 [{m}, {k}] x [{n}, {k}]: mean rel error {}", num / den);
+        }
+    }
+}
+
+/// What the row split of `SmallLinear` relies on: cuBLASLt's block-scaled FP8 GEMM takes row
+/// counts that are multiples of 4 (with K ending in a partial group, N in a partial block, K of 2
+/// groups only) and refuses others; a refusal is an error, never a wrong result.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cublaslt_takes_rows_in_multiples_of_four() {
+    let dev = device();
+    if dev.gpu.info.compute_capability != (9, 0) {
+        return;
+    }
+    let shapes: [(usize, usize, usize); 9] = [
+        (4, 576, 7168),
+        (8, 576, 7168),
+        (12, 576, 7168),
+        (8, 256, 256),
+        (8, 320, 384),
+        (64, 256, 256),
+        (8, 2048, 10944),
+        (8, 2048, 1408),
+        (6, 576, 7168),
+    ];
+    for (m, n, k) in shapes {
+        let (kb, nb) = (k.div_ceil(FP8_BLOCK), n.div_ceil(FP8_BLOCK));
+        // All ones: e4m3 0x38 is 1.0, so every output is K.
+        let (x, xs) = (up(&vec![0x38u8; m * k]), up(&vec![1.0f32; kb * m]));
+        let (w, ws) = (up(&vec![0x38u8; n * k]), up(&vec![1.0f32; nb * kb]));
+        let y = up_bf16(&vec![0.0; m * n]);
+        let g = mla_cuda::gpu::Fp8BlockGemm {
+            rows: m,
+            out: n,
+            inp: k,
+            x: x.slice().ptr,
+            x_scales: xs.slice().ptr,
+            x_scale_ld: m,
+            w: w.slice().ptr,
+            w_scales: ws.slice().ptr,
+            y: y.slice().ptr,
+            y_stride: n,
+        };
+        let r = dev.blas_lt.fp8_block_gemm(dev.stream(), &g).and_then(|_| dev.gpu.sync());
+        println!(
+            "cuBLASLt block-scaled M={m} N={n} K={k}: {}",
+            r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())
+        );
+        if m % 4 == 0 {
+            r.unwrap();
+            let got = down_bf16(y.slice());
+            assert!(got.iter().all(|&v| v == k as f32), "M={m} N={n} K={k}: outputs other than {k}");
+        } else {
+            assert!(r.is_err(), "M={m}: cuBLASLt now takes row counts that are not multiples of 4; revisit the split");
         }
     }
 }

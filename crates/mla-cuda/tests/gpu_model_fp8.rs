@@ -97,10 +97,10 @@ fn fp8_weights_compute_exactly_their_bf16_dequantization() {
         let dummy = || Dummy { inner: DummyWeights::new(3), bf16: true };
         // FP8: the loader quantizes the bf16 weights on the device. Reference: bf16 weights read
         // through mla-core's quantizer, i.e. bf16(dequantize(quantize(w))).
-        let fp8 = |gemv: bool| {
+        let fp8 = |gemv: bool, graphs: bool| {
             // Graphs are captured at start with the GEMV setting of that moment: the run
             // without the GEMV steps eagerly.
-            let o = if gemv { opts() } else { CudaOptions { cuda_graph_batch_sizes: vec![], ..opts() } };
+            let o = if graphs { opts() } else { CudaOptions { cuda_graph_batch_sizes: vec![], ..opts() } };
             let b = CudaBackend::new(fp8_cfg.clone(), WeightsFrom::Host(Arc::new(dummy())), o).unwrap();
             if !gemv {
                 b.with_worker(|w| w.model.linears.fp8_gemv_max_rows = 0).unwrap();
@@ -109,12 +109,15 @@ fn fp8_weights_compute_exactly_their_bf16_dequantization() {
         };
         let reference = Fp8Quantized::new(Arc::new(dummy()), DEEPSEEK_BLOCK);
         let mut ref_gpu = CudaBackend::new(plain.clone(), WeightsFrom::Host(Arc::new(reference)), opts()).unwrap();
-        let (mut with_gemv, mut without_gemv) = (fp8(true), fp8(false));
+        let (mut with_gemv, mut without_gemv) = (fp8(true, true), fp8(false, false));
+        let mut eager_gemv = fp8(true, false);
         let experts = if moe_inter % 128 == 0 { "FP8" } else { "bf16" };
         for (s, p) in plans(6).iter().enumerate() {
             let want: Vec<Vec<f32>> = ref_gpu.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
             let a: Vec<Vec<f32>> = with_gemv.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
             let b: Vec<Vec<f32>> = without_gemv.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
+            let c: Vec<Vec<f32>> = eager_gemv.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
+            println!("  eager with the GEMV: {} logits differ", bits_differ(&c, &want));
             assert!(a.iter().flatten().all(|x| x.is_finite()), "moe I {moe_inter} step {s}: non-finite logits");
             let (da, db) = (bits_differ(&a, &want), bits_differ(&b, &want));
             let rel = a.iter().zip(&want).map(|(x, y)| rel_l2(x, y)).fold(0.0, f64::max);

@@ -82,7 +82,7 @@ impl BlasLt {
     }
 
     /// The plan for a shape, made at its first use (`NOT_SUPPORTED` where cuBLASLt has no kernel:
-    /// fewer than 4 rows, K not a multiple of 16, GPUs other than sm_90).
+    /// row counts that are not a multiple of 4, K not a multiple of 16, GPUs other than sm_90).
     fn plan(&self, g: &Fp8BlockGemm) -> Result<std::cell::RefMut<'_, Plan>> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         let key = (g.rows, g.out, g.inp, g.y_stride, g.x_scale_ld);
@@ -116,6 +116,10 @@ impl BlasLt {
                 let vec = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
                 set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk)?;
                 set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec)?;
+                // The heuristic answers INVALID_VALUE while the scale pointers are unset (H100,
+                // cuBLASLt 13.1): give it the first call's; every call sets its own.
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scales)?;
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scales)?;
                 let pref = check(lt::create_matmul_pref(), "cublasLtMatmulPreferenceCreate")?;
                 let ws = WORKSPACE_BYTES as u64;
                 let r = check(

@@ -128,25 +128,28 @@ impl SmallLinear {
             Fp8Large::BlockScaled { q, scales, max_rows } => {
                 anyhow::ensure!(rows <= *max_rows, "fp8 projection of {rows} rows, scratch for {max_rows}");
                 anyhow::ensure!(y.stride >= w.out && y.data.len >= y.need(rows, w.out), "fp8 linear: output too small");
-                // cuBLASLt's block-scaled kernels take row counts in multiples of 4 (others are
-                // INVALID_VALUE, measured on cuBLASLt 13.1): the last rows % 4 rows go through the
-                // W8A16 GEMV.
+                // cuBLASLt's block-scaled kernels take row counts in multiples of 4 only (6 is
+                // NOT_SUPPORTED; cuBLASLt 13.1 on an H100, gpu_fp8_gemm's probe): the last
+                // rows % 4 rows go through the W8A16 GEMV.
                 let main = rows / 4 * 4;
-                let act = Fp8Act { q: q.slice(), scales: scales.slice(), scale_ld: *max_rows };
-                dev.k.fp8_convert.quantize_act(dev.stream(), x, main, w.inp, &act)?;
-                let g = Fp8BlockGemm {
-                    rows: main,
-                    out: w.out,
-                    inp: w.inp,
-                    x: act.q.ptr,
-                    x_scales: act.scales.ptr,
-                    x_scale_ld: act.scale_ld,
-                    w: w.w.ptr,
-                    w_scales: w.scale_inv.ptr,
-                    y: y.data.ptr,
-                    y_stride: y.stride,
-                };
-                dev.blas_lt.fp8_block_gemm(dev.stream(), &g)?;
+                if main > 0 {
+                    // cuBLASLt reads the activation scales packed for the GEMM's own row count.
+                    let act = Fp8Act { q: q.slice(), scales: scales.slice(), scale_ld: main };
+                    dev.k.fp8_convert.quantize_act(dev.stream(), x, main, w.inp, &act)?;
+                    let g = Fp8BlockGemm {
+                        rows: main,
+                        out: w.out,
+                        inp: w.inp,
+                        x: act.q.ptr,
+                        x_scales: act.scales.ptr,
+                        x_scale_ld: act.scale_ld,
+                        w: w.w.ptr,
+                        w_scales: w.scale_inv.ptr,
+                        y: y.data.ptr,
+                        y_stride: y.stride,
+                    };
+                    dev.blas_lt.fp8_block_gemm(dev.stream(), &g)?;
+                }
                 if main < rows {
                     let (xt, yt) = (tail_rows(x, main), tail_rows(y, main));
                     dev.k.gemv_fp8.launch(dev.stream(), w, xt, rows - main, GemvOut::Bf16(yt))?;
