@@ -26,6 +26,11 @@ pub struct EngineArgs {
     pub graphs: bool,
     pub gemv: bool,
     pub seed: u64,
+    /// `fp8`: block-FP8 linear weights (as mla-serve's --quantization).
+    pub quantization: Option<String>,
+    /// JSON object of config overrides (as mla-serve's --hf-overrides).
+    pub hf_overrides: Option<String>,
+    pub fp8_w8a8: bool,
 }
 
 /// Parses `BxCTXxSTEPS` items, e.g. `1x1024x256,256x4096x64`.
@@ -204,13 +209,31 @@ fn decode_case(
 }
 
 pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
-    let cfg = ModelConfig::from_file(&a.config)?;
+    let overrides = match &a.hf_overrides {
+        Some(t) => match serde_json::from_str(t)? {
+            Value::Object(m) => m,
+            _ => anyhow::bail!("--hf-overrides must be a JSON object"),
+        },
+        None => Default::default(),
+    };
+    let mut cfg = ModelConfig::from_file_with_overrides(&a.config, &overrides)?;
+    match a.quantization.as_deref() {
+        None => {}
+        Some("fp8") => {
+            if cfg.quantization.is_none() {
+                cfg.quantization = Some(mla_core::config::Fp8BlockQuant { block: mla_core::fp8::DEEPSEEK_BLOCK });
+            }
+        }
+        Some(m) => anyhow::bail!("--quantization {m}: only fp8 is implemented"),
+    }
+    let fp8_weights = cfg.quantization.is_some();
     let vocab = cfg.vocab_size;
     let mut opts = CudaOptions {
         gpu_memory_utilization: a.gpu_memory_utilization,
         max_num_batched_tokens: a.max_num_batched_tokens,
         max_num_seqs: a.max_num_seqs,
         max_model_len: Some(a.max_model_len),
+        fp8_w8a8: a.fp8_w8a8,
         ..CudaOptions::default()
     };
     if !a.graphs {
@@ -284,6 +307,9 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
         "kv_cache_blocks_per_rank": blocks,
         "cuda_graph_batch_sizes": graph_sizes,
         "small_batch_gemv": a.gemv,
+        "weights": if fp8_weights { "block-FP8 linear weights" } else { "bf16" },
+        "fp8_w8a8": a.fp8_w8a8,
+        "hf_overrides": a.hf_overrides,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_num_seqs": a.max_num_seqs,
         "max_model_len": a.max_model_len,

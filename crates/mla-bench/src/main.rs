@@ -82,6 +82,15 @@ enum Cmd {
         dp: Option<usize>,
         #[arg(long)]
         enable_dp_attention: bool,
+        /// As mla-serve's: `fp8` makes the linear weights block-FP8 (quantized on the device).
+        #[arg(long, value_name = "METHOD")]
+        quantization: Option<String>,
+        /// As mla-serve's: config fields to override, e.g. '{"num_hidden_layers": 6}'.
+        #[arg(long, value_name = "JSON")]
+        hf_overrides: Option<String>,
+        /// FP8 projections past the GEMV through dequantize + bf16 cuBLAS instead of W8A8.
+        #[arg(long)]
+        no_fp8_w8a8: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -195,10 +204,16 @@ fn main() -> anyhow::Result<()> {
             tp,
             dp,
             enable_dp_attention,
+            quantization,
+            hf_overrides,
+            no_fp8_w8a8,
             seed,
             out,
         } => {
             let args = engine_bench::EngineArgs {
+                quantization,
+                hf_overrides,
+                fp8_w8a8: !no_fp8_w8a8,
                 parallel: mla_core::Parallel::from_flags(tp, dp, enable_dp_attention)?,
                 config,
                 gpu_memory_utilization,
