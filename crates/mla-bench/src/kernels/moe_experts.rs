@@ -1,7 +1,8 @@
 //! The routed-expert GEMMs of V2-Lite (hidden 2048, moe_intermediate 1408, 64 experts, top-6):
 //! gate/up GEMM with SiLU·mul, then down, over the device tile map, at 4096 tokens (prefill) and
 //! 256 (decode at B=256), for every tile height and wgmma schedule this GPU has: TFLOP/s and
-//! expert-weight bandwidth, outputs cross-checked.
+//! expert-weight bandwidth, outputs cross-checked; with bf16 weights and with block-FP8 ones
+//! (issue 12: e4m3 + 128x128 scales, dequantized to bf16 tiles in shared memory, W8A16).
 
 use super::timing::{download_f32, fill, rel_diff, time_ms};
 use half::bf16;
@@ -20,7 +21,23 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
     let (s, k) = (dev.stream(), &dev.k);
     let w_gu = fill(dev, e * 2 * im * h, 0.02, 11)?;
     let w_down = fill(dev, e * h * im, 0.02, 12)?;
-    let weight_bytes = ((e * 2 * im * h + e * h * im) * 2) as f64;
+    let bf16_bytes = ((e * 2 * im * h + e * h * im) * 2) as f64;
+    // Random e4m3 codes other than NaN, one scale per 128x128 block of each expert.
+    let codes = |n: usize, seed: u64| -> Vec<u8> {
+        let mut st = seed;
+        (0..n)
+            .map(|_| {
+                st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((st >> 33) % 255) as u8 & 0xfe
+            })
+            .collect()
+    };
+    let grid = |n: usize, kk: usize| e * n.div_ceil(128) * kk.div_ceil(128);
+    let q_gu = DeviceBuffer::from_host(&codes(e * 2 * im * h, 21))?;
+    let q_down = DeviceBuffer::from_host(&codes(e * h * im, 22))?;
+    let s_gu = DeviceBuffer::from_host(&vec![1e-3f32; grid(2 * im, h)])?;
+    let s_down = DeviceBuffer::from_host(&vec![1e-3f32; grid(h, im)])?;
+    let fp8_bytes = (q_gu.len() + q_down.len() + 4 * (s_gu.len() + s_down.len())) as f64;
     let mut rows = vec![];
     for tokens in [4096usize, 256] {
         let a = tokens * top;
@@ -49,7 +66,17 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         let default_tile = k.grouped_gemm.tile_for(tokens, top, e);
         let flops = 2.0 * a as f64 * (2 * im * h + h * im) as f64;
         let mut outputs: Vec<Vec<f32>> = vec![];
-        for (tile, sched) in variants {
+        let mut outputs_fp8: Vec<Vec<f32>> = vec![];
+        for ((tile, sched), fp8) in variants.into_iter().flat_map(|v| [(v, false), (v, true)]) {
+            let (gu_w, down_w, weight_bytes) = if fp8 {
+                (
+                    ExpertMats::Fp8 { w: q_gu.slice(), scale_inv: s_gu.slice() },
+                    ExpertMats::Fp8 { w: q_down.slice(), scale_inv: s_down.slice() },
+                    fp8_bytes,
+                )
+            } else {
+                (ExpertMats::Bf16(w_gu.slice()), ExpertMats::Bf16(w_down.slice()), bf16_bytes)
+            };
             let tile_m = tile.rows();
             let r = MoeRouting {
                 tokens,
@@ -72,16 +99,10 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             y.upload(&vec![bf16::NAN; a * h])?;
             let wgmma = tile == TileM::Rows128;
             let default = tile == default_tile && (!wgmma || sched == Sm90Schedule::for_routing(&r));
-            let gate_up = GroupedGateUp {
-                a: x.slice(),
-                w: ExpertMats::Bf16(w_gu.slice()),
-                gate_up: gu.slice(),
-                act: act.slice(),
-                inter: im,
-                k: h,
-            };
+            let gate_up =
+                GroupedGateUp { a: x.slice(), w: gu_w, gate_up: gu.slice(), act: act.slice(), inter: im, k: h };
             let gate_up_ms = time_ms(dev, 5, 9, |_| k.grouped_gemm.gate_up_act_with(s, &gate_up, &r, sched))?;
-            let down = GroupedGemm { a: act.slice(), w: ExpertMats::Bf16(w_down.slice()), c: y.slice(), n: h, k: im };
+            let down = GroupedGemm { a: act.slice(), w: down_w, c: y.slice(), n: h, k: im };
             let down_ms = time_ms(dev, 5, 9, |_| k.grouped_gemm.gemm_with(s, &down, &r, sched))?;
             let ms = gate_up_ms + down_ms;
             let (tflops, tbps) = (flops / (ms * 1e-3) / 1e12, weight_bytes / (ms * 1e-3) / 1e12);
@@ -91,13 +112,14 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             } else {
                 String::new()
             };
+            let weights = if fp8 { "fp8" } else { "bf16" };
             println!(
-                "MoE experts {tokens} tokens, tiles of {tile_m}{schedule}{}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s",
+                "MoE experts {weights} {tokens} tokens, tiles of {tile_m}{schedule}{}: gate/up+silu {gate_up_ms:.3} ms + down {down_ms:.3} ms = {ms:.3} ms, {tflops:.0} TFLOP/s, weights at {tbps:.2} TB/s",
                 if default { " (default)" } else { "" }
             );
-            outputs.push(download_f32(dev, &y)?);
+            if fp8 { &mut outputs_fp8 } else { &mut outputs }.push(download_f32(dev, &y)?);
             rows.push(json!({
-                "tokens": tokens, "assignments": a, "tile_m": tile_m,
+                "weights": weights, "tokens": tokens, "assignments": a, "tile_m": tile_m,
                 "wgmma_item_rows": if wgmma { sched.item_rows } else { 0 },
                 "wgmma_persistent": wgmma && sched.persistent, "default": default,
                 "gate_up_silu_ms": gate_up_ms, "down_ms": down_ms, "time_ms": ms, "flops": flops, "TFLOPs": tflops,
@@ -106,10 +128,12 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         }
         // Every variant computes the same function (the CPU-reference checks are in mla-cuda's
         // tests/gpu_moe.rs).
-        for other in &outputs[1..] {
-            let (rel, finite) = rel_diff(&outputs[0], other);
-            println!("MoE experts {tokens} tokens: wgmma vs mma.sync output rel diff {rel:.2e}, all finite: {finite}");
-            anyhow::ensure!(finite && rel < 1e-2, "grouped GEMM variants disagree: rel {rel}, finite {finite}");
+        for (weights, outs) in [("bf16", &outputs), ("fp8", &outputs_fp8)] {
+            for other in &outs[1..] {
+                let (rel, finite) = rel_diff(&outs[0], other);
+                println!("MoE experts {weights} {tokens} tokens: tile variant vs the first, output rel diff {rel:.2e}, all finite: {finite}");
+                anyhow::ensure!(finite && rel < 1e-2, "grouped GEMM variants disagree: rel {rel}, finite {finite}");
+            }
         }
     }
     Ok(json!({
