@@ -12,7 +12,7 @@ use common::*;
 use mla_core::fp8::{dequantize_block_fp8, quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
 use mla_cuda::model::small_linear::SmallLinear;
 use mla_cuda::model::weights::Fp8Share;
-use mla_cuda::ops::{Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
+use mla_cuda::ops::{fp8_lt_scale_ld, Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -35,13 +35,30 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
         let wf = wq.dequantize();
         let (wd, sd) = (up(&wq.data), up(&wq.scale_inv));
         let lin = Fp8Linear { w: wd.slice(), scale_inv: sd.slice(), out: n, inp: k };
+        // cuBLASLt's copy of the grid, rows padded to a multiple of 4 scales (zeros).
+        let ld = fp8_lt_scale_ld(k);
+        let padded: Vec<f32> =
+            (0..gr * ld).map(|i| if i % ld < gc { wq.scale_inv[i / ld * gc + i % ld] } else { 0.0 }).collect();
+        let lt = up(&padded);
         let share = Fp8Share { matrices: 1, bytes: 0, largest_projection: n * k, widest_input: k };
         let max_rows = 300;
         let linear = SmallLinear::new(true, &share, max_rows, true).unwrap();
         // 4 rows: the GEMV alone; 5 and 7: cuBLASLt on 4 rows and the GEMV on the rest.
         for m in [4, 5, 7, 64, 129, 300] {
             let stride = k + 8;
-            let x = round(&rng.uniform(m * stride, 2.0));
+            // Each row and 128-column group at its own magnitude, 10^[-1, 1): a mixed-up
+            // activation scale layout shows as a large error.
+            let mag = rng.uniform(m * gc, 1.0);
+            let x: Vec<f32> = rng
+                .uniform(m * stride, 2.0)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let (r, c) = (i / stride, (i % stride).min(k - 1));
+                    v * 10f32.powf(mag[r * gc + c / FP8_BLOCK])
+                })
+                .collect();
+            let x = round(&x);
             let xd = up_bf16(&x);
             let xs = Strided::new(xd.slice(), stride);
             // The quantizer alone, bit for bit.
@@ -52,7 +69,9 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
             let act = Fp8Act { q: qd.slice(), scales: qs.slice(), scale_ld: m };
             dev.k.fp8_convert.quantize_act(dev.stream(), xs, m, k, &act).unwrap();
             let yd = up_bf16(&vec![f32::NAN; m * n]);
-            linear.linear(&dev, &Proj::Fp8(lin), xs, m, Strided::new(yd.slice(), n)).unwrap();
+            linear
+                .linear(&dev, &Proj::Fp8 { w: lin, lt_scales: lt.slice() }, xs, m, Strided::new(yd.slice(), n))
+                .unwrap();
             dev.gpu.sync().unwrap();
             let (got_q, got_s) = (down(qd.slice()), down(qs.slice()));
             let bytes_differ = got_q.iter().zip(&want_q.data).filter(|(a, b)| a != b).count();
@@ -87,9 +106,10 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
     }
 }
 
-/// What the row split of `SmallLinear` relies on: cuBLASLt's block-scaled FP8 GEMM takes row
-/// counts that are multiples of 4 (with K ending in a partial group, N in a partial block, K of 2
-/// groups only) and refuses others; a refusal is an error, never a wrong result.
+/// What `SmallLinear` relies on: cuBLASLt's block-scaled FP8 GEMM, given weight scale rows padded
+/// to a multiple of 4 (`fp8_lt_scale_ld`), takes row counts that are multiples of 4 (with K
+/// ending in a partial group, N in a partial block, K of 2 groups only) and refuses others; a
+/// refusal is an error, never a wrong result.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cublaslt_takes_rows_in_multiples_of_four() {
@@ -112,7 +132,8 @@ fn cublaslt_takes_rows_in_multiples_of_four() {
         let (kb, nb) = (k.div_ceil(FP8_BLOCK), n.div_ceil(FP8_BLOCK));
         // All ones: e4m3 0x38 is 1.0, so every output is K.
         let (x, xs) = (up(&vec![0x38u8; m * k]), up(&vec![1.0f32; kb * m]));
-        let (w, ws) = (up(&vec![0x38u8; n * k]), up(&vec![1.0f32; nb * kb]));
+        // The weight grid with cuBLASLt's padded rows (ones in the padding too: they scale nothing).
+        let (w, ws) = (up(&vec![0x38u8; n * k]), up(&vec![1.0f32; nb * fp8_lt_scale_ld(k)]));
         let y = up_bf16(&vec![0.0; m * n]);
         let g = mla_cuda::gpu::Fp8BlockGemm {
             rows: m,

@@ -139,6 +139,42 @@ fn fp8_weights_compute_exactly_their_bf16_dequantization() {
     }
 }
 
+/// Determinism: one model on three backends (each its own context, graphs captured or not) gives
+/// bit-identical logits, bf16 and FP8 alike. These random V3-shaped models route chaotically, so
+/// a single differing bit anywhere shows as a different row.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn three_backends_of_one_model_agree_bit_for_bit() {
+    for fp8 in [false, true] {
+        let mut cfg = v3_shape(128);
+        if fp8 {
+            cfg.quantization = Some(Fp8BlockQuant { block: DEEPSEEK_BLOCK });
+        }
+        let dummy = || Arc::new(Dummy { inner: DummyWeights::new(3), bf16: true });
+        let graphs = |on: bool| if on { opts() } else { CudaOptions { cuda_graph_batch_sizes: vec![], ..opts() } };
+        let mut backends: Vec<CudaBackend> = [true, true, false]
+            .into_iter()
+            .map(|g| CudaBackend::new(cfg.clone(), WeightsFrom::Host(dummy()), graphs(g)).unwrap())
+            .collect();
+        for (s, p) in plans(3).iter().enumerate() {
+            let outs: Vec<Vec<Vec<f32>>> = backends
+                .iter_mut()
+                .map(|b| b.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect())
+                .collect();
+            let rows_differ = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+                a.iter().zip(b).filter(|(x, y)| bits_differ(&[x.to_vec()], &[y.to_vec()]) > 0).count()
+            };
+            let (d1, d2) = (rows_differ(&outs[0], &outs[1]), rows_differ(&outs[0], &outs[2]));
+            println!(
+                "fp8 {fp8}, step {s} ({:?}): rows differing from backend 0: {d1} (graphs), {d2} (eager) of {}",
+                p.kind,
+                outs[0].len()
+            );
+            assert_eq!((d1, d2), (0, 0), "fp8 {fp8} step {s}: backends of one model disagree");
+        }
+    }
+}
+
 fn fixture_dir() -> PathBuf {
     repo_root().join("tests/fixtures/v3_fp8_real_dims")
 }

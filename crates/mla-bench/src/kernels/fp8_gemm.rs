@@ -49,7 +49,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             let xs = Strided::new(x.slice(), k);
             let ys = Strided::new(y.slice(), n);
             let t_bf16 = time_ms(dev, 20, 7, |_| Ok(dev.blas.linear(&Linear::new(wb.slice(), n, k), xs, m, ys)?))?;
-            let t_w8a8 = time_ms(dev, 20, 7, |_| w8a8.linear(dev, &Proj::Fp8(lin8), xs, m, ys))?;
+            let t_w8a8 = time_ms(dev, 20, 7, |_| w8a8.linear(dev, &Proj::fp8(lin8), xs, m, ys))?;
             let act = Fp8Act { q: q.slice(), scales: qs.slice(), scale_ld: m };
             dev.k.fp8_convert.quantize_act(dev.stream(), xs, m, k, &act)?;
             let g = Fp8BlockGemm {
@@ -65,7 +65,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
                 y_stride: n,
             };
             let t_gemm = time_ms(dev, 20, 7, |_| Ok(dev.blas_lt.fp8_block_gemm(dev.stream(), &g)?))?;
-            let t_deq = time_ms(dev, 20, 7, |_| dequant.linear(dev, &Proj::Fp8(lin8), xs, m, ys))?;
+            let t_deq = time_ms(dev, 20, 7, |_| dequant.linear(dev, &Proj::fp8(lin8), xs, m, ys))?;
             let tflops = |t: f64| 2.0 * (m * n * k) as f64 / (t * 1e-3) / 1e12;
             let row = json!({
                 "shape": name, "out": n, "in": k, "rows": m,

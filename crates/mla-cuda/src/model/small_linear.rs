@@ -17,9 +17,9 @@
 
 use super::weights::Fp8Share;
 use crate::device::Device;
-use crate::gpu::{DeviceBuffer, Fp8BlockGemm};
+use crate::gpu::{DSlice, DeviceBuffer, Fp8BlockGemm};
+use crate::ops::{fp8_lt_scale_ld, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 use crate::ops::{Fp8Act, Fp8Linear, GemvFp8Kernels, GemvKernels, GemvLaunch, GemvOut, Linear, Proj, Strided};
-use crate::ops::{FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 use half::bf16;
 
 /// Most rows the bf16 GEMV kernel is used for, from the H200 measurements above (the kernel itself
@@ -106,10 +106,10 @@ impl SmallLinear {
                 dev.k.gemv.launch(dev.stream(), &GemvLaunch { lin, x, rows, y: GemvOut::Bf16(y), second: None })
             }
             Proj::Bf16(lin) => dev.blas.linear(lin, x, rows, y),
-            Proj::Fp8(lin) if self.fp8_gemv_takes(lin, &x, rows) => {
-                dev.k.gemv_fp8.launch(dev.stream(), lin, x, rows, GemvOut::Bf16(y))
+            Proj::Fp8 { w, .. } if self.fp8_gemv_takes(w, &x, rows) => {
+                dev.k.gemv_fp8.launch(dev.stream(), w, x, rows, GemvOut::Bf16(y))
             }
-            Proj::Fp8(lin) => self.fp8_large(dev, lin, x, rows, y),
+            Proj::Fp8 { w, lt_scales } => self.fp8_large(dev, w, *lt_scales, x, rows, y),
         }
     }
 
@@ -117,6 +117,7 @@ impl SmallLinear {
         &self,
         dev: &Device,
         w: &Fp8Linear,
+        lt_scales: DSlice<f32>,
         x: Strided<bf16>,
         rows: usize,
         y: Strided<bf16>,
@@ -128,6 +129,8 @@ impl SmallLinear {
             Fp8Large::BlockScaled { q, scales, max_rows } => {
                 anyhow::ensure!(rows <= *max_rows, "fp8 projection of {rows} rows, scratch for {max_rows}");
                 anyhow::ensure!(y.stride >= w.out && y.data.len >= y.need(rows, w.out), "fp8 linear: output too small");
+                let need = w.out.div_ceil(FP8_BLOCK) * fp8_lt_scale_ld(w.inp);
+                anyhow::ensure!(lt_scales.len >= need, "fp8 linear: {} cuBLASLt scales, {need} needed", lt_scales.len);
                 // cuBLASLt's block-scaled kernels take row counts in multiples of 4 only (6 is
                 // NOT_SUPPORTED; cuBLASLt 13.1 on an H100, gpu_fp8_gemm's probe): the last
                 // rows % 4 rows go through the W8A16 GEMV.
@@ -144,7 +147,7 @@ impl SmallLinear {
                         x_scales: act.scales.ptr,
                         x_scale_ld: act.scale_ld,
                         w: w.w.ptr,
-                        w_scales: w.scale_inv.ptr,
+                        w_scales: lt_scales.ptr,
                         y: y.data.ptr,
                         y_stride: y.stride,
                     };

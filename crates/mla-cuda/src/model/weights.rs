@@ -17,7 +17,7 @@
 
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer};
-use crate::ops::{ExpertMats, Fp8Linear, Linear, Normal, Proj, FP8_BLOCK};
+use crate::ops::{fp8_lt_scale_ld, ExpertMats, Fp8Linear, Linear, Normal, Proj, FP8_BLOCK};
 use anyhow::Context;
 use half::bf16;
 use mla_core::config::{ModelConfig, TopkMethod};
@@ -36,10 +36,13 @@ pub struct Mat {
 
 pub enum MatData {
     Bf16(DeviceBuffer<bf16>),
-    /// e4m3 bytes `[out, inp]` and the scale grid `[ceil(out / 128), ceil(inp / 128)]`.
+    /// e4m3 bytes `[out, inp]` and the scale grid `[ceil(out / 128), ceil(inp / 128)]`;
+    /// `lt_scales`, when the grid's rows need padding for cuBLASLt, a copy with rows of
+    /// `fp8_lt_scale_ld(inp)` (filled once the weights are loaded).
     Fp8 {
         w: DeviceBuffer<u8>,
         scale_inv: DeviceBuffer<f32>,
+        lt_scales: Option<DeviceBuffer<f32>>,
     },
 }
 
@@ -53,18 +56,44 @@ impl Mat {
         if !(fp8 && inp.is_multiple_of(16)) {
             return Self::alloc(out, inp);
         }
-        let grid = out.div_ceil(FP8_BLOCK) * inp.div_ceil(FP8_BLOCK);
-        let data = MatData::Fp8 { w: DeviceBuffer::alloc(out * inp)?, scale_inv: DeviceBuffer::alloc(grid)? };
+        let (rows, cols) = (out.div_ceil(FP8_BLOCK), inp.div_ceil(FP8_BLOCK));
+        let ld = fp8_lt_scale_ld(inp);
+        // Zeros in the padding: cuBLASLt reads those scales but nothing they would scale.
+        let lt_scales = (ld != cols).then(|| DeviceBuffer::from_host(&vec![0f32; rows * ld])).transpose()?;
+        let data = MatData::Fp8 {
+            w: DeviceBuffer::alloc(out * inp)?,
+            scale_inv: DeviceBuffer::alloc(rows * cols)?,
+            lt_scales,
+        };
         Ok(Mat { data, out, inp })
+    }
+
+    /// Copies the loaded scale grid into its padded cuBLASLt copy, if it has one.
+    fn fill_lt_scales(&self) -> anyhow::Result<()> {
+        let MatData::Fp8 { scale_inv, lt_scales: Some(lt), .. } = &self.data else { return Ok(()) };
+        let (cols, ld) = (self.inp.div_ceil(FP8_BLOCK), fp8_lt_scale_ld(self.inp));
+        for r in 0..self.out.div_ceil(FP8_BLOCK) {
+            // SAFETY: row r lies inside both buffers (sizes from the same shape at allocation).
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_sync(
+                    lt.ptr() + (r * ld * 4) as u64,
+                    scale_inv.ptr() + (r * cols * 4) as u64,
+                    cols * 4,
+                )
+            }
+            .map_err(|e| anyhow::anyhow!("copying FP8 scales for cuBLASLt: {e:?}"))?;
+        }
+        Ok(())
     }
 
     /// The weight for `SmallLinear`, which picks the kernel by format.
     pub fn proj(&self) -> Proj<'_> {
         match &self.data {
             MatData::Bf16(b) => Proj::Bf16(Linear::new(b.slice(), self.out, self.inp)),
-            MatData::Fp8 { w, scale_inv } => {
-                Proj::Fp8(Fp8Linear { w: w.slice(), scale_inv: scale_inv.slice(), out: self.out, inp: self.inp })
-            }
+            MatData::Fp8 { w, scale_inv, lt_scales } => Proj::Fp8 {
+                w: Fp8Linear { w: w.slice(), scale_inv: scale_inv.slice(), out: self.out, inp: self.inp },
+                lt_scales: lt_scales.as_ref().unwrap_or(scale_inv).slice(),
+            },
         }
     }
 
@@ -84,14 +113,16 @@ impl Mat {
     pub fn expert_mats(&self) -> ExpertMats<'_> {
         match &self.data {
             MatData::Bf16(b) => ExpertMats::Bf16(b.slice()),
-            MatData::Fp8 { w, scale_inv } => ExpertMats::Fp8 { w: w.slice(), scale_inv: scale_inv.slice() },
+            MatData::Fp8 { w, scale_inv, .. } => ExpertMats::Fp8 { w: w.slice(), scale_inv: scale_inv.slice() },
         }
     }
 
     pub fn bytes(&self) -> usize {
         match &self.data {
             MatData::Bf16(b) => b.bytes(),
-            MatData::Fp8 { w, scale_inv } => w.bytes() + scale_inv.bytes(),
+            MatData::Fp8 { w, scale_inv, lt_scales } => {
+                w.bytes() + scale_inv.bytes() + lt_scales.as_ref().map_or(0, |b| b.bytes())
+            }
         }
     }
 
@@ -100,7 +131,7 @@ impl Mat {
     fn dest(&self, rows: std::ops::Range<usize>) -> Dest<'_> {
         match &self.data {
             MatData::Bf16(b) => Dest::Bf16(b.sub(rows.start * self.inp, rows.len() * self.inp)),
-            MatData::Fp8 { w, scale_inv } => {
+            MatData::Fp8 { w, scale_inv, .. } => {
                 let gc = self.inp.div_ceil(FP8_BLOCK);
                 let g = rows.start / FP8_BLOCK..rows.end.div_ceil(FP8_BLOCK);
                 Dest::Fp8(Fp8Linear {
@@ -272,6 +303,11 @@ impl DeviceWeights {
             }
         }
         n
+    }
+
+    /// Fills the padded cuBLASLt copies of the projections' scale grids.
+    fn finish_fp8(&self) -> anyhow::Result<()> {
+        self.mats().into_iter().try_for_each(Mat::fill_lt_scales)
     }
 
     /// How much is FP8 (all zero for a bf16 model).
@@ -490,6 +526,7 @@ impl DeviceWeights {
             bar.inc();
         }
         bar.finish();
+        w.finish_fp8()?;
         Ok(w)
     }
 
@@ -517,6 +554,8 @@ impl DeviceWeights {
                 }
             }
         }
+        dev.gpu.sync()?;
+        w.finish_fp8()?;
         Ok(w)
     }
 }

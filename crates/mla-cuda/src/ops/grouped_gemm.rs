@@ -180,13 +180,17 @@ impl GroupedGemmKernels {
         TileM::pick(tokens, top_k, experts, if self.wgmma.is_some() { TileM::Rows128 } else { TileM::Rows64 })
     }
 
-    /// `tile_for` for weights in a given format (`fp8`: block-FP8): a family with kernels for
-    /// it. Every family has FP8 kernels, so this is `tile_for`'s choice; FP8 callers ask here so
-    /// that a format-specific choice has one place to go (the wgmma FP8 kernels are not yet
-    /// measured against the 64-row ones).
+    /// `tile_for` for weights in a given format (`fp8`: block-FP8). The FP8 wgmma kernels convert
+    /// each weight slice through registers with one raw slice in flight, and lose to the 64-row
+    /// mma.sync ones while experts get at most 64 rows each (V2-Lite's experts at 256 tokens:
+    /// 0.455 ms against 0.531 to 0.584 ms; H100, run F5 in docs/runs/2026-11-26.md), so FP8 takes
+    /// 64-row tiles there and the wgmma kernels only for prefill-sized batches (1.71 ms against
+    /// 2.80 ms at 4096 tokens).
     pub fn tile_for_mats(&self, tokens: usize, top_k: usize, experts: usize, fp8: bool) -> TileM {
         let tile = self.tile_for(tokens, top_k, experts);
-        debug_assert!(!fp8 || self.available_fp8().contains(&tile));
+        if fp8 && tile == TileM::Rows128 && tokens * top_k <= 64 * experts {
+            return TileM::Rows64;
+        }
         tile
     }
 

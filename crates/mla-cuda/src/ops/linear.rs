@@ -2,7 +2,7 @@
 
 use super::dims::{LATENT, NOPE, ROPE, V_HEAD};
 use super::ensure_len;
-use super::gemv_fp8::Fp8Linear;
+use super::gemv_fp8::{Fp8Linear, FP8_BLOCK};
 use crate::gpu::{Blas, DSlice, Gemm, GemmOut};
 use half::bf16;
 
@@ -27,21 +27,39 @@ impl<'a> Linear<'a> {
 #[derive(Clone, Copy)]
 pub enum Proj<'a> {
     Bf16(Linear<'a>),
-    Fp8(Fp8Linear<'a>),
+    /// `lt_scales`: the scale grid as cuBLASLt's block-scaled GEMM reads it, rows padded to a
+    /// multiple of 4 scales (see `fp8_lt_scale_ld`); `w.scale_inv` itself when no padding is due.
+    Fp8 {
+        w: Fp8Linear<'a>,
+        lt_scales: DSlice<'a, f32>,
+    },
 }
 
-impl Proj<'_> {
+/// Row stride cuBLASLt's BLK128x128 scales have for a weight of `inp` columns: `ceil(inp / 128)`
+/// rounded up to a multiple of 4 (16 bytes). With the checkpoint's unpadded grid it reads the
+/// wrong scales whenever that count is not a multiple of 4 (K = 256, 10944: H100, cuBLASLt 13.1).
+pub fn fp8_lt_scale_ld(inp: usize) -> usize {
+    inp.div_ceil(FP8_BLOCK).next_multiple_of(4)
+}
+
+impl<'a> Proj<'a> {
+    /// An FP8 projection whose scale grid needs no padding for cuBLASLt (panics otherwise).
+    pub fn fp8(w: Fp8Linear<'a>) -> Self {
+        assert_eq!(fp8_lt_scale_ld(w.inp), w.inp.div_ceil(FP8_BLOCK), "this grid needs a padded copy for cuBLASLt");
+        Proj::Fp8 { w, lt_scales: w.scale_inv }
+    }
+
     pub fn out(&self) -> usize {
         match self {
             Proj::Bf16(l) => l.out,
-            Proj::Fp8(l) => l.out,
+            Proj::Fp8 { w, .. } => w.out,
         }
     }
 
     pub fn inp(&self) -> usize {
         match self {
             Proj::Bf16(l) => l.inp,
-            Proj::Fp8(l) => l.inp,
+            Proj::Fp8 { w, .. } => w.inp,
         }
     }
 }

@@ -39,7 +39,7 @@ pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
 pub use gemv_fp8::{Fp8Linear, GemvFp8Kernels, FP8_BLOCK};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, Sm90Schedule, TileM};
 pub use latent::{AbsorbQ, LatentKernels, RopeCache};
-pub use linear::{Linear, Proj, Strided};
+pub use linear::{fp8_lt_scale_ld, Linear, Proj, Strided};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams};
 pub use moe_gemv::{MoeGemvExperts, MoeGemvKernels, MoeGemvRouter};
 pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
