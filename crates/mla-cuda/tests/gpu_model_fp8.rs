@@ -268,10 +268,12 @@ fn v3_fp8_real_dims_greedy_continuation_matches_hf_until_a_near_tie() {
     }
 }
 
-/// Prefill through the W8A8 path (activations quantized per row and 128 columns, cuBLASLt's
-/// block-scaled GEMM) against HF on the same model with the same activation quantization emulated
-/// in f32: within our bf16 noise (2x HF's own bf16-vs-f32 mean deviation + 0.01), and measurably
-/// closer to that oracle than to the unquantized-activation one.
+/// Prefill through the W8A8 path (activations of the dense projections quantized per row and 128
+/// columns, cuBLASLt's block-scaled GEMM; the expert GEMMs stay W8A16) against HF on the exact
+/// dequantization (f32) and with every FP8 linear's input quantized (the W8A8 oracle, which also
+/// quantizes the experts' inputs). Quantizing a subset of those inputs, ours may move from the f32
+/// logits by no more than the W8A8 oracle does plus our bf16 noise (2x HF's own bf16-vs-f32 mean
+/// deviation), and it must move: a W8A8 path that silently ran W8A16 would sit on the f32 logits.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantization() {
@@ -294,7 +296,16 @@ fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantizatio
             max_abs_rows(&ours, &w8a8)
         );
         assert!(ours.iter().flatten().all(|x| x.is_finite()), "{}: non-finite logits", p.name);
-        assert!(d_w8a8 <= 2.0 * hf + 0.01, "{}: W8A8 prefill deviates {d_w8a8} from the W8A8 oracle", p.name);
-        assert!(d_w8a8 < d_f32, "{}: W8A8 prefill is not closer to the W8A8 oracle than to f32", p.name);
+        let oracle_shift = mean_abs(&w8a8, &f32_ref);
+        assert!(
+            d_f32 <= oracle_shift + 2.0 * hf,
+            "{}: W8A8 prefill moves {d_f32} from f32, the W8A8 oracle {oracle_shift}",
+            p.name
+        );
+        assert!(
+            d_f32 > 2.0 * hf,
+            "{}: W8A8 prefill sits on the f32 logits ({d_f32}): activations not quantized?",
+            p.name
+        );
     }
 }

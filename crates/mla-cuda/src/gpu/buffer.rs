@@ -112,7 +112,7 @@ impl<T> DeviceBuffer<T> {
         self.slice().tail(start)
     }
 
-    /// Synchronous host -> device copy into the start of the buffer.
+    /// Host -> device copy into the start of the buffer, complete when this returns.
     pub fn upload(&self, data: &[T]) -> Result<()> {
         self.upload_at(0, data)
     }
@@ -124,7 +124,8 @@ impl<T> DeviceBuffer<T> {
         }
         let dst = self.ptr + (start * std::mem::size_of::<T>()) as u64;
         // SAFETY: the assertion above keeps the copy inside the allocation.
-        unsafe { result::memcpy_htod_sync(dst, data) }.ctx("copying host to device")
+        unsafe { result::memcpy_htod_sync(dst, data) }.ctx("copying host to device")?;
+        wait_for_legacy_copies()
     }
 
     /// Synchronous device -> host copy of the whole buffer (tests and loading only).
@@ -241,4 +242,14 @@ impl<T> Drop for PinnedBuffer<T> {
             let _ = result::free_host(self.ptr as *mut _);
         }
     }
+}
+
+/// Waits for the copies queued on the legacy default stream. `cuMemcpyHtoD` from pageable memory
+/// returns once the data is staged, possibly before the DMA lands, and `cuMemcpyDtoD` does not
+/// wait at all; our kernels run on a non-blocking stream that is not ordered after either, so a
+/// kernel reading freshly uploaded data could see the old contents (it did: FP8 weights quantized
+/// from a staging buffer were now and then stale, H100, 2026-11-26).
+pub fn wait_for_legacy_copies() -> Result<()> {
+    // SAFETY: the null stream handle names the legacy default stream of the current context.
+    unsafe { result::stream::synchronize(std::ptr::null_mut()) }.ctx("waiting for host-to-device copies")
 }

@@ -18,7 +18,7 @@ pub mod nccl;
 
 pub use blas::{Blas, Gemm, GemmOut};
 pub use blas_lt::{BlasLt, Fp8BlockGemm};
-pub use buffer::{download as download_slice, DSlice, DeviceBuffer, PinnedBuffer};
+pub use buffer::{download as download_slice, wait_for_legacy_copies, DSlice, DeviceBuffer, PinnedBuffer};
 pub use context::{Gpu, GpuInfo};
 pub use event::Event;
 pub use graph::{Graph, GraphNode};

@@ -83,7 +83,7 @@ impl Mat {
             }
             .map_err(|e| anyhow::anyhow!("copying FP8 scales for cuBLASLt: {e:?}"))?;
         }
-        Ok(())
+        Ok(crate::gpu::wait_for_legacy_copies()?)
     }
 
     /// The weight for `SmallLinear`, which picks the kernel by format.
@@ -603,5 +603,7 @@ fn upload<T>(dst: DSlice<T>, data: &[T]) -> anyhow::Result<()> {
     anyhow::ensure!(dst.len == data.len(), "upload of {} elements into {}", data.len(), dst.len);
     // SAFETY: the lengths are equal (checked above), so the copy stays inside `dst`.
     unsafe { cudarc::driver::result::memcpy_htod_sync(dst.ptr, data) }
-        .map_err(|e| anyhow::anyhow!("copying weights to the device: {e:?}"))
+        .map_err(|e| anyhow::anyhow!("copying weights to the device: {e:?}"))?;
+    // The staging buffer is read by a kernel on the model's stream right after this.
+    Ok(crate::gpu::wait_for_legacy_copies()?)
 }
