@@ -5,8 +5,9 @@ demo tokenizer copied next to it (both have 512 ids). The prompts go in as token
 one request so they are batched; the generated ids come back through `return_tokens_as_token_ids`
 and must equal HF's greedy continuation up to the first near-tie (top-2 logit gap < 1e-3).
 
-With MLA_E2E_DEVICE=cuda (run on a GPU machine) the server runs `--device cuda` in bf16 on the
-fixture whose MLA dims the kernels are built for (real_dims), and a near-tie is a gap below 0.05:
+With MLA_E2E_DEVICE=cuda (run on a GPU machine) the server runs `--device cuda` on the fixtures
+whose MLA dims the kernels are built for (real_dims in bf16; v3_fp8_real_dims with its block-FP8
+weights kept in FP8, prompts prefilled in W8A8), and a near-tie is a gap below 0.05:
 HF's own bf16 run moves logits by up to ~0.02 around its f32 values on these models (measured on
 the H200, docs/cuda-backend.md), so a smaller gap may flip in bf16 without any bug.
 """
@@ -29,7 +30,7 @@ EXTRA_FLAGS = os.environ.get("MLA_E2E_FLAGS", "").split()
 # cuda (node i sees GPU i only): the multi-node path without a second machine.
 NODES = int(os.environ.get("MLA_E2E_NODES", "1"))
 if DEVICE == "cuda":
-    VARIANTS = ["real_dims"]
+    VARIANTS = ["real_dims", "v3_fp8_real_dims"]
     NEAR_TIE = 0.05
     DEVICE_FLAGS = ["--device", "cuda", "--gpu-memory-utilization", "0.3"]
 else:
