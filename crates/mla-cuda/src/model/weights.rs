@@ -331,27 +331,38 @@ impl DeviceWeights {
         s
     }
 
-    /// Allocates (uninitialised) device memory for every tensor of `cfg`.
-    fn alloc(cfg: &ModelConfig) -> anyhow::Result<Self> {
+    /// Allocates (uninitialised) device memory for every tensor of `cfg`, a rank's own config
+    /// under `layout`. A matrix a rank holds a cut of is FP8 only when the cut falls on scale
+    /// blocks (its local width along the cut a multiple of 128), so that the checkpoint's FP8
+    /// blocks stay whole; V3's shares under TP8 all do.
+    fn alloc(cfg: &ModelConfig, layout: RankLayout) -> anyhow::Result<Self> {
         let h = cfg.hidden_size;
         let heads = cfg.num_attention_heads;
         let fp8 = cfg.quantization.is_some();
+        let on_blocks = |n: usize| n.is_multiple_of(FP8_BLOCK);
+        let (ffn_cut, attn_cut) = (layout.world > 1, layout.world > 1 && !layout.dp_attention);
         // A fused gate/up matrix is FP8 only when its up half starts on a scale block.
-        let mlp_fp8 = |inter: usize| fp8 && inter.is_multiple_of(FP8_BLOCK) && h.is_multiple_of(16);
+        let mlp_fp8 = |inter: usize| fp8 && on_blocks(inter) && h.is_multiple_of(16);
         let mlp = |inter: usize, fp8: bool| -> anyhow::Result<MlpWeights> {
             Ok(MlpWeights {
                 gate_up: Mat::alloc_maybe_fp8(2 * inter, h, fp8 && mlp_fp8(inter))?,
-                down: Mat::alloc_maybe_fp8(h, inter, fp8)?,
+                down: Mat::alloc_maybe_fp8(h, inter, fp8 && (!ffn_cut || on_blocks(inter)))?,
             })
         };
+        // Attention projections cut by heads under TP: q / q_b by rows, o_proj by columns.
+        let attn_fp8 = |cut_dim: usize| fp8 && (!attn_cut || on_blocks(cut_dim));
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let query = match cfg.q_lora_rank {
-                None => QueryWeights::Direct(Mat::alloc_maybe_fp8(heads * cfg.q_head_dim(), h, fp8)?),
+                None => QueryWeights::Direct(Mat::alloc_maybe_fp8(
+                    heads * cfg.q_head_dim(),
+                    h,
+                    attn_fp8(heads * cfg.q_head_dim()),
+                )?),
                 Some(r) => QueryWeights::LowRank {
                     a: Mat::alloc_maybe_fp8(r, h, fp8)?,
                     a_norm: DeviceBuffer::alloc(r)?,
-                    b: Mat::alloc_maybe_fp8(heads * cfg.q_head_dim(), r, fp8)?,
+                    b: Mat::alloc_maybe_fp8(heads * cfg.q_head_dim(), r, attn_fp8(heads * cfg.q_head_dim()))?,
                 },
             };
             let ffn = if cfg.is_moe_layer(i) {
@@ -375,7 +386,7 @@ impl DeviceWeights {
                 kv_a: Mat::alloc_maybe_fp8(cfg.kv_cache_dim(), h, fp8)?,
                 kv_a_norm: DeviceBuffer::alloc(cfg.kv_lora_rank)?,
                 kv_b: Mat::alloc(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
-                o_proj: Mat::alloc_maybe_fp8(h, heads * cfg.v_head_dim, fp8)?,
+                o_proj: Mat::alloc_maybe_fp8(h, heads * cfg.v_head_dim, attn_fp8(heads * cfg.v_head_dim))?,
                 post_norm: DeviceBuffer::alloc(h)?,
                 ffn,
             });
@@ -458,7 +469,7 @@ impl DeviceWeights {
         dev: &Device,
     ) -> anyhow::Result<Self> {
         let local = layout.local_config(cfg);
-        let w = Self::alloc(&local)?;
+        let w = Self::alloc(&local, layout)?;
         let (full_spec, local_spec) = (ModelSpec::new(cfg), ModelSpec::new(&local));
         let full: HashMap<&str, &TensorSpec> = full_spec.tensors().into_iter().map(|t| (t.name.as_str(), t)).collect();
         let dests = w.destinations(&local_spec);
@@ -536,7 +547,7 @@ impl DeviceWeights {
     /// FP8 matrices are drawn in bf16 and quantized.
     pub fn dummy(cfg: &ModelConfig, dev: &Device, seed: u64) -> anyhow::Result<Self> {
         let (k, stream) = (&dev.k, dev.stream());
-        let w = Self::alloc(cfg)?;
+        let w = Self::alloc(cfg, RankLayout::SINGLE)?;
         let spec = ModelSpec::new(cfg);
         let source = DummyWeights::new(seed);
         let dests = w.destinations(&spec);
