@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 /// Where the weights come from.
 #[derive(Clone)]
 pub enum WeightsFrom {
-    /// A HF model directory (bf16, or block-fp8 dequantized to bf16 while loading).
+    /// A HF model directory (bf16, or block-FP8 kept in FP8; `model::weights`).
     Checkpoint(PathBuf),
     /// `--load-format dummy`: random values drawn on the device (fast, any size).
     DummyOnDevice { seed: u64 },
