@@ -219,11 +219,10 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     let mut cfg = ModelConfig::from_file_with_overrides(&a.config, &overrides)?;
     match a.quantization.as_deref() {
         None => {}
-        Some("fp8") => {
-            if cfg.quantization.is_none() {
-                cfg.quantization = Some(mla_core::config::Fp8BlockQuant { block: mla_core::fp8::DEEPSEEK_BLOCK });
-            }
+        Some("fp8") if cfg.quantization.is_none() => {
+            cfg.quantization = Some(mla_core::config::Fp8BlockQuant { block: mla_core::fp8::DEEPSEEK_BLOCK });
         }
+        Some("fp8") => {}
         Some(m) => anyhow::bail!("--quantization {m}: only fp8 is implemented"),
     }
     let fp8_weights = cfg.quantization.is_some();

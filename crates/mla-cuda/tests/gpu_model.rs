@@ -380,32 +380,7 @@ fn cuda_matches_the_cpu_backend_on_v2_and_v3_shapes_with_real_mla_dims() {
             ..Default::default()
         };
         let mut gpu = CudaBackend::new(cfg.clone(), WeightsFrom::Host(std::sync::Arc::new(dummy(true))), opts).unwrap();
-        let tables = [vec![9u32, 2, 14], vec![5u32, 11]];
-        let prompts: [Vec<u32>; 2] =
-            [(0..90).map(|i| (i * 37 + 5) % 512).collect(), (0..37).map(|i| (i * 53 + 1) % 512).collect()];
-        let mut plans = vec![
-            // Sequence 0 in two chunks (the second continues the cached prefix), sequence 1 whole.
-            StepPlan {
-                kind: StepKind::Prefill,
-                seqs: vec![seq(0, &prompts[0][..50], 0, &tables[0], LogitsRequest::All, None)],
-            },
-            StepPlan {
-                kind: StepKind::Prefill,
-                seqs: vec![
-                    seq(0, &prompts[0][50..], 50, &tables[0], LogitsRequest::All, None),
-                    seq(1, &prompts[1], 0, &tables[1], LogitsRequest::All, None),
-                ],
-            },
-        ];
-        for j in 0..8u32 {
-            plans.push(StepPlan {
-                kind: StepKind::Decode,
-                seqs: vec![
-                    seq(0, &[7 + j], 90 + j as usize, &tables[0], LogitsRequest::Last, None),
-                    seq(1, &[100 + 3 * j], 37 + j as usize, &tables[1], LogitsRequest::Last, None),
-                ],
-            });
-        }
+        let plans = ragged_plans(8);
         let (mut reference, mut ours, mut noisy) = (vec![], vec![], vec![]);
         for p in &plans {
             let (r, g, n) = (cpu.step(p).unwrap(), gpu.step(p).unwrap(), cpu_f32.step(p).unwrap());

@@ -53,36 +53,6 @@ fn opts() -> CudaOptions {
     }
 }
 
-/// A ragged prefill in two chunks over two sequences, then `decode` two-sequence decode steps.
-fn plans(decode: u32) -> Vec<StepPlan> {
-    let tables = [vec![9u32, 2, 14], vec![5u32, 11]];
-    let prompts: [Vec<u32>; 2] =
-        [(0..90).map(|i| (i * 37 + 5) % 512).collect(), (0..37).map(|i| (i * 53 + 1) % 512).collect()];
-    let mut plans = vec![
-        StepPlan {
-            kind: StepKind::Prefill,
-            seqs: vec![seq(0, &prompts[0][..50], 0, &tables[0], LogitsRequest::All, None)],
-        },
-        StepPlan {
-            kind: StepKind::Prefill,
-            seqs: vec![
-                seq(0, &prompts[0][50..], 50, &tables[0], LogitsRequest::All, None),
-                seq(1, &prompts[1], 0, &tables[1], LogitsRequest::All, None),
-            ],
-        },
-    ];
-    for j in 0..decode {
-        plans.push(StepPlan {
-            kind: StepKind::Decode,
-            seqs: vec![
-                seq(0, &[7 + j], 90 + j as usize, &tables[0], LogitsRequest::Last, None),
-                seq(1, &[100 + 3 * j], 37 + j as usize, &tables[1], LogitsRequest::Last, None),
-            ],
-        });
-    }
-    plans
-}
-
 fn bits_differ(a: &[Vec<f32>], b: &[Vec<f32>]) -> usize {
     a.iter().flatten().zip(b.iter().flatten()).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
 }
@@ -112,7 +82,7 @@ fn fp8_weights_compute_exactly_their_bf16_dequantization() {
         let (mut with_gemv, mut without_gemv) = (fp8(true, true), fp8(false, false));
         let mut eager_gemv = fp8(true, false);
         let experts = if moe_inter % 128 == 0 { "FP8" } else { "bf16" };
-        for (s, p) in plans(6).iter().enumerate() {
+        for (s, p) in ragged_plans(6).iter().enumerate() {
             let want: Vec<Vec<f32>> = ref_gpu.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
             let a: Vec<Vec<f32>> = with_gemv.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
             let b: Vec<Vec<f32>> = without_gemv.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect();
@@ -156,7 +126,7 @@ fn three_backends_of_one_model_agree_bit_for_bit() {
             .into_iter()
             .map(|g| CudaBackend::new(cfg.clone(), WeightsFrom::Host(dummy()), graphs(g)).unwrap())
             .collect();
-        for (s, p) in plans(3).iter().enumerate() {
+        for (s, p) in ragged_plans(3).iter().enumerate() {
             let outs: Vec<Vec<Vec<f32>>> = backends
                 .iter_mut()
                 .map(|b| b.step(p).unwrap().seqs.into_iter().flat_map(|x| x.logits).collect())
@@ -179,6 +149,34 @@ fn fixture_dir() -> PathBuf {
     repo_root().join("tests/fixtures/v3_fp8_real_dims")
 }
 
+/// One oracle prompt of the fixture: the tokens to prefill (prompt and HF's continuation), HF's
+/// logits in f32, bf16 (CUDA) and with W8A8 emulated, and a block table of its own.
+struct FixtureCase {
+    prompt: Prompt,
+    tokens: Vec<u32>,
+    f32_ref: Vec<Vec<f32>>,
+    bf16_ref: Vec<Vec<f32>>,
+    w8a8_ref: Vec<Vec<f32>>,
+    table: Vec<u32>,
+}
+
+fn fixture_cases() -> Vec<FixtureCase> {
+    let dir = fixture_dir();
+    let logits = |file: &str, name: &str| oracle_logits(&dir, file, name);
+    oracle(&dir)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| FixtureCase {
+            tokens: p.prompt.iter().chain(&p.continuation).copied().collect(),
+            f32_ref: logits("oracle_f32.safetensors", &p.name),
+            bf16_ref: logits("oracle_bf16_cuda.safetensors", &p.name),
+            w8a8_ref: logits("oracle_w8a8_f32.safetensors", &p.name),
+            table: vec![40 - 2 * i as u32, 7 + 3 * i as u32],
+            prompt: p,
+        })
+        .collect()
+}
+
 fn fixture_backend(w8a8: bool) -> CudaBackend {
     let cfg = ModelConfig::from_file(&fixture_dir().join("config.json")).unwrap();
     assert!(cfg.quantization.is_some(), "the fixture is a block-FP8 checkpoint");
@@ -194,34 +192,27 @@ fn fixture_backend(w8a8: bool) -> CudaBackend {
 #[ignore = "needs an NVIDIA GPU"]
 fn v3_fp8_real_dims_matches_hf_on_its_exact_dequantization() {
     let mut b = fixture_backend(false);
-    let dir = fixture_dir();
-    for (i, p) in oracle(&dir).iter().enumerate() {
-        let tokens: Vec<u32> = p.prompt.iter().chain(&p.continuation).copied().collect();
-        let f32_ref = oracle_logits(&dir, "oracle_f32.safetensors", &p.name);
-        let bf16_ref = oracle_logits(&dir, "oracle_bf16_cuda.safetensors", &p.name);
-        let w8a8 = oracle_logits(&dir, "oracle_w8a8_f32.safetensors", &p.name);
-        println!("{}: W8A8 emulation vs f32 oracle: mean |Δ| {:.4}", p.name, mean_abs(&w8a8, &f32_ref));
-        let table: Vec<u32> = vec![40 - 2 * i as u32, 7 + 3 * i as u32];
+    for c in fixture_cases() {
+        let (p, table, f32_ref, bf16_ref) = (&c.prompt, &c.table, &c.f32_ref, &c.bf16_ref);
+        println!("{}: W8A8 emulation vs f32 oracle: mean |Δ| {:.4}", p.name, mean_abs(&c.w8a8_ref, f32_ref));
         let out = b
             .step(&StepPlan {
                 kind: StepKind::Prefill,
-                seqs: vec![seq(1, &tokens, 0, &table, LogitsRequest::All, None)],
+                seqs: vec![seq(1, &c.tokens, 0, table, LogitsRequest::All, None)],
             })
             .unwrap();
-        check_logits(&format!("{} one prefill", p.name), &out.seqs[0].logits, &f32_ref, &bf16_ref);
+        check_logits(&format!("{} one prefill", p.name), &out.seqs[0].logits, f32_ref, bf16_ref);
         // Prompt prefill, then every continuation token through the decode path (FP8 GEMVs).
         let n = p.prompt.len();
         let plan =
-            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(3, &p.prompt, 0, &table, LogitsRequest::All, None)] };
+            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(3, &p.prompt, 0, table, LogitsRequest::All, None)] };
         let mut rows = b.step(&plan).unwrap().seqs[0].logits.clone();
         for (j, &tk) in p.continuation.iter().enumerate() {
-            let plan = StepPlan {
-                kind: StepKind::Decode,
-                seqs: vec![seq(3, &[tk], n + j, &table, LogitsRequest::Last, None)],
-            };
+            let plan =
+                StepPlan { kind: StepKind::Decode, seqs: vec![seq(3, &[tk], n + j, table, LogitsRequest::Last, None)] };
             rows.extend(b.step(&plan).unwrap().seqs[0].logits.clone());
         }
-        check_logits(&format!("{} prefill + decode", p.name), &rows, &f32_ref, &bf16_ref);
+        check_logits(&format!("{} prefill + decode", p.name), &rows, f32_ref, bf16_ref);
         for (j, (&tk, &gap)) in p.continuation.iter().zip(&p.gaps).enumerate() {
             if gap >= 0.05 {
                 assert_eq!(
@@ -278,25 +269,20 @@ fn v3_fp8_real_dims_greedy_continuation_matches_hf_until_a_near_tie() {
 #[ignore = "needs an NVIDIA GPU"]
 fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantization() {
     let mut b = fixture_backend(true);
-    let dir = fixture_dir();
-    for (i, p) in oracle(&dir).iter().enumerate() {
-        let tokens: Vec<u32> = p.prompt.iter().chain(&p.continuation).copied().collect();
-        let f32_ref = oracle_logits(&dir, "oracle_f32.safetensors", &p.name);
-        let bf16_ref = oracle_logits(&dir, "oracle_bf16_cuda.safetensors", &p.name);
-        let w8a8 = oracle_logits(&dir, "oracle_w8a8_f32.safetensors", &p.name);
-        let table: Vec<u32> = vec![40 - 2 * i as u32, 7 + 3 * i as u32];
+    for c in fixture_cases() {
+        let (p, f32_ref, bf16_ref, w8a8) = (&c.prompt, &c.f32_ref, &c.bf16_ref, &c.w8a8_ref);
         let plan =
-            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &tokens, 0, &table, LogitsRequest::All, None)] };
+            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &c.tokens, 0, &c.table, LogitsRequest::All, None)] };
         let ours = b.step(&plan).unwrap().seqs[0].logits.clone();
-        let (hf, d_w8a8, d_f32) = (mean_abs(&bf16_ref, &f32_ref), mean_abs(&ours, &w8a8), mean_abs(&ours, &f32_ref));
+        let (hf, d_w8a8, d_f32) = (mean_abs(bf16_ref, f32_ref), mean_abs(&ours, w8a8), mean_abs(&ours, f32_ref));
         println!(
             "{}: W8A8 prefill: mean |ours-w8a8 oracle| {d_w8a8:.4}, |ours-f32 oracle| {d_f32:.4}, |w8a8-f32| {:.4}, HF bf16 noise {hf:.4}; max |ours-w8a8| {:.3}",
             p.name,
-            mean_abs(&w8a8, &f32_ref),
-            max_abs_rows(&ours, &w8a8)
+            mean_abs(w8a8, f32_ref),
+            max_abs_rows(&ours, w8a8)
         );
         assert!(ours.iter().flatten().all(|x| x.is_finite()), "{}: non-finite logits", p.name);
-        let oracle_shift = mean_abs(&w8a8, &f32_ref);
+        let oracle_shift = mean_abs(w8a8, f32_ref);
         assert!(
             d_f32 <= oracle_shift + 2.0 * hf,
             "{}: W8A8 prefill moves {d_f32} from f32, the W8A8 oracle {oracle_shift}",

@@ -48,7 +48,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         for m in ROWS {
             let xs = Strided::new(x.slice(), k);
             let ys = Strided::new(y.slice(), n);
-            let t_bf16 = time_ms(dev, 20, 7, |_| Ok(dev.blas.linear(&Linear::new(wb.slice(), n, k), xs, m, ys)?))?;
+            let t_bf16 = time_ms(dev, 20, 7, |_| dev.blas.linear(&Linear::new(wb.slice(), n, k), xs, m, ys))?;
             let t_w8a8 = time_ms(dev, 20, 7, |_| w8a8.linear(dev, &Proj::fp8(lin8), xs, m, ys))?;
             let act = Fp8Act { q: q.slice(), scales: qs.slice(), scale_ld: m };
             dev.k.fp8_convert.quantize_act(dev.stream(), xs, m, k, &act)?;

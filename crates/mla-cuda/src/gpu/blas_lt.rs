@@ -39,8 +39,11 @@ pub struct Fp8BlockGemm {
 pub struct BlasLt {
     handle: sys::cublasLtHandle_t,
     workspace: DeviceBuffer<u8>,
-    plans: RefCell<HashMap<(usize, usize, usize, usize, usize), Plan>>,
+    plans: RefCell<HashMap<PlanKey, Plan>>,
 }
+
+/// rows, out, inp, y stride, activation-scale leading dimension.
+type PlanKey = (usize, usize, usize, usize, usize);
 
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -84,71 +87,73 @@ impl BlasLt {
     /// The plan for a shape, made at its first use (`NOT_SUPPORTED` where cuBLASLt has no kernel:
     /// row counts that are not a multiple of 4, K not a multiple of 16, GPUs other than sm_90).
     fn plan(&self, g: &Fp8BlockGemm) -> Result<std::cell::RefMut<'_, Plan>> {
-        use sys::cublasLtMatmulDescAttributes_t as A;
         let key = (g.rows, g.out, g.inp, g.y_stride, g.x_scale_ld);
         let mut plans = self.plans.borrow_mut();
-        if !plans.contains_key(&key) {
-            let (m, n, k) = (g.rows as u64, g.out as u64, g.inp as u64);
-            let f8 = sys::cudaDataType_t::CUDA_R_8F_E4M3;
-            // SAFETY: descriptors are created here and owned by the plan; attribute values are
-            // plain enums/ints of the sizes cuBLASLt documents.
-            let plan = unsafe {
-                let desc = check(
-                    lt::create_matmul_desc(
-                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        sys::cudaDataType_t::CUDA_R_32F,
-                    ),
-                    "cublasLtMatmulDescCreate",
-                )?;
-                let mut plan = Plan {
-                    desc,
-                    a: check(lt::create_matrix_layout(f8, k, n, k as i64), "layout of W")?,
-                    b: check(lt::create_matrix_layout(f8, k, m, k as i64), "layout of X")?,
-                    d: check(
-                        lt::create_matrix_layout(sys::cudaDataType_t::CUDA_R_16BF, n, m, g.y_stride as i64),
-                        "layout of Y",
-                    )?,
-                    algo: std::mem::zeroed(),
-                };
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T)?;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N)?;
-                let blk = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-                let vec = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk)?;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec)?;
-                // The heuristic answers INVALID_VALUE while the scale pointers are unset (H100,
-                // cuBLASLt 13.1): give it the first call's; every call sets its own.
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scales)?;
-                set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scales)?;
-                let pref = check(lt::create_matmul_pref(), "cublasLtMatmulPreferenceCreate")?;
-                let ws = WORKSPACE_BYTES as u64;
-                let r = check(
-                    lt::set_matmul_pref_attribute(
-                        pref,
-                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                        &ws as *const u64 as *const c_void,
-                        size_of::<u64>(),
-                    ),
-                    "cublasLtMatmulPreferenceSetAttribute",
-                )
-                .and_then(|_| {
-                    check(
-                        lt::get_matmul_algo_heuristic(self.handle, desc, plan.a, plan.b, plan.d, plan.d, pref),
-                        "no cuBLASLt kernel for this block-scaled FP8 GEMM",
-                    )
-                });
-                let _ = lt::destroy_matmul_pref(pref);
-                plan.algo = r
-                    .map_err(|mut e| {
-                        e.detail = format!("{} (M={m}, N={n}, K={k})", e.detail);
-                        e
-                    })?
-                    .algo;
-                plan
-            };
-            plans.insert(key, plan);
+        if let std::collections::hash_map::Entry::Vacant(slot) = plans.entry(key) {
+            slot.insert(self.make_plan(g)?);
         }
         Ok(std::cell::RefMut::map(plans, |p| p.get_mut(&key).expect("inserted above")))
+    }
+
+    /// Descriptors, layouts and the heuristic's algorithm for one shape.
+    fn make_plan(&self, g: &Fp8BlockGemm) -> Result<Plan> {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        let (m, n, k) = (g.rows as u64, g.out as u64, g.inp as u64);
+        let f8 = sys::cudaDataType_t::CUDA_R_8F_E4M3;
+        // SAFETY: descriptors are created here and owned by the plan; attribute values are
+        // plain enums/ints of the sizes cuBLASLt documents.
+        let plan = unsafe {
+            let desc = check(
+                lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F),
+                "cublasLtMatmulDescCreate",
+            )?;
+            let mut plan = Plan {
+                desc,
+                a: check(lt::create_matrix_layout(f8, k, n, k as i64), "layout of W")?,
+                b: check(lt::create_matrix_layout(f8, k, m, k as i64), "layout of X")?,
+                d: check(
+                    lt::create_matrix_layout(sys::cudaDataType_t::CUDA_R_16BF, n, m, g.y_stride as i64),
+                    "layout of Y",
+                )?,
+                algo: std::mem::zeroed(),
+            };
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T)?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N)?;
+            let blk = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+            let vec = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &blk)?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec)?;
+            // The heuristic answers INVALID_VALUE while the scale pointers are unset (H100,
+            // cuBLASLt 13.1): give it the first call's; every call sets its own.
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.w_scales)?;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.x_scales)?;
+            let pref = check(lt::create_matmul_pref(), "cublasLtMatmulPreferenceCreate")?;
+            let ws = WORKSPACE_BYTES as u64;
+            let r = check(
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const u64 as *const c_void,
+                    size_of::<u64>(),
+                ),
+                "cublasLtMatmulPreferenceSetAttribute",
+            )
+            .and_then(|_| {
+                check(
+                    lt::get_matmul_algo_heuristic(self.handle, desc, plan.a, plan.b, plan.d, plan.d, pref),
+                    "no cuBLASLt kernel for this block-scaled FP8 GEMM",
+                )
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            plan.algo = r
+                .map_err(|mut e| {
+                    e.detail = format!("{} (M={m}, N={n}, K={k})", e.detail);
+                    e
+                })?
+                .algo;
+            plan
+        };
+        Ok(plan)
     }
 
     /// Queues the GEMM on `stream` (capturable into a CUDA graph once its plan exists).

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use half::bf16;
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep};
+use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
 use mla_core::weights::TensorSpec;
 use mla_core::ModelConfig;
 use mla_core::SplitMix64;
@@ -435,4 +435,34 @@ impl Fp8Stack {
     pub fn upload(&self) -> (DeviceBuffer<u8>, DeviceBuffer<f32>) {
         (up(&self.bytes), up(&self.scales))
     }
+}
+
+/// A ragged prefill in two chunks over two sequences, then `decode` two-sequence decode steps.
+pub fn ragged_plans(decode: u32) -> Vec<StepPlan> {
+    let tables = [vec![9u32, 2, 14], vec![5u32, 11]];
+    let prompts: [Vec<u32>; 2] =
+        [(0..90).map(|i| (i * 37 + 5) % 512).collect(), (0..37).map(|i| (i * 53 + 1) % 512).collect()];
+    let mut plans = vec![
+        StepPlan {
+            kind: StepKind::Prefill,
+            seqs: vec![seq(0, &prompts[0][..50], 0, &tables[0], LogitsRequest::All, None)],
+        },
+        StepPlan {
+            kind: StepKind::Prefill,
+            seqs: vec![
+                seq(0, &prompts[0][50..], 50, &tables[0], LogitsRequest::All, None),
+                seq(1, &prompts[1], 0, &tables[1], LogitsRequest::All, None),
+            ],
+        },
+    ];
+    for j in 0..decode {
+        plans.push(StepPlan {
+            kind: StepKind::Decode,
+            seqs: vec![
+                seq(0, &[7 + j], 90 + j as usize, &tables[0], LogitsRequest::Last, None),
+                seq(1, &[100 + 3 * j], 37 + j as usize, &tables[1], LogitsRequest::Last, None),
+            ],
+        });
+    }
+    plans
 }
