@@ -10,10 +10,10 @@
 //! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16). Larger
 //! steps, on Hopper, quantize the activations per row and 128 columns and run cuBLASLt's
 //! block-scaled FP8 GEMM (W8A8, what DeepGEMM, vLLM and SGLang compute) on the rows up to a
-//! multiple of 4, the GEMV on the rest. Otherwise (other GPUs,
-//! or `fp8_w8a8` off for exact comparisons) they dequantize the weight into a bf16 scratch matrix
-//! (`bf16(fp8 · scale)`, the very weight the bf16 loader used to build) and run cuBLAS: exact
-//! W8A16, but 2.5x the bf16 bytes.
+//! multiple of 4, the GEMV on the rest. Otherwise (other GPUs, or `fp8_w8a8` off for exact
+//! comparisons) they dequantize the weight into a bf16 scratch matrix (`bf16(fp8 · scale)`, the
+//! very weight the bf16 loader used to build) and run cuBLAS: exact W8A16, but 2.5x the bf16
+//! bytes.
 
 use super::weights::Fp8Share;
 use crate::device::Device;
@@ -32,8 +32,8 @@ pub struct SmallLinear {
     /// Steps of up to this many rows use the bf16 kernel (`GEMV_MAX_ROWS`; tests raise it to
     /// `GEMV_KERNEL_MAX_ROWS`).
     pub max_rows: usize,
-    /// Most rows the FP8 GEMV takes before the dequantize + cuBLAS path (tests lower it to 0 to
-    /// run that path on decode steps).
+    /// Most rows the FP8 GEMV takes before the larger-step path (tests lower it to 0 to run
+    /// that path on decode steps).
     pub fp8_gemv_max_rows: usize,
     /// How larger FP8 steps run, with its scratch.
     fp8_large: Fp8Large,
