@@ -41,7 +41,7 @@ from server import Server, run_cli
         (["--dtype", "bf16"], "--dtype bfloat16: the cpu backend computes in float32 only"),
         (["demo-a", "--model", "demo-b"], "the model is given twice"),
         (["--chat-template", "/no/such/file"], "not a Jinja template"),
-        (["--quantization", "fp8"], "--quantization fp8: not implemented"),
+        (["--quantization", "awq"], "--quantization awq: not implemented; `fp8`"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto"),
     ],
 )
@@ -162,6 +162,18 @@ def test_hf_overrides_change_the_served_model():
         assert "overridden by --hf-overrides" in server.log_text() and ": 1 layers" in server.log_text()
         reply = server.client().completions.create(model="test-v3", prompt=[1, 2, 3], max_tokens=2)
         assert reply.usage.completion_tokens == 2
+    finally:
+        server.stop()
+
+
+def test_quantization_fp8_serves_the_block_fp8_model():
+    # vLLM's flag: the demo's bf16 weights become block-FP8 on load; on the CPU the reference
+    # backend computes their exact dequantization (the GPU computes in FP8).
+    server = Server("--quantization", "fp8", "--max-model-len", "256")
+    try:
+        assert "linear weights quantized to block FP8 (--quantization fp8)" in server.log_text()
+        reply = server.client().completions.create(model="demo", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
     finally:
         server.stop()
 
