@@ -210,20 +210,12 @@ fn decode_case(
 
 pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     let overrides = match &a.hf_overrides {
-        Some(t) => match serde_json::from_str(t)? {
-            Value::Object(m) => m,
-            _ => anyhow::bail!("--hf-overrides must be a JSON object"),
-        },
+        Some(t) => mla_core::json_patch::parse_overrides(t).map_err(anyhow::Error::msg)?,
         None => Default::default(),
     };
     let mut cfg = ModelConfig::from_file_with_overrides(&a.config, &overrides)?;
-    match a.quantization.as_deref() {
-        None => {}
-        Some("fp8") if cfg.quantization.is_none() => {
-            cfg.quantization = Some(mla_core::config::Fp8BlockQuant { block: mla_core::fp8::DEEPSEEK_BLOCK });
-        }
-        Some("fp8") => {}
-        Some(m) => anyhow::bail!("--quantization {m}: only fp8 is implemented"),
+    if let Some(method) = &a.quantization {
+        cfg.apply_quantization_flag(method).map_err(anyhow::Error::msg)?;
     }
     let fp8_weights = cfg.quantization.is_some();
     let vocab = cfg.vocab_size;

@@ -61,6 +61,16 @@ pub enum RopeScaling {
     Yarn(YarnScaling),
 }
 
+/// Whether vLLM's `--quantization METHOD` names a method this server implements (only `fp8`).
+pub fn check_quantization_method(method: &str) -> Result<(), String> {
+    match method {
+        "fp8" => Ok(()),
+        _ => Err(format!(
+            "--quantization {method}: not implemented; `fp8` (block FP8, DeepSeek-V3's format) is the only method"
+        )),
+    }
+}
+
 /// FP8 block quantisation of linear weights (DeepSeek-V3 checkpoints).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fp8BlockQuant {
@@ -175,6 +185,17 @@ impl ModelConfig {
     }
 
     /// Query/key head dimension: `qk_nope_head_dim + qk_rope_head_dim`.
+    /// vLLM's `--quantization METHOD`: `fp8` makes the linear weights block-FP8 with DeepSeek's
+    /// 128x128 blocks (a checkpoint that already is keeps its own blocks); any other method is
+    /// not implemented, and the error says so.
+    pub fn apply_quantization_flag(&mut self, method: &str) -> Result<(), String> {
+        check_quantization_method(method)?;
+        if self.quantization.is_none() {
+            self.quantization = Some(Fp8BlockQuant { block: crate::fp8::DEEPSEEK_BLOCK });
+        }
+        Ok(())
+    }
+
     pub fn q_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }

@@ -4,6 +4,15 @@ use serde_json::{Map, Value};
 
 /// Applies `patch` to `target`: a patch object's fields replace `target`'s, objects merging
 /// field by field, and `null` removes a field; a patch that is not an object replaces `target`.
+/// The text of vLLM's `--hf-overrides`: a JSON object, or an error that says what it must be.
+pub fn parse_overrides(text: &str) -> Result<serde_json::Map<String, Value>, String> {
+    match serde_json::from_str(text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(format!("--hf-overrides must be a JSON object, e.g. '{{\"num_hidden_layers\": 6}}'; got {text}")),
+        Err(e) => Err(format!("--hf-overrides is not valid JSON ({e}): {text}")),
+    }
+}
+
 pub fn merge_patch(target: &mut Value, patch: &Value) {
     let Value::Object(fields) = patch else {
         *target = patch.clone();

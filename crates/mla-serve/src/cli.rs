@@ -336,10 +336,9 @@ impl Args {
 
     /// Refuses vLLM's quantization flags this server has no implementation for.
     fn check_quantization(&self) -> anyhow::Result<()> {
-        if let Some(method) = self.quantization.as_deref().filter(|m| *m != "fp8") {
-            anyhow::bail!(
-                "--quantization {method}: not implemented; `fp8` (block FP8, DeepSeek-V3's format) is the only method"
-            );
+        if let Some(method) = &self.quantization {
+            // Refused here, before anything loads; model_source applies it to the config.
+            mla_core::config::check_quantization_method(method).map_err(anyhow::Error::msg)?;
         }
         if self.kv_cache_dtype != "auto" {
             anyhow::bail!(
@@ -371,13 +370,7 @@ impl Args {
     /// `--hf-overrides` as a JSON object (empty without the flag).
     pub fn hf_overrides(&self) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
         let Some(text) = &self.hf_overrides else { return Ok(Default::default()) };
-        match serde_json::from_str(text) {
-            Ok(serde_json::Value::Object(map)) => Ok(map),
-            Ok(_) => {
-                anyhow::bail!("--hf-overrides must be a JSON object, e.g. '{{\"num_hidden_layers\": 6}}'; got {text}")
-            }
-            Err(e) => anyhow::bail!("--hf-overrides is not valid JSON ({e}): {text}"),
-        }
+        mla_core::json_patch::parse_overrides(text).map_err(anyhow::Error::msg)
     }
 
     /// The parallel layout the flags ask for (model-independent checks only; `Parallel::check`

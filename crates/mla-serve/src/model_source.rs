@@ -4,8 +4,6 @@
 use crate::cli::{Args, LoadFormat};
 use crate::{demo, hf_cache, presets};
 use anyhow::{bail, Context};
-use mla_core::config::Fp8BlockQuant;
-use mla_core::fp8::DEEPSEEK_BLOCK;
 use mla_core::ModelConfig;
 use std::path::PathBuf;
 
@@ -40,11 +38,14 @@ pub const DUMMY_WEIGHT_SEED: u64 = 0;
 
 pub fn resolve(args: &Args) -> anyhow::Result<ModelSource> {
     let mut source = resolve_files(args)?;
-    if args.quantization.as_deref() == Some("fp8") && source.config.quantization.is_none() {
-        // The model becomes a block-FP8 one: every backend reads its linear weights quantized
+    if let Some(method) = &args.quantization {
+        // A bf16 model becomes a block-FP8 one: every backend reads its linear weights quantized
         // (see mla_core::fp8_source).
-        source.config.quantization = Some(Fp8BlockQuant { block: DEEPSEEK_BLOCK });
-        source.origin.push_str(", linear weights quantized to block FP8 (--quantization fp8)");
+        let was_fp8 = source.config.quantization.is_some();
+        source.config.apply_quantization_flag(method).map_err(anyhow::Error::msg)?;
+        if !was_fp8 {
+            source.origin.push_str(", linear weights quantized to block FP8 (--quantization fp8)");
+        }
     }
     Ok(source)
 }
