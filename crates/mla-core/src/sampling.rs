@@ -28,11 +28,28 @@ pub fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
-/// The `k` largest entries as (index, value), best first, ties broken by lower index.
+/// The `k` largest entries as (index, value), best first, ties broken by lower index. Small `k`
+/// (logprobs, prompt logprobs: called per token on the engine thread) keeps a sorted list of `k`
+/// in one pass instead of an index array the size of the vocabulary.
 pub fn top_k_entries(values: &[f32], k: usize) -> Vec<(u32, f32)> {
     let k = k.min(values.len());
     if k == 0 {
         return vec![];
+    }
+    // a before b: larger value first, then lower index (the order `torch.topk` ties resolve to).
+    let before = |a: (u32, f32), b: (u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)).is_lt();
+    if k <= SMALL_TOP_K {
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+        for (i, &v) in values.iter().enumerate() {
+            let e = (i as u32, v);
+            if best.len() == k && !before(e, best[k - 1]) {
+                continue;
+            }
+            let at = best.partition_point(|&b| before(b, e));
+            best.insert(at, e);
+            best.truncate(k);
+        }
+        return best;
     }
     let mut idx: Vec<u32> = (0..values.len() as u32).collect();
     let cmp = |a: &u32, b: &u32| values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b));
@@ -43,6 +60,9 @@ pub fn top_k_entries(values: &[f32], k: usize) -> Vec<(u32, f32)> {
     idx.sort_by(cmp);
     idx.into_iter().map(|i| (i, values[i as usize])).collect()
 }
+
+/// Up to this `k` `top_k_entries` selects in one pass without a vocabulary-sized index array.
+const SMALL_TOP_K: usize = 64;
 
 /// Applies presence, frequency and repetition penalties in place.
 pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &PenaltyTokens) {
@@ -170,6 +190,18 @@ mod tests {
         let z = 0.5f64.exp() + 2.0 * 2f64.exp() + (-1f64).exp();
         assert!((s.logprob as f64 - (2f64.exp() / z).ln()).abs() < 1e-6);
         assert_eq!(s.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+    }
+
+    #[test]
+    fn top_k_entries_small_and_large_k_agree_with_a_full_sort() {
+        // Ties (many equal values), negative zero, and k on both sides of SMALL_TOP_K.
+        let values: Vec<f32> = (0..5000u32).map(|i| ((i * 7919) % 97) as f32 / 8.0 - 6.0).chain([0.0, -0.0]).collect();
+        let mut order: Vec<u32> = (0..values.len() as u32).collect();
+        order.sort_by(|a, b| values[*b as usize].total_cmp(&values[*a as usize]).then(a.cmp(b)));
+        for k in [1, 2, 20, SMALL_TOP_K, SMALL_TOP_K + 1, 300] {
+            let want: Vec<(u32, f32)> = order[..k].iter().map(|&i| (i, values[i as usize])).collect();
+            assert_eq!(top_k_entries(&values, k), want, "k = {k}");
+        }
     }
 
     #[test]
