@@ -9,8 +9,8 @@ use super::constraint::GrammarConstraint;
 use mla_engine::TokenConstraint;
 use std::sync::Arc;
 
-/// The text that ends a thinking block (the `deepseek_r1` parser's end tag).
-pub const THINK_END: &[u8] = b"</think>";
+/// The text that ends a thinking block: the `deepseek_r1` parser's end tag.
+const THINK_END: &[u8] = crate::parsers::reasoning::THINK_END.as_bytes();
 
 /// What the gate needs of the vocabulary, built once per model.
 pub struct ThinkingTable {
