@@ -29,7 +29,7 @@ impl Fp8ConvertKernels {
     /// DeepSeek's recipe, bit-exact with `mla_core::fp8::quantize_block_fp8`.
     pub fn quantize(&self, s: CUstream, w: DSlice<bf16>, dst: &Fp8Linear) -> anyhow::Result<()> {
         let (rows, cols) = (dst.out, dst.inp);
-        check_fp8(dst)?;
+        dst.check("fp8 quantize")?;
         anyhow::ensure!(w.len >= rows * cols, "fp8 quantize: {} bf16 values for [{rows}, {cols}]", w.len);
         let grid = (cols.div_ceil(FP8_BLOCK) as u32, rows.div_ceil(FP8_BLOCK) as u32, 1);
         self.quantize.launch(
@@ -51,7 +51,7 @@ impl Fp8ConvertKernels {
     /// Writes `bf16(fp8 · scale_inv)` of `src` into `out` (`[out, inp]`, `inp` a multiple of 16).
     pub fn dequantize(&self, s: CUstream, src: &Fp8Linear, out: DSlice<bf16>) -> anyhow::Result<()> {
         let (rows, cols) = (src.out, src.inp);
-        check_fp8(src)?;
+        src.check("fp8 dequantize")?;
         anyhow::ensure!(
             cols.is_multiple_of(16) && src.w.ptr.is_multiple_of(16) && out.ptr.is_multiple_of(16),
             "fp8 dequantize: [{rows}, {cols}] needs 16-byte aligned rows"
@@ -72,12 +72,4 @@ impl Fp8ConvertKernels {
         )?;
         Ok(())
     }
-}
-
-fn check_fp8(w: &Fp8Linear) -> anyhow::Result<()> {
-    let grid = w.out.div_ceil(FP8_BLOCK) * w.inp.div_ceil(FP8_BLOCK);
-    anyhow::ensure!(w.out > 0 && w.inp > 0 && w.out * w.inp < i32::MAX as usize, "fp8 weight [{}, {}]", w.out, w.inp);
-    anyhow::ensure!(w.w.len >= w.out * w.inp, "fp8 weight: {} bytes for [{}, {}]", w.w.len, w.out, w.inp);
-    anyhow::ensure!(w.scale_inv.len >= grid, "fp8 scales: {} for a grid of {grid}", w.scale_inv.len);
-    Ok(())
 }

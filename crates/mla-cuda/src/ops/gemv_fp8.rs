@@ -23,6 +23,29 @@ pub struct Fp8Linear<'a> {
     pub inp: usize,
 }
 
+impl Fp8Linear<'_> {
+    /// Checks that the bytes and the scale grid hold the whole `[out, inp]` weight (`what` names
+    /// the caller in the error).
+    pub fn check(&self, what: &str) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.out > 0 && self.inp > 0 && self.out * self.inp < i32::MAX as usize,
+            "{what}: fp8 weight [{}, {}]",
+            self.out,
+            self.inp
+        );
+        anyhow::ensure!(
+            self.w.len >= self.out * self.inp,
+            "{what}: {} bytes for [{}, {}]",
+            self.w.len,
+            self.out,
+            self.inp
+        );
+        let grid = self.out.div_ceil(FP8_BLOCK) * self.inp.div_ceil(FP8_BLOCK);
+        anyhow::ensure!(self.scale_inv.len >= grid, "{what}: {} scales for a grid of {grid}", self.scale_inv.len);
+        Ok(())
+    }
+}
+
 pub struct GemvFp8Kernels {
     gemv: Kernel,
 }
@@ -54,15 +77,7 @@ impl GemvFp8Kernels {
         y: GemvOut,
     ) -> anyhow::Result<()> {
         anyhow::ensure!(Self::takes(lin, &x, rows), "gemv_fp8: operands the kernel cannot take ({rows} rows)");
-        anyhow::ensure!(
-            lin.w.len >= lin.out * lin.inp,
-            "gemv_fp8 weight: {} bytes for [{}, {}]",
-            lin.w.len,
-            lin.out,
-            lin.inp
-        );
-        let scales = lin.out.div_ceil(FP8_BLOCK) * lin.inp.div_ceil(FP8_BLOCK);
-        anyhow::ensure!(lin.scale_inv.len >= scales, "gemv_fp8 scales: {} for a grid of {scales}", lin.scale_inv.len);
+        lin.check("gemv_fp8")?;
         let need = x.need(rows, lin.inp);
         anyhow::ensure!(x.data.len >= need, "gemv_fp8 input: {} elements, {need} needed", x.data.len);
         let (ptr, len, stride) = y.ptr_len_stride();
