@@ -139,10 +139,17 @@ fn a_fatal_backend_error_fails_every_request_and_marks_the_engine_dead() {
     let mut ranks = Ranks::new(vec![history(64), history(64)]);
     ranks.fatal_at = Some(3);
     let engine = Engine::start(Box::new(ranks), engine_config(MAX_LEN)).unwrap();
+    // The engine steps while the test submits: on a loaded machine rank 1 can die before the
+    // last submissions, which are then refused as Unavailable (not accepted, so not answered).
     let mut streams: Vec<_> = prompts(4)
         .into_iter()
-        .map(|p| engine.submit(request(p, SamplingParams::greedy(), None, 20)).unwrap())
+        .filter_map(|p| match engine.submit(request(p, SamplingParams::greedy(), None, 20)) {
+            Ok(s) => Some(s),
+            Err(SubmitError::Unavailable(why)) if why.contains("rank 1 died") => None,
+            Err(e) => panic!("{e:?}"),
+        })
         .collect();
+    assert!(!streams.is_empty(), "the first request is accepted before any step runs");
     for s in &mut streams {
         let c = collect(s, 1);
         let error = c.error.expect("every accepted request is answered with an error");
