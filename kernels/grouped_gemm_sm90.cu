@@ -40,6 +40,12 @@
 // operands are exactly what the bf16 kernels read from weights dequantized on the host to bf16,
 // so outputs are bitwise equal. The scales of slice kt + 1 are loaded into registers during
 // slice kt. Requires N % 128 == 0 for the SILU kernels (the wrapper checks).
+//
+// The _w8a8 kernels (128-row items only) compute in FP8 on the tensor cores, as DeepGEMM, vLLM
+// and SGLang do: A is e4m3 with one f32 scale per row and 128 columns (fp8_quantize_act), W
+// block-FP8. Both are copied as stored with cp.async; a stage holds 128 values of K (the same
+// 128-byte swizzled rows), and each stage's e4m3 wgmma products are promoted into the f32
+// accumulators with their two scales (w8a8_item_k_loop), so the sum is f32 every 128 of K.
 #include "fp8.cuh"
 #include "wgmma.cuh"
 
@@ -113,23 +119,90 @@ DEVICE_INLINE void fp8_raw_dequant(uint32_t raw, uint32_t sB, const float (&scal
         }
 }
 
+// W8A8 consumer warpgroup, one item's K loop (128-row items: stages of A [128 x 128] and W
+// [128 x 128] e4m3). A stage is one 128-wide scale block of K: its four k32 wgmma go into `part`
+// from zero and retire, the stage goes back to the producer, and `part` is promoted into `acc`
+// with the row's activation scale times the block's weight scale. The f32 adds every 128 of K
+// are what keeps the sum exact enough: FP8 wgmma accumulates in about 14 bits of mantissa
+// (DeepSeek-V3's report; fp8-mtp.md). With SILU, accumulators [NACC/2, NACC) are up rows, scaled
+// by ws_up. The other consumer warpgroup's MMAs fill the tensor cores while one promotes.
+// as: this thread's first row's activation scale of block 0 (stride a_ld per block), its second
+// row's hi_rows further on; ws: the item's (gate) weight scale of block 0 (stride 1), the up
+// rows' up_off further on.
+template <bool SILU, int STAGES>
+DEVICE_INLINE void w8a8_item_k_loop(float (&acc)[64], uint32_t s_base, uint32_t bars, int& g, int KT, bool active,
+                                    int wg, const float* as, int hi_rows, int a_ld, const float* ws, int up_off) {
+    constexpr uint32_t A_BYTES = GG_BM * 128, STAGE_BYTES = 2 * A_BYTES;
+    float part[64];
+    for (int kt = 0; kt < KT; ++kt, ++g) {
+        const int st = g % STAGES;
+        // Scales first: their loads fly while the stage lands.
+        float s_lo = 0.f, s_hi = 0.f, u_lo = 0.f, u_hi = 0.f;
+        if (active) {
+            const float a_lo = __ldg(as), a_hi = __ldg(as + hi_rows);
+            const float w = __ldg(ws + kt);
+            s_lo = a_lo * w;
+            s_hi = a_hi * w;
+            if constexpr (SILU) {
+                const float u = __ldg(ws + up_off + kt);
+                u_lo = a_lo * u;
+                u_hi = a_hi * u;
+            }
+        }
+        mbar_wait(bars + 8 * st, (g / STAGES) & 1);
+        if (active) {
+            fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
+            const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
+                const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
+                wgmma_m64n128k32_e4m3_ss(part, da, db, kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(part);
+        }
+        mbar_arrive(bars + 8 * (STAGES + st));
+        as += a_ld;
+        if (active) {
+            // Accumulator 4j + {0, 1} is row gq of the warp's 16, 4j + {2, 3} row gq + 8.
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const bool hi = i & 2, up = SILU && i >= 32;
+                acc[i] = fmaf(part[i], up ? (hi ? u_hi : u_lo) : (hi ? s_hi : s_lo), acc[i]);
+            }
+        }
+    }
+}
+
 // SILU == false: W is [E, N, K], C is [rows, N], item columns n0 = BN · column block.
 // SILU == true:  W is [E, 2N, K] (gate rows then up rows), C is [rows, N] = act, n0 = BN/2 · block.
-// WT = bf16, or uint8_t for block-FP8 weights with scale_inv (unused for bf16).
-template <bool SILU, int BN, typename WT>
-DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __restrict__ W,
-                                        const float* __restrict__ scale_inv, bf16* __restrict__ C, int N, int K,
-                                        const int* __restrict__ tile_expert, const int* __restrict__ tile_row0,
-                                        const int* __restrict__ tile_rows, const int* __restrict__ num_tiles) {
-    constexpr bool FP8 = sizeof(WT) == 1;
+// WT = bf16, or uint8_t for block-FP8 weights with scale_inv (unused for bf16). AT = bf16, or
+// uint8_t for W8A8: e4m3 activations [rows, K] with a_scales[g * a_scale_ld + row] per row and
+// 128 columns (fp8_quantize_act's layout), FP8 weights, BN = 128.
+template <bool SILU, int BN, typename AT, typename WT>
+DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* __restrict__ a_scales, int a_scale_ld,
+                                        const WT* __restrict__ W, const float* __restrict__ scale_inv,
+                                        bf16* __restrict__ C, int N, int K, const int* __restrict__ tile_expert,
+                                        const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
+                                        const int* __restrict__ num_tiles) {
+    constexpr bool FP8 = sizeof(WT) == 1, W8A8 = sizeof(AT) == 1;
+    static_assert(!W8A8 || (FP8 && BN == 128), "W8A8 takes FP8 weights in 128-row items");
+    // The producer dequantizes FP8 weights into bf16 stages (W8A16); W8A8 copies them as they are.
+    constexpr bool DEQUANT = FP8 && !W8A8;
     constexpr int STAGES = BN == 256 ? 4 : 6, NACC = BN / 2;
     constexpr int COLS = SILU ? BN / 2 : BN;
+    // A stage row is one 128-byte swizzle row either way: 64 bf16 or 128 e4m3 values of K (one
+    // scale block per stage with W8A8), copied in 16-byte chunks of CH values.
+    constexpr int BK = 128 / sizeof(AT), CH = 16 / sizeof(AT);
     constexpr uint32_t A_BYTES = GG_BM * GG_BK * 2, STAGE_BYTES = (GG_BM + BN) * GG_BK * 2;
     const int col_blocks = (N + COLS - 1) / COLS;
     const int items = num_tiles[0] * col_blocks;
     const int my_items = blockIdx.x < items ? (items - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     if (my_items == 0) return;
-    const int KT = (K + GG_BK - 1) / GG_BK;
+    const int KT = (K + BK - 1) / BK;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -139,7 +212,7 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
     const int tid = threadIdx.x;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bars + 8 * s, FP8 ? 256 : 128);
+            mbar_init(bars + 8 * s, DEQUANT ? 256 : 128);
             mbar_init(bars + 8 * (STAGES + s), 256);
         }
     }
@@ -171,8 +244,8 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
             const Item li = item_of(turn);
             // Rows r0 + 16 i of A exist for 16 i < a_left; weight rows for 16 i < w_left.
             const int a_left = li.rows - r0, w_left = N - li.n0 - r0;
-            const bf16* a_row = A + (size_t)(li.row0 + r0) * K + ch * 8;
-            const WT* w_row = W + ((size_t)li.e * w_rows + li.n0 + r0) * K + ch * 8;
+            const AT* a_row = A + (size_t)(li.row0 + r0) * K + ch * CH;
+            const WT* w_row = W + ((size_t)li.e * w_rows + li.n0 + r0) * K + ch * CH;
             // SILU: gate rows for i < BN / 32, then the matching up rows N rows further on.
             constexpr int WI = SILU ? BN / 32 : BN / 16;
             // FP8: the scales of the item's first 128-row block (n0 is a multiple of 128, or of
@@ -181,7 +254,7 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
             // the second only where it has rows), and the raw slice ring, slice kt + 1 in flight
             // while slice kt is dequantized (each thread reads back only its own copies).
             const float* s_item =
-                FP8 ? scale_inv + ((size_t)li.e * s_rows + li.n0 / FP8_SCALE_BLOCK) * s_cols : nullptr;
+                DEQUANT ? scale_inv + ((size_t)li.e * s_rows + li.n0 / FP8_SCALE_BLOCK) * s_cols : nullptr;
             auto fp8_scales = [&](int kt, float (&s)[2]) {
                 const float* c = s_item + kt * GG_BK / FP8_SCALE_BLOCK;
                 s[0] = __ldg(c);
@@ -196,7 +269,7 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
                                        N, K);
             };
             float s_next[2] = {0.f, 0.f};
-            if constexpr (FP8) {
+            if constexpr (DEQUANT) {
                 fp8_copy(0, g);
                 cp_async_commit();
                 fp8_scales(0, s_next);
@@ -204,15 +277,15 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
             for (int kt = 0; kt < KT; ++kt, ++g) {
                 const int st = g % STAGES, fill = g / STAGES;
                 float s_cur[2] = {s_next[0], s_next[1]};
-                if constexpr (FP8)
+                if constexpr (DEQUANT)
                     if (kt + 1 < KT) {
                         fp8_copy(kt + 1, g + 1);
                         fp8_scales(kt + 1, s_next);
                     }
                 if (fill > 0) mbar_wait(bars + 8 * (STAGES + st), (fill + 1) & 1);
-                const bool kok = kt * GG_BK + ch * 8 < K;
+                const bool kok = kt * BK + ch * CH < K;
                 const uint32_t sA = s_base + st * STAGE_BYTES + soff, sB = sA + A_BYTES;
-                const bf16* p = a_row + kt * GG_BK;
+                const AT* p = a_row + kt * BK;
 #pragma unroll
                 for (int i = 0; i < GG_BM / 16; ++i) {
                     const bool ok = kok && 16 * i < a_left;
@@ -220,7 +293,7 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
                     p += step;
                     asm volatile("" : "+l"(p));
                 }
-                if constexpr (FP8) {
+                if constexpr (DEQUANT) {
                     cp_async_arrive_noinc(bars + 8 * st);  // the A copies (and the raw ones before them)
                     cp_async_commit();
                     cp_async_wait<1>();  // all but this slice's group: raw slice kt has landed
@@ -230,7 +303,7 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
                 } else {
 #pragma unroll
                     for (int half = 0; half < (SILU ? 2 : 1); ++half) {
-                        const WT* q = w_row + kt * GG_BK + (half ? (size_t)N * K : 0);
+                        const WT* q = w_row + kt * BK + (half ? (size_t)N * K : 0);
 #pragma unroll
                         for (int i = 0; i < WI; ++i) {
                             const bool ok = kok && 16 * i < w_left;
@@ -256,32 +329,42 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
             const bool active = __shfl_sync(0xffffffffu, wg * 64 < ci.rows, 0);
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-            for (int kt = 0; kt < KT; ++kt, ++g) {
-                const int st = g % STAGES;
-                mbar_wait(bars + 8 * st, (g / STAGES) & 1);
-                if (active) {
-                    fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
-                    const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
-                    wgmma_fence();
+            if constexpr (W8A8) {
+                // Rows past the tile read its last row's scales (their results are never stored).
+                const int r_lo = min(wg * 64 + warp * 16 + gq, ci.rows - 1);
+                const int r_hi = min(wg * 64 + warp * 16 + gq + 8, ci.rows - 1);
+                w8a8_item_k_loop<SILU, STAGES>(
+                    acc, s_base, bars, g, KT, active, wg, a_scales + ci.row0 + r_lo, r_hi - r_lo, a_scale_ld,
+                    scale_inv + ((size_t)ci.e * s_rows + ci.n0 / FP8_SCALE_BLOCK) * s_cols,
+                    SILU ? N / FP8_SCALE_BLOCK * s_cols : 0);
+            } else {
+                for (int kt = 0; kt < KT; ++kt, ++g) {
+                    const int st = g % STAGES;
+                    mbar_wait(bars + 8 * st, (g / STAGES) & 1);
+                    if (active) {
+                        fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
+                        const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
+                        wgmma_fence();
 #pragma unroll
-                    for (int kk = 0; kk < GG_BK / 16; ++kk) {
-                        const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
-                        const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
-                        if constexpr (BN == 256)
-                            wgmma_m64n256k16_ss(acc, da, db, 1);
-                        else
-                            wgmma_m64n128k16_ss(acc, da, db, 1);
+                        for (int kk = 0; kk < GG_BK / 16; ++kk) {
+                            const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
+                            const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
+                            if constexpr (BN == 256)
+                                wgmma_m64n256k16_ss(acc, da, db, 1);
+                            else
+                                wgmma_m64n128k16_ss(acc, da, db, 1);
+                        }
+                        wgmma_commit();
+                        wgmma_wait<1>();
+                        reg_fence(acc);
                     }
-                    wgmma_commit();
-                    wgmma_wait<1>();
-                    reg_fence(acc);
+                    // Slice g - 1's wgmma has retired: its stage goes back to the producer.
+                    if (kt > 0) mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
                 }
-                // Slice g - 1's wgmma has retired: its stage goes back to the producer.
-                if (kt > 0) mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
+                wgmma_wait<0>();
+                reg_fence(acc);
+                mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
             }
-            wgmma_wait<0>();
-            reg_fence(acc);
-            mbar_arrive(bars + 8 * (STAGES + (g - 1) % STAGES));
             if (!active) continue;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -322,26 +405,39 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const bf16* __restrict__ A, const WT* __
     const bf16 *__restrict__ A, const uint8_t *__restrict__ W, const float *__restrict__ scale_inv,                 \
         bf16 *__restrict__ C, int N, int K, const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, \
         const int *__restrict__ tile_rows, const int *__restrict__ num_tiles
+#define GROUPED_GEMM_SM90_W8A8_ARGS                                                                                 \
+    const uint8_t *__restrict__ A, const float *__restrict__ a_scales, int a_scale_ld,                             \
+        const uint8_t *__restrict__ W, const float *__restrict__ scale_inv, bf16 *__restrict__ C, int N, int K,     \
+        const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
+        const int *__restrict__ num_tiles
 
 // Grid: one block per SM (persistent) or per worst-case item, 384 threads. C = A · W[e]ᵀ (N output columns per
 // row), or with _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows. _fp8:
-// block-FP8 weights.
+// block-FP8 weights. _w8a8: block-FP8 weights and e4m3 activations with per-row, per-128-column scales.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(SILU, BN, WT, SCALES) \
-    grouped_gemm_ws_sm90<SILU, BN, WT>(A, W, SCALES, C, N, K, tile_expert, tile_row0, tile_rows, num_tiles)
+#define GG_BODY(SILU, BN, AT, WT, A_SCALES, A_LD, SCALES)                                                        \
+    grouped_gemm_ws_sm90<SILU, BN, AT, WT>(A, A_SCALES, A_LD, W, SCALES, C, N, K, tile_expert, tile_row0, tile_rows, \
+                                           num_tiles)
 #else
-#define GG_BODY(SILU, BN, WT, SCALES)
+#define GG_BODY(SILU, BN, AT, WT, A_SCALES, A_LD, SCALES)
 #endif
-#define GG_KERNEL(NAME, SILU, BN, ARGS, WT, SCALES)                                    \
+#define GG_KERNEL(NAME, SILU, BN, ARGS, AT, WT, A_SCALES, A_LD, SCALES)                \
     extern "C" __global__ void __launch_bounds__(GROUPED_SM90_THREADS, 1) NAME(ARGS) { \
         PDL_ENTRY();                                                                   \
-        GG_BODY(SILU, BN, WT, SCALES);                                                 \
+        GG_BODY(SILU, BN, AT, WT, A_SCALES, A_LD, SCALES);                             \
     }
-GG_KERNEL(moe_grouped_gemm_sm90, false, 256, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
-GG_KERNEL(moe_grouped_gemm_silu_sm90, true, 256, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
-GG_KERNEL(moe_grouped_gemm_sm90_n128, false, 128, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
-GG_KERNEL(moe_grouped_gemm_silu_sm90_n128, true, 128, GROUPED_GEMM_SM90_ARGS, bf16, nullptr)
-GG_KERNEL(moe_grouped_gemm_sm90_fp8, false, 256, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
-GG_KERNEL(moe_grouped_gemm_silu_sm90_fp8, true, 256, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
-GG_KERNEL(moe_grouped_gemm_sm90_n128_fp8, false, 128, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
-GG_KERNEL(moe_grouped_gemm_silu_sm90_n128_fp8, true, 128, GROUPED_GEMM_SM90_FP8_ARGS, uint8_t, scale_inv)
+#define GG_KERNEL_BF16(NAME, SILU, BN) GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_ARGS, bf16, bf16, nullptr, 0, nullptr)
+#define GG_KERNEL_FP8(NAME, SILU, BN) \
+    GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_FP8_ARGS, bf16, uint8_t, nullptr, 0, scale_inv)
+#define GG_KERNEL_W8A8(NAME, SILU) \
+    GG_KERNEL(NAME, SILU, 128, GROUPED_GEMM_SM90_W8A8_ARGS, uint8_t, uint8_t, a_scales, a_scale_ld, scale_inv)
+GG_KERNEL_BF16(moe_grouped_gemm_sm90, false, 256)
+GG_KERNEL_BF16(moe_grouped_gemm_silu_sm90, true, 256)
+GG_KERNEL_BF16(moe_grouped_gemm_sm90_n128, false, 128)
+GG_KERNEL_BF16(moe_grouped_gemm_silu_sm90_n128, true, 128)
+GG_KERNEL_FP8(moe_grouped_gemm_sm90_fp8, false, 256)
+GG_KERNEL_FP8(moe_grouped_gemm_silu_sm90_fp8, true, 256)
+GG_KERNEL_FP8(moe_grouped_gemm_sm90_n128_fp8, false, 128)
+GG_KERNEL_FP8(moe_grouped_gemm_silu_sm90_n128_fp8, true, 128)
+GG_KERNEL_W8A8(moe_grouped_gemm_sm90_n128_w8a8, false)
+GG_KERNEL_W8A8(moe_grouped_gemm_silu_sm90_n128_w8a8, true)

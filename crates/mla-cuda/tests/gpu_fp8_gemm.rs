@@ -40,7 +40,7 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
         let padded: Vec<f32> =
             (0..gr * ld).map(|i| if i % ld < gc { wq.scale_inv[i / ld * gc + i % ld] } else { 0.0 }).collect();
         let lt = up(&padded);
-        let share = Fp8Share { matrices: 1, bytes: 0, largest_projection: n * k, widest_input: k };
+        let share = Fp8Share { matrices: 1, largest_projection: n * k, widest_input: k, ..Default::default() };
         let max_rows = 300;
         let linear = SmallLinear::new(true, &share, max_rows, true).unwrap();
         // 4 rows: the GEMV alone; 5 and 7: cuBLASLt on 4 rows and the GEMV on the rest.

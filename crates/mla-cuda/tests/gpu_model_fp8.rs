@@ -259,27 +259,34 @@ fn v3_fp8_real_dims_greedy_continuation_matches_hf_until_a_near_tie() {
     }
 }
 
-/// Prefill through the W8A8 path (activations of the dense projections quantized per row and 128
-/// columns, cuBLASLt's block-scaled GEMM; the expert GEMMs stay W8A16) against HF on the exact
-/// dequantization (f32) and with every FP8 linear's input quantized (the W8A8 oracle, which also
-/// quantizes the experts' inputs). Quantizing a subset of those inputs, ours may move from the f32
-/// logits by no more than the W8A8 oracle does plus our bf16 noise (2x HF's own bf16-vs-f32 mean
-/// deviation), and it must move: a W8A8 path that silently ran W8A16 would sit on the f32 logits.
+/// Prefill through the W8A8 path against HF on the exact dequantization (f32) and with every FP8
+/// linear's input quantized (the W8A8 oracle). The dense projections quantize their activations
+/// per row and 128 columns for cuBLASLt's block-scaled GEMM; the expert GEMMs do the same (e4m3
+/// wgmma) when the step gives the experts more than 16 rows on average (`TileM::pick`): the long
+/// prompt alone (80 tokens, 160 expert rows over 8 experts) and the three prompts in one step
+/// do, the short and medium prompts alone keep W8A16 experts. Ours may move from the f32 logits
+/// by no more than the W8A8 oracle does plus our bf16 noise (2x HF's own bf16-vs-f32 mean
+/// deviation), and it must move: a W8A8 path that silently ran W8A16 would sit on the f32
+/// logits. Ours does not sit nearer the W8A8 oracle than the f32 one even with W8A8 experts
+/// (run F11: long prompt 0.042 vs 0.039): the oracle also quantizes kv_b_proj's input, which our
+/// absorbed attention never forms (kv_b stays bf16), so that is not asserted.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantization() {
     let mut b = fixture_backend(true);
-    for c in fixture_cases() {
+    let cases = fixture_cases();
+    // Steps of more tokens than this give the experts more than 16 rows each on average.
+    let w8a8_above = b.with_worker(|w| w.model.cfg.n_routed_experts * 16 / w.model.cfg.num_experts_per_tok).unwrap();
+    let check = |c: &FixtureCase, ours: &[Vec<f32>], step_tokens: usize| {
         let (p, f32_ref, bf16_ref, w8a8) = (&c.prompt, &c.f32_ref, &c.bf16_ref, &c.w8a8_ref);
-        let plan =
-            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &c.tokens, 0, &c.table, LogitsRequest::All, None)] };
-        let ours = b.step(&plan).unwrap().seqs[0].logits.clone();
-        let (hf, d_w8a8, d_f32) = (mean_abs(bf16_ref, f32_ref), mean_abs(&ours, w8a8), mean_abs(&ours, f32_ref));
+        let (hf, d_w8a8, d_f32) = (mean_abs(bf16_ref, f32_ref), mean_abs(ours, w8a8), mean_abs(ours, f32_ref));
+        let w8a8_experts = step_tokens > w8a8_above;
         println!(
-            "{}: W8A8 prefill: mean |ours-w8a8 oracle| {d_w8a8:.4}, |ours-f32 oracle| {d_f32:.4}, |w8a8-f32| {:.4}, HF bf16 noise {hf:.4}; max |ours-w8a8| {:.3}",
+            "{} ({step_tokens}-token step, {} experts): W8A8 prefill: mean |ours-w8a8 oracle| {d_w8a8:.4}, |ours-f32 oracle| {d_f32:.4}, |w8a8-f32| {:.4}, HF bf16 noise {hf:.4}; max |ours-w8a8| {:.3}",
             p.name,
+            if w8a8_experts { "W8A8" } else { "W8A16" },
             mean_abs(w8a8, f32_ref),
-            max_abs_rows(&ours, w8a8)
+            max_abs_rows(ours, w8a8)
         );
         assert!(ours.iter().flatten().all(|x| x.is_finite()), "{}: non-finite logits", p.name);
         let oracle_shift = mean_abs(w8a8, f32_ref);
@@ -293,5 +300,20 @@ fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantizatio
             "{}: W8A8 prefill sits on the f32 logits ({d_f32}): activations not quantized?",
             p.name
         );
+    };
+    for c in &cases {
+        let plan =
+            StepPlan { kind: StepKind::Prefill, seqs: vec![seq(1, &c.tokens, 0, &c.table, LogitsRequest::All, None)] };
+        check(c, &b.step(&plan).unwrap().seqs[0].logits, c.tokens.len());
+    }
+    let seqs = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| seq(10 + i as u64, &c.tokens, 0, &c.table, LogitsRequest::All, None))
+        .collect();
+    let out = b.step(&StepPlan { kind: StepKind::Prefill, seqs }).unwrap();
+    let total = cases.iter().map(|c| c.tokens.len()).sum();
+    for (c, o) in cases.iter().zip(&out.seqs) {
+        check(c, &o.logits, total);
     }
 }

@@ -139,7 +139,7 @@ fn grouped_moe_case(dev: &mla_cuda::Device, hidden: usize, inter: usize, seed: u
         k.moe.align(s, &r).unwrap();
         k.elementwise.gather_rows(s, d_x.slice(), r.perm_src, gx.slice(), r.rows(), hidden).unwrap();
         let gate_up = GroupedGateUp {
-            a: gx.slice(),
+            a: gx.slice().into(),
             w: ExpertMats::Bf16(d_gu.slice()),
             gate_up: ggu.slice(),
             act: gact.slice(),
@@ -147,8 +147,13 @@ fn grouped_moe_case(dev: &mla_cuda::Device, hidden: usize, inter: usize, seed: u
             k: hidden,
         };
         k.grouped_gemm.gate_up_act_with(s, &gate_up, &r, sched).unwrap();
-        let down_proj =
-            GroupedGemm { a: gact.slice(), w: ExpertMats::Bf16(d_down.slice()), c: gy.slice(), n: hidden, k: inter };
+        let down_proj = GroupedGemm {
+            a: gact.slice().into(),
+            w: ExpertMats::Bf16(d_down.slice()),
+            c: gy.slice(),
+            n: hidden,
+            k: inter,
+        };
         k.grouped_gemm.gemm_with(s, &down_proj, &r, sched).unwrap();
         k.moe.combine(s, gy.slice(), &r, Some(d_shared.slice()), out.slice(), hidden).unwrap();
         dev.gpu.sync().unwrap();

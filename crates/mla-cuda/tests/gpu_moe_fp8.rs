@@ -10,7 +10,12 @@
 //!   f64 reference of the same math with its bf16 rounding points (tight), against the bf16
 //!   kernels on host-dequantized weights (looser), and against a reference reading the scale grid
 //!   wrongly (which must fail);
-//! - the wrappers' refusals: mixed formats, an FP8 gate/up whose width is not a multiple of 128.
+//! - the W8A8 wgmma kernels (e4m3 activations with per-row, per-128-column scales from the
+//!   device quantizer) against an f64 product of the same quantized operands, rows and groups at
+//!   magnitudes over two decades; references that read the activation or weight scales wrongly
+//!   must fail;
+//! - the wrappers' refusals: mixed formats, an FP8 gate/up whose width is not a multiple of 128,
+//!   W8A8 without FP8 weights, 128-row tiles or 128-row items.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_moe_fp8 -- --ignored`.
 
@@ -83,7 +88,7 @@ fn grouped_fp8_gemms_are_bitwise_equal_to_bf16_on_host_dequantized_weights() {
             let wrong = w.with_shifted_scales().upload();
             let run = |mats: ExpertMats| {
                 let c = nan_bf16(rows * n);
-                let p = GroupedGemm { a: a.slice(), w: mats, c: c.slice(), n, k: kk };
+                let p = GroupedGemm { a: a.slice().into(), w: mats, c: c.slice(), n, k: kk };
                 k.grouped_gemm.gemm_with(s, &p, &r, sched).unwrap();
                 dev.gpu.sync().unwrap();
                 bits(c.slice())
@@ -103,7 +108,8 @@ fn grouped_fp8_gemms_are_bitwise_equal_to_bf16_on_host_dequantized_weights() {
             let (w8, w16) = (w.upload(), up_bf16(&w.dequant_f32()));
             let run = |mats: ExpertMats| {
                 let (gu, act) = (nan_bf16(rows * 2 * inter), nan_bf16(rows * inter));
-                let p = GroupedGateUp { a: a.slice(), w: mats, gate_up: gu.slice(), act: act.slice(), inter, k: kk };
+                let p =
+                    GroupedGateUp { a: a.slice().into(), w: mats, gate_up: gu.slice(), act: act.slice(), inter, k: kk };
                 k.grouped_gemm.gate_up_act_with(s, &p, &r, sched).unwrap();
                 dev.gpu.sync().unwrap();
                 (bits(gu.slice()), bits(act.slice()))
@@ -120,16 +126,161 @@ fn grouped_fp8_gemms_are_bitwise_equal_to_bf16_on_host_dequantized_weights() {
     }
     // The tile for FP8 weights is one with FP8 kernels.
     for tokens in [1, 16, 4096] {
-        let tile = k.grouped_gemm.tile_for_mats(tokens, top, e, true);
+        let tile = k.grouped_gemm.tile_for_mats(tokens, top, e, true, false);
         assert!(k.grouped_gemm.available_fp8().contains(&tile), "tile_for_mats picked {tile:?} for FP8");
     }
     let w8 = Fp8Stack::random(&mut rng, e, 256, 256).upload();
     let (a, c) = (up_bf16(&vec![0.0; rows * 256]), nan_bf16(rows * 256));
     // A gate/up width that is not a multiple of 128 would misplace the up rows' scales.
     let r = bufs.routing_tiles(t, e, top, TileM::Rows64);
-    let g = GroupedGateUp { a: a.slice(), w: fp8_mats(&w8), gate_up: c.slice(), act: c.slice(), inter: 64, k: 256 };
+    let g =
+        GroupedGateUp { a: a.slice().into(), w: fp8_mats(&w8), gate_up: c.slice(), act: c.slice(), inter: 64, k: 256 };
     let err = k.grouped_gemm.gate_up_act(s, &g, &r).unwrap_err().to_string();
     assert!(err.contains("multiple of 128"), "{err}");
+}
+
+/// Grouped activations `[rows, k]` with each row and 128-column group at its own magnitude,
+/// 10^[-1, 1), quantized on the device; returns the device copy and its exact values in f64
+/// (`e4m3 · scale`, read back from the device), and the same read with every row taking the next
+/// row's scales (what a kernel indexing the scales wrongly would compute).
+fn quantized_act<'a>(
+    dev: &mla_cuda::Device,
+    rng: &mut Rng,
+    rows: usize,
+    k: usize,
+    q: &'a DeviceBuffer<u8>,
+    scales: &'a DeviceBuffer<f32>,
+) -> (Fp8Act<'a>, Vec<f64>, Vec<f64>) {
+    let groups = k.div_ceil(FP8_BLOCK);
+    let mag = rng.uniform(rows * groups, 1.0);
+    let x: Vec<f32> = rng
+        .uniform(rows * k, 1.0)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * 10f32.powf(mag[i / k * groups + i % k / FP8_BLOCK]))
+        .collect();
+    let xd = up_bf16(&x);
+    let act = Fp8Act { q: q.slice(), scales: scales.slice(), scale_ld: rows };
+    dev.k.fp8_convert.quantize_act(dev.stream(), Strided::new(xd.slice(), k), rows, k, &act).unwrap();
+    dev.gpu.sync().unwrap();
+    let (qh, sh) = (down(q.slice()), down(scales.slice()));
+    let exact = |shift: usize| -> Vec<f64> {
+        (0..rows * k)
+            .map(|i| {
+                let (r, c) = (i / k, i % k);
+                let sc = sh[c / FP8_BLOCK * rows + (r + shift) % rows];
+                mla_core::fp8::fp8_e4m3_to_f32(qh[i]) as f64 * sc as f64
+            })
+            .collect()
+    };
+    (act, exact(0), exact(1))
+}
+
+/// `c[i] = a[i] · w[expert of i]ᵀ` in f64 over grouped rows (`off`: the experts' row offsets).
+fn grouped_f64(a: &[f64], w: &[f64], off: &[i32], n: usize, k: usize) -> Vec<f64> {
+    let rows = a.len() / k;
+    let mut c = vec![0.0; rows * n];
+    for e in 0..off.len() - 1 {
+        for i in off[e] as usize..off[e + 1] as usize {
+            for j in 0..n {
+                let wr = &w[(e * n + j) * k..(e * n + j + 1) * k];
+                c[i * n + j] = a[i * k..(i + 1) * k].iter().zip(wr).map(|(x, y)| x * y).sum();
+            }
+        }
+    }
+    c
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn grouped_w8a8_gemms_match_f64_on_the_quantized_operands() {
+    let dev = device();
+    let (s, k) = (dev.stream(), &dev.k);
+    if !k.grouped_gemm.has_w8a8() {
+        println!("SKIPPED: the W8A8 grouped GEMM needs sm_90");
+        return;
+    }
+    let mut rng = Rng::new(83);
+    let (t, e, top, empty) = (200usize, 6usize, 2usize, 3usize);
+    let ids = skewed_ids(&mut rng, t, e, top, empty);
+    let bufs = RoutingBufs::new(t, e, top);
+    bufs.ids.upload(&ids).unwrap();
+    let rows = t * top;
+    let r = bufs.routing_tiles(t, e, top, TileM::Rows128);
+    k.moe.align(s, &r).unwrap();
+    dev.gpu.sync().unwrap();
+    let off = down(bufs.off.slice());
+    let q = DeviceBuffer::<u8>::alloc(rows * 400).unwrap();
+    let scales = DeviceBuffer::<f32>::alloc(rows * 4).unwrap();
+    // Plain GEMM: N = 200 (1.56 scale blocks), K = 336 (2.625 groups); N = 328, K = 208.
+    for (n, kk) in [(200usize, 336usize), (328, 208)] {
+        let w = Fp8Stack::random(&mut rng, e, n, kk);
+        let (act, a64, a64_shifted) = quantized_act(&dev, &mut rng, rows, kk, &q, &scales);
+        let (w64, w64_shifted) = (w.exact_f64(), w.with_shifted_scales().exact_f64());
+        let want = grouped_f64(&a64, &w64, &off, n, kk);
+        let wrong_a = grouped_f64(&a64_shifted, &w64, &off, n, kk);
+        let wrong_w = grouped_f64(&a64, &w64_shifted, &off, n, kk);
+        let w8 = w.upload();
+        for sched in Sm90Schedule::W8A8 {
+            let c = nan_bf16(rows * n);
+            let p = GroupedGemm { a: GroupedInput::Fp8(act), w: fp8_mats(&w8), c: c.slice(), n, k: kk };
+            k.grouped_gemm.gemm_with(s, &p, &r, sched).unwrap();
+            dev.gpu.sync().unwrap();
+            let got = down_bf16(c.slice());
+            let (err, err_a, err_w) = (rel64(&got, &want), rel64(&got, &wrong_a), rel64(&got, &wrong_w));
+            println!("W8A8 {sched:?} GEMM [{n}, {kk}]: rel {err:.2e}; misread act scales {err_a:.2e}, weight scales {err_w:.2e}");
+            // f32 sums of exact products, rounded to bf16 (2^-9 relative at most).
+            assert!(err < 3e-3, "W8A8 {sched:?} GEMM [{n}, {kk}]: off the f64 product ({err})");
+            assert!(err_a > 5e-2 && err_w > 5e-2, "W8A8 {sched:?} GEMM [{n}, {kk}]: misread scales would pass");
+        }
+    }
+    // Gate/up with SiLU·mul: I = 256 (two blocks each for gate and up), K = 208; I = 128, K = 336.
+    let bf = |x: f64| bf16::from_f64(x).to_f64();
+    for (inter, kk) in [(256usize, 208usize), (128, 336)] {
+        let w = Fp8Stack::random(&mut rng, e, 2 * inter, kk);
+        let (act_in, a64, _) = quantized_act(&dev, &mut rng, rows, kk, &q, &scales);
+        let gu = grouped_f64(&a64, &w.exact_f64(), &off, 2 * inter, kk);
+        let want: Vec<f64> = (0..rows * inter)
+            .map(|i| {
+                let (row, j) = (i / inter, i % inter);
+                let (g, u) = (bf(gu[row * 2 * inter + j]), bf(gu[row * 2 * inter + inter + j]));
+                bf(bf(g / (1.0 + (-g).exp())) * u)
+            })
+            .collect();
+        let w8 = w.upload();
+        for sched in Sm90Schedule::W8A8 {
+            let act = nan_bf16(rows * inter);
+            let p = GroupedGateUp {
+                a: GroupedInput::Fp8(act_in),
+                w: fp8_mats(&w8),
+                gate_up: act.slice(),
+                act: act.slice(),
+                inter,
+                k: kk,
+            };
+            k.grouped_gemm.gate_up_act_with(s, &p, &r, sched).unwrap();
+            dev.gpu.sync().unwrap();
+            let err = rel64(&down_bf16(act.slice()), &want);
+            println!("W8A8 {sched:?} gate/up I={inter} K={kk}: rel {err:.2e}");
+            assert!(err < 5e-3, "W8A8 {sched:?} gate/up I={inter} K={kk}: off the f64 reference ({err})");
+        }
+    }
+    // Refusals: W8A8 needs FP8 weights, 128-row tiles and 128-row items.
+    let (act, ..) = quantized_act(&dev, &mut rng, rows, 208, &q, &scales);
+    let w8 = Fp8Stack::random(&mut rng, e, 128, 208).upload();
+    let w16 = up_bf16(&vec![0.0; e * 128 * 208]);
+    let c = nan_bf16(rows * 128);
+    let refusal = |w: ExpertMats, r: &MoeRouting, sched: Sm90Schedule| {
+        let p = GroupedGemm { a: GroupedInput::Fp8(act), w, c: c.slice(), n: 128, k: 208 };
+        k.grouped_gemm.gemm_with(s, &p, r, sched).unwrap_err().to_string()
+    };
+    let w8a8 = Sm90Schedule::W8A8[0];
+    assert!(refusal(ExpertMats::Bf16(w16.slice()), &r, w8a8).contains("need block-FP8 weights"));
+    let r64 = bufs.routing_tiles(t, e, top, TileM::Rows64);
+    assert!(refusal(fp8_mats(&w8), &r64, w8a8).contains("128-row tiles"));
+    let items256 = Sm90Schedule { item_rows: 256, persistent: false };
+    assert!(refusal(fp8_mats(&w8), &r, items256).contains("items of 128 weight rows"));
+    dev.gpu.sync().unwrap();
 }
 
 /// One small-step MoE shape: hidden, routed width, experts, top-k, shared pieces.

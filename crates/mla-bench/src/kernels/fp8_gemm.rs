@@ -40,7 +40,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         let lin8 = Fp8Linear { w: wq.slice(), scale_inv: ws.slice(), out: n, inp: k };
         let x = fill(dev, max_m * k, 1.0, 81)?;
         let y = DeviceBuffer::<bf16>::alloc(max_m * n)?;
-        let share = Fp8Share { matrices: 1, bytes: 0, largest_projection: n * k, widest_input: k };
+        let share = Fp8Share { matrices: 1, largest_projection: n * k, widest_input: k, ..Default::default() };
         let w8a8 = SmallLinear::new(true, &share, max_m, true)?;
         let dequant = SmallLinear::new(true, &share, max_m, false)?;
         let q = DeviceBuffer::<u8>::alloc(max_m * k)?;

@@ -15,9 +15,9 @@ use crate::device::Device;
 use crate::gpu::nccl::NcclComm;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, Linear, NormDelta, PrefillAttention,
-    PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
-    COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, GroupedInput, Linear, NormDelta,
+    PrefillAttention, PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
+    TileM, COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
 use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
@@ -165,7 +165,8 @@ impl CudaModel {
         let fp8 = weights.fp8_share();
         let w8a8 = opts.fp8_w8a8 && dev.gpu.info.compute_capability == (9, 0);
         let linears = SmallLinear::new(opts.small_batch_gemv, &fp8, opts.limits.max_tokens, w8a8)?;
-        let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count, mode.collective_kind())?;
+        let w8a8_experts = w8a8 && fp8.expert_layers > 0 && dev.k.grouped_gemm.has_w8a8();
+        let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count, mode.collective_kind(), w8a8_experts)?;
         let meta = MetaBuffers::new(&lim)?;
         let (free1, _) = dev.gpu.mem_info()?;
         let activation_bytes = free0.saturating_sub(free1);
@@ -703,7 +704,11 @@ impl CudaModel {
         let ws = &self.ws;
         let mb = ws.moe.as_ref().expect("MoE buffers exist when a layer is MoE");
         let fp8 = w.gate_up.mats().is_fp8();
-        let r = mb.routing(t, cfg, k.grouped_gemm.tile_for_mats(t, cfg.num_experts_per_tok, cfg.n_routed_experts, fp8));
+        // W8A8 where its scratch exists (FP8 experts on Hopper, `fp8_w8a8` on).
+        let fp8_act = mb.fp8_act.as_ref().filter(|_| fp8);
+        let tile =
+            k.grouped_gemm.tile_for_mats(t, cfg.num_experts_per_tok, cfg.n_routed_experts, fp8, fp8_act.is_some());
+        let r = mb.routing(t, cfg, tile);
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         let route = |logits: DSlice<f32>| k.moe.route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, &self.route);
         if moe_small::takes(cfg, w, t) {
@@ -724,9 +729,18 @@ impl CudaModel {
         dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
         route(mb.router_logits.slice())?;
         k.moe.align(s, &r)?;
-        k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), r.rows(), hidden)?;
+        let rows = r.rows();
+        k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), rows, hidden)?;
+        let w8a8 = fp8_act.filter(|_| r.tile == TileM::Rows128);
+        let (gate_up_in, down_in) = match w8a8 {
+            Some(q) => {
+                k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_x.slice(), hidden), rows, hidden, &q.x())?;
+                (GroupedInput::Fp8(q.x()), GroupedInput::Fp8(q.act()))
+            }
+            None => (mb.grouped_x.slice().into(), mb.grouped_act.slice().into()),
+        };
         let gate_up = GroupedGateUp {
-            a: mb.grouped_x.slice(),
+            a: gate_up_in,
             w: w.gate_up.mats(),
             gate_up: mb.grouped_gate_up.slice(),
             act: mb.grouped_act.slice(),
@@ -734,8 +748,10 @@ impl CudaModel {
             k: hidden,
         };
         k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
-        let down =
-            GroupedGemm { a: mb.grouped_act.slice(), w: w.down.mats(), c: mb.grouped_y.slice(), n: hidden, k: im };
+        if let Some(q) = w8a8 {
+            k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_act.slice(), im), rows, im, &q.act())?;
+        }
+        let down = GroupedGemm { a: down_in, w: w.down.mats(), c: mb.grouped_y.slice(), n: hidden, k: im };
         k.grouped_gemm.gemm(s, &down, &r)?;
         let shared = match &w.shared {
             Some(sh) => {

@@ -253,6 +253,8 @@ pub struct Fp8Share {
     pub largest_projection: usize,
     /// Widest input of those projections (the quantized-activation scratch).
     pub widest_input: usize,
+    /// MoE layers whose expert stacks are FP8 (the grouped GEMMs' W8A8 scratch).
+    pub expert_layers: usize,
 }
 
 impl DeviceWeights {
@@ -324,6 +326,7 @@ impl DeviceWeights {
                 if let ExpertStack::Fp8 { .. } = m.gate_up {
                     // gate, up and down of every expert (the router is [E, H]).
                     s.matrices += 3 * m.router.len() / self.norm.len();
+                    s.expert_layers += 1;
                     s.bytes += m.gate_up.bytes() + m.down.bytes();
                 }
             }

@@ -3,7 +3,7 @@
 //! is sized.
 
 use crate::gpu::DeviceBuffer;
-use crate::ops::{MoeRouting, TileM, MAX_TOP_LOGPROBS};
+use crate::ops::{Fp8Act, MoeRouting, TileM, FP8_BLOCK, MAX_TOP_LOGPROBS};
 use half::bf16;
 use mla_core::ModelConfig;
 
@@ -62,6 +62,38 @@ pub struct MoeBuffers {
     pub grouped_act: DeviceBuffer<bf16>,
     pub grouped_y: DeviceBuffer<bf16>,
     pub shared_out: DeviceBuffer<bf16>,
+    /// W8A8 expert GEMMs (FP8 experts on Hopper): the grouped inputs and activations quantized.
+    pub fp8_act: Option<MoeFp8Act>,
+}
+
+/// The quantized operands of W8A8 expert GEMMs: e4m3 rows and their per-128-column scales
+/// (`[groups, rows]`), for the gate/up input `[rows, hidden]` and the activations `[rows, inter]`.
+pub struct MoeFp8Act {
+    pub x_q: DeviceBuffer<u8>,
+    pub x_scales: DeviceBuffer<f32>,
+    pub act_q: DeviceBuffer<u8>,
+    pub act_scales: DeviceBuffer<f32>,
+    pub rows: usize,
+}
+
+impl MoeFp8Act {
+    fn alloc(rows: usize, hidden: usize, inter: usize) -> anyhow::Result<Self> {
+        Ok(MoeFp8Act {
+            x_q: DeviceBuffer::alloc(rows * hidden)?,
+            x_scales: DeviceBuffer::alloc(hidden.div_ceil(FP8_BLOCK) * rows)?,
+            act_q: DeviceBuffer::alloc(rows * inter)?,
+            act_scales: DeviceBuffer::alloc(inter.div_ceil(FP8_BLOCK) * rows)?,
+            rows,
+        })
+    }
+
+    pub fn x(&self) -> Fp8Act<'_> {
+        Fp8Act { q: self.x_q.slice(), scales: self.x_scales.slice(), scale_ld: self.rows }
+    }
+
+    pub fn act(&self) -> Fp8Act<'_> {
+        Fp8Act { q: self.act_q.slice(), scales: self.act_scales.slice(), scale_ld: self.rows }
+    }
 }
 
 impl MoeBuffers {
@@ -160,7 +192,14 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    pub fn new(cfg: &ModelConfig, limits: Limits, sm_count: usize, kind: CollectiveKind) -> anyhow::Result<Self> {
+    /// `fp8_expert_acts`: the experts run W8A8 (allocates their quantized operands).
+    pub fn new(
+        cfg: &ModelConfig,
+        limits: Limits,
+        sm_count: usize,
+        kind: CollectiveKind,
+        fp8_expert_acts: bool,
+    ) -> anyhow::Result<Self> {
         limits.check()?;
         let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
         // The FFN's buffers hold every rank's rows under DP attention.
@@ -198,6 +237,7 @@ impl Workspace {
                 grouped_act: DeviceBuffer::alloc(a * im)?,
                 grouped_y: DeviceBuffer::alloc(a * h)?,
                 shared_out: DeviceBuffer::alloc(f * h)?,
+                fp8_act: if fp8_expert_acts { Some(MoeFp8Act::alloc(a, h, im)?) } else { None },
             })
         } else {
             None

@@ -2,13 +2,16 @@
 //! (`MoeKernels::align`'s tile map), in three kernel families chosen by the tile height: mma.sync
 //! tiles of 16 rows (decode-sized batches) or 64 rows, and on sm_90 warp-specialised wgmma kernels
 //! of 128 rows, with SiLU·mul fused into the gate/up GEMM. Every family also takes block-FP8
-//! expert weights (dequantized to bf16 as they are staged into shared memory).
+//! expert weights (dequantized to bf16 as they are staged into shared memory, W8A16); the wgmma
+//! family also computes in FP8 (W8A8: e4m3 activations quantized per row and 128 columns by
+//! `Fp8ConvertKernels::quantize_act`, 128-row items).
 
 use super::dims::{
     GROUPED_SM90_FP8_SMEM_BYTES, GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS, GROUPED_TILE_M, GROUPED_TILE_M_SM90,
     GROUPED_TILE_M_SMALL,
 };
 use super::expert_mats::ExpertMats;
+use super::fp8_gemm::Fp8Act;
 use super::gemv_fp8::FP8_BLOCK;
 use super::moe::MoeRouting;
 use super::{ensure_len, ensure_smem, grid_for};
@@ -68,21 +71,66 @@ impl Sm90Schedule {
         Sm90Schedule { item_rows: 128, persistent: true },
     ];
 
+    /// The W8A8 kernels' schedules (128-row items only: two f32 accumulator sets of 256 columns
+    /// would not fit a thread's registers).
+    pub const W8A8: [Sm90Schedule; 2] =
+        [Sm90Schedule { item_rows: 128, persistent: false }, Sm90Schedule { item_rows: 128, persistent: true }];
+
     /// The schedule for a routing (H200, docs/runs/2026-11-22.md runs M1-M3 and G1-G2): when the
     /// experts get at most 64 rows on average (decode-sized, memory-bound) 128-row items on a
     /// persistent grid; otherwise (prefill-sized, compute-bound) 256-row items, one block each.
-    pub fn for_routing(r: &MoeRouting) -> Sm90Schedule {
-        if r.rows() <= 64 * r.experts {
-            Sm90Schedule { item_rows: 128, persistent: true }
-        } else {
-            Sm90Schedule { item_rows: 256, persistent: false }
-        }
+    /// W8A8 (`fp8_act`) always takes 128-row items on a persistent grid, which beat one block
+    /// per item at every size measured (V2-Lite's experts at 256 / 1024 / 4096 tokens: 0.270 /
+    /// 0.334 / 0.965 ms against 0.316 / 0.384 / 1.065; H100, run F11 in docs/runs/2026-11-26.md).
+    pub fn for_routing(r: &MoeRouting, fp8_act: bool) -> Sm90Schedule {
+        let small = r.rows() <= 64 * r.experts;
+        Sm90Schedule { item_rows: if small || fp8_act { 128 } else { 256 }, persistent: small || fp8_act }
+    }
+}
+
+/// The activations of a grouped GEMM: bf16, or e4m3 with their per-row, per-128-column scales
+/// (W8A8; the weights must then be block-FP8 and the tiles 128 rows).
+#[derive(Clone, Copy)]
+pub enum GroupedInput<'a> {
+    Bf16(DSlice<'a, bf16>),
+    Fp8(Fp8Act<'a>),
+}
+
+impl<'a> From<DSlice<'a, bf16>> for GroupedInput<'a> {
+    fn from(a: DSlice<'a, bf16>) -> Self {
+        GroupedInput::Bf16(a)
+    }
+}
+
+impl GroupedInput<'_> {
+    pub fn is_fp8(&self) -> bool {
+        matches!(self, GroupedInput::Fp8(_))
+    }
+
+    /// The kernels' leading arguments for `rows` rows of width `k`, after checking the sizes.
+    fn args(&self, rows: usize, k: usize) -> anyhow::Result<Vec<Arg>> {
+        Ok(match self {
+            GroupedInput::Bf16(a) => {
+                ensure_len!(*a, rows * k, "grouped GEMM input");
+                vec![Arg::Ptr(a.ptr)]
+            }
+            GroupedInput::Fp8(a) => {
+                ensure_len!(a.q, rows * k, "grouped GEMM FP8 input");
+                anyhow::ensure!(
+                    a.scale_ld >= rows,
+                    "grouped GEMM FP8 input: scales for {} rows, {rows} rows",
+                    a.scale_ld
+                );
+                ensure_len!(a.scales, k.div_ceil(FP8_BLOCK) * a.scale_ld, "grouped GEMM FP8 input scales");
+                vec![Arg::Ptr(a.q.ptr), Arg::Ptr(a.scales.ptr), Arg::I32(a.scale_ld as i32)]
+            }
+        })
     }
 }
 
 /// `c[rows of e] = a[rows of e] · w[e]ᵀ` over every expert, w `[experts, n, k]`.
 pub struct GroupedGemm<'a> {
-    pub a: DSlice<'a, bf16>,
+    pub a: GroupedInput<'a>,
     pub w: ExpertMats<'a>,
     pub c: DSlice<'a, bf16>,
     pub n: usize,
@@ -93,7 +141,7 @@ pub struct GroupedGemm<'a> {
 /// (gate rows then up rows). `gate_up` `[rows, 2·inter]` is scratch for the unfused tile sizes.
 /// Block-FP8 weights need `inter % 128 == 0` (the gate and up scale grids then stack exactly).
 pub struct GroupedGateUp<'a> {
-    pub a: DSlice<'a, bf16>,
+    pub a: GroupedInput<'a>,
     pub w: ExpertMats<'a>,
     pub gate_up: DSlice<'a, bf16>,
     pub act: DSlice<'a, bf16>,
@@ -108,8 +156,9 @@ pub struct GroupedGemmKernels {
     rows16_fp8: Kernel,
     rows64_fp8: Kernel,
     /// The four wgmma kernels (256- and 128-row items, plain and SiLU-fused), sm_90a only, on
-    /// bf16 and on block-FP8 weights.
+    /// bf16 and on block-FP8 weights, and the W8A8 pair (128-row items, plain and SiLU-fused).
     wgmma: Option<[Sm90Kernels; 2]>,
+    w8a8: Option<[Kernel; 2]>,
     /// elementwise.cu's silu_mul: the second half of the gate/up path when SiLU is not fused.
     silu_mul: Kernel,
     sm_count: usize,
@@ -125,7 +174,7 @@ struct Sm90Kernels {
 impl GroupedGemmKernels {
     pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
         // Like the wgmma attention kernel, these exist only in the sm_90a cubin.
-        let wgmma = if info.compute_capability == (9, 0) {
+        let (wgmma, w8a8) = if info.compute_capability == (9, 0) {
             ensure_smem(info, GROUPED_SM90_SMEM_BYTES, "the wgmma grouped GEMM")?;
             ensure_smem(info, GROUPED_SM90_FP8_SMEM_BYTES, "the wgmma grouped GEMM on FP8 weights")?;
             let family = |[a, b, c, d]: [&'static str; 4], smem: usize| -> anyhow::Result<Sm90Kernels> {
@@ -149,9 +198,16 @@ impl GroupedGemmKernels {
                 "moe_grouped_gemm_sm90_n128_fp8",
                 "moe_grouped_gemm_silu_sm90_n128_fp8",
             ];
-            Some([family(bf16, GROUPED_SM90_SMEM_BYTES)?, family(fp8, GROUPED_SM90_FP8_SMEM_BYTES)?])
+            let w8a8 = ["moe_grouped_gemm_sm90_n128_w8a8", "moe_grouped_gemm_silu_sm90_n128_w8a8"]
+                .map(|name| m.kernel("grouped_gemm_sm90", name));
+            let [plain, silu] = w8a8;
+            let w8a8 = [plain?, silu?];
+            for k in &w8a8 {
+                k.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
+            }
+            (Some([family(bf16, GROUPED_SM90_SMEM_BYTES)?, family(fp8, GROUPED_SM90_FP8_SMEM_BYTES)?]), Some(w8a8))
         } else {
-            None
+            (None, None)
         };
         Ok(GroupedGemmKernels {
             rows16: m.kernel("grouped_gemm", "moe_grouped_gemm_small")?,
@@ -159,6 +215,7 @@ impl GroupedGemmKernels {
             rows16_fp8: m.kernel("grouped_gemm", "moe_grouped_gemm_small_fp8")?,
             rows64_fp8: m.kernel("grouped_gemm", "moe_grouped_gemm_fp8")?,
             wgmma,
+            w8a8,
             silu_mul: m.kernel("elementwise", "silu_mul")?,
             sm_count: info.sm_count,
         })
@@ -174,28 +231,34 @@ impl GroupedGemmKernels {
         self.available()
     }
 
+    /// Whether this GPU has the W8A8 kernels (sm_90a).
+    pub fn has_w8a8(&self) -> bool {
+        self.w8a8.is_some()
+    }
+
     /// The tile height for a batch on this GPU: 16-row tiles when experts get at most 16 rows on
     /// average, otherwise the wgmma kernel's 128-row tiles on sm_90 and 64-row tiles elsewhere.
     pub fn tile_for(&self, tokens: usize, top_k: usize, experts: usize) -> TileM {
         TileM::pick(tokens, top_k, experts, if self.wgmma.is_some() { TileM::Rows128 } else { TileM::Rows64 })
     }
 
-    /// `tile_for` for weights in a given format (`fp8`: block-FP8). The FP8 wgmma kernels convert
-    /// each weight slice through registers with one raw slice in flight, and lose to the 64-row
-    /// mma.sync ones while experts get at most 64 rows each (V2-Lite's experts at 256 tokens:
-    /// 0.455 ms against 0.531 to 0.584 ms; H100, run F5 in docs/runs/2026-11-26.md), so FP8 takes
-    /// 64-row tiles there and the wgmma kernels only for prefill-sized batches (1.71 ms against
-    /// 2.80 ms at 4096 tokens).
-    pub fn tile_for_mats(&self, tokens: usize, top_k: usize, experts: usize, fp8: bool) -> TileM {
+    /// `tile_for` for weights in a given format (`fp8`: block-FP8; `w8a8`: their activations
+    /// quantized too). The W8A16 wgmma kernels convert each weight slice through registers with
+    /// one raw slice in flight, and lose to the 64-row mma.sync ones while experts get at most 64
+    /// rows each (V2-Lite's experts at 256 tokens: 0.455 ms against 0.531 to 0.584 ms; H100, run F5
+    /// in docs/runs/2026-11-26.md), so W8A16 takes 64-row tiles there and the wgmma kernels only
+    /// for prefill-sized batches (1.71 ms against 2.80 ms at 4096 tokens). W8A8 copies its operands
+    /// as stored and keeps the wgmma tiles.
+    pub fn tile_for_mats(&self, tokens: usize, top_k: usize, experts: usize, fp8: bool, w8a8: bool) -> TileM {
         let tile = self.tile_for(tokens, top_k, experts);
-        if fp8 && tile == TileM::Rows128 && tokens * top_k <= 64 * experts {
+        if fp8 && !w8a8 && tile == TileM::Rows128 && tokens * top_k <= 64 * experts {
             return TileM::Rows64;
         }
         tile
     }
 
     pub fn gemm(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting) -> anyhow::Result<()> {
-        self.gemm_with(s, p, r, Sm90Schedule::for_routing(r))
+        self.gemm_with(s, p, r, Sm90Schedule::for_routing(r, p.a.is_fp8()))
     }
 
     /// `gemm` with the wgmma kernels' schedule chosen (tests and benchmarks).
@@ -206,10 +269,19 @@ impl GroupedGemmKernels {
             "grouped GEMM needs N and K positive multiples of 8, got N={n} K={k}"
         );
         let rows = r.rows();
-        ensure_len!(p.a, rows * k, "grouped GEMM input");
         ensure_len!(p.c, rows * n, "grouped GEMM output");
         let tiles = MoeRouting::max_tiles(rows, r.experts, r.tile) as u32;
         let fp8 = p.w.is_fp8();
+        if p.a.is_fp8() {
+            let kernel = self.w8a8_kernel(p, r, sched, false)?;
+            return Launch {
+                kernel,
+                grid: (self.sm90_grid(r, n.div_ceil(sched.item_rows), sched.persistent), 1),
+                threads: GROUPED_SM90_THREADS as u32,
+                smem: GROUPED_SM90_SMEM_BYTES,
+            }
+            .run_rows(s, p, r, n);
+        }
         let launch = match r.tile {
             TileM::Rows16 => Launch {
                 kernel: if fp8 { &self.rows16_fp8 } else { &self.rows16 },
@@ -236,7 +308,7 @@ impl GroupedGemmKernels {
     /// The gate/up GEMM with SiLU·mul: one wgmma kernel with SiLU·mul in its epilogue on 128-row
     /// tiles; otherwise the grouped GEMM writes `gate_up` and silu_mul reduces it into `act`.
     pub fn gate_up_act(&self, s: CUstream, p: &GroupedGateUp, r: &MoeRouting) -> anyhow::Result<()> {
-        self.gate_up_act_with(s, p, r, Sm90Schedule::for_routing(r))
+        self.gate_up_act_with(s, p, r, Sm90Schedule::for_routing(r, p.a.is_fp8()))
     }
 
     /// `gate_up_act` with the wgmma kernels' schedule chosen (tests and benchmarks).
@@ -270,16 +342,37 @@ impl GroupedGemmKernels {
             inter.is_multiple_of(8) && k.is_multiple_of(8) && inter > 0 && k > 0,
             "grouped GEMM needs the width and K positive multiples of 8, got {inter} and K={k}"
         );
-        ensure_len!(p.a, rows * k, "grouped GEMM input");
         ensure_len!(p.act, rows * inter, "expert activations");
+        let gemm = GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k };
+        let (kernel, smem) = if p.a.is_fp8() {
+            (self.w8a8_kernel(&gemm, r, sched, true)?, GROUPED_SM90_SMEM_BYTES)
+        } else {
+            (self.sm90_kernel(sched.item_rows, true, p.w.is_fp8())?, sm90_smem(p.w.is_fp8()))
+        };
         // An item covers item_rows / 2 gate rows and as many up rows: that many act columns.
         Launch {
-            kernel: self.sm90_kernel(sched.item_rows, true, p.w.is_fp8())?,
+            kernel,
             grid: (self.sm90_grid(r, inter.div_ceil(sched.item_rows / 2), sched.persistent), 1),
             threads: GROUPED_SM90_THREADS as u32,
-            smem: sm90_smem(p.w.is_fp8()),
+            smem,
         }
-        .run_rows(s, &GroupedGemm { a: p.a, w: p.w, c: p.act, n: inter, k }, r, 2 * inter)
+        .run_rows(s, &gemm, r, 2 * inter)
+    }
+
+    /// The W8A8 kernel for `p` (FP8 activations), after checking what it needs: FP8 weights,
+    /// the wgmma tile map (128-row tiles), 128-row items and K a multiple of 16 (16-byte copies).
+    fn w8a8_kernel(&self, p: &GroupedGemm, r: &MoeRouting, sched: Sm90Schedule, silu: bool) -> anyhow::Result<&Kernel> {
+        let [plain, fused] =
+            self.w8a8.as_ref().ok_or_else(|| anyhow::anyhow!("the W8A8 grouped GEMM needs compute capability 9.0"))?;
+        anyhow::ensure!(p.w.is_fp8(), "W8A8 grouped GEMM: FP8 activations need block-FP8 weights");
+        anyhow::ensure!(
+            r.tile == TileM::Rows128,
+            "W8A8 grouped GEMM: needs 128-row tiles, the routing has {:?}",
+            r.tile
+        );
+        anyhow::ensure!(sched.item_rows == 128, "W8A8 grouped GEMM: items of 128 weight rows, not {}", sched.item_rows);
+        anyhow::ensure!(p.k.is_multiple_of(16), "W8A8 grouped GEMM: K must be a multiple of 16, got {}", p.k);
+        Ok(if silu { fused } else { plain })
     }
 
     fn sm90_kernel(&self, item_rows: usize, silu: bool, fp8: bool) -> anyhow::Result<&Kernel> {
@@ -328,7 +421,7 @@ impl Launch<'_> {
     /// `p.c` gets `p.n` columns per row (the activation's width for the SiLU-fused kernels);
     /// every expert's weight has `w_rows` rows of `p.k` (checked here, with its block scales).
     fn run_rows(&self, s: CUstream, p: &GroupedGemm, r: &MoeRouting, w_rows: usize) -> anyhow::Result<()> {
-        let mut args = vec![Arg::Ptr(p.a.ptr)];
+        let mut args = p.a.args(r.rows(), p.k)?;
         args.extend(p.w.args("expert weights", r.experts, w_rows, p.k)?);
         args.extend([
             Arg::Ptr(p.c.ptr),
