@@ -13,7 +13,7 @@ pub struct GrammarConstraint {
     /// The request's stop tokens, kept out of the mask for the first `min_tokens` draws.
     stop_ids: Arc<[u32]>,
     min_tokens: usize,
-    /// Tokens accepted so far.
+    /// Tokens generated so far, those before the grammar started included (`count_ungoverned`).
     drawn: usize,
     /// The grammar is complete and an EOS was drawn (or it cannot go on): from now on only EOS
     /// is allowed. With `ignore_eos` the engine keeps drawing, and EOS is what it gets: the text
@@ -30,6 +30,26 @@ impl GrammarConstraint {
     /// The grammar is complete (only EOS may follow) or was ended by an EOS.
     pub fn is_finished(&self) -> bool {
         self.finished || self.matcher.is_stopped()
+    }
+
+    /// Takes the stop tokens out of `mask` while fewer than `min_tokens` tokens have been
+    /// generated, unless they are all it allows: a grammar that can only stop wins over
+    /// `min_tokens`, and a mask is never empty.
+    pub(super) fn hold_stops(&self, mask: &mut [u32]) {
+        if self.drawn >= self.min_tokens {
+            return;
+        }
+        let stops: Vec<u32> = self.stop_ids.iter().copied().filter(|&t| is_set(mask, t)).collect();
+        stops.iter().for_each(|&t| clear(mask, t));
+        if mask.iter().all(|&w| w == 0) {
+            stops.iter().for_each(|&t| set(mask, t));
+        }
+    }
+
+    /// Counts a token generated before the grammar starts (a reasoning model's thinking,
+    /// `reasoning_gate`): vLLM's `min_tokens` counts every generated token, from the first.
+    pub(super) fn count_ungoverned(&mut self) {
+        self.drawn += 1;
     }
 
     fn allow_eos(&self, mask: &mut [u32]) {
@@ -74,14 +94,7 @@ impl TokenConstraint for GrammarConstraint {
         if allowed.is_allowed(self.matcher_eos) {
             self.allow_eos(mask);
         }
-        if self.drawn < self.min_tokens {
-            let stops: Vec<u32> = self.stop_ids.iter().copied().filter(|&t| is_set(mask, t)).collect();
-            stops.iter().for_each(|&t| clear(mask, t));
-            if mask.iter().all(|&w| w == 0) {
-                // The grammar allows nothing but stopping: it wins over min_tokens.
-                stops.iter().for_each(|&t| set(mask, t));
-            }
-        }
+        self.hold_stops(mask);
     }
 
     fn accept(&mut self, token: u32) -> Result<(), String> {

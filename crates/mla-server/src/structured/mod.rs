@@ -260,7 +260,7 @@ impl CompiledGrammar {
     }
 
     /// `factory` for a reasoning model: each completion thinks freely, then follows the grammar
-    /// (`reasoning_gate`).
+    /// (`reasoning_gate`). `min_tokens` counts the thinking tokens too.
     pub fn factory_after_reasoning(&self, stop_ids: Vec<u32>, min_tokens: usize) -> mla_engine::ConstraintFactory {
         let grammar = self.clone();
         let stop_ids: Arc<[u32]> = stop_ids.into();

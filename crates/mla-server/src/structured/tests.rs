@@ -294,3 +294,24 @@ fn after_reasoning_the_grammar_starts_at_the_end_of_the_thinking_block() {
     let mut plain = (compiled.factory(vec![EOS], 0).0)();
     assert_eq!(allowed(plain.as_mut(), 600), digits);
 }
+
+#[test]
+fn after_reasoning_min_tokens_counts_from_the_first_thinking_token() {
+    // vLLM's min_tokens counts every generated token, the thinking included, and holds the stop
+    // tokens back until then, whether the `min_tokens`th token falls in the thinking or after it.
+    let g = grammars();
+    let compiled = g.compile(&StructuredOutput::Regex("[0-9]*".into())).unwrap();
+    let encode = |s: &str| demo_text().tokenizer().encode(s, false).unwrap();
+    let (thinking, answer) = (encode("Let me think: 12 or 345? </think>"), encode("12345678"));
+    assert!(answer.len() >= 2, "{answer:?}");
+    let ids = [thinking.clone(), answer].concat();
+    for min_tokens in [0, 2, thinking.len() + 1] {
+        let mut gated = (compiled.factory_after_reasoning(vec![EOS], min_tokens).0)();
+        for (generated, &t) in ids.iter().enumerate() {
+            // `[0-9]*` allows EOS everywhere after the tag, as thinking does: only min_tokens decides.
+            let eos = allowed(gated.as_mut(), 600).contains(&EOS);
+            assert_eq!(eos, generated >= min_tokens, "min_tokens {min_tokens}, {generated} generated");
+            gated.accept(t).unwrap();
+        }
+    }
+}
