@@ -66,21 +66,23 @@ extern "C" __global__ void __launch_bounds__(256)
 // 128 columns, scale = max(amax, 1e-12) / 448 and q = e4m3(x / scale), the weights' recipe on
 // 1x128 blocks (bit-exact with mla-core's quantize_block_fp8 with block [1, 128]). q is packed
 // [rows, cols]; the scale of row r, group g goes to scales[g * scale_ld + r] (M-major, as
-// cuBLASLt reads VEC128 scales). Grid (ceil(cols / 128), ceil(rows / 8)), 256 threads: one warp
-// per (row, group), four values per lane.
+// cuBLASLt reads VEC128 scales). With src_rows, output row r quantizes x row src_rows[r] (the
+// MoE layer's grouping of token rows by expert, gathered in the same pass). Grid
+// (ceil(cols / 128), ceil(rows / 8)), 256 threads: one warp per (row, group), four values per lane.
 extern "C" __global__ void __launch_bounds__(256)
-    fp8_quantize_act(const bf16* __restrict__ x, int x_stride, int rows, int cols, uint8_t* __restrict__ q,
-                     float* __restrict__ scales, int scale_ld) {
+    fp8_quantize_act(const bf16* __restrict__ x, int x_stride, const int* __restrict__ src_rows, int rows, int cols,
+                     uint8_t* __restrict__ q, float* __restrict__ scales, int scale_ld) {
     PDL_ENTRY();
     const int lane = threadIdx.x & 31, r = blockIdx.y * 8 + (threadIdx.x >> 5), c0 = blockIdx.x * QB;
     if (r >= rows) return;
+    const bf16* xr = x + (size_t)(src_rows ? __ldg(src_rows + r) : r) * x_stride + c0;
     const int n = min(QB, cols - c0);
     float v[4];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = lane * 4 + i;
-        v[i] = c < n ? to_f32(x[(size_t)r * x_stride + c0 + c]) : 0.f;
+        v[i] = c < n ? to_f32(xr[c]) : 0.f;
         amax = fmaxf(amax, fabsf(v[i]));
     }
     amax = warp_max(amax);

@@ -120,61 +120,103 @@ DEVICE_INLINE void fp8_raw_dequant(uint32_t raw, uint32_t sB, const float (&scal
 }
 
 // W8A8 consumer warpgroup, one item's K loop (128-row items: stages of A [128 x 128] and W
-// [128 x 128] e4m3). A stage is one 128-wide scale block of K: its four k32 wgmma go into `part`
-// from zero and retire, the stage goes back to the producer, and `part` is promoted into `acc`
-// with the row's activation scale times the block's weight scale. The f32 adds every 128 of K
-// are what keeps the sum exact enough: FP8 wgmma accumulates in about 14 bits of mantissa
-// (DeepSeek-V3's report; fp8-mtp.md). With SILU, accumulators [NACC/2, NACC) are up rows, scaled
-// by ws_up. The other consumer warpgroup's MMAs fill the tensor cores while one promotes.
+// [128 x 128] e4m3). A stage is one 128-wide scale block of K: its four k32 wgmma go into a
+// fresh f32 set `part` and are promoted into `acc` with the row's activation scale times the
+// block's weight scale. The f32 adds every 128 of K are what keeps the sum exact enough: FP8
+// wgmma accumulates in about 14 bits of mantissa (DeepSeek-V3's report; fp8-mtp.md). Two `part`
+// sets alternate, so that stage kt + 1's MMAs run while stage kt is promoted (wait_group 1),
+// and a stage goes back to the producer once its MMAs have retired. With SILU, accumulators
+// [32, 64) are up rows, scaled by the up block's weight scale.
 // as: this thread's first row's activation scale of block 0 (stride a_ld per block), its second
 // row's hi_rows further on; ws: the item's (gate) weight scale of block 0 (stride 1), the up
 // rows' up_off further on.
+struct W8a8Scales {
+    float lo, hi, up_lo, up_hi;
+};
+
+template <bool SILU>
+DEVICE_INLINE W8a8Scales w8a8_scales(const float* as, int hi_rows, const float* ws, int up_off, int kt, int a_ld) {
+    const float* a = as + (size_t)kt * a_ld;
+    const float a_lo = __ldg(a), a_hi = __ldg(a + hi_rows), w = __ldg(ws + kt);
+    const float u = SILU ? __ldg(ws + up_off + kt) : 0.f;
+    return W8a8Scales{a_lo * w, a_hi * w, a_lo * u, a_hi * u};
+}
+
+// acc += part x scales; accumulator 4j + {0, 1} is row gq of the warp's 16, 4j + {2, 3} row gq + 8.
+template <bool SILU>
+DEVICE_INLINE void w8a8_promote(float (&acc)[64], const float (&part)[64], const W8a8Scales& s) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const bool hi = i & 2, up = SILU && i >= 32;
+        acc[i] = fmaf(part[i], up ? (hi ? s.up_hi : s.up_lo) : (hi ? s.hi : s.lo), acc[i]);
+    }
+}
+
+// Waits for stage g's operands and issues its four e4m3 wgmma into `part` (one commit group).
+template <int STAGES>
+DEVICE_INLINE void w8a8_issue(float (&part)[64], uint32_t s_base, uint32_t bars, int g, int wg) {
+    constexpr uint32_t A_BYTES = GG_BM * 128, STAGE_BYTES = 2 * A_BYTES;
+    const int st = g % STAGES;
+    mbar_wait(bars + 8 * st, (g / STAGES) & 1);
+    fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
+    const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
+        const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
+        wgmma_m64n128k32_e4m3_ss(part, da, db, kk > 0);
+    }
+    wgmma_commit();
+}
+
 template <bool SILU, int STAGES>
 DEVICE_INLINE void w8a8_item_k_loop(float (&acc)[64], uint32_t s_base, uint32_t bars, int& g, int KT, bool active,
                                     int wg, const float* as, int hi_rows, int a_ld, const float* ws, int up_off) {
-    constexpr uint32_t A_BYTES = GG_BM * 128, STAGE_BYTES = 2 * A_BYTES;
-    float part[64];
-    for (int kt = 0; kt < KT; ++kt, ++g) {
-        const int st = g % STAGES;
-        // Scales first: their loads fly while the stage lands.
-        float s_lo = 0.f, s_hi = 0.f, u_lo = 0.f, u_hi = 0.f;
-        if (active) {
-            const float a_lo = __ldg(as), a_hi = __ldg(as + hi_rows);
-            const float w = __ldg(ws + kt);
-            s_lo = a_lo * w;
-            s_hi = a_hi * w;
-            if constexpr (SILU) {
-                const float u = __ldg(ws + up_off + kt);
-                u_lo = a_lo * u;
-                u_hi = a_hi * u;
-            }
+    if (!active) {  // no rows in this tile: keep the barrier protocol only
+        for (int kt = 0; kt < KT; ++kt, ++g) {
+            mbar_wait(bars + 8 * (g % STAGES), (g / STAGES) & 1);
+            mbar_arrive(bars + 8 * (STAGES + g % STAGES));
         }
-        mbar_wait(bars + 8 * st, (g / STAGES) & 1);
-        if (active) {
-            fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
-            const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const uint64_t da = sw128_desc(sA + wg * 64 * 128 + kk * 32, 16, 1024);
-                const uint64_t db = sw128_desc(sB + kk * 32, 16, 1024);
-                wgmma_m64n128k32_e4m3_ss(part, da, db, kk > 0);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(part);
-        }
-        mbar_arrive(bars + 8 * (STAGES + st));
-        as += a_ld;
-        if (active) {
-            // Accumulator 4j + {0, 1} is row gq of the warp's 16, 4j + {2, 3} row gq + 8.
-#pragma unroll
-            for (int i = 0; i < 64; ++i) {
-                const bool hi = i & 2, up = SILU && i >= 32;
-                acc[i] = fmaf(part[i], up ? (hi ? u_hi : u_lo) : (hi ? s_hi : s_lo), acc[i]);
-            }
-        }
+        return;
     }
+    float p0[64], p1[64];
+    // Stage kt's MMAs have retired: hand the stage back, then promote.
+    auto retire = [&](float (&part)[64], int kt, const W8a8Scales& sc) {
+        reg_fence(part);
+        mbar_arrive(bars + 8 * (STAGES + (g + kt) % STAGES));
+        w8a8_promote<SILU>(acc, part, sc);
+    };
+    // Unrolled by two so that each set's issue and reads sit at fixed places: p0 holds the even
+    // stages, p1 the odd ones. A stage's scales are loaded right after the previous stage's
+    // promotion (one set live at a time: the SiLU kernel is at its register limit) and are
+    // needed only a stage of MMAs later.
+    auto scales = [&](int kt) { return w8a8_scales<SILU>(as, hi_rows, ws, up_off, kt, a_ld); };
+    W8a8Scales sc = scales(0);
+    w8a8_issue<STAGES>(p0, s_base, bars, g, wg);
+    int kt = 1;
+    for (; kt + 1 < KT; kt += 2) {
+        w8a8_issue<STAGES>(p1, s_base, bars, g + kt, wg);
+        wgmma_wait<1>();
+        retire(p0, kt - 1, sc);
+        sc = scales(kt);
+        w8a8_issue<STAGES>(p0, s_base, bars, g + kt + 1, wg);
+        wgmma_wait<1>();
+        retire(p1, kt, sc);
+        sc = scales(kt + 1);
+    }
+    if (kt < KT) {  // an even number of stages: the last one is odd
+        w8a8_issue<STAGES>(p1, s_base, bars, g + kt, wg);
+        wgmma_wait<1>();
+        retire(p0, kt - 1, sc);
+        sc = scales(kt);
+        wgmma_wait<0>();
+        retire(p1, kt, sc);
+    } else {
+        wgmma_wait<0>();
+        retire(p0, kt - 1, sc);
+    }
+    g += KT;
 }
 
 // SILU == false: W is [E, N, K], C is [rows, N], item columns n0 = BN · column block.
@@ -439,5 +481,8 @@ GG_KERNEL_FP8(moe_grouped_gemm_sm90_fp8, false, 256)
 GG_KERNEL_FP8(moe_grouped_gemm_silu_sm90_fp8, true, 256)
 GG_KERNEL_FP8(moe_grouped_gemm_sm90_n128_fp8, false, 128)
 GG_KERNEL_FP8(moe_grouped_gemm_silu_sm90_n128_fp8, true, 128)
+// ptxas reports a 4-byte spill in the SiLU one: 192 accumulator registers (acc and the two
+// partial sets) leave one value that the epilogue needs spilled across the K loop (without the
+// epilogue there is none), reloaded once per item.
 GG_KERNEL_W8A8(moe_grouped_gemm_sm90_n128_w8a8, false)
 GG_KERNEL_W8A8(moe_grouped_gemm_silu_sm90_n128_w8a8, true)

@@ -1,5 +1,6 @@
 //! The W8A8 path of FP8 projections (`model::small_linear` on Hopper): the activation quantizer
-//! bit for bit against mla-core's block quantizer on 1x128 blocks, and the projection (quantizer +
+//! bit for bit against mla-core's block quantizer on 1x128 blocks (also gathering rows, as the
+//! MoE layer's W8A8 experts take them), and the projection (quantizer +
 //! cuBLASLt's block-scaled GEMM on rows up to a multiple of 4, the W8A16 GEMV on the rest) against
 //! an f64 product of the same operands, rounded to bf16 as the output is: weights with block
 //! scales over four decades, rows 4 to 300 (partial 128-row tiles), N with a partial block (576 rows = 4.5 blocks), K ending in a partial group.
@@ -83,6 +84,23 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
                 (0, 0),
                 "[{m}, {k}]: quantized activations differ from mla-core's"
             );
+            // Gathered and quantized in one pass (the MoE layer's expert inputs): rows picked
+            // out of order, some twice, bit for bit as mla-core quantizes the gathered rows.
+            let src: Vec<i32> = (0..m).map(|r| ((r * 7 + 3) % m) as i32 / 2 * 2).collect();
+            let gathered: Vec<f32> =
+                src.iter().flat_map(|&r| packed[r as usize * k..(r as usize + 1) * k].to_vec()).collect();
+            let want_g = quantize_block_fp8(&gathered, m, k, [1, FP8_BLOCK]);
+            let (gq, gs) = (up(&vec![0u8; m * k]), up(&vec![f32::NAN; groups * m]));
+            let gact = Fp8Act { q: gq.slice(), scales: gs.slice(), scale_ld: m };
+            let d_src = up(&src);
+            dev.k.fp8_convert.quantize_act_gather(dev.stream(), xs, d_src.slice(), m, k, &gact).unwrap();
+            dev.gpu.sync().unwrap();
+            let (got_gq, got_gs) = (down(gq.slice()), down(gs.slice()));
+            let gathered_differ = got_gq.iter().zip(&want_g.data).filter(|(a, b)| a != b).count()
+                + (0..m * groups)
+                    .filter(|&i| got_gs[(i % groups) * m + i / groups].to_bits() != want_g.scale_inv[i].to_bits())
+                    .count();
+            assert_eq!(gathered_differ, 0, "[{m}, {k}]: gathered quantization differs from mla-core's");
             // The projection against f64 on the same quantized operands, rounded to bf16: the
             // rows up to a multiple of 4 with quantized activations (cuBLASLt), the others as the
             // W8A16 GEMV takes them.

@@ -264,12 +264,15 @@ fn v3_fp8_real_dims_greedy_continuation_matches_hf_until_a_near_tie() {
 /// per row and 128 columns for cuBLASLt's block-scaled GEMM; the expert GEMMs do the same (e4m3
 /// wgmma) when the step gives the experts more than 16 rows on average (`TileM::pick`): the long
 /// prompt alone (80 tokens, 160 expert rows over 8 experts) and the three prompts in one step
-/// do, the short and medium prompts alone keep W8A16 experts. Ours may move from the f32 logits
-/// by no more than the W8A8 oracle does plus our bf16 noise (2x HF's own bf16-vs-f32 mean
-/// deviation), and it must move: a W8A8 path that silently ran W8A16 would sit on the f32
-/// logits. Ours does not sit nearer the W8A8 oracle than the f32 one even with W8A8 experts
-/// (run F11: long prompt 0.042 vs 0.039): the oracle also quantizes kv_b_proj's input, which our
-/// absorbed attention never forms (kv_b stays bf16), so that is not asserted.
+/// do, the short and medium prompts alone keep W8A16 experts. Ours and the oracle are two draws
+/// of the quantization noise, not one: the oracle quantizes f32 activations and kv_b_proj's
+/// input, which our absorbed attention never forms (kv_b stays bf16), so ours does not sit
+/// nearer the oracle than f32 (run F11: long prompt 0.042 vs 0.039), and its shift from f32 is
+/// the oracle's size, not its value: 0.85-1.54x the oracle's own per prompt (runs F11, F12). So
+/// ours may move from the f32 logits by at most 1.5x what the oracle moves plus our bf16 noise
+/// (2x HF's own bf16-vs-f32 mean deviation), and it must move: a W8A8 path that silently ran
+/// W8A16 would sit on the f32 logits. A wrong scale or block in a W8A8 kernel moves logits by
+/// whole units (the kernel tests show misread scales at > 100% error).
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantization() {
@@ -291,7 +294,7 @@ fn v3_fp8_real_dims_w8a8_prefill_matches_hf_with_emulated_activation_quantizatio
         assert!(ours.iter().flatten().all(|x| x.is_finite()), "{}: non-finite logits", p.name);
         let oracle_shift = mean_abs(w8a8, f32_ref);
         assert!(
-            d_f32 <= oracle_shift + 2.0 * hf,
+            d_f32 <= 1.5 * oracle_shift + 2.0 * hf,
             "{}: W8A8 prefill moves {d_f32} from f32, the W8A8 oracle {oracle_shift}",
             p.name
         );

@@ -730,14 +730,18 @@ impl CudaModel {
         route(mb.router_logits.slice())?;
         k.moe.align(s, &r)?;
         let rows = r.rows();
-        k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), rows, hidden)?;
+        // The expert inputs, grouped by expert: gathered in bf16, or gathered and quantized in
+        // one pass for W8A8.
         let w8a8 = fp8_act.filter(|_| r.tile == TileM::Rows128);
         let (gate_up_in, down_in) = match w8a8 {
             Some(q) => {
-                k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_x.slice(), hidden), rows, hidden, &q.x())?;
+                k.fp8_convert.quantize_act_gather(s, Strided::new(x, hidden), r.perm_src, rows, hidden, &q.x())?;
                 (GroupedInput::Fp8(q.x()), GroupedInput::Fp8(q.act()))
             }
-            None => (mb.grouped_x.slice().into(), mb.grouped_act.slice().into()),
+            None => {
+                k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), rows, hidden)?;
+                (mb.grouped_x.slice().into(), mb.grouped_act.slice().into())
+            }
         };
         let gate_up = GroupedGateUp {
             a: gate_up_in,

@@ -30,11 +30,40 @@ impl Fp8ConvertKernels {
         cols: usize,
         act: &Fp8Act,
     ) -> anyhow::Result<()> {
+        anyhow::ensure!(x.stride >= cols && x.data.len >= x.need(rows, cols), "fp8 activations: input too small");
+        self.quantize_rows(s, x, None, rows, cols, act)
+    }
+
+    /// Quantizes rows `src_rows[0..rows]` of `x` (width `cols`) into rows `0..rows` of `act`: a
+    /// gather and the quantizer in one pass (the MoE layer's rows grouped by expert). The indices
+    /// come from the device (`MoeKernels::align`) and must be rows of `x`.
+    pub fn quantize_act_gather(
+        &self,
+        s: CUstream,
+        x: Strided<bf16>,
+        src_rows: DSlice<i32>,
+        rows: usize,
+        cols: usize,
+        act: &Fp8Act,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(src_rows.len >= rows, "fp8 activations: {} row indices for {rows} rows", src_rows.len);
+        anyhow::ensure!(x.stride >= cols && x.data.len >= cols, "fp8 activations: input too small");
+        self.quantize_rows(s, x, Some(src_rows), rows, cols, act)
+    }
+
+    fn quantize_rows(
+        &self,
+        s: CUstream,
+        x: Strided<bf16>,
+        src_rows: Option<DSlice<i32>>,
+        rows: usize,
+        cols: usize,
+        act: &Fp8Act,
+    ) -> anyhow::Result<()> {
         let groups = cols.div_ceil(FP8_BLOCK);
         anyhow::ensure!(rows <= act.scale_ld, "fp8 activations: {rows} rows, scales for {}", act.scale_ld);
         anyhow::ensure!(act.q.len >= rows * cols, "fp8 activations: {} bytes for [{rows}, {cols}]", act.q.len);
         anyhow::ensure!(act.scales.len >= groups * act.scale_ld, "fp8 activation scales: {}", act.scales.len);
-        anyhow::ensure!(x.stride >= cols && x.data.len >= x.need(rows, cols), "fp8 activations: input too small");
         self.quantize_act.launch(
             s,
             (groups as u32, rows.div_ceil(8) as u32, 1),
@@ -43,6 +72,7 @@ impl Fp8ConvertKernels {
             &[
                 Arg::Ptr(x.data.ptr),
                 Arg::I32(x.stride as i32),
+                Arg::Ptr(src_rows.map_or(0, |r| r.ptr)),
                 Arg::I32(rows as i32),
                 Arg::I32(cols as i32),
                 Arg::Ptr(act.q.ptr),
