@@ -41,7 +41,7 @@
 // so outputs are bitwise equal. The scales of slice kt + 1 are loaded into registers during
 // slice kt. Requires N % 128 == 0 for the SILU kernels (the wrapper checks).
 //
-// The _w8a8 kernels compute in FP8 on the tensor cores, as DeepGEMM, vLLM
+// The _w8a8 kernels (128-row items only) compute in FP8 on the tensor cores, as DeepGEMM, vLLM
 // and SGLang do: A is e4m3 with one f32 scale per row and 128 columns (fp8_quantize_act), W
 // block-FP8. Both are copied as stored with cp.async; a stage holds 128 values of K (the same
 // 128-byte swizzled rows), and each stage's e4m3 wgmma products are promoted into the f32
@@ -119,8 +119,8 @@ DEVICE_INLINE void fp8_raw_dequant(uint32_t raw, uint32_t sB, const float (&scal
         }
 }
 
-// W8A8 consumer warpgroup, one item's K loop (stages of A [128 x 128] and W [BN x 128] e4m3).
-// A stage is one 128-wide scale block of K: with 128-row items its four k32 wgmma go into a
+// W8A8 consumer warpgroup, one item's K loop (128-row items: stages of A [128 x 128] and W
+// [128 x 128] e4m3). A stage is one 128-wide scale block of K: its four k32 wgmma go into a
 // fresh f32 set `part` and are promoted into `acc` with the row's activation scale times the
 // block's weight scale. The f32 adds every 128 of K are what keeps the sum exact enough: FP8
 // wgmma accumulates in about 14 bits of mantissa (DeepSeek-V3's report; fp8-mtp.md). Two `part`
@@ -128,43 +128,38 @@ DEVICE_INLINE void fp8_raw_dequant(uint32_t raw, uint32_t sB, const float (&scal
 // and a stage goes back to the producer once its MMAs have retired. With SILU, accumulators
 // [32, 64) are up rows, scaled by the up block's weight scale.
 // as: this thread's first row's activation scale of block 0 (stride a_ld per block), its second
-// row's hi_rows further on; ws: the weight scale of block 0 of the item's first half of rows
-// (stride 1), the second half's (up rows with SiLU) half_off further on.
+// row's hi_rows further on; ws: the item's (gate) weight scale of block 0 (stride 1), the up
+// rows' up_off further on.
 struct W8a8Scales {
-    float lo, hi, up_lo, up_hi;  // rows lo / hi of the first half of weight rows, then of the second
+    float lo, hi, up_lo, up_hi;
 };
 
-template <bool SECOND>
-DEVICE_INLINE W8a8Scales w8a8_scales(const float* as, int hi_rows, const float* ws, int half_off, int kt, int a_ld) {
+template <bool SILU>
+DEVICE_INLINE W8a8Scales w8a8_scales(const float* as, int hi_rows, const float* ws, int up_off, int kt, int a_ld) {
     const float* a = as + (size_t)kt * a_ld;
     const float a_lo = __ldg(a), a_hi = __ldg(a + hi_rows), w = __ldg(ws + kt);
-    const float u = SECOND ? __ldg(ws + half_off + kt) : 0.f;
+    const float u = SILU ? __ldg(ws + up_off + kt) : 0.f;
     return W8a8Scales{a_lo * w, a_hi * w, a_lo * u, a_hi * u};
 }
 
-// acc[AT + i] += part[i] x scales; accumulator 4j + {0, 1} is row gq of the warp's 16, 4j + {2, 3}
-// row gq + 8. SPLIT: part's columns [64, 128) are the second half of weight rows (SiLU's up rows
-// in 128-row items); SECOND: all of part is (the second 128 rows of a 256-row item).
-template <bool SPLIT, bool SECOND, int AT, int NACC>
-DEVICE_INLINE void w8a8_promote(float (&acc)[NACC], const float (&part)[64], const W8a8Scales& s) {
+// acc += part x scales; accumulator 4j + {0, 1} is row gq of the warp's 16, 4j + {2, 3} row gq + 8.
+template <bool SILU>
+DEVICE_INLINE void w8a8_promote(float (&acc)[64], const float (&part)[64], const W8a8Scales& s) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
-        const bool hi = i & 2, second = SECOND || (SPLIT && i >= 32);
-        acc[AT + i] = fmaf(part[i], second ? (hi ? s.up_hi : s.up_lo) : (hi ? s.hi : s.lo), acc[AT + i]);
+        const bool hi = i & 2, up = SILU && i >= 32;
+        acc[i] = fmaf(part[i], up ? (hi ? s.up_hi : s.up_lo) : (hi ? s.hi : s.lo), acc[i]);
     }
 }
 
-// Waits for stage g's operands (unless WAIT is false: already waited) and issues four e4m3 wgmma
-// of weight rows [128 h, 128 h + 128) of the stage into `part` (one commit group).
-template <int BN, int STAGES, bool WAIT = true>
-DEVICE_INLINE void w8a8_issue(float (&part)[64], uint32_t s_base, uint32_t bars, int g, int wg, int h = 0) {
-    constexpr uint32_t A_BYTES = GG_BM * 128, STAGE_BYTES = A_BYTES + BN * 128;
+// Waits for stage g's operands and issues its four e4m3 wgmma into `part` (one commit group).
+template <int STAGES>
+DEVICE_INLINE void w8a8_issue(float (&part)[64], uint32_t s_base, uint32_t bars, int g, int wg) {
+    constexpr uint32_t A_BYTES = GG_BM * 128, STAGE_BYTES = 2 * A_BYTES;
     const int st = g % STAGES;
-    if (WAIT) {
-        mbar_wait(bars + 8 * st, (g / STAGES) & 1);
-        fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
-    }
-    const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES + h * 128 * 128;
+    mbar_wait(bars + 8 * st, (g / STAGES) & 1);
+    fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma reads them
+    const uint32_t sA = s_base + st * STAGE_BYTES, sB = sA + A_BYTES;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -175,34 +170,13 @@ DEVICE_INLINE void w8a8_issue(float (&part)[64], uint32_t s_base, uint32_t bars,
     wgmma_commit();
 }
 
-template <bool SILU, int BN, int STAGES>
-DEVICE_INLINE void w8a8_item_k_loop(float (&acc)[BN / 2], uint32_t s_base, uint32_t bars, int& g, int KT, bool active,
-                                    int wg, const float* as, int hi_rows, int a_ld, const float* ws, int half_off) {
+template <bool SILU, int STAGES>
+DEVICE_INLINE void w8a8_item_k_loop(float (&acc)[64], uint32_t s_base, uint32_t bars, int& g, int KT, bool active,
+                                    int wg, const float* as, int hi_rows, int a_ld, const float* ws, int up_off) {
     if (!active) {  // no rows in this tile: keep the barrier protocol only
         for (int kt = 0; kt < KT; ++kt, ++g) {
             mbar_wait(bars + 8 * (g % STAGES), (g / STAGES) & 1);
             mbar_arrive(bars + 8 * (STAGES + g % STAGES));
-        }
-        return;
-    }
-    auto scales = [&](int kt) { return w8a8_scales<SILU || BN == 256>(as, hi_rows, ws, half_off, kt, a_ld); };
-    if constexpr (BN == 256) {
-        // 256 weight rows: 128 accumulators leave room for one partial set of 64, so each stage
-        // runs its two 128-row halves one after the other (the other consumer warpgroup's MMAs
-        // fill the tensor cores while one promotes); half the activation bytes per MMA of the
-        // 128-row items.
-        float part[64];
-        for (int kt = 0; kt < KT; ++kt, ++g) {
-            const W8a8Scales sc = scales(kt);
-            w8a8_issue<BN, STAGES>(part, s_base, bars, g, wg, 0);
-            wgmma_wait<0>();
-            reg_fence(part);
-            w8a8_promote<false, false, 0>(acc, part, sc);
-            w8a8_issue<BN, STAGES, false>(part, s_base, bars, g, wg, 1);
-            wgmma_wait<0>();
-            reg_fence(part);
-            mbar_arrive(bars + 8 * (STAGES + g % STAGES));
-            w8a8_promote<false, true, 64>(acc, part, sc);
         }
         return;
     }
@@ -211,27 +185,28 @@ DEVICE_INLINE void w8a8_item_k_loop(float (&acc)[BN / 2], uint32_t s_base, uint3
     auto retire = [&](float (&part)[64], int kt, const W8a8Scales& sc) {
         reg_fence(part);
         mbar_arrive(bars + 8 * (STAGES + (g + kt) % STAGES));
-        w8a8_promote<SILU, false, 0>(acc, part, sc);
+        w8a8_promote<SILU>(acc, part, sc);
     };
     // Unrolled by two so that each set's issue and reads sit at fixed places: p0 holds the even
     // stages, p1 the odd ones. A stage's scales are loaded right after the previous stage's
     // promotion (one set live at a time: the SiLU kernel is at its register limit) and are
     // needed only a stage of MMAs later.
+    auto scales = [&](int kt) { return w8a8_scales<SILU>(as, hi_rows, ws, up_off, kt, a_ld); };
     W8a8Scales sc = scales(0);
-    w8a8_issue<BN, STAGES>(p0, s_base, bars, g, wg);
+    w8a8_issue<STAGES>(p0, s_base, bars, g, wg);
     int kt = 1;
     for (; kt + 1 < KT; kt += 2) {
-        w8a8_issue<BN, STAGES>(p1, s_base, bars, g + kt, wg);
+        w8a8_issue<STAGES>(p1, s_base, bars, g + kt, wg);
         wgmma_wait<1>();
         retire(p0, kt - 1, sc);
         sc = scales(kt);
-        w8a8_issue<BN, STAGES>(p0, s_base, bars, g + kt + 1, wg);
+        w8a8_issue<STAGES>(p0, s_base, bars, g + kt + 1, wg);
         wgmma_wait<1>();
         retire(p1, kt, sc);
         sc = scales(kt + 1);
     }
     if (kt < KT) {  // an even number of stages: the last one is odd
-        w8a8_issue<BN, STAGES>(p1, s_base, bars, g + kt, wg);
+        w8a8_issue<STAGES>(p1, s_base, bars, g + kt, wg);
         wgmma_wait<1>();
         retire(p0, kt - 1, sc);
         sc = scales(kt);
@@ -256,7 +231,7 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* _
                                         const int* __restrict__ tile_row0, const int* __restrict__ tile_rows,
                                         const int* __restrict__ num_tiles) {
     constexpr bool FP8 = sizeof(WT) == 1, W8A8 = sizeof(AT) == 1;
-    static_assert(!W8A8 || FP8, "W8A8 takes FP8 weights");
+    static_assert(!W8A8 || (FP8 && BN == 128), "W8A8 takes FP8 weights in 128-row items");
     // The producer dequantizes FP8 weights into bf16 stages (W8A16); W8A8 copies them as they are.
     constexpr bool DEQUANT = FP8 && !W8A8;
     constexpr int STAGES = BN == 256 ? 4 : 6, NACC = BN / 2;
@@ -400,15 +375,10 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* _
                 // Rows past the tile read its last row's scales (their results are never stored).
                 const int r_lo = min(wg * 64 + warp * 16 + gq, ci.rows - 1);
                 const int r_hi = min(wg * 64 + warp * 16 + gq + 8, ci.rows - 1);
-                // The weight scales of the item's second half of rows: the up rows with SiLU, the
-                // next 128-row block of a 256-row item (where it has rows; else unused).
-                const int half_off = SILU                                    ? N / FP8_SCALE_BLOCK * s_cols
-                                     : BN == 256 && ci.n0 + FP8_SCALE_BLOCK < N ? s_cols
-                                                                             : 0;
-                w8a8_item_k_loop<SILU, BN, STAGES>(acc, s_base, bars, g, KT, active, wg,
-                                                   a_scales + ci.row0 + r_lo, r_hi - r_lo, a_scale_ld,
-                                                   scale_inv + ((size_t)ci.e * s_rows + ci.n0 / FP8_SCALE_BLOCK) * s_cols,
-                                                   half_off);
+                w8a8_item_k_loop<SILU, STAGES>(
+                    acc, s_base, bars, g, KT, active, wg, a_scales + ci.row0 + r_lo, r_hi - r_lo, a_scale_ld,
+                    scale_inv + ((size_t)ci.e * s_rows + ci.n0 / FP8_SCALE_BLOCK) * s_cols,
+                    SILU ? N / FP8_SCALE_BLOCK * s_cols : 0);
             } else {
                 for (int kt = 0; kt < KT; ++kt, ++g) {
                     const int st = g % STAGES;
@@ -501,8 +471,8 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* _
 #define GG_KERNEL_BF16(NAME, SILU, BN) GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_ARGS, bf16, bf16, nullptr, 0, nullptr)
 #define GG_KERNEL_FP8(NAME, SILU, BN) \
     GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_FP8_ARGS, bf16, uint8_t, nullptr, 0, scale_inv)
-#define GG_KERNEL_W8A8(NAME, SILU, BN) \
-    GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_W8A8_ARGS, uint8_t, uint8_t, a_scales, a_scale_ld, scale_inv)
+#define GG_KERNEL_W8A8(NAME, SILU) \
+    GG_KERNEL(NAME, SILU, 128, GROUPED_GEMM_SM90_W8A8_ARGS, uint8_t, uint8_t, a_scales, a_scale_ld, scale_inv)
 GG_KERNEL_BF16(moe_grouped_gemm_sm90, false, 256)
 GG_KERNEL_BF16(moe_grouped_gemm_silu_sm90, true, 256)
 GG_KERNEL_BF16(moe_grouped_gemm_sm90_n128, false, 128)
@@ -511,10 +481,8 @@ GG_KERNEL_FP8(moe_grouped_gemm_sm90_fp8, false, 256)
 GG_KERNEL_FP8(moe_grouped_gemm_silu_sm90_fp8, true, 256)
 GG_KERNEL_FP8(moe_grouped_gemm_sm90_n128_fp8, false, 128)
 GG_KERNEL_FP8(moe_grouped_gemm_silu_sm90_n128_fp8, true, 128)
-// ptxas reports a 4-byte spill in the SiLU ones: 192 accumulator registers (acc and the partial
-// sets) leave one value that the epilogue needs spilled across the K loop (without the epilogue
-// there is none), reloaded once per item.
-GG_KERNEL_W8A8(moe_grouped_gemm_sm90_w8a8, false, 256)
-GG_KERNEL_W8A8(moe_grouped_gemm_silu_sm90_w8a8, true, 256)
-GG_KERNEL_W8A8(moe_grouped_gemm_sm90_n128_w8a8, false, 128)
-GG_KERNEL_W8A8(moe_grouped_gemm_silu_sm90_n128_w8a8, true, 128)
+// ptxas reports a 4-byte spill in the SiLU one: 192 accumulator registers (acc and the two
+// partial sets) leave one value that the epilogue needs spilled across the K loop (without the
+// epilogue there is none), reloaded once per item.
+GG_KERNEL_W8A8(moe_grouped_gemm_sm90_n128_w8a8, false)
+GG_KERNEL_W8A8(moe_grouped_gemm_silu_sm90_n128_w8a8, true)

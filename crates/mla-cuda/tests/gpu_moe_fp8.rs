@@ -15,7 +15,7 @@
 //!   magnitudes over two decades; references that read the activation or weight scales wrongly
 //!   must fail;
 //! - the wrappers' refusals: mixed formats, an FP8 gate/up whose width is not a multiple of 128,
-//!   W8A8 without FP8 weights or 128-row tiles, items of other sizes.
+//!   W8A8 without FP8 weights, 128-row tiles or 128-row items.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_moe_fp8 -- --ignored`.
 
@@ -221,7 +221,7 @@ fn grouped_w8a8_gemms_match_f64_on_the_quantized_operands() {
         let wrong_a = grouped_f64(&a64_shifted, &w64, &off, n, kk);
         let wrong_w = grouped_f64(&a64, &w64_shifted, &off, n, kk);
         let w8 = w.upload();
-        for sched in Sm90Schedule::ALL {
+        for sched in Sm90Schedule::W8A8 {
             let c = nan_bf16(rows * n);
             let p = GroupedGemm { a: GroupedInput::Fp8(act), w: fp8_mats(&w8), c: c.slice(), n, k: kk };
             k.grouped_gemm.gemm_with(s, &p, &r, sched).unwrap();
@@ -248,7 +248,7 @@ fn grouped_w8a8_gemms_match_f64_on_the_quantized_operands() {
             })
             .collect();
         let w8 = w.upload();
-        for sched in Sm90Schedule::ALL {
+        for sched in Sm90Schedule::W8A8 {
             let act = nan_bf16(rows * inter);
             let p = GroupedGateUp {
                 a: GroupedInput::Fp8(act_in),
@@ -265,7 +265,7 @@ fn grouped_w8a8_gemms_match_f64_on_the_quantized_operands() {
             assert!(err < 5e-3, "W8A8 {sched:?} gate/up I={inter} K={kk}: off the f64 reference ({err})");
         }
     }
-    // Refusals: W8A8 needs FP8 weights and 128-row tiles; items are 128 or 256 weight rows.
+    // Refusals: W8A8 needs FP8 weights, 128-row tiles and 128-row items.
     let (act, ..) = quantized_act(&dev, &mut rng, rows, 208, &q, &scales);
     let w8 = Fp8Stack::random(&mut rng, e, 128, 208).upload();
     let w16 = up_bf16(&vec![0.0; e * 128 * 208]);
@@ -274,12 +274,12 @@ fn grouped_w8a8_gemms_match_f64_on_the_quantized_operands() {
         let p = GroupedGemm { a: GroupedInput::Fp8(act), w, c: c.slice(), n: 128, k: 208 };
         k.grouped_gemm.gemm_with(s, &p, r, sched).unwrap_err().to_string()
     };
-    let w8a8 = Sm90Schedule::ALL[0];
+    let w8a8 = Sm90Schedule::W8A8[0];
     assert!(refusal(ExpertMats::Bf16(w16.slice()), &r, w8a8).contains("need block-FP8 weights"));
     let r64 = bufs.routing_tiles(t, e, top, TileM::Rows64);
     assert!(refusal(fp8_mats(&w8), &r64, w8a8).contains("128-row tiles"));
-    let items512 = Sm90Schedule { item_rows: 512, persistent: false };
-    assert!(refusal(fp8_mats(&w8), &r, items512).contains("items of 256 or 128 weight rows"));
+    let items256 = Sm90Schedule { item_rows: 256, persistent: false };
+    assert!(refusal(fp8_mats(&w8), &r, items256).contains("items of 128 weight rows"));
     dev.gpu.sync().unwrap();
 }
 

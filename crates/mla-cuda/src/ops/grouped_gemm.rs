@@ -71,16 +71,20 @@ impl Sm90Schedule {
         Sm90Schedule { item_rows: 128, persistent: true },
     ];
 
+    /// The W8A8 kernels' schedules (128-row items only: two f32 accumulator sets of 256 columns
+    /// would not fit a thread's registers).
+    pub const W8A8: [Sm90Schedule; 2] =
+        [Sm90Schedule { item_rows: 128, persistent: false }, Sm90Schedule { item_rows: 128, persistent: true }];
+
     /// The schedule for a routing (H200, docs/runs/2026-11-22.md runs M1-M3 and G1-G2): when the
     /// experts get at most 64 rows on average (decode-sized, memory-bound) 128-row items on a
     /// persistent grid; otherwise (prefill-sized, compute-bound) 256-row items, one block each.
-    /// W8A8 (`fp8_act`) takes the same items on a persistent grid, which beat one block per item
-    /// at every size measured (V2-Lite's experts at 256 / 1024 / 4096 tokens, 128-row items:
-    /// 0.270 / 0.334 / 0.965 ms against 0.316 / 0.384 / 1.065; H100, run F11 in
-    /// docs/runs/2026-11-26.md).
+    /// W8A8 (`fp8_act`) always takes 128-row items on a persistent grid, which beat one block
+    /// per item at every size measured (V2-Lite's experts at 256 / 1024 / 4096 tokens: 0.270 /
+    /// 0.334 / 0.965 ms against 0.316 / 0.384 / 1.065; H100, run F11 in docs/runs/2026-11-26.md).
     pub fn for_routing(r: &MoeRouting, fp8_act: bool) -> Sm90Schedule {
         let small = r.rows() <= 64 * r.experts;
-        Sm90Schedule { item_rows: if small { 128 } else { 256 }, persistent: small || fp8_act }
+        Sm90Schedule { item_rows: if small || fp8_act { 128 } else { 256 }, persistent: small || fp8_act }
     }
 }
 
@@ -152,9 +156,9 @@ pub struct GroupedGemmKernels {
     rows16_fp8: Kernel,
     rows64_fp8: Kernel,
     /// The four wgmma kernels (256- and 128-row items, plain and SiLU-fused), sm_90a only, on
-    /// bf16 and on block-FP8 weights, and the same four in W8A8.
+    /// bf16 and on block-FP8 weights, and the W8A8 pair (128-row items, plain and SiLU-fused).
     wgmma: Option<[Sm90Kernels; 2]>,
-    w8a8: Option<Sm90Kernels>,
+    w8a8: Option<[Kernel; 2]>,
     /// elementwise.cu's silu_mul: the second half of the gate/up path when SiLU is not fused.
     silu_mul: Kernel,
     sm_count: usize,
@@ -165,18 +169,6 @@ struct Sm90Kernels {
     items256_silu: Kernel,
     items128: Kernel,
     items128_silu: Kernel,
-}
-
-impl Sm90Kernels {
-    fn pick(&self, item_rows: usize, silu: bool) -> anyhow::Result<&Kernel> {
-        Ok(match (item_rows, silu) {
-            (256, false) => &self.items256,
-            (256, true) => &self.items256_silu,
-            (128, false) => &self.items128,
-            (128, true) => &self.items128_silu,
-            _ => anyhow::bail!("the wgmma grouped GEMM has items of 256 or 128 weight rows, not {item_rows}"),
-        })
-    }
 }
 
 impl GroupedGemmKernels {
@@ -206,14 +198,14 @@ impl GroupedGemmKernels {
                 "moe_grouped_gemm_sm90_n128_fp8",
                 "moe_grouped_gemm_silu_sm90_n128_fp8",
             ];
-            let w8a8 = [
-                "moe_grouped_gemm_sm90_w8a8",
-                "moe_grouped_gemm_silu_sm90_w8a8",
-                "moe_grouped_gemm_sm90_n128_w8a8",
-                "moe_grouped_gemm_silu_sm90_n128_w8a8",
-            ];
-            let families = [family(bf16, GROUPED_SM90_SMEM_BYTES)?, family(fp8, GROUPED_SM90_FP8_SMEM_BYTES)?];
-            (Some(families), Some(family(w8a8, GROUPED_SM90_SMEM_BYTES)?))
+            let w8a8 = ["moe_grouped_gemm_sm90_n128_w8a8", "moe_grouped_gemm_silu_sm90_n128_w8a8"]
+                .map(|name| m.kernel("grouped_gemm_sm90", name));
+            let [plain, silu] = w8a8;
+            let w8a8 = [plain?, silu?];
+            for k in &w8a8 {
+                k.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
+            }
+            (Some([family(bf16, GROUPED_SM90_SMEM_BYTES)?, family(fp8, GROUPED_SM90_FP8_SMEM_BYTES)?]), Some(w8a8))
         } else {
             (None, None)
         };
@@ -368,9 +360,9 @@ impl GroupedGemmKernels {
     }
 
     /// The W8A8 kernel for `p` (FP8 activations), after checking what it needs: FP8 weights,
-    /// the wgmma tile map (128-row tiles) and K a multiple of 16 (16-byte copies).
+    /// the wgmma tile map (128-row tiles), 128-row items and K a multiple of 16 (16-byte copies).
     fn w8a8_kernel(&self, p: &GroupedGemm, r: &MoeRouting, sched: Sm90Schedule, silu: bool) -> anyhow::Result<&Kernel> {
-        let k =
+        let [plain, fused] =
             self.w8a8.as_ref().ok_or_else(|| anyhow::anyhow!("the W8A8 grouped GEMM needs compute capability 9.0"))?;
         anyhow::ensure!(p.w.is_fp8(), "W8A8 grouped GEMM: FP8 activations need block-FP8 weights");
         anyhow::ensure!(
@@ -378,16 +370,22 @@ impl GroupedGemmKernels {
             "W8A8 grouped GEMM: needs 128-row tiles, the routing has {:?}",
             r.tile
         );
+        anyhow::ensure!(sched.item_rows == 128, "W8A8 grouped GEMM: items of 128 weight rows, not {}", sched.item_rows);
         anyhow::ensure!(p.k.is_multiple_of(16), "W8A8 grouped GEMM: K must be a multiple of 16, got {}", p.k);
-        k.pick(sched.item_rows, silu)
+        Ok(if silu { fused } else { plain })
     }
 
     fn sm90_kernel(&self, item_rows: usize, silu: bool, fp8: bool) -> anyhow::Result<&Kernel> {
-        self.wgmma
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("the wgmma grouped GEMM (tiles of 128 rows) needs compute capability 9.0"))?
-            [fp8 as usize]
-            .pick(item_rows, silu)
+        let k = &self.wgmma.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("the wgmma grouped GEMM (tiles of 128 rows) needs compute capability 9.0")
+        })?[fp8 as usize];
+        Ok(match (item_rows, silu) {
+            (256, false) => &k.items256,
+            (256, true) => &k.items256_silu,
+            (128, false) => &k.items128,
+            (128, true) => &k.items128_silu,
+            _ => anyhow::bail!("the wgmma grouped GEMM has items of 256 or 128 weight rows, not {item_rows}"),
+        })
     }
 
     /// Grid of the wgmma kernels: one block per worst-case item, or persistent, one block per SM
