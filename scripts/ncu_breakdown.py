@@ -10,6 +10,8 @@ from collections import OrderedDict
 
 FAMILIES = [
     ("moe grouped GEMM", ("moe_grouped_gemm",)),
+    ("FP8 activation quantizer", ("fp8_quantize_act",)),
+    ("FP8 weight GEMV", ("gemv_fp8",)),
     ("decode attention + combine", ("mla_decode",)),
     ("prefill attention", ("mla_prefill",)),
     ("cuBLAS GEMMs", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas", "splitK", "gemv", "Kernel2")),

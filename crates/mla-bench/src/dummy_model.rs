@@ -8,6 +8,23 @@ use mla_cuda::model::{CudaModel, DeviceWeights, ModelOptions};
 use mla_cuda::ops::Normal;
 use mla_cuda::Device;
 
+/// The config at `path` as mla-serve would run it with `--hf-overrides` and `--quantization`.
+pub fn config(
+    path: &std::path::Path,
+    hf_overrides: Option<&str>,
+    quantization: Option<&str>,
+) -> anyhow::Result<ModelConfig> {
+    let overrides = match hf_overrides {
+        Some(t) => mla_core::json_patch::parse_overrides(t).map_err(anyhow::Error::msg)?,
+        None => Default::default(),
+    };
+    let mut cfg = ModelConfig::from_file_with_overrides(path, &overrides)?;
+    if let Some(method) = quantization {
+        cfg.apply_quantization_flag(method).map_err(anyhow::Error::msg)?;
+    }
+    Ok(cfg)
+}
+
 /// `CudaModel::new` over weights drawn on the device, with the whole cache drawn from N(0, 1).
 pub fn build(dev: &Device, cfg: &ModelConfig, opts: &ModelOptions) -> anyhow::Result<CudaModel> {
     let weights = DeviceWeights::dummy(cfg, dev, 11)?;

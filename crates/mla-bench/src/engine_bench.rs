@@ -2,7 +2,7 @@
 //! (one GPU, replicas, tensor parallel or DP attention) with dummy weights, no HTTP. Prefill throughput of one long prompt, and decode throughput at a chosen batch and
 //! context, with the host time between steps (the GPU's idle gap) from the backend's step clock.
 
-use mla_core::{Backend, ModelConfig, Parallel, SamplingParams};
+use mla_core::{Backend, Parallel, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, StepClock, WeightsFrom};
 use mla_engine::{Engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest};
 use rand::{Rng, SeedableRng};
@@ -209,14 +209,7 @@ fn decode_case(
 }
 
 pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
-    let overrides = match &a.hf_overrides {
-        Some(t) => mla_core::json_patch::parse_overrides(t).map_err(anyhow::Error::msg)?,
-        None => Default::default(),
-    };
-    let mut cfg = ModelConfig::from_file_with_overrides(&a.config, &overrides)?;
-    if let Some(method) = &a.quantization {
-        cfg.apply_quantization_flag(method).map_err(anyhow::Error::msg)?;
-    }
+    let cfg = crate::dummy_model::config(&a.config, a.hf_overrides.as_deref(), a.quantization.as_deref())?;
     let fp8_weights = cfg.quantization.is_some();
     let vocab = cfg.vocab_size;
     let mut opts = CudaOptions {

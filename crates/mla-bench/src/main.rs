@@ -142,6 +142,12 @@ enum Cmd {
         /// Prompt length of the prefill step (0: no prefill step).
         #[arg(long, default_value_t = 4096)]
         prefill_len: usize,
+        /// As mla-serve's: `fp8` makes the linear weights block-FP8 (quantized on the device).
+        #[arg(long, value_name = "METHOD")]
+        quantization: Option<String>,
+        /// As mla-serve's: config fields to override, e.g. '{"num_hidden_layers": 6}'.
+        #[arg(long, value_name = "JSON")]
+        hf_overrides: Option<String>,
     },
     /// NCCL collectives at the sizes a multi-GPU step moves (TP all-reduce, DP-attention gathers
     /// and reduce-scatters), eager and replayed from CUDA graphs.
@@ -277,7 +283,10 @@ fn main() -> anyhow::Result<()> {
             let v = collectives::run(&collectives::CollectiveArgs { gpus, hidden, rows, iters })?;
             report::write(out.as_deref(), &v)
         }
-        Cmd::Profile { config, batch, context, prefill_len } => profile::run(&config, &batch, context, prefill_len),
+        Cmd::Profile { config, batch, context, prefill_len, quantization, hf_overrides } => {
+            let cfg = dummy_model::config(&config, hf_overrides.as_deref(), quantization.as_deref())?;
+            profile::run(cfg, &batch, context, prefill_len)
+        }
         Cmd::GrammarMask { tokenizer, vocab_size, steps, batch, out } => {
             let r = grammar_mask::run(&grammar_mask::GrammarMaskArgs { tokenizer, vocab_size, steps, batches: batch })?;
             let v = report::envelope("none (CPU only)", r);

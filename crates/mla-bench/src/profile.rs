@@ -11,7 +11,6 @@ use mla_core::ModelConfig;
 use mla_cuda::model::{Limits, ModelOptions};
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::Device;
-use std::path::Path;
 
 /// Steps each shape runs before the timed and the profiled one, so that neither sees cold caches
 /// or first-launch costs.
@@ -25,10 +24,9 @@ enum Step {
 }
 
 /// `batches`: one decode step for each, at `context`; `prefill_len` 0 leaves the prefill out.
-pub fn run(config: &Path, batches: &[usize], context: usize, prefill_len: usize) -> anyhow::Result<()> {
+pub fn run(cfg: ModelConfig, batches: &[usize], context: usize, prefill_len: usize) -> anyhow::Result<()> {
     let max_batch = batches.iter().copied().max().unwrap_or(0);
     anyhow::ensure!(max_batch > 0, "--batch: at least one batch size of 1 or more");
-    let cfg = ModelConfig::from_file(config)?;
     let dev = Device::new(0)?;
     let pages = (context + 1).div_ceil(PAGE_SIZE);
     let opts = ModelOptions {

@@ -85,7 +85,13 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
                 "[{m}, {k}]: quantized activations differ from mla-core's"
             );
             // Gathered and quantized in one pass (the MoE layer's expert inputs): rows picked
-            // out of order, some twice, bit for bit as mla-core quantizes the gathered rows.
+            // out of order, some twice, bit for bit as mla-core quantizes the gathered rows; read
+            // at a row stride that is not a multiple of 4 (the kernel's one-value-at-a-time path,
+            // where the quantizer above took 8-byte loads).
+            let odd = k + 2;
+            let x_odd: Vec<f32> = (0..m * odd).map(|i| packed[i / odd * k + (i % odd).min(k - 1)]).collect();
+            let x_odd_d = up_bf16(&x_odd);
+            let xs_odd = Strided::new(x_odd_d.slice(), odd);
             let src: Vec<i32> = (0..m).map(|r| ((r * 7 + 3) % m) as i32 / 2 * 2).collect();
             let gathered: Vec<f32> =
                 src.iter().flat_map(|&r| packed[r as usize * k..(r as usize + 1) * k].to_vec()).collect();
@@ -93,7 +99,7 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
             let (gq, gs) = (up(&vec![0u8; m * k]), up(&vec![f32::NAN; groups * m]));
             let gact = Fp8Act { q: gq.slice(), scales: gs.slice(), scale_ld: m };
             let d_src = up(&src);
-            dev.k.fp8_convert.quantize_act_gather(dev.stream(), xs, d_src.slice(), m, k, &gact).unwrap();
+            dev.k.fp8_convert.quantize_act_gather(dev.stream(), xs_odd, d_src.slice(), m, k, &gact).unwrap();
             dev.gpu.sync().unwrap();
             let (got_gq, got_gs) = (down(gq.slice()), down(gs.slice()));
             let gathered_differ = got_gq.iter().zip(&want_g.data).filter(|(a, b)| a != b).count()

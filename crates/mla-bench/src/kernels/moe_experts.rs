@@ -1,6 +1,6 @@
 //! The routed-expert GEMMs of V2-Lite (hidden 2048, moe_intermediate 1408, 64 experts, top-6):
-//! gate/up GEMM with SiLU·mul, then down, over the device tile map, at 4096 tokens (prefill) and
-//! 256 (decode at B=256), for every tile height and wgmma schedule this GPU has: TFLOP/s and
+//! gate/up GEMM with SiLU·mul, then down, over the device tile map, at 4096 and 1024 tokens
+//! (prefill) and 256 and 64 (decode at B=256 and 64), for every tile height and wgmma schedule this GPU has: TFLOP/s and
 //! expert-weight bandwidth, outputs cross-checked; with bf16 weights and with block-FP8 ones
 //! (issue 12: e4m3 + 128x128 scales, dequantized to bf16 tiles in shared memory, W8A16), and on
 //! Hopper W8A8 (the activations quantized per row and 128 columns, e4m3 wgmma; the quantizer
@@ -43,7 +43,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
     let s_down = DeviceBuffer::from_host(&vec![1e-3f32; grid(h, im)])?;
     let fp8_bytes = (q_gu.len() + q_down.len() + 4 * (s_gu.len() + s_down.len())) as f64;
     let mut rows = vec![];
-    for tokens in [4096usize, 1024, 256] {
+    for tokens in [4096usize, 1024, 256, 64] {
         let a = tokens * top;
         let ids = random_routing(tokens);
         let i32s = |n: usize| DeviceBuffer::<i32>::alloc(n);
@@ -68,10 +68,12 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         let (act_q, act_s) = (DeviceBuffer::<u8>::alloc(a * im)?, DeviceBuffer::<f32>::alloc(im.div_ceil(128) * a)?);
         let x_fp8 = Fp8Act { q: x_q.slice(), scales: x_s.slice(), scale_ld: a };
         let act_fp8 = Fp8Act { q: act_q.slice(), scales: act_s.slice(), scale_ld: a };
-        let mut variants = vec![
-            (TileM::Rows64, Sm90Schedule::ALL[0], Format::Bf16),
-            (TileM::Rows64, Sm90Schedule::ALL[0], Format::Fp8),
-        ];
+        let mut variants = vec![];
+        // 16-row tiles where the model takes them (at most 16 rows per expert on average).
+        let small = TileM::pick(tokens, top, e, TileM::Rows64) == TileM::Rows16;
+        for tile in [TileM::Rows16, TileM::Rows64].into_iter().filter(|&t| small || t != TileM::Rows16) {
+            variants.extend([Format::Bf16, Format::Fp8].map(|f| (tile, Sm90Schedule::ALL[0], f)));
+        }
         if k.grouped_gemm.available().contains(&TileM::Rows128) {
             variants.extend(
                 Sm90Schedule::ALL
@@ -82,7 +84,6 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
         if k.grouped_gemm.has_w8a8() {
             variants.extend(Sm90Schedule::W8A8.map(|sc| (TileM::Rows128, sc, Format::W8a8)));
         }
-        let default_tile = k.grouped_gemm.tile_for(tokens, top, e);
         let flops = 2.0 * a as f64 * (2 * im * h + h * im) as f64;
         let mut outputs: Vec<Vec<f32>> = vec![];
         let mut outputs_fp8: Vec<Vec<f32>> = vec![];
@@ -120,9 +121,12 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             y.upload(&vec![bf16::NAN; a * h])?;
             let wgmma = tile == TileM::Rows128;
             let w8a8 = format == Format::W8a8;
-            let default = tile == default_tile
-                && (!wgmma || sched == Sm90Schedule::for_routing(&r, w8a8))
-                && (!fp8 || tile != TileM::Rows128 || w8a8);
+            // What the MoE layer runs: the tile for these weights, W8A8 on its wgmma tiles where
+            // the GPU has it, and the schedule for the routing.
+            let has_w8a8 = k.grouped_gemm.has_w8a8();
+            let default = tile == k.grouped_gemm.tile_for_mats(tokens, top, e, fp8, has_w8a8)
+                && w8a8 == (fp8 && has_w8a8 && tile == TileM::Rows128)
+                && (!wgmma || sched == Sm90Schedule::for_routing(&r, w8a8));
             let (gu_in, down_in) = if w8a8 {
                 (GroupedInput::Fp8(x_fp8), GroupedInput::Fp8(act_fp8))
             } else {

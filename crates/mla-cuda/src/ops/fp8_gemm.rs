@@ -64,6 +64,11 @@ impl Fp8ConvertKernels {
         anyhow::ensure!(rows <= act.scale_ld, "fp8 activations: {rows} rows, scales for {}", act.scale_ld);
         anyhow::ensure!(act.q.len >= rows * cols, "fp8 activations: {} bytes for [{rows}, {cols}]", act.q.len);
         anyhow::ensure!(act.scales.len >= groups * act.scale_ld, "fp8 activation scales: {}", act.scales.len);
+        // 8-byte loads and 4-byte stores where every row allows them (the kernel's `vec`).
+        let vec = x.stride.is_multiple_of(4)
+            && cols.is_multiple_of(4)
+            && x.data.ptr.is_multiple_of(8)
+            && act.q.ptr.is_multiple_of(4);
         self.quantize_act.launch(
             s,
             (groups as u32, rows.div_ceil(8) as u32, 1),
@@ -78,6 +83,7 @@ impl Fp8ConvertKernels {
                 Arg::Ptr(act.q.ptr),
                 Arg::Ptr(act.scales.ptr),
                 Arg::I32(act.scale_ld as i32),
+                Arg::I32(vec as i32),
             ],
         )?;
         Ok(())
