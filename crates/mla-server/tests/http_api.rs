@@ -443,3 +443,43 @@ async fn structured_output_reaches_the_engine_and_bad_grammars_are_400() {
     let r = s.post("/v1/chat/completions", chat("x", json!({"guided_regex": "a", "guided_json": {}}))).await;
     assert_eq!(r.status, 400, "{}", r.text);
 }
+
+/// Prompt logprobs depend only on the prompt: with several prompts and `n: 2`, every choice
+/// reports exactly what a request for its prompt alone with `n: 1` reports, in vLLM's
+/// `prompt_logprobs` and in the legacy `logprobs` object that `echo` heads with the prompt.
+#[tokio::test]
+async fn prompt_logprobs_of_n_choices_are_their_prompts() {
+    let s = server(Options::default());
+    let prompts = [json!([5, 6, 7, 8]), json!([9, 3, 4])];
+    let fields = json!({"max_tokens": 3, "prompt_logprobs": 2, "logprobs": 1, "echo": true});
+    let with = |prompt: &serde_json::Value, n: usize| {
+        let mut body = fields.clone();
+        body["prompt"] = prompt.clone();
+        body["n"] = json!(n);
+        body
+    };
+    // What a choice reports about its prompt, as the bytes the server sent.
+    let reported = |c: &serde_json::Value| (c["prompt_logprobs"].to_string(), c["logprobs"].to_string());
+    let mut alone = vec![];
+    for (prompt, len) in prompts.iter().zip([4, 3]) {
+        let r = s.post("/v1/completions", with(prompt, 1)).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let c = r.json()["choices"][0].clone();
+        let list = c["prompt_logprobs"].as_array().unwrap();
+        assert_eq!(list.len(), len, "{c}");
+        assert!(list[0].is_null() && list[1..].iter().all(|p| p.is_object()), "{c}");
+        assert_eq!(c["logprobs"]["tokens"].as_array().unwrap().len(), len + 3, "{c}");
+        alone.push(reported(&c));
+    }
+    assert_ne!(alone[0], alone[1], "the two prompts must be told apart");
+
+    let r = s.post("/v1/completions", with(&json!(prompts), 2)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let v = r.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (i, c) in choices.iter().enumerate() {
+        // Choices are prompt-major: prompt i owns choices 2i and 2i + 1.
+        assert_eq!(reported(c), alone[i / 2], "choice {i}");
+    }
+}

@@ -120,3 +120,33 @@ async fn engine_error_mid_stream_is_an_error_event_before_done() {
     assert_eq!(r.status, 500);
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("scripted device failure"));
 }
+
+/// Streamed `echo` with `logprobs`: each choice's first chunk heads its `logprobs` with the
+/// prompt's, the same for every choice of a prompt as for the prompt alone (`n: 1`).
+#[tokio::test]
+async fn streamed_echo_logprobs_of_n_choices_are_their_prompts() {
+    let s = server(Options::default());
+    let prompts = [json!([5, 6, 7, 8]), json!([9, 3, 4])];
+    let body = |prompt: &Value, n: usize| json!({"prompt": prompt, "n": n, "max_tokens": 3, "logprobs": 1, "echo": true, "stream": true});
+    // Each choice's first chunk, as the bytes the server sent.
+    let first_chunks = |chunks: &[Value], n: usize| -> Vec<String> {
+        (0..n)
+            .map(|i| chunks.iter().find(|c| c["choices"][0]["index"] == i).unwrap()["choices"][0].to_string())
+            .collect()
+    };
+    let mut alone = vec![];
+    for (prompt, len) in prompts.iter().zip([4, 3]) {
+        let chunks = parse(&s.post("/v1/completions", body(prompt, 1)).await.events());
+        let first = first_chunks(&chunks, 1).remove(0);
+        let tokens = serde_json::from_str::<Value>(&first).unwrap()["logprobs"]["tokens"].clone();
+        assert_eq!(tokens.as_array().unwrap().len(), len + 1, "the prompt's tokens, then the first drawn: {first}");
+        alone.push(first);
+    }
+    assert_ne!(alone[0], alone[1], "the two prompts must be told apart");
+
+    let chunks = parse(&s.post("/v1/completions", body(&json!(prompts), 2)).await.events());
+    for (i, first) in first_chunks(&chunks, 4).into_iter().enumerate() {
+        // Choices are prompt-major: prompt i owns choices 2i and 2i + 1.
+        assert_eq!(first.replace(&format!("\"index\":{i},"), "\"index\":0,"), alone[i / 2], "choice {i}");
+    }
+}

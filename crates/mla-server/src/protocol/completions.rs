@@ -3,6 +3,7 @@
 use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Completions-only request fields (the shared ones are in `SamplingWire`).
 #[derive(Debug, Deserialize)]
@@ -43,9 +44,9 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<StopReason>,
-    /// vLLM's `prompt_logprobs`, when asked for.
+    /// vLLM's `prompt_logprobs`, when asked for (shared by the prompt's choices).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_logprobs: Option<PromptLogprobsWire>,
+    pub prompt_logprobs: Option<Arc<PromptLogprobsWire>>,
 }
 
 /// The legacy logprobs object: parallel lists, one entry per token (with `echo`, the prompt's

@@ -6,7 +6,7 @@ use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
 use crate::prompt_logprobs::{self, LegacyEntry};
-use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
+use crate::protocol::common::{PromptLogprobsWire, SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::completions::*;
 use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
@@ -103,18 +103,20 @@ pub async fn handle(
         }
         requests.push(request);
     }
+    let num_prompts = requests.len();
     let mut generation = state.start_generation(requests, &params, stop)?;
 
     let meta = Meta { id: response_id("cmpl"), created: unix_now(), model: state.model_name.clone() };
     access.describe(&meta.id, params.stream);
     generation.report_to(access);
-    let shape = Shape {
+    let mut shape = Shape {
         logprobs: params.logprobs,
         echo_logprobs,
         echo_only,
         prompt_logprobs: explicit_prompt_logprobs,
         tokens_as_ids: params.tokens_as_ids,
         text: state.text.clone(),
+        prompts: PromptReports::new(num_prompts, params.n),
     };
     if params.stream {
         let usage = UsageReporting { final_chunk: params.include_usage, continuous: params.continuous_usage };
@@ -152,14 +154,17 @@ struct Shape {
     prompt_logprobs: Option<usize>,
     tokens_as_ids: bool,
     text: Arc<TextPipeline>,
+    /// Each prompt's logprobs as reported, formatted once for all its choices.
+    prompts: PromptReports,
 }
 
 impl Shape {
-    fn choice(&self, index: usize, c: CollectedChoice, echo: Echo) -> CompletionChoice {
-        let prompt_entries = self.prompt_entries(&echo, c.prompt_logprobs.as_deref());
+    fn choice(&mut self, index: usize, c: CollectedChoice, echo: Echo) -> CompletionChoice {
+        let report = self.prompt_report(index, &echo, c.prompt_logprobs.as_ref());
+        let prompt_entries = PromptReport::legacy_of(report.as_deref());
         let generated: &[TokenLogprob] = if self.echo_only { &[] } else { &c.logprobs };
         let offset = if prompt_entries.is_empty() { echo.text.chars().count() } else { 0 };
-        let logprobs = self.logprobs.map(|_| legacy_logprobs(&prompt_entries, generated, &mut offset.clone()));
+        let logprobs = self.logprobs.map(|_| legacy_logprobs(prompt_entries, generated, &mut offset.clone()));
         let (text, finish, stop_reason) = if self.echo_only {
             (echo.text, Some("length"), None)
         } else {
@@ -171,20 +176,29 @@ impl Shape {
             logprobs,
             finish_reason: finish,
             stop_reason,
-            prompt_logprobs: self.prompt_logprobs.and_then(|k| {
-                c.prompt_logprobs.as_deref().map(|entries| prompt_logprobs::vllm_list(&self.text, entries, k))
-            }),
+            prompt_logprobs: report.and_then(|r| r.vllm.clone()),
         }
     }
 
-    /// The prompt's half of the legacy object (empty unless `echo` with `logprobs`).
-    fn prompt_entries(&self, echo: &Echo, entries: Option<&Vec<PromptTokenLogprob>>) -> Vec<LegacyEntry> {
-        match (self.echo_logprobs, entries) {
-            (Some(k), Some(entries)) => {
-                prompt_logprobs::legacy_entries(&self.text, &echo.prompt, entries, k, self.tokens_as_ids)
-            }
-            _ => vec![],
-        }
+    /// The prompt logprobs that choice `index` reports, from the engine's `entries` for its prompt
+    /// (`None` when it sent none). They depend only on the prompt, so the first of its choices
+    /// formats them and the others share that, rather than each decoding every prompt token.
+    fn prompt_report(
+        &mut self,
+        index: usize,
+        echo: &Echo,
+        entries: Option<&Arc<Vec<PromptTokenLogprob>>>,
+    ) -> Option<Arc<PromptReport>> {
+        let entries = entries?;
+        // Field by field: `self.prompts` is borrowed mutably while these are read.
+        let (text, tokens_as_ids) = (&self.text, self.tokens_as_ids);
+        let (vllm_k, legacy_k) = (self.prompt_logprobs, self.echo_logprobs);
+        Some(self.prompts.get_or_format(index, || PromptReport {
+            vllm: vllm_k.map(|k| Arc::new(prompt_logprobs::vllm_list(text, entries, k))),
+            legacy: legacy_k.map_or_else(Vec::new, |k| {
+                prompt_logprobs::legacy_entries(text, &echo.prompt, entries, k, tokens_as_ids)
+            }),
+        }))
     }
 
     /// `echo` alone completes nothing: the token drawn and dropped is not counted.
@@ -194,6 +208,39 @@ impl Shape {
         } else {
             usage
         }
+    }
+}
+
+/// One prompt's logprobs in the shapes its choices report them.
+struct PromptReport {
+    /// vLLM's `prompt_logprobs` field, when asked for.
+    vllm: Option<Arc<PromptLogprobsWire>>,
+    /// The prompt's half of the legacy `logprobs` object (empty unless `echo` with `logprobs`).
+    legacy: Vec<LegacyEntry>,
+}
+
+impl PromptReport {
+    /// The legacy half of `report`, empty without one.
+    fn legacy_of(report: Option<&PromptReport>) -> &[LegacyEntry] {
+        report.map_or(&[], |r| &r.legacy)
+    }
+}
+
+/// Each prompt's `PromptReport`, made once and then shared by its `n` choices, which are
+/// numbered prompt-major (prompt `i` owns choices `i*n .. (i+1)*n`).
+struct PromptReports {
+    n: usize,
+    reports: Vec<Option<Arc<PromptReport>>>,
+}
+
+impl PromptReports {
+    fn new(prompts: usize, n: usize) -> Self {
+        PromptReports { n, reports: vec![None; prompts] }
+    }
+
+    /// Choice `index`'s prompt's report, made with `format` if it is the first to ask.
+    fn get_or_format(&mut self, index: usize, format: impl FnOnce() -> PromptReport) -> Arc<PromptReport> {
+        self.reports[index / self.n].get_or_insert_with(|| Arc::new(format())).clone()
     }
 }
 
@@ -319,19 +366,19 @@ impl StreamFormat for CompletionStream {
             u.finish = u.finish.map(|_| FinishReason::Length);
         }
         let mut text = String::new();
-        let mut prompt_entries = vec![];
+        let mut report = None;
         if std::mem::take(&mut self.pending_echo[u.index]) {
-            let echo = std::mem::take(&mut self.echoes[u.index].text);
-            prompt_entries = self.shape.prompt_entries(&self.echoes[u.index], u.prompt_logprobs.as_deref());
-            text = echo;
+            text = std::mem::take(&mut self.echoes[u.index].text);
+            report = self.shape.prompt_report(u.index, &self.echoes[u.index], u.prompt_logprobs.as_ref());
         }
+        let prompt_entries = PromptReport::legacy_of(report.as_deref());
         text.push_str(&u.text);
         if text.is_empty() && u.logprobs.is_empty() && prompt_entries.is_empty() && u.finish.is_none() {
             return None;
         }
         let has_logprobs = !u.logprobs.is_empty() || !prompt_entries.is_empty();
         let logprobs = (self.shape.logprobs.is_some() && has_logprobs)
-            .then(|| legacy_logprobs(&prompt_entries, &u.logprobs, &mut self.offsets[u.index]));
+            .then(|| legacy_logprobs(prompt_entries, &u.logprobs, &mut self.offsets[u.index]));
         let c = CompletionChoice {
             index: u.index,
             text,
@@ -345,5 +392,31 @@ impl StreamFormat for CompletionStream {
 
     fn usage(&mut self, usage: Usage) -> Bytes {
         self.chunk(vec![], UsageField::Counts(self.shape.usage(usage)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_prompt_is_formatted_once_for_all_its_choices() {
+        // Two prompts, n = 3: choices 0..3 are prompt 0's, 3..6 prompt 1's; asked out of order,
+        // as a stream's first updates come.
+        let mut reports = PromptReports::new(2, 3);
+        let mut formatted = vec![];
+        let mut got = vec![None; 6];
+        for index in [4, 0, 2, 5, 1, 3] {
+            got[index] = Some(reports.get_or_format(index, || {
+                formatted.push(index);
+                PromptReport { vllm: None, legacy: vec![] }
+            }));
+        }
+        assert_eq!(formatted, vec![4, 0], "the first choice of each prompt to ask formats it");
+        let got: Vec<Arc<PromptReport>> = got.into_iter().map(Option::unwrap).collect();
+        for index in 0..6 {
+            assert!(Arc::ptr_eq(&got[index], &got[index / 3 * 3]), "choice {index} shares its prompt's");
+        }
+        assert!(!Arc::ptr_eq(&got[0], &got[3]));
     }
 }

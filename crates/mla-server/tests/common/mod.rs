@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
-use mla_core::plan::{SeqResult, StepOutput};
+use mla_core::plan::{LogitsRequest, SeqResult, SeqStep, StepOutput};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::access_log::AccessLogConfig;
@@ -117,9 +117,23 @@ impl ScriptBackend {
                     top_logprobs: top.iter().take(req.top_logprobs.unwrap_or(0)).copied().collect(),
                 }
             });
-            out.seqs.push(SeqResult { seq_id: s.seq_id, logits: vec![], sampled });
+            out.seqs.push(SeqResult { seq_id: s.seq_id, logits: self.logits(s), sampled });
         }
         Ok(out)
+    }
+
+    /// The rows `s.logits` asks for (prompt logprobs ask for every fed position): made up, but a
+    /// function of the position and its token, so that every prompt scores differently and
+    /// every sequence feeding the same prompt gets the same rows.
+    fn logits(&self, s: &SeqStep) -> Vec<Vec<f32>> {
+        let mut fed = s.tokens.iter().enumerate().map(|(i, &t)| (s.context_len + i, t as usize));
+        let rows: Vec<(usize, usize)> = match s.logits {
+            LogitsRequest::None => vec![],
+            LogitsRequest::Last => fed.next_back().into_iter().collect(),
+            LogitsRequest::All => fed.collect(),
+        };
+        let vocab = self.model.vocab_size;
+        rows.iter().map(|&(p, t)| (0..vocab).map(|v| ((v * 7 + t * 13 + p * 3) % 61) as f32 / 8.0).collect()).collect()
     }
 }
 
