@@ -483,3 +483,58 @@ async fn prompt_logprobs_of_n_choices_are_their_prompts() {
         assert_eq!(reported(c), alone[i / 2], "choice {i}");
     }
 }
+
+/// `/tokenize` with `messages` counts the prompt that chat would send for the same messages,
+/// chat prompt options and tools.
+#[tokio::test]
+async fn tokenize_messages_counts_the_chat_prompt() {
+    let s = server(Options::default());
+    let tools = json!([{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]);
+    let bodies = [
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+        json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "none"}),
+        json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+               "add_generation_prompt": false, "continue_final_message": true}),
+    ];
+    let mut counts = vec![];
+    for body in bodies {
+        let r = s.post("/tokenize", body.clone()).await;
+        assert_eq!(r.status, 200, "{body}: {}", r.text);
+        let v = r.json();
+        assert_eq!(v["count"], v["tokens"].as_array().unwrap().len());
+        let mut chat = body.clone();
+        chat["max_tokens"] = json!(1);
+        let r = s.post("/v1/chat/completions", chat).await;
+        assert_eq!(r.status, 200, "{body}: {}", r.text);
+        assert_eq!(v["count"], r.json()["usage"]["prompt_tokens"], "{body}");
+        counts.push(v["count"].as_u64().unwrap());
+    }
+    // (The demo model's V3 template does not render tools; the count equals chat's all the same.)
+    assert_ne!(counts[2], counts[0], "the options shape the prompt: {counts:?}");
+}
+
+/// `/tokenize`'s answers to bad `messages` and chat fields: which one, and what it says.
+#[tokio::test]
+async fn tokenize_message_errors_name_the_field() {
+    let s = server(Options::default());
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (json!({"messages": [{"role": 5}]}), "messages[0].role", "field `messages[0].role`: invalid type: integer `5`, expected a string"),
+        // The message's type is checked before `prompt` and `messages` are found both sent.
+        (json!({"prompt": "x", "messages": [{"role": 5}]}), "messages[0].role", "field `messages[0].role`: invalid type: integer `5`, expected a string"),
+        (json!({"prompt": "x", "messages": user}), "prompt", "send exactly one of `prompt` and `messages`"),
+        (json!({"messages": []}), "messages", "messages must contain at least one message"),
+        (json!({"messages": [{"role": "robot", "content": "x"}]}), "messages[0].role", "messages[0].role: unsupported role \"robot\" (expected one of system, developer, user, assistant, tool)"),
+        (json!({"messages": user, "add_special_tokens": true}), "add_special_tokens", "`add_special_tokens: true` with `messages` is not supported: the chat template writes the special tokens"),
+        // Chat's own fields are read as chat reads them.
+        (json!({"messages": user, "logprobs": "yes"}), "logprobs", "field `logprobs`: invalid type: string \"yes\", expected a boolean"),
+        (json!({"messages": user, "continue_final_message": true}), "continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to true; set `add_generation_prompt: false`"),
+        (json!({"messages": user, "tools": {}}), "tools", "tools must be a list of function tools"),
+    ];
+    for (body, param, message) in cases {
+        let r = s.post("/tokenize", body.clone()).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text);
+        let e = &r.json()["error"];
+        assert_eq!((e["param"].as_str(), e["message"].as_str()), (Some(param), Some(message)), "{body}");
+    }
+}

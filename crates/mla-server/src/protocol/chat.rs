@@ -4,10 +4,11 @@ use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// Chat-only request fields (the shared ones are in `SamplingWire`).
+/// Chat-only request fields (the shared ones are in `SamplingWire`). `M` is what `messages` is
+/// read as: `/tokenize` has read them already (`TokenizeWire`), so it skips them (`IgnoredAny`).
 #[derive(Debug, Deserialize)]
-pub struct ChatWire {
-    pub messages: Vec<MessageWire>,
+pub struct ChatWire<M = Vec<MessageWire>> {
+    pub messages: M,
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,

@@ -12,6 +12,7 @@ use crate::validate::tools::tool_request;
 use crate::validate::{messages::template_messages, token_id};
 use axum::extract::State;
 use axum::Json;
+use serde::de::IgnoredAny;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -51,8 +52,9 @@ pub async fn tokenize(
             }
             let messages = template_messages(&messages)?;
             // The chat endpoint's prompt options and tools, so the count is the prompt chat
-            // would send.
-            let chat = parse_fields::<ChatWire>(&body)?;
+            // would send; its other fields are read as chat reads them, but not the messages
+            // again.
+            let chat = parse_fields::<ChatWire<IgnoredAny>>(&body)?;
             let mut options = chat_prompt_options(&chat, &messages)?;
             options.tools = tool_request(chat.tools.as_ref(), None, None, chat.functions.as_ref())?.tools;
             // No length limit: the body-size limit bounds the work, and the count is the answer.

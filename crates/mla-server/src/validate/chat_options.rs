@@ -9,7 +9,7 @@ use serde_json::Value;
 
 /// vLLM's rules: the assistant prompt is appended unless asked not to; continuing the final
 /// message excludes it, and needs a final assistant message to continue.
-pub fn chat_prompt_options(w: &ChatWire, messages: &[Value]) -> Result<ChatPromptOptions, ApiError> {
+pub fn chat_prompt_options<M>(w: &ChatWire<M>, messages: &[Value]) -> Result<ChatPromptOptions, ApiError> {
     let add_generation_prompt = w.add_generation_prompt.unwrap_or(true);
     let continue_final_message = w.continue_final_message.unwrap_or(false);
     if add_generation_prompt && continue_final_message {
@@ -58,6 +58,7 @@ pub fn chat_prompt_options(w: &ChatWire, messages: &[Value]) -> Result<ChatPromp
 mod tests {
     use super::*;
     use crate::protocol::parse_fields;
+    use serde::de::IgnoredAny;
     use serde_json::json;
 
     fn options(extra: Value) -> Result<ChatPromptOptions, String> {
@@ -84,5 +85,16 @@ mod tests {
         assert_eq!(options(json!({"chat_template_kwargs": {"messages": []}})).unwrap_err(), "chat_template_kwargs");
         let kwargs = options(json!({"chat_template_kwargs": {"thinking": true}})).unwrap().template_kwargs.unwrap();
         assert_eq!(kwargs["thinking"], json!(true));
+    }
+
+    #[test]
+    fn a_read_that_skips_the_messages_reads_the_rest() {
+        // `/tokenize` has read the messages already; its read of the chat fields skips them.
+        let body = json!({"messages": [{"role": 5}], "add_generation_prompt": false});
+        assert!(parse_fields::<ChatWire>(&body).is_err());
+        let w: ChatWire<IgnoredAny> = parse_fields(&body).unwrap();
+        assert_eq!(w.add_generation_prompt, Some(false));
+        let bad = parse_fields::<ChatWire<IgnoredAny>>(&json!({"messages": [], "logprobs": "yes"})).unwrap_err();
+        assert_eq!(bad.body()["error"]["param"], "logprobs");
     }
 }
