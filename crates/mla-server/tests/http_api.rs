@@ -538,3 +538,58 @@ async fn tokenize_message_errors_name_the_field() {
         assert_eq!((e["param"].as_str(), e["message"].as_str()), (Some(param), Some(message)), "{body}");
     }
 }
+
+/// Completions refuse what they cannot honour, tools included; chat takes tools (its own
+/// checks) and refuses the rest with the same messages.
+#[tokio::test]
+async fn unsupported_fields_are_refused_by_name() {
+    let s = server(Options::default());
+    let tool = json!({"type": "function", "function": {"name": "weather"}});
+    let refused = |field: &str| (field.to_string(), format!("{field} is not supported by this server"));
+    let cases = [
+        (json!({"prompt": "x", "tools": [tool]}), refused("tools")),
+        (json!({"prompt": "x", "functions": [{"name": "weather"}]}), refused("tools")),
+        (json!({"prompt": "x", "tool_choice": "auto"}), refused("tool_choice")),
+        (json!({"prompt": "x", "best_of": 2, "tools": [tool]}), refused("best_of")),
+        (json!({"prompt": "x", "suffix": "!", "tool_choice": "auto"}), refused("suffix")),
+        (json!({"prompt": "x", "tools": [tool], "tool_choice": "auto"}), refused("tools")),
+        (
+            json!({"prompt": "x", "tools": {}}),
+            ("tools".into(), "field `tools`: invalid type: map, expected a sequence".into()),
+        ),
+        (chat("hi", json!({"best_of": 2})), refused("best_of")),
+        (chat("hi", json!({"suffix": "!", "tools": [tool], "tool_choice": "none"})), refused("suffix")),
+        (
+            chat("hi", json!({"functions": [{"name": "weather"}]})),
+            (
+                "functions".into(),
+                "functions (OpenAI's deprecated function calling) is not supported; send tools instead".into(),
+            ),
+        ),
+    ];
+    for (body, (param, message)) in cases {
+        let path = if body.get("prompt").is_some() { "/v1/completions" } else { "/v1/chat/completions" };
+        let r = s.post(path, body.clone()).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text);
+        let e = &r.json()["error"];
+        assert_eq!(
+            (e["param"].as_str(), e["message"].as_str()),
+            (Some(param.as_str()), Some(message.as_str())),
+            "{body}"
+        );
+    }
+    // Values that ask for nothing are fine on both.
+    let nothing =
+        json!({"best_of": 1, "suffix": "", "tools": [], "functions": [], "tool_choice": "none", "max_tokens": 1});
+    let mut completion = nothing.clone();
+    completion["prompt"] = json!("x");
+    let r = s.post("/v1/completions", completion).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = s.post("/v1/chat/completions", chat("hi", nothing)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    // Chat takes the tools it checks itself.
+    let r = s
+        .post("/v1/chat/completions", chat("hi", json!({"tools": [tool], "tool_choice": "none", "max_tokens": 1})))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+}

@@ -1,7 +1,6 @@
 //! Fields shared by `/v1/chat/completions` and `/v1/completions`, and the `usage` object.
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 /// Sampling and control fields both endpoints accept. `None` means "not sent".
 #[derive(Debug, Default, Deserialize)]
@@ -62,13 +61,11 @@ pub struct StreamOptionsWire {
 /// OpenAI fields that change what is generated but that this server does not implement.
 /// They are read only to refuse them (`response_format` is read by `structured::wire`): silently ignoring them would return something other than
 /// what the client asked for. (Fields that do not change the output, like `user`, are ignored.)
+/// The tool fields, which only completions refuse, are `completions::ToolFieldsWire`.
 #[derive(Debug, Default, Deserialize)]
 pub struct UnsupportedWire {
     pub best_of: Option<i64>,
     pub suffix: Option<String>,
-    pub tools: Option<Vec<Value>>,
-    pub tool_choice: Option<Value>,
-    pub functions: Option<Vec<Value>>,
 }
 
 /// vLLM's `stop_reason`: the stop string that ended a choice, or the `stop_token_ids` entry;

@@ -2,6 +2,7 @@
 
 use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -14,6 +15,15 @@ pub struct CompletionWire {
     pub echo: Option<bool>,
     /// vLLM's: text prompts get the tokenizer's special tokens (BOS); default true.
     pub add_special_tokens: Option<bool>,
+}
+
+/// Chat's tool fields, which a completion cannot honour: read only to refuse them
+/// (`validate::refuse_tools`). Chat reads and checks its own (`ChatWire`, `validate::tools`).
+#[derive(Debug, Default, Deserialize)]
+pub struct ToolFieldsWire {
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Vec<Value>>,
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists.

@@ -37,10 +37,7 @@ pub async fn handle(
         chat.parallel_tool_calls.as_ref(),
         chat.functions.as_ref(),
     )?;
-    let mut unsupported: UnsupportedWire = parse_fields(&body)?;
-    // Checked above (`tool_request`); the shared check refuses them for completions.
-    (unsupported.tools, unsupported.tool_choice, unsupported.functions) = (None, None, None);
-    validate::refuse_unsupported(&unsupported)?;
+    validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
     let known = [
         field_names::<SamplingWire>(),
         field_names::<ChatWire>(),

@@ -35,11 +35,16 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let common: SamplingWire = parse_fields(&body)?;
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
-    validate::refuse_unsupported(&parse_fields::<UnsupportedWire>(&body)?)?;
+    // Both read before either refuses, so a mistyped field still answers before a refused value.
+    let unsupported: UnsupportedWire = parse_fields(&body)?;
+    let tool_fields: ToolFieldsWire = parse_fields(&body)?;
+    validate::refuse_unsupported(&unsupported)?;
+    validate::refuse_tools(&tool_fields)?;
     let known = [
         field_names::<SamplingWire>(),
         field_names::<CompletionWire>(),
         field_names::<UnsupportedWire>(),
+        field_names::<ToolFieldsWire>(),
         field_names::<structured::wire::StructuredWire>(),
     ];
     log_ignored("/v1/completions", &body, &known);

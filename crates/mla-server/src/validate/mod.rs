@@ -16,6 +16,7 @@ pub use limits::{MaxTokensDefault, ModelLimits};
 use crate::error::ApiError;
 use crate::generation_config::GenerationDefaults;
 use crate::protocol::common::{SamplingWire, UnsupportedWire};
+use crate::protocol::completions::ToolFieldsWire;
 use mla_core::SamplingParams;
 
 /// OpenAI caps `n` at 128; more would only be a way to exhaust the cache with one request.
@@ -249,18 +250,28 @@ fn check_range(field: &str, v: f64, lo: f64, hi: f64) -> Result<(), ApiError> {
 
 /// Refuses OpenAI features that would change the output but are not implemented.
 pub fn refuse_unsupported(u: &UnsupportedWire) -> Result<(), ApiError> {
-    let unsupported = |field: &str| Err(ApiError::invalid(field, format!("{field} is not supported by this server")));
     if u.best_of.is_some_and(|b| b != 1) {
-        return unsupported("best_of");
+        return Err(unsupported("best_of"));
     }
     if u.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return unsupported("suffix");
-    }
-    if u.tools.as_ref().is_some_and(|t| !t.is_empty()) || u.functions.as_ref().is_some_and(|f| !f.is_empty()) {
-        return unsupported("tools");
-    }
-    if u.tool_choice.as_ref().is_some_and(|c| c.as_str() != Some("none")) {
-        return unsupported("tool_choice");
+        return Err(unsupported("suffix"));
     }
     Ok(())
+}
+
+/// Refuses tools on a completion: its raw prompt has no chat template to render them into, and
+/// its output is not parsed for calls. An empty list and `tool_choice: "none"` ask for nothing.
+pub fn refuse_tools(t: &ToolFieldsWire) -> Result<(), ApiError> {
+    if t.tools.as_ref().is_some_and(|t| !t.is_empty()) || t.functions.as_ref().is_some_and(|f| !f.is_empty()) {
+        return Err(unsupported("tools"));
+    }
+    if t.tool_choice.as_ref().is_some_and(|c| c.as_str() != Some("none")) {
+        return Err(unsupported("tool_choice"));
+    }
+    Ok(())
+}
+
+/// One message for every feature refused by name.
+fn unsupported(field: &str) -> ApiError {
+    ApiError::invalid(field, format!("{field} is not supported by this server"))
 }

@@ -106,12 +106,26 @@ fn logprob_fields() {
 
 #[test]
 fn unsupported_features_are_refused_not_ignored() {
-    let u: UnsupportedWire = parse_fields(&json!({"tools": [{"type": "function"}]})).unwrap();
-    assert_eq!(param_of(refuse_unsupported(&u).unwrap_err()), "tools");
+    let u: UnsupportedWire = parse_fields(&json!({"best_of": 2})).unwrap();
+    assert_eq!(param_of(refuse_unsupported(&u).unwrap_err()), "best_of");
+    let u: UnsupportedWire = parse_fields(&json!({"suffix": "!"})).unwrap();
+    assert_eq!(param_of(refuse_unsupported(&u).unwrap_err()), "suffix");
     // Values that ask for nothing special are fine.
     let u: UnsupportedWire =
-        parse_fields(&json!({"best_of": 1, "response_format": {"type": "text"}, "tools": []})).unwrap();
+        parse_fields(&json!({"best_of": 1, "suffix": "", "response_format": {"type": "text"}})).unwrap();
     refuse_unsupported(&u).unwrap();
+}
+
+#[test]
+fn completions_refuse_tools() {
+    let refused = |body: serde_json::Value| refuse_tools(&parse_fields(&body).unwrap()).map_err(param_of);
+    assert_eq!(refused(json!({"tools": [{"type": "function"}]})), Err("tools".into()));
+    assert_eq!(refused(json!({"functions": [{"name": "f"}]})), Err("tools".into()));
+    assert_eq!(refused(json!({"tool_choice": "auto"})), Err("tool_choice".into()));
+    assert_eq!(refused(json!({"tools": [], "functions": [], "tool_choice": "none"})), Ok(()));
+    // The shared fields, which chat reads too, have no tools among them: chat reads its own.
+    let shared = crate::protocol::ignored_fields::field_names::<UnsupportedWire>();
+    assert!(["tools", "tool_choice", "functions"].iter().all(|f| !shared.contains(f)), "{shared:?}");
 }
 
 fn limits() -> ModelLimits {
