@@ -375,10 +375,10 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* _
                 // Rows past the tile read its last row's scales (their results are never stored).
                 const int r_lo = min(wg * 64 + warp * 16 + gq, ci.rows - 1);
                 const int r_hi = min(wg * 64 + warp * 16 + gq + 8, ci.rows - 1);
-                w8a8_item_k_loop<SILU, STAGES>(
-                    acc, s_base, bars, g, KT, active, wg, a_scales + ci.row0 + r_lo, r_hi - r_lo, a_scale_ld,
-                    scale_inv + ((size_t)ci.e * s_rows + ci.n0 / FP8_SCALE_BLOCK) * s_cols,
-                    SILU ? N / FP8_SCALE_BLOCK * s_cols : 0);
+                w8a8_item_k_loop<SILU, STAGES>(acc, s_base, bars, g, KT, active, wg, a_scales + ci.row0 + r_lo,
+                                               r_hi - r_lo, a_scale_ld,
+                                               scale_inv + ((size_t)ci.e * s_rows + ci.n0 / FP8_SCALE_BLOCK) * s_cols,
+                                               SILU ? N / FP8_SCALE_BLOCK * s_cols : 0);
             } else {
                 for (int kt = 0; kt < KT; ++kt, ++g) {
                     const int st = g % STAGES;
@@ -447,17 +447,16 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* _
     const bf16 *__restrict__ A, const uint8_t *__restrict__ W, const float *__restrict__ scale_inv,                 \
         bf16 *__restrict__ C, int N, int K, const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, \
         const int *__restrict__ tile_rows, const int *__restrict__ num_tiles
-#define GROUPED_GEMM_SM90_W8A8_ARGS                                                                                 \
-    const uint8_t *__restrict__ A, const float *__restrict__ a_scales, int a_scale_ld,                             \
-        const uint8_t *__restrict__ W, const float *__restrict__ scale_inv, bf16 *__restrict__ C, int N, int K,     \
-        const int *__restrict__ tile_expert, const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, \
-        const int *__restrict__ num_tiles
+#define GROUPED_GEMM_SM90_W8A8_ARGS                                                                                   \
+    const uint8_t *__restrict__ A, const float *__restrict__ a_scales, int a_scale_ld, const uint8_t *__restrict__ W, \
+        const float *__restrict__ scale_inv, bf16 *__restrict__ C, int N, int K, const int *__restrict__ tile_expert, \
+        const int *__restrict__ tile_row0, const int *__restrict__ tile_rows, const int *__restrict__ num_tiles
 
 // Grid: one block per SM (persistent) or per worst-case item, 384 threads. C = A · W[e]ᵀ (N output columns per
 // row), or with _silu act = silu(A · gateᵀ) · (A · upᵀ), W = [E, 2N, K]. _n128: items of 128 weight rows. _fp8:
 // block-FP8 weights. _w8a8: block-FP8 weights and e4m3 activations with per-row, per-128-column scales.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(SILU, BN, AT, WT, A_SCALES, A_LD, SCALES)                                                        \
+#define GG_BODY(SILU, BN, AT, WT, A_SCALES, A_LD, SCALES)                                                            \
     grouped_gemm_ws_sm90<SILU, BN, AT, WT>(A, A_SCALES, A_LD, W, SCALES, C, N, K, tile_expert, tile_row0, tile_rows, \
                                            num_tiles)
 #else
@@ -468,7 +467,8 @@ DEVICE_INLINE void grouped_gemm_ws_sm90(const AT* __restrict__ A, const float* _
         PDL_ENTRY();                                                                   \
         GG_BODY(SILU, BN, AT, WT, A_SCALES, A_LD, SCALES);                             \
     }
-#define GG_KERNEL_BF16(NAME, SILU, BN) GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_ARGS, bf16, bf16, nullptr, 0, nullptr)
+#define GG_KERNEL_BF16(NAME, SILU, BN) \
+    GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_ARGS, bf16, bf16, nullptr, 0, nullptr)
 #define GG_KERNEL_FP8(NAME, SILU, BN) \
     GG_KERNEL(NAME, SILU, BN, GROUPED_GEMM_SM90_FP8_ARGS, bf16, uint8_t, nullptr, 0, scale_inv)
 #define GG_KERNEL_W8A8(NAME, SILU) \
