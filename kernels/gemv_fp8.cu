@@ -95,3 +95,108 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
         }
     }
 }
+
+// The same function on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate): a warp takes 16
+// weight rows, the 8 warps of a block split K by 128-wide scale blocks (block kb to warp kb % 8)
+// and sum through shared memory. e4m3 values are exact in bf16, and x is bf16, so each MMA's
+// products are exact and summed in f32, as the FMA kernel sums them; each scale block's MMAs
+// accumulate from zero and are scaled once into the row's sum. The MMA's K order is a
+// permutation of K (the sum does not depend on its order): lane (g, t) loads 16 consecutive weights of
+// rows g and g + 8 and the same 16 inputs of token g, and its MMA fragments hold, for each of
+// the 4 k16 steps, 4 of them, which A's and B's layouts both place at k = 2t, 2t+1, 2t+8,
+// 2t+9 of the step. Tokens past m_rows (up to 8) are zero. The FMA kernel spends M FMAs and a
+// conversion per weight and is issue-bound at 4 rows; here an MMA covers 16 x 8 x 16.
+namespace {
+constexpr int MMA_WARPS = 8, MMA_UNROLL = 2;
+
+DEVICE_INLINE uint32_t e4m3x2_to_bf16x2(uint16_t v) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 has 4 significant bits
+    return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+}  // namespace
+
+// Grid: ceil(N / 16) blocks of 32 * MMA_WARPS threads. K % 16 == 0, x_stride % 8 == 0, W and x
+// 16-byte aligned (the wrapper checks); m_rows <= 8.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+    gemv_fp8_mma(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows, int k_len,
+                 const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows, void* __restrict__ y, int y_stride,
+                 int out_f32) {
+    __shared__ float partial[MMA_WARPS][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16;
+    if (warp == 0 && lane < 16 && row0 + lane < n_rows) prefetch_l2(w + (size_t)(row0 + lane) * k_len, (unsigned)k_len);
+    PDL_ENTRY();
+    const int k_blocks = (k_len + SCALE_BLOCK - 1) / SCALE_BLOCK;
+    const uint8_t* wa = w + (size_t)min(row0 + g, n_rows - 1) * k_len;
+    const uint8_t* wb = w + (size_t)min(row0 + g + 8, n_rows - 1) * k_len;
+    const __nv_bfloat16* xr = x + (size_t)min(g, m_rows - 1) * x_stride;
+    const float* scales = scale_inv + (size_t)(row0 / SCALE_BLOCK) * k_blocks;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // MMA_UNROLL scale blocks per iteration (blocks kb and kb + MMA_WARPS, ...): every load of
+    // an iteration is issued before its first MMA, 256 bytes of weights per lane in flight.
+    for (int kb0 = warp; kb0 < k_blocks; kb0 += MMA_WARPS * MMA_UNROLL) {
+        uint4 va[MMA_UNROLL][2], vb[MMA_UNROLL][2], xv[MMA_UNROLL][2][2];
+        float s[MMA_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MMA_UNROLL; ++u) {
+            const int kb = kb0 + u * MMA_WARPS;
+            s[u] = __ldg(scales + min(kb, k_blocks - 1));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // Every load is issued (from a clamped, valid address) and zeroed afterwards where
+                // it falls past K or the tokens, so that none waits behind a branch.
+                const int k = kb * SCALE_BLOCK + h * 64 + t * 16, kc = min(k, k_len - 16);
+                const bool ok = kb < k_blocks && k < k_len, xok = ok && g < m_rows;
+                const uint4 zero = make_uint4(0, 0, 0, 0);
+                const uint4 a = __ldg(reinterpret_cast<const uint4*>(wa + kc));
+                const uint4 b = __ldg(reinterpret_cast<const uint4*>(wb + kc));
+                const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(xr + kc));
+                const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(xr + kc) + 1);
+                va[u][h] = ok ? a : zero;
+                vb[u][h] = ok ? b : zero;
+                xv[u][h][0] = xok ? x0 : zero;
+                xv[u][h][1] = xok ? x1 : zero;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_UNROLL; ++u) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint16_t* pa = reinterpret_cast<const uint16_t*>(&va[u][h]);
+                const uint16_t* pb = reinterpret_cast<const uint16_t*>(&vb[u][h]);
+                const uint32_t* px = reinterpret_cast<const uint32_t*>(&xv[u][h][0]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    // Step j: weights 4j..4j+3 of this lane's 16 (rows g, g + 8) and the same inputs.
+                    const uint32_t a[4] = {e4m3x2_to_bf16x2(pa[2 * j]), e4m3x2_to_bf16x2(pb[2 * j]),
+                                           e4m3x2_to_bf16x2(pa[2 * j + 1]), e4m3x2_to_bf16x2(pb[2 * j + 1])};
+                    mma_bf16_16816(c, a, px[2 * j], px[2 * j + 1]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i] = fmaf(c[i], s[u], acc[i]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][lane][i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float v = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < MMA_WARPS; ++ww) v += partial[ww][lane][i];
+        // c[i]: row g (i < 2) or g + 8, token 2t + (i & 1).
+        const int n = row0 + g + (i >> 1) * 8, m = 2 * t + (i & 1);
+        if (n >= n_rows || m >= m_rows) continue;
+        const size_t at = (size_t)m * y_stride + n;
+        if (out_f32)
+            reinterpret_cast<float*>(y)[at] = v;
+        else
+            reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(v);
+    }
+}

@@ -1,7 +1,8 @@
 //! The block-FP8 weight-streaming GEMV (`ops::GemvFp8Kernels`) against an f64 reference on the
 //! same quantized operands: e4m3 bytes decoded by mla-core's exact decoder, per-block scales
 //! spanning four decades (never all ones), partial scale blocks in both dimensions (V3's
-//! kv_a_proj has 576 rows, 4.5 blocks; K = 1360 ends in a partial block), 1 to 4 input rows.
+//! kv_a_proj has 576 rows, 4.5 blocks; K = 1360 ends in a partial block), 1 to 4 input rows, both
+//! kernels (FMA and tensor-core MMA).
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_gemv_fp8 -- --ignored`.
 
@@ -9,7 +10,7 @@ mod common;
 
 use common::*;
 use mla_core::fp8::{dequantize_block_fp8, scale_grid};
-use mla_cuda::ops::{Fp8Linear, GemvOut, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
+use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvOut, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -35,22 +36,25 @@ fn fp8_gemv_matches_an_f64_reference_with_partial_blocks() {
                     (0..k).map(|c| w[j * k + c] as f64 * x[r * stride + c] as f64).sum()
                 })
                 .collect();
-            let (y32, y16) = (up(&vec![f32::NAN; m * n]), up_bf16(&vec![f32::NAN; m * n]));
-            let xs = Strided::new(xd.slice(), stride);
-            dev.k.gemv_fp8.launch(dev.stream(), &lin, xs, m, GemvOut::F32(Strided::new(y32.slice(), n))).unwrap();
-            dev.k.gemv_fp8.launch(dev.stream(), &lin, xs, m, GemvOut::Bf16(Strided::new(y16.slice(), n))).unwrap();
-            dev.gpu.sync().unwrap();
-            let (g32, g16) = (down(y32.slice()), down_bf16(y16.slice()));
-            let rel = |got: &[f32]| {
-                assert!(got.iter().all(|v| v.is_finite()), "[{n}, {k}] x {m}: unwritten or non-finite outputs");
-                let num: f64 = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
-                (num / want.iter().map(|b| b * b).sum::<f64>()).sqrt()
-            };
-            let (e32, e16) = (rel(&g32), rel(&g16));
-            println!("fp8 gemv [{n}, {k}] x {m}: f32 out rel {e32:.2e}, bf16 out rel {e16:.2e}");
-            // f32 accumulation in another order on exactly the reference's operands.
-            assert!(e32 < 1e-5, "[{n}, {k}] x {m}: f32 output rel {e32}");
-            assert!(e16 < 4e-3, "[{n}, {k}] x {m}: bf16 output rel {e16}");
+            for kind in Fp8GemvKind::ALL {
+                let (y32, y16) = (up(&vec![f32::NAN; m * n]), up_bf16(&vec![f32::NAN; m * n]));
+                let xs = Strided::new(xd.slice(), stride);
+                let g = &dev.k.gemv_fp8;
+                g.launch_with(kind, dev.stream(), &lin, xs, m, GemvOut::F32(Strided::new(y32.slice(), n))).unwrap();
+                g.launch_with(kind, dev.stream(), &lin, xs, m, GemvOut::Bf16(Strided::new(y16.slice(), n))).unwrap();
+                dev.gpu.sync().unwrap();
+                let (g32, g16) = (down(y32.slice()), down_bf16(y16.slice()));
+                let rel = |got: &[f32]| {
+                    assert!(got.iter().all(|v| v.is_finite()), "[{n}, {k}] x {m}: unwritten or non-finite outputs");
+                    let num: f64 = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
+                    (num / want.iter().map(|b| b * b).sum::<f64>()).sqrt()
+                };
+                let (e32, e16) = (rel(&g32), rel(&g16));
+                println!("fp8 gemv {kind:?} [{n}, {k}] x {m}: f32 out rel {e32:.2e}, bf16 out rel {e16:.2e}");
+                // f32 accumulation in another order on exactly the reference's operands.
+                assert!(e32 < 1e-5, "{kind:?} [{n}, {k}] x {m}: f32 output rel {e32}");
+                assert!(e16 < 4e-3, "{kind:?} [{n}, {k}] x {m}: bf16 output rel {e16}");
+            }
         }
     }
 }

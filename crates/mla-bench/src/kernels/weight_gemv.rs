@@ -1,5 +1,6 @@
 //! The weight-streaming GEMVs of single-row decode steps on DeepSeek-V3's dense shapes: the bf16
-//! kernel against the block-FP8 one (W8A16, issue 12) on the same shape, 1 and 4 rows, as time
+//! kernel against the block-FP8 ones (W8A16, issue 12: FMA and tensor-core MMA) on the same
+//! shape, 1 and 4 rows, as time
 //! and bandwidth of weight bytes. Weights are rotated over enough copies to exceed the L2 cache,
 //! so every launch streams its weight from HBM as a decode step does.
 
@@ -7,7 +8,7 @@ use super::timing::{fill, time_ms};
 use half::bf16;
 use mla_core::SplitMix64;
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::ops::{Fp8Linear, GemvLaunch, GemvOut, Linear, Strided, FP8_BLOCK};
+use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvLaunch, GemvOut, Linear, Strided, FP8_BLOCK};
 use mla_cuda::Device;
 use serde_json::{json, Value};
 
@@ -47,24 +48,29 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
                 let lin = Linear::new(bf[i % copies].slice(), n, k);
                 dev.k.gemv.launch(dev.stream(), &GemvLaunch { lin: &lin, x: xs, rows: m, y: ys(), second: None })
             })?;
-            let t_fp8 = time_ms(dev, 50, 7, |i| {
-                let lin = Fp8Linear { w: fp8[i % copies].slice(), scale_inv: sd.slice(), out: n, inp: k };
-                dev.k.gemv_fp8.launch(dev.stream(), &lin, xs, m, ys())
-            })?;
+            let fp8_time = |kind| {
+                time_ms(dev, 50, 7, |i| {
+                    let lin = Fp8Linear { w: fp8[i % copies].slice(), scale_inv: sd.slice(), out: n, inp: k };
+                    dev.k.gemv_fp8.launch_with(kind, dev.stream(), &lin, xs, m, ys())
+                })
+            };
+            let (t_fma, t_mma) = (fp8_time(Fp8GemvKind::Fma)?, fp8_time(Fp8GemvKind::Mma)?);
             let (b16, b8) = ((n * k * 2) as f64, (n * k) as f64);
+            let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
             let row = json!({
                 "shape": name, "out": n, "in": k, "rows": m,
-                "bf16_us": t_bf16 * 1e3, "bf16_tb_s": b16 / (t_bf16 * 1e-3) / 1e12,
-                "fp8_us": t_fp8 * 1e3, "fp8_tb_s": b8 / (t_fp8 * 1e-3) / 1e12,
-                "speedup": t_bf16 / t_fp8,
+                "bf16_us": t_bf16 * 1e3, "bf16_tb_s": tb(b16, t_bf16),
+                "fp8_fma_us": t_fma * 1e3, "fp8_fma_tb_s": tb(b8, t_fma),
+                "fp8_mma_us": t_mma * 1e3, "fp8_mma_tb_s": tb(b8, t_mma),
             });
             println!(
-                "weight gemv {name:>14} [{n}, {k}] x {m}: bf16 {:7.1} us {:4.2} TB/s | fp8 {:7.1} us {:4.2} TB/s | {:.2}x",
+                "weight gemv {name:>14} [{n}, {k}] x {m}: bf16 {:7.1} us {:4.2} TB/s | fp8 fma {:7.1} us {:4.2} TB/s | fp8 mma {:7.1} us {:4.2} TB/s",
                 t_bf16 * 1e3,
-                row["bf16_tb_s"].as_f64().unwrap_or(0.0),
-                t_fp8 * 1e3,
-                row["fp8_tb_s"].as_f64().unwrap_or(0.0),
-                t_bf16 / t_fp8
+                tb(b16, t_bf16),
+                t_fma * 1e3,
+                tb(b8, t_fma),
+                t_mma * 1e3,
+                tb(b8, t_mma),
             );
             rows.push(row);
         }
