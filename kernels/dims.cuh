@@ -59,9 +59,11 @@ constexpr int GROUPED_SM90_SMEM_BYTES = 4 * (128 + 256) * 64 * 2 + 1024 + 128;
 // mbarriers, staged by cp.async before their dequantization into the bf16 stages.
 constexpr int GROUPED_SM90_FP8_SMEM_BYTES = GROUPED_SM90_SMEM_BYTES + 2 * 256 * 64;
 
-// Weight-streaming GEMV of small steps: most rows one launch can take, weight rows per block.
+// Weight-streaming GEMV of small steps: most rows one launch can take, weight rows per block; the
+// FP8 GEMV on tensor cores takes up to 8 rows (the MMA's token dimension).
 constexpr int GEMV_KERNEL_MAX_ROWS = 4;
 constexpr int GEMV_ROWS_PER_BLOCK = 8;
+constexpr int FP8_GEMV_MAX_ROWS = 8;
 
 // Small-step MoE GEMVs: warps per block of the router and gate/up kernels.
 constexpr int MOE_GEMV_WARPS = 4;

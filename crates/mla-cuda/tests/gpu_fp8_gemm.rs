@@ -13,7 +13,7 @@ use common::*;
 use mla_core::fp8::{dequantize_block_fp8, quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
 use mla_cuda::model::small_linear::SmallLinear;
 use mla_cuda::model::weights::Fp8Share;
-use mla_cuda::ops::{fp8_lt_scale_ld, Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
+use mla_cuda::ops::{fp8_lt_scale_ld, Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK, FP8_GEMV_MAX_ROWS};
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -44,8 +44,9 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
         let share = Fp8Share { matrices: 1, largest_projection: n * k, widest_input: k, ..Default::default() };
         let max_rows = 300;
         let linear = SmallLinear::new(true, &share, max_rows, true).unwrap();
-        // 4 rows: the GEMV alone; 5 and 7: cuBLASLt on 4 rows and the GEMV on the rest.
-        for m in [4, 5, 7, 64, 129, 300] {
+        // 4 and 8 rows: the GEMV alone (FMA, MMA); 9 and 11: cuBLASLt on 8 rows and the GEMV on
+        // the rest.
+        for m in [4, 8, 9, 11, 64, 129, 300] {
             let stride = k + 8;
             // Each row and 128-column group at its own magnitude, 10^[-1, 1): a mixed-up
             // activation scale layout shows as a large error.
@@ -111,7 +112,7 @@ fn w8a8_projection_matches_f64_on_the_quantized_operands() {
             // rows up to a multiple of 4 with quantized activations (cuBLASLt), the others as the
             // W8A16 GEMV takes them.
             let xq = dequantize_block_fp8(&want_q.data, m, k, &want_q.scale_inv, [1, FP8_BLOCK]);
-            let main = if m <= GEMV_KERNEL_MAX_ROWS { 0 } else { m / 4 * 4 };
+            let main = if m <= FP8_GEMV_MAX_ROWS { 0 } else { m / 4 * 4 };
             let want: Vec<f32> = (0..m * n)
                 .map(|i| {
                     let (r, j) = (i / n, i % n);

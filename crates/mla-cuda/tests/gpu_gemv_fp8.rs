@@ -1,8 +1,8 @@
 //! The block-FP8 weight-streaming GEMV (`ops::GemvFp8Kernels`) against an f64 reference on the
 //! same quantized operands: e4m3 bytes decoded by mla-core's exact decoder, per-block scales
 //! spanning four decades (never all ones), partial scale blocks in both dimensions (V3's
-//! kv_a_proj has 576 rows, 4.5 blocks; K = 1360 ends in a partial block), 1 to 4 input rows, both
-//! kernels (FMA and tensor-core MMA).
+//! kv_a_proj has 576 rows, 4.5 blocks; K = 1360 ends in a partial block), both kernels (FMA, 1 to
+//! 4 input rows; tensor-core MMA, 1 to 8), and the refusal of 5 rows by the FMA one.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_gemv_fp8 -- --ignored`.
 
@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use mla_core::fp8::{dequantize_block_fp8, scale_grid};
-use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvOut, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
+use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvOut, Strided, FP8_BLOCK, FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS};
 
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -26,7 +26,7 @@ fn fp8_gemv_matches_an_f64_reference_with_partial_blocks() {
         let w = dequantize_block_fp8(&bytes, n, k, &scales, [FP8_BLOCK, FP8_BLOCK]);
         let (wd, sd) = (up(&bytes), up(&scales));
         let lin = Fp8Linear { w: wd.slice(), scale_inv: sd.slice(), out: n, inp: k };
-        for m in 1..=GEMV_KERNEL_MAX_ROWS {
+        for m in 1..=FP8_GEMV_MAX_ROWS {
             let stride = k + 8;
             let x = round(&rng.uniform(m * stride, 1.0));
             let xd = up_bf16(&x);
@@ -36,7 +36,8 @@ fn fp8_gemv_matches_an_f64_reference_with_partial_blocks() {
                     (0..k).map(|c| w[j * k + c] as f64 * x[r * stride + c] as f64).sum()
                 })
                 .collect();
-            for kind in Fp8GemvKind::ALL {
+            // The FMA kernel takes up to GEMV_KERNEL_MAX_ROWS rows, the MMA one FP8_GEMV_MAX_ROWS.
+            for kind in Fp8GemvKind::ALL.into_iter().filter(|&k| k == Fp8GemvKind::Mma || m <= GEMV_KERNEL_MAX_ROWS) {
                 let (y32, y16) = (up(&vec![f32::NAN; m * n]), up_bf16(&vec![f32::NAN; m * n]));
                 let xs = Strided::new(xd.slice(), stride);
                 let g = &dev.k.gemv_fp8;
@@ -57,4 +58,10 @@ fn fp8_gemv_matches_an_f64_reference_with_partial_blocks() {
             }
         }
     }
+    let (wd, sd) = (up(&vec![0u8; 16 * 16]), up(&[1f32]));
+    let lin = Fp8Linear { w: wd.slice(), scale_inv: sd.slice(), out: 16, inp: 16 };
+    let (xd, yd) = (up_bf16(&vec![0.0; 5 * 16]), up_bf16(&vec![0.0; 5 * 16]));
+    let (xs, ys) = (Strided::new(xd.slice(), 16), GemvOut::Bf16(Strided::new(yd.slice(), 16)));
+    let err = dev.k.gemv_fp8.launch_with(Fp8GemvKind::Fma, dev.stream(), &lin, xs, 5, ys).unwrap_err().to_string();
+    assert!(err.contains("at most 4 rows"), "{err}");
 }

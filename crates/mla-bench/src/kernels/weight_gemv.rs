@@ -1,14 +1,13 @@
-//! The weight-streaming GEMVs of single-row decode steps on DeepSeek-V3's dense shapes: the bf16
+//! The weight-streaming GEMVs of small decode steps on DeepSeek-V3's dense shapes: the bf16
 //! kernel against the block-FP8 ones (W8A16, issue 12: FMA and tensor-core MMA) on the same
-//! shape, 1 and 4 rows, as time
-//! and bandwidth of weight bytes. Weights are rotated over enough copies to exceed the L2 cache,
+//! shape, 1, 4 and 8 rows (8: the MMA kernel only), as time and bandwidth of weight bytes. Weights are rotated over enough copies to exceed the L2 cache,
 //! so every launch streams its weight from HBM as a decode step does.
 
 use super::timing::{fill, time_ms};
 use half::bf16;
 use mla_core::SplitMix64;
 use mla_cuda::gpu::DeviceBuffer;
-use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvLaunch, GemvOut, Linear, Strided, FP8_BLOCK};
+use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvLaunch, GemvOut, Linear, Strided, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
 use mla_cuda::Device;
 use serde_json::{json, Value};
 
@@ -39,22 +38,29 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             let bytes: Vec<u8> = (0..n * k).map(|_| (rng.next_u64() % 255) as u8 & 0xfe).collect();
             fp8.push(DeviceBuffer::from_host(&bytes)?);
         }
-        let x = fill(dev, 4 * k, 1.0, 60)?;
-        let y = DeviceBuffer::<bf16>::alloc(4 * n)?;
-        for m in [1usize, 4] {
+        let x = fill(dev, 8 * k, 1.0, 60)?;
+        let y = DeviceBuffer::<bf16>::alloc(8 * n)?;
+        for m in [1usize, 4, 8] {
             let xs = Strided::new(x.slice(), k);
             let ys = || GemvOut::Bf16(Strided::new(y.slice(), n));
-            let t_bf16 = time_ms(dev, 50, 7, |i| {
-                let lin = Linear::new(bf[i % copies].slice(), n, k);
-                dev.k.gemv.launch(dev.stream(), &GemvLaunch { lin: &lin, x: xs, rows: m, y: ys(), second: None })
-            })?;
+            // The bf16 and FMA kernels take at most GEMV_KERNEL_MAX_ROWS rows (NaN past them).
+            let small = m <= GEMV_KERNEL_MAX_ROWS;
+            let t_bf16 = if small {
+                time_ms(dev, 50, 7, |i| {
+                    let lin = Linear::new(bf[i % copies].slice(), n, k);
+                    dev.k.gemv.launch(dev.stream(), &GemvLaunch { lin: &lin, x: xs, rows: m, y: ys(), second: None })
+                })?
+            } else {
+                f64::NAN
+            };
             let fp8_time = |kind| {
                 time_ms(dev, 50, 7, |i| {
                     let lin = Fp8Linear { w: fp8[i % copies].slice(), scale_inv: sd.slice(), out: n, inp: k };
                     dev.k.gemv_fp8.launch_with(kind, dev.stream(), &lin, xs, m, ys())
                 })
             };
-            let (t_fma, t_mma) = (fp8_time(Fp8GemvKind::Fma)?, fp8_time(Fp8GemvKind::Mma)?);
+            let t_fma = if small { fp8_time(Fp8GemvKind::Fma)? } else { f64::NAN };
+            let t_mma = fp8_time(Fp8GemvKind::Mma)?;
             let (b16, b8) = ((n * k * 2) as f64, (n * k) as f64);
             let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
             let row = json!({

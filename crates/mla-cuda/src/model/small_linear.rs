@@ -6,8 +6,9 @@
 //! B=2..4 slower than cuBLAS (runs S4/S5), so steps of more rows, and shapes the kernel cannot
 //! take (unaligned rows), go to cuBLAS.
 //!
-//! Block-FP8 weights (issue 12): steps of up to `GEMV_KERNEL_MAX_ROWS` rows stream the FP8 bytes
-//! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16). Larger
+//! Block-FP8 weights (issue 12): steps of up to `FP8_GEMV_MAX_ROWS` (8) rows stream the FP8 bytes
+//! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16; 2-8
+//! rows on tensor cores, whose time does not grow with the rows). Larger
 //! steps, on Hopper, quantize the activations per row and 128 columns and run cuBLASLt's
 //! block-scaled FP8 GEMM (W8A8, what DeepGEMM, vLLM and SGLang compute) on the rows up to a
 //! multiple of 4, the GEMV on the rest. Otherwise (other GPUs, or `fp8_w8a8` off for exact
@@ -18,7 +19,7 @@
 use super::weights::Fp8Share;
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, Fp8BlockGemm};
-use crate::ops::{fp8_lt_scale_ld, FP8_BLOCK, GEMV_KERNEL_MAX_ROWS};
+use crate::ops::{fp8_lt_scale_ld, FP8_BLOCK, FP8_GEMV_MAX_ROWS};
 use crate::ops::{Fp8Act, Fp8Linear, GemvFp8Kernels, GemvKernels, GemvLaunch, GemvOut, Linear, Proj, Strided};
 use half::bf16;
 
@@ -61,7 +62,7 @@ impl SmallLinear {
         } else {
             Fp8Large::Dequantize { scratch: DeviceBuffer::alloc(fp8.largest_projection.max(1))? }
         };
-        Ok(SmallLinear { enabled, max_rows: GEMV_MAX_ROWS, fp8_gemv_max_rows: GEMV_KERNEL_MAX_ROWS, fp8_large })
+        Ok(SmallLinear { enabled, max_rows: GEMV_MAX_ROWS, fp8_gemv_max_rows: FP8_GEMV_MAX_ROWS, fp8_large })
     }
 
     fn gemv_takes(&self, lin: &Linear, x: &Strided<bf16>, rows: usize) -> bool {

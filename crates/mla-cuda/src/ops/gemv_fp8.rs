@@ -1,10 +1,10 @@
-//! kernels/gemv_fp8.cu: `y = x · Wᵀ` for 1 to `GEMV_KERNEL_MAX_ROWS` rows on a block-FP8 weight
+//! kernels/gemv_fp8.cu: `y = x · Wᵀ` for 1 to `FP8_GEMV_MAX_ROWS` rows on a block-FP8 weight
 //! (e4m3 bytes with one f32 `scale_inv` per 128x128 block, DeepSeek-V3's checkpoint layout),
 //! streaming the weight bytes and dequantizing in registers (W8A16), in two kernels: FMAs per
 //! weight, or bf16 tensor-core MMAs on the converted weights (exact products either way). The
 //! decode-path kernel of issue 12's FP8 weights (`model::small_linear`).
 
-use super::dims::{GEMV_KERNEL_MAX_ROWS, GEMV_ROWS_PER_BLOCK};
+use super::dims::{FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS, GEMV_ROWS_PER_BLOCK};
 use super::gemv::GemvOut;
 use super::linear::Strided;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
@@ -70,11 +70,11 @@ impl GemvFp8Kernels {
         Ok(GemvFp8Kernels { fma: m.kernel("gemv_fp8", "gemv_fp8_block")?, mma: m.kernel("gemv_fp8", "gemv_fp8_mma")? })
     }
 
-    /// Whether the kernel can take these operands: K a multiple of 16 (16-byte weight loads),
-    /// the input stride a multiple of 8, both 16-byte aligned, at most `GEMV_KERNEL_MAX_ROWS`
-    /// rows, sizes that fit its int arguments.
+    /// Whether `launch` can take these operands: K a multiple of 16 (16-byte weight loads), the
+    /// input stride a multiple of 8, both 16-byte aligned, at most `FP8_GEMV_MAX_ROWS` rows
+    /// (the FMA kernel: `GEMV_KERNEL_MAX_ROWS`), sizes that fit its int arguments.
     pub fn takes(lin: &Fp8Linear, x: &Strided<bf16>, rows: usize) -> bool {
-        (1..=GEMV_KERNEL_MAX_ROWS).contains(&rows)
+        (1..=FP8_GEMV_MAX_ROWS).contains(&rows)
             && lin.inp.is_multiple_of(16)
             && x.stride.is_multiple_of(8)
             && x.data.ptr.is_multiple_of(16)
@@ -119,6 +119,10 @@ impl GemvFp8Kernels {
         y: GemvOut,
     ) -> anyhow::Result<()> {
         anyhow::ensure!(Self::takes(lin, &x, rows), "gemv_fp8: operands the kernel cannot take ({rows} rows)");
+        anyhow::ensure!(
+            kind == Fp8GemvKind::Mma || rows <= GEMV_KERNEL_MAX_ROWS,
+            "gemv_fp8: the FMA kernel takes at most {GEMV_KERNEL_MAX_ROWS} rows, not {rows}"
+        );
         lin.check("gemv_fp8")?;
         let need = x.need(rows, lin.inp);
         anyhow::ensure!(x.data.len >= need, "gemv_fp8 input: {} elements, {need} needed", x.data.len);

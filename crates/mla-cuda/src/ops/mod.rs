@@ -28,8 +28,8 @@ pub use attention::{
     PrefillPass, SplitPartials,
 };
 pub use dims::{
-    COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, GEMV_KERNEL_MAX_ROWS, LATENT, LATENT_ROW, MAX_TOP_LOGPROBS, NOPE,
-    PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
+    COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS, LATENT, LATENT_ROW,
+    MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
 };
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use expert_mats::ExpertMats;
