@@ -17,7 +17,7 @@ use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
     AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, GroupedInput, Linear, NormDelta,
     PrefillAttention, PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
-    TileM, COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
 };
 use half::bf16;
 use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
@@ -731,9 +731,8 @@ impl CudaModel {
         k.moe.align(s, &r)?;
         let rows = r.rows();
         // The expert inputs, grouped by expert: gathered in bf16, or gathered and quantized in
-        // one pass for W8A8.
-        let w8a8 = fp8_act.filter(|_| r.tile == TileM::Rows128);
-        let (gate_up_in, down_in) = match w8a8 {
+        // one pass for W8A8 (whose tile map `tile_for_mats` made the wgmma one).
+        let (gate_up_in, down_in) = match fp8_act {
             Some(q) => {
                 k.fp8_convert.quantize_act_gather(s, Strided::new(x, hidden), r.perm_src, rows, hidden, &q.x())?;
                 (GroupedInput::Fp8(q.x()), GroupedInput::Fp8(q.act()))
@@ -752,7 +751,7 @@ impl CudaModel {
             k: hidden,
         };
         k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
-        if let Some(q) = w8a8 {
+        if let Some(q) = fp8_act {
             k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_act.slice(), im), rows, im, &q.act())?;
         }
         let down = GroupedGemm { a: down_in, w: w.down.mats(), c: mb.grouped_y.slice(), n: hidden, k: im };

@@ -177,14 +177,15 @@ impl GroupedGemmKernels {
         let (wgmma, w8a8) = if info.compute_capability == (9, 0) {
             ensure_smem(info, GROUPED_SM90_SMEM_BYTES, "the wgmma grouped GEMM")?;
             ensure_smem(info, GROUPED_SM90_FP8_SMEM_BYTES, "the wgmma grouped GEMM on FP8 weights")?;
+            // A kernel of grouped_gemm_sm90.cu, allowed `smem` bytes of dynamic shared memory.
+            let kernel = |name: &'static str, smem: usize| -> anyhow::Result<Kernel> {
+                let k = m.kernel("grouped_gemm_sm90", name)?;
+                k.set_max_dynamic_smem(smem)?;
+                Ok(k)
+            };
             let family = |[a, b, c, d]: [&'static str; 4], smem: usize| -> anyhow::Result<Sm90Kernels> {
-                let k = |name| m.kernel("grouped_gemm_sm90", name);
-                let kernels =
-                    Sm90Kernels { items256: k(a)?, items256_silu: k(b)?, items128: k(c)?, items128_silu: k(d)? };
-                for k in [&kernels.items256, &kernels.items256_silu, &kernels.items128, &kernels.items128_silu] {
-                    k.set_max_dynamic_smem(smem)?;
-                }
-                Ok(kernels)
+                let k = |name| kernel(name, smem);
+                Ok(Sm90Kernels { items256: k(a)?, items256_silu: k(b)?, items128: k(c)?, items128_silu: k(d)? })
             };
             let bf16 = [
                 "moe_grouped_gemm_sm90",
@@ -198,13 +199,10 @@ impl GroupedGemmKernels {
                 "moe_grouped_gemm_sm90_n128_fp8",
                 "moe_grouped_gemm_silu_sm90_n128_fp8",
             ];
-            let w8a8 = ["moe_grouped_gemm_sm90_n128_w8a8", "moe_grouped_gemm_silu_sm90_n128_w8a8"]
-                .map(|name| m.kernel("grouped_gemm_sm90", name));
-            let [plain, silu] = w8a8;
-            let w8a8 = [plain?, silu?];
-            for k in &w8a8 {
-                k.set_max_dynamic_smem(GROUPED_SM90_SMEM_BYTES)?;
-            }
+            let w8a8 = [
+                kernel("moe_grouped_gemm_sm90_n128_w8a8", GROUPED_SM90_SMEM_BYTES)?,
+                kernel("moe_grouped_gemm_silu_sm90_n128_w8a8", GROUPED_SM90_SMEM_BYTES)?,
+            ];
             (Some([family(bf16, GROUPED_SM90_SMEM_BYTES)?, family(fp8, GROUPED_SM90_FP8_SMEM_BYTES)?]), Some(w8a8))
         } else {
             (None, None)
