@@ -183,6 +183,10 @@ impl Backend for InstantBackend {
     fn cache_layouts(&self) -> Vec<CacheLayout> {
         vec![self.layout]
     }
+
+    fn step_limits(&self) -> mla_core::StepLimits {
+        mla_core::StepLimits::unlimited()
+    }
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         match &mut self.run {
             Runner::Inline(_, pending) => pending.set(plans),

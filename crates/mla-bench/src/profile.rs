@@ -8,7 +8,7 @@
 use crate::dummy_model;
 use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
 use mla_core::ModelConfig;
-use mla_cuda::model::{Limits, ModelOptions};
+use mla_cuda::model::ModelOptions;
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::Device;
 
@@ -30,17 +30,9 @@ pub fn run(cfg: ModelConfig, batches: &[usize], context: usize, prefill_len: usi
     let dev = Device::new(0)?;
     let pages = (context + 1).div_ceil(PAGE_SIZE);
     let opts = ModelOptions {
-        limits: Limits {
-            max_tokens: prefill_len.max(max_batch),
-            max_seqs: max_batch,
-            max_logit_rows: max_batch,
-            max_kv_chunk: prefill_len.max(16384),
-        },
-        gpu_memory_utilization: 0.9,
         num_blocks: Some(max_batch * pages + prefill_len.div_ceil(PAGE_SIZE)),
         max_model_len: context.max(prefill_len) + PAGE_SIZE,
-        small_batch_gemv: true,
-        fp8_w8a8: true,
+        ..ModelOptions::fixed(prefill_len.max(max_batch), max_batch, max_batch, prefill_len.max(16384))
     };
     let mut model = dummy_model::build(&dev, &cfg, &opts)?;
     let vocab = cfg.vocab_size;

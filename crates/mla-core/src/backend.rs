@@ -2,6 +2,7 @@
 
 use crate::config::ModelConfig;
 use crate::plan::{StepOutput, StepPlan};
+use crate::step_limits::StepLimits;
 use std::sync::Arc;
 
 /// Shape of a paged latent KV cache.
@@ -32,6 +33,9 @@ pub trait Backend: Send {
     fn model_config(&self) -> &ModelConfig;
     /// The KV cache of each attention rank, in rank order.
     fn cache_layouts(&self) -> Vec<CacheLayout>;
+    /// The largest step each attention rank may run (`StepLimits`): the engine schedules within
+    /// it, and the backend refuses a step outside it before any rank starts.
+    fn step_limits(&self) -> StepLimits;
 
     /// Starts a step: `plans[r]` on attention rank r (`plans.len() == cache_layouts().len()`).
     /// Each rank writes the latent cache for every token it feeds, then returns logits and

@@ -20,6 +20,7 @@ pub mod plan;
 pub mod rng;
 pub mod rope;
 pub mod sampling;
+pub mod step_limits;
 pub mod step_thread;
 pub mod token_mask;
 pub mod weight_source;
@@ -34,5 +35,6 @@ pub use plan::{
     LogitsRequest, SampleRequest, SampledToken, SamplingParams, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
 };
 pub use rng::SplitMix64;
+pub use step_limits::{StepBudget, StepLimits};
 pub use weight_source::{CheckpointError, Fp8Tensor, WeightSource};
 pub use weights::{ModelSpec, Split, TensorRole, TensorSpec};

@@ -130,6 +130,18 @@ impl SeqStep {
     pub fn end_pos(&self) -> usize {
         self.context_len + self.tokens.len()
     }
+
+    /// Rows of logits the backend computes for it: the sampled row, then the rows asked for (a
+    /// `Last` row that is also sampled is the same row; `All` rows are returned apart from it).
+    pub fn logit_rows(&self) -> usize {
+        let sampled = usize::from(self.sample.is_some());
+        sampled
+            + match self.logits {
+                LogitsRequest::None => 0,
+                LogitsRequest::Last => 1 - sampled,
+                LogitsRequest::All => self.tokens.len(),
+            }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -205,6 +217,11 @@ impl StepPlan {
 
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Rows of logits the step computes (`SeqStep::logit_rows`).
+    pub fn logit_rows(&self) -> usize {
+        self.seqs.iter().map(SeqStep::logit_rows).sum()
     }
 
     /// Whether a draw of this plan waits for a structured-output mask not yet computed.

@@ -6,12 +6,15 @@ use crate::model::{CpuModel, Peers};
 use crate::rank::CpuRank;
 use mla_core::collective::Solo;
 use mla_core::plan::{StepOutput, StepPlan};
-use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, RankLayout, WeightSource};
+use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, RankLayout, StepLimits, WeightSource};
 use std::sync::Arc;
 
 pub struct CpuBackend {
     rank: CpuRank,
     pending: PendingStep,
+    /// The steps it accepts: the server gives it the same step limits a GPU would get, so a step the
+    /// engine should not have built fails here too (`StepLimits::check`).
+    step_limits: StepLimits,
 }
 
 impl CpuBackend {
@@ -25,7 +28,12 @@ impl CpuBackend {
     ) -> anyhow::Result<Self> {
         tracing::info!(source = %weights.describe(), block_size, num_blocks, "loading cpu backend");
         let rank = CpuRank::new(cfg, weights, RankLayout::SINGLE, block_size, num_blocks)?;
-        Ok(CpuBackend { rank, pending: PendingStep::default() })
+        Ok(CpuBackend { rank, pending: PendingStep::default(), step_limits: StepLimits::unlimited() })
+    }
+
+    /// Accepts only steps within `step_limits` (unlimited by default).
+    pub fn with_step_limits(self, step_limits: StepLimits) -> Self {
+        CpuBackend { step_limits, ..self }
     }
 
     pub fn model(&self) -> &CpuModel {
@@ -41,6 +49,7 @@ impl CpuBackend {
         anyhow::ensure!(plans.len() == 1, "the CPU backend has one attention rank; the step has {}", plans.len());
         let plan = &plans[0];
         self.rank.validate(plan)?;
+        self.step_limits.check(plans)?;
         let counts = [plan.num_tokens()];
         Ok(vec![self.rank.run(plan, Peers { comm: &mut Solo, counts: &counts })?])
     }
@@ -57,6 +66,10 @@ impl Backend for CpuBackend {
 
     fn cache_layouts(&self) -> Vec<CacheLayout> {
         vec![self.rank.cache_layout()]
+    }
+
+    fn step_limits(&self) -> StepLimits {
+        self.step_limits
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {

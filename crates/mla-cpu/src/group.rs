@@ -16,7 +16,7 @@ use mla_core::collective::{Collective, ThreadGroup};
 use mla_core::group::{GroupBackend, GroupParts, NodeStep};
 use mla_core::plan::StepOutput;
 use mla_core::step_thread::{StepRunner, StepThread};
-use mla_core::{CacheLayout, ModelConfig, Parallel, WeightSource};
+use mla_core::{CacheLayout, ModelConfig, Parallel, StepLimits, WeightSource};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,19 +86,20 @@ pub fn start_ranks(
 /// Every rank of `parallel` in this process, meeting in a `ThreadGroup`; a rank that waits longer
 /// than `timeout` in one collective (a rank stuck or gone) fails the group, and so does a step
 /// that takes longer (CPU ranks of a DP-attention step may differ by a prefill chunk of work, so
-/// it should be generous).
+/// it should be generous). Steps outside `step_limits` are refused before any rank starts.
 pub fn local_group(
     cfg: ModelConfig,
     weights: Arc<dyn WeightSource + Send + Sync>,
     parallel: Parallel,
     cache: CacheLayout,
+    step_limits: StepLimits,
     timeout: Duration,
 ) -> anyhow::Result<CpuGroupBackend> {
     let world = parallel.ranks();
     let comms =
         ThreadGroup::ranks(world, timeout).into_iter().map(|c| Box::new(c) as Box<dyn Collective + Send>).collect();
     let local = start_ranks(&cfg, weights, parallel, 0..world, comms, cache)?;
-    Ok(GroupBackend::new(group_parts(cfg, parallel, local, vec![], cache, timeout)))
+    Ok(GroupBackend::new(group_parts(cfg, parallel, local, vec![], cache, step_limits, timeout)))
 }
 
 /// The `GroupParts` of CPU ranks: `local` are ranks `0 ..`, `remotes` the other nodes' with how
@@ -109,6 +110,7 @@ pub fn group_parts(
     local: Vec<StepThread<CpuRankWorker>>,
     remotes: Vec<(mla_core::group::RemoteNode, usize)>,
     cache: CacheLayout,
+    step_limits: StepLimits,
     watchdog: Duration,
 ) -> GroupParts<CpuRankWorker> {
     let mode = if parallel.dp_attention { "DP attention" } else { "tensor parallel" };
@@ -123,7 +125,7 @@ pub fn group_parts(
         aborters: vec![],
         remotes,
         cache,
-        max_tokens: None,
+        step_limits,
         graph_batches: vec![],
         graphable: |_| false,
         watchdog,

@@ -4,12 +4,13 @@
 //! answer, so nothing device-related ever crosses threads. Steps are started asynchronously
 //! (`Backend::start_step`), so the engine's bookkeeping of one step overlaps the next.
 
+use crate::model::memory_plan::BudgetFit;
 use crate::ops::PAGE_SIZE;
 use crate::worker::{start_worker, StepClock, Worker};
 use anyhow::Context;
 use mla_core::plan::{StepOutput, StepPlan};
 use mla_core::step_thread::StepThread;
-use mla_core::{Backend, CacheLayout, ModelConfig, WeightSource};
+use mla_core::{Backend, CacheLayout, ModelConfig, StepBudget, StepLimits, WeightSource};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -51,6 +52,9 @@ pub struct CudaOptions {
     /// FP8 projections of prefill-sized steps in W8A8 through cuBLASLt's block-scaled GEMM (the
     /// engines' numerics and speed), else dequantized to bf16 for cuBLAS (exact W8A16; tests).
     pub fp8_w8a8: bool,
+    /// Whether `max_num_batched_tokens` may shrink to leave the KV cache room (the server's
+    /// default budget) or is kept as given (`model::memory_plan`).
+    pub budget_fit: BudgetFit,
 }
 
 /// The default decode graph buckets: fine steps at small batches, where padding costs most.
@@ -71,11 +75,21 @@ impl Default for CudaOptions {
             cuda_graph_memory_budget: 256 << 20,
             small_batch_gemv: true,
             fp8_w8a8: true,
+            budget_fit: BudgetFit::Fixed,
         }
     }
 }
 
 impl CudaOptions {
+    /// What the flags ask of one step, before the layout (`mla_core::StepLimits::derive`).
+    pub fn budget(&self) -> StepBudget {
+        StepBudget {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_extra_logit_rows: self.max_extra_logit_rows,
+        }
+    }
+
     /// The graph sizes this configuration captures: the asked ones up to `max_num_seqs`, plus
     /// `max_num_seqs` itself so that every admissible batch has a graph.
     pub fn graph_sizes(&self) -> Vec<usize> {
@@ -94,6 +108,8 @@ impl CudaOptions {
 pub struct CudaBackend {
     cfg: ModelConfig,
     layout: CacheLayout,
+    /// The largest step the worker was sized for (the memory planner's choice).
+    step_limits: StepLimits,
     name: String,
     /// Dropping it ends the worker thread, which frees device memory on its own thread.
     thread: StepThread<Worker>,
@@ -105,6 +121,7 @@ pub struct CudaBackend {
 struct Ready {
     name: String,
     num_blocks: usize,
+    step_limits: StepLimits,
     clock: Arc<Mutex<StepClock>>,
     graph_sizes: Vec<usize>,
 }
@@ -118,6 +135,7 @@ impl CudaBackend {
             let ready = Ready {
                 name: worker.describe(opts.device),
                 num_blocks: worker.model.num_blocks,
+                step_limits: worker.model.step_limits,
                 clock: worker.clock(),
                 graph_sizes: worker.graphs.batch_sizes(),
             };
@@ -127,6 +145,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             cfg,
             layout: CacheLayout { block_size: PAGE_SIZE, num_blocks: ready.num_blocks },
+            step_limits: ready.step_limits,
             name: ready.name,
             thread,
             clock: ready.clock,
@@ -165,6 +184,10 @@ impl Backend for CudaBackend {
 
     fn cache_layouts(&self) -> Vec<CacheLayout> {
         vec![self.layout]
+    }
+
+    fn step_limits(&self) -> StepLimits {
+        self.step_limits
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {

@@ -17,7 +17,7 @@ use mla_core::collective::ThreadGroup;
 use mla_core::group::{GroupBackend, GroupParts, NodeReady, NodeStep, RemoteNode};
 use mla_core::plan::StepOutput;
 use mla_core::step_thread::{StepRunner, StepThread};
-use mla_core::{CacheLayout, ModelConfig, RankLayout};
+use mla_core::{CacheLayout, ModelConfig, RankLayout, StepLimits};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,6 +73,7 @@ struct Ready {
     name: String,
     num_blocks: usize,
     graph_batches: Vec<usize>,
+    step_limits: StepLimits,
     aborter: Aborter,
 }
 
@@ -109,6 +110,7 @@ pub fn start_ranks(
                     name: worker.describe(opts.device),
                     num_blocks: worker.model.num_blocks,
                     graph_batches: worker.graphs.batch_sizes(),
+                    step_limits: worker.model.step_limits,
                     aborter: comm.aborter(),
                 };
                 Ok((CudaRankWorker { worker, rank: r, steps: 0 }, ready))
@@ -120,19 +122,22 @@ pub fn start_ranks(
     // The ranks agreed on the cache size and captured the same graphs; check, since a mismatch
     // would hang the first step that relies on it.
     let (num_blocks, graph_batches) = (started[0].1.num_blocks, started[0].1.graph_batches.clone());
+    let step_limits = started[0].1.step_limits;
     for (i, (_, x)) in started.iter().enumerate() {
         anyhow::ensure!(
-            x.num_blocks == num_blocks && x.graph_batches == graph_batches,
-            "rank {} disagrees with rank {first} on the KV cache ({} blocks, not {num_blocks}) or the decode graphs ({:?}, not {graph_batches:?})",
+            x.num_blocks == num_blocks && x.graph_batches == graph_batches && x.step_limits == step_limits,
+            "rank {} disagrees with rank {first} on the KV cache ({} blocks, not {num_blocks}), the decode graphs ({:?}, not {graph_batches:?}) or the step limits ({:?}, not {step_limits:?})",
             first + i,
             x.num_blocks,
-            x.graph_batches
+            x.graph_batches,
+            x.step_limits
         );
     }
     let ready = NodeReady {
         ranks: started.len(),
         cache: CacheLayout { block_size: PAGE_SIZE, num_blocks },
         graph_batches,
+        step_limits,
         describe: started.iter().map(|(_, r)| r.name.as_str()).collect::<Vec<_>>().join(", "),
     };
     let aborters = started.iter().map(|(_, r)| r.aborter.clone()).collect();
@@ -174,7 +179,7 @@ pub fn group_parts(
         aborters: local.aborters,
         remotes: remotes.into_iter().map(|(r, ready)| (r, ready.ranks)).collect(),
         cache: local.ready.cache,
-        max_tokens: Some(opts.max_num_batched_tokens),
+        step_limits: local.ready.step_limits,
         graph_batches: local.ready.graph_batches,
         graphable: graph_expressible,
         watchdog: group.watchdog,

@@ -7,14 +7,15 @@ use crate::collective::NcclConnector;
 use crate::device::Device;
 use crate::gpu::nccl::NcclComm;
 use crate::gpu::DeviceBuffer;
-use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, Limits, ModelOptions, RankMode};
+use crate::model::memory_plan::DEFAULT_KV_GOAL_TOKENS;
+use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, ModelOptions, RankMode};
 use crate::ops::PAGE_SIZE;
 use anyhow::Context;
 use mla_core::agreement::StepAgreement;
 use mla_core::collective::{Collective, Tag, ThreadRank};
 use mla_core::plan::{StepOutput, StepPlan};
 use mla_core::step_thread::StepRunner;
-use mla_core::{Checkpoint, ModelConfig, RankLayout};
+use mla_core::{Checkpoint, ModelConfig, RankLayout, StepLimits};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -134,6 +135,7 @@ impl StepRunner for Worker {
 
     fn run_step(&mut self, plans: &Vec<StepPlan>) -> anyhow::Result<Vec<StepOutput>> {
         anyhow::ensure!(plans.len() == 1, "one GPU is one attention rank; the step has {} plans", plans.len());
+        self.model.step_limits.check(plans)?;
         Ok(vec![self.step(&plans[0])?])
     }
 }
@@ -189,14 +191,14 @@ pub fn start_worker(
     };
     dev.gpu.sync()?;
     let max_model_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
-    let limits = Limits {
-        max_tokens: opts.max_num_batched_tokens,
-        max_seqs: opts.max_num_seqs,
-        max_logit_rows: opts.max_num_seqs + opts.max_extra_logit_rows,
-        max_kv_chunk: opts.max_num_batched_tokens.max(16384),
-    };
+    // The FFN of a DP-attention rank runs over every rank's rows. The server logs the notes.
+    let gathered = if layout.dp_attention { layout.world } else { 1 };
+    let (step_limits, _notes) = StepLimits::derive(opts.budget(), gathered)?;
     let mopts = ModelOptions {
-        limits,
+        step_limits,
+        fit: opts.budget_fit,
+        kv_goal_tokens: opts.max_model_len.unwrap_or(cfg.max_position_embeddings.min(DEFAULT_KV_GOAL_TOKENS)),
+        max_kv_chunk: opts.max_num_batched_tokens.max(16384),
         gpu_memory_utilization: opts.gpu_memory_utilization,
         num_blocks: opts.num_blocks,
         max_model_len,
@@ -232,7 +234,8 @@ pub fn start_worker(
     );
     let mut model = model;
     let t1 = std::time::Instant::now();
-    let sizes = opts.graph_sizes();
+    // The memory planner may have cut the batch below --max-num-seqs: graphs up to what remains.
+    let sizes = graph_sizes_within(opts.graph_sizes(), model.step_limits.rank_seqs);
     let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
     if !sizes.is_empty() {
         tracing::info!(
@@ -243,6 +246,17 @@ pub fn start_worker(
         );
     }
     Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
+}
+
+/// `sizes` (ascending) without those above `max`, and `max` itself when some were dropped, so
+/// that every admissible batch still has a graph.
+fn graph_sizes_within(mut sizes: Vec<usize>, max: usize) -> Vec<usize> {
+    let before = sizes.len();
+    sizes.retain(|&b| b <= max);
+    if sizes.len() < before {
+        sizes.push(max);
+    }
+    sizes
 }
 
 /// One small collective of each kind the forward pass issues, waited for.
@@ -258,4 +272,15 @@ fn warm_up(dev: &Device, comm: &NcclComm) -> anyhow::Result<()> {
     comm.reduce_scatter_sum_f32(f_all.slice(), f_one.slice(), s)?;
     dev.gpu.sync()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn graphs_stop_at_the_planned_batch() {
+        use super::graph_sizes_within;
+        assert_eq!(graph_sizes_within(vec![1, 8, 64, 256, 512], 300), vec![1, 8, 64, 256, 300]);
+        assert_eq!(graph_sizes_within(vec![1, 8, 64], 64), vec![1, 8, 64]);
+        assert_eq!(graph_sizes_within(vec![], 64), Vec::<usize>::new());
+    }
 }

@@ -68,6 +68,14 @@ impl Engine {
                 "replica {i} serves a different model configuration than replica 0"
             );
         }
+        // Requests are checked against the smallest step any replica was sized for: `n`
+        // completions must fit one rank's batch.
+        let mut cfg = cfg;
+        for b in &backends {
+            let step = b.step_limits();
+            cfg.max_num_seqs = cfg.max_num_seqs.min(step.rank_seqs);
+            cfg.max_num_batched_tokens = cfg.max_num_batched_tokens.min(step.rank_tokens);
+        }
         let queued = Arc::new(AtomicUsize::new(0));
         let mut replicas = Vec::with_capacity(backends.len());
         for (i, backend) in backends.into_iter().enumerate() {

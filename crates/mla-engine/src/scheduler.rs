@@ -63,6 +63,9 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// Logit rows a step may return beyond one per sampled sequence: prompt-logprob chunks
+    /// share them (`mla_core::StepLimits::extra_logit_rows`).
+    pub max_extra_logit_rows: usize,
     /// Keep computed blocks by content and reuse them for prompts that start the same way.
     pub prefix_caching: bool,
 }

@@ -13,8 +13,13 @@ use std::collections::HashMap;
 const BS: usize = 4;
 
 fn sched(num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
-    let cfg =
-        SchedulerConfig { max_model_len: 4096, max_num_seqs, max_num_batched_tokens: budget, prefix_caching: true };
+    let cfg = SchedulerConfig {
+        max_model_len: 4096,
+        max_num_seqs,
+        max_num_batched_tokens: budget,
+        max_extra_logit_rows: 512,
+        prefix_caching: true,
+    };
     Scheduler::new(cfg, CacheLayout { block_size: BS, num_blocks })
 }
 

@@ -9,8 +9,13 @@ use mla_engine::{FinishReason, GenerateRequest};
 use std::collections::HashMap;
 
 fn sched(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
-    let cfg =
-        SchedulerConfig { max_model_len: 4096, max_num_seqs, max_num_batched_tokens: budget, prefix_caching: false };
+    let cfg = SchedulerConfig {
+        max_model_len: 4096,
+        max_num_seqs,
+        max_num_batched_tokens: budget,
+        max_extra_logit_rows: 512,
+        prefix_caching: false,
+    };
     Scheduler::new(cfg, CacheLayout { block_size, num_blocks })
 }
 
@@ -211,7 +216,13 @@ fn admission_waits_for_free_blocks() {
 
 #[test]
 fn finishing_rules_and_removal_free_blocks() {
-    let cfg = SchedulerConfig { max_model_len: 12, max_num_seqs: 8, max_num_batched_tokens: 64, prefix_caching: false };
+    let cfg = SchedulerConfig {
+        max_model_len: 12,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        max_extra_logit_rows: 512,
+        prefix_caching: false,
+    };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 32 });
     let mut stop = req(5, 1, 100);
     stop.stop_token_ids = vec![token_at(7)];
@@ -403,8 +414,13 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
     let mut preempted_mid_prefill = false;
     // 8 blocks hold either request at its longest (30 and 26 tokens), not both.
     for num_blocks in 8..16 {
-        let cfg =
-            SchedulerConfig { max_model_len: 4096, max_num_seqs: 8, max_num_batched_tokens: 4, prefix_caching: true };
+        let cfg = SchedulerConfig {
+            max_model_len: 4096,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 4,
+            max_extra_logit_rows: 512,
+            prefix_caching: true,
+        };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks });
         s.add(1, req(4, 1, 26), 0);
         let scored = req(24, 1, 2);
@@ -437,4 +453,50 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
         assert_eq!(s.block_manager().used_blocks(), 0);
     }
     assert!(preempted_mid_prefill, "no cache size preempted the scored request during its prefill");
+}
+
+#[test]
+fn prompt_logprob_chunks_share_the_steps_logit_rows() {
+    // Four prompts of 300 tokens asking for prompt logprobs, a step budget of 1024 tokens and
+    // room for 200 rows of logits beyond the sampled ones: one step may not return 4 x 256
+    // rows (a backend sized for 200 would refuse it), so the chunks wait their turn.
+    let cfg = SchedulerConfig {
+        max_model_len: 4096,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 1024,
+        max_extra_logit_rows: 200,
+        prefix_caching: false,
+    };
+    let mut s = Scheduler::new(cfg, CacheLayout { block_size: 16, num_blocks: 256 });
+    for id in 0..4 {
+        s.add(id, GenerateRequest { prompt_logprobs: Some(1), ..req(300, 1, 2) }, 0);
+    }
+    let (mut steps, mut most) = (0, 0);
+    while let Some(plan) = s.schedule() {
+        steps += 1;
+        assert!(steps < 100, "no progress");
+        let sampled = plan.seqs.iter().filter(|q| q.sample.is_some()).count();
+        let extra = plan.logit_rows() - sampled;
+        assert!(extra <= 200, "a step returns {extra} prompt rows of logits");
+        most = most.max(extra);
+        let seqs = plan
+            .seqs
+            .iter()
+            .map(|q| SeqResult {
+                seq_id: q.seq_id,
+                logits: match q.logits {
+                    LogitsRequest::All => vec![vec![0.0; 64]; q.tokens.len()],
+                    _ => vec![],
+                },
+                sampled: q.sample.as_ref().map(|_| SampledToken {
+                    token: token_at(q.end_pos()),
+                    logprob: 0.0,
+                    top_logprobs: vec![],
+                }),
+            })
+            .collect();
+        s.apply(&plan, &StepOutput { seqs });
+    }
+    assert_eq!(most, 200, "the steps use the rows they have");
+    assert!(!s.has_work(), "every request finished");
 }

@@ -11,6 +11,7 @@ use anyhow::bail;
 use mla_core::fp8_source::Fp8Quantized;
 use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
 use mla_cpu::CpuBackend;
+use mla_cuda::model::memory_plan::BudgetFit;
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::CudaOptions;
 use std::sync::Arc;
@@ -77,12 +78,17 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
     }
     let weights = host_weights(source)?;
     let one_copy = Parallel { replicas: 1, ..parallel };
+    // The CPU reference is held to the same step limits as the GPU ranks of this layout.
+    let (step, _) = args.step_limits(&parallel)?;
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
     for _ in 0..parallel.replicas {
         backends.push(if one_copy.is_single() {
-            Box::new(CpuBackend::new(cfg.clone(), weights.as_ref(), cache.block_size, cache.num_blocks)?)
+            let b = CpuBackend::new(cfg.clone(), weights.as_ref(), cache.block_size, cache.num_blocks)?;
+            Box::new(b.with_step_limits(step))
         } else {
-            Box::new(mla_cpu::group::local_group(cfg.clone(), weights.clone(), one_copy, cache, args.watchdog())?)
+            let group =
+                mla_cpu::group::local_group(cfg.clone(), weights.clone(), one_copy, cache, step, args.watchdog());
+            Box::new(group?)
         });
     }
     Ok(Loaded { backends, sizing })
@@ -138,7 +144,7 @@ fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result
     let capacity = smallest * PAGE_SIZE;
     let max_model_len = match args.max_model_len {
         Some(m) if m > capacity => bail!(
-            "--max-model-len {m} does not fit the KV cache of {capacity} tokens; raise --gpu-memory-utilization or --kv-cache-tokens, or lower --max-model-len"
+            "--max-model-len {m} does not fit the KV cache of {capacity} tokens; raise --gpu-memory-utilization or --kv-cache-tokens, or lower --max-model-len, --max-num-batched-tokens or --max-num-seqs"
         ),
         Some(m) => m,
         None => max_pos.min(capacity),
@@ -182,7 +188,9 @@ pub(crate) fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
 fn cuda_options(args: &Args) -> CudaOptions {
     CudaOptions {
         gpu_memory_utilization: args.gpu_memory_utilization.unwrap_or(CudaOptions::default().gpu_memory_utilization),
-        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_batched_tokens: args.max_num_batched_tokens(),
+        // A budget the user gave is kept; the default may shrink for the KV cache.
+        budget_fit: if args.max_num_batched_tokens.is_some() { BudgetFit::Fixed } else { BudgetFit::Shrink },
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
         num_blocks: args.kv_cache_tokens.map(|t| t.div_ceil(PAGE_SIZE)),

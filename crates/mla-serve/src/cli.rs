@@ -7,10 +7,14 @@ use crate::access_log_args::AccessLogArgs;
 use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
-use mla_core::Parallel;
+use mla_core::step_limits::DEFAULT_EXTRA_LOGIT_ROWS;
+use mla_core::{Parallel, StepBudget, StepLimits};
 use mla_server::parsers::{ParserConfig, ReasoningParserKind, ToolParserKind};
 use std::ffi::OsString;
 use std::path::PathBuf;
+
+/// `--max-num-batched-tokens` when not given.
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -128,9 +132,12 @@ pub struct Args {
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub max_num_seqs: usize,
 
-    /// Token budget of one prefill step; longer prompts are prefilled in chunks of this size.
-    #[arg(long, default_value_t = 2048, value_name = "TOKENS")]
-    pub max_num_batched_tokens: usize,
+    /// Token budget of one step of one attention rank; longer prompts are prefilled in chunks
+    /// of this size (default 2048). Under DP attention every rank has it, and the FFN runs over
+    /// the ranks' steps together. Left at its default on a GPU, it is lowered when it would
+    /// leave the KV cache less than --max-model-len (or 16384 tokens), and the log says so.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_num_batched_tokens: Option<usize>,
 
     /// JSON object merged into the model's config.json before it is validated (vLLM's flag; a
     /// JSON merge patch: objects merge, null removes), e.g. '{"num_hidden_layers": 6}' to run a
@@ -379,6 +386,22 @@ impl Args {
         Ok(Parallel::from_flags(self.tp, self.dp, self.enable_dp_attention)?)
     }
 
+    /// `--max-num-batched-tokens`, or its default.
+    pub fn max_num_batched_tokens(&self) -> usize {
+        self.max_num_batched_tokens.unwrap_or(DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    }
+
+    /// What the flags ask of one step of one attention rank, and the limits of `parallel`'s
+    /// steps derived from it (`StepLimits::derive`), with what it adjusted.
+    pub fn step_limits(&self, parallel: &Parallel) -> anyhow::Result<(StepLimits, Vec<String>)> {
+        let budget = StepBudget {
+            max_num_batched_tokens: self.max_num_batched_tokens(),
+            max_num_seqs: self.max_num_seqs,
+            max_extra_logit_rows: DEFAULT_EXTRA_LOGIT_ROWS,
+        };
+        Ok(StepLimits::derive(budget, parallel.attention_ranks())?)
+    }
+
     /// Resolves `--device auto` and refuses flags the chosen device cannot honour.
     pub fn check_supported(&self) -> anyhow::Result<Device> {
         self.check_quantization()?;
@@ -407,7 +430,7 @@ impl Args {
         }
         for (flag, v) in [
             ("--max-num-seqs", self.max_num_seqs),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens()),
             ("--block-size", self.block_size),
             ("--max-queued-requests", self.max_queued_requests),
         ] {

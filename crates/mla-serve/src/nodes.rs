@@ -13,7 +13,7 @@ use mla_core::cluster::rendezvous::{self, Hello, PROTOCOL};
 use mla_core::cluster::tcp_collective::{start_hub, TcpRank};
 use mla_core::collective::Collective;
 use mla_core::group::{serve_node, FromNode, GroupBackend, NodeReady, RemoteNode};
-use mla_core::{Backend, CacheLayout, Parallel};
+use mla_core::{Backend, CacheLayout, Parallel, StepLimits};
 use mla_cuda::collective::NcclConnector;
 use mla_cuda::gpu::nccl::NcclId;
 use mla_cuda::group::{GroupOptions, LocalRanks};
@@ -29,6 +29,8 @@ struct Plan {
     hello: Hello,
     timeout: Duration,
     watchdog: Duration,
+    /// The steps' limits from the flags (CPU ranks keep them; GPU ranks may shrink them).
+    step_limits: StepLimits,
 }
 
 impl Plan {
@@ -43,7 +45,7 @@ impl Plan {
             parallel.tp,
             if parallel.dp_attention { " --enable-dp-attention" } else { "" },
             args.max_num_seqs,
-            args.max_num_batched_tokens,
+            args.max_num_batched_tokens(),
             args.max_model_len,
         );
         let c = &source.config;
@@ -63,6 +65,7 @@ impl Plan {
             hello,
             timeout: Duration::from_secs_f64(args.dist_timeout),
             watchdog: args.watchdog(),
+            step_limits: args.step_limits(&parallel)?.0,
         })
     }
 
@@ -126,8 +129,10 @@ pub fn lead(
             let (local, remotes) = start_with(local, remotes)?;
             for (r, ready) in &remotes {
                 anyhow::ensure!(
-                    ready.cache == local.ready.cache && ready.graph_batches == local.ready.graph_batches,
-                    "node {} disagrees with node 0 on the KV cache or the decode graphs",
+                    ready.cache == local.ready.cache
+                        && ready.graph_batches == local.ready.graph_batches
+                        && ready.step_limits == local.ready.step_limits,
+                    "node {} disagrees with node 0 on the KV cache, the decode graphs or the step limits",
                     r.node()
                 );
             }
@@ -146,9 +151,16 @@ pub fn lead(
                 let mut r = r;
                 let x = r.wait_ready(p.timeout)?;
                 anyhow::ensure!(x.cache == cache, "node {} sized its KV cache differently ({:?})", r.node(), x.cache);
+                anyhow::ensure!(
+                    x.step_limits == p.step_limits,
+                    "node {} sized its steps differently ({:?})",
+                    r.node(),
+                    x.step_limits
+                );
                 ready.push((r, x.ranks));
             }
-            let parts = mla_cpu::group::group_parts(source.config.clone(), p.parallel, local, ready, cache, p.watchdog);
+            let (cfg, step) = (source.config.clone(), p.step_limits);
+            let parts = mla_cpu::group::group_parts(cfg, p.parallel, local, ready, cache, step, p.watchdog);
             Ok(Box::new(GroupBackend::new(parts)))
         }
     }
@@ -229,7 +241,13 @@ pub fn follow(
             let hub: std::net::SocketAddr =
                 String::from_utf8_lossy(&bootstrap).parse().context("node 0's hub address")?;
             let threads = cpu_ranks(source, &p, hub, cache)?;
-            let ready = NodeReady { ranks: threads.len(), cache, graph_batches: vec![], describe: "cpu".into() };
+            let ready = NodeReady {
+                ranks: threads.len(),
+                cache,
+                graph_batches: vec![],
+                step_limits: p.step_limits,
+                describe: "cpu".into(),
+            };
             serve_node(link.try_clone()?, threads, first, vec![], ready, p.watchdog)
         }
     })();

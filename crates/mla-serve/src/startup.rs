@@ -65,7 +65,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         EngineConfig {
             max_model_len: sizing.max_model_len,
             max_num_seqs: args.max_num_seqs,
-            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_batched_tokens: args.max_num_batched_tokens(),
             max_queued_requests: args.max_queued_requests,
             seed: args.seed,
             prefix_caching: !args.no_enable_prefix_caching,
@@ -87,6 +87,22 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         }
     }
     tracing::info!("parallel layout: {}", describe(&parallel));
+    // What one step may hold, after the layout and the memory planner (`StepLimits`).
+    let (_, notes) = args.step_limits(&parallel)?;
+    for note in notes {
+        tracing::info!("{note}");
+    }
+    let cfg = engine.config();
+    tracing::info!(
+        "steps: at most {} tokens and {} sequences per attention rank{}",
+        cfg.max_num_batched_tokens,
+        cfg.max_num_seqs,
+        if parallel.dp_attention {
+            format!(", the FFN over the {} ranks' rows together", parallel.tp)
+        } else {
+            String::new()
+        }
+    );
     let ranks = engine.cache_layouts();
     let total: usize = ranks.iter().map(|l| l.capacity_tokens()).sum();
     tracing::info!(

@@ -6,7 +6,7 @@ use super::CONTEXT;
 use crate::dummy_model;
 use mla_core::plan::StepPlan;
 use mla_core::ModelConfig;
-use mla_cuda::model::{CudaModel, DecodeGraphs, Limits, ModelOptions};
+use mla_cuda::model::{CudaModel, DecodeGraphs, ModelOptions};
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::Device;
 use serde_json::{json, Value};
@@ -24,12 +24,9 @@ pub fn run(dev: &Device, cfg: &ModelConfig) -> anyhow::Result<Value> {
     let blocks_per_seq = CONTEXT / PAGE_SIZE + 1;
     let t0 = Instant::now();
     let opts = ModelOptions {
-        limits: Limits { max_tokens: 256, max_seqs: max_batch, max_logit_rows: max_batch, max_kv_chunk: 16384 },
-        gpu_memory_utilization: 0.9,
         num_blocks: Some(max_batch * blocks_per_seq),
         max_model_len: CONTEXT + 64,
-        small_batch_gemv: true,
-        fp8_w8a8: true,
+        ..ModelOptions::fixed(256, max_batch, max_batch, 16384)
     };
     let mut model = dummy_model::build(dev, cfg, &opts)?;
     let load_s = t0.elapsed().as_secs_f64();

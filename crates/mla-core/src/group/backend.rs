@@ -7,6 +7,7 @@ use crate::agreement::agree;
 use crate::backend::{Backend, CacheLayout, FatalBackendError};
 use crate::config::ModelConfig;
 use crate::plan::{StepOutput, StepPlan};
+use crate::step_limits::StepLimits;
 use crate::step_thread::{StepRunner, StepThread};
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,8 +25,8 @@ pub struct GroupParts<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
     /// Every rank's KV cache (they are equal).
     pub cache: CacheLayout,
     pub max_model_len: usize,
-    /// Most tokens one rank's step may feed, when the ranks have such a limit.
-    pub max_tokens: Option<usize>,
+    /// The largest step every rank was sized for (equal on every rank).
+    pub step_limits: StepLimits,
     /// Decode batch sizes every rank captured as graphs, and which plans a graph can run.
     pub graph_batches: Vec<usize>,
     pub graphable: fn(&StepPlan) -> bool,
@@ -75,15 +76,8 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> GroupBackend<W> {
         let (c, cfg) = (&self.p.cache, &self.p.cfg);
         for plan in plans {
             plan.validate(c.block_size, c.num_blocks, cfg.vocab_size, self.p.max_model_len)?;
-            if let Some(max) = self.p.max_tokens {
-                anyhow::ensure!(
-                    plan.num_tokens() <= max,
-                    "a plan of {} tokens exceeds the {max} a rank's step holds",
-                    plan.num_tokens()
-                );
-            }
         }
-        Ok(())
+        Ok(self.p.step_limits.check(plans)?)
     }
 
     fn send_to_nodes(&mut self, step: &NodeStep) {
@@ -127,6 +121,10 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> Backend for GroupBacke
 
     fn cache_layouts(&self) -> Vec<CacheLayout> {
         vec![self.p.cache; self.attention_ranks()]
+    }
+
+    fn step_limits(&self) -> StepLimits {
+        self.p.step_limits
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {

@@ -8,6 +8,7 @@ use crate::agreement::StepAgreement;
 use crate::backend::CacheLayout;
 use crate::cluster::NodeLink;
 use crate::plan::{StepOutput, StepPlan};
+use crate::step_limits::StepLimits;
 use crate::step_thread::{StepRunner, StepShape, StepSize, StepThread};
 use serde::{Deserialize, Serialize};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -56,6 +57,8 @@ pub struct NodeReady {
     pub cache: CacheLayout,
     /// Decode batch sizes its ranks captured as graphs (empty on the CPU).
     pub graph_batches: Vec<usize>,
+    /// The largest step its ranks were sized for (every node's must be equal).
+    pub step_limits: StepLimits,
     /// Its devices, for the log.
     pub describe: String,
 }

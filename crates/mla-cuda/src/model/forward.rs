@@ -5,12 +5,13 @@
 //! `queue_forward` only queues work on the stream: no allocation, no synchronisation, no host
 //! reads of device data, so a decode step can be captured as a CUDA graph as is.
 
+use super::memory_plan::{self, Activations, BudgetFit, MemoryPlan, PlanInputs};
 use super::meta::{DecodeLayout, MetaLimits, PrefillLayout, StepLayout, StepMeta};
 use super::meta_buffers::MetaBuffers;
 use super::moe_small::{self, MoeSmallIo};
 use super::small_linear::SmallLinear;
 use super::weights::{DeviceWeights, FfnWeights, MlpWeights, MoeWeights, QueryWeights};
-use super::workspace::{CollectiveBuffers, CollectiveKind, Limits, Workspace};
+use super::workspace::{CollectiveBuffers, CollectiveKind, Workspace};
 use crate::device::Device;
 use crate::gpu::nccl::NcclComm;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
@@ -21,11 +22,19 @@ use crate::ops::{
 };
 use half::bf16;
 use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
-use mla_core::ModelConfig;
+use mla_core::{ModelConfig, StepLimits};
 
 #[derive(Debug, Clone)]
 pub struct ModelOptions {
-    pub limits: Limits,
+    /// The largest step the flags ask for (`mla_core::StepLimits::derive`); the memory planner
+    /// may halve its token budget (`memory_plan`).
+    pub step_limits: StepLimits,
+    /// Whether the token budget may shrink to make room for the KV cache.
+    pub fit: BudgetFit,
+    /// Tokens the KV cache should hold before a default budget is kept (`memory_plan`).
+    pub kv_goal_tokens: usize,
+    /// Cached keys decompressed per prefill pass (at least a step's tokens).
+    pub max_kv_chunk: usize,
     /// Fraction of device memory for weights, activations and the KV cache together.
     pub gpu_memory_utilization: f64,
     /// Fixed cache size in blocks instead of sizing from memory (tests).
@@ -37,6 +46,29 @@ pub struct ModelOptions {
     /// FP8 projections of steps past the GEMV's rows in W8A8 through cuBLASLt's block-scaled GEMM
     /// (sm_90 only); off, or on other GPUs, they dequantize to bf16 for cuBLAS (`SmallLinear`).
     pub fp8_w8a8: bool,
+}
+
+impl ModelOptions {
+    /// Options for a fixed step shape and cache (tests and benchmarks): `tokens` per step,
+    /// `seqs` sequences, `logit_rows` rows of logits, one rank.
+    pub fn fixed(tokens: usize, seqs: usize, logit_rows: usize, max_kv_chunk: usize) -> Self {
+        ModelOptions {
+            step_limits: StepLimits {
+                rank_tokens: tokens,
+                rank_seqs: seqs,
+                rank_logit_rows: logit_rows,
+                gathered_ranks: 1,
+            },
+            fit: BudgetFit::Fixed,
+            kv_goal_tokens: 0,
+            max_kv_chunk,
+            gpu_memory_utilization: 0.9,
+            num_blocks: None,
+            max_model_len: usize::MAX,
+            small_batch_gemv: true,
+            fp8_w8a8: true,
+        }
+    }
 }
 
 /// How a model's forward pass relates to other ranks. The config a rank is built with is its own
@@ -60,7 +92,7 @@ impl RankMode {
         match self {
             RankMode::Single => CollectiveKind::None,
             RankMode::TensorParallel(_) => CollectiveKind::TensorParallel,
-            RankMode::DpAttention(c) => CollectiveKind::DpAttention { world: c.world() },
+            RankMode::DpAttention(_) => CollectiveKind::DpAttention,
         }
     }
 
@@ -119,6 +151,8 @@ pub struct CudaModel {
     /// Which kernel runs the dense projections of small steps.
     pub linears: SmallLinear,
     pub mode: RankMode,
+    /// The largest step this rank was sized for (after the memory planner).
+    pub step_limits: StepLimits,
 }
 
 /// What both attention paths of one layer read besides the activations.
@@ -153,59 +187,34 @@ impl CudaModel {
         super::check_supported(&cfg)?;
         dev.gpu.sync()?;
         let max_model_len = opts.max_model_len.min(cfg.max_position_embeddings).max(1);
-        let lim = MetaLimits {
-            max_tokens: opts.limits.max_tokens,
-            max_seqs: opts.limits.max_seqs,
-            max_logit_rows: opts.limits.max_logit_rows,
-            max_kv_chunk: opts.limits.max_kv_chunk,
-            max_blocks_per_seq: max_model_len.div_ceil(PAGE_SIZE),
-            vocab: cfg.vocab_size,
-        };
-        let (free0, total) = dev.gpu.mem_info()?;
-        let fp8 = weights.fp8_share();
-        let w8a8 = opts.fp8_w8a8 && dev.gpu.info.compute_capability == (9, 0);
-        let linears = SmallLinear::new(opts.small_batch_gemv, &fp8, opts.limits.max_tokens, w8a8)?;
-        let w8a8_experts = w8a8 && fp8.expert_layers > 0 && dev.k.grouped_gemm.has_w8a8();
-        let ws = Workspace::new(&cfg, opts.limits, dev.k.sm_count, mode.collective_kind(), w8a8_experts)?;
-        let meta = MetaBuffers::new(&lim)?;
-        let (free1, _) = dev.gpu.mem_info()?;
-        let activation_bytes = free0.saturating_sub(free1);
-        let row_bytes = cfg.num_hidden_layers * cfg.kv_cache_dim() * 2;
-        let num_blocks = match opts.num_blocks {
-            Some(n) => n,
-            None => {
-                // What the whole process may hold, minus what it holds now and a margin for
-                // cuBLAS internals, graphs and the driver (and NCCL's buffers inside graphs).
-                let allowed = (opts.gpu_memory_utilization * total as f64) as usize;
-                let used = total - free1;
-                let margin = if matches!(mode, RankMode::Single) { 512usize << 20 } else { 1024usize << 20 };
-                let budget = allowed.saturating_sub(used + margin);
-                // One block less: the padding block comes on top.
-                (budget / (row_bytes * PAGE_SIZE)).saturating_sub(1)
-            }
-        };
-        let num_blocks = match mode.comm() {
-            None => num_blocks,
-            Some(comm) => {
-                // f32 holds block counts exactly (up to 2^24 blocks).
-                let buf = DeviceBuffer::from_host(&[num_blocks as f32])?;
-                comm.all_reduce_min_f32(buf.slice(), dev.stream())?;
-                dev.gpu.sync()?;
-                buf.download()?[0] as usize
-            }
-        };
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let gathered = mode.comm().filter(|_| mode.is_dp_attention()).map_or(1, NcclComm::world);
         anyhow::ensure!(
-            num_blocks > 0,
-            "no memory left for the KV cache (gpu_memory_utilization {} of {:.1} GiB; weights {:.2} GiB, activations {:.2} GiB)",
-            opts.gpu_memory_utilization,
-            gib(total),
-            gib(weights.bytes()),
-            gib(activation_bytes)
+            opts.step_limits.gathered_ranks == gathered,
+            "step limits gather {} ranks' rows, but this rank's FFN gathers {gathered}",
+            opts.step_limits.gathered_ranks
         );
+        let fp8 = weights.fp8_share();
+        let inputs = PlanInputs {
+            cfg: &cfg,
+            fp8: &fp8,
+            step_limits: opts.step_limits,
+            fit: opts.fit,
+            kv_goal_tokens: opts.kv_goal_tokens,
+            max_kv_chunk: opts.max_kv_chunk,
+            max_model_len,
+            gpu_memory_utilization: opts.gpu_memory_utilization,
+            num_blocks: opts.num_blocks,
+            small_batch_gemv: opts.small_batch_gemv,
+            w8a8: opts.fp8_w8a8 && dev.gpu.info.compute_capability == (9, 0),
+            kind: mode.collective_kind(),
+            comm: mode.comm(),
+            weight_bytes: weights.bytes(),
+        };
+        let MemoryPlan { activations, step_limits, activation_bytes, num_blocks } = memory_plan::plan(dev, &inputs)?;
+        let Activations { ws, linears, meta, lim } = activations;
         let cache = DeviceBuffer::alloc((num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cfg.kv_cache_dim())?;
         let inv_freq = DeviceBuffer::from_host(&cfg.rope_inv_freq())?;
-        let s = opts.limits.max_seqs;
+        let s = lim.max_seqs;
         Ok(CudaModel {
             scale: cfg.softmax_scale() as f32,
             attn_factor: cfg.rope_attention_factor() as f32,
@@ -228,6 +237,7 @@ impl CudaModel {
             decode_splits_override: None,
             linears,
             mode,
+            step_limits,
         })
     }
 

@@ -3,6 +3,7 @@
 
 mod forward;
 pub mod graph;
+pub mod memory_plan;
 pub mod meta;
 mod meta_buffers;
 pub mod meta_words;

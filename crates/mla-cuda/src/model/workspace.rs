@@ -5,7 +5,7 @@
 use crate::gpu::DeviceBuffer;
 use crate::ops::{Fp8Act, MoeRouting, TileM, FP8_BLOCK, MAX_TOP_LOGPROBS};
 use half::bf16;
-use mla_core::ModelConfig;
+use mla_core::{ModelConfig, StepLimits};
 
 /// The largest step the workspace is sized for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,9 +18,23 @@ pub struct Limits {
     pub max_logit_rows: usize,
     /// Cached keys decompressed per prefill pass; longer contexts take several passes.
     pub max_kv_chunk: usize,
+    /// Rows the FFN (and so every projection) runs over: every rank's rows under DP attention.
+    pub ffn_rows: usize,
 }
 
 impl Limits {
+    /// The limits of a rank sized for `step_limits` (`mla_core::StepLimits`), decompressing at most
+    /// `max_kv_chunk` cached keys per prefill pass (at least a step's tokens).
+    pub fn of(step_limits: &StepLimits, max_kv_chunk: usize) -> Self {
+        Limits {
+            max_tokens: step_limits.rank_tokens,
+            max_seqs: step_limits.rank_seqs,
+            max_logit_rows: step_limits.rank_logit_rows,
+            max_kv_chunk: max_kv_chunk.max(step_limits.rank_tokens),
+            ffn_rows: step_limits.ffn_rows(),
+        }
+    }
+
     pub fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.max_tokens > 0 && self.max_seqs > 0, "limits must be positive: {self:?}");
         anyhow::ensure!(
@@ -39,6 +53,12 @@ impl Limits {
             self.max_kv_chunk >= self.max_tokens,
             "max_kv_chunk {} below max_tokens {}",
             self.max_kv_chunk,
+            self.max_tokens
+        );
+        anyhow::ensure!(
+            self.ffn_rows >= self.max_tokens,
+            "ffn_rows {} below max_tokens {}",
+            self.ffn_rows,
             self.max_tokens
         );
         Ok(())
@@ -137,20 +157,7 @@ pub enum CollectiveBuffers {
 pub enum CollectiveKind {
     None,
     TensorParallel,
-    /// DP attention over this many ranks.
-    DpAttention {
-        world: usize,
-    },
-}
-
-impl CollectiveKind {
-    /// Rows the FFN runs over in the largest step: every rank's rows under DP attention.
-    pub fn ffn_rows(&self, max_tokens: usize) -> usize {
-        match self {
-            CollectiveKind::DpAttention { world } => world * max_tokens,
-            _ => max_tokens,
-        }
-    }
+    DpAttention,
 }
 
 pub struct Workspace {
@@ -203,7 +210,7 @@ impl Workspace {
         limits.check()?;
         let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
         // The FFN's buffers hold every rank's rows under DP attention.
-        let f = kind.ffn_rows(t);
+        let f = limits.ffn_rows;
         let heads = cfg.num_attention_heads;
         let qd = cfg.q_head_dim();
         let lat = cfg.kv_cache_dim();
@@ -249,7 +256,7 @@ impl Workspace {
                 delta_f32: DeviceBuffer::alloc(t * h)?,
                 ffn_f32: DeviceBuffer::alloc(t * h)?,
             }),
-            CollectiveKind::DpAttention { .. } => Some(CollectiveBuffers::DpAttention {
+            CollectiveKind::DpAttention => Some(CollectiveBuffers::DpAttention {
                 h_all: DeviceBuffer::alloc(f * h)?,
                 ffn_all: DeviceBuffer::alloc(f * h)?,
                 ffn_all_f32: DeviceBuffer::alloc(f * h)?,
@@ -290,5 +297,26 @@ impl Workspace {
             top_lps: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
             split_rows,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mla_core::StepBudget;
+
+    #[test]
+    fn a_dp_attention_rank_sizes_its_ffn_for_every_ranks_rows() {
+        // The FP8 projections' scratch once held one rank's 2048 rows while the shared expert
+        // ran over both ranks' 4096 (the engine died at the first concurrent prefills).
+        let budget = StepBudget { max_num_batched_tokens: 2048, max_num_seqs: 256, max_extra_logit_rows: 512 };
+        let (dpa, _) = StepLimits::derive(budget, 2).unwrap();
+        let l = Limits::of(&dpa, 16384);
+        assert_eq!((l.max_tokens, l.ffn_rows, l.max_seqs, l.max_logit_rows), (2048, 4096, 256, 768));
+        l.check().unwrap();
+        let (tp, _) = StepLimits::derive(budget, 1).unwrap();
+        assert_eq!(Limits::of(&tp, 16384).ffn_rows, 2048);
+        // Decompressing fewer keys per pass than a step feeds cannot work.
+        assert_eq!(Limits::of(&dpa, 1024).max_kv_chunk, 2048);
     }
 }

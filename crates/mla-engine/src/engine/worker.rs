@@ -133,10 +133,14 @@ pub(super) fn request_cost(req: &GenerateRequest) -> u64 {
 
 impl Worker {
     pub fn new(backend: Box<dyn Backend>, cfg: EngineConfig, links: Links) -> Self {
+        // Every step stays within what the backend was sized for (`StepLimits`), which may be
+        // less than the flags asked for (its memory planner).
+        let step = backend.step_limits();
         let limits = SchedulerConfig {
             max_model_len: cfg.max_model_len,
-            max_num_seqs: cfg.max_num_seqs,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_num_seqs: cfg.max_num_seqs.min(step.rank_seqs),
+            max_num_batched_tokens: cfg.max_num_batched_tokens.min(step.rank_tokens),
+            max_extra_logit_rows: step.extra_logit_rows(),
             prefix_caching: cfg.prefix_caching,
         };
         let ranks: Vec<Scheduler> = backend.cache_layouts().into_iter().map(|l| Scheduler::new(limits, l)).collect();

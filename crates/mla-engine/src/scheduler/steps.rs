@@ -24,24 +24,30 @@ impl Scheduler {
         }
     }
 
-    /// Prompt chunks within `max_num_batched_tokens`: resident sequences first, then admissions.
+    /// Prompt chunks within `max_num_batched_tokens`, and prompt-logprob rows within
+    /// `max_extra_logit_rows`: resident sequences first, then admissions. A chunk that wants
+    /// logits when none are left waits for the next step.
     pub(super) fn build_prefill(&mut self) -> Vec<SeqStep> {
-        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut left = Left { tokens: self.cfg.max_num_batched_tokens, logit_rows: self.cfg.max_extra_logit_rows };
         let mut steps = Vec::new();
-        let mut add = |this: &mut Self, key: SeqKey, budget: &mut usize| {
-            if *budget > 0 && this.needs_prefill(key) {
-                let step = this.chunk(key, *budget);
-                *budget -= step.tokens.len();
-                steps.push(step);
+        let mut add = |this: &mut Self, key: SeqKey, left: &mut Left| {
+            if left.tokens > 0 && this.needs_prefill(key) {
+                let at_most = left.tokens;
+                if let Some(step) =
+                    entry(&this.groups[&key.request], key, at_most, &mut left.logit_rows, &mut this.spare)
+                {
+                    left.tokens -= step.tokens.len();
+                    steps.push(step);
+                }
             }
         };
         for i in 0..self.running.len() {
-            add(self, self.running[i], &mut budget);
+            add(self, self.running[i], &mut left);
         }
-        while budget > 0 {
+        while left.tokens > 0 {
             let Some(keys) = self.admit_next() else { break };
             for key in keys {
-                add(self, key, &mut budget);
+                add(self, key, &mut left);
             }
         }
         steps
@@ -60,9 +66,9 @@ impl Scheduler {
             if decodable(g, key.slot) {
                 let seq = g.seq_mut(key.slot).expect("running sequence exists");
                 if seq.table.reserve(seq.tokens.len()).is_ok() {
-                    steps.push(entry(g, key, 1, &mut self.spare));
+                    steps.push(decode_entry(g, key, &mut self.spare));
                 } else if self.make_room(key) {
-                    steps.push(self.chunk(key, 1));
+                    steps.push(decode_entry(&self.groups[&key.request], key, &mut self.spare));
                 } else {
                     // `key` was the newest resident sequence, so nothing follows it.
                     break;
@@ -89,11 +95,13 @@ impl Scheduler {
             }
         }
     }
+}
 
-    /// The next `at_most` uncomputed tokens of `key`, sampling when they reach its end.
-    fn chunk(&mut self, key: SeqKey, at_most: usize) -> SeqStep {
-        entry(&self.groups[&key.request], key, at_most, &mut self.spare)
-    }
+/// What a prefill step still has room for.
+struct Left {
+    tokens: usize,
+    /// Logit rows beyond the sampled ones (prompt logprobs).
+    logit_rows: usize,
 }
 
 /// See `Scheduler::is_decodable`.
@@ -103,14 +111,28 @@ fn decodable(g: &Group, slot: Slot) -> bool {
     g.prefix.is_none() && s.state == SeqState::Running && s.computed > 0 && s.uncomputed() == 1
 }
 
-/// The plan entry of `Scheduler::chunk`, reusing the vectors of a recycled entry when there is
-/// any (`Scheduler::recycle`).
-fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> SeqStep {
+/// A decode step's entry: the one token `key` sampled last.
+fn decode_entry(g: &Group, key: SeqKey, spare: &mut Vec<SeqStep>) -> SeqStep {
+    // A decoding sequence is past its prompt, so it never asks for prompt logits.
+    let mut no_limit = usize::MAX;
+    entry(g, key, 1, &mut no_limit, spare).expect("an entry that wants no logits is always built")
+}
+
+/// The plan entry of the next `at_most` uncomputed tokens of `key`, sampling when they reach its
+/// end, reusing the vectors of a recycled entry when there is any (`Scheduler::recycle`). A
+/// chunk that computes missing prompt logprobs takes a logit row per token from `logit_rows`,
+/// at most `LOGITS_CHUNK`; None when there are none left.
+fn entry(g: &Group, key: SeqKey, at_most: usize, logit_rows: &mut usize, spare: &mut Vec<SeqStep>) -> Option<SeqStep> {
     let seq = g.seq(key.slot).expect("resident sequence exists");
     let mut end = seq.computed + seq.uncomputed().min(at_most);
     let logits = match &g.prompt_logprobs {
         Some(p) if p.wants(seq.computed, end) => {
-            end = end.min(seq.computed + LOGITS_CHUNK);
+            let rows = (*logit_rows).min(LOGITS_CHUNK);
+            if rows == 0 {
+                return None;
+            }
+            end = end.min(seq.computed + rows);
+            *logit_rows -= end - seq.computed;
             LogitsRequest::All
         }
         _ => LogitsRequest::None,
@@ -127,7 +149,7 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> Se
     tokens.extend_from_slice(&seq.tokens[seq.computed..end]);
     block_table.clear();
     block_table.extend_from_slice(seq.table.blocks());
-    SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample }
+    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample })
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {

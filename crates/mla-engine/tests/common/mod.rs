@@ -147,6 +147,10 @@ impl Backend for HistoryBackend {
         vec![self.layout]
     }
 
+    fn step_limits(&self) -> mla_core::StepLimits {
+        mla_core::StepLimits::unlimited()
+    }
+
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         self.pending.set(plans);
     }
@@ -250,6 +254,10 @@ impl Backend for Threaded {
 
     fn cache_layouts(&self) -> Vec<CacheLayout> {
         vec![self.layout]
+    }
+
+    fn step_limits(&self) -> mla_core::StepLimits {
+        mla_core::StepLimits::unlimited()
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {

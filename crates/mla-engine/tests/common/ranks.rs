@@ -46,6 +46,10 @@ impl Backend for Ranks {
         self.ranks.iter().flat_map(|r| r.cache_layouts()).collect()
     }
 
+    fn step_limits(&self) -> mla_core::StepLimits {
+        mla_core::StepLimits::unlimited()
+    }
+
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         assert!(self.pending.replace(plans.clone()).is_none(), "two steps in flight");
     }

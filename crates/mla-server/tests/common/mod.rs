@@ -82,6 +82,10 @@ impl Backend for ScriptBackend {
     fn cache_layouts(&self) -> Vec<CacheLayout> {
         vec![CacheLayout { block_size: 16, num_blocks: 64 }]
     }
+
+    fn step_limits(&self) -> mla_core::StepLimits {
+        mla_core::StepLimits::unlimited()
+    }
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         self.pending.set(plans);
     }

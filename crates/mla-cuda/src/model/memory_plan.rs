@@ -1,0 +1,197 @@
+//! How a rank's device memory is split between activations and the latent KV cache.
+//!
+//! The activations (workspace, FP8 projection scratch, step metadata) are sized for the largest
+//! step the rank may run (`mla_core::StepLimits`), allocated after the weights, and the KV cache
+//! takes what `--gpu-memory-utilization` leaves. When the token budget of the flags' default
+//! leaves the cache below its goal (a model whose weights nearly fill the GPU, such as V2 236B
+//! with DP attention on 80 GB cards, where every rank holds the whole attention and the FFN's
+//! buffers hold every rank's rows), the budget is halved until the cache reaches the goal or the
+//! budget its floor (`StepLimits::halved`): a smaller prefill chunk costs some prefill speed, no
+//! cache costs the server. An explicit `--max-num-batched-tokens` is kept as given, and refused
+//! only when it leaves no cache at all. The ranks of a group then take the smallest budget any of
+//! them chose, so that every rank's gathered FFN step has the same shape, and the smallest cache.
+
+use super::meta::MetaLimits;
+use super::meta_buffers::MetaBuffers;
+use super::small_linear::SmallLinear;
+use super::weights::Fp8Share;
+use super::workspace::{CollectiveKind, Limits, Workspace};
+use crate::device::Device;
+use crate::gpu::nccl::NcclComm;
+use crate::gpu::DeviceBuffer;
+use crate::ops::PAGE_SIZE;
+use mla_core::{ModelConfig, StepLimits};
+
+/// How the step's token budget meets the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetFit {
+    /// The budget was given (`--max-num-batched-tokens`): kept as it is.
+    Fixed,
+    /// The default budget: halved while the cache stays below its goal.
+    Shrink,
+}
+
+/// The cache the planner shrinks a default step budget for when `--max-model-len` is not
+/// given: enough for long chats without giving up the prefill chunk on smaller models.
+pub const DEFAULT_KV_GOAL_TOKENS: usize = 16384;
+
+/// Everything a step reads or writes besides weights and cache, sized for `step_limits`.
+pub struct Activations {
+    pub ws: Workspace,
+    pub linears: SmallLinear,
+    pub meta: MetaBuffers,
+    pub lim: MetaLimits,
+}
+
+/// What the planner decided for one rank.
+pub struct MemoryPlan {
+    pub activations: Activations,
+    /// The limits the activations are sized for (the asked ones, or smaller: see the module doc).
+    pub step_limits: StepLimits,
+    /// Bytes the activations took (cuMemGetInfo before and after allocating them).
+    pub activation_bytes: usize,
+    /// Blocks of the KV cache the block manager may use (equal on every rank of a group).
+    pub num_blocks: usize,
+}
+
+/// What the planner needs besides the device and the model.
+pub struct PlanInputs<'a> {
+    pub cfg: &'a ModelConfig,
+    pub fp8: &'a Fp8Share,
+    /// The limits the flags ask for.
+    pub step_limits: StepLimits,
+    pub fit: BudgetFit,
+    /// Tokens the cache should hold before a default budget is kept.
+    pub kv_goal_tokens: usize,
+    pub max_kv_chunk: usize,
+    pub max_model_len: usize,
+    pub gpu_memory_utilization: f64,
+    /// A fixed cache size in blocks (tests, `--kv-cache-tokens`): no sizing from memory.
+    pub num_blocks: Option<usize>,
+    pub small_batch_gemv: bool,
+    pub w8a8: bool,
+    pub kind: CollectiveKind,
+    /// The group's collective, for agreeing on the budget and the cache; None on one GPU.
+    pub comm: Option<&'a NcclComm>,
+    pub weight_bytes: usize,
+}
+
+impl Activations {
+    fn alloc(dev: &Device, p: &PlanInputs, step_limits: &StepLimits) -> anyhow::Result<Self> {
+        let limits = Limits::of(step_limits, p.max_kv_chunk);
+        let lim = MetaLimits {
+            max_tokens: limits.max_tokens,
+            max_seqs: limits.max_seqs,
+            max_logit_rows: limits.max_logit_rows,
+            max_kv_chunk: limits.max_kv_chunk,
+            max_blocks_per_seq: p.max_model_len.div_ceil(PAGE_SIZE),
+            vocab: p.cfg.vocab_size,
+        };
+        // Every projection may see the FFN's rows (the shared expert and dense MLPs run over the
+        // gathered rows under DP attention).
+        let linears = SmallLinear::new(p.small_batch_gemv, p.fp8, limits.ffn_rows, p.w8a8)?;
+        let w8a8_experts = p.w8a8 && p.fp8.expert_layers > 0 && dev.k.grouped_gemm.has_w8a8();
+        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, p.kind, w8a8_experts)?;
+        let meta = MetaBuffers::new(&lim)?;
+        Ok(Activations { ws, linears, meta, lim })
+    }
+}
+
+/// Sizes the activations and the KV cache of one rank (see the module doc). Every rank of a
+/// group calls it once, at the same point: it issues the same two collectives on each.
+pub fn plan(dev: &Device, p: &PlanInputs) -> anyhow::Result<MemoryPlan> {
+    let (free0, total) = dev.gpu.mem_info()?;
+    // What the whole process may hold, minus a margin for cuBLAS internals, graphs and the
+    // driver (and NCCL's buffers inside graphs).
+    let allowed = (p.gpu_memory_utilization * total as f64) as usize;
+    let margin = if p.comm.is_none() { 512usize << 20 } else { 1024usize << 20 };
+    let row_bytes = p.cfg.num_hidden_layers * p.cfg.kv_cache_dim() * 2;
+    let blocks_left = |free: usize| {
+        let budget = allowed.saturating_sub(total - free + margin);
+        // One block less: the padding block comes on top.
+        (budget / (row_bytes * PAGE_SIZE)).saturating_sub(1)
+    };
+    let mut step_limits = p.step_limits;
+    let (mut act, mut blocks) = loop {
+        let tried = Activations::alloc(dev, p, &step_limits);
+        let (free1, _) = dev.gpu.mem_info()?;
+        let blocks = p.num_blocks.unwrap_or_else(|| blocks_left(free1));
+        let enough = p.num_blocks.is_some() || blocks * PAGE_SIZE >= p.kv_goal_tokens;
+        let smaller = (p.fit == BudgetFit::Shrink && p.num_blocks.is_none()).then(|| step_limits.halved()).flatten();
+        match (tried, smaller) {
+            (Ok(act), Some(next)) if !enough => {
+                tracing::info!(
+                    "{} left room for {} KV tokens, fewer than the {} wanted; trying {} tokens per step",
+                    step_limits.describe(),
+                    blocks * PAGE_SIZE,
+                    p.kv_goal_tokens,
+                    next.rank_tokens
+                );
+                drop(act);
+                step_limits = next;
+            }
+            (Ok(act), _) => break (act, blocks),
+            (Err(e), Some(next)) => {
+                tracing::info!("{}: {e:#}; trying {} tokens per step", step_limits.describe(), next.rank_tokens);
+                step_limits = next;
+            }
+            (Err(e), None) => {
+                return Err(e.context(format!(
+                    "allocating the activations for {} (weights {:.2} GiB; lower --max-num-batched-tokens or --max-num-seqs)",
+                    step_limits.describe(),
+                    gib(p.weight_bytes)
+                )))
+            }
+        }
+    };
+    if let Some(comm) = p.comm {
+        // The ranks gather each other's rows: they must all have the limits of the smallest
+        // budget any of them chose (they started from the same limits and halve alike).
+        let agreed = min_over_ranks(dev, comm, step_limits.rank_tokens)?;
+        if agreed < step_limits.rank_tokens {
+            drop(act);
+            while step_limits.rank_tokens > agreed {
+                step_limits = step_limits.halved().expect("a peer halved this far from the same start");
+            }
+            act = Activations::alloc(dev, p, &step_limits)?;
+        }
+        blocks = p.num_blocks.unwrap_or_else(|| dev.gpu.mem_info().map_or(0, |(f, _)| blocks_left(f)));
+        blocks = min_over_ranks(dev, comm, blocks)?;
+    }
+    let (free1, _) = dev.gpu.mem_info()?;
+    let activation_bytes = free0.saturating_sub(free1);
+    anyhow::ensure!(
+        blocks > 0,
+        "no memory left for the KV cache (gpu_memory_utilization {} of {:.1} GiB; weights {:.2} GiB, activations {:.2} GiB for {}); \
+         lower --max-num-batched-tokens or --max-num-seqs, raise --gpu-memory-utilization, or spread the model over more GPUs",
+        p.gpu_memory_utilization,
+        gib(total),
+        gib(p.weight_bytes),
+        gib(activation_bytes),
+        step_limits.describe()
+    );
+    if step_limits != p.step_limits {
+        tracing::warn!(
+            "steps cut to {} tokens per rank (from {}) so that the KV cache holds {} tokens (goal {}): {}",
+            step_limits.rank_tokens,
+            p.step_limits.rank_tokens,
+            blocks * PAGE_SIZE,
+            p.kv_goal_tokens,
+            step_limits.describe()
+        );
+    }
+    Ok(MemoryPlan { activations: act, step_limits, activation_bytes, num_blocks: blocks })
+}
+
+/// The smallest `value` over the group's ranks (an NCCL min all-reduce).
+fn min_over_ranks(dev: &Device, comm: &NcclComm, value: usize) -> anyhow::Result<usize> {
+    // f32 holds the counts exactly (up to 2^24: blocks and token budgets are far below).
+    let buf = DeviceBuffer::from_host(&[value as f32])?;
+    comm.all_reduce_min_f32(buf.slice(), dev.stream())?;
+    dev.gpu.sync()?;
+    Ok(buf.download()?[0] as usize)
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
