@@ -116,6 +116,38 @@ def test_a_rank_that_dies_fails_its_requests_and_stops_the_server(tmp_path):
         server.stop()
 
 
+def test_a_signal_after_the_engine_died_still_exits_non_zero(tmp_path):
+    """An operator's SIGINT that lands after the rank died but before the server noticed (it
+    polls every 200 ms) used to take the clean path and exit 0; a dead engine must exit non-zero
+    whatever signal comes, and without the segfault of running the device libraries' exit
+    handlers under a stuck rank."""
+    import signal
+
+    import openai
+    import requests
+
+    model_dir("v2_lite", tmp_path)
+    server = Server(
+        "--model", str(tmp_path), "--device", "cpu", "--served-model-name", "m",
+        "--tp", "2", "--enable-dp-attention", "--shutdown-timeout", "30",
+        env={"MLA_TEST_KILL_RANK": "1:3"},
+    )
+    try:
+        client = server.client()
+        with pytest.raises(openai.APIStatusError):
+            client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=40, extra_body={"ignore_eos": True})
+        # The first moment the death shows: signal at once.
+        deadline = time.time() + 10
+        while requests.get(server.base + "/health", timeout=1).status_code != 503:
+            assert time.time() < deadline, "/health never turned 503"
+        server.proc.send_signal(signal.SIGINT)
+        server.proc.wait(timeout=20)
+        assert server.proc.returncode not in (0, -signal.SIGSEGV, 139), server.proc.returncode
+        assert "the engine stopped" in server.log_text()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("layout", ["dp-attention", "tensor-parallel"])
 def test_two_nodes_serve_hf_greedy_and_stop_together(layout, tmp_path):
     """Two processes, one rank each, meeting at --dist-init-addr (the CPU ranks' collective goes

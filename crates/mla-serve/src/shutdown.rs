@@ -81,8 +81,12 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
         let _ = drain.await;
     }
     // Covers a server that stopped without a signal; a second shutdown call returns at once.
+    let watched = engine.clone();
     tokio::task::spawn_blocking(move || engine.shutdown(Duration::ZERO)).await?;
-    if let Ok(why) = died_rx.await {
+    // A dead engine ends the process with an error however the shutdown began: the death watch
+    // polls, so a signal may arrive first, and a clean exit would also run the device
+    // libraries' exit handlers while a rank may still be stuck in a collective.
+    if let Some(why) = died_rx.await.ok().or_else(|| watched.fatal_error()) {
         return Err(EngineDied(why).into());
     }
     tracing::info!("stopped");
