@@ -167,6 +167,7 @@ fn decode_case(
         "context {ctx} + {max_tokens} tokens exceeds --max-model-len {}",
         a.max_model_len
     );
+    check_fits(h, batch, ctx + max_tokens)?;
     let reqs = (0..batch).map(|_| request(rng, ctx, vocab, max_tokens)).collect();
     let (t0, mut rx) = submit_all(rt, h, reqs)?;
     let mut first = vec![None::<Instant>; batch];
@@ -190,6 +191,12 @@ fn decode_case(
     let (te, ce) = end.ok_or_else(|| anyhow::anyhow!("no request finished"))?;
     let in_window = arrivals.iter().filter(|&&t| t > ts && t <= te).count();
     let secs = (te - ts).as_secs_f64();
+    // A request that finished before the last one started decoding leaves no full-batch window
+    // (preemption, or a context the batch did not fit): say so rather than divide by zero.
+    anyhow::ensure!(
+        in_window > 0 && secs > 0.0,
+        "decode B={batch} ctx={ctx}: no window where every request decoded (a request finished before the last          one's first token); raise the steps or lower the batch"
+    );
     let step_clock = clock.map(|_| clock_delta(&cs, &ce));
     // Without a step clock (several GPUs), every step of the window decodes the whole batch.
     let steps_in_window = match &step_clock {
@@ -206,6 +213,30 @@ fn decode_case(
         "step_ms": secs / steps_in_window * 1e3,
         "step_clock": step_clock,
     }))
+}
+
+/// Refuses a decode case the engine cannot hold at once: the batch spread over the attention
+/// ranks, each sequence `len` tokens, must fit every rank's batch and KV cache (otherwise the
+/// engine preempts, and no step of the window decodes the whole batch).
+fn check_fits(h: &EngineHandle, batch: usize, len: usize) -> anyhow::Result<()> {
+    let layouts = h.cache_layouts();
+    let per_rank = batch.div_ceil(layouts.len());
+    let max_seqs = h.config().max_num_seqs;
+    anyhow::ensure!(
+        per_rank <= max_seqs,
+        "decode B={batch}: {per_rank} sequences per attention rank, above max_num_seqs {max_seqs}"
+    );
+    let smallest = layouts.iter().min_by_key(|l| l.num_blocks).expect("an engine has a rank");
+    let need = per_rank * len.div_ceil(smallest.block_size);
+    anyhow::ensure!(
+        need <= smallest.num_blocks,
+        "decode B={batch} over {} attention rank(s) needs {need} KV blocks of {} tokens per rank for {len} tokens          each, the cache holds {} ({} tokens); lower the batch or context, or raise --gpu-memory-utilization",
+        layouts.len(),
+        smallest.block_size,
+        smallest.num_blocks,
+        smallest.capacity_tokens()
+    );
+    Ok(())
 }
 
 pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
