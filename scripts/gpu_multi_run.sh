@@ -26,6 +26,14 @@
 #   soak          DP attention, mixed traffic with client aborts at concurrency 256 per GPU for
 #                 MLA_SOAK_SECONDS (1800): no failure, back to idle, memory flat
 #                 (scripts/soak.py)                                        soak.json
+#   matrix        the deployment matrix at default flags: V2-Lite shape, dummy weights, bf16 and
+#                 --quantization fp8 in every mode (replicas, tp, dpa); each serves 1024-in /
+#                 128-out at concurrency 128 and 512 (MLA_MATRIX_PROMPTS: 256,512 prompts) with
+#                 no failed request, then teacher-forced logprobs of 16 prompts; FP8 is compared
+#                 with bf16 and every mode with tp                        matrix.json
+#   big-MODEL     a large model with FP8 weights at default flags in tp and dpa: MODEL v2 (236B,
+#                 full depth) or v3 (MLA_V3_LAYERS layers, 16); serves 1024-in / MLA_BIG_OUTPUT
+#                 (1024) out at concurrency 1, 64 and 256                  big-MODEL-MODE-cN.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -66,7 +74,7 @@ for s in "${stages[@]}"; do
   case "$s" in
     correctness) expanded+=(group-tests hf-tp hf-dpa nodes-tp nodes-dpa chat-replicas chat-tp chat-dpa kill-rank) ;;
     bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
-    group-tests | kill-rank | collectives | idle-ranks | soak) expanded+=("$s") ;;
+    group-tests | kill-rank | collectives | idle-ranks | soak | matrix | big-v2 | big-v3) expanded+=("$s") ;;
     nodes-tp | nodes-dpa) expanded+=("$s") ;;
     hf-* | chat-* | engine-* | serve-*)
       [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
@@ -284,6 +292,72 @@ stage_soak() {
   return $rc
 }
 
+# serve_case NAME CONCURRENCY PROMPTS OUTPUT_LEN: mla-bench serve against the running server,
+# 1024-token prompts; fails when any request failed.
+serve_case() {
+  local name=$1 c=$2 n=$3 olen=$4
+  run_logged "$name" "$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --input-len 1024 \
+    --output-len "$olen" --num-prompts "$n" --max-concurrency "$c" --ignore-eos --temperature 0 \
+    --gpu "$gpu_name x$gpus" --out "$out/$name.json" || return 1
+  ((dry)) && return 0
+  python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"  {sys.argv[1]}: {r[\"completed\"]} completed, {r[\"failed\"]} failed, {r[\"output_throughput\"]:.0f} output tok/s"); sys.exit(r["failed"] > 0)' "$out/$name.json"
+}
+
+stage_matrix() {
+  local w mode rc=0 c128 c512
+  IFS=, read -r c128 c512 <<< "${MLA_MATRIX_PROMPTS:-256,512}"
+  python3 scripts/wide_tokenizer.py assets/demo "$work/wide" 102400 > /dev/null 2>&1 || true
+  for w in bf16 fp8; do
+    for mode in replicas tp dpa; do
+      local quant=() tag="$w-$mode"
+      [[ "$w" == fp8 ]] && quant=(--quantization fp8)
+      # Default flags, as a user starts it: the step budget, batch and memory are the server's.
+      # shellcheck disable=SC2046
+      server_start "$out/matrix-$tag.server.log" --model deepseek-v2-lite --load-format dummy --device cuda \
+        --tokenizer "$work/wide" $(flags_of "$mode") "${quant[@]}" || { rc=1; continue; }
+      ((dry)) || grep -E 'steps:|KV cache:|cut to' "$out/matrix-$tag.server.log" | cut -c1-200 | sed 's/^/  /'
+      serve_case "matrix-$tag-c128" 128 "$c128" 128 || rc=1
+      serve_case "matrix-$tag-c512" 512 "$c512" 128 || rc=1
+      if ((dry)); then echo "  + teacher_forced.py dump"; else
+        python3 scripts/teacher_forced.py dump "http://127.0.0.1:$port" "$out/tf-$tag.json" 16 256 100000 || rc=1
+      fi
+      server_stop || { echo "  the $tag server did not exit cleanly"; rc=1; }
+    done
+  done
+  ((dry)) && return $rc
+  # FP8 against bf16 in each mode (the quantization noise, which must not depend on the layout),
+  # and every mode against tp in bf16 (layouts agree up to reduction order).
+  for mode in replicas tp dpa; do
+    python3 scripts/teacher_forced.py compare "$out/tf-bf16-$mode.json" "$out/tf-fp8-$mode.json" || rc=1
+  done
+  for mode in replicas dpa; do
+    python3 scripts/teacher_forced.py compare "$out/tf-bf16-tp.json" "$out/tf-bf16-$mode.json" || rc=1
+  done | tee "$out/matrix-tf.log"
+  return $rc
+}
+
+# stage_big v2|v3: a large FP8 model at default flags under tp and dpa.
+stage_big() {
+  local model=$1 mode rc=0 olen="${MLA_BIG_OUTPUT:-1024}" extra=() vocab=102400
+  if [[ "$model" == v3 ]]; then
+    vocab=129280
+    extra=(--hf-overrides "{\"num_hidden_layers\": ${MLA_V3_LAYERS:-16}}")
+  fi
+  python3 scripts/wide_tokenizer.py assets/demo "$work/wide-$model" "$vocab" > /dev/null 2>&1 || true
+  for mode in tp dpa; do
+    local tag="big-$model-$mode"
+    # shellcheck disable=SC2046
+    server_start "$out/$tag.server.log" --model "deepseek-$model" --load-format dummy --device cuda \
+      --tokenizer "$work/wide-$model" --quantization fp8 $(flags_of "$mode") "${extra[@]}" || { rc=1; continue; }
+    ((dry)) || grep -E 'weights|steps:|KV cache|cut to|trying' "$out/$tag.server.log" | cut -c1-220 | sed 's/^/  /'
+    serve_case "$tag-c1" 1 2 "$olen" || rc=1
+    serve_case "$tag-c64" 64 64 "$olen" || rc=1
+    serve_case "$tag-c256" 256 256 "$olen" || rc=1
+    server_stop || { echo "  the $tag server did not exit cleanly"; rc=1; }
+  done
+  return $rc
+}
+
 status=0
 for s in "${stages[@]}"; do
   stamp "$s"
@@ -293,6 +367,8 @@ for s in "${stages[@]}"; do
     collectives) stage_collectives ;;
     idle-ranks) stage_idle_ranks ;;
     soak) stage_soak ;;
+    matrix) stage_matrix ;;
+    big-*) stage_big "${s#big-}" ;;
     hf-*) stage_hf "${s#hf-}" ;;
     nodes-*) stage_hf "${s#nodes-}" "$gpus" ;;
     chat-*) stage_chat "${s#chat-}" ;;
