@@ -78,7 +78,10 @@ pub struct PlanInputs<'a> {
 
 impl Activations {
     fn alloc(dev: &Device, p: &PlanInputs, step_limits: &StepLimits) -> anyhow::Result<Self> {
-        let limits = Limits::of(step_limits, p.max_kv_chunk);
+        // The window of cached keys decompressed per prefill pass shrinks with the budget (it
+        // is 1 GiB at V2's 128 heads): more passes over a long context, the same work.
+        let kv_chunk = p.max_kv_chunk * step_limits.rank_tokens / p.step_limits.rank_tokens;
+        let limits = Limits::of(step_limits, kv_chunk);
         let lim = MetaLimits {
             max_tokens: limits.max_tokens,
             max_seqs: limits.max_seqs,
