@@ -3,12 +3,16 @@ runs (FP8 weights against bf16, one layout against another).
 
     python3 scripts/teacher_forced.py dump BASE_URL OUT_JSON [PROMPTS] [LENGTH] [MAX_TOKEN_ID]
     python3 scripts/teacher_forced.py compare REFERENCE_JSON OTHER_JSON [--max-p99 X] [--min-top1 Y]
+    python3 scripts/teacher_forced.py noise REF_1 OTHER_1 REF_2 OTHER_2 ...
 
 `dump` sends PROMPTS (16) seeded token-id prompts of LENGTH (256) tokens with
 `prompt_logprobs: 1` and records, at every position, the log-probability of the prompt's own next
 token and the model's top-1 token: the model's view of the same text, free of sampling, so two
 runs compare position by position. `compare` prints the mean, p99 and max |Δ logprob| and the
 top-1 agreement, and fails (exit 1) when the p99 or the agreement is outside the bounds given.
+`noise` compares each pair (FP8 against bf16 in several layouts, say) and fails when one pair's
+p99 is more than NOISE_SPREAD times another's: the quantization noise must not depend on the
+layout, while a layout that computed something else would stand out.
 """
 
 import json
@@ -41,7 +45,10 @@ def dump(base, out, count=16, length=256, max_id=30000):
     print(f"{out}: {count} prompts of {length} tokens")
 
 
-def compare(ref_path, other_path, max_p99=None, min_top1=None):
+NOISE_SPREAD = 1.5
+
+
+def stats(ref_path, other_path):
     ref, other = json.load(open(ref_path)), json.load(open(other_path))
     deltas, same, total = [], 0, 0
     for a, b in zip(ref["rows"], other["rows"]):
@@ -49,23 +56,41 @@ def compare(ref_path, other_path, max_p99=None, min_top1=None):
         same += sum(x == y for x, y in zip(a["top1"], b["top1"]))
         total += len(a["top1"])
     deltas.sort()
-    p99 = deltas[min(len(deltas) - 1, int(0.99 * len(deltas)))]
-    summary = {
+    return {
+        "reference": ref_path,
+        "other": other_path,
         "positions": len(deltas),
         "mean_abs_delta": sum(deltas) / len(deltas),
-        "p99_abs_delta": p99,
+        "p99_abs_delta": deltas[min(len(deltas) - 1, int(0.99 * len(deltas)))],
         "max_abs_delta": deltas[-1],
         "top1_agreement": same / total,
     }
-    print(json.dumps({"reference": ref_path, "other": other_path, **summary}))
-    ok = (max_p99 is None or p99 <= max_p99) and (min_top1 is None or summary["top1_agreement"] >= min_top1)
-    return ok
+
+
+def noise(paths):
+    rows = [stats(a, b) for a, b in zip(paths[::2], paths[1::2])]
+    for r in rows:
+        print(json.dumps(r))
+    p99 = [r["p99_abs_delta"] for r in rows]
+    spread = max(p99) / max(min(p99), 1e-9)
+    print(json.dumps({"p99_spread": spread, "limit": NOISE_SPREAD}))
+    return spread <= NOISE_SPREAD
+
+
+def compare(ref_path, other_path, max_p99=None, min_top1=None):
+    summary = stats(ref_path, other_path)
+    print(json.dumps(summary))
+    return (max_p99 is None or summary["p99_abs_delta"] <= max_p99) and (
+        min_top1 is None or summary["top1_agreement"] >= min_top1
+    )
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args and args[0] == "dump" and len(args) >= 3:
         dump(args[1], args[2], *(int(x) for x in args[3:6]))
+    elif args and args[0] == "noise" and len(args) >= 5 and len(args) % 2 == 1:
+        sys.exit(0 if noise(args[1:]) else 1)
     elif args and args[0] == "compare" and len(args) >= 3:
         opts = dict(zip(args[3::2], args[4::2]))
         ok = compare(args[1], args[2], float(opts["--max-p99"]) if "--max-p99" in opts else None,
