@@ -2,7 +2,7 @@
 //! (one GPU, replicas, tensor parallel or DP attention) with dummy weights, no HTTP. Prefill throughput of one long prompt, and decode throughput at a chosen batch and
 //! context, with the host time between steps (the GPU's idle gap) from the backend's step clock.
 
-use mla_core::{Backend, Parallel, SamplingParams};
+use mla_core::{Backend, CacheLayout, Parallel, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, StepClock, WeightsFrom};
 use mla_engine::{Engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest};
 use rand::{Rng, SeedableRng};
@@ -167,7 +167,7 @@ fn decode_case(
         "context {ctx} + {max_tokens} tokens exceeds --max-model-len {}",
         a.max_model_len
     );
-    check_fits(h, batch, ctx + max_tokens)?;
+    check_fits(&h.cache_layouts(), h.config().max_num_seqs, batch, ctx + max_tokens)?;
     let reqs = (0..batch).map(|_| request(rng, ctx, vocab, max_tokens)).collect();
     let (t0, mut rx) = submit_all(rt, h, reqs)?;
     let mut first = vec![None::<Instant>; batch];
@@ -216,12 +216,10 @@ fn decode_case(
 }
 
 /// Refuses a decode case the engine cannot hold at once: the batch spread over the attention
-/// ranks, each sequence `len` tokens, must fit every rank's batch and KV cache (otherwise the
-/// engine preempts, and no step of the window decodes the whole batch).
-fn check_fits(h: &EngineHandle, batch: usize, len: usize) -> anyhow::Result<()> {
-    let layouts = h.cache_layouts();
+/// ranks (`layouts`), each sequence `len` tokens, must fit every rank's batch (`max_seqs`) and KV
+/// cache (otherwise the engine preempts, and no step of the window decodes the whole batch).
+fn check_fits(layouts: &[CacheLayout], max_seqs: usize, batch: usize, len: usize) -> anyhow::Result<()> {
     let per_rank = batch.div_ceil(layouts.len());
-    let max_seqs = h.config().max_num_seqs;
     anyhow::ensure!(
         per_rank <= max_seqs,
         "decode B={batch}: {per_rank} sequences per attention rank, above max_num_seqs {max_seqs}"
@@ -230,7 +228,8 @@ fn check_fits(h: &EngineHandle, batch: usize, len: usize) -> anyhow::Result<()> 
     let need = per_rank * len.div_ceil(smallest.block_size);
     anyhow::ensure!(
         need <= smallest.num_blocks,
-        "decode B={batch} over {} attention rank(s) needs {need} KV blocks of {} tokens per rank for {len} tokens          each, the cache holds {} ({} tokens); lower the batch or context, or raise --gpu-memory-utilization",
+        "decode B={batch} over {} attention rank(s) needs {need} KV blocks of {} tokens per rank for {len} tokens \
+         each, the cache holds {} ({} tokens); lower the batch or context, or raise --gpu-memory-utilization",
         layouts.len(),
         smallest.block_size,
         smallest.num_blocks,
@@ -336,6 +335,19 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_decode_case_that_cannot_fit_is_refused_with_the_numbers() {
+        use mla_core::CacheLayout;
+        // Two ranks of 100 blocks of 64 tokens: 16 sequences of 1,000 tokens need 8 x 16 = 128
+        // blocks per rank.
+        let ranks = [CacheLayout { block_size: 64, num_blocks: 100 }; 2];
+        let e = super::check_fits(&ranks, 256, 16, 1000).unwrap_err().to_string();
+        assert!(e.contains("needs 128 KV blocks") && e.contains("holds 100"), "{e}");
+        super::check_fits(&ranks, 256, 12, 1000).unwrap();
+        let e = super::check_fits(&ranks, 4, 12, 100).unwrap_err().to_string();
+        assert!(e.contains("6 sequences per attention rank, above max_num_seqs 4"), "{e}");
+    }
+
     #[test]
     fn decode_cases_parse() {
         assert_eq!(super::parse_decode("1x1024x256,256x4096x64").unwrap(), vec![(1, 1024, 256), (256, 4096, 64)]);
