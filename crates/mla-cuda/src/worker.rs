@@ -2,14 +2,14 @@
 //! graphs), how it is created on that thread (`start_worker`, alone or as a rank of a group),
 //! and how it runs a step (a graph replay when one fits, else eager), timing each.
 
-use crate::backend::{CudaOptions, WeightsFrom};
 use crate::collective::NcclConnector;
 use crate::device::Device;
 use crate::gpu::nccl::NcclComm;
 use crate::gpu::DeviceBuffer;
 use crate::model::memory_plan::DEFAULT_KV_GOAL_TOKENS;
-use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, ModelOptions, RankMode};
+use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, ModelOptions, RankLink};
 use crate::ops::PAGE_SIZE;
+use crate::options::{CudaOptions, WeightsFrom};
 use anyhow::Context;
 use mla_core::agreement::StepAgreement;
 use mla_core::collective::{Collective, Tag, ThreadRank};
@@ -49,7 +49,7 @@ impl StepClock {
 
 /// What the worker owns. Field order is drop order: graphs (which may hold collectives) before
 /// the model (which owns the communicator), device memory before the context.
-pub struct Worker {
+pub struct DeviceWorker {
     pub graphs: DecodeGraphs,
     pub model: CudaModel,
     pub dev: Device,
@@ -61,7 +61,7 @@ pub struct Worker {
 
 const CLOCK_LOG_EVERY: u64 = 2000;
 
-impl Worker {
+impl DeviceWorker {
     /// The step clock this worker keeps (see `StepClock`).
     pub fn clock(&self) -> Arc<Mutex<StepClock>> {
         self.clock.clone()
@@ -129,7 +129,7 @@ impl Worker {
     }
 }
 
-impl StepRunner for Worker {
+impl StepRunner for DeviceWorker {
     type Step = Vec<StepPlan>;
     type Output = Vec<StepOutput>;
 
@@ -156,10 +156,10 @@ pub fn start_worker(
     weights: WeightsFrom,
     opts: &CudaOptions,
     join: Option<RankJoin>,
-) -> anyhow::Result<Worker> {
+) -> anyhow::Result<DeviceWorker> {
     let dev = Device::new(opts.device)?;
-    let (layout, mode) = match join {
-        None => (RankLayout::SINGLE, RankMode::Single),
+    let (layout, link) = match join {
+        None => (RankLayout::SINGLE, RankLink::Single),
         Some(mut j) => {
             let (rank, world) = (j.layout.rank, j.layout.world);
             // NCCL's setup waits for every rank without a timeout: meet this process's other
@@ -173,8 +173,8 @@ pub fn start_worker(
             // NCCL sets up its buffers at a communicator's first collectives: run each kind once
             // now, so the memory they take is gone before the KV cache is sized.
             warm_up(&dev, &comm).with_context(|| format!("first collectives of rank {rank} of {world}"))?;
-            let mode = if j.layout.dp_attention { RankMode::DpAttention(comm) } else { RankMode::TensorParallel(comm) };
-            (j.layout, mode)
+            let link = if j.layout.dp_attention { RankLink::DpAttention(comm) } else { RankLink::TensorParallel(comm) };
+            (j.layout, link)
         }
     };
     let local = layout.local_config(&cfg);
@@ -207,7 +207,7 @@ pub fn start_worker(
     };
     let weight_bytes = w.bytes();
     let fp8 = w.fp8_share();
-    let model = CudaModel::new_rank(&dev, local, w, &mopts, mode)?;
+    let model = CudaModel::new_rank(&dev, local, w, &mopts, link)?;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let who = if layout.world > 1 {
         format!("rank {} of {} on cuda:{}", layout.rank, layout.world, opts.device)
@@ -245,7 +245,7 @@ pub fn start_worker(
             graphs.bytes as f64 / (1u64 << 20) as f64
         );
     }
-    Ok(Worker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
+    Ok(DeviceWorker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
 }
 
 /// `sizes` (ascending) without those above `max`, and `max` itself when some were dropped, so

@@ -5,123 +5,23 @@
 //! `queue_forward` only queues work on the stream: no allocation, no synchronisation, no host
 //! reads of device data, so a decode step can be captured as a CUDA graph as is.
 
-use super::memory_plan::{self, Activations, BudgetFit, MemoryPlan, PlanInputs};
-use super::meta::{DecodeLayout, MetaLimits, PrefillLayout, StepLayout, StepMeta};
+use super::memory_plan::{self, Activations, MemoryPlan, PlanInputs};
+use super::meta::{MetaLimits, StepMeta};
 use super::meta_buffers::MetaBuffers;
-use super::moe_small::{self, MoeSmallIo};
+use super::options::ModelOptions;
+use super::parallel::{FfnRows, RankLink, RankMode};
 use super::small_linear::SmallLinear;
-use super::weights::{DeviceWeights, FfnWeights, MlpWeights, MoeWeights, QueryWeights};
-use super::workspace::{CollectiveBuffers, CollectiveKind, Workspace};
+use super::weights::DeviceWeights;
+use super::workspace::Workspace;
 use crate::device::Device;
-use crate::gpu::nccl::NcclComm;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AbsorbQ, AddRmsNorm, DecodeAttention, Embedding, GroupedGateUp, GroupedGemm, GroupedInput, Linear, NormDelta,
-    PrefillAttention, PrefillPass, RmsNormBf16, RmsNormF32, RopeCache, RouteParams, Sample, SamplerOutputs, Strided,
-    COMBINE_ABSORB_MAX_BATCH, LATENT, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    AddRmsNorm, Embedding, NormDelta, RmsNormF32, RouteParams, Sample, SamplerOutputs, Strided, MAX_TOP_LOGPROBS,
+    PAGE_SIZE,
 };
 use half::bf16;
 use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{ModelConfig, StepLimits};
-
-#[derive(Debug, Clone)]
-pub struct ModelOptions {
-    /// The largest step the flags ask for (`mla_core::StepLimits::derive`); the memory planner
-    /// may halve its token budget (`memory_plan`).
-    pub step_limits: StepLimits,
-    /// Whether the token budget may shrink to make room for the KV cache.
-    pub fit: BudgetFit,
-    /// Tokens the KV cache should hold before a default budget is kept (`memory_plan`).
-    pub kv_goal_tokens: usize,
-    /// Cached keys decompressed per prefill pass (at least a step's tokens).
-    pub max_kv_chunk: usize,
-    /// Fraction of device memory for weights, activations and the KV cache together.
-    pub gpu_memory_utilization: f64,
-    /// Fixed cache size in blocks instead of sizing from memory (tests).
-    pub num_blocks: Option<usize>,
-    /// Longest sequence (prompt + output) the backend accepts.
-    pub max_model_len: usize,
-    /// Single-row projections through the weight-streaming GEMV instead of cuBLAS (`SmallLinear`).
-    pub small_batch_gemv: bool,
-    /// FP8 projections of steps past the GEMV's rows in W8A8 through cuBLASLt's block-scaled GEMM
-    /// (sm_90 only); off, or on other GPUs, they dequantize to bf16 for cuBLAS (`SmallLinear`).
-    pub fp8_w8a8: bool,
-}
-
-impl ModelOptions {
-    /// Options for a fixed step shape and cache (tests and benchmarks): `tokens` per step,
-    /// `seqs` sequences, `logit_rows` rows of logits, one rank.
-    pub fn fixed(tokens: usize, seqs: usize, logit_rows: usize, max_kv_chunk: usize) -> Self {
-        ModelOptions {
-            step_limits: StepLimits {
-                rank_tokens: tokens,
-                rank_seqs: seqs,
-                rank_logit_rows: logit_rows,
-                gathered_ranks: 1,
-            },
-            fit: BudgetFit::Fixed,
-            kv_goal_tokens: 0,
-            max_kv_chunk,
-            gpu_memory_utilization: 0.9,
-            num_blocks: None,
-            max_model_len: usize::MAX,
-            small_batch_gemv: true,
-            fp8_w8a8: true,
-        }
-    }
-}
-
-/// How a model's forward pass relates to other ranks. The config a rank is built with is its own
-/// share (`RankLayout::local_config`): its heads and FFN widths.
-pub enum RankMode {
-    /// The whole model on one device: no collectives.
-    Single,
-    /// Tensor parallel: every rank runs the same rows with its share of the heads and FFN
-    /// widths; the bf16 partial outputs of attention and FFN are widened and all-reduced in f32
-    /// and added to the f32 residual.
-    TensorParallel(NcclComm),
-    /// DP attention: the whole attention for this rank's own rows; before each FFN every rank's
-    /// normed rows (padded to the step's largest rank) are all-gathered, the FFN runs with this
-    /// rank's share of the widths over all of them, and a reduce-scatter in f32 returns the sums
-    /// for this rank's rows.
-    DpAttention(NcclComm),
-}
-
-impl RankMode {
-    fn collective_kind(&self) -> CollectiveKind {
-        match self {
-            RankMode::Single => CollectiveKind::None,
-            RankMode::TensorParallel(_) => CollectiveKind::TensorParallel,
-            RankMode::DpAttention(_) => CollectiveKind::DpAttention,
-        }
-    }
-
-    pub fn comm(&self) -> Option<&NcclComm> {
-        match self {
-            RankMode::Single => None,
-            RankMode::TensorParallel(c) | RankMode::DpAttention(c) => Some(c),
-        }
-    }
-
-    pub fn is_dp_attention(&self) -> bool {
-        matches!(self, RankMode::DpAttention(_))
-    }
-}
-
-/// How a DP-attention step's FFN collectives lay out the ranks' rows.
-#[derive(Debug, Clone, Copy)]
-pub enum FfnRows<'a> {
-    /// Every rank sends this many rows (its own, then padding): graph replays, whose collective
-    /// sizes are fixed at capture.
-    Padded(usize),
-    /// Rank r sends `counts[r]` rows, packed without padding: eager steps, where ranks may feed
-    /// very different numbers of tokens (one prefills while another decodes).
-    Packed(&'a [usize]),
-}
-
-/// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
-/// (one launch instead of two; the cuBLAS batched GEMM wins beyond a few tokens).
-const SMALL_DECODE_TOKENS: usize = 4;
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
@@ -132,7 +32,7 @@ pub struct CudaModel {
     /// Blocks the block manager may use; block `num_blocks` (`pad_block`) is private: the rows
     /// that pad a decode batch up to a captured graph's size write and read only it.
     pub num_blocks: usize,
-    inv_freq: DeviceBuffer<f32>,
+    pub(super) inv_freq: DeviceBuffer<f32>,
     meta: MetaBuffers,
     host_tokens: PinnedBuffer<i32>,
     host_logprobs: PinnedBuffer<f32>,
@@ -140,10 +40,10 @@ pub struct CudaModel {
     host_top_lps: PinnedBuffer<f32>,
     pub lim: MetaLimits,
     pub max_model_len: usize,
-    scale: f32,
-    attn_factor: f32,
-    eps: f32,
-    route: RouteParams,
+    pub(super) scale: f32,
+    pub(super) attn_factor: f32,
+    pub(super) eps: f32,
+    pub(super) route: RouteParams,
     /// Bytes measured for the activation workspace (cuMemGetInfo before/after allocating it).
     pub activation_bytes: usize,
     /// Forces the decode split count (tests comparing eager steps with a captured graph).
@@ -155,39 +55,30 @@ pub struct CudaModel {
     pub step_limits: StepLimits,
 }
 
-/// What both attention paths of one layer read besides the activations.
-struct LayerAttention<'a> {
-    /// The layer's slice of the latent cache.
-    cache: DSlice<'a, bf16>,
-    kv_b: Linear<'a>,
-    /// The step's metadata on the device.
-    words: DSlice<'a, i32>,
-}
-
 /// Activations as `Strided` rows of `width` (packed).
-fn rows<T>(buf: &DeviceBuffer<T>, width: usize) -> Strided<'_, T> {
+pub(super) fn rows<T>(buf: &DeviceBuffer<T>, width: usize) -> Strided<'_, T> {
     Strided::new(buf.slice(), width)
 }
 
 impl CudaModel {
     pub fn new(dev: &Device, cfg: ModelConfig, weights: DeviceWeights, opts: &ModelOptions) -> anyhow::Result<Self> {
-        Self::new_rank(dev, cfg, weights, opts, RankMode::Single)
+        Self::new_rank(dev, cfg, weights, opts, RankLink::Single)
     }
 
-    /// A rank of a group: `cfg` is the rank's own share and `mode` says how it meets the others.
-    /// Every rank of the group (on every node) takes the smallest KV cache any of them has room
-    /// for, so all ranks of a step see the same cache.
+    /// A rank of a group: `cfg` is the rank's own share and `link` the collective it meets the
+    /// others through. Every rank of the group (on every node) takes the smallest KV cache any of
+    /// them has room for, so all ranks of a step see the same cache (`memory_plan`).
     pub fn new_rank(
         dev: &Device,
         cfg: ModelConfig,
         weights: DeviceWeights,
         opts: &ModelOptions,
-        mode: RankMode,
+        link: RankLink,
     ) -> anyhow::Result<Self> {
         super::check_supported(&cfg)?;
         dev.gpu.sync()?;
         let max_model_len = opts.max_model_len.min(cfg.max_position_embeddings).max(1);
-        let gathered = mode.comm().filter(|_| mode.is_dp_attention()).map_or(1, NcclComm::world);
+        let gathered = link.gathered_ranks();
         anyhow::ensure!(
             opts.step_limits.gathered_ranks == gathered,
             "step limits gather {} ranks' rows, but this rank's FFN gathers {gathered}",
@@ -206,12 +97,12 @@ impl CudaModel {
             num_blocks: opts.num_blocks,
             small_batch_gemv: opts.small_batch_gemv,
             w8a8: opts.fp8_w8a8 && dev.gpu.info.compute_capability == (9, 0),
-            kind: mode.collective_kind(),
-            comm: mode.comm(),
+            link,
             weight_bytes: weights.bytes(),
         };
-        let MemoryPlan { activations, step_limits, activation_bytes, num_blocks } = memory_plan::plan(dev, &inputs)?;
-        let Activations { ws, linears, meta, lim } = activations;
+        let MemoryPlan { activations, mode, step_limits, activation_bytes, num_blocks } =
+            memory_plan::plan(dev, inputs)?;
+        let Activations { ws, linears, meta, lim, .. } = activations;
         let cache = DeviceBuffer::alloc((num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cfg.kv_cache_dim())?;
         let inv_freq = DeviceBuffer::from_host(&cfg.rope_inv_freq())?;
         let s = lim.max_seqs;
@@ -250,7 +141,7 @@ impl CudaModel {
         self.num_blocks
     }
 
-    fn layer_cache(&self, layer: usize) -> DSlice<'_, bf16> {
+    pub(super) fn layer_cache(&self, layer: usize) -> DSlice<'_, bf16> {
         let per = (self.num_blocks + 1) * PAGE_SIZE * self.cfg.kv_cache_dim();
         self.cache.sub(layer * per, per)
     }
@@ -384,7 +275,7 @@ impl CudaModel {
                 self.add_norm(dev, ffn_delta, lw.input_norm.slice(), t)?;
             }
             self.attention(dev, l, m, words, decode_splits)?;
-            let attn_delta = self.attention_sum(dev, t)?;
+            let attn_delta = self.mode.attention_output(dev, ws.delta.slice(), t, hidden)?;
             self.add_norm(dev, attn_delta, lw.post_norm.slice(), t)?;
             ffn_delta = self.ffn(dev, &lw.ffn, t, ffn_rows)?;
         }
@@ -441,75 +332,6 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The attention output to add to the residual: the bf16 `delta`, or under tensor
-    /// parallelism the f32 sum of every rank's partial `delta`.
-    fn attention_sum(&self, dev: &Device, t: usize) -> anyhow::Result<NormDelta<'_>> {
-        let ws = &self.ws;
-        match (&self.mode, &ws.collective) {
-            (RankMode::TensorParallel(comm), Some(CollectiveBuffers::TensorParallel { delta_f32, .. })) => {
-                let n = t * self.cfg.hidden_size;
-                let sum = delta_f32.sub(0, n);
-                dev.k.elementwise.bf16_to_f32(dev.stream(), ws.delta.sub(0, n), sum, n)?;
-                comm.all_reduce_sum_f32(sum, dev.stream())?;
-                Ok(NormDelta::F32(sum))
-            }
-            _ => Ok(NormDelta::Bf16(ws.delta.slice())),
-        }
-    }
-
-    /// One layer's FFN (dense MLP or MoE) over the step's `t` rows with its collectives;
-    /// returns what to add to the residual. `rows` lays out DP attention's gathered rows.
-    fn ffn(&self, dev: &Device, ffn: &FfnWeights, t: usize, rows: FfnRows) -> anyhow::Result<NormDelta<'_>> {
-        let ws = &self.ws;
-        let (s, hidden) = (dev.stream(), self.cfg.hidden_size);
-        let run = |x: DSlice<bf16>, rows: usize, out: DSlice<bf16>| match ffn {
-            FfnWeights::Dense(mlp) => self.mlp(dev, mlp, x, rows, out),
-            FfnWeights::Moe(moe) => self.moe(dev, moe, x, rows, out),
-        };
-        match (&self.mode, &ws.collective) {
-            (RankMode::Single, _) => {
-                run(ws.h.slice(), t, ws.ffn_out.slice())?;
-                Ok(NormDelta::Bf16(ws.ffn_out.slice()))
-            }
-            (RankMode::TensorParallel(comm), Some(CollectiveBuffers::TensorParallel { ffn_f32, .. })) => {
-                run(ws.h.slice(), t, ws.ffn_out.slice())?;
-                let n = t * hidden;
-                let sum = ffn_f32.sub(0, n);
-                dev.k.elementwise.bf16_to_f32(s, ws.ffn_out.sub(0, n), sum, n)?;
-                comm.all_reduce_sum_f32(sum, s)?;
-                Ok(NormDelta::F32(sum))
-            }
-            (
-                RankMode::DpAttention(comm),
-                Some(CollectiveBuffers::DpAttention { h_all, ffn_all, ffn_all_f32, ffn_f32 }),
-            ) => {
-                let (rank, world) = (comm.rank(), comm.world());
-                // Elements each rank sends: padded to one size, or its own rows packed.
-                let elems: Vec<usize> = match rows {
-                    FfnRows::Padded(r) => vec![r * hidden; world],
-                    FfnRows::Packed(counts) => counts.iter().map(|c| c * hidden).collect(),
-                };
-                let (mine, all) = (elems[rank], elems.iter().sum::<usize>());
-                match rows {
-                    FfnRows::Padded(_) => comm.all_gather_bf16(ws.h.sub(0, mine), h_all.sub(0, all), s)?,
-                    FfnRows::Packed(_) => comm.all_gather_v_bf16(ws.h.sub(0, mine), h_all.sub(0, all), &elems, s)?,
-                }
-                run(h_all.sub(0, all), all / hidden, ffn_all.sub(0, all))?;
-                dev.k.elementwise.bf16_to_f32(s, ffn_all.sub(0, all), ffn_all_f32.sub(0, all), all)?;
-                match rows {
-                    FfnRows::Padded(_) => {
-                        comm.reduce_scatter_sum_f32(ffn_all_f32.sub(0, all), ffn_f32.sub(0, mine), s)?
-                    }
-                    FfnRows::Packed(_) => {
-                        comm.reduce_scatter_v_sum_f32(ffn_all_f32.sub(0, all), ffn_f32.sub(0, mine), &elems, s)?
-                    }
-                }
-                Ok(NormDelta::F32(ffn_f32.sub(0, mine)))
-            }
-            _ => unreachable!("the workspace's collective buffers follow the rank mode"),
-        }
-    }
-
     /// `residual += delta; h = rmsnorm(residual) * weight` over the step's rows.
     fn add_norm(&self, dev: &Device, delta: NormDelta, weight: DSlice<bf16>, t: usize) -> anyhow::Result<()> {
         let p = AddRmsNorm {
@@ -522,259 +344,6 @@ impl CudaModel {
             eps: self.eps,
         };
         dev.k.elementwise.add_rmsnorm(dev.stream(), &p)
-    }
-
-    fn attention(
-        &self,
-        dev: &Device,
-        l: usize,
-        m: &StepMeta,
-        words: DSlice<i32>,
-        decode_splits: usize,
-    ) -> anyhow::Result<()> {
-        let (s, k) = (dev.stream(), &dev.k);
-        let cfg = &self.cfg;
-        let ws = &self.ws;
-        let lw = &self.weights.layers[l];
-        let (t, hidden, heads) = (m.tokens, cfg.hidden_size, cfg.num_attention_heads);
-        let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
-        let h = rows(&ws.h, hidden);
-        // q (or q_a) and kv_a both read h: one launch at small batch.
-        let kv_a = lw.kv_a.proj();
-        match &lw.query {
-            QueryWeights::Direct(q) => self.linears.linear_pair(
-                dev,
-                h,
-                t,
-                (&q.proj(), rows(&ws.q, heads * qd)),
-                (&kv_a, rows(&ws.kva, lat)),
-            )?,
-            QueryWeights::LowRank { a, a_norm, b } => {
-                let r = a.out;
-                self.linears.linear_pair(dev, h, t, (&a.proj(), rows(&ws.q_a, r)), (&kv_a, rows(&ws.kva, lat)))?;
-                let norm = RmsNormBf16 {
-                    x: ws.q_a.slice(),
-                    x_stride: r,
-                    weight: a_norm.slice(),
-                    out: ws.q_a_normed.slice(),
-                    out_stride: r,
-                    rows: t,
-                    width: r,
-                    eps: self.eps,
-                };
-                k.elementwise.rmsnorm_bf16(s, &norm)?;
-                self.linears.linear(dev, &b.proj(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
-            }
-        }
-        let cache = self.layer_cache(l);
-        let kv_b = lw.kv_b.lin();
-        // Small decode steps absorb the queries in the rope/cache launch (latent_cache.cu).
-        let decode = matches!(m.layout, StepLayout::Decode(_));
-        let absorb_in_rope = decode && t <= SMALL_DECODE_TOKENS;
-        let rope = RopeCache {
-            tokens: t,
-            heads,
-            nope: NOPE,
-            kv_lora_rank: LATENT,
-            rope_dim: ROPE,
-            kva: ws.kva.slice(),
-            kva_stride: lat,
-            kv_norm_w: lw.kv_a_norm.slice(),
-            q: ws.q.slice(),
-            q_stride: heads * qd,
-            q_pe_out: decode.then(|| (ws.q_abs.slice().tail(LATENT), heads * lat, lat)),
-            positions: m.positions.on(words),
-            slots: m.slots.on(words),
-            inv_freq: self.inv_freq.slice(),
-            attn_factor: self.attn_factor,
-            eps: self.eps,
-            cache,
-            absorb: absorb_in_rope.then(|| AbsorbQ {
-                kv_b: kv_b.w,
-                v_dim: V_HEAD,
-                q_abs: ws.q_abs.slice(),
-                row_stride: heads * lat,
-                head_stride: lat,
-            }),
-        };
-        k.latent.rope_cache(s, &rope)?;
-        let layer = LayerAttention { cache, kv_b, words };
-        match &m.layout {
-            StepLayout::Decode(d) => {
-                if !absorb_in_rope {
-                    dev.blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
-                }
-                self.decode_attention(dev, d, t, &layer, decode_splits)?;
-            }
-            StepLayout::Prefill(p) => self.prefill_attention(dev, p, m, &layer)?,
-        }
-        self.linears.linear(dev, &lw.o_proj.proj(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
-        Ok(())
-    }
-
-    /// The absorbed path: attention over the latent cache in latent space, then W_UV.
-    fn decode_attention(
-        &self,
-        dev: &Device,
-        d: &DecodeLayout,
-        t: usize,
-        layer: &LayerAttention,
-        decode_splits: usize,
-    ) -> anyhow::Result<()> {
-        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
-        let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
-        let p = DecodeAttention {
-            batch: t,
-            heads: self.cfg.num_attention_heads,
-            q: ws.q_abs.slice(),
-            cache,
-            block_tables: d.block_tables.on(words),
-            bt_stride: d.bt_stride.on(words),
-            seq_lens: d.seq_lens.on(words),
-            num_splits: decode_splits,
-            out: ws.o_lat.slice(),
-            part_o: ws.part_o.slice(),
-            part_lse: ws.part_lse.slice(),
-            scale: self.scale,
-        };
-        if t <= COMBINE_ABSORB_MAX_BATCH {
-            // Small steps: the split merge and W_UV in one launch after the partials.
-            k.attention.decode_partials(s, &p)?;
-            k.attention.decode_combine_absorb_o(s, &p.partials(), kv_b, ws.attn_out.slice())
-        } else {
-            k.attention.decode(s, &p)?;
-            dev.blas.absorb_o(kv_b, p.heads, ws.o_lat.slice(), t, ws.attn_out.slice())
-        }
-    }
-
-    /// The normal path: per pass over a window of cached keys, decompress them through kv_b and
-    /// run causal flash attention, carrying the running state between passes.
-    fn prefill_attention(
-        &self,
-        dev: &Device,
-        p: &PrefillLayout,
-        m: &StepMeta,
-        layer: &LayerAttention,
-    ) -> anyhow::Result<()> {
-        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
-        let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
-        let heads = self.cfg.num_attention_heads;
-        let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
-        for pass in &p.passes {
-            k.elementwise.gather_rows(s, cache, pass.slots.on(words), ws.latent.slice(), pass.keys, lat)?;
-            dev.blas.linear(kv_b, rows(&ws.latent, lat), pass.keys, rows(&ws.kv, kvw))?;
-            let a = PrefillAttention {
-                heads,
-                q_rows: m.tokens,
-                q: ws.q.slice(),
-                q_stride: heads * qd,
-                k_rows: pass.keys,
-                kv: ws.kv.slice(),
-                kv_stride: kvw,
-                kpe: ws.latent.slice().tail(LATENT),
-                kpe_stride: lat,
-                out: ws.attn_out.slice(),
-                out_stride: heads * V_HEAD,
-                state_o: ws.state_o.slice(),
-                state_ml: ws.state_ml.slice(),
-                tiles: p.tile_seq.len,
-                tile_seq: p.tile_seq.on(words),
-                tile_q0: p.tile_q0.on(words),
-                seqs: m.seqs,
-                cu_q: p.cu_q.on(words),
-                q_pos0: p.q_pos0.on(words),
-                k_row0: pass.k_row0.on(words),
-                k_pos0: pass.k_pos0.on(words),
-                k_len: pass.k_len.on(words),
-                scale: self.scale,
-                pass: PrefillPass { load_state: pass.load_state, last: pass.last },
-            };
-            k.attention.prefill(s, &a)?;
-        }
-        Ok(())
-    }
-
-    /// A SiLU MLP over `t` rows of `x` into `out`.
-    fn mlp(&self, dev: &Device, w: &MlpWeights, x: DSlice<bf16>, t: usize, out: DSlice<bf16>) -> anyhow::Result<()> {
-        let hidden = self.cfg.hidden_size;
-        let inter = w.down.inp;
-        let ws = &self.ws;
-        let x = Strided::new(x, hidden);
-        self.linears.linear(dev, &w.gate_up.proj(), x, t, rows(&ws.gate_up, 2 * inter))?;
-        dev.k.elementwise.silu_mul(dev.stream(), ws.gate_up.slice(), ws.act.slice(), t, inter)?;
-        self.linears.linear(dev, &w.down.proj(), rows(&ws.act, inter), t, Strided::new(out, hidden))?;
-        Ok(())
-    }
-
-    /// DeepSeekMoE over `t` rows of `x` into `out`: routed experts plus the shared ones.
-    fn moe(&self, dev: &Device, w: &MoeWeights, x: DSlice<bf16>, t: usize, out: DSlice<bf16>) -> anyhow::Result<()> {
-        let (s, k) = (dev.stream(), &dev.k);
-        let cfg = &self.cfg;
-        let hidden = cfg.hidden_size;
-        let ws = &self.ws;
-        let mb = ws.moe.as_ref().expect("MoE buffers exist when a layer is MoE");
-        let fp8 = w.gate_up.mats().is_fp8();
-        // W8A8 where its scratch exists (FP8 experts on Hopper, `fp8_w8a8` on).
-        let fp8_act = mb.fp8_act.as_ref().filter(|_| fp8);
-        let tile =
-            k.grouped_gemm.tile_for_mats(t, cfg.num_experts_per_tok, cfg.n_routed_experts, fp8, fp8_act.is_some());
-        let r = mb.routing(t, cfg, tile);
-        let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
-        let route = |logits: DSlice<f32>| k.moe.route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, &self.route);
-        if moe_small::takes(cfg, w, t) {
-            let io = MoeSmallIo {
-                tokens: t,
-                x,
-                router_logits: mb.router_logits.slice(),
-                routing: &r,
-                act: mb.grouped_act.slice(),
-                act_shared: mb.grouped_gate_up.slice(),
-                out,
-            };
-            moe_small::router(dev, cfg, w, &io)?;
-            route(mb.router_logits.slice())?;
-            return moe_small::experts(dev, cfg, w, &io);
-        }
-        k.elementwise.bf16_to_f32(s, x.sub(0, t * hidden), mb.h_f32.slice(), t * hidden)?;
-        dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
-        route(mb.router_logits.slice())?;
-        k.moe.align(s, &r)?;
-        let rows = r.rows();
-        // The expert inputs, grouped by expert: gathered in bf16, or gathered and quantized in
-        // one pass for W8A8 (whose tile map `tile_for_mats` made the wgmma one).
-        let (gate_up_in, down_in) = match fp8_act {
-            Some(q) => {
-                k.fp8_convert.quantize_act_gather(s, Strided::new(x, hidden), r.perm_src, rows, hidden, &q.x())?;
-                (GroupedInput::Fp8(q.x()), GroupedInput::Fp8(q.act()))
-            }
-            None => {
-                k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), rows, hidden)?;
-                (mb.grouped_x.slice().into(), mb.grouped_act.slice().into())
-            }
-        };
-        let gate_up = GroupedGateUp {
-            a: gate_up_in,
-            w: w.gate_up.mats(),
-            gate_up: mb.grouped_gate_up.slice(),
-            act: mb.grouped_act.slice(),
-            inter: im,
-            k: hidden,
-        };
-        k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
-        if let Some(q) = fp8_act {
-            k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_act.slice(), im), rows, im, &q.act())?;
-        }
-        let down = GroupedGemm { a: down_in, w: w.down.mats(), c: mb.grouped_y.slice(), n: hidden, k: im };
-        k.grouped_gemm.gemm(s, &down, &r)?;
-        let shared = match &w.shared {
-            Some(sh) => {
-                self.mlp(dev, sh, x, t, mb.shared_out.slice())?;
-                Some(mb.shared_out.slice())
-            }
-            None => None,
-        };
-        k.moe.combine(s, mb.grouped_y.slice(), &r, shared, out, hidden)?;
-        Ok(())
     }
 
     /// Copies sampled tokens (and requested logits) back and assembles the step's output. The

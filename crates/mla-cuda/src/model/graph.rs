@@ -7,8 +7,9 @@
 //! computation overlaps the forward pass; the next step without masks enables the node again
 //! (one cheap host call, only when the state changes), so unmasked steps keep their single launch.
 
-use super::forward::{CudaModel, FfnRows, RankMode};
+use super::forward::CudaModel;
 use super::meta::{MetaLimits, StepMeta};
+use super::parallel::{FfnRows, RankMode};
 use crate::device::Device;
 use crate::gpu::{Graph, GraphNode};
 use crate::ops::PAGE_SIZE;

@@ -13,9 +13,10 @@
 
 use super::meta::MetaLimits;
 use super::meta_buffers::MetaBuffers;
+use super::parallel::{RankLink, RankMode};
 use super::small_linear::SmallLinear;
 use super::weights::Fp8Share;
-use super::workspace::{CollectiveKind, Limits, Workspace};
+use super::workspace::{Limits, Workspace};
 use crate::device::Device;
 use crate::gpu::nccl::NcclComm;
 use crate::gpu::DeviceBuffer;
@@ -41,11 +42,14 @@ pub struct Activations {
     pub linears: SmallLinear,
     pub meta: MetaBuffers,
     pub lim: MetaLimits,
+    pub limits: Limits,
 }
 
 /// What the planner decided for one rank.
 pub struct MemoryPlan {
     pub activations: Activations,
+    /// The rank's mode with its collective buffers (sized for the limits chosen).
+    pub mode: RankMode,
     /// The limits the activations are sized for (the asked ones, or smaller: see the module doc).
     pub step_limits: StepLimits,
     /// Bytes the activations took (cuMemGetInfo before and after allocating them).
@@ -56,6 +60,8 @@ pub struct MemoryPlan {
 
 /// What the planner needs besides the device and the model.
 pub struct PlanInputs<'a> {
+    /// The collective the rank joined: used to agree with the other ranks, then given its buffers.
+    pub link: RankLink,
     pub cfg: &'a ModelConfig,
     pub fp8: &'a Fp8Share,
     /// The limits the flags ask for.
@@ -70,9 +76,6 @@ pub struct PlanInputs<'a> {
     pub num_blocks: Option<usize>,
     pub small_batch_gemv: bool,
     pub w8a8: bool,
-    pub kind: CollectiveKind,
-    /// The group's collective, for agreeing on the budget and the cache; None on one GPU.
-    pub comm: Option<&'a NcclComm>,
     pub weight_bytes: usize,
 }
 
@@ -94,20 +97,20 @@ impl Activations {
         // gathered rows under DP attention).
         let linears = SmallLinear::new(p.small_batch_gemv, p.fp8, limits.ffn_rows, p.w8a8)?;
         let w8a8_experts = p.w8a8 && p.fp8.expert_layers > 0 && dev.k.grouped_gemm.has_w8a8();
-        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, p.kind, w8a8_experts)?;
+        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, w8a8_experts)?;
         let meta = MetaBuffers::new(&lim)?;
-        Ok(Activations { ws, linears, meta, lim })
+        Ok(Activations { ws, linears, meta, lim, limits })
     }
 }
 
 /// Sizes the activations and the KV cache of one rank (see the module doc). Every rank of a
 /// group calls it once, at the same point: it issues the same two collectives on each.
-pub fn plan(dev: &Device, p: &PlanInputs) -> anyhow::Result<MemoryPlan> {
+pub fn plan(dev: &Device, p: PlanInputs) -> anyhow::Result<MemoryPlan> {
     let (free0, total) = dev.gpu.mem_info()?;
     // What the whole process may hold, minus a margin for cuBLAS internals, graphs and the
     // driver (and NCCL's buffers inside graphs).
     let allowed = (p.gpu_memory_utilization * total as f64) as usize;
-    let margin = if p.comm.is_none() { 512usize << 20 } else { 1024usize << 20 };
+    let margin = if p.link.comm().is_none() { 512usize << 20 } else { 1024usize << 20 };
     let row_bytes = p.cfg.num_hidden_layers * p.cfg.kv_cache_dim() * 2;
     let blocks_left = |free: usize| {
         let budget = allowed.saturating_sub(total - free + margin);
@@ -115,8 +118,8 @@ pub fn plan(dev: &Device, p: &PlanInputs) -> anyhow::Result<MemoryPlan> {
         (budget / (row_bytes * PAGE_SIZE)).saturating_sub(1)
     };
     let mut step_limits = p.step_limits;
-    let (mut act, mut blocks) = loop {
-        let tried = Activations::alloc(dev, p, &step_limits);
+    let mut act = loop {
+        let tried = Activations::alloc(dev, &p, &step_limits);
         let (free1, _) = dev.gpu.mem_info()?;
         let blocks = p.num_blocks.unwrap_or_else(|| blocks_left(free1));
         let enough = p.num_blocks.is_some() || blocks * PAGE_SIZE >= p.kv_goal_tokens;
@@ -133,7 +136,7 @@ pub fn plan(dev: &Device, p: &PlanInputs) -> anyhow::Result<MemoryPlan> {
                 drop(act);
                 step_limits = next;
             }
-            (Ok(act), _) => break (act, blocks),
+            (Ok(act), _) => break act,
             (Err(e), Some(next)) => {
                 tracing::info!("{}: {e:#}; trying {} tokens per step", step_limits.describe(), next.rank_tokens);
                 step_limits = next;
@@ -147,7 +150,7 @@ pub fn plan(dev: &Device, p: &PlanInputs) -> anyhow::Result<MemoryPlan> {
             }
         }
     };
-    if let Some(comm) = p.comm {
+    if let Some(comm) = p.link.comm() {
         // The ranks gather each other's rows: they must all have the limits of the smallest
         // budget any of them chose (they started from the same limits and halve alike).
         let agreed = min_over_ranks(dev, comm, step_limits.rank_tokens)?;
@@ -156,34 +159,39 @@ pub fn plan(dev: &Device, p: &PlanInputs) -> anyhow::Result<MemoryPlan> {
             while step_limits.rank_tokens > agreed {
                 step_limits = step_limits.halved().expect("a peer halved this far from the same start");
             }
-            act = Activations::alloc(dev, p, &step_limits)?;
+            act = Activations::alloc(dev, &p, &step_limits)?;
         }
-        blocks = p.num_blocks.unwrap_or_else(|| dev.gpu.mem_info().map_or(0, |(f, _)| blocks_left(f)));
+    }
+    // The collectives' buffers come last; the cache is sized from what is left after them.
+    let (hidden, goal) = (p.cfg.hidden_size, p.kv_goal_tokens);
+    let (weight_bytes, utilization, fixed) = (p.weight_bytes, p.gpu_memory_utilization, p.num_blocks);
+    let asked = p.step_limits;
+    let mode = RankMode::new(p.link, &act.limits, hidden)?;
+    let mut blocks = fixed.unwrap_or_else(|| dev.gpu.mem_info().map_or(0, |(f, _)| blocks_left(f)));
+    if let Some(comm) = mode.comm() {
         blocks = min_over_ranks(dev, comm, blocks)?;
     }
     let (free1, _) = dev.gpu.mem_info()?;
     let activation_bytes = free0.saturating_sub(free1);
     anyhow::ensure!(
         blocks > 0,
-        "no memory left for the KV cache (gpu_memory_utilization {} of {:.1} GiB; weights {:.2} GiB, activations {:.2} GiB for {}); \
+        "no memory left for the KV cache (gpu_memory_utilization {utilization} of {:.1} GiB; weights {:.2} GiB, activations {:.2} GiB for {}); \
          lower --max-num-batched-tokens or --max-num-seqs, raise --gpu-memory-utilization, or spread the model over more GPUs",
-        p.gpu_memory_utilization,
         gib(total),
-        gib(p.weight_bytes),
+        gib(weight_bytes),
         gib(activation_bytes),
         step_limits.describe()
     );
-    if step_limits != p.step_limits {
+    if step_limits != asked {
         tracing::warn!(
-            "steps cut to {} tokens per rank (from {}) so that the KV cache holds {} tokens (goal {}): {}",
+            "steps cut to {} tokens per rank (from {}) so that the KV cache holds {} tokens (goal {goal}): {}",
             step_limits.rank_tokens,
-            p.step_limits.rank_tokens,
+            asked.rank_tokens,
             blocks * PAGE_SIZE,
-            p.kv_goal_tokens,
             step_limits.describe()
         );
     }
-    Ok(MemoryPlan { activations: act, step_limits, activation_bytes, num_blocks: blocks })
+    Ok(MemoryPlan { activations: act, mode, step_limits, activation_bytes, num_blocks: blocks })
 }
 
 /// The smallest `value` over the group's ranks (an NCCL min all-reduce).

@@ -1,6 +1,8 @@
 //! The DeepSeek forward pass on the device: weights, activation workspace, paged latent cache,
 //! per-step metadata and the step itself.
 
+mod attention_layer;
+mod ffn_layer;
 mod forward;
 pub mod graph;
 pub mod memory_plan;
@@ -8,14 +10,18 @@ pub mod meta;
 mod meta_buffers;
 pub mod meta_words;
 pub mod moe_small;
+pub mod options;
+pub mod parallel;
 pub mod small_linear;
 pub mod weights;
 pub mod workspace;
 
-pub use forward::{CudaModel, FfnRows, ModelOptions, RankMode};
+pub use forward::CudaModel;
 pub use graph::{graph_expressible, DecodeGraph, DecodeGraphs, ReplayTimes};
 pub use meta::{DecodeLayout, MetaLimits, PassMeta, PrefillLayout, StepLayout, StepMeta};
 pub use meta_words::Section;
+pub use options::ModelOptions;
+pub use parallel::{FfnRows, RankLink, RankMode};
 pub use weights::DeviceWeights;
 pub use workspace::{Limits, Workspace};
 

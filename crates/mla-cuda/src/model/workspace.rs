@@ -138,31 +138,8 @@ impl MoeBuffers {
     }
 }
 
-/// Buffers of a multi-rank forward pass (see `forward::RankMode`).
-pub enum CollectiveBuffers {
-    /// Tensor parallel: the f32 sums of the ranks' attention and FFN partial outputs.
-    TensorParallel { delta_f32: DeviceBuffer<f32>, ffn_f32: DeviceBuffer<f32> },
-    /// DP attention: every rank's normed rows gathered for the FFN, the FFN's partial output over
-    /// all of them (bf16 and widened), and this rank's rows of the reduced sum.
-    DpAttention {
-        h_all: DeviceBuffer<bf16>,
-        ffn_all: DeviceBuffer<bf16>,
-        ffn_all_f32: DeviceBuffer<f32>,
-        ffn_f32: DeviceBuffer<f32>,
-    },
-}
-
-/// Which collective buffers a workspace needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CollectiveKind {
-    None,
-    TensorParallel,
-    DpAttention,
-}
-
 pub struct Workspace {
     pub limits: Limits,
-    pub collective: Option<CollectiveBuffers>,
     pub residual: DeviceBuffer<f32>,
     pub h: DeviceBuffer<bf16>,
     pub delta: DeviceBuffer<bf16>,
@@ -200,13 +177,7 @@ pub struct Workspace {
 
 impl Workspace {
     /// `fp8_expert_acts`: the experts run W8A8 (allocates their quantized operands).
-    pub fn new(
-        cfg: &ModelConfig,
-        limits: Limits,
-        sm_count: usize,
-        kind: CollectiveKind,
-        fp8_expert_acts: bool,
-    ) -> anyhow::Result<Self> {
+    pub fn new(cfg: &ModelConfig, limits: Limits, sm_count: usize, fp8_expert_acts: bool) -> anyhow::Result<Self> {
         limits.check()?;
         let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
         // The FFN's buffers hold every rank's rows under DP attention.
@@ -250,22 +221,8 @@ impl Workspace {
             None
         };
         let r = limits.max_logit_rows;
-        let collective = match kind {
-            CollectiveKind::None => None,
-            CollectiveKind::TensorParallel => Some(CollectiveBuffers::TensorParallel {
-                delta_f32: DeviceBuffer::alloc(t * h)?,
-                ffn_f32: DeviceBuffer::alloc(t * h)?,
-            }),
-            CollectiveKind::DpAttention => Some(CollectiveBuffers::DpAttention {
-                h_all: DeviceBuffer::alloc(f * h)?,
-                ffn_all: DeviceBuffer::alloc(f * h)?,
-                ffn_all_f32: DeviceBuffer::alloc(f * h)?,
-                ffn_f32: DeviceBuffer::alloc(t * h)?,
-            }),
-        };
         Ok(Workspace {
             limits,
-            collective,
             residual: DeviceBuffer::alloc(t * h)?,
             // Zeroed: under DP attention a rank sends rows past its own (padding up to the
             // step's largest rank) to the FFN, and those must be finite numbers from the start.

@@ -1,0 +1,199 @@
+//! One layer's MLA attention on the device: the query and latent projections, RoPE and the cache
+//! write, then the absorbed path over the latent cache for decode steps or the normal
+//! (decompressed) path for prefill steps, and the output projection.
+
+use super::forward::{rows, CudaModel};
+use super::meta::{DecodeLayout, PrefillLayout, StepLayout, StepMeta};
+use super::weights::QueryWeights;
+use crate::device::Device;
+use crate::gpu::DSlice;
+use crate::ops::{
+    AbsorbQ, DecodeAttention, Linear, PrefillAttention, PrefillPass, RmsNormBf16, RopeCache, COMBINE_ABSORB_MAX_BATCH,
+    LATENT, NOPE, ROPE, V_HEAD,
+};
+use half::bf16;
+
+/// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
+/// (one launch instead of two; the cuBLAS batched GEMM wins beyond a few tokens).
+const SMALL_DECODE_TOKENS: usize = 4;
+
+/// What both attention paths of one layer read besides the activations.
+struct LayerAttention<'a> {
+    /// The layer's slice of the latent cache.
+    cache: DSlice<'a, bf16>,
+    kv_b: Linear<'a>,
+    /// The step's metadata on the device.
+    words: DSlice<'a, i32>,
+}
+
+impl CudaModel {
+    pub(super) fn attention(
+        &self,
+        dev: &Device,
+        l: usize,
+        m: &StepMeta,
+        words: DSlice<i32>,
+        decode_splits: usize,
+    ) -> anyhow::Result<()> {
+        let (s, k) = (dev.stream(), &dev.k);
+        let cfg = &self.cfg;
+        let ws = &self.ws;
+        let lw = &self.weights.layers[l];
+        let (t, hidden, heads) = (m.tokens, cfg.hidden_size, cfg.num_attention_heads);
+        let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
+        let h = rows(&ws.h, hidden);
+        // q (or q_a) and kv_a both read h: one launch at small batch.
+        let kv_a = lw.kv_a.proj();
+        match &lw.query {
+            QueryWeights::Direct(q) => self.linears.linear_pair(
+                dev,
+                h,
+                t,
+                (&q.proj(), rows(&ws.q, heads * qd)),
+                (&kv_a, rows(&ws.kva, lat)),
+            )?,
+            QueryWeights::LowRank { a, a_norm, b } => {
+                let r = a.out;
+                self.linears.linear_pair(dev, h, t, (&a.proj(), rows(&ws.q_a, r)), (&kv_a, rows(&ws.kva, lat)))?;
+                let norm = RmsNormBf16 {
+                    x: ws.q_a.slice(),
+                    x_stride: r,
+                    weight: a_norm.slice(),
+                    out: ws.q_a_normed.slice(),
+                    out_stride: r,
+                    rows: t,
+                    width: r,
+                    eps: self.eps,
+                };
+                k.elementwise.rmsnorm_bf16(s, &norm)?;
+                self.linears.linear(dev, &b.proj(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
+            }
+        }
+        let cache = self.layer_cache(l);
+        let kv_b = lw.kv_b.lin();
+        // Small decode steps absorb the queries in the rope/cache launch (latent_cache.cu).
+        let decode = matches!(m.layout, StepLayout::Decode(_));
+        let absorb_in_rope = decode && t <= SMALL_DECODE_TOKENS;
+        let rope = RopeCache {
+            tokens: t,
+            heads,
+            nope: NOPE,
+            kv_lora_rank: LATENT,
+            rope_dim: ROPE,
+            kva: ws.kva.slice(),
+            kva_stride: lat,
+            kv_norm_w: lw.kv_a_norm.slice(),
+            q: ws.q.slice(),
+            q_stride: heads * qd,
+            q_pe_out: decode.then(|| (ws.q_abs.slice().tail(LATENT), heads * lat, lat)),
+            positions: m.positions.on(words),
+            slots: m.slots.on(words),
+            inv_freq: self.inv_freq.slice(),
+            attn_factor: self.attn_factor,
+            eps: self.eps,
+            cache,
+            absorb: absorb_in_rope.then(|| AbsorbQ {
+                kv_b: kv_b.w,
+                v_dim: V_HEAD,
+                q_abs: ws.q_abs.slice(),
+                row_stride: heads * lat,
+                head_stride: lat,
+            }),
+        };
+        k.latent.rope_cache(s, &rope)?;
+        let layer = LayerAttention { cache, kv_b, words };
+        match &m.layout {
+            StepLayout::Decode(d) => {
+                if !absorb_in_rope {
+                    dev.blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
+                }
+                self.decode_attention(dev, d, t, &layer, decode_splits)?;
+            }
+            StepLayout::Prefill(p) => self.prefill_attention(dev, p, m, &layer)?,
+        }
+        self.linears.linear(dev, &lw.o_proj.proj(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
+        Ok(())
+    }
+
+    /// The absorbed path: attention over the latent cache in latent space, then W_UV.
+    fn decode_attention(
+        &self,
+        dev: &Device,
+        d: &DecodeLayout,
+        t: usize,
+        layer: &LayerAttention,
+        decode_splits: usize,
+    ) -> anyhow::Result<()> {
+        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
+        let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
+        let p = DecodeAttention {
+            batch: t,
+            heads: self.cfg.num_attention_heads,
+            q: ws.q_abs.slice(),
+            cache,
+            block_tables: d.block_tables.on(words),
+            bt_stride: d.bt_stride.on(words),
+            seq_lens: d.seq_lens.on(words),
+            num_splits: decode_splits,
+            out: ws.o_lat.slice(),
+            part_o: ws.part_o.slice(),
+            part_lse: ws.part_lse.slice(),
+            scale: self.scale,
+        };
+        if t <= COMBINE_ABSORB_MAX_BATCH {
+            // Small steps: the split merge and W_UV in one launch after the partials.
+            k.attention.decode_partials(s, &p)?;
+            k.attention.decode_combine_absorb_o(s, &p.partials(), kv_b, ws.attn_out.slice())
+        } else {
+            k.attention.decode(s, &p)?;
+            dev.blas.absorb_o(kv_b, p.heads, ws.o_lat.slice(), t, ws.attn_out.slice())
+        }
+    }
+
+    /// The normal path: per pass over a window of cached keys, decompress them through kv_b and
+    /// run causal flash attention, carrying the running state between passes.
+    fn prefill_attention(
+        &self,
+        dev: &Device,
+        p: &PrefillLayout,
+        m: &StepMeta,
+        layer: &LayerAttention,
+    ) -> anyhow::Result<()> {
+        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
+        let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
+        let heads = self.cfg.num_attention_heads;
+        let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
+        for pass in &p.passes {
+            k.elementwise.gather_rows(s, cache, pass.slots.on(words), ws.latent.slice(), pass.keys, lat)?;
+            dev.blas.linear(kv_b, rows(&ws.latent, lat), pass.keys, rows(&ws.kv, kvw))?;
+            let a = PrefillAttention {
+                heads,
+                q_rows: m.tokens,
+                q: ws.q.slice(),
+                q_stride: heads * qd,
+                k_rows: pass.keys,
+                kv: ws.kv.slice(),
+                kv_stride: kvw,
+                kpe: ws.latent.slice().tail(LATENT),
+                kpe_stride: lat,
+                out: ws.attn_out.slice(),
+                out_stride: heads * V_HEAD,
+                state_o: ws.state_o.slice(),
+                state_ml: ws.state_ml.slice(),
+                tiles: p.tile_seq.len,
+                tile_seq: p.tile_seq.on(words),
+                tile_q0: p.tile_q0.on(words),
+                seqs: m.seqs,
+                cu_q: p.cu_q.on(words),
+                q_pos0: p.q_pos0.on(words),
+                k_row0: pass.k_row0.on(words),
+                k_pos0: pass.k_pos0.on(words),
+                k_len: pass.k_len.on(words),
+                scale: self.scale,
+                pass: PrefillPass { load_state: pass.load_state, last: pass.last },
+            };
+            k.attention.prefill(s, &a)?;
+        }
+        Ok(())
+    }
+}
