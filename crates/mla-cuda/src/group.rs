@@ -8,11 +8,11 @@
 //! The ranks talk to each other only through their NCCL communicator (`gpu::nccl::NcclComm`). A
 //! rank that fails has its peers' communicators aborted (`NcclComm::aborter`) by the group.
 
-use crate::backend::{CudaOptions, WeightsFrom};
 use crate::collective::{Aborter, NcclConnector};
 use crate::model::graph_expressible;
 use crate::ops::PAGE_SIZE;
-use crate::worker::{start_worker, RankJoin, Worker};
+use crate::options::{CudaOptions, WeightsFrom};
+use crate::worker::{start_worker, DeviceWorker, RankJoin};
 use mla_core::collective::ThreadGroup;
 use mla_core::group::{GroupBackend, GroupParts, NodeReady, NodeStep, RemoteNode};
 use mla_core::plan::StepOutput;
@@ -41,7 +41,7 @@ pub struct GroupOptions {
 
 /// One rank: its worker (device, model, graphs).
 pub struct CudaRankWorker {
-    worker: Worker,
+    worker: DeviceWorker,
     rank: usize,
     steps: u64,
 }

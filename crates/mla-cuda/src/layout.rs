@@ -2,9 +2,10 @@
 //! `CudaBackend` on one GPU or a `CudaGroupBackend` over `--tp` GPUs (tensor parallel or DP
 //! attention) joined by NCCL. Replica i holds GPUs `i·tp .. (i+1)·tp` from `opts.device`.
 
-use crate::backend::{CudaBackend, CudaOptions, WeightsFrom};
 use crate::collective::NcclConnector;
+use crate::cuda_backend::CudaBackend;
 use crate::group::GroupOptions;
+use crate::options::{CudaOptions, WeightsFrom};
 use mla_core::{Backend, ModelConfig, Parallel};
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,8 +2,8 @@
 //! dense projections, a paged latent KV cache on the device, device-side sampling, and a worker
 //! thread that owns the context. See docs/cuda-backend.md.
 
-pub mod backend;
 pub mod collective;
+pub mod cuda_backend;
 pub mod device;
 pub mod embedded;
 pub mod gpu;
@@ -11,11 +11,13 @@ pub mod group;
 pub mod layout;
 pub mod model;
 pub mod ops;
+pub mod options;
 pub mod worker;
 
-pub use backend::{CudaBackend, CudaOptions, WeightsFrom, DEFAULT_GRAPH_BATCH_SIZES};
+pub use cuda_backend::CudaBackend;
 pub use device::Device;
-pub use worker::{StepClock, Worker};
+pub use options::{CudaOptions, WeightsFrom, DEFAULT_GRAPH_BATCH_SIZES};
+pub use worker::{DeviceWorker, StepClock};
 
 /// Whether this binary carries compiled kernels (false when nvcc was absent at build time).
 pub fn kernels_built() -> bool {

@@ -1,7 +1,7 @@
 //! How a layer's stacked expert matrices are stored on the device, for the MoE kernels (grouped
 //! GEMMs and the small-step GEMVs): bf16, or block-FP8 as DeepSeek-V3 checkpoints ship them.
 
-use super::gemv_fp8::FP8_BLOCK;
+use super::linear::FP8_BLOCK;
 use crate::gpu::{Arg, DSlice};
 use half::bf16;
 

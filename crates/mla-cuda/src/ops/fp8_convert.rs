@@ -1,8 +1,8 @@
 //! kernels/fp8_convert.cu: block-FP8 weights made on the device (`--quantization fp8`, FP8 dummy
 //! weights) and turned back into bf16 for the cuBLAS path of prefill-sized steps.
 
-use super::gemv_fp8::{Fp8Linear, FP8_BLOCK};
 use super::grid_for;
+use super::linear::{Fp8Linear, FP8_BLOCK};
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;

@@ -3,8 +3,8 @@
 //! (`gpu::BlasLt`) reads. `model::small_linear` runs the two.
 
 use super::fp8_convert::Fp8ConvertKernels;
-use super::gemv_fp8::FP8_BLOCK;
 use super::linear::Strided;
+use super::linear::FP8_BLOCK;
 use crate::gpu::{Arg, DSlice};
 use cudarc::driver::sys::CUstream;
 use half::bf16;

@@ -6,46 +6,10 @@
 
 use super::dims::{FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS, GEMV_ROWS_PER_BLOCK};
 use super::gemv::GemvOut;
-use super::linear::Strided;
-use crate::gpu::{Arg, DSlice, Kernel, Modules};
+use super::linear::{Fp8Linear, Strided};
+use crate::gpu::{Arg, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
-
-/// Rows and columns of one scale block (DeepSeek-V3's `weight_block_size`).
-pub const FP8_BLOCK: usize = 128;
-
-/// A block-FP8 weight `[out, inp]` on the device.
-#[derive(Clone, Copy)]
-pub struct Fp8Linear<'a> {
-    pub w: DSlice<'a, u8>,
-    /// `[ceil(out / 128), ceil(inp / 128)]`, row-major.
-    pub scale_inv: DSlice<'a, f32>,
-    pub out: usize,
-    pub inp: usize,
-}
-
-impl Fp8Linear<'_> {
-    /// Checks that the bytes and the scale grid hold the whole `[out, inp]` weight (`what` names
-    /// the caller in the error).
-    pub fn check(&self, what: &str) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            self.out > 0 && self.inp > 0 && self.out * self.inp < i32::MAX as usize,
-            "{what}: fp8 weight [{}, {}]",
-            self.out,
-            self.inp
-        );
-        anyhow::ensure!(
-            self.w.len >= self.out * self.inp,
-            "{what}: {} bytes for [{}, {}]",
-            self.w.len,
-            self.out,
-            self.inp
-        );
-        let grid = self.out.div_ceil(FP8_BLOCK) * self.inp.div_ceil(FP8_BLOCK);
-        anyhow::ensure!(self.scale_inv.len >= grid, "{what}: {} scales for a grid of {grid}", self.scale_inv.len);
-        Ok(())
-    }
-}
 
 /// Which FP8 GEMV kernel runs (tests and benchmarks run each; `launch` picks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

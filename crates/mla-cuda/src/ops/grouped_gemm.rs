@@ -6,51 +6,15 @@
 //! family also computes in FP8 (W8A8: e4m3 activations quantized per row and 128 columns by
 //! `Fp8ConvertKernels::quantize_act`, 128-row items).
 
-use super::dims::{
-    GROUPED_SM90_FP8_SMEM_BYTES, GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS, GROUPED_TILE_M, GROUPED_TILE_M_SM90,
-    GROUPED_TILE_M_SMALL,
-};
+use super::dims::{GROUPED_SM90_FP8_SMEM_BYTES, GROUPED_SM90_SMEM_BYTES, GROUPED_SM90_THREADS};
 use super::expert_mats::ExpertMats;
 use super::fp8_gemm::Fp8Act;
-use super::gemv_fp8::FP8_BLOCK;
-use super::moe::MoeRouting;
+use super::linear::FP8_BLOCK;
+use super::moe::{MoeRouting, TileM};
 use super::{ensure_len, ensure_smem, grid_for};
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
-
-/// Rows per grouped-GEMM tile; picks the kernel family and sizes the tile map.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TileM {
-    /// mma.sync, 16 x 64 tiles: experts with few rows each (decode).
-    Rows16,
-    /// mma.sync, 64 x 128 tiles: prefill on GPUs without wgmma.
-    Rows64,
-    /// wgmma (sm_90a), 128-row tiles: prefill and large decode batches on Hopper.
-    Rows128,
-}
-
-impl TileM {
-    pub const ALL: [TileM; 3] = [TileM::Rows16, TileM::Rows64, TileM::Rows128];
-
-    pub fn rows(self) -> usize {
-        match self {
-            TileM::Rows16 => GROUPED_TILE_M_SMALL,
-            TileM::Rows64 => GROUPED_TILE_M,
-            TileM::Rows128 => GROUPED_TILE_M_SM90,
-        }
-    }
-
-    /// The tile height for a batch: small tiles when experts get at most 16 rows on average
-    /// (decode), `large` otherwise.
-    pub fn pick(tokens: usize, top_k: usize, experts: usize, large: TileM) -> TileM {
-        if tokens * top_k <= GROUPED_TILE_M_SMALL * experts {
-            TileM::Rows16
-        } else {
-            large
-        }
-    }
-}
 
 /// How the wgmma grouped GEMMs split and schedule their work: `item_rows` weight rows per work
 /// item (256, or 128: twice the items, so a decode step's weight stream spreads evenly over the

@@ -2,9 +2,44 @@
 
 use super::dims::{LATENT, NOPE, ROPE, V_HEAD};
 use super::ensure_len;
-use super::gemv_fp8::{Fp8Linear, FP8_BLOCK};
 use crate::gpu::{Blas, DSlice, Gemm, GemmOut};
 use half::bf16;
+
+/// Rows and columns of one scale block (DeepSeek-V3's `weight_block_size`).
+pub const FP8_BLOCK: usize = 128;
+
+/// A block-FP8 weight `[out, inp]` on the device.
+#[derive(Clone, Copy)]
+pub struct Fp8Linear<'a> {
+    pub w: DSlice<'a, u8>,
+    /// `[ceil(out / 128), ceil(inp / 128)]`, row-major.
+    pub scale_inv: DSlice<'a, f32>,
+    pub out: usize,
+    pub inp: usize,
+}
+
+impl Fp8Linear<'_> {
+    /// Checks that the bytes and the scale grid hold the whole `[out, inp]` weight (`what` names
+    /// the caller in the error).
+    pub fn check(&self, what: &str) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.out > 0 && self.inp > 0 && self.out * self.inp < i32::MAX as usize,
+            "{what}: fp8 weight [{}, {}]",
+            self.out,
+            self.inp
+        );
+        anyhow::ensure!(
+            self.w.len >= self.out * self.inp,
+            "{what}: {} bytes for [{}, {}]",
+            self.w.len,
+            self.out,
+            self.inp
+        );
+        let grid = self.out.div_ceil(FP8_BLOCK) * self.inp.div_ceil(FP8_BLOCK);
+        anyhow::ensure!(self.scale_inv.len >= grid, "{what}: {} scales for a grid of {grid}", self.scale_inv.len);
+        Ok(())
+    }
+}
 
 /// An nn.Linear weight `[out, inp]` (row-major, PyTorch layout) on the device.
 #[derive(Clone, Copy)]

@@ -36,11 +36,11 @@ pub use expert_mats::ExpertMats;
 pub use fp8_convert::Fp8ConvertKernels;
 pub use fp8_gemm::Fp8Act;
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
-pub use gemv_fp8::{Fp8GemvKind, Fp8Linear, GemvFp8Kernels, FP8_BLOCK};
-pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, GroupedInput, Sm90Schedule, TileM};
+pub use gemv_fp8::{Fp8GemvKind, GemvFp8Kernels};
+pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, GroupedInput, Sm90Schedule};
 pub use latent::{AbsorbQ, LatentKernels, RopeCache};
-pub use linear::{fp8_lt_scale_ld, Linear, Proj, Strided};
-pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams};
+pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
+pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams, TileM};
 pub use moe_gemv::{MoeGemvExperts, MoeGemvKernels, MoeGemvRouter};
 pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
 

@@ -2,13 +2,46 @@
 //! of (token, slot) assignments by expert with the grouped GEMM's tile map, and the weighted
 //! combine of the expert outputs. The GEMMs themselves are `grouped_gemm`'s.
 
+use super::dims::{GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
 use super::ensure_len;
-use super::grouped_gemm::TileM;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
 use mla_core::config::TopkMethod;
 use mla_core::ModelConfig;
+
+/// Rows per grouped-GEMM tile; picks the kernel family and sizes the tile map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileM {
+    /// mma.sync, 16 x 64 tiles: experts with few rows each (decode).
+    Rows16,
+    /// mma.sync, 64 x 128 tiles: prefill on GPUs without wgmma.
+    Rows64,
+    /// wgmma (sm_90a), 128-row tiles: prefill and large decode batches on Hopper.
+    Rows128,
+}
+
+impl TileM {
+    pub const ALL: [TileM; 3] = [TileM::Rows16, TileM::Rows64, TileM::Rows128];
+
+    pub fn rows(self) -> usize {
+        match self {
+            TileM::Rows16 => GROUPED_TILE_M_SMALL,
+            TileM::Rows64 => GROUPED_TILE_M,
+            TileM::Rows128 => GROUPED_TILE_M_SM90,
+        }
+    }
+
+    /// The tile height for a batch: small tiles when experts get at most 16 rows on average
+    /// (decode), `large` otherwise.
+    pub fn pick(tokens: usize, top_k: usize, experts: usize, large: TileM) -> TileM {
+        if tokens * top_k <= GROUPED_TILE_M_SMALL * experts {
+            TileM::Rows16
+        } else {
+            large
+        }
+    }
+}
 
 pub struct MoeKernels {
     route: Kernel,

@@ -5,7 +5,7 @@
 
 use super::dims::MOE_GEMV_WARPS;
 use super::expert_mats::ExpertMats;
-use super::gemv_fp8::FP8_BLOCK;
+use super::linear::FP8_BLOCK;
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
