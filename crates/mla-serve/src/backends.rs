@@ -5,16 +5,14 @@
 //! backend per replica (`--dp` without DP attention); the engine routes between them.
 
 use crate::cli::{Args, Device};
-use crate::model_source::{ModelSource, WeightsFrom};
+use crate::model_source::ModelSource;
 use crate::sizing::{self, Sizing};
 use anyhow::bail;
-use mla_core::fp8_source::Fp8Quantized;
-use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, ModelSpec, Parallel, WeightSource};
+use mla_core::{Backend, CacheLayout, ModelConfig, ModelSpec, Parallel};
 use mla_cpu::CpuBackend;
 use mla_cuda::model::memory_plan::BudgetFit;
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::CudaOptions;
-use std::sync::Arc;
 
 /// Turns `--device auto` into cuda or cpu for this model, as a vLLM user expects on a GPU node:
 /// the GPU when it can serve the model, otherwise the CPU with the reason in the log.
@@ -73,10 +71,10 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
     sizing::check_cpu_memory(parallel.replicas * copy_params / nodes, parallel.devices() / nodes, &sizing)?;
     let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };
     if nodes > 1 {
-        let group = crate::nodes::lead(args, source, Device::Cpu, cuda_options(args), Some(cache))?;
+        let group = crate::nodes::start_as_node0(args, source, Device::Cpu, cuda_options(args), Some(cache))?;
         return Ok(Loaded { backends: vec![group], sizing });
     }
-    let weights = host_weights(source)?;
+    let weights = source.host_weights()?;
     let one_copy = Parallel { replicas: 1, ..parallel };
     // The CPU reference is held to the same step limits as the GPU ranks of this layout.
     let (step, _) = args.step_limits(&parallel)?;
@@ -92,21 +90,6 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
         });
     }
     Ok(Loaded { backends, sizing })
-}
-
-/// The weights as the host reads them (the CPU backend, and the demo on the GPU). An FP8 model's
-/// linear weights read as the exact dequantization of their FP8 values, quantized here when the
-/// checkpoint stores them in bf16 (`--quantization fp8`), as the CUDA loader quantizes them.
-pub(crate) fn host_weights(source: &ModelSource) -> anyhow::Result<Arc<dyn WeightSource + Send + Sync>> {
-    let cfg = &source.config;
-    let plain: Arc<dyn WeightSource + Send + Sync> = match &source.weights {
-        WeightsFrom::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, cfg)?),
-        WeightsFrom::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
-    };
-    Ok(match cfg.quantization {
-        Some(q) => Arc::new(Fp8Quantized::new(plain, q.block)),
-        None => plain,
-    })
 }
 
 /// What every node checks before its CUDA ranks start.
@@ -136,9 +119,9 @@ fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result
     let cfg = &source.config;
     let max_pos = cfg.max_position_embeddings;
     let backends = if args.nnodes > 1 {
-        vec![crate::nodes::lead(args, source, Device::Cuda, cuda_options(args), None)?]
+        vec![crate::nodes::start_as_node0(args, source, Device::Cuda, cuda_options(args), None)?]
     } else {
-        mla_cuda::layout::backends_for(cfg, &cuda_weights(source), &cuda_options(args), parallel, args.watchdog())?
+        mla_cuda::layout::backends_for(cfg, &source.cuda_weights(), &cuda_options(args), parallel, args.watchdog())?
     };
     let smallest = backends.iter().flat_map(|b| b.cache_layouts()).map(|l| l.num_blocks).min().unwrap_or(0);
     let capacity = smallest * PAGE_SIZE;
@@ -162,26 +145,14 @@ pub fn serve_for_node0(device: Device, source: &ModelSource, args: &Args, parall
     match device {
         Device::Cuda => {
             check_cuda(source, args, parallel)?;
-            crate::nodes::follow(args, source, device, cuda_options(args), None)
+            crate::nodes::serve_as_other_node(args, source, device, cuda_options(args), None)
         }
         Device::Cpu => {
             let sizing = sizing::cpu_sizing(&source.config, args)?;
             let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };
-            crate::nodes::follow(args, source, device, cuda_options(args), Some(cache))
+            crate::nodes::serve_as_other_node(args, source, device, cuda_options(args), Some(cache))
         }
         Device::Auto => bail!("internal error: --device auto must be resolved before loading"),
-    }
-}
-
-pub(crate) fn cuda_weights(source: &ModelSource) -> mla_cuda::WeightsFrom {
-    match &source.weights {
-        WeightsFrom::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
-        // The demo draws the same host-side weights as on the CPU, so both give the same replies;
-        // big dummy models are drawn on the device, which is much faster.
-        WeightsFrom::Dummy { .. } if source.is_demo => {
-            mla_cuda::WeightsFrom::Host(host_weights(source).expect("dummy weights open without I/O"))
-        }
-        WeightsFrom::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
     }
 }
 

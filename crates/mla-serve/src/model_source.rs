@@ -4,8 +4,10 @@
 use crate::cli::{Args, LoadFormat};
 use crate::{demo, hf_cache, presets};
 use anyhow::{bail, Context};
-use mla_core::ModelConfig;
+use mla_core::fp8_source::Fp8Quantized;
+use mla_core::{Checkpoint, DummyWeights, ModelConfig, WeightSource};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Everything resolved about the model before any weight is read.
 pub struct ModelSource {
@@ -14,7 +16,7 @@ pub struct ModelSource {
     /// Where the config came from, for the startup log.
     pub origin: String,
     pub config: ModelConfig,
-    pub weights: WeightsFrom,
+    pub weights: WeightOrigin,
     /// Directory with tokenizer.json / tokenizer_config.json.
     pub tokenizer_dir: PathBuf,
     /// Directory whose generation_config.json supplies sampling defaults, if any.
@@ -24,7 +26,8 @@ pub struct ModelSource {
     pub warnings: Vec<String>,
 }
 
-pub enum WeightsFrom {
+/// Where a model's weights are, as the flags name them.
+pub enum WeightOrigin {
     Checkpoint(PathBuf),
     /// Deterministic random weights; the seed is fixed so a model gives the same replies on
     /// every start.
@@ -35,6 +38,37 @@ pub enum WeightsFrom {
 
 /// Seed of the demo and `--load-format dummy` weights.
 pub const DUMMY_WEIGHT_SEED: u64 = 0;
+
+impl ModelSource {
+    /// The weights as the host reads them (the CPU backend, and the demo on the GPU). An FP8
+    /// model's linear weights read as the exact dequantization of their FP8 values, quantized
+    /// here when the checkpoint stores them in bf16 (`--quantization fp8`), as the CUDA loader
+    /// quantizes them.
+    pub fn host_weights(&self) -> anyhow::Result<Arc<dyn WeightSource + Send + Sync>> {
+        let cfg = &self.config;
+        let plain: Arc<dyn WeightSource + Send + Sync> = match &self.weights {
+            WeightOrigin::Checkpoint(dir) => Arc::new(Checkpoint::open(dir, cfg)?),
+            WeightOrigin::Dummy { seed } => Arc::new(DummyWeights::new(*seed)),
+        };
+        Ok(match cfg.quantization {
+            Some(q) => Arc::new(Fp8Quantized::new(plain, q.block)),
+            None => plain,
+        })
+    }
+
+    /// Where the CUDA backend takes the weights from.
+    pub fn cuda_weights(&self) -> mla_cuda::WeightsFrom {
+        match &self.weights {
+            WeightOrigin::Checkpoint(dir) => mla_cuda::WeightsFrom::Checkpoint(dir.clone()),
+            // The demo draws the same host-side weights as on the CPU, so both give the same
+            // replies; big dummy models are drawn on the device, which is much faster.
+            WeightOrigin::Dummy { .. } if self.is_demo => {
+                mla_cuda::WeightsFrom::Host(self.host_weights().expect("dummy weights open without I/O"))
+            }
+            WeightOrigin::Dummy { seed } => mla_cuda::WeightsFrom::DummyOnDevice { seed: *seed },
+        }
+    }
+}
 
 pub fn resolve(args: &Args) -> anyhow::Result<ModelSource> {
     let mut source = resolve_files(args)?;
@@ -90,7 +124,7 @@ fn demo_source(args: &Args) -> anyhow::Result<ModelSource> {
         name: "demo".into(),
         origin: "the bundled demo model (tiny DeepSeek-V3 shape)".into(),
         config,
-        weights: WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
+        weights: WeightOrigin::Dummy { seed: DUMMY_WEIGHT_SEED },
         tokenizer_dir,
         generation_config_dir: Some(dir),
         is_demo: true,
@@ -103,8 +137,8 @@ fn demo_source(args: &Args) -> anyhow::Result<ModelSource> {
 fn dir_source(name: &str, dir: PathBuf, args: &Args) -> anyhow::Result<ModelSource> {
     let config = ModelConfig::from_file_with_overrides(&dir.join("config.json"), &args.hf_overrides()?)?;
     let weights = match args.load_format {
-        LoadFormat::Auto => WeightsFrom::Checkpoint(dir.clone()),
-        LoadFormat::Dummy => WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
+        LoadFormat::Auto => WeightOrigin::Checkpoint(dir.clone()),
+        LoadFormat::Dummy => WeightOrigin::Dummy { seed: DUMMY_WEIGHT_SEED },
     };
     let tokenizer_dir = match &args.tokenizer {
         Some(t) => t.clone(),
@@ -152,7 +186,7 @@ fn preset_source(name: &str, text: &str, args: &Args) -> anyhow::Result<ModelSou
         name: name.to_string(),
         origin: format!("preset configs/{name}.json"),
         config,
-        weights: WeightsFrom::Dummy { seed: DUMMY_WEIGHT_SEED },
+        weights: WeightOrigin::Dummy { seed: DUMMY_WEIGHT_SEED },
         tokenizer_dir,
         generation_config_dir: None,
         is_demo: false,

@@ -7,7 +7,7 @@
 //! carries the tensors, the rendezvous link the plans and answers.
 
 use crate::cli::{Args, Device};
-use crate::model_source::{ModelSource, WeightsFrom};
+use crate::model_source::{ModelSource, WeightOrigin};
 use anyhow::Context;
 use mla_core::cluster::rendezvous::{self, Hello, PROTOCOL};
 use mla_core::cluster::tcp_collective::{start_hub, TcpRank};
@@ -50,8 +50,8 @@ impl Plan {
         );
         let c = &source.config;
         let weights = match &source.weights {
-            WeightsFrom::Checkpoint(_) => "checkpoint".to_string(),
-            WeightsFrom::Dummy { seed } => format!("dummy weights (seed {seed})"),
+            WeightOrigin::Checkpoint(_) => "checkpoint".to_string(),
+            WeightOrigin::Dummy { seed } => format!("dummy weights (seed {seed})"),
         };
         let model = format!(
             "{:?} with {} layers, hidden {}, {} heads, {} experts, vocab {}, {weights}",
@@ -96,19 +96,12 @@ fn cpu_ranks(
         .my_ranks()
         .map(|r| TcpRank::connect(hub, r, world, p.watchdog).map(|c| Box::new(c) as Box<dyn Collective + Send>))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    mla_cpu::group::start_ranks(
-        &source.config,
-        crate::backends::host_weights(source)?,
-        p.parallel,
-        p.my_ranks(),
-        comms,
-        cache,
-    )
+    mla_cpu::group::start_ranks(&source.config, source.host_weights()?, p.parallel, p.my_ranks(), comms, cache)
 }
 
 /// Node 0: meets the other nodes, starts its ranks alongside theirs and returns the group as
 /// one backend. `cache` is the CPU cache of each rank (on GPUs the ranks size it).
-pub fn lead(
+pub fn start_as_node0(
     args: &Args,
     source: &ModelSource,
     device: Device,
@@ -123,7 +116,7 @@ pub fn lead(
             let links = rendezvous::lead(&p.addr, &p.hello, &id.to_bytes(), p.timeout)?;
             let remotes = links.into_iter().map(RemoteNode::new).collect::<anyhow::Result<Vec<_>>>()?;
             let group = p.group(Arc::new(NcclConnector { id }));
-            let (cfg, weights) = (source.config.clone(), crate::backends::cuda_weights(source));
+            let (cfg, weights) = (source.config.clone(), source.cuda_weights());
             let (opts, g, ranks) = (cuda.clone(), group.clone(), p.my_ranks());
             let local = std::thread::spawn(move || mla_cuda::group::start_ranks(&cfg, &weights, &opts, &g, ranks));
             let (local, remotes) = start_with(local, remotes)?;
@@ -211,7 +204,7 @@ fn rendezvous_ip(addr: &str) -> anyhow::Result<std::net::IpAddr> {
 
 /// Any node but 0: meets node 0, starts this node's ranks and serves them until node 0 stops
 /// (`Ok`) or the group fails (`Err`).
-pub fn follow(
+pub fn serve_as_other_node(
     args: &Args,
     source: &ModelSource,
     device: Device,
@@ -227,13 +220,7 @@ pub fn follow(
         Device::Cuda => {
             let id = NcclId::from_bytes(&bootstrap)?;
             let group = p.group(Arc::new(NcclConnector { id }));
-            let local = mla_cuda::group::start_ranks(
-                &source.config,
-                &crate::backends::cuda_weights(source),
-                &cuda,
-                &group,
-                ranks,
-            )?;
+            let local = mla_cuda::group::start_ranks(&source.config, &source.cuda_weights(), &cuda, &group, ranks)?;
             serve_node(link.try_clone()?, local.threads, first, local.aborters, local.ready, p.watchdog)
         }
         _ => {
