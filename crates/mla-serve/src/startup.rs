@@ -186,6 +186,7 @@ fn model_limits(
         vocab_size: source.config.vocab_size,
         eos_token_ids: eos_ids(source, text, defaults),
         default_max_new_tokens: defaults.max_new_tokens,
+        max_logprobs: mla_server::validate::MAX_LOGPROBS,
     }
 }
 

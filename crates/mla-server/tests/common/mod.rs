@@ -208,6 +208,7 @@ pub fn server(opts: Options) -> TestServer {
             vocab_size: 512,
             eos_token_ids: vec![1],
             default_max_new_tokens: None,
+            max_logprobs: mla_server::validate::MAX_LOGPROBS,
         },
         defaults: GenerationDefaults::default(),
         text: text.clone(),
