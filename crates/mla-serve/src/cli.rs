@@ -4,6 +4,7 @@
 //! is refused by `check_supported` with a message saying so, never accepted and ignored.
 
 use crate::access_log_args::AccessLogArgs;
+use crate::compat_args::CompatArgs;
 use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
@@ -214,6 +215,9 @@ pub struct Args {
     #[command(flatten)]
     pub access_log: AccessLogArgs,
 
+    #[command(flatten)]
+    pub compat: CompatArgs,
+
     /// Log verbosity.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -323,6 +327,7 @@ impl Args {
             tracing::info!("--trust-remote-code: DeepSeek-V2/V3 need no remote code; nothing is run");
         }
         self.access_log.explain();
+        self.compat.explain();
         Ok(())
     }
 
@@ -420,6 +425,7 @@ impl Args {
         }
         self.http.check()?;
         self.access_log.check()?;
+        self.compat.check()?;
         self.cors.layer()?;
         Ok(device)
     }

@@ -4,6 +4,7 @@
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobOptions, StopOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
+use crate::metrics::MetricsConfig;
 use crate::parsers::ParserConfig;
 use crate::stop::StopMatcher;
 use crate::structured::Grammars;
@@ -32,6 +33,8 @@ pub struct AppState {
     /// The structured-output grammar compiler for this model's vocabulary (built once at
     /// startup); `None` if the model cannot have one (no end-of-sequence token).
     pub grammars: Option<Arc<Grammars>>,
+    /// The `/metrics` prefix and cache description.
+    pub metrics: MetricsConfig,
 }
 
 impl AppState {

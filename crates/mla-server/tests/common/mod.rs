@@ -216,6 +216,7 @@ pub fn server(opts: Options) -> TestServer {
         api_key: opts.api_key,
         started: 0,
         grammars: Some(Arc::new(Grammars::new(text, 512, &[1]).unwrap())),
+        metrics: Default::default(),
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
     let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };
