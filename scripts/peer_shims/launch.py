@@ -40,7 +40,11 @@ for _flag in filter(None, os.environ.get("PEER_DROP_FLAGS", "").split(",")):
     _name, _, _values = _flag.partition(":")
     DROP[_name] = int(_values or 0)
 # SGLang's spellings of flags mla-serve knows under vLLM's name.
-RENAME = {"--max-running-requests": "--max-num-seqs", "--chunked-prefill-size": "--max-num-batched-tokens"}
+RENAME = {
+    "--max-running-requests": "--max-num-seqs",
+    "--chunked-prefill-size": "--max-num-batched-tokens",
+    "--context-length": "--max-model-len",
+}
 
 
 def log(msg):

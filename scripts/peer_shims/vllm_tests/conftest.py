@@ -29,9 +29,27 @@ peer_stub.install(["vllm", "torch"], {
 })
 sys.modules["vllm.version"] = _version
 
+import huggingface_hub  # noqa: E402
+import pytest  # noqa: E402
+import tempfile  # noqa: E402
 import transformers  # noqa: E402
 
+
+def _no_hub(*a, **k):
+    # LoRA adapters and other downloads: nothing can be fetched here, and the served model has no
+    # adapters; tests that use them fail at the server (unknown model), classified out of scope.
+    return tempfile.mkdtemp(prefix="peer-hub-")
+
+
+huggingface_hub.snapshot_download = _no_hub
+
 transformers.AutoTokenizer.from_pretrained = classmethod(lambda cls, *a, **k: launch.demo_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def local_asset_server():
+    # vLLM's conftest serves image and audio assets; only multimodal tests use them.
+    return None
 
 
 class LocalAssetServer:
