@@ -1,5 +1,6 @@
 """vLLM's startup flags and metrics as vLLM's own tests and dashboards read them:
-`--enforce-eager`, `--enable-chunked-prefill`, `--max-logprobs`, and `--metrics-prefix vllm`
+`--enforce-eager`, `--enable-chunked-prefill`, `--max-logprobs`, `--enable-force-include-usage`,
+`--enable-prompt-tokens-details`, and `--metrics-prefix vllm`
 with every series docs/metrics.md promises (vLLM's counting of iteration_tokens_total)."""
 
 import pytest
@@ -13,7 +14,8 @@ from test_metrics import parse, value
 def vllm_like():
     server = Server(
         "--max-model-len", "512", "--enforce-eager", "--enable-chunked-prefill", "--max-logprobs", "3",
-        "--metrics-prefix", "vllm", "--max-num-seqs", "16",
+        "--metrics-prefix", "vllm", "--max-num-seqs", "16", "--enable-force-include-usage",
+        "--enable-prompt-tokens-details",
     )
     yield server
     server.stop()
@@ -30,6 +32,17 @@ def test_max_logprobs_is_the_limit(vllm_like):
         "model": "demo", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 4,
     })
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_force_include_usage_puts_the_usage_on_every_chunk(vllm_like):
+    chunks = list(vllm_like.client().chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=5, stream=True,
+        extra_body={"ignore_eos": True},
+    ))
+    assert all(c.usage is not None for c in chunks), "no stream_options, yet every chunk has it"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 5
+    assert last.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_metrics_under_vllms_prefix_count_as_vllm_does(vllm_like):

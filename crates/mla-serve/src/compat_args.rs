@@ -19,6 +19,16 @@ pub struct CompatArgs {
     #[arg(long, overrides_with = "enable_chunked_prefill")]
     pub no_enable_chunked_prefill: bool,
 
+    /// Every streamed response carries the usage, on every chunk, as if the request had sent
+    /// `stream_options: {"include_usage": true, "continuous_usage_stats": true}` (vLLM's flag).
+    #[arg(long)]
+    pub enable_force_include_usage: bool,
+
+    /// Accepted for vLLM command lines: `usage.prompt_tokens_details` (the prompt tokens the
+    /// prefix cache held) is always sent here.
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
+
     /// Most logprob alternatives a request may ask for (`logprobs`, `top_logprobs`,
     /// `prompt_logprobs`); -1: the whole vocabulary. vLLM's flag and default.
     #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_name = "N")]
@@ -62,6 +72,9 @@ impl CompatArgs {
     pub fn explain(&self) {
         if self.enable_chunked_prefill {
             tracing::info!("--enable-chunked-prefill: chunked prefill is always on");
+        }
+        if self.enable_prompt_tokens_details {
+            tracing::info!("--enable-prompt-tokens-details: usage.prompt_tokens_details is always sent");
         }
     }
 }

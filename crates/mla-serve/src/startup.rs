@@ -141,6 +141,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         started: mla_server::protocol::unix_now(),
         grammars,
         metrics,
+        force_include_usage: args.compat.enable_force_include_usage,
     };
     Ok(Started { state: Arc::new(state), engine })
 }

@@ -35,6 +35,8 @@ pub struct AppState {
     pub grammars: Option<Arc<Grammars>>,
     /// The `/metrics` prefix and cache description.
     pub metrics: MetricsConfig,
+    /// `--enable-force-include-usage`: every stream reports the usage on every chunk.
+    pub force_include_usage: bool,
 }
 
 impl AppState {
@@ -81,6 +83,17 @@ impl AppState {
             StopOptions { requested_ids: params.stop_token_ids.clone(), include_stop },
             self.text.clone(),
         ))
+    }
+}
+
+impl AppState {
+    /// `--enable-force-include-usage`: a stream reports the usage on every chunk and at its end
+    /// whatever `stream_options` said, as vLLM's flag does.
+    pub fn force_usage(&self, params: &mut ValidatedParams) {
+        if self.force_include_usage && params.stream {
+            params.include_usage = true;
+            params.continuous_usage = true;
+        }
     }
 }
 

@@ -63,7 +63,8 @@ pub async fn handle(
         Some(m) => ("max_completion_tokens", Some(m)),
         None => ("max_tokens", common.max_tokens),
     };
-    let params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, &state.limits)?;
+    let mut params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, &state.limits)?;
+    state.force_usage(&mut params);
     let messages = template_messages(&chat.messages)?;
     let echo = if chat_ext.echo.unwrap_or(false) { echoed_text(&messages) } else { String::new() };
     let mut options = chat_prompt_options(&chat, &messages)?;

@@ -63,6 +63,7 @@ pub async fn handle(
     let echo_only = echo && common.max_tokens == Some(0);
     let max_tokens = ("max_tokens", if echo_only { Some(1) } else { common.max_tokens });
     let mut params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, &state.limits)?;
+    state.force_usage(&mut params);
     let explicit_prompt_logprobs = params.prompt_logprobs;
     // `echo` with `logprobs` puts the prompt's logprobs in the same object (streamed too).
     let echo_logprobs = params.logprobs.filter(|_| echo);
