@@ -15,7 +15,7 @@ def vllm_like():
     server = Server(
         "--max-model-len", "512", "--enforce-eager", "--enable-chunked-prefill", "--max-logprobs", "3",
         "--metrics-prefix", "vllm", "--max-num-seqs", "16", "--enable-force-include-usage",
-        "--enable-prompt-tokens-details",
+        "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
     )
     yield server
     server.stop()
@@ -24,7 +24,12 @@ def vllm_like():
 def test_max_logprobs_is_the_limit(vllm_like):
     c = vllm_like.client()
     r = c.completions.create(model="demo", prompt="x", max_tokens=2, logprobs=3)
-    assert len(r.choices[0].logprobs.tokens) == 2
+    # --return-tokens-as-token-ids is the default of the field, which a request may still turn off.
+    assert len(r.choices[0].logprobs.tokens) == 2 and r.choices[0].logprobs.tokens[0].startswith("token_id:")
+    r = c.completions.create(
+        model="demo", prompt="x", max_tokens=2, logprobs=3, extra_body={"return_tokens_as_token_ids": False}
+    )
+    assert not r.choices[0].logprobs.tokens[0].startswith("token_id:")
     for body in ({"logprobs": 4}, {"prompt_logprobs": 4}):
         r = requests.post(vllm_like.base + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2, **body})
         assert r.status_code == 400 and "3" in r.json()["error"]["message"], r.text

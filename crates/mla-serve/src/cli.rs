@@ -14,7 +14,10 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, Parser)]
+// A flag given twice takes its last value, as in vLLM's argparse command lines (scripts that
+// append flags to a default list repeat them).
 #[command(
+    args_override_self = true,
     name = "mla-serve",
     version,
     about = "OpenAI-compatible inference server for DeepSeek-V2 / V2-Lite / V3 (MLA + DeepSeekMoE)",

@@ -24,6 +24,11 @@ pub struct CompatArgs {
     #[arg(long)]
     pub enable_force_include_usage: bool,
 
+    /// Logprob tokens are named `token_id:<id>` unless a request says otherwise (the default of
+    /// `return_tokens_as_token_ids`; vLLM's flag).
+    #[arg(long)]
+    pub return_tokens_as_token_ids: bool,
+
     /// Accepted for vLLM command lines: `usage.prompt_tokens_details` (the prompt tokens the
     /// prefix cache held) is always sent here.
     #[arg(long)]
@@ -111,5 +116,19 @@ mod tests {
             .compat
             .check()
             .is_ok());
+    }
+
+    #[test]
+    fn a_repeated_flag_takes_its_last_value_as_in_vllm() {
+        let a = parse(&[
+            "--enable-chunked-prefill",
+            "--max-logprobs",
+            "5",
+            "--enable-chunked-prefill",
+            "--max-logprobs",
+            "7",
+        ]);
+        assert!(a.compat.enable_chunked_prefill);
+        assert_eq!(a.compat.max_logprobs(512), 7);
     }
 }

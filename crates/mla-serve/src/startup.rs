@@ -142,6 +142,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         grammars,
         metrics,
         force_include_usage: args.compat.enable_force_include_usage,
+        return_tokens_as_token_ids: args.compat.return_tokens_as_token_ids,
     };
     Ok(Started { state: Arc::new(state), engine })
 }

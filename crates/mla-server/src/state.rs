@@ -37,6 +37,8 @@ pub struct AppState {
     pub metrics: MetricsConfig,
     /// `--enable-force-include-usage`: every stream reports the usage on every chunk.
     pub force_include_usage: bool,
+    /// `--return-tokens-as-token-ids`: the default of the request field.
+    pub return_tokens_as_token_ids: bool,
 }
 
 impl AppState {
@@ -87,6 +89,11 @@ impl AppState {
 }
 
 impl AppState {
+    /// The server's defaults of request fields: `--return-tokens-as-token-ids`.
+    pub fn fill_defaults(&self, w: &mut crate::protocol::common::SamplingWire) {
+        w.return_tokens_as_token_ids.get_or_insert(self.return_tokens_as_token_ids);
+    }
+
     /// `--enable-force-include-usage`: a stream reports the usage on every chunk and at its end
     /// whatever `stream_options` said, as vLLM's flag does.
     pub fn force_usage(&self, params: &mut ValidatedParams) {

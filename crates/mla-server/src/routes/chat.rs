@@ -31,7 +31,8 @@ pub async fn handle(
     Extension(access): Extension<AccessRecord>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
-    let common: SamplingWire = parse_fields(&body)?;
+    let mut common: SamplingWire = parse_fields(&body)?;
+    state.fill_defaults(&mut common);
     let chat: ChatWire = parse_fields(&body)?;
     let tools = tool_request(
         chat.tools.as_ref(),

@@ -34,7 +34,8 @@ pub async fn handle(
     Extension(access): Extension<AccessRecord>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
-    let common: SamplingWire = parse_fields(&body)?;
+    let mut common: SamplingWire = parse_fields(&body)?;
+    state.fill_defaults(&mut common);
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
     // Both read before either refuses, so a mistyped field still answers before a refused value.
     let unsupported: UnsupportedWire = parse_fields(&body)?;

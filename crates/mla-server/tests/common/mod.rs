@@ -218,6 +218,7 @@ pub fn server(opts: Options) -> TestServer {
         grammars: Some(Arc::new(Grammars::new(text, 512, &[1]).unwrap())),
         metrics: Default::default(),
         force_include_usage: false,
+        return_tokens_as_token_ids: false,
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
     let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };
