@@ -32,6 +32,9 @@ DROP = {
     "--chat-template": 1, "--generation-config": 1, "--kv-cache-memory": 1,
     "--structured-outputs-config.backend": 1, "--max-total-tokens": 1, "--disable-overlap-schedule": 0,
     "--show-hidden-metrics-for-version": 1,
+    # Features not served here (the tests that use them fail, classified "not served"); dropped so
+    # that the other tests of their files run.
+    "--enable-tokenizer-info-endpoint": 0, "--root-path": 1,
     "--override-generation-config": 1, "--tokenizer": 1,
 }
 # More flags to drop for a run (`peer_suites.py --drop-flag`): to compare an older binary that
@@ -45,6 +48,11 @@ RENAME = {
     "--chunked-prefill-size": "--max-num-batched-tokens",
     "--context-length": "--max-model-len",
 }
+
+
+# The demo model's context (max_position_embeddings): longer --max-model-len values of the
+# peers' models are cut to it.
+DEMO_MAX_MODEL_LEN = 4096
 
 
 def log(msg):
@@ -83,6 +91,12 @@ def translate(args):
             continue
         if name in RENAME:
             a = RENAME[name] + (eq + val if eq else "")
+            name = RENAME[name]
+        if name == "--max-model-len":
+            value = int(val if eq else args[i + 1])
+            out += ["--max-model-len", str(min(value, DEMO_MAX_MODEL_LEN))]
+            i += 1 if eq else 2
+            continue
         out.append(a)
         i += 1
     return out, dropped
@@ -94,6 +108,9 @@ class Process:
         if sglang and "--tool-call-parser" in flags and "--enable-auto-tool-choice" not in flags:
             # SGLang lets `tool_choice: "auto"` through whenever a parser is set.
             flags.append("--enable-auto-tool-choice")
+        if not sglang:
+            # vLLM's tests read vLLM's metric names: the prefix an operator with vLLM dashboards sets.
+            flags += ["--metrics-prefix", "vllm"]
         cmd = [BIN, "--served-model-name", model, "--host", host, "--port", str(port)]
         cmd += flags
         if api_key:
@@ -134,6 +151,12 @@ class Process:
                 self.proc.wait()
 
 
+_TOKENIZER = []
+
+
 def demo_tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    # Not through AutoTokenizer, which the vLLM conftest points here.
+    if not _TOKENIZER:
+        from transformers import PreTrainedTokenizerFast
+        _TOKENIZER.append(PreTrainedTokenizerFast.from_pretrained(DEMO_TOKENIZER))
+    return _TOKENIZER[0]

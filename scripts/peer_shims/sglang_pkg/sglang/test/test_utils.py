@@ -6,6 +6,8 @@ import launch
 _LAUNCHED = {}
 
 DEFAULT_URL_FOR_TEST = "http://127.0.0.1:22157"
+STDOUT_FILENAME = "/tmp/peer-sglang-stdout.txt"
+STDERR_FILENAME = "/tmp/peer-sglang-stderr.txt"
 DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH = 600
 CustomTestCase = unittest.TestCase
 
