@@ -188,12 +188,20 @@ pub const MAX_LOGIT_BIAS: f64 = 100.0;
 
 /// `logit_bias` (token id strings -> bias) as sorted (token, bias) pairs.
 fn logit_bias(map: std::collections::BTreeMap<String, f64>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    // Every key that is not a token id is named at once, so a client fixes them in one go (vLLM's
+    // message lists them all).
+    let (ids, bad): (Vec<_>, Vec<_>) =
+        map.iter().map(|(k, b)| (k, k.trim().parse::<i64>(), *b)).partition(|e| e.1.is_ok());
+    if !bad.is_empty() {
+        let keys: Vec<String> = bad.iter().map(|(k, _, _)| format!("{k:?}")).collect();
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("logit_bias keys must be token ids, got {}", keys.join(", ")),
+        ));
+    }
     let mut bias = Vec::with_capacity(map.len());
-    for (key, b) in map {
-        let t = key
-            .trim()
-            .parse::<i64>()
-            .map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias keys must be token ids, got {key:?}")))?;
+    for (_, t, b) in ids {
+        let Ok(t) = t else { continue }; // partitioned above: every id here parsed
         let t = token_id("logit_bias", t, vocab_size)?;
         if !(b.is_finite() && (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b)) {
             return Err(ApiError::invalid(

@@ -187,6 +187,10 @@ fn logit_bias_is_checked_and_sorted() {
         let err = params_of(json!({ "logit_bias": bad })).unwrap_err();
         assert_eq!(param_of(err), "logit_bias", "{bad}");
     }
+    // Every key that is not a token id is named, not only the first.
+    let err = params_of(json!({"logit_bias": {"bad1": 50, "bad2": 20, "5": 1}})).unwrap_err();
+    let message = err.body()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("\"bad1\"") && message.contains("\"bad2\""), "{message}");
 }
 
 #[test]
