@@ -71,6 +71,8 @@ def test_metrics_under_vllms_prefix_count_as_vllm_does(vllm_like):
     [(_, info, one)] = families["vllm:cache_config_info"]["samples"]
     assert one == 1.0 and info["block_size"] == "64" and info["enable_prefix_caching"] == "True"
     assert int(info["num_gpu_blocks"]) * 64 == value(families, "vllm:kv_cache_capacity_tokens")
+    assert int(info["kv_cache_size_tokens"]) == value(families, "vllm:kv_cache_capacity_tokens")
+    assert float(info["kv_cache_max_concurrency"]) == int(info["kv_cache_size_tokens"]) / 512
 
 
 def test_chunked_prefill_cannot_be_turned_off():

@@ -224,6 +224,9 @@ fn metrics_config(args: &Args, device: Device, sizing: &Sizing) -> MetricsConfig
             ("gpu_memory_utilization", utilization),
             ("num_gpu_blocks", sizing.num_blocks.to_string()),
             ("num_cpu_blocks", "None".to_string()),
+            ("kv_cache_size_tokens", sizing.kv_tokens().to_string()),
+            // Requests of --max-model-len tokens the cache holds at once (Python's float text).
+            ("kv_cache_max_concurrency", format!("{:?}", sizing.kv_tokens() as f64 / sizing.max_model_len as f64)),
         ],
     }
 }
