@@ -69,10 +69,13 @@ def test_constraint_refusals_name_the_field(demo, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_echo_of_token_prompts_leaves_special_tokens_out(demo):
+def test_echo_of_token_prompts_leaves_the_encoding_bos_out(demo):
     tok = tokenizers.Tokenizer.from_file(str(Path(ROOT) / "assets" / "demo" / "tokenizer.json"))
     ids = tok.encode("hello world", add_special_tokens=True).ids
     assert ids[0] == 0, "BOS leads the prompt"
     r = post(demo, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 1, "ignore_eos": True}).json()
-    # The echo is the prompt's text without BOS, as SGLang returns it.
+    # The echo is the text the ids encode, as SGLang returns it: without the BOS encoding added.
     assert r["choices"][0]["text"].startswith("hello world")
+    # Special tokens the client put in itself stay, as text.
+    r = post(demo, "/v1/completions", {"prompt": ids + [501], "echo": True, "max_tokens": 1, "ignore_eos": True}).json()
+    assert r["choices"][0]["text"].startswith("hello world<｜User｜>")

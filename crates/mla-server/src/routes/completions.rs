@@ -94,10 +94,8 @@ pub async fn handle(
                     PromptInput::Text(s) => {
                         (text.encode_prompt(&s, tokenize_limit, &prompt_field(single, i), add_special_tokens)?, s)
                     }
-                    // The echo of ids is their text without special tokens (BOS), as SGLang
-                    // echoes them: what a text prompt's echo would show.
                     PromptInput::Tokens(ids) => {
-                        let echo_text = if echo { text.decode(&ids, true)? } else { String::new() };
+                        let echo_text = if echo { echo_of_ids(&text, &ids)? } else { String::new() };
                         (ids, echo_text)
                     }
                 };
@@ -277,6 +275,18 @@ impl PromptReports {
     fn get_or_format(&mut self, index: usize, format: impl FnOnce() -> PromptReport) -> Arc<PromptReport> {
         self.reports[index / self.n].get_or_insert_with(|| Arc::new(format())).clone()
     }
+}
+
+/// The echo of a token-id prompt: what the echo of the text it encodes would show, so without
+/// the BOS the tokenizer puts in front of text itself (as SGLang echoes ids from
+/// `tokenizer.encode`; vLLM shows that BOS as text). Every other special token stays.
+fn echo_of_ids(text: &TextPipeline, ids: &[u32]) -> Result<String, ApiError> {
+    let bos = text.tokenizer().bos().map(|b| b.id);
+    let shown = match ids.split_first() {
+        Some((&first, rest)) if Some(first) == bos => rest,
+        _ => ids,
+    };
+    text.decode(shown, false)
 }
 
 /// How errors name prompt `i`: `prompt` alone, or `prompt[i]` in a list.
