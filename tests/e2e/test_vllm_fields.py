@@ -44,12 +44,14 @@ def test_return_token_ids_on_completions(client):
     assert DEMO_TOKENIZER.decode(c.token_ids, skip_special_tokens=True) == c.text
     streamed_prompt, streamed_ids = None, []
     for chunk in client.completions.create(
-        model="demo", prompt=prompt, max_tokens=6, stream=True,
+        model="demo", prompt=prompt, max_tokens=6, stream=True, logprobs=1,
         extra_body={"return_token_ids": True, "ignore_eos": True}, **GREEDY,
     ):
         extra = chunk.choices[0].model_extra
+        # vLLM's clients read every chunk's logprobs: each chunk carries a token.
+        assert chunk.choices[0].logprobs is not None and extra.get("token_ids")
         if extra.get("prompt_token_ids") is not None:
-            assert streamed_prompt is None, "the prompt ids come once, with the first chunk"
+            assert streamed_prompt is None, "the prompt ids come once, with the first token"
             streamed_prompt = extra["prompt_token_ids"]
         streamed_ids += extra.get("token_ids") or []
     assert streamed_prompt == c.prompt_token_ids and streamed_ids == c.token_ids

@@ -149,8 +149,16 @@ pub async fn handle(
         let usage = UsageReporting { final_chunk: params.include_usage, continuous: params.continuous_usage };
         let offsets = echoes.iter().map(|e| if echo_logprobs.is_some() { 0 } else { e.text.chars().count() }).collect();
         let pending_echo = vec![true; echoes.len()];
-        let format =
-            CompletionStream { meta, include_usage: params.include_usage, echoes, pending_echo, offsets, shape };
+        let pending_prompt_ids = vec![ext.return_token_ids; echoes.len()];
+        let format = CompletionStream {
+            meta,
+            include_usage: params.include_usage,
+            echoes,
+            pending_echo,
+            pending_prompt_ids,
+            offsets,
+            shape,
+        };
         return Ok(output::stream(generation, format, usage));
     }
     let (choices, usage) = output::collect(generation).await?;
@@ -357,6 +365,9 @@ struct CompletionStream {
     /// Whether each choice's echo is still to be sent: at the opening, or with its first update
     /// when the prompt's logprobs go with it.
     pending_echo: Vec<bool>,
+    /// With `return_token_ids`: whether each choice's prompt ids are still to be sent, with its
+    /// first token's chunk (as vLLM sends them, beside that token's logprobs).
+    pending_prompt_ids: Vec<bool>,
     /// Character offset of the next token in each choice's text.
     offsets: Vec<usize>,
     shape: Shape,
@@ -394,8 +405,7 @@ impl StreamFormat for CompletionStream {
         for index in 0..self.echoes.len() {
             self.pending_echo[index] = false;
             let text = std::mem::take(&mut self.echoes[index].text);
-            let prompt_token_ids = self.shape.return_token_ids.then(|| self.echoes[index].prompt.clone());
-            if !text.is_empty() || prompt_token_ids.is_some() {
+            if !text.is_empty() {
                 let c = CompletionChunkChoice {
                     index,
                     text,
@@ -403,7 +413,7 @@ impl StreamFormat for CompletionStream {
                     finish_reason: None,
                     stop_reason: None,
                     matched_stop: None,
-                    prompt_token_ids,
+                    prompt_token_ids: None,
                     token_ids: None,
                 };
                 chunks.push(self.chunk(vec![c], self.usage_so_far(usage)));
@@ -424,12 +434,12 @@ impl StreamFormat for CompletionStream {
         }
         let mut text = String::new();
         let mut report = None;
-        let mut prompt_token_ids = None;
         if std::mem::take(&mut self.pending_echo[u.index]) {
             text = std::mem::take(&mut self.echoes[u.index].text);
             report = self.shape.prompt_report(u.index, &self.echoes[u.index], u.prompt_logprobs.as_ref());
-            prompt_token_ids = self.shape.return_token_ids.then(|| self.echoes[u.index].prompt.clone());
         }
+        let prompt_token_ids =
+            std::mem::take(&mut self.pending_prompt_ids[u.index]).then(|| self.echoes[u.index].prompt.clone());
         let prompt_entries = PromptReport::legacy_of(report.as_deref());
         text.push_str(&u.text);
         let token_ids = (self.shape.return_token_ids && !u.token_ids.is_empty()).then(|| u.token_ids.clone());
