@@ -78,3 +78,14 @@ def test_metrics_under_vllms_prefix_count_as_vllm_does(vllm_like):
 def test_chunked_prefill_cannot_be_turned_off():
     r = run_cli("--no-enable-chunked-prefill", "--port", "1")
     assert r.returncode != 0 and "chunked prefill" in r.stderr, r.stderr
+
+
+def test_vllm_api_key_variable_guards_the_api():
+    server = Server("--max-model-len", "256", env={"VLLM_API_KEY": "abc-123"})
+    try:
+        body = {"model": "demo", "prompt": "x", "max_tokens": 1}
+        assert requests.post(server.base + "/v1/completions", json=body, timeout=30).status_code == 401
+        auth = {"Authorization": "Bearer abc-123"}
+        assert requests.post(server.base + "/v1/completions", json=body, headers=auth, timeout=30).status_code == 200
+    finally:
+        server.stop()

@@ -182,7 +182,8 @@ pub struct Args {
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
 
-    /// Require `Authorization: Bearer <KEY>` on every /v1 request.
+    /// Require `Authorization: Bearer <KEY>` on every /v1 request (also read from vLLM's
+    /// VLLM_API_KEY when neither this flag nor MLA_SERVE_API_KEY is set).
     #[arg(long, env = "MLA_SERVE_API_KEY", hide_env_values = true, value_name = "KEY")]
     pub api_key: Option<String>,
 
@@ -325,6 +326,13 @@ impl Args {
             }
             (_, Some(pos)) => self.model = Some(pos),
             _ => {}
+        }
+        // vLLM reads its key from VLLM_API_KEY: a deployment that sets it must not come up open.
+        if self.api_key.is_none() {
+            if let Some(key) = std::env::var("VLLM_API_KEY").ok().filter(|k| !k.is_empty()) {
+                tracing::info!("API key from VLLM_API_KEY (vLLM's variable)");
+                self.api_key = Some(key);
+            }
         }
         if self.trust_remote_code {
             tracing::info!("--trust-remote-code: DeepSeek-V2/V3 need no remote code; nothing is run");
