@@ -172,3 +172,22 @@ def test_chat_echo_prefixes_the_continued_message(client):
         model="demo", messages=messages[:1], max_tokens=4, extra_body={"echo": True, "ignore_eos": True}, **GREEDY
     )
     assert not r.choices[0].message.content.startswith("Say hello")
+
+
+def test_every_streamed_chat_chunk_has_content_text(client):
+    """A token whose text is held back (it could start a stop string) still streams its logprob,
+    in a chunk whose content is "" rather than absent: SGLang's and vLLM's clients read it."""
+    stops = [c + "!" for c in "etaoins "]
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True, logprobs=True,
+        temperature=1.2, seed=11, stop=stops, stream_options={"include_usage": True},
+    ))
+    held = 0
+    for c in chunks[:-1]:
+        d, lp = c.choices[0].delta, c.choices[0].logprobs
+        assert isinstance(d.content, str) or c.choices[0].finish_reason, c
+        held += bool(lp and lp.content and d.content == "")
+    tokens = sum(len(c.choices[0].logprobs.content) for c in chunks[:-1] if c.choices[0].logprobs)
+    assert tokens == chunks[-1].usage.completion_tokens
+    assert held, "some text was held back while it could start a stop string"
+

@@ -315,7 +315,10 @@ impl StreamFormat for ChatStream {
         let matched_stop = u.matched_stop();
         let (mut deltas, called) = match self.choices.get_mut(u.index) {
             Some(parser) => parser.deltas(&u.text, u.finish.is_some()),
-            None => (vec![Delta { content: (!u.text.is_empty()).then_some(u.text), ..Default::default() }], false),
+            // Without parsers every chunk has its text, "" when a token's text is held back (it
+            // could start a stop string, a character is incomplete) or the chunk only ends the
+            // choice, as vLLM sends it: SGLang's clients read every chunk's content as a string.
+            None => (vec![Delta { content: Some(u.text), ..Default::default() }], false),
         };
         let want = self.shape.want_logprobs;
         let mut logprobs = (want && !u.logprobs.is_empty()).then(|| chat_logprobs(u.logprobs));
@@ -324,7 +327,10 @@ impl StreamFormat for ChatStream {
             if logprobs.is_none() && u.finish.is_none() && ids.is_none() {
                 return None; // the parser holds the text back for now
             }
-            deltas.push(Delta::default());
+            // The parser holds the token's text back, but its logprobs or ids go now, with
+            // `content: ""` as above.
+            let carries_token = logprobs.is_some() || ids.is_some();
+            deltas.push(Delta { content: carries_token.then(String::new), ..Default::default() });
         }
         // Several deltas (reasoning, content, tool calls) go out as consecutive events; the
         // first carries the token logprobs, the last the finish and stop reasons.
