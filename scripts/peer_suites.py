@@ -19,6 +19,7 @@ regex, prometheus_client, numpy, psutil. Prints one line per test file and write
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,11 @@ def main():
         results["vllm"] = summary(work / "vllm.xml")
     if a.sglang:
         tree = prepare_sglang(a.sglang, work)
-        sglang_env = {**env, "PYTHONPATH": os.pathsep.join([str(tree), str(SHIMS)])}
+        # SGLang's tests share one fixed URL; a free port lets two runs go side by side.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        sglang_env = {**env, "PYTHONPATH": os.pathsep.join([str(tree), str(SHIMS)]), "PEER_SGLANG_PORT": str(port)}
         run(tree, SGLANG_FILES, sglang_env, work / "sglang.xml", a.pytest_args)
         results["sglang"] = summary(work / "sglang.xml")
     for peer, files in results.items():

@@ -35,6 +35,8 @@ DROP = {
     # Features not served here (the tests that use them fail, classified "not served"); dropped so
     # that the other tests of their files run.
     "--enable-tokenizer-info-endpoint": 0, "--root-path": 1,
+    # SGLang's, by the abbreviations its argparse accepts.
+    "--max-total-token": 1, "--decode-log-interval": 1,
     "--override-generation-config": 1, "--tokenizer": 1,
 }
 # More flags to drop for a run (`peer_suites.py --drop-flag`): to compare an older binary that
@@ -47,6 +49,7 @@ RENAME = {
     "--max-running-requests": "--max-num-seqs",
     "--chunked-prefill-size": "--max-num-batched-tokens",
     "--context-length": "--max-model-len",
+    "--context-len": "--max-model-len",
 }
 
 
@@ -108,7 +111,7 @@ class Process:
         if sglang and "--tool-call-parser" in flags and "--enable-auto-tool-choice" not in flags:
             # SGLang lets `tool_choice: "auto"` through whenever a parser is set.
             flags.append("--enable-auto-tool-choice")
-        if not sglang:
+        if not sglang and "--metrics-prefix" not in DROP:
             # vLLM's tests read vLLM's metric names: the prefix an operator with vLLM dashboards sets.
             flags += ["--metrics-prefix", "vllm"]
         cmd = [BIN, "--served-model-name", model, "--host", host, "--port", str(port)]

@@ -1,11 +1,12 @@
 """Stand-in for sglang/test/test_utils.py: popen_launch_server starts mla-serve."""
+import os
 import unittest
 
 import launch
 
 _LAUNCHED = {}
 
-DEFAULT_URL_FOR_TEST = "http://127.0.0.1:22157"
+DEFAULT_URL_FOR_TEST = f"http://127.0.0.1:{os.environ.get('PEER_SGLANG_PORT', '22157')}"
 STDOUT_FILENAME = "/tmp/peer-sglang-stdout.txt"
 STDERR_FILENAME = "/tmp/peer-sglang-stderr.txt"
 DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH = 600
