@@ -68,6 +68,10 @@ SGLANG_FILES = [
     "test/srt/openai_server/validation/test_request_length_validation.py",
     "test/srt/test_regex_constrained.py",
 ]
+# Tests that would hang: this one polls SGLang's own log output for a line mla-serve never writes.
+DESELECT = [
+    "test/srt/openai_server/validation/test_large_max_new_tokens.py::TestLargeMaxNewTokens::test_chat_completion",
+]
 
 
 def extract(repo: str, rev: str, paths: list, dest: Path):
@@ -97,6 +101,7 @@ def prepare_sglang(repo: str, work: Path) -> Path:
 def run(tree: Path, files: list, env: dict, junit: Path, extra: list) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     cmd += [f"--junitxml={junit}", *extra, *files]
+    cmd += [f"--deselect={d}" for d in DESELECT if d.split("::")[0] in files]
     subprocess.run(cmd, cwd=tree, env=env)
 
 
