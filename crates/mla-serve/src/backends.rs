@@ -165,6 +165,12 @@ fn cuda_options(args: &Args) -> CudaOptions {
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len,
         num_blocks: args.kv_cache_tokens.map(|t| t.div_ceil(PAGE_SIZE)),
+        // vLLM's --enforce-eager: no decode step replayed from a graph.
+        cuda_graph_batch_sizes: if args.compat.enforce_eager {
+            vec![]
+        } else {
+            CudaOptions::default().cuda_graph_batch_sizes
+        },
         ..CudaOptions::default()
     }
 }

@@ -4,6 +4,7 @@
 //! is refused by `check_supported` with a message saying so, never accepted and ignored.
 
 use crate::access_log_args::AccessLogArgs;
+use crate::compat_args::CompatArgs;
 use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use clap::{Parser, ValueEnum};
@@ -17,7 +18,10 @@ use std::path::PathBuf;
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 
 #[derive(Debug, Clone, Parser)]
+// A flag given twice takes its last value, as in vLLM's argparse command lines (scripts that
+// append flags to a default list repeat them).
 #[command(
+    args_override_self = true,
     name = "mla-serve",
     version,
     about = "OpenAI-compatible inference server for DeepSeek-V2 / V2-Lite / V3 (MLA + DeepSeekMoE)",
@@ -185,7 +189,8 @@ pub struct Args {
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
 
-    /// Require `Authorization: Bearer <KEY>` on every /v1 request.
+    /// Require `Authorization: Bearer <KEY>` on every /v1 request (also read from vLLM's
+    /// VLLM_API_KEY when neither this flag nor MLA_SERVE_API_KEY is set).
     #[arg(long, env = "MLA_SERVE_API_KEY", hide_env_values = true, value_name = "KEY")]
     pub api_key: Option<String>,
 
@@ -220,6 +225,9 @@ pub struct Args {
 
     #[command(flatten)]
     pub access_log: AccessLogArgs,
+
+    #[command(flatten)]
+    pub compat: CompatArgs,
 
     /// Log verbosity.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
@@ -326,10 +334,18 @@ impl Args {
             (_, Some(pos)) => self.model = Some(pos),
             _ => {}
         }
+        // vLLM reads its key from VLLM_API_KEY: a deployment that sets it must not come up open.
+        if self.api_key.is_none() {
+            if let Some(key) = std::env::var("VLLM_API_KEY").ok().filter(|k| !k.is_empty()) {
+                tracing::info!("API key from VLLM_API_KEY (vLLM's variable)");
+                self.api_key = Some(key);
+            }
+        }
         if self.trust_remote_code {
             tracing::info!("--trust-remote-code: DeepSeek-V2/V3 need no remote code; nothing is run");
         }
         self.access_log.explain();
+        self.compat.explain();
         Ok(())
     }
 
@@ -443,6 +459,7 @@ impl Args {
         }
         self.http.check()?;
         self.access_log.check()?;
+        self.compat.check()?;
         self.cors.layer()?;
         Ok(device)
     }

@@ -3,6 +3,7 @@
 mod access_log_args;
 mod backends;
 mod cli;
+mod compat_args;
 mod cors_args;
 mod demo;
 mod hf_cache;

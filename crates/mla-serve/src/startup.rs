@@ -9,6 +9,7 @@ use anyhow::Context;
 use mla_core::{ModelSpec, Parallel};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::generation_config::GenerationDefaults;
+use mla_server::metrics::MetricsConfig;
 use mla_server::state::AppState;
 use mla_server::structured::Grammars;
 use mla_server::text::TextPipeline;
@@ -58,7 +59,18 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let device = backends::resolve_device(device, &source.config, args)?;
     args.check_dtype(device == Device::Cuda)?;
     let backends::Loaded { backends, sizing } = backends::load(device, &source, args, parallel)?;
-    let limits = model_limits(&source, &text, &defaults, &sizing);
+    let limits = ModelLimits {
+        max_logprobs: args.compat.max_logprobs(source.config.vocab_size),
+        ..model_limits(&source, &text, &defaults, &sizing)
+    };
+    let metrics = metrics_config(args, device, &sizing);
+    if device == Device::Cuda && limits.max_logprobs > mla_server::validate::MAX_LOGPROBS {
+        anyhow::bail!(
+            "--max-logprobs {}: the CUDA sampler returns at most {} alternatives per token",
+            args.compat.max_logprobs,
+            mla_server::validate::MAX_LOGPROBS
+        );
+    }
     let devices: Vec<String> = backends.iter().map(|b| b.device_name()).collect();
     let engine = Engine::start_replicas(
         backends,
@@ -144,6 +156,9 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         api_key: args.api_key.clone(),
         started: mla_server::protocol::unix_now(),
         grammars,
+        metrics,
+        force_include_usage: args.compat.enable_force_include_usage,
+        return_tokens_as_token_ids: args.compat.return_tokens_as_token_ids,
     };
     Ok(Started { state: Arc::new(state), engine })
 }
@@ -202,6 +217,33 @@ fn model_limits(
         vocab_size: source.config.vocab_size,
         eos_token_ids: eos_ids(source, text, defaults),
         default_max_new_tokens: defaults.max_new_tokens,
+        max_logprobs: mla_server::validate::MAX_LOGPROBS,
+    }
+}
+
+/// The `/metrics` prefix, and vLLM's `cache_config_info` labels with this server's values (the
+/// cache of one attention rank; vLLM calls device blocks `num_gpu_blocks` on any device).
+fn metrics_config(args: &Args, device: Device, sizing: &Sizing) -> MetricsConfig {
+    let python_bool = |b: bool| if b { "True" } else { "False" }.to_string();
+    let utilization = match device {
+        Device::Cuda => {
+            args.gpu_memory_utilization.unwrap_or(mla_cuda::CudaOptions::default().gpu_memory_utilization).to_string()
+        }
+        _ => "None".to_string(),
+    };
+    MetricsConfig {
+        prefix: args.compat.metrics_prefix.clone(),
+        cache_info: vec![
+            ("block_size", sizing.block_size.to_string()),
+            ("cache_dtype", args.kv_cache_dtype.clone()),
+            ("enable_prefix_caching", python_bool(!args.no_enable_prefix_caching)),
+            ("gpu_memory_utilization", utilization),
+            ("num_gpu_blocks", sizing.num_blocks.to_string()),
+            ("num_cpu_blocks", "None".to_string()),
+            ("kv_cache_size_tokens", sizing.kv_tokens().to_string()),
+            // Requests of --max-model-len tokens the cache holds at once (Python's float text).
+            ("kv_cache_max_concurrency", format!("{:?}", sizing.kv_tokens() as f64 / sizing.max_model_len as f64)),
+        ],
     }
 }
 

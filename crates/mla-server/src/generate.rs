@@ -62,11 +62,30 @@ pub struct ChoiceUpdate {
     pub stop_reason: Option<StopReason>,
     /// The prompt's logprobs (when asked for), on the choice's first update only.
     pub prompt_logprobs: Option<Arc<Vec<PromptTokenLogprob>>>,
+    /// The generated ids this update consumed (counted in `completion_tokens`), whether or not
+    /// their text is released yet.
+    pub token_ids: Vec<u32>,
+    /// With `finish`: the stop token (EOS or a requested one) that ended the choice.
+    pub stop_token: Option<u32>,
 }
 
 impl ChoiceUpdate {
     fn new(index: usize, text: String, logprobs: Vec<TokenLogprob>) -> Self {
-        ChoiceUpdate { index, text, logprobs, finish: None, stop_reason: None, prompt_logprobs: None }
+        ChoiceUpdate {
+            index,
+            text,
+            logprobs,
+            finish: None,
+            stop_reason: None,
+            prompt_logprobs: None,
+            token_ids: vec![],
+            stop_token: None,
+        }
+    }
+
+    /// SGLang's `matched_stop`: the stop string, else the stop token, that ended the choice.
+    pub fn matched_stop(&self) -> Option<StopReason> {
+        self.stop_reason.clone().or(self.stop_token.map(StopReason::Token))
     }
 }
 
@@ -308,6 +327,20 @@ impl Generation {
             return None;
         }
         choice.completion_tokens += 1;
+        let mut update = self.token_update(run, c, token, logprobs, finish)?;
+        update.token_ids.insert(0, token);
+        Some(update)
+    }
+
+    /// The update for a counted token: its text, and the end of the choice when it ends it.
+    fn token_update(
+        &mut self,
+        run: usize,
+        c: usize,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        finish: Option<FinishReason>,
+    ) -> Option<ChoiceUpdate> {
         let lp = match (&logprobs, self.logprobs.enabled) {
             (Some(l), true) => vec![self.token_logprob(token, l)],
             _ => vec![],
@@ -317,7 +350,9 @@ impl Generation {
         if let Some(reason) = finish.filter(|_| self.runs[run].stop_token_ids.contains(&token)) {
             let text = if self.stops.include_stop { self.choices[c].text.push(token).0 } else { String::new() };
             let stop_reason = self.stops.requested_ids.contains(&token).then_some(StopReason::Token(token));
-            return self.finish_with_text(c, reason, text, lp).map(|u| u.with_stop_reason(stop_reason));
+            return self
+                .finish_with_text(c, reason, text, lp)
+                .map(|u| ChoiceUpdate { stop_token: Some(token), ..u.with_stop_reason(stop_reason) });
         }
         let choice = &mut self.choices[c];
         let (text, stop_hit) = choice.text.push(token);

@@ -1,4 +1,5 @@
 pub mod access_log;
+pub mod allowed_tokens;
 pub mod app;
 pub mod chat_template;
 pub mod content_special;

@@ -1,8 +1,8 @@
 //! `/metrics`: vLLM's series, under vLLM's names and labels, with the prefix `mla:` where vLLM
-//! has `vllm:`. One set of series, not a `vllm:` twin of each: a dashboard, alert or recording
-//! rule written for vLLM needs only the prefix renamed (or a `metric_relabel_configs` rule in
-//! the scrape config), and a twin would double the cardinality of every scrape for data that is
-//! already there. `docs/metrics.md` lists the series; `docs/grafana/mla-serve.json` charts them.
+//! has `vllm:`, or `vllm:` itself with `--metrics-prefix vllm`. One set of series under one
+//! prefix, not a `vllm:` twin of each: a twin would double the cardinality of every scrape for
+//! data that is already there. `docs/metrics.md` lists the series; `docs/grafana/mla-serve.json`
+//! charts them.
 //!
 //! Where vLLM renamed a series, the older name is here too, with the same samples:
 //! `gpu_cache_usage_perc` (now `kv_cache_usage_perc`) and `time_per_output_token_seconds` (now
@@ -29,9 +29,26 @@ use mla_engine::{EngineStats, FinishCounts, FinishReason, RankStats};
 /// Reads one per-rank gauge from a rank's statistics.
 type RankGauge = fn(&RankStats) -> f64;
 
+/// What `/metrics` says besides the engine's numbers, fixed at startup.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricsConfig {
+    /// Every series is `<prefix>:<name>`: `mla` by default, `vllm` for dashboards that query
+    /// vLLM's names unchanged (`--metrics-prefix`).
+    pub prefix: String,
+    /// vLLM's `cache_config_info` labels, in order (values as vLLM's Python `str()` writes them).
+    pub cache_info: Vec<(&'static str, String)>,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig { prefix: "mla".into(), cache_info: vec![] }
+    }
+}
+
 /// Renders the whole exposition for `model` (the served model name, a label on every sample).
-pub fn render(model: &str, stats: &EngineStats) -> String {
-    let mut e = Exposition::new(model);
+pub fn render(model: &str, config: &MetricsConfig, stats: &EngineStats) -> String {
+    let mut e = Exposition::new(&config.prefix, model);
+    cache_config(&mut e, config);
     scheduler_state(&mut e, stats);
     per_rank(&mut e, stats);
     counters(&mut e, stats);
@@ -40,29 +57,44 @@ pub fn render(model: &str, stats: &EngineStats) -> String {
     e.into_text()
 }
 
+/// vLLM's info series: a gauge at 1 whose labels describe the KV cache.
+fn cache_config(e: &mut Exposition, config: &MetricsConfig) {
+    let labels = config
+        .cache_info
+        .iter()
+        .map(|(k, v)| format!("{k}=\"{}\"", exposition::escape_label(v)))
+        .collect::<Vec<_>>()
+        .join(",");
+    e.labelled("cache_config_info", "Information of the KV cache configuration.", "gauge", [(labels, 1.0)]);
+}
+
 fn scheduler_state(e: &mut Exposition, s: &EngineStats) {
-    e.gauge("mla:num_requests_running", "Requests in the running batch.", s.running as f64);
-    e.gauge("mla:num_requests_waiting", "Requests waiting for admission.", s.waiting as f64);
-    e.gauge("mla:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage);
+    e.gauge("num_requests_running", "Requests in the running batch.", s.running as f64);
+    e.gauge("num_requests_waiting", "Requests waiting for admission.", s.waiting as f64);
+    // vLLM splits the waiting by why they wait: every request here waits for room in the batch
+    // or the cache ("capacity"); nothing defers one ("deferred": LoRA budgets, KV transfers).
+    e.labelled(
+        "num_requests_waiting_by_reason",
+        "Waiting requests by reason: capacity (room in the batch or the KV cache) or deferred (never, here).",
+        "gauge",
+        [("reason=\"capacity\"".to_string(), s.waiting as f64), ("reason=\"deferred\"".to_string(), 0.0)],
+    );
+    e.gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage);
     e.gauge(
-        "mla:gpu_cache_usage_perc",
-        "Fraction of KV cache blocks in use (1 = full). vLLM's older name for mla:kv_cache_usage_perc.",
+        "gpu_cache_usage_perc",
+        "Fraction of KV cache blocks in use (1 = full). vLLM's older name for kv_cache_usage_perc.",
         s.kv_usage,
     );
-    e.gauge("mla:kv_cache_capacity_tokens", "Tokens the KV cache holds in total.", s.kv_capacity_tokens as f64);
+    e.gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds in total.", s.kv_capacity_tokens as f64);
 }
 
 fn per_rank(e: &mut Exposition, s: &EngineStats) {
-    e.gauge(
-        "mla:num_attention_ranks",
-        "Attention ranks (each with its own scheduler and KV cache).",
-        s.ranks.len() as f64,
-    );
+    e.gauge("num_attention_ranks", "Attention ranks (each with its own scheduler and KV cache).", s.ranks.len() as f64);
     let gauges: [(&str, &str, RankGauge); 4] = [
-        ("mla:rank_num_requests_running", "Requests in the running batch, per attention rank.", |r| r.running as f64),
-        ("mla:rank_num_requests_waiting", "Requests waiting for admission, per attention rank.", |r| r.waiting as f64),
-        ("mla:rank_kv_cache_usage_perc", "Fraction of the rank's KV cache blocks in use.", |r| r.kv_usage),
-        ("mla:rank_load_tokens", "Tokens the rank's live requests may hold at most (what the router balances).", |r| {
+        ("rank_num_requests_running", "Requests in the running batch, per attention rank.", |r| r.running as f64),
+        ("rank_num_requests_waiting", "Requests waiting for admission, per attention rank.", |r| r.waiting as f64),
+        ("rank_kv_cache_usage_perc", "Fraction of the rank's KV cache blocks in use.", |r| r.kv_usage),
+        ("rank_load_tokens", "Tokens the rank's live requests may hold at most (what the router balances).", |r| {
             r.load_tokens as f64
         }),
     ];
@@ -73,17 +105,17 @@ fn per_rank(e: &mut Exposition, s: &EngineStats) {
 }
 
 fn counters(e: &mut Exposition, s: &EngineStats) {
-    e.counter("mla:prompt_tokens_total", "Prompt tokens processed.", s.prompt_tokens_total);
-    e.counter("mla:generation_tokens_total", "Tokens generated.", s.generation_tokens_total);
-    e.counter("mla:num_preemptions_total", "Requests preempted because the KV cache ran out.", s.preemptions_total);
+    e.counter("prompt_tokens_total", "Prompt tokens processed.", s.prompt_tokens_total);
+    e.counter("generation_tokens_total", "Tokens generated.", s.generation_tokens_total);
+    e.counter("num_preemptions_total", "Requests preempted because the KV cache ran out.", s.preemptions_total);
     e.counter(
-        "mla:prefix_cache_queries_total",
+        "prefix_cache_queries_total",
         "Prompt tokens looked up in the prefix cache when their requests were admitted.",
         s.prefix_cache_queries,
     );
-    e.counter("mla:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits);
+    e.counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits);
     e.labelled(
-        "mla:request_success_total",
+        "request_success_total",
         "Requests finished, by finished_reason: abort if aborted or failed, else length if any of its \
          completions reached its limit, else stop. A request with n completions counts once.",
         "counter",
@@ -91,7 +123,7 @@ fn counters(e: &mut Exposition, s: &EngineStats) {
     );
     let completions = FinishCounts { stop: s.finished_stop, length: s.finished_length, abort: s.finished_abort };
     e.labelled(
-        "mla:completion_success_total",
+        "completion_success_total",
         "Completions (choices) finished, by finished_reason.",
         "counter",
         by_reason(&completions),
@@ -109,32 +141,32 @@ fn latencies(e: &mut Exposition, s: &EngineStats) {
     let r = &s.requests;
     let itl = "Time between consecutive tokens of a completion.";
     for (name, help, h) in [
-        ("mla:time_to_first_token_seconds", "Time from arrival to the first generated token.", &s.time_to_first_token),
-        ("mla:inter_token_latency_seconds", itl, &s.inter_token_latency),
+        ("time_to_first_token_seconds", "Time from arrival to the first generated token.", &s.time_to_first_token),
+        ("inter_token_latency_seconds", itl, &s.inter_token_latency),
         (
-            "mla:time_per_output_token_seconds",
+            "time_per_output_token_seconds",
             "Time between consecutive tokens of a completion. vLLM's older name for \
              mla:inter_token_latency_seconds.",
             &s.inter_token_latency,
         ),
         (
-            "mla:request_time_per_output_token_seconds",
+            "request_time_per_output_token_seconds",
             "Per request: decode time over the tokens after the first (of its longest completion).",
             &r.time_per_output_token,
         ),
-        ("mla:e2e_request_latency_seconds", "Time from arrival to the last token, per request.", &s.e2e_latency),
-        ("mla:request_queue_time_seconds", "Time from arrival to first scheduling, per request.", &s.queue_time),
+        ("e2e_request_latency_seconds", "Time from arrival to the last token, per request.", &s.e2e_latency),
+        ("request_queue_time_seconds", "Time from arrival to first scheduling, per request.", &s.queue_time),
         (
-            "mla:request_inference_time_seconds",
+            "request_inference_time_seconds",
             "Time from first scheduling to the last token (prefill and decode), per request.",
             &r.inference_time,
         ),
         (
-            "mla:request_prefill_time_seconds",
+            "request_prefill_time_seconds",
             "Time from first scheduling to the first token, per request.",
             &r.prefill_time,
         ),
-        ("mla:request_decode_time_seconds", "Time from the first token to the last, per request.", &r.decode_time),
+        ("request_decode_time_seconds", "Time from the first token to the last, per request.", &r.decode_time),
     ] {
         e.histogram(name, help, h);
     }
@@ -143,22 +175,22 @@ fn latencies(e: &mut Exposition, s: &EngineStats) {
 fn request_sizes(e: &mut Exposition, s: &EngineStats) {
     let r = &s.requests;
     for (name, help, h) in [
-        ("mla:request_prompt_tokens", "Prompt tokens per request.", &r.prompt_tokens),
+        ("request_prompt_tokens", "Prompt tokens per request.", &r.prompt_tokens),
         (
-            "mla:request_generation_tokens",
+            "request_generation_tokens",
             "Tokens generated per request, all its completions together.",
             &r.generation_tokens,
         ),
         (
-            "mla:request_max_num_generation_tokens",
+            "request_max_num_generation_tokens",
             "Tokens of the longest completion, per request.",
             &r.max_generation_tokens,
         ),
-        ("mla:request_params_n", "The n parameter (completions) per request.", &r.params_n),
-        ("mla:request_params_max_tokens", "The max_tokens parameter per request.", &r.params_max_tokens),
+        ("request_params_n", "The n parameter (completions) per request.", &r.params_n),
+        ("request_params_max_tokens", "The max_tokens parameter per request.", &r.params_max_tokens),
         (
-            "mla:iteration_tokens_total",
-            "Tokens an attention rank fed in one engine step (prompt chunks and decode tokens).",
+            "iteration_tokens_total",
+            "Tokens of one engine step on an attention rank, as vLLM counts them: prompt tokens computed plus tokens sampled.",
             &s.iteration_tokens,
         ),
     ] {
@@ -193,7 +225,7 @@ mod tests {
             requests: RequestStats { finished: FinishCounts { stop: 2, length: 0, abort: 1 }, ..RequestStats::new(16) },
             ..Default::default()
         };
-        let text = render("demo", &stats);
+        let text = render("demo", &MetricsConfig::default(), &stats);
         assert!(
             text.contains("# TYPE mla:num_requests_running gauge\nmla:num_requests_running{model_name=\"demo\"} 3\n")
         );
@@ -226,7 +258,7 @@ mod tests {
         let mut itl = Histogram::with_bounds(&[0.01, 0.1]);
         itl.observe(0.05);
         let stats = EngineStats { inter_token_latency: itl, requests: RequestStats::new(64), ..Default::default() };
-        let text = render("m", &stats);
+        let text = render("m", &MetricsConfig::default(), &stats);
         for name in [
             "time_to_first_token_seconds",
             "inter_token_latency_seconds",
@@ -254,12 +286,29 @@ mod tests {
     }
 
     #[test]
+    fn the_prefix_names_every_series_and_cache_info_carries_its_labels() {
+        let config = MetricsConfig {
+            prefix: "vllm".into(),
+            cache_info: vec![("block_size", "64".into()), ("enable_prefix_caching", "True".into())],
+        };
+        let text =
+            render("m", &config, &EngineStats { waiting: 3, requests: RequestStats::new(16), ..Default::default() });
+        let names: Vec<&str> =
+            text.lines().filter(|l| !l.starts_with('#')).map(|l| l.split(['{', ' ']).next().unwrap()).collect();
+        assert!(names.iter().all(|n| n.starts_with("vllm:")), "{names:?}");
+        assert!(text
+            .contains("vllm:cache_config_info{model_name=\"m\",block_size=\"64\",enable_prefix_caching=\"True\"} 1\n"));
+        assert!(text.contains("vllm:num_requests_waiting_by_reason{model_name=\"m\",reason=\"capacity\"} 3\n"));
+        assert!(text.contains("vllm:num_requests_waiting_by_reason{model_name=\"m\",reason=\"deferred\"} 0\n"));
+    }
+
+    #[test]
     fn per_rank_gauges_carry_a_rank_label() {
         let ranks = vec![
             RankStats { running: 4, waiting: 1, kv_usage: 0.5, kv_capacity_tokens: 64, load_tokens: 900 },
             RankStats { running: 2, waiting: 0, kv_usage: 0.125, kv_capacity_tokens: 64, load_tokens: 300 },
         ];
-        let text = render("m", &EngineStats { ranks, ..Default::default() });
+        let text = render("m", &MetricsConfig::default(), &EngineStats { ranks, ..Default::default() });
         assert!(text.contains("mla:num_attention_ranks{model_name=\"m\"} 2\n"));
         assert_eq!(
             lines(&text, "mla:rank_load_tokens"),

@@ -47,12 +47,9 @@ pub fn legacy_entries(
     let Some(&first) = prompt.first() else { return vec![] };
     let mut out = vec![LegacyEntry { token: name(first), logprob: None, top: None }];
     out.extend(entries.iter().map(|e| {
-        // The prompt token first, as vLLM orders them: where two tokens share a name, the
-        // alternative's entry is the one a name-keyed object keeps.
-        let mut top = vec![];
-        if !e.top.iter().take(k).any(|&(id, _)| id == e.token) {
-            top.push((name(e.token), e.logprob));
-        }
+        // The prompt token first, then the alternatives by rank, as vLLM orders them (the
+        // name-keyed object keeps each name once, at its first place).
+        let mut top = vec![(name(e.token), e.logprob)];
         top.extend(e.top.iter().take(k).map(|&(id, lp)| (name(id), lp)));
         LegacyEntry { token: name(e.token), logprob: Some(e.logprob), top: Some(top) }
     }));

@@ -4,6 +4,7 @@
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobOptions, StopOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
+use crate::metrics::MetricsConfig;
 use crate::parsers::ParserConfig;
 use crate::stop::StopMatcher;
 use crate::structured::Grammars;
@@ -32,6 +33,12 @@ pub struct AppState {
     /// The structured-output grammar compiler for this model's vocabulary (built once at
     /// startup); `None` if the model cannot have one (no end-of-sequence token).
     pub grammars: Option<Arc<Grammars>>,
+    /// The `/metrics` prefix and cache description.
+    pub metrics: MetricsConfig,
+    /// `--enable-force-include-usage`: every stream reports the usage on every chunk.
+    pub force_include_usage: bool,
+    /// `--return-tokens-as-token-ids`: the default of the request field.
+    pub return_tokens_as_token_ids: bool,
 }
 
 impl AppState {
@@ -78,6 +85,22 @@ impl AppState {
             StopOptions { requested_ids: params.stop_token_ids.clone(), include_stop },
             self.text.clone(),
         ))
+    }
+}
+
+impl AppState {
+    /// The server's defaults of request fields: `--return-tokens-as-token-ids`.
+    pub fn fill_defaults(&self, w: &mut crate::protocol::common::SamplingWire) {
+        w.return_tokens_as_token_ids.get_or_insert(self.return_tokens_as_token_ids);
+    }
+
+    /// `--enable-force-include-usage`: a stream reports the usage on every chunk and at its end
+    /// whatever `stream_options` said, as vLLM's flag does.
+    pub fn force_usage(&self, params: &mut ValidatedParams) {
+        if self.force_include_usage && params.stream {
+            params.include_usage = true;
+            params.continuous_usage = true;
+        }
     }
 }
 

@@ -107,7 +107,42 @@ async fn without_parsers_the_text_is_content_as_before() {
     assert_eq!(r.status, 200, "{}", r.text);
     let message = &r.json()["choices"][0]["message"];
     assert_eq!(message["content"], reply());
-    assert!(message.get("reasoning_content").is_none() && message.get("tool_calls").is_none(), "{message}");
+    // The reasoning keys are sent (`null`) whether a parser runs or not, as SGLang and vLLM do.
+    assert!(message["reasoning_content"].is_null() && message["reasoning"].is_null(), "{message}");
+    assert!(message.get("tool_calls").is_none(), "{message}");
+}
+
+/// The reasoning as a request asks for it: vLLM's `include_reasoning`, SGLang's
+/// `separate_reasoning` and `stream_reasoning`, over the same scripted reply.
+#[tokio::test]
+async fn reasoning_options_of_the_request() {
+    let s = scripted(&reply(), all_parsers());
+    let with = |extra: Value| {
+        let mut body = request(false);
+        body["tool_choice"] = json!("none");
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let message = |r: common::Reply| r.json()["choices"][0]["message"].clone();
+    let m = message(s.post("/v1/chat/completions", with(json!({}))).await);
+    assert_eq!((&m["reasoning"], &m["reasoning_content"]), (&json!("Let me think.\n"), &json!("Let me think.\n")));
+    let m = message(s.post("/v1/chat/completions", with(json!({"include_reasoning": false}))).await);
+    assert!(m["reasoning"].is_null() && m["reasoning_content"].is_null(), "{m}");
+    assert!(m["content"].as_str().unwrap().starts_with("\n\nChecking."), "{m}");
+    let m = message(s.post("/v1/chat/completions", with(json!({"separate_reasoning": false}))).await);
+    assert_eq!(m["content"], reply(), "the thinking stays in the content, unsplit");
+    assert!(m["reasoning_content"].is_null());
+
+    // Streamed in pieces (one per token) by default; in one piece, once complete, when asked.
+    let mut streamed = with(json!({"stream_reasoning": false}));
+    streamed["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", streamed).await;
+    let pieces: Vec<Value> = chunks(&r.text)
+        .iter()
+        .filter_map(|c| c["choices"].get(0).map(|ch| ch["delta"]["reasoning_content"].clone()))
+        .filter(|v| !v.is_null())
+        .collect();
+    assert_eq!(pieces, vec![json!("Let me think.\n")]);
 }
 
 #[tokio::test]

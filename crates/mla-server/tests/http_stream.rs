@@ -18,7 +18,11 @@ async fn chat_stream_role_first_text_then_finish_then_done() {
     assert_eq!(r.status, 200);
     assert!(r.content_type.starts_with("text/event-stream"));
     let chunks = parse(&r.events());
-    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    // SGLang's clients read `reasoning_content` from every delta: it is there, null.
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": "", "reasoning": null, "reasoning_content": null})
+    );
     let id = chunks[0]["id"].clone();
     let mut text = String::new();
     for c in &chunks {

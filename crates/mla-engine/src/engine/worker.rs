@@ -477,11 +477,19 @@ impl Worker {
         }
     }
 
-    /// Each rank that works in this step feeds some tokens: prompt chunks or one per decode.
+    /// Each rank that works in this step counts its tokens as vLLM's `iteration_tokens_total`
+    /// does: prompt tokens computed plus tokens sampled. A decode step feeds the token it samples
+    /// after, so it counts one per sequence; a prefill step counts its chunks and, for the chunks
+    /// that end a prompt, the first token drawn.
     fn count_step_tokens(&self, plans: &[StepPlan]) {
         let mut stats = self.links.metrics.lock();
         for plan in plans.iter().filter(|p| !p.seqs.is_empty()) {
-            stats.iteration_tokens.observe(plan.seqs.iter().map(|s| s.tokens.len()).sum::<usize>() as f64);
+            let sampled = plan.seqs.iter().filter(|s| s.sample.is_some()).count();
+            let tokens = match plan.kind {
+                StepKind::Decode => sampled,
+                _ => plan.seqs.iter().map(|s| s.tokens.len()).sum::<usize>() + sampled,
+            };
+            stats.iteration_tokens.observe(tokens as f64);
         }
     }
 

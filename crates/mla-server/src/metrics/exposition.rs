@@ -1,18 +1,23 @@
 //! Prometheus text exposition (format 0.0.4): each family declared once with `# HELP` and
-//! `# TYPE` before its samples, every sample labelled with the served model's name.
+//! `# TYPE` before its samples, every sample labelled with the served model's name and every
+//! name prefixed (`mla:` or `vllm:`).
 
 use mla_engine::Histogram;
 use std::fmt::Write;
 
 pub struct Exposition {
     out: String,
+    /// `mla:`, `vllm:`, or nothing.
+    prefix: String,
     /// `model_name="..."`, first on every sample as vLLM puts it.
     model: String,
 }
 
 impl Exposition {
-    pub fn new(model_name: &str) -> Self {
-        Exposition { out: String::new(), model: format!("model_name=\"{}\"", escape_label(model_name)) }
+    /// Names get `prefix:` in front (none with an empty prefix).
+    pub fn new(prefix: &str, model_name: &str) -> Self {
+        let prefix = if prefix.is_empty() { String::new() } else { format!("{prefix}:") };
+        Exposition { out: String::new(), prefix, model: format!("model_name=\"{}\"", escape_label(model_name)) }
     }
 
     pub fn into_text(self) -> String {
@@ -52,13 +57,14 @@ impl Exposition {
     }
 
     fn family(&mut self, name: &str, help: &str, kind: &str) {
-        let _ = writeln!(self.out, "# HELP {name} {help}");
-        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+        let prefix = &self.prefix;
+        let _ = writeln!(self.out, "# HELP {prefix}{name} {help}");
+        let _ = writeln!(self.out, "# TYPE {prefix}{name} {kind}");
     }
 
     fn sample(&mut self, name: &str, extra_labels: &str, value: f64) {
         let sep = if extra_labels.is_empty() { "" } else { "," };
-        let _ = writeln!(self.out, "{name}{{{}{sep}{extra_labels}}} {}", self.model, number(value));
+        let _ = writeln!(self.out, "{}{name}{{{}{sep}{extra_labels}}} {}", self.prefix, self.model, number(value));
     }
 }
 
@@ -77,7 +83,7 @@ fn number(v: f64) -> String {
     }
 }
 
-fn escape_label(v: &str) -> String {
+pub fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
@@ -91,7 +97,7 @@ mod tests {
         for v in [0.005, 0.05, 0.07, 3.0] {
             h.observe(v);
         }
-        let mut e = Exposition::new("m");
+        let mut e = Exposition::new("", "m");
         e.histogram("x_seconds", "X.", &h);
         // Hand-computed: one value <= 0.01, three <= 0.1, three <= 1, four in all; sum 3.125.
         assert_eq!(
@@ -108,7 +114,7 @@ mod tests {
 
     #[test]
     fn label_values_are_escaped() {
-        let mut e = Exposition::new("a\"b\\c\nd");
+        let mut e = Exposition::new("", "a\"b\\c\nd");
         e.gauge("g", "G.", 1.0);
         assert!(e.into_text().contains("g{model_name=\"a\\\"b\\\\c\\nd\"} 1\n"));
     }

@@ -64,9 +64,11 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
-    /// vLLM's `prompt_logprobs` (chat has one prompt, so they sit here, not in a choice).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// vLLM's `prompt_logprobs` (chat has one prompt, so they sit here, not in a choice);
+    /// `null` unless asked for, as vLLM sends it.
     pub prompt_logprobs: Option<PromptLogprobsWire>,
+    /// vLLM's `return_token_ids`: the rendered prompt's ids (`null` unless asked for).
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -76,6 +78,10 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<StopReason>,
+    /// SGLang's: the stop string or stop token (EOS included) that ended the choice.
+    pub matched_stop: Option<StopReason>,
+    /// vLLM's `return_token_ids`: the generated ids (`null` unless asked for).
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -83,8 +89,10 @@ pub struct AssistantMessage {
     pub role: &'static str,
     /// `null` when a parser took everything (all reasoning, or only tool calls), as OpenAI.
     pub content: Option<String>,
-    /// The reply's thinking block (`--reasoning-parser`), vLLM's field name.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The reply's thinking block (`--reasoning-parser`), `null` when there is none, under
+    /// vLLM's name since 2026 (`reasoning`) and SGLang's and DeepSeek's (`reasoning_content`);
+    /// clients read one or the other without asking, so both are always sent.
+    pub reasoning: Option<String>,
     pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
@@ -155,6 +163,9 @@ pub struct ChatChunk {
     /// as OpenAI does.
     #[serde(skip_serializing_if = "UsageField::is_absent")]
     pub usage: UsageField,
+    /// With `return_token_ids`: on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -164,6 +175,10 @@ pub struct ChatChunkChoice {
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<StopReason>,
+    pub matched_stop: Option<StopReason>,
+    /// With `return_token_ids`: the ids this chunk adds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -172,7 +187,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Both names in every delta, `null` when it carries none (SGLang sends the key always).
+    pub reasoning: Option<String>,
     pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallChunk>>,

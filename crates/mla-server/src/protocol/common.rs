@@ -69,7 +69,8 @@ pub struct UnsupportedWire {
 }
 
 /// vLLM's `stop_reason`: the stop string that ended a choice, or the `stop_token_ids` entry;
-/// `null` when it ended with EOS or by length.
+/// `null` when it ended with EOS or by length. The same shape is SGLang's `matched_stop`, which
+/// names EOS too.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum StopReason {
@@ -98,6 +99,32 @@ impl Serialize for PromptPositionWire {
         let mut map = s.serialize_map(Some(self.0.len()))?;
         for (id, entry) in &self.0 {
             map.serialize_entry(id, entry)?;
+        }
+        map.end()
+    }
+}
+
+/// A completions `top_logprobs` object: token text -> logprob, in vLLM's order (the chosen
+/// token first, then the alternatives by rank). A text two tokens share is one key, at its first
+/// place with the later value, as a Python dict built in that order keeps it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobsWire(pub Vec<(String, f32)>);
+
+impl TopLogprobsWire {
+    pub fn push(&mut self, token: String, logprob: f32) {
+        match self.0.iter_mut().find(|(t, _)| *t == token) {
+            Some(entry) => entry.1 = logprob,
+            None => self.0.push((token, logprob)),
+        }
+    }
+}
+
+impl Serialize for TopLogprobsWire {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (token, logprob) in &self.0 {
+            map.serialize_entry(token, logprob)?;
         }
         map.end()
     }

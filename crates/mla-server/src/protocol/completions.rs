@@ -1,9 +1,8 @@
 //! `/v1/completions`: request fields, the response and its stream chunks.
 
-use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
+use super::common::{PromptLogprobsWire, StopReason, TopLogprobsWire, Usage, UsageField};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Completions-only request fields (the shared ones are in `SamplingWire`).
@@ -47,6 +46,8 @@ pub struct Completion {
     pub usage: Usage,
 }
 
+/// A choice of a whole response. vLLM sends its keys whether asked for or not (`null` then), and
+/// clients read them without asking; SGLang's `matched_stop` likewise.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompletionChoice {
     pub index: usize,
@@ -54,9 +55,31 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<StopReason>,
+    /// SGLang's: the stop string or stop token (EOS included) that ended the choice.
+    pub matched_stop: Option<StopReason>,
     /// vLLM's `prompt_logprobs`, when asked for (shared by the prompt's choices).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Arc<PromptLogprobsWire>>,
+    /// vLLM's `return_token_ids`: the prompt's ids and the generated ones.
+    pub prompt_token_ids: Option<Arc<Vec<u32>>>,
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// A choice of a stream chunk: vLLM's keys only when they carry something (its chunks leave
+/// unset keys out), SGLang's `matched_stop` always.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChunkChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReason>,
+    pub matched_stop: Option<StopReason>,
+    /// With `return_token_ids`: on the choice's first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Arc<Vec<u32>>>,
+    /// With `return_token_ids`: the ids this chunk adds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// The legacy logprobs object: parallel lists, one entry per token (with `echo`, the prompt's
@@ -65,7 +88,7 @@ pub struct CompletionChoice {
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<Option<f32>>,
-    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
+    pub top_logprobs: Vec<Option<TopLogprobsWire>>,
     pub text_offset: Vec<usize>,
 }
 
@@ -75,7 +98,7 @@ pub struct CompletionChunk {
     pub object: &'static str,
     pub created: u64,
     pub model: String,
-    pub choices: Vec<CompletionChoice>,
+    pub choices: Vec<CompletionChunkChoice>,
     #[serde(skip_serializing_if = "UsageField::is_absent")]
     pub usage: UsageField,
 }

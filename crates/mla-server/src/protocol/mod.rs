@@ -8,6 +8,7 @@
 pub mod chat;
 pub mod common;
 pub mod completions;
+pub mod extensions;
 pub mod ignored_fields;
 pub mod models;
 pub mod tokenize;

@@ -6,8 +6,25 @@ use crate::parsers::{tool_call_id, ChoiceParser, OutputParsing, ParsedDelta, Par
 use crate::protocol::chat::{AssistantMessage, Delta, FunctionCall, FunctionChunk, ToolCall, ToolCallChunk};
 use mla_engine::FinishReason;
 
+/// How a request wants the reasoning the parser splits off (`separate_reasoning: false` turns
+/// the split off altogether, so it never gets here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReasoningReport {
+    /// vLLM's `include_reasoning` (default true): false leaves it out.
+    pub include: bool,
+    /// SGLang's `stream_reasoning` (default true): false streams it as one delta, once the
+    /// thinking block has ended (or the reply has).
+    pub stream_pieces: bool,
+}
+
+impl Default for ReasoningReport {
+    fn default() -> Self {
+        ReasoningReport { include: true, stream_pieces: true }
+    }
+}
+
 /// The message of a finished reply, and whether it called tools.
-pub fn message(parsing: &OutputParsing, text: &str) -> (AssistantMessage, bool) {
+pub fn message(parsing: &OutputParsing, report: ReasoningReport, text: &str) -> (AssistantMessage, bool) {
     let parsed = ParsedMessage::parse(parsing, text);
     let called = !parsed.tool_calls.is_empty();
     let tool_calls = parsed
@@ -19,10 +36,12 @@ pub fn message(parsing: &OutputParsing, text: &str) -> (AssistantMessage, bool) 
             function: FunctionCall { name, arguments },
         })
         .collect();
+    let reasoning = (report.include && !parsed.reasoning.is_empty()).then_some(parsed.reasoning);
     let message = AssistantMessage {
         role: "assistant",
         content: (!parsed.content.is_empty()).then_some(parsed.content),
-        reasoning_content: parsing.reasoning.is_some().then_some(parsed.reasoning),
+        reasoning: reasoning.clone(),
+        reasoning_content: reasoning,
         tool_calls,
     };
     (message, called)
@@ -41,11 +60,14 @@ pub fn finish_reason(finish: FinishReason, called_tools: bool) -> &'static str {
 /// One choice's parser while streaming.
 pub struct StreamedChoice {
     parser: ChoiceParser,
+    report: ReasoningReport,
+    /// Reasoning held back until it is complete (`stream_pieces` false).
+    held: String,
 }
 
 impl StreamedChoice {
-    pub fn new(parsing: &OutputParsing) -> Self {
-        Self { parser: parsing.choice_parser() }
+    pub fn new(parsing: &OutputParsing, report: ReasoningReport) -> Self {
+        Self { parser: parsing.choice_parser(), report, held: String::new() }
     }
 
     /// The deltas for new text (all of it, ending the reply when `last`), in reply order:
@@ -56,14 +78,31 @@ impl StreamedChoice {
         if last {
             d.append(self.parser.finish());
         }
+        if !self.report.include {
+            d.reasoning.clear();
+        } else if !self.report.stream_pieces {
+            // The thinking block is complete once anything follows it, or the reply ends.
+            self.held.push_str(&std::mem::take(&mut d.reasoning));
+            let after = !d.content.is_empty() || !d.tool_calls.is_empty();
+            if after || last {
+                d.reasoning = std::mem::take(&mut self.held);
+            }
+        }
         (split(d), self.parser.called_tools())
+    }
+}
+
+impl Delta {
+    /// A delta carrying reasoning, under both of its names.
+    fn reasoning(text: String) -> Delta {
+        Delta { reasoning: Some(text.clone()), reasoning_content: Some(text), ..Default::default() }
     }
 }
 
 fn split(d: ParsedDelta) -> Vec<Delta> {
     let mut out = vec![];
     if !d.reasoning.is_empty() {
-        out.push(Delta { reasoning_content: Some(d.reasoning), ..Default::default() });
+        out.push(Delta::reasoning(d.reasoning));
     }
     if !d.content.is_empty() {
         out.push(Delta { content: Some(d.content), ..Default::default() });

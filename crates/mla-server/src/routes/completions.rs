@@ -6,14 +6,16 @@ use crate::error::ApiError;
 use crate::extract::JsonObject;
 use crate::generate::{ChoiceUpdate, TokenLogprob};
 use crate::prompt_logprobs::{self, LegacyEntry};
-use crate::protocol::common::{PromptLogprobsWire, SamplingWire, UnsupportedWire, Usage, UsageField};
+use crate::protocol::common::{PromptLogprobsWire, SamplingWire, TopLogprobsWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::completions::*;
+use crate::protocol::extensions::{ExtensionsWire, RefusedExtensionsWire};
 use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
 use crate::structured;
 use crate::text::TextPipeline;
+use crate::validate::extensions::{extensions, refuse_extensions};
 use crate::validate::prompt::{prompt_inputs, PromptInput};
 use crate::validate::{self, MaxTokensDefault};
 use axum::body::Bytes;
@@ -22,7 +24,6 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use mla_engine::{FinishReason, PromptTokenLogprob};
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// OpenAI's default `max_tokens` for completions.
@@ -33,30 +34,37 @@ pub async fn handle(
     Extension(access): Extension<AccessRecord>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
-    let common: SamplingWire = parse_fields(&body)?;
+    let mut common: SamplingWire = parse_fields(&body)?;
+    state.fill_defaults(&mut common);
     let wire: CompletionWire = parse_fields(&body).map_err(|e| explain_prompt_error(e, &body))?;
     // Both read before either refuses, so a mistyped field still answers before a refused value.
     let unsupported: UnsupportedWire = parse_fields(&body)?;
     let tool_fields: ToolFieldsWire = parse_fields(&body)?;
     validate::refuse_unsupported(&unsupported)?;
     validate::refuse_tools(&tool_fields)?;
+    refuse_extensions(&parse_fields::<RefusedExtensionsWire>(&body)?)?;
     let known = [
         field_names::<SamplingWire>(),
         field_names::<CompletionWire>(),
         field_names::<UnsupportedWire>(),
         field_names::<ToolFieldsWire>(),
         field_names::<structured::wire::StructuredWire>(),
+        field_names::<ExtensionsWire>(),
+        field_names::<RefusedExtensionsWire>(),
     ];
     log_ignored("/v1/completions", &body, &known);
+    let ext = extensions(parse_fields(&body)?, state.limits.vocab_size)?;
     let structured = structured::wire::requested(parse_fields(&body)?)?;
+    structured::wire::refuse_with_allowed_tokens(structured.as_ref(), ext.allowed_token_ids.is_some())?;
     state.check_model(common.model.as_deref())?;
-    let logprobs = validate::completion_logprobs(wire.logprobs)?;
+    let logprobs = validate::completion_logprobs(wire.logprobs, &state.limits)?;
     let echo = wire.echo.unwrap_or(false);
     // OpenAI's scoring form: `echo` with `max_tokens: 0` returns the prompt alone. The engine
     // always draws a first token, so one is generated and dropped (as vLLM does).
     let echo_only = echo && common.max_tokens == Some(0);
     let max_tokens = ("max_tokens", if echo_only { Some(1) } else { common.max_tokens });
-    let mut params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, state.limits.vocab_size)?;
+    let mut params = validate::validate_params(common, max_tokens, logprobs, &state.defaults, &state.limits)?;
+    state.force_usage(&mut params);
     let explicit_prompt_logprobs = params.prompt_logprobs;
     // `echo` with `logprobs` puts the prompt's logprobs in the same object (streamed too).
     let echo_logprobs = params.logprobs.filter(|_| echo);
@@ -72,19 +80,28 @@ pub async fn handle(
     let single = inputs.len() == 1;
     let stops = params.stop.clone();
     let grammars = state.grammars.clone();
+    let (truncation, max_tokens) = (ext.truncation, params.max_tokens);
+    // A prompt to be truncated may be longer than the context: it is cut after tokenizing.
+    let tokenize_limit = if truncation.is_some() { usize::MAX } else { max_model_len };
     let (prompts, stop, grammar) = blocking(move || {
         // One compilation serves every prompt and every completion of the request.
         let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
         let prompts = inputs
             .into_iter()
             .enumerate()
-            .map(|(i, p)| match p {
-                PromptInput::Text(s) => {
-                    Ok((text.encode_prompt(&s, max_model_len, &prompt_field(single, i), add_special_tokens)?, s))
-                }
-                PromptInput::Tokens(ids) => {
-                    let echo_text = if echo { text.decode(&ids, false)? } else { String::new() };
-                    Ok((ids, echo_text))
+            .map(|(i, p)| {
+                let (ids, echo_text) = match p {
+                    PromptInput::Text(s) => {
+                        (text.encode_prompt(&s, tokenize_limit, &prompt_field(single, i), add_special_tokens)?, s)
+                    }
+                    PromptInput::Tokens(ids) => {
+                        let echo_text = if echo { echo_of_ids(&text, &ids)? } else { String::new() };
+                        (ids, echo_text)
+                    }
+                };
+                match &truncation {
+                    Some(t) => Ok((t.apply(ids, max_model_len, max_tokens)?, echo_text)),
+                    None => Ok((ids, echo_text)),
                 }
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
@@ -96,15 +113,19 @@ pub async fn handle(
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
         let field = prompt_field(single, i);
         // Choices are numbered prompt-major: prompt i owns choices i*n .. (i+1)*n.
+        let keep_ids = echo_logprobs.is_some() || ext.return_token_ids;
         let echo = Echo {
             text: if echo { prompt_text } else { String::new() },
-            prompt: Arc::new(if echo_logprobs.is_some() { tokens.clone() } else { vec![] }),
+            prompt: Arc::new(if keep_ids { tokens.clone() } else { vec![] }),
         };
         echoes.extend(std::iter::repeat_n(echo, params.n));
         let mut request =
             state.limits.engine_request(&params, tokens, MaxTokensDefault::Fixed(DEFAULT_MAX_TOKENS), &field)?;
         if let Some(g) = &grammar {
             structured::constrain(&mut request, g);
+        }
+        if let Some(ids) = &ext.allowed_token_ids {
+            request.constraint = Some(crate::allowed_tokens::factory(ids, state.limits.vocab_size));
         }
         requests.push(request);
     }
@@ -120,6 +141,7 @@ pub async fn handle(
         echo_only,
         prompt_logprobs: explicit_prompt_logprobs,
         tokens_as_ids: params.tokens_as_ids,
+        return_token_ids: ext.return_token_ids,
         text: state.text.clone(),
         prompts: PromptReports::new(num_prompts, params.n),
     };
@@ -127,8 +149,16 @@ pub async fn handle(
         let usage = UsageReporting { final_chunk: params.include_usage, continuous: params.continuous_usage };
         let offsets = echoes.iter().map(|e| if echo_logprobs.is_some() { 0 } else { e.text.chars().count() }).collect();
         let pending_echo = vec![true; echoes.len()];
-        let format =
-            CompletionStream { meta, include_usage: params.include_usage, echoes, pending_echo, offsets, shape };
+        let pending_prompt_ids = vec![ext.return_token_ids; echoes.len()];
+        let format = CompletionStream {
+            meta,
+            include_usage: params.include_usage,
+            echoes,
+            pending_echo,
+            pending_prompt_ids,
+            offsets,
+            shape,
+        };
         return Ok(output::stream(generation, format, usage));
     }
     let (choices, usage) = output::collect(generation).await?;
@@ -140,7 +170,8 @@ pub async fn handle(
     Ok(Json(body).into_response())
 }
 
-/// What a choice starts with under `echo`: the prompt's text (empty without `echo`) and ids.
+/// What a choice starts with under `echo`: the prompt's text (empty without `echo`), and its
+/// ids when `echo` with `logprobs` or `return_token_ids` needs them.
 #[derive(Clone)]
 struct Echo {
     text: String,
@@ -158,6 +189,8 @@ struct Shape {
     /// vLLM's `prompt_logprobs` field, as asked.
     prompt_logprobs: Option<usize>,
     tokens_as_ids: bool,
+    /// vLLM's `return_token_ids`: `prompt_token_ids` and `token_ids` in each choice.
+    return_token_ids: bool,
     text: Arc<TextPipeline>,
     /// Each prompt's logprobs as reported, formatted once for all its choices.
     prompts: PromptReports,
@@ -170,10 +203,10 @@ impl Shape {
         let generated: &[TokenLogprob] = if self.echo_only { &[] } else { &c.logprobs };
         let offset = if prompt_entries.is_empty() { echo.text.chars().count() } else { 0 };
         let logprobs = self.logprobs.map(|_| legacy_logprobs(prompt_entries, generated, &mut offset.clone()));
-        let (text, finish, stop_reason) = if self.echo_only {
-            (echo.text, Some("length"), None)
+        let (text, finish, stop_reason, matched_stop, token_ids) = if self.echo_only {
+            (echo.text, Some("length"), None, None, vec![])
         } else {
-            (echo.text + &c.text, c.finish.map(|f| f.as_str()), c.stop_reason)
+            (echo.text + &c.text, c.finish.map(|f| f.as_str()), c.stop_reason, c.matched_stop, c.token_ids)
         };
         CompletionChoice {
             index,
@@ -181,7 +214,10 @@ impl Shape {
             logprobs,
             finish_reason: finish,
             stop_reason,
+            matched_stop,
             prompt_logprobs: report.and_then(|r| r.vllm.clone()),
+            prompt_token_ids: self.return_token_ids.then(|| echo.prompt.clone()),
+            token_ids: self.return_token_ids.then_some(token_ids),
         }
     }
 
@@ -249,6 +285,18 @@ impl PromptReports {
     }
 }
 
+/// The echo of a token-id prompt: what the echo of the text it encodes would show, so without
+/// the BOS the tokenizer puts in front of text itself (as SGLang echoes ids from
+/// `tokenizer.encode`; vLLM shows that BOS as text). Every other special token stays.
+fn echo_of_ids(text: &TextPipeline, ids: &[u32]) -> Result<String, ApiError> {
+    let bos = text.tokenizer().bos().map(|b| b.id);
+    let shown = match ids.split_first() {
+        Some((&first, rest)) if Some(first) == bos => rest,
+        _ => ids,
+    };
+    text.decode(shown, false)
+}
+
 /// How errors name prompt `i`: `prompt` alone, or `prompt[i]` in a list.
 fn prompt_field(single: bool, i: usize) -> String {
     if single {
@@ -280,11 +328,12 @@ struct Meta {
 }
 
 /// The legacy parallel-list form: the prompt's entries (with `echo`), then the generated
-/// tokens, whose alternatives include the token itself as OpenAI's do. `offset` is advanced past
-/// the tokens (character offsets into the choice's text, as OpenAI counts them).
+/// tokens, whose alternatives include the token itself as OpenAI's do, in vLLM's order: the
+/// token itself first, then by rank. `offset` is advanced past the tokens (character offsets
+/// into the choice's text, as OpenAI counts them).
 fn legacy_logprobs(prompt: &[LegacyEntry], generated: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
-    let mut push = |token: &str, logprob: Option<f32>, top: Option<BTreeMap<String, f32>>| {
+    let mut push = |token: &str, logprob: Option<f32>, top: Option<TopLogprobsWire>| {
         out.tokens.push(token.to_string());
         out.token_logprobs.push(logprob);
         out.top_logprobs.push(top);
@@ -292,11 +341,17 @@ fn legacy_logprobs(prompt: &[LegacyEntry], generated: &[TokenLogprob], offset: &
         *offset += token.chars().count();
     };
     for e in prompt {
-        push(&e.token, e.logprob, e.top.as_ref().map(|t| t.iter().cloned().collect()));
+        let top = e.top.as_ref().map(|t| {
+            let mut top = TopLogprobsWire::default();
+            t.iter().for_each(|(s, lp)| top.push(s.clone(), *lp));
+            top
+        });
+        push(&e.token, e.logprob, top);
     }
     for t in generated {
-        let mut top: BTreeMap<String, f32> = t.top.iter().map(|(s, _, lp)| (s.clone(), *lp)).collect();
-        top.entry(t.token.clone()).or_insert(t.logprob);
+        let mut top = TopLogprobsWire::default();
+        top.push(t.token.clone(), t.logprob);
+        t.top.iter().for_each(|(s, _, lp)| top.push(s.clone(), *lp));
         push(&t.token, Some(t.logprob), Some(top));
     }
     out
@@ -310,13 +365,16 @@ struct CompletionStream {
     /// Whether each choice's echo is still to be sent: at the opening, or with its first update
     /// when the prompt's logprobs go with it.
     pending_echo: Vec<bool>,
+    /// With `return_token_ids`: whether each choice's prompt ids are still to be sent, with its
+    /// first token's chunk (as vLLM sends them, beside that token's logprobs).
+    pending_prompt_ids: Vec<bool>,
     /// Character offset of the next token in each choice's text.
     offsets: Vec<usize>,
     shape: Shape,
 }
 
 impl CompletionStream {
-    fn chunk(&self, choices: Vec<CompletionChoice>, usage: UsageField) -> Bytes {
+    fn chunk(&self, choices: Vec<CompletionChunkChoice>, usage: UsageField) -> Bytes {
         let usage = match (self.include_usage, usage) {
             (false, _) => UsageField::Absent,
             (true, UsageField::Absent) => UsageField::Null,
@@ -348,13 +406,15 @@ impl StreamFormat for CompletionStream {
             self.pending_echo[index] = false;
             let text = std::mem::take(&mut self.echoes[index].text);
             if !text.is_empty() {
-                let c = CompletionChoice {
+                let c = CompletionChunkChoice {
                     index,
                     text,
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
-                    prompt_logprobs: None,
+                    matched_stop: None,
+                    prompt_token_ids: None,
+                    token_ids: None,
                 };
                 chunks.push(self.chunk(vec![c], self.usage_so_far(usage)));
             }
@@ -367,7 +427,9 @@ impl StreamFormat for CompletionStream {
             // Only the echo and the end go out; the drawn token is not part of the answer.
             u.text.clear();
             u.logprobs.clear();
+            u.token_ids.clear();
             u.stop_reason = None;
+            u.stop_token = None;
             u.finish = u.finish.map(|_| FinishReason::Length);
         }
         let mut text = String::new();
@@ -376,21 +438,33 @@ impl StreamFormat for CompletionStream {
             text = std::mem::take(&mut self.echoes[u.index].text);
             report = self.shape.prompt_report(u.index, &self.echoes[u.index], u.prompt_logprobs.as_ref());
         }
+        let prompt_token_ids =
+            std::mem::take(&mut self.pending_prompt_ids[u.index]).then(|| self.echoes[u.index].prompt.clone());
         let prompt_entries = PromptReport::legacy_of(report.as_deref());
         text.push_str(&u.text);
-        if text.is_empty() && u.logprobs.is_empty() && prompt_entries.is_empty() && u.finish.is_none() {
+        let token_ids = (self.shape.return_token_ids && !u.token_ids.is_empty()).then(|| u.token_ids.clone());
+        if text.is_empty()
+            && u.logprobs.is_empty()
+            && prompt_entries.is_empty()
+            && u.finish.is_none()
+            && token_ids.is_none()
+            && prompt_token_ids.is_none()
+        {
             return None;
         }
         let has_logprobs = !u.logprobs.is_empty() || !prompt_entries.is_empty();
         let logprobs = (self.shape.logprobs.is_some() && has_logprobs)
             .then(|| legacy_logprobs(prompt_entries, &u.logprobs, &mut self.offsets[u.index]));
-        let c = CompletionChoice {
+        let matched_stop = u.matched_stop();
+        let c = CompletionChunkChoice {
             index: u.index,
             text,
             logprobs,
             finish_reason: u.finish.map(|f| f.as_str()),
             stop_reason: u.stop_reason,
-            prompt_logprobs: None,
+            matched_stop,
+            prompt_token_ids,
+            token_ids,
         };
         Some(self.chunk(vec![c], self.usage_so_far(usage)))
     }

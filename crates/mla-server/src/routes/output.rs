@@ -18,6 +18,10 @@ pub struct CollectedChoice {
     pub logprobs: Vec<TokenLogprob>,
     pub finish: Option<FinishReason>,
     pub stop_reason: Option<StopReason>,
+    /// SGLang's `matched_stop`.
+    pub matched_stop: Option<StopReason>,
+    /// Every generated id, for `return_token_ids`.
+    pub token_ids: Vec<u32>,
     /// The prompt's logprobs when they were asked for.
     pub prompt_logprobs: Option<Arc<Vec<PromptTokenLogprob>>>,
 }
@@ -27,10 +31,13 @@ pub async fn collect(mut generation: Generation) -> Result<(Vec<CollectedChoice>
     let mut choices = vec![CollectedChoice::default(); generation.num_choices()];
     while let Some(update) = generation.next().await {
         let u = update?;
+        let matched_stop = u.matched_stop();
         let c = &mut choices[u.index];
         c.text.push_str(&u.text);
         c.logprobs.extend(u.logprobs);
+        c.token_ids.extend(&u.token_ids);
         if u.finish.is_some() {
+            c.matched_stop = matched_stop;
             c.finish = u.finish;
             c.stop_reason = u.stop_reason;
         }

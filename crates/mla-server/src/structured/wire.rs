@@ -11,6 +11,10 @@
 //! - vLLM's newer `structured_outputs: {json | regex | choice | grammar | json_object}` with
 //!   `disable_any_whitespace`, `disable_additional_properties` and `whitespace_pattern`.
 //!
+//! - SGLang's `regex` (the same as `guided_regex`). Its `ebnf` (xgrammar's EBNF dialect) is
+//!   refused: llguidance reads Lark, and a converted grammar that accepted a different
+//!   language would be a silent difference; `guided_grammar` takes the grammar in Lark.
+//!
 //! More than one constraint in a request is a 400: vLLM refuses two `guided_*`/structured
 //! fields too, and which one would win otherwise is not obvious to a client.
 
@@ -28,6 +32,10 @@ pub struct StructuredWire {
     pub guided_grammar: Option<String>,
     pub guided_whitespace_pattern: Option<String>,
     pub structured_outputs: Option<StructuredOutputsWire>,
+    /// SGLang's.
+    pub regex: Option<String>,
+    /// SGLang's, read to refuse it.
+    pub ebnf: Option<String>,
 }
 
 /// vLLM's `StructuredOutputsParams`.
@@ -57,6 +65,12 @@ pub fn requested(w: StructuredWire) -> Result<Option<Requested>, ApiError> {
     if so.structural_tag.is_some() {
         return Err(unsupported("structured_outputs.structural_tag"));
     }
+    if w.ebnf.is_some() {
+        return Err(ApiError::invalid(
+            "ebnf",
+            "ebnf (xgrammar's EBNF) is not supported by this server; send the grammar in Lark syntax as guided_grammar",
+        ));
+    }
     let options = JsonOptions {
         compact: so.disable_any_whitespace.unwrap_or(false),
         whitespace_pattern: so.whitespace_pattern.or(w.guided_whitespace_pattern),
@@ -82,7 +96,7 @@ pub fn requested(w: StructuredWire) -> Result<Option<Requested>, ApiError> {
     if so.json_object == Some(true) {
         add("structured_outputs.json_object", StructuredOutput::JsonObject { options: options.clone() });
     }
-    for (field, rx) in [("guided_regex", w.guided_regex), ("structured_outputs.regex", so.regex)] {
+    for (field, rx) in [("guided_regex", w.guided_regex), ("structured_outputs.regex", so.regex), ("regex", w.regex)] {
         if let Some(rx) = rx {
             add(field, StructuredOutput::Regex(rx));
         }
@@ -108,6 +122,18 @@ pub fn requested(w: StructuredWire) -> Result<Option<Requested>, ApiError> {
         ));
     }
     Ok(found.pop())
+}
+
+/// vLLM's `allowed_token_ids` and a structured-output constraint both decide which tokens may
+/// be drawn, through one mask; a request may have one of them.
+pub fn refuse_with_allowed_tokens(requested: Option<&Requested>, allowed_token_ids: bool) -> Result<(), ApiError> {
+    match requested {
+        Some(r) if allowed_token_ids => Err(ApiError::invalid(
+            "allowed_token_ids",
+            format!("allowed_token_ids cannot be combined with {}: both restrict the tokens drawn", r.field),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn unsupported(field: &str) -> ApiError {

@@ -13,6 +13,8 @@ pub struct ModelLimits {
     pub eos_token_ids: Vec<u32>,
     /// `generation_config.json`'s `max_new_tokens`, which replaces the endpoint default.
     pub default_max_new_tokens: Option<usize>,
+    /// Most logprob alternatives a request may ask for (`--max-logprobs`, vLLM's default 20).
+    pub max_logprobs: usize,
 }
 
 /// What an unset `max_tokens` means for an endpoint.

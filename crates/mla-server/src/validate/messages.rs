@@ -6,13 +6,13 @@
 //! the OpenAI SDK sends as the string form, so both forms give the same prompt).
 //! OpenAI's `developer` role (its newer name for `system`) reaches the template as `system`: the
 //! DeepSeek templates know only system, user, assistant and tool, and would drop it silently.
+//! Any other role goes to the template as sent, as vLLM passes it: custom templates give roles of
+//! their own a meaning (the DeepSeek templates render none for them).
 
 use crate::error::ApiError;
 use crate::protocol::chat::{ContentWire, MessageWire};
 use crate::python_format::{json_dumps, JsonDumpsOptions};
 use serde_json::{Map, Value};
-
-const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 pub fn template_messages(messages: &[MessageWire]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
@@ -22,11 +22,8 @@ pub fn template_messages(messages: &[MessageWire]) -> Result<Vec<Value>, ApiErro
 }
 
 fn template_message(i: usize, m: &MessageWire) -> Result<Value, ApiError> {
-    if !ROLES.contains(&m.role.as_str()) {
-        return Err(ApiError::invalid(
-            format!("messages[{i}].role"),
-            format!("messages[{i}].role: unsupported role \"{}\" (expected one of {})", m.role, ROLES.join(", ")),
-        ));
+    if m.role.is_empty() {
+        return Err(ApiError::invalid(format!("messages[{i}].role"), format!("messages[{i}].role must not be empty")));
     }
     let content = match &m.content {
         Some(ContentWire::Text(s)) => Value::String(s.clone()),
@@ -188,10 +185,16 @@ mod tests {
     }
 
     #[test]
+    fn other_roles_reach_the_template_as_sent() {
+        let out = msgs(json!([{"role": "my-custom-role", "content": "aside"}])).unwrap();
+        assert_eq!(out[0], json!({"role": "my-custom-role", "content": "aside"}));
+    }
+
+    #[test]
     fn bad_messages_name_the_field() {
         let param = |v: Value| msgs(v).unwrap_err().body()["error"]["param"].as_str().unwrap().to_string();
         assert_eq!(param(json!([])), "messages");
-        assert_eq!(param(json!([{"role": "wizard", "content": "x"}])), "messages[0].role");
+        assert_eq!(param(json!([{"role": "", "content": "x"}])), "messages[0].role");
         assert_eq!(param(json!([{"role": "user"}])), "messages[0].content");
         assert_eq!(
             param(json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),

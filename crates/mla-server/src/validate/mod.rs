@@ -7,6 +7,7 @@ mod limits;
 mod tests;
 
 pub mod chat_options;
+pub mod extensions;
 pub mod messages;
 pub mod prompt;
 pub mod tools;
@@ -26,8 +27,8 @@ pub const MAX_N: i64 = 128;
 /// allows 4 strings; these leave room for clients that send more).
 pub const MAX_STOP_STRINGS: usize = 64;
 pub const MAX_STOP_STRING_BYTES: usize = 1024;
-/// Most logprob alternatives per token (vLLM's default `max_logprobs`).
-pub const MAX_LOGPROBS: i64 = 20;
+/// Most logprob alternatives per token unless `--max-logprobs` says otherwise (vLLM's default).
+pub const MAX_LOGPROBS: usize = 20;
 
 /// A request's parameters after validation, independent of the endpoint's wire shape.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,8 +67,9 @@ pub fn validate_params(
     max_tokens: (&str, Option<i64>),
     logprobs: Option<usize>,
     defaults: &GenerationDefaults,
-    vocab_size: usize,
+    limits: &ModelLimits,
 ) -> Result<ValidatedParams, ApiError> {
+    let vocab_size = limits.vocab_size;
     let temperature = w.temperature.or(defaults.temperature).unwrap_or(1.0);
     check_range("temperature", temperature, 0.0, 2.0)?;
     let top_p = w.top_p.or(defaults.top_p).unwrap_or(1.0);
@@ -142,7 +144,7 @@ pub fn validate_params(
         return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
     }
 
-    let prompt_logprobs = w.prompt_logprobs.map(|k| logprob_count("prompt_logprobs", k)).transpose()?;
+    let prompt_logprobs = w.prompt_logprobs.map(|k| logprob_count("prompt_logprobs", k, limits)).transpose()?;
     // vLLM's rule: a stream has no place for them (0 asks for none, so it passes).
     if stream && prompt_logprobs.is_some_and(|k| k > 0) {
         return Err(ApiError::invalid("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`"));
@@ -186,12 +188,20 @@ pub const MAX_LOGIT_BIAS: f64 = 100.0;
 
 /// `logit_bias` (token id strings -> bias) as sorted (token, bias) pairs.
 fn logit_bias(map: std::collections::BTreeMap<String, f64>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    // Every key that is not a token id is named at once, so a client fixes them in one go (vLLM's
+    // message lists them all).
+    let (ids, bad): (Vec<_>, Vec<_>) =
+        map.iter().map(|(k, b)| (k, k.trim().parse::<i64>(), *b)).partition(|e| e.1.is_ok());
+    if !bad.is_empty() {
+        let keys: Vec<String> = bad.iter().map(|(k, _, _)| format!("{k:?}")).collect();
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("logit_bias keys must be token ids, got {}", keys.join(", ")),
+        ));
+    }
     let mut bias = Vec::with_capacity(map.len());
-    for (key, b) in map {
-        let t = key
-            .trim()
-            .parse::<i64>()
-            .map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias keys must be token ids, got {key:?}")))?;
+    for (_, t, b) in ids {
+        let Ok(t) = t else { continue }; // partitioned above: every id here parsed
         let t = token_id("logit_bias", t, vocab_size)?;
         if !(b.is_finite() && (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b)) {
             return Err(ApiError::invalid(
@@ -210,24 +220,41 @@ fn logit_bias(map: std::collections::BTreeMap<String, f64>, vocab_size: usize) -
 }
 
 /// Chat's `logprobs: bool` + `top_logprobs: int` -> alternatives per token.
-pub fn chat_logprobs(logprobs: Option<bool>, top_logprobs: Option<i64>) -> Result<Option<usize>, ApiError> {
+pub fn chat_logprobs(
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
+    limits: &ModelLimits,
+) -> Result<Option<usize>, ApiError> {
     match (logprobs.unwrap_or(false), top_logprobs) {
         (false, Some(_)) => Err(ApiError::invalid("top_logprobs", "top_logprobs requires logprobs to be true")),
         (false, None) => Ok(None),
-        (true, k) => logprob_count("top_logprobs", k.unwrap_or(0)).map(Some),
+        (true, k) => logprob_count("top_logprobs", k.unwrap_or(0), limits).map(Some),
     }
 }
 
 /// Completions' `logprobs: int` -> alternatives per token.
-pub fn completion_logprobs(logprobs: Option<i64>) -> Result<Option<usize>, ApiError> {
-    logprobs.map(|k| logprob_count("logprobs", k)).transpose()
+pub fn completion_logprobs(logprobs: Option<i64>, limits: &ModelLimits) -> Result<Option<usize>, ApiError> {
+    logprobs.map(|k| logprob_count("logprobs", k, limits)).transpose()
 }
 
-fn logprob_count(field: &str, k: i64) -> Result<usize, ApiError> {
-    if (0..=MAX_LOGPROBS).contains(&k) {
-        Ok(k as usize)
+/// At most `--max-logprobs` alternatives; -1 asks for the whole vocabulary, as in vLLM.
+fn logprob_count(field: &str, k: i64, limits: &ModelLimits) -> Result<usize, ApiError> {
+    let max = limits.max_logprobs;
+    let count = match k {
+        -1 => limits.vocab_size,
+        k if k >= 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        _ => usize::MAX,
+    };
+    if count <= max {
+        Ok(count)
     } else {
-        Err(ApiError::invalid(field, format!("{field} must be between 0 and {MAX_LOGPROBS}, got {k}")))
+        Err(ApiError::invalid(
+            field,
+            format!(
+                "{field} must be between 0 and {max} (the server's --max-logprobs), or -1 for the whole vocabulary \
+                 when --max-logprobs allows it; got {k}"
+            ),
+        ))
     }
 }
 

@@ -9,7 +9,7 @@ fn wire(v: serde_json::Value) -> SamplingWire {
 
 fn validate(v: serde_json::Value) -> Result<ValidatedParams, ApiError> {
     let max = v.get("max_tokens").and_then(|m| m.as_i64());
-    validate_params(wire(v), ("max_tokens", max), None, &GenerationDefaults::default(), 512)
+    validate_params(wire(v), ("max_tokens", max), None, &GenerationDefaults::default(), &limits())
 }
 
 fn param_of(e: ApiError) -> String {
@@ -87,21 +87,25 @@ fn type_errors_are_400_with_the_json_path() {
 #[test]
 fn generation_config_beats_openai_defaults_but_not_the_request() {
     let d = GenerationDefaults { temperature: Some(0.6), top_p: Some(0.95), ..Default::default() };
-    let p = validate_params(wire(json!({})), ("max_tokens", None), None, &d, 512).unwrap();
+    let p = validate_params(wire(json!({})), ("max_tokens", None), None, &d, &limits()).unwrap();
     assert_eq!((p.sampling.temperature, p.sampling.top_p), (0.6, 0.95));
-    let p = validate_params(wire(json!({"temperature": 0.2})), ("max_tokens", None), None, &d, 512).unwrap();
+    let p = validate_params(wire(json!({"temperature": 0.2})), ("max_tokens", None), None, &d, &limits()).unwrap();
     assert_eq!(p.sampling.temperature, 0.2);
 }
 
 #[test]
 fn logprob_fields() {
-    assert_eq!(chat_logprobs(None, None).unwrap(), None);
-    assert_eq!(chat_logprobs(Some(true), None).unwrap(), Some(0));
-    assert_eq!(chat_logprobs(Some(true), Some(5)).unwrap(), Some(5));
-    assert_eq!(param_of(chat_logprobs(Some(false), Some(2)).unwrap_err()), "top_logprobs");
-    assert_eq!(param_of(chat_logprobs(Some(true), Some(21)).unwrap_err()), "top_logprobs");
-    assert_eq!(completion_logprobs(Some(3)).unwrap(), Some(3));
-    assert_eq!(param_of(completion_logprobs(Some(-1)).unwrap_err()), "logprobs");
+    assert_eq!(chat_logprobs(None, None, &limits()).unwrap(), None);
+    assert_eq!(chat_logprobs(Some(true), None, &limits()).unwrap(), Some(0));
+    assert_eq!(chat_logprobs(Some(true), Some(5), &limits()).unwrap(), Some(5));
+    assert_eq!(param_of(chat_logprobs(Some(false), Some(2), &limits()).unwrap_err()), "top_logprobs");
+    assert_eq!(param_of(chat_logprobs(Some(true), Some(21), &limits()).unwrap_err()), "top_logprobs");
+    assert_eq!(completion_logprobs(Some(3), &limits()).unwrap(), Some(3));
+    assert_eq!(param_of(completion_logprobs(Some(-1), &limits()).unwrap_err()), "logprobs");
+    // -1 is the whole vocabulary, allowed once --max-logprobs reaches it (vLLM's rule).
+    let wide = ModelLimits { max_logprobs: 512, ..limits() };
+    assert_eq!(completion_logprobs(Some(-1), &wide).unwrap(), Some(512));
+    assert_eq!(chat_logprobs(Some(true), Some(21), &wide).unwrap(), Some(21));
 }
 
 #[test]
@@ -129,7 +133,13 @@ fn completions_refuse_tools() {
 }
 
 fn limits() -> ModelLimits {
-    ModelLimits { max_model_len: 100, vocab_size: 512, eos_token_ids: vec![1], default_max_new_tokens: None }
+    ModelLimits {
+        max_model_len: 100,
+        vocab_size: 512,
+        eos_token_ids: vec![1],
+        default_max_new_tokens: None,
+        max_logprobs: 20,
+    }
 }
 
 #[test]
@@ -166,7 +176,7 @@ fn generation_config_max_new_tokens_replaces_the_default() {
 fn params_of(body: serde_json::Value) -> Result<ValidatedParams, ApiError> {
     let w: SamplingWire = parse_fields(&body).unwrap();
     let max = w.max_tokens;
-    validate_params(w, ("max_tokens", max), None, &GenerationDefaults::default(), 512)
+    validate_params(w, ("max_tokens", max), None, &GenerationDefaults::default(), &limits())
 }
 
 #[test]
@@ -177,6 +187,10 @@ fn logit_bias_is_checked_and_sorted() {
         let err = params_of(json!({ "logit_bias": bad })).unwrap_err();
         assert_eq!(param_of(err), "logit_bias", "{bad}");
     }
+    // Every key that is not a token id is named, not only the first.
+    let err = params_of(json!({"logit_bias": {"bad1": 50, "bad2": 20, "5": 1}})).unwrap_err();
+    let message = err.body()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("\"bad1\"") && message.contains("\"bad2\""), "{message}");
 }
 
 #[test]

@@ -212,6 +212,7 @@ pub fn server(opts: Options) -> TestServer {
             vocab_size: 512,
             eos_token_ids: vec![1],
             default_max_new_tokens: None,
+            max_logprobs: mla_server::validate::MAX_LOGPROBS,
         },
         defaults: GenerationDefaults::default(),
         text: text.clone(),
@@ -219,6 +220,9 @@ pub fn server(opts: Options) -> TestServer {
         api_key: opts.api_key,
         started: 0,
         grammars: Some(Arc::new(Grammars::new(text, 512, &[1]).unwrap())),
+        metrics: Default::default(),
+        force_include_usage: false,
+        return_tokens_as_token_ids: false,
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
     let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };

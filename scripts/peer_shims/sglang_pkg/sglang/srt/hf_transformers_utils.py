@@ -1,0 +1,5 @@
+import launch
+
+
+def get_tokenizer(*a, **k):
+    return launch.demo_tokenizer()
