@@ -15,7 +15,8 @@
 //!   stop string, and leaves the others running); dropping the stream aborts the request within
 //!   one engine step.
 //!
-//! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `scheduler`
+//! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `cache_index`
+//! (every rank's cached block hashes, read by the router on the submitting threads), `scheduler`
 //! (continuous batching policy, public so it can be tested and reused per DP rank), `engine`
 //! (the handle and the engine thread), `metrics` (counters and histograms), `request_stats`
 //! (what is recorded about each request when it ends), `sequence`
@@ -24,6 +25,7 @@
 pub mod api;
 pub mod block_manager;
 mod buckets;
+pub mod cache_index;
 mod engine;
 mod id_map;
 mod metrics;
