@@ -25,6 +25,36 @@ pub struct EngineConfig {
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).
     pub step_watchdog: std::time::Duration,
+    /// Which attention rank (of which replica) a request goes to; nothing to choose with one.
+    pub router: RouterConfig,
+}
+
+/// How requests are spread over the attention ranks (`--dp` replicas, DP-attention ranks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterConfig {
+    pub policy: RouterPolicy,
+    /// The balance rule of `RouterPolicy::Prefix`: the rank holding the longest cached prefix
+    /// is passed over for the least-loaded rank when its load (tokens its requests may hold)
+    /// exceeds that rank's by more than `balance_abs_tokens` and is more than `balance_rel`
+    /// times it. `None`: an eighth of the smallest rank's KV cache.
+    pub balance_abs_tokens: Option<u64>,
+    pub balance_rel: f64,
+}
+
+impl Default for RouterConfig {
+    /// Prefix-aware, with SGLang's relative gap (its router's `--balance-rel-threshold`).
+    fn default() -> Self {
+        RouterConfig { policy: RouterPolicy::Prefix, balance_abs_tokens: None, balance_rel: 1.5 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterPolicy {
+    /// To the rank whose prefix cache holds the longest start of the prompt, within the
+    /// balance rule; the least loaded when none holds more than another. Needs prefix caching.
+    Prefix,
+    /// To the rank with the least work, whatever the caches hold.
+    LeastLoaded,
 }
 
 /// A validated generation request in token space.
@@ -203,6 +233,30 @@ pub struct RankStats {
     pub kv_capacity_tokens: usize,
     /// Tokens its live requests may hold at most (what the router balances).
     pub load_tokens: u64,
+    /// Its prefix cache's counters (as `EngineStats::prefix_cache_queries` and `_hits`).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+}
+
+/// The router's decisions since start, by reason (see `RouterPolicy`). A layout with one
+/// attention rank decides nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoutingStats {
+    /// To the rank holding the longest cached prefix.
+    pub prefix: u64,
+    /// To the least-loaded rank, the prefix holder having too much work (the balance rule).
+    pub balance: u64,
+    /// To the least-loaded rank, no rank holding more of the prefix than another (or the
+    /// request wanting prompt logprobs, which computes its whole prompt anyway).
+    pub tie: u64,
+    /// To the least-loaded rank under `RouterPolicy::LeastLoaded`.
+    pub least_loaded: u64,
+}
+
+impl RoutingStats {
+    pub fn total(&self) -> u64 {
+        self.prefix + self.balance + self.tie + self.least_loaded
+    }
 }
 
 /// A consistent snapshot of the engine's counters, for `/metrics` and the startup log.
@@ -227,6 +281,7 @@ pub struct EngineStats {
     /// Prompt tokens looked up in the prefix cache at admission, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    pub routing: RoutingStats,
     /// Structured-output grammar masks computed, and the host time it took.
     pub structured_masks: MaskStats,
     /// Seconds.
@@ -267,6 +322,11 @@ impl EngineStats {
         self.preemptions_total += o.preemptions_total;
         self.prefix_cache_queries += o.prefix_cache_queries;
         self.prefix_cache_hits += o.prefix_cache_hits;
+        let r = &o.routing;
+        self.routing.prefix += r.prefix;
+        self.routing.balance += r.balance;
+        self.routing.tie += r.tie;
+        self.routing.least_loaded += r.least_loaded;
         self.structured_masks.merge(&o.structured_masks);
         self.time_to_first_token.merge(&o.time_to_first_token);
         self.inter_token_latency.merge(&o.inter_token_latency);

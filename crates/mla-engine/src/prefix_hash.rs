@@ -13,7 +13,8 @@ use std::hash::{BuildHasher, Hasher};
 
 pub type BlockHash = u128;
 
-/// The keyed hash function of one scheduler's cache.
+/// The keyed hash function of a prefix cache. The ranks of one engine share it (cloning keeps
+/// the keys), so the router looks one chain of a prompt's hashes up in all of them.
 #[derive(Debug, Clone)]
 pub struct PrefixHasher {
     keys: [RandomState; 2],

@@ -305,8 +305,22 @@ mod tests {
     #[test]
     fn per_rank_gauges_carry_a_rank_label() {
         let ranks = vec![
-            RankStats { running: 4, waiting: 1, kv_usage: 0.5, kv_capacity_tokens: 64, load_tokens: 900 },
-            RankStats { running: 2, waiting: 0, kv_usage: 0.125, kv_capacity_tokens: 64, load_tokens: 300 },
+            RankStats {
+                running: 4,
+                waiting: 1,
+                kv_usage: 0.5,
+                kv_capacity_tokens: 64,
+                load_tokens: 900,
+                ..Default::default()
+            },
+            RankStats {
+                running: 2,
+                waiting: 0,
+                kv_usage: 0.125,
+                kv_capacity_tokens: 64,
+                load_tokens: 300,
+                ..Default::default()
+            },
         ];
         let text = render("m", &MetricsConfig::default(), &EngineStats { ranks, ..Default::default() });
         assert!(text.contains("mla:num_attention_ranks{model_name=\"m\"} 2\n"));
