@@ -82,15 +82,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             seed: args.seed,
             prefix_caching: !args.no_enable_prefix_caching,
             step_watchdog: args.watchdog(),
-            // Routing by prefix needs the caches; without them, by load.
-            router: mla_engine::RouterConfig {
-                policy: if args.no_enable_prefix_caching {
-                    mla_engine::RouterPolicy::LeastLoaded
-                } else {
-                    mla_engine::RouterPolicy::Prefix
-                },
-                ..mla_engine::RouterConfig::default()
-            },
+            router: args.routing.config(!args.no_enable_prefix_caching),
         },
     )?;
 
