@@ -206,8 +206,7 @@ __device__ __forceinline__ void decode_attention_body(
             }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 1));
-            wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 2));
+            wmax[i] = quad_max(wmax[i]);
         }
         if (dg == 0 && t4 == 0) {
             red_max[kg * HT + g] = wmax[0];
@@ -242,8 +241,7 @@ __device__ __forceinline__ void decode_attention_body(
         if constexpr (NWARPS == 4) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 1);
-                wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 2);
+                wsum[i] = quad_sum(wsum[i]);
             }
             if (t4 == 0) {
                 red_sum[warp * HT + g] = wsum[0];
@@ -298,8 +296,7 @@ __device__ __forceinline__ void decode_attention_body(
         // Row sums: the four lanes of a row, then the four key groups (dim-half-0 warps).
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+            l[i] = quad_sum(l[i]);
         }
         if (dg == 0 && t4 == 0) {
             red_sum[kg * HT + g] = l[0];
