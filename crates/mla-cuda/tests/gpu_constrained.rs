@@ -82,9 +82,10 @@ struct Cycle {
 }
 
 impl TokenConstraint for Cycle {
-    fn fill_mask(&mut self, mask: &mut [u32]) {
+    fn fill_mask(&mut self, mask: &mut [u32], _: std::time::Instant) -> Result<(), String> {
         let t = self.cycle[self.drawn % self.cycle.len()];
         mask[t as usize / 32] |= 1 << (t % 32);
+        Ok(())
     }
 
     fn accept(&mut self, token: u32) -> Result<(), String> {

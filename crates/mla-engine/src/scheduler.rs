@@ -56,6 +56,7 @@ mod fairness;
 mod steps;
 
 pub use admission::{blocks_to_admit, reusable_blocks, shared_prefix_len};
+pub use constraints::FilledMasks;
 
 /// The limits scheduling obeys (a subset of `EngineConfig`).
 #[derive(Debug, Clone, Copy)]

@@ -378,13 +378,23 @@ impl Worker {
         // Structured-output masks are computed now, while the backend runs the forward pass;
         // its sampler waits for them.
         let (vocab, started) = (self.backend.model_config().vocab_size, Instant::now());
-        let masks: usize = self.ranks.iter_mut().map(|s| s.fill_masks(vocab, self.mask_threads)).sum();
+        let (mut masks, mut failed) = (0, vec![]);
+        for rank in self.ranks.iter_mut() {
+            let filled = rank.fill_masks(vocab, self.mask_threads);
+            masks += filled.count;
+            failed.extend(filled.failed);
+        }
         if masks > 0 {
             self.masks.record(masks, started.elapsed());
         }
         plans.iter().for_each(|p| self.mark_scheduled(p));
         self.count_step_tokens(&plans);
         self.announce_admissions();
+        // A request whose constraint failed leaves now; the step still computes its rows, and
+        // applying it skips requests that are gone, so its token is never delivered.
+        for (id, why) in failed {
+            self.fail(id, format!("structured output: {why}"));
+        }
         InFlight { plans }
     }
 

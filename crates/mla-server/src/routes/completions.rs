@@ -71,10 +71,12 @@ pub async fn handle(
     let max_model_len = state.limits.max_model_len;
     let single = inputs.len() == 1;
     let stops = params.stop.clone();
-    let grammars = state.grammars.clone();
-    let (prompts, stop, grammar) = blocking(move || {
-        // One compilation serves every prompt and every completion of the request.
-        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
+    // One compilation serves every prompt and every completion of the request.
+    let grammar = match &structured {
+        Some(r) => Some(structured::compile_requested(state.grammars.as_ref(), r).await?),
+        None => None,
+    };
+    let (prompts, stop) = blocking(move || {
         let prompts = inputs
             .into_iter()
             .enumerate()
@@ -88,7 +90,7 @@ pub async fn handle(
                 }
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        Ok((prompts, stop_matcher(stops)?, grammar))
+        Ok((prompts, stop_matcher(stops)?))
     })
     .await?;
     let mut requests = Vec::with_capacity(prompts.len());
