@@ -513,6 +513,29 @@ async fn tokenize_messages_counts_the_chat_prompt() {
     assert_ne!(counts[2], counts[0], "the options shape the prompt: {counts:?}");
 }
 
+/// `/tokenize` refuses what the generation endpoints refuse: more tokens than the context holds,
+/// for a prompt and for messages, counted without tokenizing a long text whole.
+#[tokio::test]
+async fn tokenize_refuses_prompts_longer_than_the_context() {
+    let s = server(Options::default());
+    // Byte-level tokens of the demo tokenizer: 'z' is one token, so MAX_MODEL_LEN of them fit
+    // with no BOS and one more does not.
+    let fits = "z".repeat(common::MAX_MODEL_LEN);
+    let r = s.post("/tokenize", json!({"prompt": fits, "add_special_tokens": false})).await;
+    assert_eq!((r.status.as_u16(), r.json()["count"].clone()), (200, json!(common::MAX_MODEL_LEN)), "{}", r.text);
+    let over = format!("{fits}z");
+    let long = "lorem ipsum ".repeat(20_000);
+    for body in [
+        json!({"prompt": over, "add_special_tokens": false}),
+        json!({"prompt": long}),
+        json!({"messages": [{"role": "user", "content": long}]}),
+    ] {
+        let r = s.post("/tokenize", body.clone()).await;
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert_eq!(r.json()["error"]["code"], "context_length_exceeded", "{body}");
+    }
+}
+
 /// `/tokenize`'s answers to bad `messages` and chat fields: which one, and what it says.
 #[tokio::test]
 async fn tokenize_message_errors_name_the_field() {
