@@ -109,7 +109,8 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, spare: &mut Vec<SeqStep>) -> Se
     let seq = g.seq(key.slot).expect("resident sequence exists");
     let mut end = seq.computed + seq.uncomputed().min(at_most);
     let logits = match &g.prompt_logprobs {
-        Some(p) if p.wants(seq.computed, end) => {
+        // One sequence per plan asks for the rows of positions still missing (see `claim`).
+        Some(p) if p.claim(seq.computed, end.min(seq.computed + LOGITS_CHUNK)) => {
             end = end.min(seq.computed + LOGITS_CHUNK);
             LogitsRequest::All
         }
