@@ -444,9 +444,10 @@ async fn structured_output_reaches_the_engine_and_bad_grammars_are_400() {
     assert_eq!(r.status, 400, "{}", r.text);
 }
 
-/// Prompt logprobs depend only on the prompt: with several prompts and `n: 2`, every choice
-/// reports exactly what a request for its prompt alone with `n: 1` reports, in vLLM's
-/// `prompt_logprobs` and in the legacy `logprobs` object that `echo` heads with the prompt.
+/// Prompt logprobs depend only on the prompt: with several prompts and `n: 2`, the first choice
+/// of each prompt reports exactly what a request for its prompt alone with `n: 1` reports in
+/// vLLM's `prompt_logprobs` (the others leave it out rather than repeat it), and every choice in
+/// the legacy `logprobs` object that `echo` heads with the prompt.
 #[tokio::test]
 async fn prompt_logprobs_of_n_choices_are_their_prompts() {
     let s = server(Options::default());
@@ -480,7 +481,11 @@ async fn prompt_logprobs_of_n_choices_are_their_prompts() {
     assert_eq!(choices.len(), 4);
     for (i, c) in choices.iter().enumerate() {
         // Choices are prompt-major: prompt i owns choices 2i and 2i + 1.
-        assert_eq!(reported(c), alone[i / 2], "choice {i}");
+        let (vllm, legacy) = reported(c);
+        assert_eq!(legacy, alone[i / 2].1, "choice {i}");
+        let once = if i % 2 == 0 { alone[i / 2].0.clone() } else { "null".to_string() };
+        assert_eq!(vllm, once, "choice {i}");
+        assert_eq!(c.get("prompt_logprobs").is_some(), i % 2 == 0, "choice {i}: the field is left out");
     }
 }
 

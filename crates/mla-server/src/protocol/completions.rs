@@ -54,7 +54,8 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<StopReason>,
-    /// vLLM's `prompt_logprobs`, when asked for (shared by the prompt's choices).
+    /// vLLM's `prompt_logprobs`, when asked for: on the first choice of each prompt only (vLLM
+    /// repeats them on each of the `n`, which multiplied a 20 KB request into 648 MB).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Arc<PromptLogprobsWire>>,
 }

@@ -68,6 +68,8 @@ pub async fn handle(
     let stops = params.stop.clone();
     let (prompt, stop) =
         blocking(move || Ok((text.chat_prompt(&messages, max_model_len, &options)?, stop_matcher(stops)?))).await?;
+    // Chat reports the prompt's logprobs once, on the response.
+    prompt_logprobs::check_response_size(&[prompt.len()], 1, params.prompt_logprobs, None)?;
     let mut request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
     match (&grammar, parsing.reasoning.is_some()) {
         (Some(g), true) => structured::constrain_after_reasoning(&mut request, g),

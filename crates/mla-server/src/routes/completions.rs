@@ -93,6 +93,8 @@ pub async fn handle(
         Ok((prompts, stop_matcher(stops)?))
     })
     .await?;
+    let lens: Vec<usize> = prompts.iter().map(|(tokens, _)| tokens.len()).collect();
+    prompt_logprobs::check_response_size(&lens, params.n, explicit_prompt_logprobs, echo_logprobs)?;
     let mut requests = Vec::with_capacity(prompts.len());
     let mut echoes = Vec::new();
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
@@ -183,7 +185,8 @@ impl Shape {
             logprobs,
             finish_reason: finish,
             stop_reason,
-            prompt_logprobs: report.and_then(|r| r.vllm.clone()),
+            // Once per prompt, on its first choice: the others would repeat it n - 1 times.
+            prompt_logprobs: report.filter(|_| index.is_multiple_of(self.prompts.n)).and_then(|r| r.vllm.clone()),
         }
     }
 
