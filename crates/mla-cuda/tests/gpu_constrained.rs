@@ -69,7 +69,7 @@ fn run(engine: &EngineHandle, req: GenerateRequest) -> (Vec<u32>, Option<FinishR
                 finish = f;
             }
             EngineEvent::Finished { reason, .. } => finish = Some(reason),
-            EngineEvent::Error { message } => panic!("engine error: {message}"),
+            EngineEvent::Error { message } | EngineEvent::Rejected { message } => panic!("engine error: {message}"),
         }
     }
     (tokens, finish)
@@ -129,7 +129,7 @@ fn constraints_decide_every_token_on_eager_and_graph_steps() {
         while let Some(ev) = stream.events.blocking_recv() {
             match ev {
                 EngineEvent::Token { token, .. } => tokens.push(token),
-                EngineEvent::Error { message } => panic!("request {i}: {message}"),
+                EngineEvent::Error { message } | EngineEvent::Rejected { message } => panic!("request {i}: {message}"),
                 _ => {}
             }
         }

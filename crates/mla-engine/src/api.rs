@@ -73,10 +73,11 @@ pub trait TokenConstraint: Send {
     /// with one bit per vocabulary entry; at least one token must be allowed (a finished grammar
     /// allows the end-of-sequence token). The work must end by `deadline` (`MASK_BUDGET` after
     /// it starts). An error (the deadline passed, the grammar allows nothing here, it failed)
-    /// ends this request alone with the message; the other requests of the step go on.
+    /// rejects this request alone with the message (`EngineEvent::Rejected`); the other
+    /// requests of the step go on.
     fn fill_mask(&mut self, mask: &mut [u32], deadline: Instant) -> Result<(), String>;
-    /// Records the token drawn. An error means the token breaks the constraint; the completion
-    /// then ends (aborted) with the message logged.
+    /// Records the token drawn. An error (the token breaks the constraint, or following it
+    /// failed, e.g. past a grammar limit) rejects the request the same way.
     fn accept(&mut self, token: u32) -> Result<(), String>;
 }
 
@@ -144,6 +145,10 @@ pub enum EngineEvent {
     Finished { index: usize, reason: FinishReason },
     /// The request failed inside the engine; no more events follow.
     Error { message: String },
+    /// The request cannot go on by its own doing: its structured-output constraint failed (its
+    /// mask outran `MASK_BUDGET`, its grammar outgrew its memory, it allows no token). The
+    /// server reports it as the client's error. No more events follow.
+    Rejected { message: String },
 }
 
 /// Refusals at submission; the server maps them to HTTP statuses.

@@ -93,6 +93,9 @@ pub struct Applied {
     pub tokens: Vec<TokenOutcome>,
     /// Requests whose completions have all finished; the scheduler has forgotten them.
     pub finished_requests: Vec<u64>,
+    /// Requests whose constraint refused a drawn token or failed following it, with why: the
+    /// engine rejects them (their token is not among `tokens`).
+    pub rejected: Vec<(u64, String)>,
 }
 
 /// What `Scheduler::finish_completion` ended.
@@ -301,11 +304,21 @@ impl Scheduler {
                     }
                     computed
                 }
-                (Slot::Completion(i), Some(tok)) => {
-                    let finish = g.push_token(i, tok.token, self.cfg.max_model_len);
-                    applied.tokens.push(TokenOutcome { request: key.request, index: i, token: tok.clone(), finish });
-                    finish.is_some()
-                }
+                (Slot::Completion(i), Some(tok)) => match g.push_token(i, tok.token, self.cfg.max_model_len) {
+                    Ok(finish) => {
+                        applied.tokens.push(TokenOutcome {
+                            request: key.request,
+                            index: i,
+                            token: tok.clone(),
+                            finish,
+                        });
+                        finish.is_some()
+                    }
+                    Err(why) => {
+                        applied.rejected.push((key.request, why));
+                        false
+                    }
+                },
                 (Slot::Completion(_), None) => false,
             };
             if !leaves {

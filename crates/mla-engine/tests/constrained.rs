@@ -143,8 +143,9 @@ fn a_failing_constraint_fails_its_request_and_no_other() {
             let good = request(prompts(2).remove(1), SamplingParams::greedy(), None, 5);
             let (mut b, mut g) = (engine.submit(bad).unwrap(), engine.submit(good).unwrap());
             let (b, g) = (collect(&mut b, 1), collect(&mut g, 1));
-            let error = b.error.unwrap_or_default();
-            assert!(error.starts_with("structured output: ") && error.contains(want), "{name} {how:?}: {error}");
+            assert_eq!(b.error, None, "{name} {how:?}: the request's own doing, not an engine error");
+            let why = b.rejected.unwrap_or_default();
+            assert!(why.starts_with("structured output: ") && why.contains(want), "{name} {how:?}: {why}");
             // The two good draws arrived; the failed draw's token did not.
             assert_eq!(b.tokens[0], vec![3, 3], "{name} {how:?}");
             assert_eq!((g.error, g.tokens[0].len()), (None, 5), "{name} {how:?}");
@@ -174,11 +175,50 @@ fn a_constraint_failing_in_one_completion_ends_the_whole_request_once() {
         let mut stream = engine.submit(bad).unwrap();
         let mut errors = 0;
         while let Some(event) = next_event(&mut stream.events) {
-            if matches!(event, EngineEvent::Error { .. }) {
+            if matches!(event, EngineEvent::Rejected { .. } | EngineEvent::Error { .. }) {
                 errors += 1;
             }
         }
-        assert_eq!(errors, 1, "{name}: one error for the request, not one per completion");
+        assert_eq!(errors, 1, "{name}: one rejection for the request, not one per completion");
+        engine.shutdown(Duration::from_secs(1));
+    }
+}
+
+/// Allows every token, but fails to follow the `fail_at`th one drawn (as a grammar engine past
+/// one of its limits does).
+struct BreaksAt {
+    fail_at: usize,
+    drawn: usize,
+}
+
+impl TokenConstraint for BreaksAt {
+    fn fill_mask(&mut self, mask: &mut [u32], _: Instant) -> Result<(), String> {
+        mask.iter_mut().for_each(|w| *w = u32::MAX);
+        Ok(())
+    }
+    fn accept(&mut self, _: u32) -> Result<(), String> {
+        self.drawn += 1;
+        match self.drawn == self.fail_at {
+            true => Err("too many expressions".into()),
+            false => Ok(()),
+        }
+    }
+}
+
+#[test]
+fn a_constraint_that_cannot_follow_a_token_rejects_its_request() {
+    for (name, backend) in backends() {
+        let engine = Engine::start(backend, engine_config(MAX_LEN)).unwrap();
+        let mut bad = request(prompts(2).remove(0), SamplingParams::greedy(), None, 6);
+        bad.constraint = Some(ConstraintFactory(Arc::new(|| {
+            Box::new(BreaksAt { fail_at: 3, drawn: 0 }) as Box<dyn TokenConstraint>
+        })));
+        let good = request(prompts(2).remove(1), SamplingParams::greedy(), None, 6);
+        let (mut b, mut g) = (engine.submit(bad).unwrap(), engine.submit(good).unwrap());
+        let (b, g) = (collect(&mut b, 1), collect(&mut g, 1));
+        assert_eq!(b.rejected.as_deref(), Some("structured output: too many expressions"), "{name}");
+        assert_eq!(b.tokens[0].len(), 2, "{name}: the token it could not follow is not delivered");
+        assert_eq!((g.error, g.rejected, g.tokens[0].len()), (None, None, 6), "{name}");
         engine.shutdown(Duration::from_secs(1));
     }
 }
