@@ -4,8 +4,8 @@
 //!
 //! A compilation recurses as deep as the grammar nests (the checks of `limits` keep that within
 //! the stack), and llguidance cannot be interrupted while compiling. So the request waits at most
-//! `COMPILE_TIMEOUT` for a slot and its compilation together; a compilation still running then
-//! keeps its slot until it ends, so abandoned ones cannot pile up. When the server starts
+//! `COMPILE_TIMEOUT` for a slot, then at most as long for its compilation; a compilation still
+//! running then keeps its slot until it ends, so abandoned ones cannot pile up. When the server starts
 //! shutting down (`close`), every request waiting here is answered at once: the engine takes no
 //! new work by then, and the process does not wait for compilations to end.
 
@@ -23,7 +23,7 @@ pub struct CompileSlots {
 pub enum NotCompiled {
     /// No slot came free within `COMPILE_TIMEOUT`.
     Busy,
-    /// It ran past `COMPILE_TIMEOUT`.
+    /// It ran past `COMPILE_TIMEOUT` (counted from when it got its slot).
     TimedOut,
     /// The server is shutting down.
     ShuttingDown,
@@ -43,8 +43,8 @@ impl CompileSlots {
 
     /// Runs `job` on a compile thread and waits for its result.
     pub async fn run<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, NotCompiled> {
-        let deadline = tokio::time::Instant::now() + COMPILE_TIMEOUT;
         let mut closing = self.closing.subscribe();
+        let deadline = tokio::time::Instant::now() + COMPILE_TIMEOUT;
         if *closing.borrow_and_update() {
             return Err(NotCompiled::ShuttingDown);
         }
@@ -57,6 +57,7 @@ impl CompileSlots {
             _ = closing.wait_for(|&c| c) => return Err(NotCompiled::ShuttingDown),
         };
         let (tx, rx) = oneshot::channel();
+        let deadline = tokio::time::Instant::now() + COMPILE_TIMEOUT;
         std::thread::Builder::new()
             .name("mla-grammar".into())
             .stack_size(COMPILE_STACK)

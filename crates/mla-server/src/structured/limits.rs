@@ -38,9 +38,8 @@ pub const MAX_REGEX_BYTES: usize = 16 << 10;
 /// Most optional items (`x?`, `x*`, `x{0,n}`, an empty alternative) in one such regex.
 pub const MAX_OPTIONAL_ITEMS: usize = 1024;
 
-/// How long a request waits for its grammar: for a compile slot and the compilation. Past it,
-/// a compilation that ran is refused with 400 (the grammar is too expensive) and one that never
-/// got a slot with 503 (the compilers are busy).
+/// How long a request waits for a compile slot (503 past it: the compilers are busy), and then
+/// for its compilation (400 past it: the grammar is too expensive).
 pub const COMPILE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// llguidance's lexer states for one grammar (its default is 250,000 at 1-2 KB each).

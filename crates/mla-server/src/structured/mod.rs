@@ -418,9 +418,9 @@ impl CompiledGrammar {
 }
 
 /// Compiles a request's constraint on a compile thread (`compile_thread`), waiting at most
-/// `limits::COMPILE_TIMEOUT`. An invalid schema, regex or grammar, or one past a limit, is a 400
-/// naming the field; a busy server a 503. `grammars` is `None` when the model cannot do
-/// structured output (no EOS token).
+/// `limits::COMPILE_TIMEOUT` for a slot and as long for the compilation. An invalid schema,
+/// regex or grammar, or one past a limit, is a 400 naming the field; a busy server a 503.
+/// `grammars` is `None` when the model cannot do structured output (no EOS token).
 pub async fn compile_requested(
     grammars: Option<&Arc<Grammars>>,
     r: &wire::Requested,
