@@ -115,6 +115,19 @@ def test_tokenize_is_held_to_the_context(guarded):
     assert requests.get(guarded.base + "/health", timeout=1).status_code == 200
 
 
+def test_a_50_mb_tokenize_body_is_refused_within_the_memory_bound():
+    # The body limit raised as in the issue (it passed 8 GB), the text counted a bounded prefix.
+    server = Server("--max-model-len", "4096", "--max-request-body-bytes", str(64 << 20))
+    try:
+        words = ("lorem ipsum dolor sit amet " * ((50 << 20) // 27 + 1))[: 50 << 20]
+        r = requests.post(server.base + "/tokenize", json={"prompt": words}, timeout=120)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded"), r.text
+        assert_memory(hostile.process_memory(server.proc.pid), "a 50 MB /tokenize body")
+        assert requests.get(server.base + "/health", timeout=1).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_typed_tool_markers_stay_text(guarded):
     markers = ["<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>"]
     tokenize = lambda body: requests.post(guarded.base + "/tokenize", json=body, timeout=30).json()  # noqa: E731
