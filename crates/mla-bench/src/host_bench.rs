@@ -291,7 +291,9 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
                     EngineEvent::Finished { .. }
                     | EngineEvent::Admitted { .. }
                     | EngineEvent::PromptLogprobs { .. } => {}
-                    EngineEvent::Error { message } => panic!("engine error: {message}"),
+                    EngineEvent::Error { message } | EngineEvent::Rejected { message } => {
+                        panic!("engine error: {message}")
+                    }
                 }
             }
             let _ = done.send(tokens);

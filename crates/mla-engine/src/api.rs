@@ -58,16 +58,26 @@ pub struct GenerateRequest {
     pub constraint: Option<ConstraintFactory>,
 }
 
+/// How long one completion's structured-output mask may take to compute. The masks of a step
+/// are computed while the device runs its forward pass, and the step cannot sample before they
+/// are done, so one grammar's slow mask would hold back every other request's token: past this
+/// time the constraint gives up (`TokenConstraint::fill_mask`) and its request fails alone.
+/// Ordinary masks take microseconds to a few milliseconds on a 129K vocabulary.
+pub const MASK_BUDGET: Duration = Duration::from_millis(50);
+
 /// Restricts what one completion may generate next (structured output). The server builds it
 /// from a grammar; the engine asks it for the allowed tokens before every draw and tells it each
 /// token drawn. It speaks token ids only: no strings reach the engine.
 pub trait TokenConstraint: Send {
     /// Sets bit `t % 32` of `mask[t / 32]` for every token `t` allowed next. `mask` arrives zeroed
-    /// with one bit per vocabulary entry. Must allow at least one token (a finished grammar
-    /// allows the end-of-sequence token).
-    fn fill_mask(&mut self, mask: &mut [u32]);
-    /// Records the token drawn. An error means the token breaks the constraint; the completion
-    /// then ends (aborted) with the message logged.
+    /// with one bit per vocabulary entry; at least one token must be allowed (a finished grammar
+    /// allows the end-of-sequence token). The work must end by `deadline` (`MASK_BUDGET` after
+    /// it starts). An error (the deadline passed, the grammar allows nothing here, it failed)
+    /// rejects this request alone with the message (`EngineEvent::Rejected`); the other
+    /// requests of the step go on.
+    fn fill_mask(&mut self, mask: &mut [u32], deadline: Instant) -> Result<(), String>;
+    /// Records the token drawn. An error (the token breaks the constraint, or following it
+    /// failed, e.g. past a grammar limit) rejects the request the same way.
     fn accept(&mut self, token: u32) -> Result<(), String>;
 }
 
@@ -135,6 +145,10 @@ pub enum EngineEvent {
     Finished { index: usize, reason: FinishReason },
     /// The request failed inside the engine; no more events follow.
     Error { message: String },
+    /// The request cannot go on by its own doing: its structured-output constraint failed (its
+    /// mask outran `MASK_BUDGET`, its grammar outgrew its memory, it allows no token). The
+    /// server reports it as the client's error. No more events follow.
+    Rejected { message: String },
 }
 
 /// Refusals at submission; the server maps them to HTTP statuses.

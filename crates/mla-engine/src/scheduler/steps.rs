@@ -126,12 +126,17 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, logit_rows: &mut usize, spare: 
     let seq = g.seq(key.slot).expect("resident sequence exists");
     let mut end = seq.computed + seq.uncomputed().min(at_most);
     let logits = match &g.prompt_logprobs {
-        Some(p) if p.wants(seq.computed, end) => {
+        // The first sequence of the plan feeding positions still missing and not yet claimed
+        // asks for their rows (`PromptLogprobs::claim`), as many as the step has room for; the
+        // others of the plan feed them without rows. A chunk that needs rows when the step has
+        // none left waits for the next step.
+        Some(p) if p.unclaimed(seq.computed, end) => {
             let rows = (*logit_rows).min(LOGITS_CHUNK);
             if rows == 0 {
                 return None;
             }
             end = end.min(seq.computed + rows);
+            p.claim(seq.computed, end);
             *logit_rows -= end - seq.computed;
             LogitsRequest::All
         }
