@@ -41,7 +41,7 @@ static_assert(smem_bytes(4) == DECODE_SMEM_BYTES_4W && smem_bytes(8) == DECODE_S
 // P. The row sums stay per lane and are reduced once at the end (the rescale factor is the same in
 // every warp), one barrier less per page. P V: each warp owns 64 of the 512 output dims. Against
 // four warps: batch 1 -1%, 32-64 -2-3%, 2-16 +1-7%, 128-256 either way by machine, where both are
-// bound by DRAM (runs E1-E4, T1, S1-S3 in docs/runs/2026-11-22.md; Rust's DecodeKernel::for_batch).
+// bound by DRAM (runs E1-E4, T1, S7-S9 in docs/runs/2026-11-22.md; Rust's DecodeKernel::for_batch).
 //
 // Dynamic shared memory (the Rust wrapper computes the same): Q tile + two KV pages + P tile,
 // row max/sum scratch, the partial-S exchange:
@@ -406,7 +406,7 @@ extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, 
 // starts copying its DQ x 512 of W_UV into shared memory (cp.async), which overlaps the attention
 // kernel where a block fits next to an attention block; after it the block merges o_lat[:, h, :]
 // for all 512 latent dims (each thread two dims per token, float2 loads, 32 loads in flight: 16
-// were 1.5 us slower at batch 4 in run S2) into shared memory, each warp multiplies its 64 latent
+// were 1.5 us slower at batch 4 in run S8) into shared memory, each warp multiplies its 64 latent
 // dims (DQ / 16 m16n8k16 row tiles x four k-steps, tokens as the n = 8 columns), and the eight
 // partial products are summed in warp order. The blocks of a head merge the same o_lat (from L2).
 namespace absorb {

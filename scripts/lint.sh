@@ -34,3 +34,5 @@ echo "== clippy (-D warnings, every target)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== commit subjects"
 scripts/check_commit_subjects.sh
+echo "== benchmark results index (benches/results/README.md against the run folders)"
+python3 scripts/results_index.py --check
