@@ -13,7 +13,7 @@
 mod common;
 
 use common::{fixture_dir, load_prompts, max_abs_diff, seq};
-use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::{Backend, Checkpoint, ModelConfig, SamplingParams};
 use mla_cpu::CpuBackend;
 

@@ -45,8 +45,8 @@ use crate::id_map::IdMap;
 use crate::prefix_hash::PrefixHasher;
 use crate::prompt_logprobs::PromptLogprobs;
 use crate::sequence::{Constraints, Group, Owner, Seq, SeqKey, SeqState, Slot};
-use mla_core::plan::{SampledToken, SeqStep, StepOutput};
-use mla_core::token_mask::MaskWriter;
+use mla_core::step::plan::{SampledToken, SeqStep, StepOutput};
+use mla_core::step::token_mask::MaskWriter;
 use mla_core::{CacheLayout, StepKind, StepPlan};
 use std::collections::VecDeque;
 

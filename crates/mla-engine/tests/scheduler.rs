@@ -2,7 +2,7 @@
 //! Tokens are answered by a stand-in that derives them from the position, so a recompute can
 //! be checked against what was sampled before.
 
-use mla_core::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput};
+use mla_core::step::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput};
 use mla_core::{CacheLayout, SamplingParams, StepKind, StepPlan};
 use mla_engine::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use mla_engine::{FinishReason, GenerateRequest};

@@ -17,15 +17,14 @@
 use super::backend_call::{check_outputs, panic_text, run_checked, split_by_request};
 use super::router::least_loaded;
 use super::{Command, Liveness};
-use crate::api::{
-    EngineConfig, EngineEvent, FinishReason, GenerateRequest, MaskStats, RankStats, RequestTimings, TokenLogprobs,
-};
+use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RequestTimings, TokenLogprobs};
 use crate::id_map::IdMap;
 use crate::metrics::Metrics;
 use crate::request_stats::FinishedRequest;
 use crate::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use crate::sequence::SeqKey;
-use mla_core::plan::{StepKind, StepOutput, StepPlan};
+use crate::stats::{MaskStats, RankStats};
+use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, FatalBackendError, SplitMix64};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -415,7 +414,7 @@ impl Worker {
     /// Waits for the step in flight and applies it; false when the engine cannot go on.
     fn finish(&mut self, f: InFlight) -> bool {
         self.steps += 1;
-        mla_core::fault::maybe_hang(self.steps);
+        mla_core::runtime::fault::maybe_hang(self.steps);
         let backend = &mut self.backend;
         let result = catch_unwind(AssertUnwindSafe(|| backend.finish_step()))
             .unwrap_or_else(|p| Err(anyhow::anyhow!("backend panicked: {}", panic_text(&p))))

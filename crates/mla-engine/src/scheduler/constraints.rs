@@ -6,7 +6,7 @@
 use super::Scheduler;
 use crate::api::{TokenConstraint, MASK_BUDGET};
 use crate::sequence::{SeqKey, Slot};
-use mla_core::token_mask::{mask_words, MaskWriter, TokenMask};
+use mla_core::step::token_mask::{mask_words, MaskWriter, TokenMask};
 use mla_core::StepPlan;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -3,7 +3,7 @@
 use super::Scheduler;
 use crate::prompt_logprobs::LOGITS_CHUNK;
 use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
-use mla_core::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
+use mla_core::step::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
 
 impl Scheduler {
     /// A completion that has sampled a token and now only has to feed it.

@@ -7,9 +7,9 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context};
-use mla_core::plan::{slot_of, LogitsRequest, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
+use mla_core::runtime::step_thread::{StepRunner, StepThread};
 use mla_core::sampling::sample;
-use mla_core::step_thread::{StepRunner, StepThread};
+use mla_core::step::plan::{slot_of, LogitsRequest, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
 use mla_core::SplitMix64;
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SamplingParams, StepKind, StepPlan};
 use std::collections::HashMap;

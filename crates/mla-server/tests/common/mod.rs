@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
-use mla_core::plan::{LogitsRequest, SeqResult, SeqStep, StepOutput};
+use mla_core::step::plan::{LogitsRequest, SeqResult, SeqStep, StepOutput};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::access_log::AccessLogConfig;
