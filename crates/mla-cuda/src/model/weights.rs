@@ -437,7 +437,7 @@ impl DeviceWeights {
                         out.push((bs, Dest::F32(bw.slice())));
                     }
                     let h = self.norm.len();
-                    let im = es_inter(s);
+                    let im = expert_width(s);
                     for (e, es) in s.experts.iter().enumerate() {
                         out.push((&es.gate_proj, w.gate_up.dest(e, 2 * im, h, 0..im)));
                         out.push((&es.up_proj, w.gate_up.dest(e, 2 * im, h, im..2 * im)));
@@ -574,8 +574,8 @@ impl DeviceWeights {
     }
 }
 
-/// moe_intermediate_size from an expert's spec (`down_proj` is `[H, I]`).
-fn es_inter(s: &mla_core::model::weights::MoeSpec) -> usize {
+/// An expert's width (moe_intermediate_size of this rank) from its spec (`down_proj` is `[H, I]`).
+fn expert_width(s: &mla_core::model::weights::MoeSpec) -> usize {
     s.experts[0].down_proj.shape[1]
 }
 

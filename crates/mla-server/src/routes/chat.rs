@@ -274,11 +274,7 @@ struct ChatStream {
 
 impl ChatStream {
     fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> Bytes {
-        let usage = match (self.include_usage, usage) {
-            (false, _) => UsageField::Absent,
-            (true, UsageField::Absent) => UsageField::Null,
-            (true, u) => u,
-        };
+        let usage = usage.in_stream(self.include_usage);
         sse::data_event(&ChatChunk {
             id: self.meta.id.clone(),
             object: "chat.completion.chunk",

@@ -380,11 +380,7 @@ struct CompletionStream {
 
 impl CompletionStream {
     fn chunk(&self, choices: Vec<CompletionChunkChoice>, usage: UsageField) -> Bytes {
-        let usage = match (self.include_usage, usage) {
-            (false, _) => UsageField::Absent,
-            (true, UsageField::Absent) => UsageField::Null,
-            (true, u) => u,
-        };
+        let usage = usage.in_stream(self.include_usage);
         sse::data_event(&CompletionChunk {
             id: self.meta.id.clone(),
             object: "text_completion",
