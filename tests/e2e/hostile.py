@@ -312,7 +312,7 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
     server's bound on refusals in progress, closed unanswered). Afterwards a new connection must
     be served again."""
     raise_fd_limit(flood + 256)
-    health, stop = [], asyncio.Event()
+    health, open_seen, stop = [], [], asyncio.Event()
     # One pooled connection, never left idle long enough to expire on either side.
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=60)
     async with httpx.AsyncClient(base_url=base, timeout=10, limits=limits) as held:
@@ -323,6 +323,12 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
                 t = time.perf_counter()
                 try:
                     status = (await held.get("/health")).status_code
+                    # The server's own count of the connections it holds: what the cap bounds.
+                    # (Client-side intervals cannot tell it: a connect() completes in the
+                    # kernel's backlog before the server accepts, and a close is seen late.)
+                    for line in (await held.get("/metrics")).text.splitlines():
+                        if line.startswith("mla:http_connections_open"):
+                            open_seen.append(float(line.rsplit(" ", 1)[1]))
                 except httpx.TransportError as e:
                     status = repr(e)
                 health.append((time.perf_counter() - t, status))
@@ -371,7 +377,9 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
         "closed_unanswered_at_once": len(silent) - len(held_then_closed),
         "held_until_keep_alive": len(held_then_closed),
         "held_close_s": spread([c["after_s"] for c in held_then_closed]),
+        # As the client saw them (an upper bound of the server's count, for the record).
         "held_at_once_max": most_at_once([(c["opened"], c["opened"] + c["after_s"]) for c in held_then_closed]),
+        "server_open_max": max(open_seen, default=None),
         "other_answers": sorted({status_line(c["answer"]) for c in got if c["answer"]} - {"HTTP/1.1 503 Service Unavailable"}),
         "not_closed_in_time": sum(1 for c in got if not c["closed"]),
         "health_on_held_connection": len(health),

@@ -77,8 +77,9 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
     if let Some(origins) = &args.cors.allowed_origins {
         tracing::info!("CORS: pages from {origins} may call the API from a browser");
     }
+    let open = state.connections.clone();
     let app = router(state, HttpOptions { body, access_log: args.access_log.config(), cors });
-    let connections = listener::serve(listener, app, limits, on_signal).await;
+    let connections = listener::serve(listener, app, limits, open, on_signal).await;
     // The signal (or the engine's death) came: no new connections. The open ones finish their
     // responses within the grace period plus a margin for aborted streams' last events.
     if tokio::time::timeout(grace + FLUSH_MARGIN, connections.close()).await.is_err() {

@@ -223,6 +223,7 @@ pub fn server(opts: Options) -> TestServer {
         metrics: Default::default(),
         force_include_usage: false,
         return_tokens_as_token_ids: false,
+        connections: Default::default(),
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
     let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };
