@@ -41,7 +41,7 @@ static_assert(smem_bytes(4) == DECODE_SMEM_BYTES_4W && smem_bytes(8) == DECODE_S
 // P. The row sums stay per lane and are reduced once at the end (the rescale factor is the same in
 // every warp), one barrier less per page. P V: each warp owns 64 of the 512 output dims. Against
 // four warps: batch 1 -1%, 32-64 -2-3%, 2-16 +1-7%, 128-256 either way by machine, where both are
-// bound by DRAM (runs E1-E4, T1, S1-S3 in docs/runs/2026-11-22.md; Rust's DecodeKernel::for_batch).
+// bound by DRAM (runs E1-E4, T1, S7-S9 in docs/runs/2026-11-22.md; Rust's DecodeKernel::for_batch).
 //
 // Dynamic shared memory (the Rust wrapper computes the same): Q tile + two KV pages + P tile,
 // row max/sum scratch, the partial-S exchange:
@@ -206,8 +206,7 @@ __device__ __forceinline__ void decode_attention_body(
             }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 1));
-            wmax[i] = fmaxf(wmax[i], __shfl_xor_sync(0xffffffffu, wmax[i], 2));
+            wmax[i] = quad_max(wmax[i]);
         }
         if (dg == 0 && t4 == 0) {
             red_max[kg * HT + g] = wmax[0];
@@ -242,8 +241,7 @@ __device__ __forceinline__ void decode_attention_body(
         if constexpr (NWARPS == 4) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 1);
-                wsum[i] += __shfl_xor_sync(0xffffffffu, wsum[i], 2);
+                wsum[i] = quad_sum(wsum[i]);
             }
             if (t4 == 0) {
                 red_sum[warp * HT + g] = wsum[0];
@@ -298,8 +296,7 @@ __device__ __forceinline__ void decode_attention_body(
         // Row sums: the four lanes of a row, then the four key groups (dim-half-0 warps).
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+            l[i] = quad_sum(l[i]);
         }
         if (dg == 0 && t4 == 0) {
             red_sum[kg * HT + g] = l[0];
@@ -409,7 +406,7 @@ extern "C" __global__ void mla_decode_combine(const float* __restrict__ part_o, 
 // starts copying its DQ x 512 of W_UV into shared memory (cp.async), which overlaps the attention
 // kernel where a block fits next to an attention block; after it the block merges o_lat[:, h, :]
 // for all 512 latent dims (each thread two dims per token, float2 loads, 32 loads in flight: 16
-// were 1.5 us slower at batch 4 in run S2) into shared memory, each warp multiplies its 64 latent
+// were 1.5 us slower at batch 4 in run S8) into shared memory, each warp multiplies its 64 latent
 // dims (DQ / 16 m16n8k16 row tiles x four k-steps, tokens as the n = 8 columns), and the eight
 // partial products are summed in warp order. The blocks of a head merge the same o_lat (from L2).
 namespace absorb {

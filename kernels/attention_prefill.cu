@@ -168,8 +168,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
         float alpha[2], m_use[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-            tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+            tile_max[i] = quad_max(tile_max[i]);
             const float m_new = fmaxf(m[i], tile_max[i]);
             m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far stays at zero
             alpha[i] = exp2f(m[i] - m_use[i]);
@@ -216,8 +215,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        l[i] = quad_sum(l[i]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

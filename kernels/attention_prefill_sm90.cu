@@ -233,8 +233,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             float m_use[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 1));
-                tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 2));
+                tmax[i] = quad_max(tmax[i]);
                 const float m_new = fmaxf(m[i], tmax[i] * scale_log2);
                 m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far stays at zero
                 alpha[i] = ex2_fast(m[i] - m_use[i]);
@@ -324,8 +323,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+            l[i] = quad_sum(l[i]);
         }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

@@ -63,6 +63,18 @@ DEVICE_INLINE float warp_max(float v) {
     return v;
 }
 
+// Sum and max over the four lanes of an MMA quad (lanes that differ in their two low bits), which
+// hold one accumulator row's columns in the mma.sync and wgmma layouts: the softmax epilogues.
+DEVICE_INLINE float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+DEVICE_INLINE float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
 // Sum over the whole block; `scratch` holds at least 32 floats. Every thread gets the result.
 DEVICE_INLINE float block_sum(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;

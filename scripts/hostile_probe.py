@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The hostile-client probes of issue 14 against a running mla-serve, with normal traffic
+"""The hostile-client probes of issues 14 and 25 against a running mla-serve, with normal traffic
 measured alongside each: records what every hostile request got and normal requests' latency
 and /health's, as JSON (with date, commit and command) and a table on stdout.
 
@@ -12,8 +12,9 @@ connection probe knows how long to wait: --keep-alive and --body-timeout. With t
 traffic, whose new connections would be refused too) and asks /health over a connection opened
 before the flood.
 
-Every request and socket has a timeout and the whole run stops at --budget seconds (180: the
-phases take about 100 s with the server's default timeouts); a phase cut off is recorded so.
+Every request and socket has a timeout and the whole run stops at --budget seconds (360: the
+phases take about 220 s with the server's default timeouts on the demo model, issue 25's prompt
+logprobs of 4000 ids with n 128 about 50 s of that); a phase cut off is recorded so.
 """
 
 import argparse
@@ -43,7 +44,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="normal traffic measured per phase at least")
     ap.add_argument("--max-connections", type=int, default=None,
                     help="the server's --max-connections: adds a phase that floods past it")
-    ap.add_argument("--budget", type=float, default=180.0, help="seconds the whole run may take")
+    ap.add_argument("--budget", type=float, default=360.0, help="seconds the whole run may take")
+    ap.add_argument("--pid", type=int, default=None, help="the server's process id, when it runs here: "
+                    "its resident memory is recorded after the issue-25 phases")
+    ap.add_argument("--grammar-clients", type=int, default=32)
+    ap.add_argument("--grammar-seconds", type=float, default=30.0)
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget
     base = args.url.rstrip("/")
@@ -59,6 +64,17 @@ def main() -> int:
         f"{args.idle_connections} idle connections, slow head, slow body": lambda: hostile.idle_and_slow_connections(
             url.hostname, url.port, args.idle_connections, args.keep_alive, args.body_timeout),
     }
+
+    # Issue 25's requests; the server's memory is read when it runs here (--pid).
+    phases.update({
+        "$ref and Lark chains, grammars allowing no output (issue 25)": lambda: hostile.post_each(
+            base, hostile.deep_and_empty_grammar_bodies(model), args.pid),
+        f"{args.grammar_clients} clients of expensive grammars for {args.grammar_seconds:.0f} s": lambda: (
+            hostile.expensive_grammar_clients(base, model, args.grammar_clients, args.grammar_seconds)),
+        "prompt_logprobs 20 of 4000 ids with n 128, and echo": lambda: hostile.prompt_logprobs_amplifier(
+            base, model, 4000, 128),
+        "32 /tokenize bodies of 1 MiB": lambda: hostile.tokenize_bodies(base, 32, args.pid),
+    })
 
     connections = (url.hostname, url.port, args.idle_connections, args.keep_alive, args.body_timeout)
 

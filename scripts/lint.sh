@@ -32,5 +32,9 @@ echo "== clang-format (kernels/, benches/*.cu)"
 "$cf" --style=file --dry-run -Werror "${cuda_sources[@]}"
 echo "== clippy (-D warnings, every target)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== import circles between the modules of each crate"
+python3 scripts/module_cycles.py
 echo "== commit subjects"
 scripts/check_commit_subjects.sh
+echo "== benchmark results index (benches/results/README.md against the run folders)"
+python3 scripts/results_index.py --check

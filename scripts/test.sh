@@ -22,7 +22,7 @@ if [ -x scripts/install_nvcc.sh ]; then
   export MLA_REQUIRE_NVCC="${MLA_REQUIRE_NVCC:-1}"
 fi
 
-echo "== House rules (scripts/lint.sh: rustfmt, clang-format, clippy -D warnings, commit subjects)"
+echo "== House rules (scripts/lint.sh: rustfmt, clang-format, clippy -D warnings, commit subjects, results index)"
 scripts/lint.sh
 
 echo "== Python test dependencies"

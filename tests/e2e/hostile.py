@@ -312,7 +312,7 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
     server's bound on refusals in progress, closed unanswered). Afterwards a new connection must
     be served again."""
     raise_fd_limit(flood + 256)
-    health, stop = [], asyncio.Event()
+    health, open_seen, stop = [], [], asyncio.Event()
     # One pooled connection, never left idle long enough to expire on either side.
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=60)
     async with httpx.AsyncClient(base_url=base, timeout=10, limits=limits) as held:
@@ -323,6 +323,12 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
                 t = time.perf_counter()
                 try:
                     status = (await held.get("/health")).status_code
+                    # The server's own count of the connections it holds: what the cap bounds.
+                    # (Client-side intervals cannot tell it: a connect() completes in the
+                    # kernel's backlog before the server accepts, and a close is seen late.)
+                    for line in (await held.get("/metrics")).text.splitlines():
+                        if line.startswith("mla:http_connections_open"):
+                            open_seen.append(float(line.rsplit(" ", 1)[1]))
                 except httpx.TransportError as e:
                     status = repr(e)
                 health.append((time.perf_counter() - t, status))
@@ -371,7 +377,9 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
         "closed_unanswered_at_once": len(silent) - len(held_then_closed),
         "held_until_keep_alive": len(held_then_closed),
         "held_close_s": spread([c["after_s"] for c in held_then_closed]),
+        # As the client saw them (an upper bound of the server's count, for the record).
         "held_at_once_max": most_at_once([(c["opened"], c["opened"] + c["after_s"]) for c in held_then_closed]),
+        "server_open_max": max(open_seen, default=None),
         "other_answers": sorted({status_line(c["answer"]) for c in got if c["answer"]} - {"HTTP/1.1 503 Service Unavailable"}),
         "not_closed_in_time": sum(1 for c in got if not c["closed"]),
         "health_on_held_connection": len(health),
@@ -380,3 +388,143 @@ async def flood_over_the_cap(base: str, host: str, port: int, flood: int, keep_a
         "recovered_after_s": recovered_after_s,
         "seconds": round(flood_s, 2),
     }
+
+
+# ---- issue 25: requests that took the whole server down or held it ----------------------------
+
+
+def process_memory(pid: int) -> dict:
+    """The process's resident memory now and at its peak (VmHWM), in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    mb = lambda key: int(fields[key].split()[0]) / 1024  # noqa: E731
+    return {"rss_mb": round(mb("VmRSS"), 1), "peak_mb": round(mb("VmHWM"), 1)}
+
+
+def ref_chain(links: int) -> dict:
+    """A JSON schema whose definitions each refer to the next, `links` deep."""
+    defs = {}
+    for i in range(links):
+        nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < links else {"type": "integer"}
+        defs[f"d{i}"] = {"type": "object", "properties": {"x": nxt}, "required": ["x"]}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def lark_chain(rules: int) -> str:
+    """A Lark grammar of `rules` rules, each "a" and the next."""
+    lines = ["start: r0"] + [f'r{i}: "a"' + (f" r{i + 1}" if i + 1 < rules else "") for i in range(rules)]
+    return "\n".join(lines) + "\n"
+
+
+def deep_and_empty_grammar_bodies(model: str) -> dict:
+    """The requests of issue 25 items 1 and 2, and ones past each limit, by name: (path, body)."""
+    chat = lambda **kw: ("/v1/chat/completions",  # noqa: E731
+                         {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **kw})
+    cmpl = lambda **kw: ("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2, **kw})  # noqa: E731
+    tool = lambda schema: [{"type": "function", "function": {"name": "f", "parameters": schema}}]  # noqa: E731
+    return {
+        # The issue's: a 250-definition $ref chain, three ways, and a 700-rule Lark chain.
+        "ref_chain_250_guided_json": cmpl(guided_json=ref_chain(250)),
+        "ref_chain_250_response_format": chat(response_format={
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain(250)}}),
+        "ref_chain_250_tool_required": chat(tools=tool(ref_chain(250)), tool_choice="required"),
+        "lark_chain_700": cmpl(guided_grammar=lark_chain(700)),
+        # Past the compiler's recursion bound, and past the Lark size limit.
+        "ref_chain_2100_guided_json": cmpl(guided_json=ref_chain(2100)),
+        "ref_chain_2100_tool_required": chat(tools=tool(ref_chain(2100)), tool_choice="required"),
+        "lark_chain_2000": cmpl(guided_grammar=lark_chain(2000)),
+        # Item 2: nothing can be generated, or nothing ever completes.
+        "regex_allows_nothing": cmpl(guided_regex="[^\\s\\S]"),
+        "lark_start_start": cmpl(guided_grammar="start: start"),
+        "lark_never_ends": cmpl(guided_grammar='start: "a" start'),
+    }
+
+
+async def post_each(base: str, bodies: dict, pid: int | None) -> dict:
+    """Sends each (path, body) in turn; after each, /health must answer within a second. With
+    the server's `pid` (a local server), its memory at the end."""
+    out = {}
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+        for name, (path, body) in bodies.items():
+            got = await timed_post(client, path, json=body)
+            try:
+                health = (await client.get("/health", timeout=1.0)).status_code
+            except httpx.HTTPError as e:
+                health = repr(e)
+            out[name] = {**got, "health": health, "message": None}
+            if got["status"] not in (None, 200):
+                r = await client.post(path, json=body)
+                out[name]["message"] = r.json()["error"]["message"]
+    if pid is not None:
+        out["memory"] = process_memory(pid)
+    return out
+
+
+def expensive_grammar_bodies(model: str) -> list:
+    """Grammars as expensive as the limits allow, and the issue's 100 KB regex past them."""
+    return [
+        # A Lark token of 3200 optional items (just under 16 KiB): one regex, about 0.25 s and
+        # 50 MB to compile.
+        {"guided_grammar": 'start: "x" T\nT: ' + '"a"? ' * 3200 + '"b"\n'},
+        # A regex at the optional-item limit and near the length limit.
+        {"guided_regex": "a?" * 1024 + "a" * 14000},
+        # The issue's: `a?` x 25000 then `a` x 25000 (12-32 s and 2.4 GB before).
+        {"guided_regex": "a?" * 25000 + "a" * 25000},
+    ]
+
+
+async def expensive_grammar_clients(base: str, model: str, clients: int, seconds: float) -> dict:
+    """`clients` clients sending expensive grammars in a loop for `seconds`: the statuses."""
+    bodies = expensive_grammar_bodies(model)
+    statuses: dict = {}
+    stop = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def loop(i: int):
+            k = i
+            while time.perf_counter() < stop:
+                body = {"model": model, "prompt": "x", "max_tokens": 8, **bodies[k % len(bodies)]}
+                got = await timed_post(client, "/v1/completions", json=body)
+                key = str(got["status"])
+                statuses[key] = statuses.get(key, 0) + 1
+                k += 1
+
+        await asyncio.gather(*(loop(i) for i in range(clients)))
+    return statuses
+
+
+async def prompt_logprobs_amplifier(base: str, model: str, prompt_len: int, n: int) -> dict:
+    """Item 4: one prompt of `prompt_len` ids, prompt_logprobs 20, `n` choices, and its `n: 1`
+    twin; what each returned and how big. Then echo with logprobs 20 and the same n."""
+    body = {"model": model, "prompt": [11] * prompt_len, "max_tokens": 1, "prompt_logprobs": 20}
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+        out = {}
+        for name, extra in (("n_1", {"n": 1}), ("n_many", {"n": n})):
+            t = time.perf_counter()
+            r = await client.post("/v1/completions", json={**body, **extra})
+            choices = r.json()["choices"] if r.status_code == 200 else []
+            out[name] = {
+                "status": r.status_code, "bytes": len(r.content), "seconds": round(time.perf_counter() - t, 3),
+                "choices": len(choices),
+                "with_prompt_logprobs": [i for i, c in enumerate(choices) if c.get("prompt_logprobs")],
+                "positions": len(choices[0]["prompt_logprobs"]) if choices else None,
+            }
+        echo = {**body, "n": n, "logprobs": 20, "echo": True}
+        del echo["prompt_logprobs"]
+        out["echo_n_many"] = await timed_post(client, "/v1/completions", json=echo)
+    return out
+
+
+async def tokenize_bodies(base: str, clients: int, pid: int | None) -> dict:
+    """Item 5: `clients` concurrent /tokenize bodies just under 1 MiB, text and messages; with
+    the server's `pid`, its memory after them."""
+    words = ("lorem ipsum dolor sit amet " * 40000)[: (1 << 20) - 1024]
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S) as client:
+        bodies = [{"prompt": words} if i % 2 == 0 else {"messages": [{"role": "user", "content": words}]}
+                  for i in range(clients)]
+        got = await asyncio.gather(*(timed_post(client, "/tokenize", json=b) for b in bodies))
+    out = {"answers": sorted({(g["status"], g["code"]) for g in got}), "slowest_s": max(g["seconds"] for g in got)}
+    if pid is not None:
+        out["memory"] = process_memory(pid)
+    return out

@@ -110,8 +110,10 @@ def test_connections_over_the_limit_get_503_and_held_health_keeps_answering():
         assert got["refused_503_with_retry_after"] == got["refused_503"] == got["refused_503_json_body"], got
         # Refused at once, not held until a deadline.
         assert got["refused_503_close_s"][1] < KEEP_ALIVE_S, got
-        # The /health connection opened before the flood is one of the connections served.
-        assert 0 < got["held_at_once_max"] <= MAX_CONNECTIONS - 1, got
+        # The server never holds more than the cap (its own count, sampled every 100 ms on the
+        # /health connection, which is one of them), and the flood filled it.
+        assert MAX_CONNECTIONS // 2 <= got["server_open_max"] <= MAX_CONNECTIONS, got
+        assert got["held_until_keep_alive"] > 0, got
         assert_closed_by_deadline(got["held_close_s"][2], KEEP_ALIVE_S, "last connection held within the cap")
         assert got["health_on_held_connection"] > 0 and got["health_not_200"] == [], got
         # The flood has gone: a new client is served again.

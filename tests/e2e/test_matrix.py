@@ -105,8 +105,10 @@ def traffic(server, ranks, oracle):
         # with streams that are abandoned mid-way and structured output alongside.
         decoding = prompts(1, 2 * ranks, 10, 20)
         burst = prompts(2, 4 * ranks, BUDGET // 2 + 4, 90)
-        futures = {f"decode{i}": pool.submit(greedy, client, p, 40, ignore_eos=True) for i, p in enumerate(decoding)}
-        time.sleep(0.3)
+        # Long enough that the burst always arrives while they decode (a tiny model decodes
+        # 40 tokens in a fraction of a second), and that two of them outgrow a rank's cache.
+        futures = {f"decode{i}": pool.submit(greedy, client, p, 100, ignore_eos=True) for i, p in enumerate(decoding)}
+        time.sleep(0.1)
         futures |= {f"burst{i}": pool.submit(greedy, client, p, 12, ignore_eos=True) for i, p in enumerate(burst)}
         aborts = [pool.submit(abort_stream, client, p) for p in prompts(3, 2 * ranks, 20, 40)]
         futures["n2"] = pool.submit(greedy, client, prompts(4, 1, 30, 31)[0], 10, n=2, ignore_eos=True)

@@ -2,7 +2,7 @@
 //! over it: a cache of random latents stands in for the prefilled context of every sequence, so
 //! decode can be measured (or profiled) at any context without prefilling the batch first.
 
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
 use mla_core::{ModelConfig, SamplingParams};
 use mla_cuda::model::{CudaModel, DeviceWeights, ModelOptions};
 use mla_cuda::ops::Normal;
@@ -15,7 +15,7 @@ pub fn config(
     quantization: Option<&str>,
 ) -> anyhow::Result<ModelConfig> {
     let overrides = match hf_overrides {
-        Some(t) => mla_core::json_patch::parse_overrides(t).map_err(anyhow::Error::msg)?,
+        Some(t) => mla_core::model::json_patch::parse_overrides(t).map_err(anyhow::Error::msg)?,
         None => Default::default(),
     };
     let mut cfg = ModelConfig::from_file_with_overrides(path, &overrides)?;

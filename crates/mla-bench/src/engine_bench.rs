@@ -112,7 +112,9 @@ fn submit_all(
                     }
                     EngineEvent::Finished { .. } => break,
                     EngineEvent::Admitted { .. } | EngineEvent::PromptLogprobs { .. } => {}
-                    EngineEvent::Error { message } => panic!("engine error: {message}"),
+                    EngineEvent::Error { message } | EngineEvent::Rejected { message } => {
+                        panic!("engine error: {message}")
+                    }
                 }
             }
         });

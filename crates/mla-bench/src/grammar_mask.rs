@@ -14,7 +14,7 @@
 //! in one string forever) and starts over when the grammar is complete.
 
 use anyhow::Context;
-use mla_engine::TokenConstraint;
+use mla_engine::{TokenConstraint, MASK_BUDGET};
 use mla_server::structured::{Grammars, JsonOptions, StructuredOutput};
 use mla_server::text::TextPipeline;
 use mla_server::tokenizer::TextTokenizer;
@@ -86,7 +86,7 @@ pub fn run(args: &GrammarMaskArgs) -> anyhow::Result<serde_json::Value> {
             for (c, m) in cons.iter_mut().zip(masks.iter_mut()) {
                 m.iter_mut().for_each(|w| *w = 0);
                 let t = Instant::now();
-                c.fill_mask(m);
+                c.fill_mask(m, t + MASK_BUDGET).map_err(anyhow::Error::msg)?;
                 per_mask_us.push(t.elapsed().as_secs_f64() * 1e6);
             }
             step_seq_us.push(step.elapsed().as_secs_f64() * 1e6);
@@ -100,15 +100,22 @@ pub fn run(args: &GrammarMaskArgs) -> anyhow::Result<serde_json::Value> {
                 let per = batch.div_ceil(threads);
                 let t = Instant::now();
                 std::thread::scope(|s| {
-                    for (cs, ms) in cons.chunks_mut(per).zip(masks.chunks_mut(per)) {
-                        s.spawn(move || {
-                            for (c, m) in cs.iter_mut().zip(ms.iter_mut()) {
-                                m.iter_mut().for_each(|w| *w = 0);
-                                c.fill_mask(m);
-                            }
-                        });
-                    }
-                });
+                    let chunks: Vec<_> = cons
+                        .chunks_mut(per)
+                        .zip(masks.chunks_mut(per))
+                        .map(|(cs, ms)| {
+                            s.spawn(move || {
+                                for (c, m) in cs.iter_mut().zip(ms.iter_mut()) {
+                                    m.iter_mut().for_each(|w| *w = 0);
+                                    c.fill_mask(m, Instant::now() + MASK_BUDGET)?;
+                                }
+                                Ok::<(), String>(())
+                            })
+                        })
+                        .collect();
+                    chunks.into_iter().try_for_each(|c| c.join().expect("a mask thread panicked"))
+                })
+                .map_err(anyhow::Error::msg)?;
                 step_par_us.push(t.elapsed().as_secs_f64() * 1e6);
                 advance(&mut cons, &masks, &mut rngs, &grammars, eos, &factory)?;
             }

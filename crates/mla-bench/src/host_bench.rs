@@ -12,8 +12,8 @@
 //! sequences, decode after decode); `cuda_meta_prep_us` is the metadata work at the start of a
 //! step (the step clock's graph prep, less the upload and launch); `host_total_us` is both.
 
-use mla_core::plan::{SampledToken, SeqResult, SeqStep, StepOutput};
-use mla_core::step_thread::{StepRunner, StepThread};
+use mla_core::runtime::step_thread::{StepRunner, StepThread};
+use mla_core::step::plan::{SampledToken, SeqResult, SeqStep, StepOutput};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, StepKind, StepPlan};
 use mla_cuda::model::graph::{graph_step_meta, pad_rows};
 use mla_cuda::model::{MetaLimits, StepMeta};
@@ -292,7 +292,9 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
                     EngineEvent::Finished { .. }
                     | EngineEvent::Admitted { .. }
                     | EngineEvent::PromptLogprobs { .. } => {}
-                    EngineEvent::Error { message } => panic!("engine error: {message}"),
+                    EngineEvent::Error { message } | EngineEvent::Rejected { message } => {
+                        panic!("engine error: {message}")
+                    }
                 }
             }
             let _ = done.send(tokens);

@@ -6,7 +6,7 @@
 //! the whole batch is needed.
 
 use crate::dummy_model;
-use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
 use mla_core::ModelConfig;
 use mla_cuda::model::ModelOptions;
 use mla_cuda::ops::PAGE_SIZE;

@@ -1,40 +1,29 @@
-//! Core types of mla-serve: the typed model config, checkpoint access, the per-step plan a
-//! scheduler hands to a backend, the backend interface, RoPE/YaRN math and the reference sampler.
-//! Nothing in this crate knows about devices, HTTP or tokenizers.
+//! The ground floor of mla-serve, in three parts whose imports point one way only
+//! (`scripts/module_cycles.py` checks it):
+//! - `model`: the model description: the typed config, the checkpoint's tensors and how a
+//!   parallel layout cuts them, where weights come from (checkpoints, dummy, block FP8);
+//! - `step`: the step contract between the engine and a backend, on top of the model: the plan
+//!   of a step, the `Backend` trait, the largest step a backend runs, structured-output masks;
+//! - `runtime`: threads, collectives without NCCL, groups of ranks and nodes, on top of both.
+//!
+//! Beside them, leaf utilities: the reference sampler (`sampling`) and a seeded generator (`rng`).
+//! Nothing here knows about devices, HTTP or tokenizers.
 
-pub mod agreement;
-pub mod backend;
-pub mod checkpoint;
-pub mod cluster;
-pub mod collective;
-pub mod config;
-pub mod dummy;
-pub mod fault;
-pub mod fd_limit;
-pub mod fp8;
-pub mod fp8_source;
-pub mod group;
-pub mod json_patch;
-pub mod parallel;
-pub mod plan;
+pub mod model;
 pub mod rng;
-pub mod rope;
+pub mod runtime;
 pub mod sampling;
-pub mod step_limits;
-pub mod step_thread;
-pub mod token_mask;
-pub mod weight_source;
-pub mod weights;
+pub mod step;
 
-pub use backend::{Backend, CacheLayout, FatalBackendError, PendingStep};
-pub use checkpoint::Checkpoint;
-pub use config::{ConfigError, ModelConfig};
-pub use dummy::DummyWeights;
-pub use parallel::{Parallel, RankLayout, Shard};
-pub use plan::{
+pub use model::checkpoint::Checkpoint;
+pub use model::config::{ConfigError, ModelConfig};
+pub use model::dummy::DummyWeights;
+pub use model::parallel::{Parallel, RankLayout, Shard};
+pub use model::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
+pub use model::weights::{ModelSpec, Split, TensorRole, TensorSpec};
+pub use rng::SplitMix64;
+pub use step::backend::{Backend, CacheLayout, FatalBackendError, PendingStep};
+pub use step::limits::{StepBudget, StepLimits};
+pub use step::plan::{
     LogitsRequest, SampleRequest, SampledToken, SamplingParams, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
 };
-pub use rng::SplitMix64;
-pub use step_limits::{StepBudget, StepLimits};
-pub use weight_source::{CheckpointError, Fp8Tensor, WeightSource};
-pub use weights::{ModelSpec, Split, TensorRole, TensorSpec};

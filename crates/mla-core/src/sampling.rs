@@ -5,9 +5,9 @@
 //! structured-output mask come first of all (a banned token must stay banned whatever the
 //! penalties do). Log-probabilities returned to users are of the unmodified model distribution.
 
-use crate::plan::{PenaltyTokens, SampleRequest, SampledToken, SamplingParams};
 use crate::rng::SplitMix64;
-use crate::token_mask::{allows, MaskError, MASK_WAIT};
+use crate::step::plan::{PenaltyTokens, SampleRequest, SampledToken, SamplingParams};
+use crate::step::token_mask::{allows, MaskError, MASK_WAIT};
 
 /// Log-softmax in f64 for stability, returned as f32.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -254,7 +254,7 @@ mod tests {
 
     #[test]
     fn bias_and_mask_steer_the_draw_but_not_the_reported_logprobs() {
-        use crate::token_mask::TokenMask;
+        use crate::step::token_mask::TokenMask;
         let logits = [3.0f32, 1.0, 0.5, 2.0];
         let mut r = req(SamplingParams::greedy(), 0);
         r.top_logprobs = Some(1);

@@ -1,7 +1,7 @@
 //! Checkpoint reading against tiny safetensors files written here: every error names what is
 //! wrong, sharded and single-file checkpoints read the same values, FP8 weights dequantize.
 
-use mla_core::weight_source::WeightSource;
+use mla_core::model::weight_source::WeightSource;
 use mla_core::{
     Checkpoint, CheckpointError, DummyWeights, ModelConfig, ModelSpec, Parallel, Shard, TensorRole, TensorSpec,
 };

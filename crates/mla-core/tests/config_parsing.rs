@@ -2,7 +2,8 @@
 //! `rope_parameters` form means the same model as `rope_scaling`, and bad configs fail naming the
 //! field and the value.
 
-use mla_core::config::{ModelConfig, ModelType, RopeScaling, ScoringFunc, TopkMethod};
+use mla_core::model::config::{ModelConfig, ModelType, ScoringFunc, TopkMethod};
+use mla_core::model::rope::RopeScaling;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 

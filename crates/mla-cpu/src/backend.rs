@@ -4,8 +4,8 @@
 use crate::kv_cache::LatentCache;
 use crate::model::{CpuModel, Peers};
 use crate::rank::CpuRank;
-use mla_core::collective::Solo;
-use mla_core::plan::{StepOutput, StepPlan};
+use mla_core::runtime::collective::Solo;
+use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, RankLayout, StepLimits, WeightSource};
 use std::sync::Arc;
 

@@ -1,21 +1,21 @@
 //! The CPU reference for the multi-GPU backends: `world` ranks, each a thread with its part of the
 //! model, its own latent cache and a `Collective`, run every step together exactly as the GPU
-//! ranks do with NCCL (`mla_core::group` does the stepping):
+//! ranks do with NCCL (`mla_core::runtime::group` does the stepping):
 //! - tensor parallelism: every rank runs the engine's one plan with its share of the heads and
 //!   FFN widths; the ranks all-reduce partial sums, so all of them compute the same tokens;
 //! - DP attention: rank r runs plan r, for its own requests and cache; an empty plan is an idle
 //!   rank, which still makes every collective of the step.
 //!
 //! On one node the ranks meet in a `ThreadGroup`; across nodes, through a TCP hub on node 0
-//! (`mla_core::cluster::tcp_collective`). It is the correctness reference (`--device cpu`
+//! (`mla_core::runtime::cluster::tcp_collective`). It is the correctness reference (`--device cpu`
 //! accepts `--tp` and `--enable-dp-attention` for this), not a fast path.
 
 use crate::model::Peers;
 use crate::rank::CpuRank;
-use mla_core::collective::{Collective, ThreadGroup};
-use mla_core::group::{GroupBackend, GroupParts, NodeStep};
-use mla_core::plan::StepOutput;
-use mla_core::step_thread::{StepRunner, StepThread};
+use mla_core::runtime::collective::{Collective, ThreadGroup};
+use mla_core::runtime::group::{GroupBackend, GroupParts, NodeStep};
+use mla_core::runtime::step_thread::{StepRunner, StepThread};
+use mla_core::step::plan::StepOutput;
 use mla_core::{CacheLayout, ModelConfig, Parallel, StepLimits, WeightSource};
 use std::ops::Range;
 use std::sync::Arc;
@@ -38,7 +38,7 @@ impl StepRunner for CpuRankWorker {
 
     fn run_step(&mut self, step: &NodeStep) -> anyhow::Result<StepOutput> {
         self.steps += 1;
-        mla_core::fault::maybe_kill(self.index, self.steps);
+        mla_core::runtime::fault::maybe_kill(self.index, self.steps);
         let plan = step.plan_of(self.index);
         let counts = if self.dp_attention { step.counts() } else { vec![] };
         self.rank.run(plan, Peers { comm: self.comm.as_mut(), counts: &counts })
@@ -108,7 +108,7 @@ pub fn group_parts(
     cfg: ModelConfig,
     parallel: Parallel,
     local: Vec<StepThread<CpuRankWorker>>,
-    remotes: Vec<(mla_core::group::RemoteNode, usize)>,
+    remotes: Vec<(mla_core::runtime::group::RemoteNode, usize)>,
     cache: CacheLayout,
     step_limits: StepLimits,
     watchdog: Duration,

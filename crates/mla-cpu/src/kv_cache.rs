@@ -1,7 +1,7 @@
 //! The paged latent KV cache: per layer, `num_blocks * block_size` slots of
 //! `[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]`. Both attention paths read this one cache.
 
-use mla_core::plan::slot_of;
+use mla_core::step::plan::slot_of;
 
 #[derive(Debug, Clone)]
 pub struct LatentCache {

@@ -8,7 +8,7 @@ use crate::mla_dims::MlaDims;
 use crate::model_weights::{MlaWeights, QueryWeights};
 use crate::norm::{rms_norm, rms_norm_rows};
 use crate::rope::Rope;
-use mla_core::plan::slot_of;
+use mla_core::step::plan::slot_of;
 
 /// HF builds `q_a_layernorm` and `kv_a_layernorm` with RMSNorm's default epsilon, not
 /// `config.rms_norm_eps` (which only the decoder-layer and final norms use).

@@ -15,7 +15,7 @@ use crate::mla_dims::MlaDims;
 use crate::model_weights::{FfnWeights, ModelWeights};
 use crate::norm::{rms_norm, rms_norm_rows};
 use crate::rope::Rope;
-use mla_core::collective::{Collective, CollectiveError, Solo, Tag};
+use mla_core::runtime::collective::{Collective, CollectiveError, Solo, Tag};
 use mla_core::{CheckpointError, ModelConfig, RankLayout, WeightSource};
 use rayon::prelude::*;
 

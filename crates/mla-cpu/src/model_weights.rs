@@ -4,8 +4,8 @@
 use crate::linear::Matrix;
 use crate::mlp::SiluMlp;
 use crate::moe::MoeBlock;
-use mla_core::weight_source::LoadProgress;
-use mla_core::weights::{AttentionSpec, FfnSpec, MlpSpec, QuerySpec};
+use mla_core::model::weight_source::LoadProgress;
+use mla_core::model::weights::{AttentionSpec, FfnSpec, MlpSpec, QuerySpec};
 use mla_core::{CheckpointError, ModelConfig, ModelSpec, RankLayout, TensorSpec, WeightSource};
 
 #[derive(Debug, Clone)]

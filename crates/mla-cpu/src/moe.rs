@@ -14,7 +14,7 @@
 use crate::linear::Matrix;
 use crate::mlp::SiluMlp;
 use crate::softmax::softmax_in_place;
-use mla_core::config::TopkMethod;
+use mla_core::model::config::TopkMethod;
 use mla_core::sampling::top_k_entries;
 use mla_core::ModelConfig;
 use rayon::prelude::*;

@@ -4,8 +4,8 @@
 use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, Peers};
-use mla_core::plan::{LogitsRequest, SeqResult, StepKind, StepOutput, StepPlan};
 use mla_core::sampling::sample;
+use mla_core::step::plan::{LogitsRequest, SeqResult, StepKind, StepOutput, StepPlan};
 use mla_core::{CacheLayout, ModelConfig, RankLayout, WeightSource};
 
 pub struct CpuRank {

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::sampling::argmax;
+use mla_core::step::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};
 use mla_core::{Backend, SamplingParams};
 
 const CONFIGS: [(&str, &str); 3] =

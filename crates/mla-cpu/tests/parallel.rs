@@ -10,7 +10,7 @@
 mod common;
 
 use common::{config, fixture_dir, load_prompts, max_abs_diff, seq, Prompt};
-use mla_core::plan::{StepKind, StepOutput, StepPlan};
+use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, Parallel, StepLimits, WeightSource};
 use mla_cpu::group::local_group;
 use mla_cpu::{CpuBackend, CpuGroupBackend};

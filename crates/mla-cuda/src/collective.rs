@@ -5,7 +5,7 @@
 
 use crate::gpu::nccl::{NcclComm, NcclId};
 
-pub use mla_core::group::Aborter;
+pub use mla_core::runtime::group::Aborter;
 
 /// The ranks of one communicator, all starting from one NCCL id (made by the process that
 /// bootstraps the group, or received from it over the network).

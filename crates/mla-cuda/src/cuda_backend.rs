@@ -8,8 +8,8 @@ use crate::ops::PAGE_SIZE;
 use crate::options::{CudaOptions, WeightsFrom};
 use crate::worker::{start_worker, DeviceWorker, StepClock};
 use anyhow::Context;
-use mla_core::plan::{StepOutput, StepPlan};
-use mla_core::step_thread::StepThread;
+use mla_core::runtime::step_thread::StepThread;
+use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, ModelConfig, StepLimits};
 use std::sync::{Arc, Mutex};
 

@@ -1,8 +1,8 @@
 //! One copy of the model over several GPUs, a worker thread per GPU (its rank), as tensor
-//! parallelism or DP attention (see `RankMode`), stepped by `mla_core::group`:
+//! parallelism or DP attention (see `RankMode`), stepped by `mla_core::runtime::group`:
 //! - tensor parallel: every rank runs the engine's one plan; all of them compute the same tokens;
 //! - DP attention: rank r runs plan r; before any rank starts, the group agrees on graph or eager
-//!   and on the rows per rank (`mla_core::agreement`), and an idle rank still runs every FFN
+//!   and on the rows per rank (`mla_core::runtime::agreement`), and an idle rank still runs every FFN
 //!   collective.
 //!
 //! The ranks talk to each other only through their NCCL communicator (`gpu::nccl::NcclComm`). A
@@ -13,10 +13,10 @@ use crate::model::graph_expressible;
 use crate::ops::PAGE_SIZE;
 use crate::options::{CudaOptions, WeightsFrom};
 use crate::worker::{start_worker, DeviceWorker, RankJoin};
-use mla_core::collective::ThreadGroup;
-use mla_core::group::{GroupBackend, GroupParts, NodeReady, NodeStep, RemoteNode};
-use mla_core::plan::StepOutput;
-use mla_core::step_thread::{StepRunner, StepThread};
+use mla_core::runtime::collective::ThreadGroup;
+use mla_core::runtime::group::{GroupBackend, GroupParts, NodeReady, NodeStep, RemoteNode};
+use mla_core::runtime::step_thread::{StepRunner, StepThread};
+use mla_core::step::plan::StepOutput;
 use mla_core::{CacheLayout, ModelConfig, RankLayout, StepLimits};
 use std::ops::Range;
 use std::sync::Arc;
@@ -52,7 +52,7 @@ impl StepRunner for CudaRankWorker {
 
     fn run_step(&mut self, step: &NodeStep) -> anyhow::Result<StepOutput> {
         self.steps += 1;
-        mla_core::fault::maybe_kill(self.rank, self.steps);
+        mla_core::runtime::fault::maybe_kill(self.rank, self.steps);
         let plan = step.plan_of(self.rank);
         match &step.agreed {
             None => self.worker.step(plan),

@@ -11,10 +11,10 @@ use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, ModelOptions, RankLin
 use crate::ops::PAGE_SIZE;
 use crate::options::{CudaOptions, WeightsFrom};
 use anyhow::Context;
-use mla_core::agreement::StepAgreement;
-use mla_core::collective::{Collective, Tag, ThreadRank};
-use mla_core::plan::{StepOutput, StepPlan};
-use mla_core::step_thread::StepRunner;
+use mla_core::runtime::agreement::StepAgreement;
+use mla_core::runtime::collective::{Collective, Tag, ThreadRank};
+use mla_core::runtime::step_thread::StepRunner;
+use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::{Checkpoint, ModelConfig, RankLayout, StepLimits};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -82,7 +82,7 @@ impl DeviceWorker {
         })
     }
 
-    /// A step of a DP-attention rank, run as the group agreed (`mla_core::agreement`).
+    /// A step of a DP-attention rank, run as the group agreed (`mla_core::runtime::agreement`).
     pub fn step_agreed(&mut self, plan: &StepPlan, agreed: &StepAgreement) -> anyhow::Result<StepOutput> {
         self.timed(|w| match agreed {
             StepAgreement::Graph { batch } => {

@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use half::bf16;
-use mla_core::plan::{LogitsRequest, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, StepKind, StepPlan};
 use mla_cpu::{absorbed_attention, normal_attention, Matrix, MlaDims};
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::{MetaLimits, StepMeta};

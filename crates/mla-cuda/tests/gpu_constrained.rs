@@ -70,7 +70,7 @@ fn run(engine: &EngineHandle, req: GenerateRequest) -> (Vec<u32>, Option<FinishR
                 finish = f;
             }
             EngineEvent::Finished { reason, .. } => finish = Some(reason),
-            EngineEvent::Error { message } => panic!("engine error: {message}"),
+            EngineEvent::Error { message } | EngineEvent::Rejected { message } => panic!("engine error: {message}"),
         }
     }
     (tokens, finish)
@@ -83,9 +83,10 @@ struct Cycle {
 }
 
 impl TokenConstraint for Cycle {
-    fn fill_mask(&mut self, mask: &mut [u32]) {
+    fn fill_mask(&mut self, mask: &mut [u32], _: std::time::Instant) -> Result<(), String> {
         let t = self.cycle[self.drawn % self.cycle.len()];
         mask[t as usize / 32] |= 1 << (t % 32);
+        Ok(())
     }
 
     fn accept(&mut self, token: u32) -> Result<(), String> {
@@ -129,7 +130,7 @@ fn constraints_decide_every_token_on_eager_and_graph_steps() {
         while let Some(ev) = stream.events.blocking_recv() {
             match ev {
                 EngineEvent::Token { token, .. } => tokens.push(token),
-                EngineEvent::Error { message } => panic!("request {i}: {message}"),
+                EngineEvent::Error { message } | EngineEvent::Rejected { message } => panic!("request {i}: {message}"),
                 _ => {}
             }
         }

@@ -20,7 +20,7 @@ const HEAD_COUNTS: [usize; 4] = [16, 2, 8, 64];
 /// magnitude plus 1/64 of a step at the output's rms: both paths round the same bf16 o_lat and
 /// differ only in the f32 summation order of the 512 products, which moves a sum by a few 2^-24
 /// of the sum of their magnitudes (≈ 15x the output's rms here), enough to push an output that
-/// cancels to near zero past one step of its own tiny magnitude (run S1 of docs/runs/2026-11-22.md).
+/// cancels to near zero past one step of its own tiny magnitude (run S7 of docs/runs/2026-11-22.md).
 fn beyond_one_step(got: &[f32], want: &[f32]) -> usize {
     let rms = (want.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / want.len() as f64).sqrt() as f32;
     let step = |x: f32| 2f32.powi(x.max(f32::MIN_POSITIVE).log2().floor() as i32 - 7);

@@ -11,7 +11,7 @@ mod common;
 
 use common::*;
 use half::bf16;
-use mla_core::fp8::{quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
+use mla_core::model::fp8::{quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::ops::{Fp8Linear, FP8_BLOCK};
 

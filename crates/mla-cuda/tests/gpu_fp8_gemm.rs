@@ -10,7 +10,7 @@
 mod common;
 
 use common::*;
-use mla_core::fp8::{dequantize_block_fp8, quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
+use mla_core::model::fp8::{dequantize_block_fp8, quantize_block_fp8, scale_grid, DEEPSEEK_BLOCK};
 use mla_cuda::model::small_linear::SmallLinear;
 use mla_cuda::model::weights::Fp8Share;
 use mla_cuda::ops::{fp8_lt_scale_ld, Fp8Act, Fp8Linear, Proj, Strided, FP8_BLOCK, FP8_GEMV_MAX_ROWS};

@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use mla_core::fp8::{dequantize_block_fp8, scale_grid};
+use mla_core::model::fp8::{dequantize_block_fp8, scale_grid};
 use mla_cuda::ops::{Fp8GemvKind, Fp8Linear, GemvOut, Strided, FP8_BLOCK, FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS};
 
 #[test]

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
-use mla_core::token_mask::{mask_words, MaskWriter, TokenMask};
+use mla_core::step::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
+use mla_core::step::token_mask::{mask_words, MaskWriter, TokenMask};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
 use std::sync::Arc;
@@ -172,7 +172,7 @@ fn a_long_penalty_history_grows_its_buffer_under_the_graphs() {
         let mut p = decode(&[0, 1], &[pos, pos], last, &tables);
         let s = p.seqs[0].sample.as_mut().unwrap();
         s.params.repetition_penalty = 1.3;
-        s.penalty = Some(mla_core::plan::PenaltyTokens { prompt: history.clone(), output: vec![] });
+        s.penalty = Some(mla_core::step::plan::PenaltyTokens { prompt: history.clone(), output: vec![] });
         p
     };
     let graph_steps = |b: &CudaBackend| b.step_clock().lock().unwrap().graph_steps;

@@ -13,7 +13,7 @@
 mod common;
 
 use common::*;
-use mla_core::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SampleRequest, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::collective::NcclConnector;
 use mla_cuda::group::{local_group, CudaGroupBackend, GroupOptions};

@@ -11,7 +11,7 @@ mod common;
 
 use common::hf::*;
 use common::*;
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::DummyWeights;
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
@@ -265,7 +265,8 @@ fn v2_lite_shape_dummy_weights_serves_a_ragged_batch() {
                 ..Default::default()
             },
         };
-        let penalty = (i % 4 == 3).then(|| mla_core::plan::PenaltyTokens { prompt: vec![1, 2, 3], output: vec![] });
+        let penalty =
+            (i % 4 == 3).then(|| mla_core::step::plan::PenaltyTokens { prompt: vec![1, 2, 3], output: vec![] });
         Some(SampleRequest {
             params,
             seed: i as u64,

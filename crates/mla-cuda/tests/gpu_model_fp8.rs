@@ -16,10 +16,10 @@ mod common;
 
 use common::hf::*;
 use common::*;
-use mla_core::config::Fp8BlockQuant;
-use mla_core::fp8::DEEPSEEK_BLOCK;
-use mla_core::fp8_source::Fp8Quantized;
-use mla_core::plan::{LogitsRequest, StepKind, StepPlan};
+use mla_core::model::config::Fp8BlockQuant;
+use mla_core::model::fp8::DEEPSEEK_BLOCK;
+use mla_core::model::fp8_source::Fp8Quantized;
+use mla_core::step::plan::{LogitsRequest, StepKind, StepPlan};
 use mla_core::{Backend, DummyWeights, ModelConfig};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
 use std::path::PathBuf;

@@ -24,7 +24,7 @@ fn moe_routing_matches_the_cpu_reference_for_every_method() {
         let mut rng = Rng::new(seed);
         let (t, e, top) = (300, cfg.n_routed_experts, cfg.num_experts_per_tok);
         let logits = rng.uniform(t * e, 3.0);
-        let bias = (cfg.topk_method == mla_core::config::TopkMethod::NoauxTc)
+        let bias = (cfg.topk_method == mla_core::model::config::TopkMethod::NoauxTc)
             .then(|| rng.uniform(e, 0.25).iter().map(|b| b + shift).collect::<Vec<f32>>());
         let bufs = RoutingBufs::new(t, e, top);
         let r = bufs.routing(t, e, top);

@@ -169,7 +169,7 @@ fn quantized_act<'a>(
             .map(|i| {
                 let (r, c) = (i / k, i % k);
                 let sc = sh[c / FP8_BLOCK * rows + (r + shift) % rows];
-                mla_core::fp8::fp8_e4m3_to_f32(qh[i]) as f64 * sc as f64
+                mla_core::model::fp8::fp8_e4m3_to_f32(qh[i]) as f64 * sc as f64
             })
             .collect()
     };

@@ -9,9 +9,9 @@
 mod common;
 
 use common::*;
-use mla_core::plan::{LogitsRequest, PenaltyTokens, SampleRequest, StepKind, StepPlan};
 use mla_core::sampling::{log_softmax, top_k_entries};
-use mla_core::token_mask::{mask_words, TokenMask, MASK_WAIT};
+use mla_core::step::plan::{LogitsRequest, PenaltyTokens, SampleRequest, StepKind, StepPlan};
+use mla_core::step::token_mask::{mask_words, TokenMask, MASK_WAIT};
 use mla_core::SamplingParams;
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::meta_words::to_words;
@@ -100,10 +100,10 @@ fn sampling_greedy_logprobs_filters_penalties_and_seeds() {
     let mut reqs: Vec<SampleRequest> = (0..rows).map(|i| req(SamplingParams::greedy(), i as u64, Some(5))).collect();
     let best = mla_core::sampling::argmax(&logits[vocab..2 * vocab]);
     reqs[1].params.repetition_penalty = 3.0;
-    reqs[1].penalty = Some(mla_core::plan::PenaltyTokens { prompt: vec![best, 7], output: vec![] });
+    reqs[1].penalty = Some(mla_core::step::plan::PenaltyTokens { prompt: vec![best, 7], output: vec![] });
     reqs[2].params.frequency_penalty = 0.7;
     reqs[2].params.presence_penalty = 0.4;
-    reqs[2].penalty = Some(mla_core::plan::PenaltyTokens {
+    reqs[2].penalty = Some(mla_core::step::plan::PenaltyTokens {
         prompt: vec![],
         output: vec![mla_core::sampling::argmax(&logits[2 * vocab..3 * vocab]); 30],
     });

@@ -2,7 +2,6 @@
 //! Plain data only: token ids, sampling parameters, events. No blocks, no devices, no strings
 //! other than error messages.
 
-use crate::request_stats::RequestStats;
 use mla_core::SamplingParams;
 use std::time::{Duration, Instant};
 
@@ -88,16 +87,26 @@ pub struct GenerateRequest {
     pub constraint: Option<ConstraintFactory>,
 }
 
+/// How long one completion's structured-output mask may take to compute. The masks of a step
+/// are computed while the device runs its forward pass, and the step cannot sample before they
+/// are done, so one grammar's slow mask would hold back every other request's token: past this
+/// time the constraint gives up (`TokenConstraint::fill_mask`) and its request fails alone.
+/// Ordinary masks take microseconds to a few milliseconds on a 129K vocabulary.
+pub const MASK_BUDGET: Duration = Duration::from_millis(50);
+
 /// Restricts what one completion may generate next (structured output). The server builds it
 /// from a grammar; the engine asks it for the allowed tokens before every draw and tells it each
 /// token drawn. It speaks token ids only: no strings reach the engine.
 pub trait TokenConstraint: Send {
     /// Sets bit `t % 32` of `mask[t / 32]` for every token `t` allowed next. `mask` arrives zeroed
-    /// with one bit per vocabulary entry. Must allow at least one token (a finished grammar
-    /// allows the end-of-sequence token).
-    fn fill_mask(&mut self, mask: &mut [u32]);
-    /// Records the token drawn. An error means the token breaks the constraint; the completion
-    /// then ends (aborted) with the message logged.
+    /// with one bit per vocabulary entry; at least one token must be allowed (a finished grammar
+    /// allows the end-of-sequence token). The work must end by `deadline` (`MASK_BUDGET` after
+    /// it starts). An error (the deadline passed, the grammar allows nothing here, it failed)
+    /// rejects this request alone with the message (`EngineEvent::Rejected`); the other
+    /// requests of the step go on.
+    fn fill_mask(&mut self, mask: &mut [u32], deadline: Instant) -> Result<(), String>;
+    /// Records the token drawn. An error (the token breaks the constraint, or following it
+    /// failed, e.g. past a grammar limit) rejects the request the same way.
     fn accept(&mut self, token: u32) -> Result<(), String>;
 }
 
@@ -165,6 +174,10 @@ pub enum EngineEvent {
     Finished { index: usize, reason: FinishReason },
     /// The request failed inside the engine; no more events follow.
     Error { message: String },
+    /// The request cannot go on by its own doing: its structured-output constraint failed (its
+    /// mask outran `MASK_BUDGET`, its grammar outgrew its memory, it allows no token). The
+    /// server reports it as the client's error. No more events follow.
+    Rejected { message: String },
 }
 
 /// Refusals at submission; the server maps them to HTTP statuses.
@@ -197,166 +210,5 @@ pub struct RequestTimings {
 impl RequestTimings {
     pub fn queue_time(&self) -> Option<Duration> {
         self.first_scheduled.map(|t| t - self.arrived)
-    }
-}
-
-/// Prometheus-style histogram: `counts[i]` observations fell at or below `bounds[i]` and above
-/// `bounds[i-1]`; the last count is for values above every bound (+Inf bucket minus the rest).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Histogram {
-    pub bounds: Vec<f64>,
-    pub counts: Vec<u64>,
-    pub sum: f64,
-    pub count: u64,
-}
-
-impl Histogram {
-    pub fn with_bounds(bounds: &[f64]) -> Self {
-        Histogram { bounds: bounds.to_vec(), counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
-    }
-
-    pub fn observe(&mut self, value: f64) {
-        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
-        self.counts[i] += 1;
-        self.sum += value;
-        self.count += 1;
-    }
-}
-
-/// One attention rank's share: its scheduler, its KV cache and the work routed to it.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RankStats {
-    pub running: usize,
-    pub waiting: usize,
-    /// Fraction of this rank's KV cache blocks in use, 0..=1.
-    pub kv_usage: f64,
-    pub kv_capacity_tokens: usize,
-    /// Tokens its live requests may hold at most (what the router balances).
-    pub load_tokens: u64,
-    /// Its prefix cache's counters (as `EngineStats::prefix_cache_queries` and `_hits`).
-    pub prefix_cache_queries: u64,
-    pub prefix_cache_hits: u64,
-}
-
-/// The router's decisions since start, by reason (see `RouterPolicy`). A layout with one
-/// attention rank decides nothing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RoutingStats {
-    /// To the rank holding the longest cached prefix.
-    pub prefix: u64,
-    /// To the least-loaded rank, the prefix holder having too much work (the balance rule).
-    pub balance: u64,
-    /// To the least-loaded rank, no rank holding more of the prefix than another (or the
-    /// request wanting prompt logprobs, which computes its whole prompt anyway).
-    pub tie: u64,
-    /// To the least-loaded rank under `RouterPolicy::LeastLoaded`.
-    pub least_loaded: u64,
-}
-
-impl RoutingStats {
-    pub fn total(&self) -> u64 {
-        self.prefix + self.balance + self.tie + self.least_loaded
-    }
-}
-
-/// A consistent snapshot of the engine's counters, for `/metrics` and the startup log.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EngineStats {
-    pub running: usize,
-    pub waiting: usize,
-    /// Fraction of all KV cache blocks in use, 0..=1.
-    pub kv_usage: f64,
-    pub kv_capacity_tokens: usize,
-    /// Every attention rank (every replica's, in order): one entry on a single device.
-    pub ranks: Vec<RankStats>,
-    pub prompt_tokens_total: u64,
-    pub generation_tokens_total: u64,
-    /// Finished completions by the reason the engine ended them: stop (stop token, or the caller's
-    /// `finish_choice(.., Stop)` for a stop string), length, abort (aborted, client gone, failed,
-    /// or refused at shutdown).
-    pub finished_stop: u64,
-    pub finished_length: u64,
-    pub finished_abort: u64,
-    pub preemptions_total: u64,
-    /// Prompt tokens looked up in the prefix cache at admission, and found there.
-    pub prefix_cache_queries: u64,
-    pub prefix_cache_hits: u64,
-    pub routing: RoutingStats,
-    /// Structured-output grammar masks computed, and the host time it took.
-    pub structured_masks: MaskStats,
-    /// Seconds.
-    pub time_to_first_token: Histogram,
-    pub inter_token_latency: Histogram,
-    pub e2e_latency: Histogram,
-    pub queue_time: Histogram,
-    /// Tokens each attention rank fed in one step (prompt chunks and decode tokens together).
-    pub iteration_tokens: Histogram,
-    /// Whole requests, recorded when they end.
-    pub requests: RequestStats,
-}
-
-impl Histogram {
-    /// Adds another histogram's observations; both must have the same bounds.
-    pub fn merge(&mut self, other: &Histogram) {
-        assert_eq!(self.bounds, other.bounds, "merging histograms with different buckets");
-        self.counts.iter_mut().zip(&other.counts).for_each(|(a, b)| *a += b);
-        self.sum += other.sum;
-        self.count += other.count;
-    }
-}
-
-impl EngineStats {
-    /// Folds another replica's counters into these (DP replicas report as one engine).
-    pub fn merge(&mut self, o: &EngineStats) {
-        let used = self.kv_usage * self.kv_capacity_tokens as f64 + o.kv_usage * o.kv_capacity_tokens as f64;
-        self.kv_capacity_tokens += o.kv_capacity_tokens;
-        self.kv_usage = if self.kv_capacity_tokens == 0 { 0.0 } else { used / self.kv_capacity_tokens as f64 };
-        self.running += o.running;
-        self.waiting += o.waiting;
-        self.ranks.extend(o.ranks.iter().cloned());
-        self.prompt_tokens_total += o.prompt_tokens_total;
-        self.generation_tokens_total += o.generation_tokens_total;
-        self.finished_stop += o.finished_stop;
-        self.finished_length += o.finished_length;
-        self.finished_abort += o.finished_abort;
-        self.preemptions_total += o.preemptions_total;
-        self.prefix_cache_queries += o.prefix_cache_queries;
-        self.prefix_cache_hits += o.prefix_cache_hits;
-        let r = &o.routing;
-        self.routing.prefix += r.prefix;
-        self.routing.balance += r.balance;
-        self.routing.tie += r.tie;
-        self.routing.least_loaded += r.least_loaded;
-        self.structured_masks.merge(&o.structured_masks);
-        self.time_to_first_token.merge(&o.time_to_first_token);
-        self.inter_token_latency.merge(&o.inter_token_latency);
-        self.e2e_latency.merge(&o.e2e_latency);
-        self.queue_time.merge(&o.queue_time);
-        self.iteration_tokens.merge(&o.iteration_tokens);
-        self.requests.merge(&o.requests);
-    }
-}
-
-/// Structured-output masks since start: how many, in how many steps, and the engine thread's
-/// time computing them. That time overlaps the device's forward pass (the sampler waits only for
-/// whatever is left of it), so per step it is the most a constrained step can lose.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct MaskStats {
-    pub masks: u64,
-    pub steps: u64,
-    pub seconds: f64,
-}
-
-impl MaskStats {
-    pub fn record(&mut self, masks: usize, took: Duration) {
-        self.masks += masks as u64;
-        self.steps += 1;
-        self.seconds += took.as_secs_f64();
-    }
-
-    pub fn merge(&mut self, o: &MaskStats) {
-        self.masks += o.masks;
-        self.steps += o.steps;
-        self.seconds += o.seconds;
     }
 }

@@ -1,11 +1,12 @@
 //! `Engine::start` and the `EngineHandle` the server holds: submission checks, statistics and
 //! shutdown. The engine thread itself lives in `worker`.
 
-use crate::api::{EngineConfig, EngineEvent, EngineStats, FinishReason, GenerateRequest, SubmitError};
+use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, SubmitError};
 use crate::metrics::Metrics;
 use crate::prefix_hash::BlockHash;
 use crate::scheduler::blocks_to_admit;
 use crate::sequence::MAX_COMPLETIONS;
+use crate::stats::EngineStats;
 use anyhow::{bail, Context};
 pub(crate) use liveness::Liveness;
 use mla_core::{Backend, CacheLayout, ModelConfig};

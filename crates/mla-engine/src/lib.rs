@@ -18,7 +18,8 @@
 //! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `cache_index`
 //! (every rank's cached block hashes, read by the router on the submitting threads), `scheduler`
 //! (continuous batching policy, public so it can be tested and reused per DP rank), `engine`
-//! (the handle and the engine thread), `metrics` (counters and histograms), `request_stats`
+//! (the handle and the engine thread), `metrics` (counters and histograms), `stats` (the
+//! snapshot they give), `request_stats`
 //! (what is recorded about each request when it ends), `sequence`
 //! (per-request state; `draw_seed` fixes how each draw's seed is derived).
 
@@ -27,6 +28,7 @@ pub mod block_manager;
 mod buckets;
 pub mod cache_index;
 mod engine;
+mod histogram;
 mod id_map;
 mod metrics;
 pub mod prefix_hash;
@@ -34,8 +36,11 @@ mod prompt_logprobs;
 mod request_stats;
 pub mod scheduler;
 mod sequence;
+mod stats;
 
 pub use api::*;
 pub use engine::{Engine, EngineHandle, RequestStream};
+pub use histogram::Histogram;
 pub use request_stats::{FinishCounts, RequestStats};
 pub use sequence::draw_seed;
+pub use stats::{EngineStats, MaskStats, RankStats, RoutingStats};

@@ -1,9 +1,11 @@
 //! The engine's counters and latency histograms, shared between the engine thread (writer) and
 //! `EngineHandle::stats` (reader).
 
-use crate::api::{EngineStats, FinishReason, Histogram, RankStats};
+use crate::api::FinishReason;
 use crate::buckets;
+use crate::histogram::Histogram;
 use crate::request_stats::RequestStats;
+use crate::stats::{EngineStats, RankStats};
 use mla_core::CacheLayout;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 

@@ -3,15 +3,19 @@
 //! of the prompt chunks as they are computed.
 //!
 //! The logits of position `p` score prompt token `p + 1`, so positions `0 .. prompt_len - 1`
-//! are needed (the last prompt position's logits draw the first output token instead). Any
-//! sequence of the request that computes one of them still missing asks for every fed
-//! position's logits (`LogitsRequest::All`); the first answer for a position is kept (all of the
-//! request's sequences feed the same prompt, so any answer is the same). Every needed position
-//! is computed by the request itself because it does not take blocks from the prefix cache
-//! until its prompt logprobs are complete (see `Scheduler`), as in vLLM.
+//! are needed (the last prompt position's logits draw the first output token instead). The
+//! first sequence of the request in a plan that computes one of them still missing claims it and
+//! asks for every fed position's logits (`LogitsRequest::All`); the others of that plan feeding
+//! the same positions (the `n` completions each compute the prompt's last block) ask for none,
+//! so a position's logits row is computed and moved once per prompt, not `n` times (at DeepSeek's
+//! 129K vocabulary, n = 128 completions' last blocks of 64 positions were 4 GB of rows). Claims
+//! last until the plan is applied. Every needed position is computed by the request itself
+//! because it does not take blocks from the prefix cache until its prompt logprobs are complete
+//! (see `Scheduler`), as in vLLM.
 
 use crate::api::PromptTokenLogprob;
 use mla_core::sampling::top_k_entries;
+use std::cell::Cell;
 
 /// Most prompt positions one step asks all logits for, per sequence: a row is `vocab_size`
 /// floats (0.5 MB for DeepSeek's 129K vocabulary), so a whole 8K-token chunk would move 4 GB
@@ -27,12 +31,14 @@ pub struct PromptLogprobs {
     rows: Vec<Option<PromptTokenLogprob>>,
     missing: usize,
     sent: bool,
+    /// Positions below this are asked for by a sequence of the plan being built (`claim`).
+    claimed: Cell<usize>,
 }
 
 impl PromptLogprobs {
     pub fn new(prompt_len: usize, k: usize) -> Self {
         let needed = prompt_len.saturating_sub(1);
-        PromptLogprobs { k, rows: vec![None; needed], missing: needed, sent: false }
+        PromptLogprobs { k, rows: vec![None; needed], missing: needed, sent: false, claimed: Cell::new(0) }
     }
 
     /// Whether feeding positions `from .. to` computes one still missing.
@@ -40,13 +46,32 @@ impl PromptLogprobs {
         self.missing > 0 && (from..to.min(self.rows.len())).any(|p| self.rows[p].is_none())
     }
 
+    /// Whether feeding positions `from .. to` in the plan being built computes a missing one
+    /// that no sequence before it in this plan claimed.
+    pub fn unclaimed(&self, from: usize, to: usize) -> bool {
+        self.wants(from.max(self.claimed.get()), to)
+    }
+
+    /// Whether the sequence feeding positions `from .. to` in the plan being built should ask
+    /// for their logits (`unclaimed`). Then those positions are claimed, until the plan is
+    /// applied (`record`).
+    pub fn claim(&self, from: usize, to: usize) -> bool {
+        if !self.unclaimed(from, to) {
+            return false;
+        }
+        self.claimed.set(self.claimed.get().max(to));
+        true
+    }
+
     /// Until complete, cached prefix blocks must not stand in for computing the prompt.
     pub fn complete(&self) -> bool {
         self.missing == 0
     }
 
-    /// Records the logits rows of positions `first ..` (one row per fed token).
+    /// Records the logits rows of positions `first ..` (one row per fed token). The plan that
+    /// claimed positions is being applied: the next one claims afresh.
     pub fn record(&mut self, prompt: &[u32], first: usize, rows: &[Vec<f32>]) {
+        self.claimed.set(0);
         for (i, logits) in rows.iter().enumerate() {
             let p = first + i;
             if p < self.rows.len() && self.rows[p].is_none() {
@@ -100,6 +125,22 @@ mod tests {
         assert_eq!((rows[1].rank, rows[1].top[0].0), (2, 3));
         assert_eq!(rows[2].rank, 1);
         assert!(p.take_complete().is_none(), "sent once");
+    }
+
+    #[test]
+    fn the_first_sequence_in_a_plan_claims_the_missing_positions() {
+        let prompt = [5, 1, 2, 0, 4];
+        let mut p = PromptLogprobs::new(prompt.len(), 1);
+        // The shared prefix feeds 0..2, two completions each feed 2..5: only the first asks.
+        assert!(p.claim(0, 2));
+        assert!(p.claim(2, 5));
+        assert!(!p.claim(2, 5), "claimed by the first completion");
+        // The plan is applied: what the first completion computed is recorded, nothing is
+        // claimed any more.
+        p.record(&prompt, 0, &[vec![0.0; 6], vec![0.0; 6]]);
+        assert!(p.claim(2, 5), "a claim lasts for its plan only");
+        p.record(&prompt, 2, &[vec![0.0; 6], vec![0.0; 6], vec![0.0; 6]]);
+        assert!(p.complete() && !p.claim(2, 5));
     }
 
     #[test]

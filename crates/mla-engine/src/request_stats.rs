@@ -7,8 +7,9 @@
 //! `request_success_total` tells how many prompts were served, and the completions are counted
 //! separately (`EngineStats::finished_*`).
 
-use crate::api::{FinishReason, Histogram};
+use crate::api::FinishReason;
 use crate::buckets;
+use crate::histogram::Histogram;
 use std::time::Instant;
 
 /// A count per finish reason.

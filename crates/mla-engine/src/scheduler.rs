@@ -46,8 +46,8 @@ use crate::id_map::IdMap;
 use crate::prefix_hash::{BlockHash, PrefixHasher};
 use crate::prompt_logprobs::PromptLogprobs;
 use crate::sequence::{Constraints, Group, Owner, Seq, SeqKey, SeqState, Slot};
-use mla_core::plan::{SampledToken, SeqStep, StepOutput};
-use mla_core::token_mask::MaskWriter;
+use mla_core::step::plan::{SampledToken, SeqStep, StepOutput};
+use mla_core::step::token_mask::MaskWriter;
 use mla_core::{CacheLayout, StepKind, StepPlan};
 use std::collections::VecDeque;
 
@@ -57,6 +57,7 @@ mod fairness;
 mod steps;
 
 pub use admission::{blocks_to_admit, reusable_blocks, shared_prefix_len};
+pub use constraints::FilledMasks;
 
 /// The limits scheduling obeys (a subset of `EngineConfig`).
 #[derive(Debug, Clone, Copy)]
@@ -96,6 +97,9 @@ pub struct Applied {
     pub tokens: Vec<TokenOutcome>,
     /// Requests whose completions have all finished; the scheduler has forgotten them.
     pub finished_requests: Vec<u64>,
+    /// Requests whose constraint refused a drawn token or failed following it, with why: the
+    /// engine rejects them (their token is not among `tokens`).
+    pub rejected: Vec<(u64, String)>,
 }
 
 /// What `Scheduler::finish_completion` ended.
@@ -330,11 +334,21 @@ impl Scheduler {
                     }
                     computed
                 }
-                (Slot::Completion(i), Some(tok)) => {
-                    let finish = g.push_token(i, tok.token, self.cfg.max_model_len);
-                    applied.tokens.push(TokenOutcome { request: key.request, index: i, token: tok.clone(), finish });
-                    finish.is_some()
-                }
+                (Slot::Completion(i), Some(tok)) => match g.push_token(i, tok.token, self.cfg.max_model_len) {
+                    Ok(finish) => {
+                        applied.tokens.push(TokenOutcome {
+                            request: key.request,
+                            index: i,
+                            token: tok.clone(),
+                            finish,
+                        });
+                        finish.is_some()
+                    }
+                    Err(why) => {
+                        applied.rejected.push((key.request, why));
+                        false
+                    }
+                },
                 (Slot::Completion(_), None) => false,
             };
             if !leaves {

@@ -172,27 +172,29 @@ impl Group {
     }
 
     /// Appends completion `i`'s sampled token and decides whether it ends the completion; a
-    /// finished completion gives its blocks back at once.
-    pub fn push_token(&mut self, i: usize, token: u32, max_model_len: usize) -> Option<FinishReason> {
+    /// finished completion gives its blocks back at once. `Err` when its constraint refused
+    /// the token or failed following it: the request is then rejected (the engine removes it).
+    pub fn push_token(&mut self, i: usize, token: u32, max_model_len: usize) -> Result<Option<FinishReason>, String> {
         let (prompt_len, max_tokens) = (self.prompt_len(), self.req.max_tokens);
         let seq = &mut self.completions[i];
         seq.tokens.push(token);
         let len = seq.tokens.len();
-        let broke = self.constraints.0.get_mut(i).map(|c| c.accept(token)).and_then(Result::err);
-        let reason = if let Some(why) = broke {
-            // The sampler only draws allowed tokens, so this is a bug in the grammar engine or
-            // its vocabulary; the completion ends visibly rather than going on unconstrained.
-            tracing::error!("completion {i} left its structured-output grammar at token {token}: {why}");
-            FinishReason::Abort
-        } else if self.req.stop_token_ids.contains(&token) {
+        if let Some(why) = self.constraints.0.get_mut(i).map(|c| c.accept(token)).and_then(Result::err) {
+            // The sampler only draws allowed tokens, so either following the grammar failed (a
+            // limit of the grammar engine) or it is a bug; the request ends visibly rather than
+            // going on unconstrained.
+            tracing::warn!("completion {i} left its structured-output grammar at token {token}: {why}");
+            return Err(why);
+        }
+        let reason = if self.req.stop_token_ids.contains(&token) {
             FinishReason::Stop
         } else if len - prompt_len >= max_tokens || len >= max_model_len {
             FinishReason::Length
         } else {
-            return None;
+            return Ok(None);
         };
         self.finish(i, reason);
-        Some(reason)
+        Ok(Some(reason))
     }
 
     /// Ends completion `i` and gives its blocks back (shared prefix blocks stay with the

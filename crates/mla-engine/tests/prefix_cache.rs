@@ -4,7 +4,7 @@
 //! cached block reused for the wrong prompt, a block evicted while in use, a shared block
 //! written to: each fails that check.
 
-use mla_core::plan::{SampledToken, SeqResult, StepOutput};
+use mla_core::step::plan::{SampledToken, SeqResult, StepOutput};
 use mla_core::{CacheLayout, SamplingParams, StepPlan};
 use mla_engine::scheduler::{Scheduler, SchedulerConfig};
 use mla_engine::{FinishReason, GenerateRequest};

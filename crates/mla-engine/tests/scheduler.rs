@@ -2,7 +2,7 @@
 //! Tokens are answered by a stand-in that derives them from the position, so a recompute can
 //! be checked against what was sampled before.
 
-use mla_core::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput};
+use mla_core::step::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput};
 use mla_core::{CacheLayout, SamplingParams, StepKind, StepPlan};
 use mla_engine::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use mla_engine::{FinishReason, GenerateRequest};
@@ -499,4 +499,40 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
     }
     assert_eq!(most, 200, "the steps use the rows they have");
     assert!(!s.has_work(), "every request finished");
+}
+
+#[test]
+fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
+    // 4-token blocks, a 10-token prompt: the shared prefix feeds 0..8, then each of the n
+    // completions feeds 8..10. Only one of them asks for those rows in its plan.
+    for n in [1, 4, 8] {
+        let cfg = SchedulerConfig {
+            max_model_len: 4096,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            max_extra_logit_rows: 512,
+            prefix_caching: true,
+        };
+        let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 64 });
+        let scored = req(10, n, 2);
+        let prompt = scored.prompt_tokens.clone();
+        s.add(1, GenerateRequest { prompt_logprobs: Some(1), ..scored }, 0);
+        let (mut rows, mut got, mut tokens) = (vec![0usize; prompt.len()], None, 0);
+        while s.has_work() {
+            let (p, a) = step_with_logits(&mut s);
+            for q in p.seqs.iter().filter(|q| q.logits == LogitsRequest::All) {
+                (q.context_len..q.end_pos()).for_each(|pos| rows[pos] += 1);
+            }
+            if let Some((_, entries)) = a.prompt_logprobs.into_iter().next() {
+                assert_eq!(tokens, 0, "n = {n}: prompt logprobs come before the first token");
+                got = Some(entries);
+            }
+            tokens += a.tokens.len();
+        }
+        assert_eq!(rows, vec![1; prompt.len()], "n = {n}: each position's row once");
+        let got = got.expect("prompt logprobs delivered");
+        let want: Vec<u32> = prompt[1..].to_vec();
+        assert_eq!(got.iter().map(|e| e.token).collect::<Vec<_>>(), want, "n = {n}");
+        assert_eq!(tokens, n * 2, "n = {n}: every completion ran");
+    }
 }

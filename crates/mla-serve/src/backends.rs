@@ -66,7 +66,7 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
     // attention each its own), and holds its shards plus the replicated tensors.
     // With several nodes, this node holds its share of the ranks.
     let spec = ModelSpec::new(&cfg);
-    let copy_params: usize = (0..parallel.tp).map(|r| spec.rank_params(&parallel.rank(r))).sum();
+    let copy_params: usize = (0..parallel.tp).map(|r| parallel.rank(r).params(&spec)).sum();
     let nodes = args.nnodes;
     sizing::check_cpu_memory(parallel.replicas * copy_params / nodes, parallel.devices() / nodes, &sizing)?;
     let cache = CacheLayout { block_size: sizing.block_size, num_blocks: sizing.num_blocks };

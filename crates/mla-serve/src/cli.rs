@@ -9,7 +9,7 @@ use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use crate::routing_args::RoutingArgs;
 use clap::{Parser, ValueEnum};
-use mla_core::step_limits::DEFAULT_EXTRA_LOGIT_ROWS;
+use mla_core::step::limits::DEFAULT_EXTRA_LOGIT_ROWS;
 use mla_core::{Parallel, StepBudget, StepLimits};
 use mla_server::parsers::{ParserConfig, ReasoningParserKind, ToolParserKind};
 use std::ffi::OsString;
@@ -365,7 +365,7 @@ impl Args {
     fn check_quantization(&self) -> anyhow::Result<()> {
         if let Some(method) = &self.quantization {
             // Refused here, before anything loads; model_source applies it to the config.
-            mla_core::config::check_quantization_method(method).map_err(anyhow::Error::msg)?;
+            mla_core::model::config::check_quantization_method(method).map_err(anyhow::Error::msg)?;
         }
         if self.kv_cache_dtype != "auto" {
             anyhow::bail!(
@@ -397,7 +397,7 @@ impl Args {
     /// `--hf-overrides` as a JSON object (empty without the flag).
     pub fn hf_overrides(&self) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
         let Some(text) = &self.hf_overrides else { return Ok(Default::default()) };
-        mla_core::json_patch::parse_overrides(text).map_err(anyhow::Error::msg)
+        mla_core::model::json_patch::parse_overrides(text).map_err(anyhow::Error::msg)
     }
 
     /// The parallel layout the flags ask for (model-independent checks only; `Parallel::check`

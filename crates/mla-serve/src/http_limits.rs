@@ -71,7 +71,7 @@ impl HttpLimitArgs {
     /// The connection limits, with `--max-connections` lowered to what the descriptor limit
     /// (raised to its hard limit first) leaves room for.
     pub fn connections(&self) -> ConnectionLimits {
-        let fds = mla_core::fd_limit::raise();
+        let fds = mla_core::runtime::fd_limit::raise();
         let room = fds.map(|n| n.saturating_sub(RESERVED_FDS).max(1) as usize);
         let max_connections = match room {
             Some(room) if room < self.max_connections => {

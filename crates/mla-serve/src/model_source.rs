@@ -4,7 +4,7 @@
 use crate::cli::{Args, LoadFormat};
 use crate::{demo, hf_cache, presets};
 use anyhow::{bail, Context};
-use mla_core::fp8_source::Fp8Quantized;
+use mla_core::model::fp8_source::Fp8Quantized;
 use mla_core::{Checkpoint, DummyWeights, ModelConfig, WeightSource};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -74,7 +74,7 @@ pub fn resolve(args: &Args) -> anyhow::Result<ModelSource> {
     let mut source = resolve_files(args)?;
     if let Some(method) = &args.quantization {
         // A bf16 model becomes a block-FP8 one: every backend reads its linear weights quantized
-        // (see mla_core::fp8_source).
+        // (see mla_core::model::fp8_source).
         let was_fp8 = source.config.quantization.is_some();
         source.config.apply_quantization_flag(method).map_err(anyhow::Error::msg)?;
         if !was_fp8 {

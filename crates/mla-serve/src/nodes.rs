@@ -1,18 +1,18 @@
 //! Serving one model from several nodes (`--nnodes N --node-rank R --dist-init-addr HOST:PORT`,
 //! SGLang's flags). Node 0 runs the engine and the HTTP server and holds ranks `0 .. L` of the
 //! group (L = tp / nnodes); node R holds ranks `R·L .. (R+1)·L` on its GPUs `0 .. L` and serves
-//! them for node 0 (`mla_core::group::serve_node`), never HTTP. The nodes meet at the
-//! rendezvous (`mla_core::cluster`), which checks that they were started alike; node 0 then hands
+//! them for node 0 (`mla_core::runtime::group::serve_node`), never HTTP. The nodes meet at the
+//! rendezvous (`mla_core::runtime::cluster`), which checks that they were started alike; node 0 then hands
 //! out the bootstrap (the NCCL unique id; on the CPU, the address of its collective hub). NCCL
 //! carries the tensors, the rendezvous link the plans and answers.
 
 use crate::cli::{Args, Device};
 use crate::model_source::{ModelSource, WeightOrigin};
 use anyhow::Context;
-use mla_core::cluster::rendezvous::{self, Hello, PROTOCOL};
-use mla_core::cluster::tcp_collective::{start_hub, TcpRank};
-use mla_core::collective::Collective;
-use mla_core::group::{serve_node, FromNode, GroupBackend, NodeReady, RemoteNode};
+use mla_core::runtime::cluster::rendezvous::{self, Hello, PROTOCOL};
+use mla_core::runtime::cluster::tcp_collective::{start_hub, TcpRank};
+use mla_core::runtime::collective::Collective;
+use mla_core::runtime::group::{serve_node, FromNode, GroupBackend, NodeReady, RemoteNode};
 use mla_core::{Backend, CacheLayout, Parallel, StepLimits};
 use mla_cuda::collective::NcclConnector;
 use mla_cuda::gpu::nccl::NcclId;
@@ -90,7 +90,7 @@ fn cpu_ranks(
     p: &Plan,
     hub: std::net::SocketAddr,
     cache: CacheLayout,
-) -> anyhow::Result<Vec<mla_core::step_thread::StepThread<mla_cpu::group::CpuRankWorker>>> {
+) -> anyhow::Result<Vec<mla_core::runtime::step_thread::StepThread<mla_cpu::group::CpuRankWorker>>> {
     let world = p.parallel.tp;
     let comms = p
         .my_ranks()

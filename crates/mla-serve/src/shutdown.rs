@@ -35,6 +35,7 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
     let (draining_tx, draining_rx) = tokio::sync::oneshot::channel();
     let (died_tx, died_rx) = tokio::sync::oneshot::channel();
     let engine_for_signal = engine.clone();
+    let grammars = state.grammars.clone();
     let on_signal = async move {
         tokio::select! {
             name = wait_for_signal() => {
@@ -44,6 +45,12 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
                 tracing::error!("the engine stopped ({why}); shutting down, other requests get {grace:?} to finish");
                 let _ = died_tx.send(why);
             }
+        }
+        // Requests still waiting for a grammar compilation could not start any more (the
+        // engine takes no new work): they are answered now, and the compilations are left to
+        // the process's exit.
+        if let Some(g) = &grammars {
+            g.close();
         }
         // A second signal while draining means "now": an operator's second Ctrl-C, or an
         // orchestrator that stopped waiting.
@@ -70,8 +77,9 @@ pub async fn serve(args: &Args, listener: std::net::TcpListener, started: Starte
     if let Some(origins) = &args.cors.allowed_origins {
         tracing::info!("CORS: pages from {origins} may call the API from a browser");
     }
+    let open = state.connections.clone();
     let app = router(state, HttpOptions { body, access_log: args.access_log.config(), cors });
-    let connections = listener::serve(listener, app, limits, on_signal).await;
+    let connections = listener::serve(listener, app, limits, open, on_signal).await;
     // The signal (or the engine's death) came: no new connections. The open ones finish their
     // responses within the grace period plus a margin for aborted streams' last events.
     if tokio::time::timeout(grace + FLUSH_MARGIN, connections.close()).await.is_err() {

@@ -160,6 +160,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         metrics,
         force_include_usage: args.compat.enable_force_include_usage,
         return_tokens_as_token_ids: args.compat.return_tokens_as_token_ids,
+        connections: Default::default(),
     };
     Ok(Started { state: Arc::new(state), engine })
 }

@@ -4,6 +4,7 @@
 
 use mla_engine::{ConstraintFactory, TokenConstraint};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Only the listed ids may be drawn.
 struct AllowedTokens {
@@ -11,9 +12,11 @@ struct AllowedTokens {
 }
 
 impl TokenConstraint for AllowedTokens {
-    fn fill_mask(&mut self, mask: &mut [u32]) {
-        // Both cover the model's vocabulary; zip rather than panic should they ever differ.
+    fn fill_mask(&mut self, mask: &mut [u32], _deadline: Instant) -> Result<(), String> {
+        // Both cover the model's vocabulary; zip rather than panic should they ever differ. A
+        // copy of a few kilobytes: no deadline can pass.
         mask.iter_mut().zip(self.words.iter()).for_each(|(m, w)| *m = *w);
+        Ok(())
     }
 
     fn accept(&mut self, _token: u32) -> Result<(), String> {
@@ -41,13 +44,13 @@ mod tests {
         let f = factory(&[0, 31, 32, 70], 100);
         let mut c = (f.0)();
         let mut mask = vec![0u32; 4];
-        c.fill_mask(&mut mask);
+        c.fill_mask(&mut mask, Instant::now()).unwrap();
         let allowed: Vec<u32> = (0..100).filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1).collect();
         assert_eq!(allowed, vec![0, 31, 32, 70]);
         assert!(c.accept(31).is_ok());
         // Every completion gets the same mask, whatever the others drew.
         let mut again = vec![0u32; 4];
-        (f.0)().fill_mask(&mut again);
+        (f.0)().fill_mask(&mut again, Instant::now()).unwrap();
         assert_eq!(mask, again);
     }
 }

@@ -43,6 +43,10 @@ pub enum ApiError {
     BodyTimeout { seconds: f64 },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// A shared resource is in use for now (the grammar compilers, the grammar memory budget):
+    /// the same request can succeed later.
+    #[error("{0}")]
+    Busy(String),
     /// The engine's backend failed for good (a rank died); the server is exiting.
     #[error("the server cannot serve: {0}")]
     Unavailable(String),
@@ -70,6 +74,7 @@ impl ApiError {
             ApiError::QueueFull { .. }
             | ApiError::TooManyConnections { .. }
             | ApiError::ShuttingDown
+            | ApiError::Busy(_)
             | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -82,6 +87,7 @@ impl ApiError {
             ApiError::QueueFull { .. }
             | ApiError::TooManyConnections { .. }
             | ApiError::ShuttingDown
+            | ApiError::Busy(_)
             | ApiError::Unavailable(_)
             | ApiError::Internal(_) => "server_error",
             _ => "invalid_request_error",
@@ -106,6 +112,7 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => Some("request_too_large"),
             ApiError::UnsupportedMediaType { .. } => Some("unsupported_media_type"),
             ApiError::QueueFull { .. } => Some("queue_full"),
+            ApiError::Busy(_) => Some("server_busy"),
             ApiError::TooManyConnections { .. } => Some("too_many_connections"),
             ApiError::BodyTimeout { .. } => Some("request_timeout"),
             _ => None,
@@ -130,7 +137,7 @@ impl IntoResponse for ApiError {
             tracing::warn!(status = status.as_u16(), "{self}");
         }
         let mut resp = (status, axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::QueueFull { .. } | ApiError::TooManyConnections { .. }) {
+        if matches!(self, ApiError::QueueFull { .. } | ApiError::TooManyConnections { .. } | ApiError::Busy(_)) {
             // The queue drains as requests finish: a client may come back soon. (Shutting down
             // and a dead engine get no Retry-After: this server will not take it.)
             resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));

@@ -286,6 +286,8 @@ impl Generation {
                 None
             }
             Some(EngineEvent::Error { message }) => return Err(ApiError::Internal(message)),
+            // The request's own doing (its grammar): the client's error.
+            Some(EngineEvent::Rejected { message }) => return Err(ApiError::InvalidRequest { message, param: None }),
             Some(other) => {
                 return Err(ApiError::Internal(format!("engine sent an event for an unknown completion: {other:?}")))
             }

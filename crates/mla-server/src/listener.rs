@@ -31,6 +31,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -59,6 +60,17 @@ const MAX_HEADER_BYTES: usize = 64 << 10;
 /// After a failed accept (out of descriptors, say) the loop pauses instead of spinning.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// How many connections the server holds open now (served ones, within `--max-connections`;
+/// refused ones are not counted), for `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct OpenConnections(Arc<AtomicUsize>);
+
+impl OpenConnections {
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// The connections still open when the accept loop stopped.
 pub struct Connections {
     closing: watch::Sender<bool>,
@@ -81,6 +93,7 @@ pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnectionLimits,
+    open: OpenConnections,
     stop: impl Future<Output = ()>,
 ) -> Connections {
     let max = u32::try_from(limits.max_connections).unwrap_or(u32::MAX).min(Semaphore::MAX_PERMITS as u32);
@@ -113,9 +126,12 @@ pub async fn serve(
             }
             continue;
         };
-        let (http, app, closing) = (http.clone(), app.clone(), closing.subscribe());
+        let (http, app, closing, open) = (http.clone(), app.clone(), closing.subscribe(), open.clone());
+        // Counted while the permit is held: the count never exceeds the cap.
+        open.0.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             serve_connection(stream, peer, &http, app, closing).await;
+            open.0.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         });
     }

@@ -45,10 +45,16 @@ impl Default for MetricsConfig {
     }
 }
 
-/// Renders the whole exposition for `model` (the served model name, a label on every sample).
-pub fn render(model: &str, config: &MetricsConfig, stats: &EngineStats) -> String {
+/// Renders the whole exposition for `model` (the served model name, a label on every sample),
+/// with `open_connections` the HTTP connections held open now.
+pub fn render(model: &str, config: &MetricsConfig, stats: &EngineStats, open_connections: usize) -> String {
     let mut e = Exposition::new(&config.prefix, model);
     cache_config(&mut e, config);
+    e.gauge(
+        "http_connections_open",
+        "HTTP connections held open (within --max-connections; refused ones not counted).",
+        open_connections as f64,
+    );
     scheduler_state(&mut e, stats);
     per_rank(&mut e, stats);
     counters(&mut e, stats);
@@ -250,7 +256,7 @@ mod tests {
             requests: RequestStats { finished: FinishCounts { stop: 2, length: 0, abort: 1 }, ..RequestStats::new(16) },
             ..Default::default()
         };
-        let text = render("demo", &MetricsConfig::default(), &stats);
+        let text = render("demo", &MetricsConfig::default(), &stats, 0);
         assert!(
             text.contains("# TYPE mla:num_requests_running gauge\nmla:num_requests_running{model_name=\"demo\"} 3\n")
         );
@@ -283,7 +289,7 @@ mod tests {
         let mut itl = Histogram::with_bounds(&[0.01, 0.1]);
         itl.observe(0.05);
         let stats = EngineStats { inter_token_latency: itl, requests: RequestStats::new(64), ..Default::default() };
-        let text = render("m", &MetricsConfig::default(), &stats);
+        let text = render("m", &MetricsConfig::default(), &stats, 0);
         for name in [
             "time_to_first_token_seconds",
             "inter_token_latency_seconds",
@@ -317,7 +323,7 @@ mod tests {
             cache_info: vec![("block_size", "64".into()), ("enable_prefix_caching", "True".into())],
         };
         let text =
-            render("m", &config, &EngineStats { waiting: 3, requests: RequestStats::new(16), ..Default::default() });
+            render("m", &config, &EngineStats { waiting: 3, requests: RequestStats::new(16), ..Default::default() }, 0);
         let names: Vec<&str> =
             text.lines().filter(|l| !l.starts_with('#')).map(|l| l.split(['{', ' ']).next().unwrap()).collect();
         assert!(names.iter().all(|n| n.starts_with("vllm:")), "{names:?}");
@@ -349,7 +355,7 @@ mod tests {
             },
         ];
         let routing = mla_engine::RoutingStats { prefix: 7, balance: 2, tie: 3, least_loaded: 0 };
-        let text = render("m", &MetricsConfig::default(), &EngineStats { ranks, routing, ..Default::default() });
+        let text = render("m", &MetricsConfig::default(), &EngineStats { ranks, routing, ..Default::default() }, 0);
         assert!(text.contains("mla:num_attention_ranks{model_name=\"m\"} 2\n"));
         assert_eq!(
             lines(&text, "mla:rank_load_tokens"),

@@ -4,6 +4,7 @@
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobOptions, StopOptions, Submitted};
 use crate::generation_config::GenerationDefaults;
+use crate::listener::OpenConnections;
 use crate::metrics::MetricsConfig;
 use crate::parsers::ParserConfig;
 use crate::stop::StopMatcher;
@@ -39,6 +40,8 @@ pub struct AppState {
     pub force_include_usage: bool,
     /// `--return-tokens-as-token-ids`: the default of the request field.
     pub return_tokens_as_token_ids: bool,
+    /// The HTTP connections the listener holds open (`listener::serve` counts them).
+    pub connections: OpenConnections,
 }
 
 impl AppState {

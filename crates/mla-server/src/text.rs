@@ -4,7 +4,7 @@
 //! module only turns their errors into `ApiError`s.
 
 use crate::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
-use crate::content_special::{ContentGuard, Segment};
+use crate::content_special::{ContentGuard, Marked, Segment};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
 use crate::prompt_size;
@@ -17,7 +17,7 @@ pub struct TextPipeline {
     tokenizer: TextTokenizer,
     /// `None` when the model has no chat template: chat requests are then refused (400).
     template: Option<ChatTemplate>,
-    /// Keeps special-token text in message content plain text (`None`: no special tokens).
+    /// Keeps control-token text in message content plain text (`None`: no added tokens).
     guard: Option<ContentGuard>,
 }
 
@@ -28,8 +28,8 @@ pub struct ChatPromptOptions {
     pub continue_final_message: bool,
     /// Extra template variables (`chat_template_kwargs`).
     pub template_kwargs: Option<Map<String, Value>>,
-    /// Special-token text in message content becomes special tokens (off by default; see
-    /// `content_special`).
+    /// Control-token text in message content (and tools, kwargs) becomes control tokens (off by
+    /// default; see `content_special`).
     pub content_special_tokens: bool,
     /// The request's tools, passed to the template as transformers' `apply_chat_template(tools=)`
     /// does (the published V3/R1 templates do not print them).
@@ -51,7 +51,7 @@ impl TextPipeline {
             None => tokenizer.config().chat_templates.select(None, false).ok().map(str::to_string),
         };
         let template = source.map(|s| ChatTemplate::new(&s)).transpose()?;
-        let guard = ContentGuard::new(tokenizer.special_token_texts());
+        let guard = ContentGuard::new(tokenizer.protocol_token_texts());
         Ok(TextPipeline { tokenizer, template, guard })
     }
 
@@ -78,16 +78,21 @@ impl TextPipeline {
                 "this model has no chat template; start the server with --chat-template FILE or use /v1/completions",
             )
         })?;
-        let (messages, marks) = match (&self.guard, options.content_special_tokens) {
-            (Some(guard), false) => guard.mark(messages),
-            _ => (messages.to_vec(), None),
+        let Marked { messages, tools, template_kwargs, marks } = match (&self.guard, options.content_special_tokens) {
+            (Some(guard), false) => guard.mark(messages, options.tools.as_deref(), options.template_kwargs.as_ref()),
+            _ => Marked {
+                messages: messages.to_vec(),
+                tools: options.tools.clone(),
+                template_kwargs: options.template_kwargs.clone(),
+                marks: None,
+            },
         };
         let render = RenderOptions {
             add_generation_prompt: options.add_generation_prompt,
             continue_final_message: options.continue_final_message,
             special_tokens: self.tokenizer.template_special_tokens(),
-            extra_variables: options.template_kwargs.as_ref(),
-            tools: options.tools.as_deref(),
+            extra_variables: template_kwargs.as_ref(),
+            tools: tools.as_deref(),
         };
         let rendered = template.render(&messages, &render).map_err(|e| match e {
             // The template refused the conversation, the messages are malformed, or rendering

@@ -14,7 +14,7 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::sync::OnceLock;
 use tokenizers::models::ModelWrapper;
-use tokenizers::Tokenizer;
+use tokenizers::{AddedToken, Tokenizer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -41,8 +41,8 @@ pub struct TextTokenizer {
     bos: Option<SpecialToken>,
     eos: Option<SpecialToken>,
     special_ids: HashSet<u32>,
-    /// `inner` with special-token text encoded as plain text (`encode_as_plain_text`), built on
-    /// first use: most servers never need it.
+    /// `inner` with the text of every added token encoded as plain text (`encode_as_plain_text`),
+    /// built on first use: most servers never need it.
     plain: OnceLock<Tokenizer>,
 }
 
@@ -104,11 +104,16 @@ impl TextTokenizer {
         self.encode(rendered, false)
     }
 
-    /// Token ids of `text` with any special-token text in it encoded as the plain text it is
-    /// (no special tokens added either).
+    /// Token ids of `text` with the text of any added token in it (special or not: DeepSeek's
+    /// tool markers are not special) encoded as the plain text it is; no special tokens added.
     pub fn encode_as_plain_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let plain = self.plain.get_or_init(|| {
             let mut t = self.inner.clone();
+            // `encode_special_tokens` makes the tokenizer skip the special ones when it looks for
+            // added tokens in text; re-declared special (same ids), the others are skipped too.
+            let added: Vec<AddedToken> =
+                self.protocol_token_texts().into_iter().map(|text| AddedToken::from(text, true)).collect();
+            t.add_special_tokens(&added);
             t.set_encode_special_tokens(true);
             t
         });
@@ -120,6 +125,18 @@ impl TextTokenizer {
     pub fn special_token_texts(&self) -> Vec<String> {
         let decoder = self.inner.get_added_tokens_decoder();
         self.special_ids.iter().filter_map(|id| decoder.get(id).map(|t| t.content.clone())).collect()
+    }
+
+    /// The texts of every added token, special or not. The tokenizer matches an added token's
+    /// text before anything else, so in a prompt that text is that single control token: for
+    /// DeepSeek's they are all protocol (turns, end of sentence, tool-call and tool-output
+    /// markers, which are not special, `<think>` tags, fill-in-the-middle and placeholders).
+    pub fn protocol_token_texts(&self) -> Vec<String> {
+        let mut texts: Vec<String> =
+            self.inner.get_added_tokens_decoder().into_values().map(|t| t.content).filter(|t| !t.is_empty()).collect();
+        texts.sort();
+        texts.dedup();
+        texts
     }
 
     /// Text of `ids`; ids outside the vocabulary are dropped, as transformers does.

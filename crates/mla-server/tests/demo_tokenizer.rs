@@ -106,17 +106,17 @@ fn chat_prompt_gets_exactly_one_bos() {
 
 #[test]
 fn demo_config_agrees_with_the_tokenizer() {
-    let config = mla_core::config::ModelConfig::from_file(&demo_dir().join("config.json")).unwrap();
+    let config = mla_core::model::config::ModelConfig::from_file(&demo_dir().join("config.json")).unwrap();
     let tokenizer = demo_tokenizer();
     assert_eq!(config.vocab_size, tokenizer.vocab_size());
     assert_eq!(config.bos_token_id, Some(tokenizer.bos().unwrap().id));
     assert_eq!(config.eos_token_ids, vec![tokenizer.eos().unwrap().id]);
-    assert_eq!(config.model_type, mla_core::config::ModelType::DeepseekV3);
+    assert_eq!(config.model_type, mla_core::model::config::ModelType::DeepseekV3);
     assert_eq!(
         (config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim),
         (64, 16, 32, 32)
     );
     assert_eq!((config.n_routed_experts, config.num_hidden_layers), (8, 2));
     assert!(config.q_lora_rank.is_some());
-    assert!(matches!(config.rope_scaling, mla_core::config::RopeScaling::Yarn(_)));
+    assert!(matches!(config.rope_scaling, mla_core::model::rope::RopeScaling::Yarn(_)));
 }

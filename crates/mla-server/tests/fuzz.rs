@@ -5,6 +5,9 @@
 //!   over a scripted engine: never a 5xx, every error in OpenAI's shape, every stream well formed.
 //! - `fuzz/generation.rs`: random scripts, stop tokens and stop strings through the same router:
 //!   every choice's text, streamed or not, is the tokenizer's one-shot decode of the script.
+//! - `fuzz/grammars.rs`: random schemas, Lark grammars and regexes from small to past the limits
+//!   through the grammar front end, from a small stack: each compiles or is refused naming its
+//!   limit, never a crash.
 //! - `fuzz/chat_template.rs`: random conversations through the DeepSeek-V2 and V3 templates:
 //!   rendering fails only with a client error (400), and message text comes out verbatim.
 //! - `fuzz/detokenizer.rs`: random ids through the incremental detokenizer: the deltas add up to
@@ -29,6 +32,8 @@ mod common;
 mod detokenizer;
 #[path = "fuzz/generation.rs"]
 mod generation;
+#[path = "fuzz/grammars.rs"]
+mod grammars;
 #[path = "fuzz/http.rs"]
 mod http;
 #[path = "fuzz/requests.rs"]

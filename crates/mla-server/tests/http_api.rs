@@ -437,18 +437,21 @@ async fn structured_output_reaches_the_engine_and_bad_grammars_are_400() {
     let v = v.json();
     assert_eq!(v["choices"][0]["message"]["content"], "yes");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    // The scripted backend ignores masks: a token off the grammar ends the completion visibly.
-    let v = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 10, "guided_regex": "no"})).await.json();
-    assert_eq!(v["choices"][0]["finish_reason"], "abort");
+    // The scripted backend ignores masks: a token off the grammar rejects the request, visibly.
+    let r = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 10, "guided_regex": "no"})).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.starts_with("structured output: "), "{message}");
     let r = s.post("/v1/completions", json!({"prompt": "x", "guided_regex": "("})).await;
     assert_eq!((r.status.as_u16(), r.json()["error"]["param"].clone()), (400, json!("guided_regex")));
     let r = s.post("/v1/chat/completions", chat("x", json!({"guided_regex": "a", "guided_json": {}}))).await;
     assert_eq!(r.status, 400, "{}", r.text);
 }
 
-/// Prompt logprobs depend only on the prompt: with several prompts and `n: 2`, every choice
-/// reports exactly what a request for its prompt alone with `n: 1` reports, in vLLM's
-/// `prompt_logprobs` and in the legacy `logprobs` object that `echo` heads with the prompt.
+/// Prompt logprobs depend only on the prompt: with several prompts and `n: 2`, the first choice
+/// of each prompt reports exactly what a request for its prompt alone with `n: 1` reports in
+/// vLLM's `prompt_logprobs` (the others leave it out rather than repeat it), and every choice in
+/// the legacy `logprobs` object that `echo` heads with the prompt.
 #[tokio::test]
 async fn prompt_logprobs_of_n_choices_are_their_prompts() {
     let s = server(Options::default());
@@ -482,7 +485,12 @@ async fn prompt_logprobs_of_n_choices_are_their_prompts() {
     assert_eq!(choices.len(), 4);
     for (i, c) in choices.iter().enumerate() {
         // Choices are prompt-major: prompt i owns choices 2i and 2i + 1.
-        assert_eq!(reported(c), alone[i / 2], "choice {i}");
+        let (vllm, legacy) = reported(c);
+        assert_eq!(legacy, alone[i / 2].1, "choice {i}");
+        let once = if i % 2 == 0 { alone[i / 2].0.clone() } else { "null".to_string() };
+        assert_eq!(vllm, once, "choice {i}");
+        // vLLM's clients read the key on every choice: `null` where the data is not repeated.
+        assert!(c.get("prompt_logprobs").is_some(), "choice {i}: the key is always sent");
     }
 }
 
@@ -513,6 +521,29 @@ async fn tokenize_messages_counts_the_chat_prompt() {
     }
     // (The demo model's V3 template does not render tools; the count equals chat's all the same.)
     assert_ne!(counts[2], counts[0], "the options shape the prompt: {counts:?}");
+}
+
+/// `/tokenize` refuses what the generation endpoints refuse: more tokens than the context holds,
+/// for a prompt and for messages, counted without tokenizing a long text whole.
+#[tokio::test]
+async fn tokenize_refuses_prompts_longer_than_the_context() {
+    let s = server(Options::default());
+    // Byte-level tokens of the demo tokenizer: 'z' is one token, so MAX_MODEL_LEN of them fit
+    // with no BOS and one more does not.
+    let fits = "z".repeat(common::MAX_MODEL_LEN);
+    let r = s.post("/tokenize", json!({"prompt": fits, "add_special_tokens": false})).await;
+    assert_eq!((r.status.as_u16(), r.json()["count"].clone()), (200, json!(common::MAX_MODEL_LEN)), "{}", r.text);
+    let over = format!("{fits}z");
+    let long = "lorem ipsum ".repeat(20_000);
+    for body in [
+        json!({"prompt": over, "add_special_tokens": false}),
+        json!({"prompt": long}),
+        json!({"messages": [{"role": "user", "content": long}]}),
+    ] {
+        let r = s.post("/tokenize", body.clone()).await;
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert_eq!(r.json()["error"]["code"], "context_length_exceeded", "{body}");
+    }
 }
 
 /// `/tokenize`'s answers to bad `messages` and chat fields: which one, and what it says.

@@ -4,7 +4,7 @@
 
 use super::CONTEXT;
 use crate::dummy_model;
-use mla_core::plan::StepPlan;
+use mla_core::step::plan::StepPlan;
 use mla_core::ModelConfig;
 use mla_cuda::model::{CudaModel, DecodeGraphs, ModelOptions};
 use mla_cuda::ops::PAGE_SIZE;

@@ -5,7 +5,7 @@
 use super::timing::{download_f32, fill, rel_diff, time_ms};
 use super::HEADS;
 use half::bf16;
-use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
 use mla_cuda::gpu::DeviceBuffer;
 use mla_cuda::model::{MetaLimits, StepMeta};
 use mla_cuda::ops::{

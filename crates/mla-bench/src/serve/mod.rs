@@ -48,7 +48,7 @@ pub fn main(a: ServeArgs) -> anyhow::Result<()> {
     let endpoint = a.endpoint.clone().unwrap_or_else(|| a.backend.default_endpoint().to_string());
     a.backend.check_endpoint(&endpoint)?;
     let client = client::Client::new(target, a.insecure, args::key_values("header", &a.header)?)?;
-    let files = mla_core::fd_limit::raise();
+    let files = mla_core::runtime::fd_limit::raise();
     if let Some(n) = files.filter(|&n| a.max_concurrency.unwrap_or(a.num_prompts) as u64 + 64 > n) {
         eprintln!("warning: {n} open files at most; some of the requests in flight may fail to connect");
     }

@@ -1,7 +1,7 @@
 //! Helpers shared by the mla-cpu integration tests: small configs, plan builders, comparisons.
 #![allow(dead_code)]
 
-use mla_core::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepPlan};
 use mla_core::{Backend, DummyWeights, ModelConfig};
 use mla_cpu::CpuBackend;
 use std::path::PathBuf;

@@ -74,8 +74,15 @@ impl CudaModel {
         // one pass for W8A8 (whose tile map `tile_for_mats` made the wgmma one).
         let (gate_up_in, down_in) = match fp8_act {
             Some(q) => {
-                k.fp8_convert.quantize_act_gather(s, Strided::new(x, hidden), r.perm_src, rows, hidden, &q.x())?;
-                (GroupedInput::Fp8(q.x()), GroupedInput::Fp8(q.act()))
+                k.fp8_convert.quantize_act_gather(
+                    s,
+                    Strided::new(x, hidden),
+                    r.perm_src,
+                    rows,
+                    hidden,
+                    &q.gate_up_input(),
+                )?;
+                (GroupedInput::Fp8(q.gate_up_input()), GroupedInput::Fp8(q.down_input()))
             }
             None => {
                 k.elementwise.gather_rows(s, x, r.perm_src, mb.grouped_x.slice(), rows, hidden)?;
@@ -92,7 +99,7 @@ impl CudaModel {
         };
         k.grouped_gemm.gate_up_act(s, &gate_up, &r)?;
         if let Some(q) = fp8_act {
-            k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_act.slice(), im), rows, im, &q.act())?;
+            k.fp8_convert.quantize_act(s, Strided::new(mb.grouped_act.slice(), im), rows, im, &q.down_input())?;
         }
         let down = GroupedGemm { a: down_in, w: w.down.mats(), c: mb.grouped_y.slice(), n: hidden, k: im };
         k.grouped_gemm.gemm(s, &down, &r)?;

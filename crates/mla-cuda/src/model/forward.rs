@@ -20,7 +20,7 @@ use crate::ops::{
     PAGE_SIZE,
 };
 use half::bf16;
-use mla_core::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
+use mla_core::step::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{ModelConfig, StepLimits};
 
 pub struct CudaModel {

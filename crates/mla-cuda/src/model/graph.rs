@@ -13,7 +13,7 @@ use super::parallel::{FfnRows, RankMode};
 use crate::device::Device;
 use crate::gpu::{Graph, GraphNode};
 use crate::ops::PAGE_SIZE;
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::SamplingParams;
 
 pub struct DecodeGraph {

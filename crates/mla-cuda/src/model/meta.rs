@@ -11,8 +11,8 @@
 
 use super::meta_words::{Arena, Section};
 use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE, PREFILL_TILE_Q};
-use mla_core::plan::{slot_of, LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
-use mla_core::token_mask::TokenMask;
+use mla_core::step::plan::{slot_of, LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
+use mla_core::step::token_mask::TokenMask;
 
 /// A sampled row whose draw a structured-output mask restricts: row `mask_row` of the step's
 /// mask table (the rows' order in `StepMeta::masks`).
@@ -564,7 +564,7 @@ fn push_passes(a: &mut Arena, seqs: &[SeqStep], cap: usize) -> Vec<PassMeta> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mla_core::plan::{PenaltyTokens, SampleRequest};
+    use mla_core::step::plan::{PenaltyTokens, SampleRequest};
     use mla_core::SamplingParams;
 
     fn seq(id: u64, ctx: usize, n: usize, table: Vec<u32>) -> SeqStep {
@@ -677,7 +677,7 @@ mod tests {
 
     #[test]
     fn bias_entries_and_mask_rows_are_packed_per_row() {
-        use mla_core::token_mask::TokenMask;
+        use mla_core::step::token_mask::TokenMask;
         // Row 0: bias on 2 tokens plus one outside the vocabulary (dropped) and a mask; row 1:
         // nothing; row 2: a -inf bias (min_tokens) and a mask still being computed.
         let mut a = sampled(seq(1, 7, 1, vec![0]), None);

@@ -10,7 +10,7 @@ use super::meta::{MetaLimits, StepMeta};
 use super::meta_words::to_words;
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
-use mla_core::token_mask::{mask_words, MASK_WAIT};
+use mla_core::step::token_mask::{mask_words, MASK_WAIT};
 use mla_core::StepKind;
 
 /// Entries of a variable count (penalties, logit biases) on the device and the pinned words they

@@ -20,10 +20,10 @@ use crate::gpu::{DSlice, DeviceBuffer};
 use crate::ops::{fp8_lt_scale_ld, ExpertMats, Fp8Linear, Linear, Normal, Proj, FP8_BLOCK};
 use anyhow::Context;
 use half::bf16;
-use mla_core::config::{ModelConfig, TopkMethod};
-use mla_core::dummy::{dummy_distribution, DummyWeights};
-use mla_core::fp8_source::Fp8Quantized;
-use mla_core::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
+use mla_core::model::config::{ModelConfig, TopkMethod};
+use mla_core::model::dummy::{dummy_distribution, DummyWeights};
+use mla_core::model::fp8_source::Fp8Quantized;
+use mla_core::model::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
 use mla_core::{RankLayout, WeightSource};
 use std::collections::HashMap;
 
@@ -437,7 +437,7 @@ impl DeviceWeights {
                         out.push((bs, Dest::F32(bw.slice())));
                     }
                     let h = self.norm.len();
-                    let im = es_inter(s);
+                    let im = expert_width(s);
                     for (e, es) in s.experts.iter().enumerate() {
                         out.push((&es.gate_proj, w.gate_up.dest(e, 2 * im, h, 0..im)));
                         out.push((&es.up_proj, w.gate_up.dest(e, 2 * im, h, im..2 * im)));
@@ -482,7 +482,7 @@ impl DeviceWeights {
         // read through Fp8Quantized (stored FP8 passes through, bf16 is quantized on the host),
         // as the CPU reference reads them.
         let quantized = cfg.quantization.map(|q| Fp8Quantized::new(src, q.block));
-        let bar = mla_core::weight_source::LoadProgress::new(dests.len(), "loading weights to the GPU");
+        let bar = mla_core::model::weight_source::LoadProgress::new(dests.len(), "loading weights to the GPU");
         for (t, d) in &dests {
             let f = full[t.name.as_str()];
             let part = layout.shard(f);
@@ -574,8 +574,8 @@ impl DeviceWeights {
     }
 }
 
-/// moe_intermediate_size from an expert's spec (`down_proj` is `[H, I]`).
-fn es_inter(s: &mla_core::weights::MoeSpec) -> usize {
+/// An expert's width (moe_intermediate_size of this rank) from its spec (`down_proj` is `[H, I]`).
+fn expert_width(s: &mla_core::model::weights::MoeSpec) -> usize {
     s.experts[0].down_proj.shape[1]
 }
 

@@ -107,11 +107,13 @@ impl MoeFp8Act {
         })
     }
 
-    pub fn x(&self) -> Fp8Act<'_> {
+    /// The quantized gate/up input: every routed row, grouped by expert.
+    pub fn gate_up_input(&self) -> Fp8Act<'_> {
         Fp8Act { q: self.x_q.slice(), scales: self.x_scales.slice(), scale_ld: self.rows }
     }
 
-    pub fn act(&self) -> Fp8Act<'_> {
+    /// The quantized SiLU·mul activations, the down projection's input.
+    pub fn down_input(&self) -> Fp8Act<'_> {
         Fp8Act { q: self.act_q.slice(), scales: self.act_scales.slice(), scale_ld: self.rows }
     }
 }

@@ -25,10 +25,10 @@ pub struct AttentionKernels {
 /// The two implementations of decode attention (same function, same arguments; both on every GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeKernel {
-    /// Four warps, QKᵀ split over the 576 dims: batches 2-31 and over 64 (run S2: 1-7% ahead at
+    /// Four warps, QKᵀ split over the 576 dims: batches 2-31 and over 64 (run S8: 1-7% ahead at
     /// 2 and 4, level to 5% ahead at 128, level at 256).
     FourWarps,
-    /// Eight warps, QKᵀ over 2 dim halves x 4 key groups: batch 1 and 32-64 (run S2: -1% at 1,
+    /// Eight warps, QKᵀ over 2 dim halves x 4 key groups: batch 1 and 32-64 (run S8: -1% at 1,
     /// -2% at 32 and 64).
     EightWarps,
 }

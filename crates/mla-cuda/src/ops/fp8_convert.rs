@@ -26,7 +26,7 @@ impl Fp8ConvertKernels {
     }
 
     /// Quantizes the bf16 `[out, inp]` weight `w` into `dst` (bytes and scale grid), with
-    /// DeepSeek's recipe, bit-exact with `mla_core::fp8::quantize_block_fp8`.
+    /// DeepSeek's recipe, bit-exact with `mla_core::model::fp8::quantize_block_fp8`.
     pub fn quantize(&self, s: CUstream, w: DSlice<bf16>, dst: &Fp8Linear) -> anyhow::Result<()> {
         let (rows, cols) = (dst.out, dst.inp);
         dst.check("fp8 quantize")?;

@@ -207,7 +207,7 @@ impl GroupedGemmKernels {
     /// `tile_for` for weights in a given format (`fp8`: block-FP8; `w8a8`: their activations
     /// quantized too). The W8A16 wgmma kernels convert each weight slice through registers with
     /// one raw slice in flight, and lose to the 64-row mma.sync ones while experts get at most 64
-    /// rows each (V2-Lite's experts at 256 tokens: 0.455 ms against 0.531 to 0.584 ms; H100, run F5
+    /// rows each (V2-Lite's experts at 256 tokens: 0.455 ms against 0.531 to 0.584 ms; H100, run F25
     /// in docs/runs/2026-11-26.md), so W8A16 takes 64-row tiles there and the wgmma kernels only
     /// for prefill-sized batches (1.71 ms against 2.80 ms at 4096 tokens). W8A8 copies its operands
     /// as stored and takes the wgmma tiles at every size: at 64 tokens (6 rows per expert) 0.211

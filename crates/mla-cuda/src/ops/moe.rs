@@ -7,7 +7,7 @@ use super::ensure_len;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
-use mla_core::config::TopkMethod;
+use mla_core::model::config::TopkMethod;
 use mla_core::ModelConfig;
 
 /// Rows per grouped-GEMM tile; picks the kernel family and sizes the tile map.

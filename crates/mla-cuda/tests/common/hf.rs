@@ -3,7 +3,7 @@
 //! compares a bf16 forward with them.
 
 use super::max_abs;
-use mla_core::plan::SampleRequest;
+use mla_core::step::plan::SampleRequest;
 use mla_core::SamplingParams;
 use std::path::Path;
 

@@ -4,8 +4,8 @@
 #![allow(dead_code)]
 
 use half::bf16;
-use mla_core::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
-use mla_core::weights::TensorSpec;
+use mla_core::model::weights::TensorSpec;
+use mla_core::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
 use mla_core::ModelConfig;
 use mla_core::SplitMix64;
 use mla_core::{CheckpointError, DummyWeights, Fp8Tensor, WeightSource};
@@ -372,7 +372,7 @@ pub struct Fp8Stack {
 
 impl Fp8Stack {
     pub fn random(rng: &mut Rng, count: usize, rows: usize, cols: usize) -> Self {
-        let [gr, gc] = mla_core::fp8::scale_grid(rows, cols, [FP8_BLOCK, FP8_BLOCK]);
+        let [gr, gc] = mla_core::model::fp8::scale_grid(rows, cols, [FP8_BLOCK, FP8_BLOCK]);
         Fp8Stack {
             count,
             rows,
@@ -383,7 +383,7 @@ impl Fp8Stack {
     }
 
     fn grid(&self) -> [usize; 2] {
-        mla_core::fp8::scale_grid(self.rows, self.cols, [FP8_BLOCK, FP8_BLOCK])
+        mla_core::model::fp8::scale_grid(self.rows, self.cols, [FP8_BLOCK, FP8_BLOCK])
     }
 
     /// Dequantized on the host as a loader would: f32(float(e4m3) · scale), matrix by matrix.
@@ -392,7 +392,7 @@ impl Fp8Stack {
         (0..self.count)
             .flat_map(|m| {
                 let s = &self.scales[m * gr * gc..(m + 1) * gr * gc];
-                mla_core::fp8::dequantize_block_fp8(
+                mla_core::model::fp8::dequantize_block_fp8(
                     &self.bytes[m * n..(m + 1) * n],
                     self.rows,
                     self.cols,
@@ -413,7 +413,7 @@ impl Fp8Stack {
             .map(|(i, &b)| {
                 let (m, rr, cc) = (i / (r * c), i / c % r, i % c);
                 let s = self.scales[(m * gr + rr / FP8_BLOCK) * gc + cc / FP8_BLOCK];
-                mla_core::fp8::fp8_e4m3_to_f32(b) as f64 * s as f64
+                mla_core::model::fp8::fp8_e4m3_to_f32(b) as f64 * s as f64
             })
             .collect()
     }

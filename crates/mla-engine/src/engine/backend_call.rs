@@ -3,7 +3,7 @@
 
 use crate::sequence::SeqKey;
 use anyhow::anyhow;
-use mla_core::plan::{StepOutput, StepPlan};
+use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::Backend;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;

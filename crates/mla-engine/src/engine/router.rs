@@ -16,7 +16,8 @@
 //! idle ranks still goes to its history. `RouterPolicy::LeastLoaded` never looks at caches.
 
 use super::rank_loads::RankLoads;
-use crate::api::{GenerateRequest, RouterConfig, RouterPolicy, RoutingStats};
+use crate::api::{GenerateRequest, RouterConfig, RouterPolicy};
+use crate::stats::RoutingStats;
 use crate::cache_index::{CacheIndex, CachePublisher};
 use crate::prefix_hash::{BlockHash, PrefixHasher};
 use crate::scheduler::reusable_blocks;

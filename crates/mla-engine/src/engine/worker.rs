@@ -18,16 +18,15 @@ use super::backend_call::{check_outputs, panic_text, run_checked, split_by_reque
 use super::rank_loads::RankLoads;
 use super::router::RankCache;
 use super::{Command, Liveness};
-use crate::api::{
-    EngineConfig, EngineEvent, FinishReason, GenerateRequest, MaskStats, RankStats, RequestTimings, TokenLogprobs,
-};
+use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RequestTimings, TokenLogprobs};
 use crate::id_map::IdMap;
 use crate::metrics::Metrics;
 use crate::prefix_hash::BlockHash;
 use crate::request_stats::FinishedRequest;
 use crate::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use crate::sequence::SeqKey;
-use mla_core::plan::{StepKind, StepOutput, StepPlan};
+use crate::stats::{MaskStats, RankStats};
+use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, FatalBackendError, SplitMix64};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -350,6 +349,16 @@ impl Worker {
     /// Fails a request; its unfinished completions count as aborted (they ended neither by a
     /// stop nor by length, and the server reports them as aborted).
     fn fail(&mut self, id: u64, message: String) {
+        self.end_with(id, EngineEvent::Error { message });
+    }
+
+    /// Ends a request its own structured-output constraint cannot go on with (see
+    /// `EngineEvent::Rejected`), as `fail` does.
+    fn reject(&mut self, id: u64, why: String) {
+        self.end_with(id, EngineEvent::Rejected { message: format!("structured output: {why}") });
+    }
+
+    fn end_with(&mut self, id: u64, last: EngineEvent) {
         self.deliver_pending_of(id);
         let Some(rank) = self.rank_of(id) else { return };
         if let Some(unfinished) = self.ranks[rank].remove_request(id) {
@@ -357,7 +366,7 @@ impl Worker {
             let mut client = self.forget(id);
             client.completion_ended(FinishReason::Abort);
             self.links.metrics.lock().requests.record(&client.finished());
-            let _ = client.events.send(EngineEvent::Error { message });
+            let _ = client.events.send(last);
         }
     }
 
@@ -403,20 +412,30 @@ impl Worker {
         // Structured-output masks are computed now, while the backend runs the forward pass;
         // its sampler waits for them.
         let (vocab, started) = (self.backend.model_config().vocab_size, Instant::now());
-        let masks: usize = self.ranks.iter_mut().map(|s| s.fill_masks(vocab, self.mask_threads)).sum();
+        let (mut masks, mut failed) = (0, vec![]);
+        for rank in self.ranks.iter_mut() {
+            let filled = rank.fill_masks(vocab, self.mask_threads);
+            masks += filled.count;
+            failed.extend(filled.failed);
+        }
         if masks > 0 {
             self.masks.record(masks, started.elapsed());
         }
         plans.iter().for_each(|p| self.mark_scheduled(p));
         self.count_step_tokens(&plans);
         self.announce_admissions();
+        // A request whose constraint failed leaves now; the step still computes its rows, and
+        // applying it skips requests that are gone, so its token is never delivered.
+        for (id, why) in failed {
+            self.reject(id, why);
+        }
         InFlight { plans }
     }
 
     /// Waits for the step in flight and applies it; false when the engine cannot go on.
     fn finish(&mut self, f: InFlight) -> bool {
         self.steps += 1;
-        mla_core::fault::maybe_hang(self.steps);
+        mla_core::runtime::fault::maybe_hang(self.steps);
         let backend = &mut self.backend;
         let result = catch_unwind(AssertUnwindSafe(|| backend.finish_step()))
             .unwrap_or_else(|p| Err(anyhow::anyhow!("backend panicked: {}", panic_text(&p))))
@@ -543,8 +562,14 @@ impl Worker {
             applied.prompt_logprobs.extend(a.prompt_logprobs);
             applied.tokens.extend(a.tokens);
             applied.finished_requests.extend(a.finished_requests);
+            applied.rejected.extend(a.rejected);
         }
+        let rejected = std::mem::take(&mut applied.rejected);
         self.undelivered = Some((applied, Instant::now()));
+        // After the step's other events of the request (its other completions' tokens).
+        for (id, why) in rejected {
+            self.reject(id, why);
+        }
     }
 
     /// Delivers the pending events of request `id` alone, before something else is sent to it.
@@ -565,7 +590,7 @@ impl Worker {
         let (prompt_logprobs, rest) =
             std::mem::take(&mut applied.prompt_logprobs).into_iter().partition(|(r, _)| *r == id);
         applied.prompt_logprobs = rest;
-        self.deliver(Applied { prompt_logprobs, tokens, finished_requests }, at);
+        self.deliver(Applied { prompt_logprobs, tokens, finished_requests, rejected: vec![] }, at);
     }
 
     fn deliver_undelivered(&mut self) {

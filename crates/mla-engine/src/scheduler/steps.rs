@@ -3,7 +3,7 @@
 use super::Scheduler;
 use crate::prompt_logprobs::LOGITS_CHUNK;
 use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
-use mla_core::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
+use mla_core::step::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
 
 impl Scheduler {
     /// A completion that has sampled a token and now only has to feed it.
@@ -126,12 +126,17 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, logit_rows: &mut usize, spare: 
     let seq = g.seq(key.slot).expect("resident sequence exists");
     let mut end = seq.computed + seq.uncomputed().min(at_most);
     let logits = match &g.prompt_logprobs {
-        Some(p) if p.wants(seq.computed, end) => {
+        // The first sequence of the plan feeding positions still missing and not yet claimed
+        // asks for their rows (`PromptLogprobs::claim`), as many as the step has room for; the
+        // others of the plan feed them without rows. A chunk that needs rows when the step has
+        // none left waits for the next step.
+        Some(p) if p.unclaimed(seq.computed, end) => {
             let rows = (*logit_rows).min(LOGITS_CHUNK);
             if rows == 0 {
                 return None;
             }
             end = end.min(seq.computed + rows);
+            p.claim(seq.computed, end);
             *logit_rows -= end - seq.computed;
             LogitsRequest::All
         }

@@ -7,9 +7,9 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context};
-use mla_core::plan::{slot_of, LogitsRequest, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
+use mla_core::runtime::step_thread::{StepRunner, StepThread};
 use mla_core::sampling::sample;
-use mla_core::step_thread::{StepRunner, StepThread};
+use mla_core::step::plan::{slot_of, LogitsRequest, PenaltyTokens, SampleRequest, SeqResult, StepOutput};
 use mla_core::SplitMix64;
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SamplingParams, StepKind, StepPlan};
 use std::collections::HashMap;
@@ -307,6 +307,8 @@ pub struct Collected {
     pub logprobs: Vec<Vec<Option<mla_engine::TokenLogprobs>>>,
     pub finish: Vec<Option<mla_engine::FinishReason>>,
     pub error: Option<String>,
+    /// `EngineEvent::Rejected`: the request's own constraint could not go on.
+    pub rejected: Option<String>,
     /// The prompt tokens the prefix cache held at admission (`EngineEvent::Admitted`).
     pub cached_tokens: Option<usize>,
     /// `EngineEvent::PromptLogprobs`, which must come before any token.
@@ -320,6 +322,7 @@ pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
         logprobs: vec![vec![]; n],
         finish: vec![None; n],
         error: None,
+        rejected: None,
         cached_tokens: None,
         prompt_logprobs: None,
     };
@@ -342,6 +345,7 @@ pub fn collect(stream: &mut mla_engine::RequestStream, n: usize) -> Collected {
                 c.finish[index] = Some(reason);
             }
             EngineEvent::Error { message } => c.error = Some(message),
+            EngineEvent::Rejected { message } => c.rejected = Some(message),
             EngineEvent::Admitted { cached_tokens } => c.cached_tokens = Some(cached_tokens),
             EngineEvent::PromptLogprobs { entries } => {
                 assert!(c.tokens.iter().all(Vec::is_empty), "prompt logprobs after a token");

@@ -3,7 +3,7 @@
 //! at a given step, as a backend does when a rank dies.
 
 use super::HistoryBackend;
-use mla_core::plan::StepOutput;
+use mla_core::step::plan::StepOutput;
 use mla_core::{Backend, CacheLayout, FatalBackendError, ModelConfig, StepKind, StepPlan};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

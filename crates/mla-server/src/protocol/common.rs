@@ -176,6 +176,17 @@ impl UsageField {
     pub fn is_absent(&self) -> bool {
         matches!(self, UsageField::Absent)
     }
+
+    /// The field of a stream chunk: left out unless the client asked for usage
+    /// (`stream_options.include_usage`), then `null` on every chunk without counts, as OpenAI
+    /// sends it.
+    pub fn in_stream(self, include_usage: bool) -> UsageField {
+        match (include_usage, self) {
+            (false, _) => UsageField::Absent,
+            (true, UsageField::Absent) => UsageField::Null,
+            (true, u) => u,
+        }
+    }
 }
 
 impl Serialize for UsageField {

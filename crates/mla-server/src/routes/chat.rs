@@ -15,7 +15,7 @@ use crate::protocol::ignored_fields::{field_names, log_ignored};
 use crate::protocol::{parse_fields, response_id, unix_now};
 use crate::sse;
 use crate::state::{blocking, stop_matcher, AppState};
-use crate::structured::{self, wire::Requested, StructuredOutput};
+use crate::structured::{self, wire::Requested, Author, StructuredOutput};
 use crate::validate::chat_options::chat_prompt_options;
 use crate::validate::extensions::{extensions, refuse_extensions};
 use crate::validate::tools::{tool_request, ToolChoice, ToolRequest};
@@ -71,21 +71,23 @@ pub async fn handle(
     let mut options = chat_prompt_options(&chat, &messages)?;
     options.tools = tools.tools;
 
+    let grammar = match &structured {
+        Some(r) => Some(structured::compile_requested(state.grammars.as_ref(), r).await?),
+        None => None,
+    };
     let text = state.text.clone();
     let max_model_len = state.limits.max_model_len;
     let stops = params.stop.clone();
-    let grammars = state.grammars.clone();
     // A prompt to be truncated may be longer than the context: it is cut after tokenizing.
     let tokenize_limit = if ext.truncation.is_some() { usize::MAX } else { max_model_len };
-    let (prompt, stop, grammar) = blocking(move || {
-        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
-        Ok((text.chat_prompt(&messages, tokenize_limit, &options)?, stop_matcher(stops)?, grammar))
-    })
-    .await?;
+    let (prompt, stop) =
+        blocking(move || Ok((text.chat_prompt(&messages, tokenize_limit, &options)?, stop_matcher(stops)?))).await?;
     let prompt = match &ext.truncation {
         Some(t) => t.apply(prompt, max_model_len, params.max_tokens)?,
         None => prompt,
     };
+    // Chat reports the prompt's logprobs once, on the response.
+    prompt_logprobs::check_response_size(&[prompt.len()], 1, params.prompt_logprobs, None)?;
     let prompt_ids = ext.return_token_ids.then(|| prompt.clone());
     let mut request = state.limits.engine_request(&params, prompt, MaxTokensDefault::RestOfContext, "messages")?;
     // vLLM's rule: without the reasoning in the answer, the reasoning counts as ended, so a
@@ -185,9 +187,11 @@ fn output_parsing(
 /// arguments validate against the tools' schemas, `validate::tools`). Both at once is a 400, as
 /// any two constraints are.
 fn constraint_of(requested: Option<Requested>, tools: &ToolRequest) -> Result<Option<Requested>, ApiError> {
-    let forced = tools
-        .forced_call_grammar()
-        .map(|g| Requested { output: StructuredOutput::Lark(g), field: "tool_choice".to_string() });
+    let forced = tools.forced_call_grammar().map(|g| Requested {
+        output: StructuredOutput::Lark(g),
+        field: "tool_choice".to_string(),
+        author: Author::Server,
+    });
     match (requested, forced) {
         (Some(r), Some(_)) => Err(ApiError::invalid(
             &r.field,
@@ -270,11 +274,7 @@ struct ChatStream {
 
 impl ChatStream {
     fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> Bytes {
-        let usage = match (self.include_usage, usage) {
-            (false, _) => UsageField::Absent,
-            (true, UsageField::Absent) => UsageField::Null,
-            (true, u) => u,
-        };
+        let usage = usage.in_stream(self.include_usage);
         sse::data_event(&ChatChunk {
             id: self.meta.id.clone(),
             object: "chat.completion.chunk",

@@ -79,13 +79,15 @@ pub async fn handle(
     let max_model_len = state.limits.max_model_len;
     let single = inputs.len() == 1;
     let stops = params.stop.clone();
-    let grammars = state.grammars.clone();
     let (truncation, max_tokens) = (ext.truncation, params.max_tokens);
     // A prompt to be truncated may be longer than the context: it is cut after tokenizing.
     let tokenize_limit = if truncation.is_some() { usize::MAX } else { max_model_len };
-    let (prompts, stop, grammar) = blocking(move || {
-        // One compilation serves every prompt and every completion of the request.
-        let grammar = structured.map(|r| structured::compile_requested(grammars.as_deref(), &r)).transpose()?;
+    // One compilation serves every prompt and every completion of the request.
+    let grammar = match &structured {
+        Some(r) => Some(structured::compile_requested(state.grammars.as_ref(), r).await?),
+        None => None,
+    };
+    let (prompts, stop) = blocking(move || {
         let prompts = inputs
             .into_iter()
             .enumerate()
@@ -105,9 +107,11 @@ pub async fn handle(
                 }
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        Ok((prompts, stop_matcher(stops)?, grammar))
+        Ok((prompts, stop_matcher(stops)?))
     })
     .await?;
+    let lens: Vec<usize> = prompts.iter().map(|(tokens, _)| tokens.len()).collect();
+    prompt_logprobs::check_response_size(&lens, params.n, explicit_prompt_logprobs, echo_logprobs)?;
     let mut requests = Vec::with_capacity(prompts.len());
     let mut echoes = Vec::new();
     for (i, (tokens, prompt_text)) in prompts.into_iter().enumerate() {
@@ -215,7 +219,8 @@ impl Shape {
             finish_reason: finish,
             stop_reason,
             matched_stop,
-            prompt_logprobs: report.and_then(|r| r.vllm.clone()),
+            // Once per prompt, on its first choice: the others would repeat it n - 1 times.
+            prompt_logprobs: report.filter(|_| index.is_multiple_of(self.prompts.n)).and_then(|r| r.vllm.clone()),
             prompt_token_ids: self.return_token_ids.then(|| echo.prompt.clone()),
             token_ids: self.return_token_ids.then_some(token_ids),
         }
@@ -375,11 +380,7 @@ struct CompletionStream {
 
 impl CompletionStream {
     fn chunk(&self, choices: Vec<CompletionChunkChoice>, usage: UsageField) -> Bytes {
-        let usage = match (self.include_usage, usage) {
-            (false, _) => UsageField::Absent,
-            (true, UsageField::Absent) => UsageField::Null,
-            (true, u) => u,
-        };
+        let usage = usage.in_stream(self.include_usage);
         sse::data_event(&CompletionChunk {
             id: self.meta.id.clone(),
             object: "text_completion",

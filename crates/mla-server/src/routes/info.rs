@@ -50,6 +50,6 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
-    let text = metrics::render(&state.model_name, &state.metrics, &state.engine.stats());
+    let text = metrics::render(&state.model_name, &state.metrics, &state.engine.stats(), state.connections.get());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }

@@ -1,5 +1,7 @@
 //! `POST /tokenize`, `POST /detokenize` (vLLM's shapes) and `GET /version`. They sit behind the
 //! API key like `/v1` (vLLM leaves them open; here they cost tokenizer time, so they are not).
+//! `/tokenize` refuses what the generation endpoints refuse: a prompt longer than the context
+//! (vLLM counts any length, at a cost in memory proportional to the text).
 
 use crate::error::ApiError;
 use crate::extract::JsonObject;
@@ -31,6 +33,11 @@ pub async fn tokenize(
     }
     let text = state.text.clone();
     let return_strs = wire.return_token_strs.unwrap_or(false);
+    // The generation endpoints' limit and way of counting: a text clearly longer than the
+    // context is refused after counting a bounded prefix of it, and tokenizing costs what a
+    // prompt that fits costs (a 1 MiB body cost 170 MB tokenized whole; 32 at once, 5.4 GB).
+    let max_model_len = state.limits.max_model_len;
+    let field = if wire.prompt.is_some() { "prompt" } else { "messages" };
     let tokens = match (wire.prompt, wire.messages) {
         (Some(prompt), None) => {
             if wire.add_generation_prompt.is_some() {
@@ -40,8 +47,7 @@ pub async fn tokenize(
                 ));
             }
             let special = wire.add_special_tokens.unwrap_or(true);
-            blocking(move || text.tokenizer().encode(&prompt, special).map_err(|e| ApiError::Internal(e.to_string())))
-                .await?
+            blocking(move || text.encode_prompt(&prompt, max_model_len, "prompt", special)).await?
         }
         (None, Some(messages)) => {
             if wire.add_special_tokens == Some(true) {
@@ -57,11 +63,13 @@ pub async fn tokenize(
             let chat = parse_fields::<ChatWire<IgnoredAny>>(&body)?;
             let mut options = chat_prompt_options(&chat, &messages)?;
             options.tools = tool_request(chat.tools.as_ref(), None, None, chat.functions.as_ref())?.tools;
-            // No length limit: the body-size limit bounds the work, and the count is the answer.
-            blocking(move || text.chat_prompt(&messages, usize::MAX, &options)).await?
+            blocking(move || text.chat_prompt(&messages, max_model_len, &options)).await?
         }
         _ => return Err(ApiError::invalid("prompt", "send exactly one of `prompt` and `messages`")),
     };
+    if tokens.len() > max_model_len {
+        return Err(ApiError::PromptTooLong { field: field.into(), limit: max_model_len, counted: max_model_len });
+    }
     let token_strs = return_strs.then(|| {
         let tokenizer = state.text.tokenizer();
         tokens.iter().map(|&t| tokenizer.id_to_token(t).unwrap_or_default()).collect()

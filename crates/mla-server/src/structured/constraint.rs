@@ -1,11 +1,19 @@
 //! One completion's grammar state as the engine sees it (`mla_engine::TokenConstraint`).
 
-use llguidance::Matcher;
-use mla_engine::TokenConstraint;
+use super::usage::GrammarUsage;
+use super::watchdog::Watchdog;
+use llguidance::{CancellationHandle, Matcher};
+use mla_engine::{TokenConstraint, MASK_BUDGET};
 use std::sync::Arc;
+use std::time::Instant;
 
 pub struct GrammarConstraint {
     matcher: Matcher,
+    /// Cancels `matcher`'s mask computation at its deadline (the matcher is cancellable).
+    cancel: Option<CancellationHandle>,
+    watchdog: Arc<Watchdog>,
+    /// The grammar's memory, measured after each mask (shared by the request's completions).
+    usage: Arc<GrammarUsage>,
     /// Ids that end a completion; any of them is llguidance's EOS.
     eos_ids: Arc<[u32]>,
     /// The one of `eos_ids` llguidance knows as EOS.
@@ -15,6 +23,9 @@ pub struct GrammarConstraint {
     min_tokens: usize,
     /// Tokens generated so far, those before the grammar started included (`count_ungoverned`).
     drawn: usize,
+    /// Why computing a mask failed: the matcher stays failed (it reports itself stopped, which
+    /// must not read as complete), and so does this constraint.
+    failed: Option<String>,
     /// The grammar is complete and an EOS was drawn (or it cannot go on): from now on only EOS
     /// is allowed. With `ignore_eos` the engine keeps drawing, and EOS is what it gets: the text
     /// stays what the grammar produced (vLLM instead lets the model run unconstrained after it).
@@ -22,9 +33,26 @@ pub struct GrammarConstraint {
 }
 
 impl GrammarConstraint {
-    pub(super) fn new(matcher: Matcher, eos: &super::Eos, stop_ids: Arc<[u32]>, min_tokens: usize) -> Self {
-        let (eos_ids, matcher_eos) = (eos.all.clone(), eos.matcher);
-        GrammarConstraint { matcher, eos_ids, matcher_eos, stop_ids, min_tokens, drawn: 0, finished: false }
+    pub(super) fn new(
+        matcher: Matcher,
+        shared: &super::CompiledGrammar,
+        stop_ids: Arc<[u32]>,
+        min_tokens: usize,
+    ) -> Self {
+        let (eos_ids, matcher_eos) = (shared.eos.all.clone(), shared.eos.matcher);
+        GrammarConstraint {
+            cancel: matcher.cancellation_handle(),
+            matcher,
+            watchdog: shared.watchdog.clone(),
+            usage: shared.usage.clone(),
+            eos_ids,
+            matcher_eos,
+            stop_ids,
+            min_tokens,
+            drawn: 0,
+            failed: None,
+            finished: false,
+        }
     }
 
     /// The grammar is complete (only EOS may follow) or was ended by an EOS.
@@ -76,17 +104,33 @@ fn clear(mask: &mut [u32], t: u32) {
 }
 
 impl TokenConstraint for GrammarConstraint {
-    fn fill_mask(&mut self, mask: &mut [u32]) {
+    fn fill_mask(&mut self, mask: &mut [u32], deadline: Instant) -> Result<(), String> {
+        if let Some(why) = &self.failed {
+            return Err(why.clone());
+        }
         if self.is_finished() {
             self.allow_eos(mask);
-            return;
+            return Ok(());
         }
-        let allowed = match self.matcher.compute_mask() {
-            Ok(v) => v,
-            // llguidance failed (a lexer or parser limit hit mid-way). Allowing EOS would end the
-            // completion as if the output were complete; panicking makes the engine fail this
-            // request alone, visibly.
-            Err(e) => panic!("structured output: computing the token mask failed: {e}"),
+        let computed = {
+            let _armed = self.cancel.clone().map(|handle| self.watchdog.arm(deadline, handle));
+            self.matcher.compute_mask()
+        };
+        // Either way the matcher now stays failed, and the engine ends this request: allowing
+        // EOS instead would end it as if the output were complete.
+        let allowed = match computed {
+            Ok(allowed) => allowed,
+            Err(e) => {
+                let why = match self.matcher.is_cancelled() {
+                    true => format!(
+                        "computing a token mask took longer than its budget of {} ms: the grammar is too expensive to follow",
+                        MASK_BUDGET.as_millis()
+                    ),
+                    false => format!("computing the token mask failed: {e}"),
+                };
+                self.failed = Some(why.clone());
+                return Err(why);
+            }
         };
         let words = allowed.as_slice();
         let n = words.len().min(mask.len());
@@ -95,9 +139,17 @@ impl TokenConstraint for GrammarConstraint {
             self.allow_eos(mask);
         }
         self.hold_stops(mask);
+        self.usage.measure().map_err(|refused| {
+            let why = format!("the grammar's lexer grew: {refused}");
+            self.failed = Some(why.clone());
+            why
+        })
     }
 
     fn accept(&mut self, token: u32) -> Result<(), String> {
+        if let Some(why) = &self.failed {
+            return Err(why.clone());
+        }
         self.drawn += 1;
         let is_eos = self.eos_ids.contains(&token);
         if self.is_finished() {

@@ -10,20 +10,24 @@
 //! How a request flows:
 //! 1. `wire::structured_output` reads the request's fields into one `StructuredOutput` (400 if
 //!    there is more than one or it is malformed).
-//! 2. The handler compiles it on a blocking thread (`Grammars::compile`): a schema, regex or
-//!    grammar llguidance rejects is a 400 naming the problem, never an engine failure.
+//! 2. The handler compiles it (`compile_requested`) on a compile thread of known stack, within
+//!    the bounds of `limits` (`checks` before compiling, llguidance's own limits while
+//!    compiling): a schema, regex or grammar llguidance rejects, one past a limit, one that
+//!    allows no first token or no complete output, is a 400 naming the problem, never an
+//!    engine failure. Its memory is charged against the server's budget (`memory`).
 //! 3. The compiled matcher is cloned once per completion (`CompiledGrammar::factory`), so `n`
 //!    completions share one compilation and its lexer caches but walk the grammar apart.
 //! 4. The engine asks each completion's `GrammarConstraint` for a mask while the device runs the
-//!    forward pass, and reports every token drawn.
+//!    forward pass, within `mla_engine::MASK_BUDGET` (the `watchdog` cancels it past that), and
+//!    reports every token drawn. A mask that fails fails its request alone.
 //!
 //! `StructuredOutput::Lark` is also the entry point for grammars built by the server itself
 //! (`tool_choice: "required"` or a named tool: a Lark grammar of DeepSeek's tool-call format),
 //! wired as a handler wires the request's own fields:
 //!
 //! ```ignore
-//! let r = wire::Requested { output: StructuredOutput::Lark(grammar), field: "tool_choice".into() };
-//! let g = structured::compile_requested(state.grammars.as_deref(), &r)?; // on a blocking thread
+//! let r = wire::Requested { output: StructuredOutput::Lark(grammar), field: "tool_choice".into(), author: Author::Server };
+//! let g = structured::compile_requested(state.grammars.as_ref(), &r).await?;
 //! structured::constrain(&mut engine_request, &g);
 //! ```
 //!
@@ -31,20 +35,36 @@
 //! plain string literal, and special tokens are written bare, `<｜end▁of▁sentence｜>`, or by id,
 //! `<[1]>` (see `tok_env`).
 
+mod checks;
+mod compile_thread;
 mod constraint;
+pub mod lark_scan;
+pub mod limits;
+pub mod memory;
+pub mod productive;
 pub mod reasoning_gate;
+pub mod regex_size;
+pub mod schema_depth;
 #[cfg(test)]
 mod tests;
 pub mod tok_env;
+mod usage;
+pub mod watchdog;
 pub mod wire;
 
+use compile_thread::{CompileSlots, NotCompiled};
 pub use constraint::GrammarConstraint;
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
+use memory::{GrammarMemory, Refused};
+use mla_engine::MASK_BUDGET;
 use reasoning_gate::{AfterReasoning, ThinkingTable};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 use tok_env::TokenEnv;
+use usage::GrammarUsage;
+use watchdog::Watchdog;
 
 /// What one request constrains its output to.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,22 +103,39 @@ pub struct JsonOptions {
     pub closed_objects: bool,
 }
 
+/// Who wrote a constraint: the request, or the server (the tool-call grammars of `tool_choice`,
+/// in which only the tools' schemas come from the request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Author {
+    Request,
+    Server,
+}
+
 impl StructuredOutput {
-    /// The grammar llguidance compiles.
-    fn grammar(&self) -> TopLevelGrammar {
+    /// The schema llguidance compiles for the JSON forms: the request's, with the layout options.
+    fn compiled_schema(&self) -> Option<Value> {
         match self {
-            StructuredOutput::Json { schema, options } => {
-                TopLevelGrammar::from_json_schema(with_options(schema, options))
+            StructuredOutput::Json { schema, options } => Some(with_options(schema, options)),
+            StructuredOutput::JsonObject { options } => Some(with_options(&json!({"type": "object"}), options)),
+            _ => None,
+        }
+    }
+
+    /// The grammar llguidance compiles; `schema` is `compiled_schema()`.
+    fn grammar(&self, schema: Option<Value>) -> TopLevelGrammar {
+        match (self, schema) {
+            (StructuredOutput::Json { .. } | StructuredOutput::JsonObject { .. }, Some(schema)) => {
+                TopLevelGrammar::from_json_schema(schema)
             }
-            StructuredOutput::JsonObject { options } => {
-                TopLevelGrammar::from_json_schema(with_options(&json!({"type": "object"}), options))
+            (StructuredOutput::Json { .. } | StructuredOutput::JsonObject { .. }, None) => {
+                unreachable!("the JSON forms have a schema")
             }
-            StructuredOutput::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            StructuredOutput::Choice(choices) => {
+            (StructuredOutput::Regex(rx), _) => TopLevelGrammar::from_regex(rx),
+            (StructuredOutput::Choice(choices), _) => {
                 let alternatives: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
                 TopLevelGrammar::from_regex(&format!("(?:{})", alternatives.join("|")))
             }
-            StructuredOutput::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            (StructuredOutput::Lark(lark), _) => TopLevelGrammar::from_lark(lark.clone()),
         }
     }
 
@@ -156,13 +193,17 @@ fn close_objects(v: &mut Value) {
 }
 
 /// The served model's grammar compiler: the token trie and llguidance's per-vocabulary tables,
-/// built once at startup (`Grammars::new`, a second or so for a 128k vocabulary) and shared.
+/// built once at startup (`Grammars::new`, a second or so for a 128k vocabulary) and shared,
+/// with what bounds every grammar: compile slots, the mask watchdog, the memory budget.
 pub struct Grammars {
     factory: ParserFactory,
     eos: Eos,
     vocab_size: usize,
     /// For grammars that start after a reasoning model's thinking (`reasoning_gate`).
     thinking: Arc<ThinkingTable>,
+    watchdog: Arc<Watchdog>,
+    memory: Arc<GrammarMemory>,
+    slots: CompileSlots,
 }
 
 /// Every id that ends a completion (`ModelLimits::eos_token_ids`): a finished grammar allows all
@@ -172,6 +213,25 @@ struct Eos {
     all: Arc<[u32]>,
     matcher: u32,
 }
+
+/// Why a constraint was not compiled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompileError {
+    /// The request's fault (400): invalid, past a limit, allows no output.
+    Invalid(String),
+    /// The server's state (503): the grammar memory budget is in use.
+    Busy(String),
+}
+
+impl std::fmt::Display for CompileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompileError::Invalid(why) | CompileError::Busy(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for CompileError {}
 
 impl Grammars {
     /// `eos_ids` must not be empty; the tokenizer's own EOS is preferred as llguidance's EOS.
@@ -197,27 +257,110 @@ impl Grammars {
         let mut factory = ParserFactory::new_simple(&env)?;
         // Errors reach the client as 400s; llguidance's own stderr logging would duplicate them.
         factory.quiet();
-        Ok(Grammars { factory, eos: Eos { all: eos_ids.into(), matcher: eos }, vocab_size, thinking })
+        *factory.limits_mut() = limits::parser_limits();
+        Ok(Grammars {
+            factory,
+            eos: Eos { all: eos_ids.into(), matcher: eos },
+            vocab_size,
+            thinking,
+            watchdog: Arc::new(Watchdog::new()?),
+            memory: GrammarMemory::new(limits::GRAMMAR_MEMORY_BUDGET, limits::GRAMMAR_MEMORY_PER_REQUEST),
+            slots: CompileSlots::new(limits::compile_threads()),
+        })
     }
 
-    /// Compiles `so` (CPU work, milliseconds for a large schema: call it on a blocking thread).
-    /// The error explains what is wrong with the schema, regex or grammar.
-    pub fn compile(&self, so: &StructuredOutput) -> Result<CompiledGrammar, String> {
+    /// Compiles a request's `so` on a thread of its own with the compile stack, waiting for it
+    /// (tests, benchmarks; the server uses `compile_requested`, which also bounds the wait).
+    pub fn compile(&self, so: &StructuredOutput) -> Result<CompiledGrammar, CompileError> {
+        self.compile_by(so, Author::Request)
+    }
+
+    /// `compile` for a constraint of `author`.
+    pub fn compile_by(&self, so: &StructuredOutput, author: Author) -> Result<CompiledGrammar, CompileError> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("mla-grammar".into())
+                .stack_size(limits::COMPILE_STACK)
+                .spawn_scoped(scope, || self.compile_here(so, author))
+                .map_err(|e| CompileError::Busy(format!("cannot start a grammar compile thread: {e}")))?
+                .join()
+                .unwrap_or_else(|_| Err(CompileError::Busy("the grammar compiler panicked".into())))
+        })
+    }
+
+    /// Answers every request waiting for a compilation, and every later one, with "shutting
+    /// down" (the engine takes no new requests once the server drains).
+    pub fn close(&self) {
+        self.slots.close();
+    }
+
+    /// Grammar memory charged now (`memory`).
+    pub fn memory_used(&self) -> usize {
+        self.memory.used()
+    }
+
+    /// The compilation itself; it must run on a thread with `limits::COMPILE_STACK`.
+    fn compile_here(&self, so: &StructuredOutput, author: Author) -> Result<CompiledGrammar, CompileError> {
         if let StructuredOutput::Choice(c) = so {
             if c.is_empty() {
-                return Err("the list of choices is empty".into());
+                return Err(CompileError::Invalid("the list of choices is empty".into()));
             }
         }
-        let parser = self.factory.create_parser(so.grammar()).map_err(|e| e.to_string())?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(e);
+        let schema = so.compiled_schema();
+        checks::check(so, author, schema.as_ref()).map_err(CompileError::Invalid)?;
+        let parser =
+            self.factory.create_parser(so.grammar(schema)).map_err(|e| CompileError::Invalid(e.to_string()))?;
+        let shape = productive::analyse(parser.parser.grammar());
+        if !shape.can_complete {
+            return Err(CompileError::Invalid(
+                "no finite output can complete it (every way through it goes on forever, as `start: \"a\" start` does)"
+                    .into(),
+            ));
         }
+        // A shallow clone shares the lexer that every completion's matcher will grow.
+        let probe = parser.clone();
+        let mut matcher = Matcher::new(Ok(parser)).into_cancellable();
+        if let Some(e) = matcher.get_error() {
+            return Err(CompileError::Invalid(e));
+        }
+        self.check_first_mask(&mut matcher)?;
+        let usage =
+            GrammarUsage::charge(&self.memory, probe, shape.symbols, shape.rule_elements).map_err(|r| match r {
+                Refused::TooLarge { .. } => CompileError::Invalid(r.to_string()),
+                Refused::BudgetFull { .. } => CompileError::Busy(r.to_string()),
+            })?;
         Ok(CompiledGrammar {
             matcher: Arc::new(Mutex::new(matcher)),
             eos: self.eos.clone(),
             thinking: self.thinking.clone(),
+            watchdog: self.watchdog.clone(),
+            usage: Arc::new(usage),
         })
+    }
+
+    /// The first mask, under the engine's budget for a mask: it must allow a token or the end
+    /// (a grammar that matches the empty text allows the end). Computed here, the lexer states
+    /// it needs are ready for every completion.
+    fn check_first_mask(&self, matcher: &mut Matcher) -> Result<(), CompileError> {
+        let computed = {
+            let handle = matcher.cancellation_handle().expect("the matcher is cancellable");
+            let _armed = self.watchdog.arm(Instant::now() + MASK_BUDGET, handle);
+            matcher.compute_mask()
+        };
+        let allows_something = match computed {
+            Ok(mask) => mask.num_set() > 0,
+            Err(_) if matcher.is_cancelled() => {
+                return Err(CompileError::Invalid(format!(
+                    "computing its first token mask took longer than the budget of {} ms for a mask: it is too expensive to follow",
+                    MASK_BUDGET.as_millis()
+                )))
+            }
+            Err(_) => false,
+        };
+        if !allows_something {
+            return Err(CompileError::Invalid("it allows no output: no token can start it".into()));
+        }
+        Ok(())
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -236,6 +379,9 @@ pub struct CompiledGrammar {
     matcher: Arc<Mutex<Matcher>>,
     eos: Eos,
     thinking: Arc<ThinkingTable>,
+    watchdog: Arc<Watchdog>,
+    /// The grammar's memory charge, given back when the last completion is dropped.
+    usage: Arc<GrammarUsage>,
 }
 
 impl CompiledGrammar {
@@ -249,7 +395,7 @@ impl CompiledGrammar {
     pub fn constraint(&self, stop_ids: Arc<[u32]>, min_tokens: usize) -> GrammarConstraint {
         // A poisoned lock means a clone panicked half-way: the prototype itself is untouched.
         let matcher = self.matcher.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        GrammarConstraint::new(matcher, &self.eos, stop_ids, min_tokens)
+        GrammarConstraint::new(matcher, self, stop_ids, min_tokens)
     }
 
     /// The engine's factory: one constraint per completion.
@@ -271,21 +417,39 @@ impl CompiledGrammar {
     }
 }
 
-/// Compiles a request's constraint. An invalid schema, regex or grammar is a 400 naming the
-/// field; `grammars` is `None` when the model cannot do structured output (no EOS token).
-pub fn compile_requested(
-    grammars: Option<&Grammars>,
+/// Compiles a request's constraint on a compile thread (`compile_thread`), waiting at most
+/// `limits::COMPILE_TIMEOUT` for a slot and as long for the compilation. An invalid schema,
+/// regex or grammar, or one past a limit, is a 400 naming the field; a busy server a 503.
+/// `grammars` is `None` when the model cannot do structured output (no EOS token).
+pub async fn compile_requested(
+    grammars: Option<&Arc<Grammars>>,
     r: &wire::Requested,
 ) -> Result<CompiledGrammar, crate::error::ApiError> {
+    use crate::error::ApiError;
     let grammars = grammars.ok_or_else(|| {
-        crate::error::ApiError::invalid(
+        ApiError::invalid(
             &r.field,
             "structured output is not available for this model (it has no end-of-sequence token)",
         )
     })?;
-    grammars.compile(&r.output).map_err(|e| {
-        crate::error::ApiError::invalid(&r.field, format!("invalid {} in {}: {e}", r.output.kind(), r.field))
-    })
+    let (g, so, author) = (grammars.clone(), r.output.clone(), r.author);
+    let invalid =
+        |why: String| ApiError::invalid(&r.field, format!("invalid {} in {}: {why}", r.output.kind(), r.field));
+    match grammars.slots.run(move || g.compile_here(&so, author)).await {
+        Ok(Ok(compiled)) => Ok(compiled),
+        Ok(Err(CompileError::Invalid(why))) => Err(invalid(why)),
+        Ok(Err(CompileError::Busy(why))) => Err(ApiError::Busy(why)),
+        Err(NotCompiled::ShuttingDown) => Err(ApiError::ShuttingDown),
+        Err(NotCompiled::TimedOut) => Err(invalid(format!(
+            "compiling it took longer than {} s: it is too expensive",
+            limits::COMPILE_TIMEOUT.as_secs()
+        ))),
+        Err(NotCompiled::Busy) => Err(ApiError::Busy(format!(
+            "every grammar compiler has been busy for {} s; retry later",
+            limits::COMPILE_TIMEOUT.as_secs()
+        ))),
+        Err(NotCompiled::Failed(why)) => Err(ApiError::Internal(why)),
+    }
 }
 
 /// Puts `grammar` on an engine request built by `ModelLimits::engine_request`. Its `min_tokens`

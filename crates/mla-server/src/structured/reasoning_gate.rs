@@ -9,6 +9,7 @@
 use super::constraint::GrammarConstraint;
 use mla_engine::TokenConstraint;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// The text that ends a thinking block: the `deepseek_r1` parser's end tag.
 const THINK_END: &[u8] = crate::parsers::reasoning::THINK_END.as_bytes();
@@ -53,15 +54,16 @@ impl AfterReasoning {
 }
 
 impl TokenConstraint for AfterReasoning {
-    fn fill_mask(&mut self, mask: &mut [u32]) {
+    fn fill_mask(&mut self, mask: &mut [u32], deadline: Instant) -> Result<(), String> {
         if !self.thinking {
-            return self.grammar.fill_mask(mask);
+            return self.grammar.fill_mask(mask, deadline);
         }
         let n = mask.len().min(self.table.any.len());
         mask[..n].copy_from_slice(&self.table.any[..n]);
         // The engine's own min_tokens is off for a constrained request (`constrain_after_reasoning`):
         // the grammar's holds the stop tokens back, while thinking as after it.
         self.grammar.hold_stops(mask);
+        Ok(())
     }
 
     fn accept(&mut self, token: u32) -> Result<(), String> {

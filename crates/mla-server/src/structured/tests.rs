@@ -21,7 +21,7 @@ fn grammars() -> Grammars {
 
 fn allowed(c: &mut dyn TokenConstraint, vocab: usize) -> Vec<u32> {
     let mut mask = vec![0u32; vocab.div_ceil(32)];
-    c.fill_mask(&mut mask);
+    c.fill_mask(&mut mask, std::time::Instant::now() + mla_engine::MASK_BUDGET).unwrap();
     (0..vocab as u32).filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1).collect()
 }
 
@@ -59,7 +59,7 @@ fn token_bytes_round_trip_through_the_trie() {
 #[test]
 fn invalid_grammars_are_compile_errors() {
     let g = grammars();
-    let err = |so: StructuredOutput| g.compile(&so).err().unwrap_or_else(|| panic!("{so:?} compiled"));
+    let err = |so: StructuredOutput| g.compile(&so).err().unwrap_or_else(|| panic!("{so:?} compiled")).to_string();
     assert!(!err(StructuredOutput::Regex("(unclosed".into())).is_empty());
     let e = err(StructuredOutput::Json { schema: json!({"type": "nonsense"}), options: JsonOptions::default() });
     assert!(e.contains("nonsense"), "{e}");
@@ -229,12 +229,13 @@ fn request_fields() {
 
 #[test]
 fn compile_errors_name_the_field() {
-    let g = grammars();
+    let g = Arc::new(grammars());
     let r = wire(json!({"guided_regex": "(unclosed"})).unwrap().unwrap();
-    let e = compile_requested(Some(&g), &r).err().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let e = rt.block_on(compile_requested(Some(&g), &r)).err().unwrap();
     assert_eq!(e.status().as_u16(), 400);
     assert_eq!(param(e), "guided_regex");
-    assert!(compile_requested(None, &r).is_err());
+    assert!(rt.block_on(compile_requested(None, &r)).is_err());
 }
 
 #[test]
@@ -314,4 +315,114 @@ fn after_reasoning_min_tokens_counts_from_the_first_thinking_token() {
             gated.accept(t).unwrap();
         }
     }
+}
+
+/// A `$ref` chain of `links` definitions, each an object whose one property refers to the next.
+fn ref_chain(links: usize) -> serde_json::Value {
+    let defs: serde_json::Map<String, serde_json::Value> = (0..links)
+        .map(|i| {
+            let next =
+                if i + 1 < links { json!({"$ref": format!("#/$defs/d{}", i + 1)}) } else { json!({"type": "integer"}) };
+            (format!("d{i}"), json!({"type": "object", "properties": {"x": next}, "required": ["x"]}))
+        })
+        .collect();
+    json!({"$ref": "#/$defs/d0", "$defs": defs})
+}
+
+/// A Lark chain of `rules` rules, each one `"a"` and the next.
+fn lark_chain(rules: usize) -> String {
+    let mut g = String::from("start: r0\n");
+    for i in 0..rules {
+        let next = if i + 1 < rules { format!(" r{}", i + 1) } else { String::new() };
+        g.push_str(&format!("r{i}: \"a\"{next}\n"));
+    }
+    g
+}
+
+/// Runs `f` on a thread with a 256 KiB stack, far less than compiling deep grammars needs.
+fn on_small_stack<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        std::thread::Builder::new().stack_size(256 << 10).spawn_scoped(s, f).unwrap().join().unwrap()
+    })
+}
+
+#[test]
+fn deep_grammars_compile_or_are_refused_whatever_the_callers_stack() {
+    let g = grammars();
+    let json = |schema| StructuredOutput::Json { schema, options: JsonOptions::default() };
+    on_small_stack(|| {
+        // Just under the recursion limit: the 250-link chain that overflowed a 2 MiB stack, and
+        // 2000 links (8000 levels by the bound); then past it.
+        for links in [250, 2000] {
+            g.compile(&json(ref_chain(links))).unwrap_or_else(|e| panic!("{links} links: {e}"));
+        }
+        let e = g.compile(&json(ref_chain(2100))).err().unwrap().to_string();
+        assert!(e.contains(&format!("the limit is {}", limits::MAX_RECURSION)), "{e}");
+        // The same schema as a tool's parameters: the server's tool-call grammar embeds it.
+        let tool = json!([{"type": "function", "function": {"name": "f", "parameters": ref_chain(2100)}}]);
+        let lark = crate::parsers::grammar::deepseek_v3_tool_grammar(
+            tool.as_array().unwrap(),
+            crate::parsers::grammar::CallCount::One,
+        );
+        let e = g.compile_by(&StructuredOutput::Lark(lark), Author::Server).err().unwrap().to_string();
+        assert!(e.contains("nests too deeply"), "{e}");
+        // Lark rule chains: 700 overflowed a 2 MiB stack; 8000 compile (written by the server:
+        // a request's grammar may not be that long), 9000 are past the limit.
+        g.compile_by(&StructuredOutput::Lark(lark_chain(8000)), Author::Server).unwrap();
+        let e = g.compile_by(&StructuredOutput::Lark(lark_chain(9000)), Author::Server).err().unwrap().to_string();
+        assert!(e.contains("nests too deeply"), "{e}");
+        let e = g.compile(&StructuredOutput::Lark(lark_chain(2000))).err().unwrap().to_string();
+        assert!(e.contains(&format!("at most {} bytes", limits::MAX_LARK_BYTES)), "{e}");
+    });
+}
+
+#[test]
+fn grammars_that_allow_no_output_are_refused() {
+    let g = grammars();
+    for (so, want) in [
+        (StructuredOutput::Regex("[^\\s\\S]".into()), "no token can start it"),
+        (StructuredOutput::Lark("start: start".into()), "no finite output"),
+        (StructuredOutput::Lark("start: \"a\" start".into()), "no finite output"),
+        (StructuredOutput::Lark("start: x\nx: \"a\" x | \"b\" x".into()), "no finite output"),
+    ] {
+        let e = g.compile(&so).err().unwrap_or_else(|| panic!("{so:?} compiled"));
+        assert!(matches!(&e, CompileError::Invalid(m) if m.contains(want)), "{so:?}: {e}");
+    }
+    // Recursion with a way out, and the empty text, are fine.
+    g.compile(&StructuredOutput::Lark("start: \"a\" start | \"b\"".into())).unwrap();
+    g.compile(&StructuredOutput::Regex("a*".into())).unwrap();
+}
+
+#[test]
+fn a_mask_past_its_deadline_fails_with_the_budget_in_the_message() {
+    let g = grammars();
+    let compiled = g.compile(&StructuredOutput::Regex("[a-z]+".into())).unwrap();
+    let mut c = compiled.constraint(Arc::from(vec![EOS]), 0);
+    let mut mask = vec![0u32; 600usize.div_ceil(32)];
+    // A deadline already past: the watchdog cancels the computation before it starts.
+    let e = c.fill_mask(&mut mask, std::time::Instant::now()).unwrap_err();
+    assert!(e.contains(&format!("budget of {} ms", mla_engine::MASK_BUDGET.as_millis())), "{e}");
+    // The constraint stays failed (the cancelled matcher reports itself stopped, which must not
+    // read as a complete grammar allowing EOS); the engine ends the request.
+    let later = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    assert_eq!(c.fill_mask(&mut mask, later), Err(e.clone()));
+    assert_eq!(c.accept(EOS), Err(e));
+    // Its siblings are untouched.
+    let mut sibling = compiled.constraint(Arc::from(vec![EOS]), 0);
+    assert!(!allowed(&mut sibling, 600).is_empty());
+}
+
+#[test]
+fn grammar_memory_is_charged_while_the_grammar_lives() {
+    let g = grammars();
+    assert_eq!(g.memory_used(), 0);
+    let compiled = g.compile(&StructuredOutput::Regex("[a-z]{1,40}@[a-z]{1,40}\\.com".into())).unwrap();
+    let charged = g.memory_used();
+    assert!(charged > 0);
+    let mut c = compiled.constraint(Arc::from(vec![EOS]), 0);
+    drop(compiled);
+    feed(&mut c, "someone@exam");
+    assert!(g.memory_used() >= charged, "the lexer only grows");
+    drop(c);
+    assert_eq!(g.memory_used(), 0, "the last completion gives the memory back");
 }

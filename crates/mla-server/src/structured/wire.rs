@@ -18,7 +18,7 @@
 //! More than one constraint in a request is a 400: vLLM refuses two `guided_*`/structured
 //! fields too, and which one would win otherwise is not obvious to a client.
 
-use super::{JsonOptions, StructuredOutput};
+use super::{Author, JsonOptions, StructuredOutput};
 use crate::error::ApiError;
 use serde::Deserialize;
 use serde_json::Value;
@@ -57,6 +57,7 @@ pub struct StructuredOutputsWire {
 pub struct Requested {
     pub output: StructuredOutput,
     pub field: String,
+    pub author: Author,
 }
 
 /// The request's one constraint, if any.
@@ -77,7 +78,9 @@ pub fn requested(w: StructuredWire) -> Result<Option<Requested>, ApiError> {
         closed_objects: so.disable_additional_properties.unwrap_or(false),
     };
     let mut found: Vec<Requested> = Vec::new();
-    let mut add = |field: &str, output: StructuredOutput| found.push(Requested { output, field: field.to_string() });
+    let mut add = |field: &str, output: StructuredOutput| {
+        found.push(Requested { output, field: field.to_string(), author: Author::Request })
+    };
     if let Some(rf) = &w.response_format {
         if let Some(output) = response_format(rf, &options)? {
             add("response_format", output);

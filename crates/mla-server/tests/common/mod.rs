@@ -10,7 +10,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
-use mla_core::plan::{LogitsRequest, SeqResult, SeqStep, StepOutput};
+use mla_core::step::plan::{LogitsRequest, SeqResult, SeqStep, StepOutput};
 use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, SampledToken, StepPlan};
 use mla_engine::{Engine, EngineConfig, EngineHandle};
 use mla_server::access_log::AccessLogConfig;
@@ -224,6 +224,7 @@ pub fn server(opts: Options) -> TestServer {
         metrics: Default::default(),
         force_include_usage: false,
         return_tokens_as_token_ids: false,
+        connections: Default::default(),
     };
     let body = BodyLimits { max_bytes: opts.body_limit, read_timeout: opts.body_read_timeout };
     let http = HttpOptions { body, access_log: AccessLogConfig::default(), cors: None };

@@ -4,7 +4,7 @@
 //! strings or HTTP, so both sides can be tested alone. Plans and outputs serialize, so the ranks
 //! of a group spanning several nodes receive them over the network.
 
-use crate::token_mask::TokenMask;
+use crate::step::token_mask::TokenMask;
 /// How a sequence draws its next token (the order of operations is in `sampling`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {

@@ -3,8 +3,8 @@
 //! get `PEER_GRACE` to fail too (they usually do: their collective broke), then every rank's
 //! collectives are aborted; a step older than the watchdog is aborted the same way.
 
-use crate::plan::StepOutput;
-use crate::step_thread::{StepRunner, StepThread, ThreadDied};
+use crate::runtime::step_thread::{StepRunner, StepThread, ThreadDied};
+use crate::step::plan::StepOutput;
 use std::time::{Duration, Instant};
 
 /// How long the other ranks get to fail on their own after one failed, before the abort.

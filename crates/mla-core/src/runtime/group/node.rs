@@ -4,12 +4,12 @@
 
 use super::collect::{collect, Failure, LocalRank, Participant};
 use super::Aborter;
-use crate::agreement::StepAgreement;
-use crate::backend::CacheLayout;
-use crate::cluster::NodeLink;
-use crate::plan::{StepOutput, StepPlan};
-use crate::step_limits::StepLimits;
-use crate::step_thread::{StepRunner, StepShape, StepSize, StepThread};
+use crate::runtime::agreement::StepAgreement;
+use crate::runtime::cluster::NodeLink;
+use crate::runtime::step_thread::{StepRunner, StepShape, StepSize, StepThread};
+use crate::step::backend::CacheLayout;
+use crate::step::limits::StepLimits;
+use crate::step::plan::{StepOutput, StepPlan};
 use serde::{Deserialize, Serialize};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;

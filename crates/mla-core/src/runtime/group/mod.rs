@@ -9,11 +9,11 @@
 //! The CPU reference backend and the CUDA backend both build on it; they supply the rank worker
 //! (what one rank does with a `NodeStep`) and how to abort its collectives.
 
-mod backend;
 mod collect;
+mod group_backend;
 mod node;
 
-pub use backend::{GroupBackend, GroupParts};
+pub use group_backend::{GroupBackend, GroupParts};
 pub use node::{serve_node, FromNode, NodeReady, NodeStep, RemoteNode, ToNode};
 
 /// Aborts one rank's collectives from any thread, so a rank blocked in one (its peer died)

@@ -5,10 +5,10 @@
 //! exact dequantization of the FP8 weights the CUDA backend computes with (the CUDA loader
 //! quantizes bf16 tensors on the device, bit-exact with the same function).
 
-use crate::fp8::quantize_block_fp8;
-use crate::parallel::Shard;
-use crate::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
-use crate::weights::TensorSpec;
+use crate::model::fp8::quantize_block_fp8;
+use crate::model::parallel::Shard;
+use crate::model::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
+use crate::model::weights::TensorSpec;
 
 /// `S` is anything that derefs to a source: `&dyn WeightSource`, an `Arc` of one, `&Checkpoint`.
 pub struct Fp8Quantized<S> {
@@ -62,13 +62,13 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
-    use crate::dummy::DummyWeights;
-    use crate::weights::ModelSpec;
+    use crate::model::config::ModelConfig;
+    use crate::model::dummy::DummyWeights;
+    use crate::model::weights::ModelSpec;
 
     #[test]
     fn linear_weights_read_as_their_fp8_dequantization_and_the_rest_unchanged() {
-        let cfg = ModelConfig::from_json_str(include_str!("../../../configs/test-v3.json"), "test-v3").unwrap();
+        let cfg = ModelConfig::from_json_str(include_str!("../../../../configs/test-v3.json"), "test-v3").unwrap();
         let spec = ModelSpec::new(&cfg);
         let plain = DummyWeights::new(5);
         let inner = DummyWeights::new(5);

@@ -6,7 +6,7 @@
 //! fast path: every tensor goes through node 0.
 
 use super::wire;
-use crate::collective::{collective_via_call, combine, CollectiveError, Contribution, Kind, Tag};
+use crate::runtime::collective::{collective_via_call, combine, CollectiveError, Contribution, Kind, Tag};
 use serde::{Deserialize, Serialize};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -124,7 +124,7 @@ collective_via_call!(TcpRank, |r| r.world);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::{Collective, ThreadGroup};
+    use crate::runtime::collective::{Collective, ThreadGroup};
 
     fn ranks(world: usize, timeout: Duration) -> Vec<TcpRank> {
         let hub = start_hub("127.0.0.1".parse().unwrap(), world, timeout).unwrap();

@@ -1,8 +1,8 @@
 //! The interface every compute backend (cpu, cuda; one device or several) implements.
 
-use crate::config::ModelConfig;
-use crate::plan::{StepOutput, StepPlan};
-use crate::step_limits::StepLimits;
+use crate::model::config::ModelConfig;
+use crate::step::limits::StepLimits;
+use crate::step::plan::{StepOutput, StepPlan};
 use std::sync::Arc;
 
 /// Shape of a paged latent KV cache.

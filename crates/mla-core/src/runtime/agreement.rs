@@ -5,7 +5,7 @@
 //! A single node decides it on the engine's thread, which sees every plan; nothing about it is
 //! exchanged between ranks.
 
-use crate::plan::StepPlan;
+use crate::step::plan::StepPlan;
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StepAgreement {
@@ -33,7 +33,7 @@ pub fn agree(plans: &[StepPlan], graph_batches: &[usize], graphable: impl Fn(&St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind};
+    use crate::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind};
     use crate::SamplingParams;
 
     fn plan(kind: StepKind, seqs: usize, tokens_each: usize) -> StepPlan {

@@ -1,8 +1,8 @@
 //! Where weights come from: a checkpoint on disk or deterministic dummy weights. Backends build
 //! themselves from a `WeightSource` and a `ModelSpec` and never care which one it is.
 
-use crate::parallel::Shard;
-use crate::weights::TensorSpec;
+use crate::model::parallel::Shard;
+use crate::model::weights::TensorSpec;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};

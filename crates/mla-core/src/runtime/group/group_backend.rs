@@ -3,12 +3,12 @@
 use super::collect::{collect, LocalRank, Participant};
 use super::node::{spawn_abort, NodeStep, RemoteNode};
 use super::Aborter;
-use crate::agreement::agree;
-use crate::backend::{Backend, CacheLayout, FatalBackendError};
-use crate::config::ModelConfig;
-use crate::plan::{StepOutput, StepPlan};
-use crate::step_limits::StepLimits;
-use crate::step_thread::{StepRunner, StepThread};
+use crate::model::config::ModelConfig;
+use crate::runtime::agreement::agree;
+use crate::runtime::step_thread::{StepRunner, StepThread};
+use crate::step::backend::{Backend, CacheLayout, FatalBackendError};
+use crate::step::limits::StepLimits;
+use crate::step::plan::{StepOutput, StepPlan};
 use std::sync::Arc;
 use std::time::Duration;
 

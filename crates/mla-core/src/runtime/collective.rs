@@ -350,7 +350,7 @@ fn check_counts(world: usize, counts: &[usize], len: usize, rank: usize) -> Resu
 /// in the `Kind` they send and in where the answer goes.
 macro_rules! collective_via_call {
     ($rank:ty, |$s:ident| $world:expr) => {
-        impl $crate::collective::Collective for $rank {
+        impl $crate::runtime::collective::Collective for $rank {
             fn rank(&self) -> usize {
                 self.rank
             }
@@ -362,30 +362,30 @@ macro_rules! collective_via_call {
 
             fn all_reduce_sum(
                 &mut self,
-                tag: $crate::collective::Tag,
+                tag: $crate::runtime::collective::Tag,
                 data: &mut [f32],
-            ) -> Result<(), $crate::collective::CollectiveError> {
-                let out = self.call(tag, $crate::collective::Kind::AllReduce, data, &[])?;
+            ) -> Result<(), $crate::runtime::collective::CollectiveError> {
+                let out = self.call(tag, $crate::runtime::collective::Kind::AllReduce, data, &[])?;
                 data.copy_from_slice(&out);
                 Ok(())
             }
 
             fn all_gather(
                 &mut self,
-                tag: $crate::collective::Tag,
+                tag: $crate::runtime::collective::Tag,
                 local: &[f32],
                 counts: &[usize],
-            ) -> Result<Vec<f32>, $crate::collective::CollectiveError> {
-                self.call(tag, $crate::collective::Kind::AllGather, local, counts)
+            ) -> Result<Vec<f32>, $crate::runtime::collective::CollectiveError> {
+                self.call(tag, $crate::runtime::collective::Kind::AllGather, local, counts)
             }
 
             fn reduce_scatter(
                 &mut self,
-                tag: $crate::collective::Tag,
+                tag: $crate::runtime::collective::Tag,
                 full: &[f32],
                 counts: &[usize],
-            ) -> Result<Vec<f32>, $crate::collective::CollectiveError> {
-                self.call(tag, $crate::collective::Kind::ReduceScatter, full, counts)
+            ) -> Result<Vec<f32>, $crate::runtime::collective::CollectiveError> {
+                self.call(tag, $crate::runtime::collective::Kind::ReduceScatter, full, counts)
             }
         }
     };

@@ -7,9 +7,9 @@
 //! ~ N(0, 1), norm gains 1 + N(0, 0.1²), noaux_tc biases ~ N(0, 0.1²) (large enough to change
 //! which experts win, so routing tests see them).
 
+use crate::model::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
+use crate::model::weights::{TensorRole, TensorSpec};
 use crate::rng::SplitMix64;
-use crate::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
-use crate::weights::{TensorRole, TensorSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DummyWeights {

@@ -11,8 +11,8 @@
 //! - Replicas (`--dp D` without DP attention): D independent copies of the above behind one
 //!   router. That is the engine's concern; a rank never sees it.
 
-use crate::config::ModelConfig;
-use crate::weights::{Split, TensorSpec};
+use crate::model::config::ModelConfig;
+use crate::model::weights::{ModelSpec, Split, TensorSpec};
 use std::ops::Range;
 
 /// The parallel layout of one server, as the flags give it.
@@ -160,6 +160,11 @@ impl RankLayout {
         local
     }
 
+    /// Parameters this rank holds of `spec`'s model: its shards plus everything replicated.
+    pub fn params(&self, spec: &ModelSpec) -> usize {
+        spec.tensors().iter().map(|t| self.shard(t).shape(&t.shape).iter().product::<usize>()).sum()
+    }
+
     /// This rank's part of `spec` (of its full, published shape).
     pub fn shard(&self, spec: &TensorSpec) -> Shard {
         let even = |n: usize, parts: usize, idx: usize| {
@@ -231,7 +236,7 @@ impl Shard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::ModelSpec;
+    use crate::model::weights::ModelSpec;
 
     fn preset(text: &str) -> ModelConfig {
         ModelConfig::from_json_str(text, "preset").unwrap()
@@ -260,7 +265,7 @@ mod tests {
 
     #[test]
     fn a_tp_that_does_not_divide_the_model_is_refused_naming_the_field() {
-        let lite = preset(include_str!("../../../configs/deepseek-v2-lite.json"));
+        let lite = preset(include_str!("../../../../configs/deepseek-v2-lite.json"));
         for tp in [2, 4, 8] {
             Parallel::from_flags(tp, None, false).unwrap().check(&lite).unwrap();
             Parallel::from_flags(tp, None, true).unwrap().check(&lite).unwrap();
@@ -276,9 +281,9 @@ mod tests {
     fn per_rank_dims_follow_the_design_table() {
         // (model, tp) -> heads / moe_intermediate / intermediate per rank (design study, 1.7).
         for (text, tp, want) in [
-            (include_str!("../../../configs/deepseek-v2-lite.json"), 8, (2, 176, 1368)),
-            (include_str!("../../../configs/deepseek-v2.json"), 8, (16, 192, 1536)),
-            (include_str!("../../../configs/deepseek-v3.json"), 4, (32, 512, 4608)),
+            (include_str!("../../../../configs/deepseek-v2-lite.json"), 8, (2, 176, 1368)),
+            (include_str!("../../../../configs/deepseek-v2.json"), 8, (16, 192, 1536)),
+            (include_str!("../../../../configs/deepseek-v3.json"), 4, (32, 512, 4608)),
         ] {
             let cfg = preset(text);
             let l = Parallel::from_flags(tp, None, false).unwrap().rank(tp - 1).local_config(&cfg);
@@ -290,7 +295,7 @@ mod tests {
 
     #[test]
     fn the_shards_of_every_tensor_tile_it_exactly() {
-        let cfg = preset(include_str!("../../../configs/deepseek-v3.json"));
+        let cfg = preset(include_str!("../../../../configs/deepseek-v3.json"));
         let full = ModelSpec::new(&cfg);
         for dpa in [false, true] {
             let par = Parallel::from_flags(4, None, dpa).unwrap();
@@ -320,18 +325,18 @@ mod tests {
 
     #[test]
     fn rank_params_split_the_sharded_part_and_repeat_the_rest() {
-        let cfg = preset(include_str!("../../../configs/deepseek-v2-lite.json"));
+        let cfg = preset(include_str!("../../../../configs/deepseek-v2-lite.json"));
         let spec = ModelSpec::new(&cfg);
         let total = spec.num_params();
         let tp = Parallel::from_flags(4, None, false).unwrap();
-        let per: Vec<usize> = (0..4).map(|r| spec.rank_params(&tp.rank(r))).collect();
+        let per: Vec<usize> = (0..4).map(|r| tp.rank(r).params(&spec)).collect();
         assert!(per.iter().all(|&p| p == per[0]), "even shards");
         // Embedding, norms, routers, q_a/kv_a and the head are replicated, so four ranks hold
         // more than one copy, and each far less than the whole.
         assert!(4 * per[0] > total && per[0] < total / 3, "{per:?} of {total}");
         let dpa = Parallel::from_flags(4, None, true).unwrap();
-        assert!(spec.rank_params(&dpa.rank(0)) > per[0], "DP attention replicates attention");
-        assert_eq!(spec.rank_params(&RankLayout::SINGLE), total);
+        assert!(dpa.rank(0).params(&spec) > per[0], "DP attention replicates attention");
+        assert_eq!(RankLayout::SINGLE.params(&spec), total);
     }
 
     #[test]

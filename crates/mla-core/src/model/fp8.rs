@@ -5,14 +5,13 @@
 //! (`scale_inv = amax / 448` per block, `fp8 = e4m3(w / scale_inv)`), bit-exact with PyTorch's
 //! `.to(torch.float8_e4m3fn)` and with the CUDA backend's device quantizer.
 
-use crate::parallel::Shard;
-use crate::weight_source::Fp8Tensor;
+use crate::model::parallel::Shard;
+use crate::model::weight_source::Fp8Tensor;
 
 /// The largest finite E4M3FN value.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// Scale blocks in DeepSeek-V3 checkpoints and in what `--quantization fp8` writes.
-pub const DEEPSEEK_BLOCK: [usize; 2] = [128, 128];
+pub use crate::model::config::DEEPSEEK_BLOCK;
 
 /// Decodes one E4M3FN byte: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits.
 pub fn fp8_e4m3_to_f32(byte: u8) -> f32 {

@@ -2,7 +2,7 @@
 //! thread that created it, so all device state is created on this thread and never leaves it;
 //! steps and jobs reach it over a channel and their results come back the same way.
 
-use crate::plan::{StepKind, StepPlan};
+use crate::step::plan::{StepKind, StepPlan};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -333,7 +333,7 @@ impl<W: StepRunner> Drop for StepThread<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{SampledToken, SeqResult, SeqStep, StepOutput};
+    use crate::step::plan::{SampledToken, SeqResult, SeqStep, StepOutput};
     use crate::LogitsRequest;
 
     /// Answers each sequence with its context length as the token; panics on a 0-sequence plan.

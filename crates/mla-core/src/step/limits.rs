@@ -12,7 +12,7 @@
 //!   starts (`check`), so a step nothing was sized for is a refused step, never a failure deep
 //!   inside one rank's kernels while the others wait in a collective.
 
-use crate::plan::StepPlan;
+use crate::step::plan::StepPlan;
 
 /// What the flags ask of one step (`--max-num-batched-tokens`, `--max-num-seqs`), before the
 /// layout is taken into account.
@@ -164,7 +164,7 @@ impl StepLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind};
+    use crate::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind};
     use crate::SamplingParams;
 
     fn budget(tokens: usize, seqs: usize) -> StepBudget {

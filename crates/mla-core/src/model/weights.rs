@@ -4,7 +4,7 @@
 //! named and which ones a V3 checkpoint stores in FP8 is decided here once. Shapes follow
 //! PyTorch: a linear weight is `[out_features, in_features]`.
 
-use crate::config::ModelConfig;
+use crate::model::config::ModelConfig;
 
 /// What a tensor is for; decides how it may be stored and how dummy weights are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,11 +195,6 @@ impl ModelSpec {
     pub fn num_params(&self) -> usize {
         self.tensors().iter().map(|t| t.numel()).sum()
     }
-
-    /// Parameters one rank of `layout` holds: its shards plus everything replicated.
-    pub fn rank_params(&self, layout: &crate::parallel::RankLayout) -> usize {
-        self.tensors().iter().map(|t| layout.shard(t).shape(&t.shape).iter().product::<usize>()).sum()
-    }
 }
 
 impl MlpSpec {
@@ -248,7 +243,7 @@ fn layer_spec(cfg: &ModelConfig, i: usize) -> LayerSpec {
         let n = cfg.n_routed_experts;
         FfnSpec::Moe(MoeSpec {
             gate: TensorSpec::new(format!("{p}.mlp.gate.weight"), vec![n, h], TensorRole::Router),
-            e_score_correction_bias: (cfg.topk_method == crate::config::TopkMethod::NoauxTc)
+            e_score_correction_bias: (cfg.topk_method == crate::model::config::TopkMethod::NoauxTc)
                 .then(|| TensorSpec::new(format!("{p}.mlp.gate.e_score_correction_bias"), vec![n], TensorRole::Bias)),
             experts: (0..n)
                 .map(|e| MlpSpec::new(&format!("{p}.mlp.experts.{e}"), h, cfg.moe_intermediate_size))
@@ -277,7 +272,7 @@ mod tests {
 
     #[test]
     fn v2_lite_has_direct_query_and_published_parameter_count() {
-        let cfg = preset(include_str!("../../../configs/deepseek-v2-lite.json"));
+        let cfg = preset(include_str!("../../../../configs/deepseek-v2-lite.json"));
         let spec = ModelSpec::new(&cfg);
         assert!(matches!(spec.layers[0].self_attn.query, QuerySpec::Direct { .. }));
         assert!(matches!(spec.layers[0].mlp, FfnSpec::Dense(_)));
@@ -289,7 +284,7 @@ mod tests {
 
     #[test]
     fn v3_has_low_rank_query_bias_and_671b_parameters() {
-        let cfg = preset(include_str!("../../../configs/deepseek-v3.json"));
+        let cfg = preset(include_str!("../../../../configs/deepseek-v3.json"));
         let spec = ModelSpec::new(&cfg);
         let names: Vec<&str> = spec.tensors().iter().map(|t| t.name.as_str()).collect();
         assert!(names.contains(&"model.layers.3.mlp.gate.e_score_correction_bias"));

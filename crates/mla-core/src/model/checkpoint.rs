@@ -2,11 +2,11 @@
 //! `model.safetensors.index.json`. Tensors are read by `TensorSpec`, so every read checks the
 //! published name, the shape and the dtype, and errors name the tensor and the file.
 
-use crate::config::{Fp8BlockQuant, ModelConfig};
-use crate::fp8::{dequantize_block_fp8, scale_grid};
-use crate::parallel::Shard as Part;
-use crate::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
-use crate::weights::{ModelSpec, TensorSpec};
+use crate::model::config::{Fp8BlockQuant, ModelConfig};
+use crate::model::fp8::{dequantize_block_fp8, scale_grid};
+use crate::model::parallel::Shard as Part;
+use crate::model::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
+use crate::model::weights::{ModelSpec, TensorSpec};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use std::collections::{HashMap, HashSet};

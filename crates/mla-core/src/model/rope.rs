@@ -3,7 +3,26 @@
 //! softmax-scale correction). Formulas as HF transformers 5.17 computes them; `ModelConfig`'s
 //! `rope_inv_freq`, `rope_attention_factor` and `softmax_scale` are the front door.
 
-use crate::config::{RopeScaling, YarnScaling};
+/// DeepSeek YaRN parameters, with HF transformers' defaults and semantics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct YarnScaling {
+    pub factor: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    pub original_max_position_embeddings: usize,
+    /// Explicit cos/sin multiplier; inferred from the mscales when absent.
+    pub attention_factor: Option<f64>,
+    /// Round the correction range to whole dimensions (DeepSeek's behaviour, HF's default).
+    pub truncate: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Yarn(YarnScaling),
+}
 
 /// YaRN magnitude correction `0.1·m·ln(scale) + 1` (1 when not extending).
 pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {

@@ -3,7 +3,7 @@
 //! Every field that changes the math is read explicitly so that an unsupported value is an error
 //! naming the file, the field and the value, instead of a silently different model.
 
-use crate::rope;
+use crate::model::rope::{self, RopeScaling, YarnScaling};
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -40,27 +40,6 @@ pub enum ScoringFunc {
     Sigmoid,
 }
 
-/// DeepSeek YaRN parameters, with HF transformers' defaults and semantics.
-#[derive(Debug, Clone, PartialEq)]
-pub struct YarnScaling {
-    pub factor: f64,
-    pub beta_fast: f64,
-    pub beta_slow: f64,
-    pub mscale: Option<f64>,
-    pub mscale_all_dim: Option<f64>,
-    pub original_max_position_embeddings: usize,
-    /// Explicit cos/sin multiplier; inferred from the mscales when absent.
-    pub attention_factor: Option<f64>,
-    /// Round the correction range to whole dimensions (DeepSeek's behaviour, HF's default).
-    pub truncate: bool,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    None,
-    Yarn(YarnScaling),
-}
-
 /// Whether vLLM's `--quantization METHOD` names a method this server implements (only `fp8`).
 pub fn check_quantization_method(method: &str) -> Result<(), String> {
     match method {
@@ -70,6 +49,9 @@ pub fn check_quantization_method(method: &str) -> Result<(), String> {
         )),
     }
 }
+
+/// Rows and columns of one scale block of DeepSeek-V3's FP8 checkpoints (`weight_block_size`).
+pub const DEEPSEEK_BLOCK: [usize; 2] = [128, 128];
 
 /// FP8 block quantisation of linear weights (DeepSeek-V3 checkpoints).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +148,7 @@ impl ModelConfig {
         let src = if overrides.is_empty() {
             source_name
         } else {
-            crate::json_patch::merge_patch(&mut value, &Value::Object(overrides.clone()));
+            crate::model::json_patch::merge_patch(&mut value, &Value::Object(overrides.clone()));
             overridden = format!("{source_name} with --hf-overrides");
             &overridden
         };
@@ -191,7 +173,7 @@ impl ModelConfig {
     pub fn apply_quantization_flag(&mut self, method: &str) -> Result<(), String> {
         check_quantization_method(method)?;
         if self.quantization.is_none() {
-            self.quantization = Some(Fp8BlockQuant { block: crate::fp8::DEEPSEEK_BLOCK });
+            self.quantization = Some(Fp8BlockQuant { block: DEEPSEEK_BLOCK });
         }
         Ok(())
     }
@@ -631,7 +613,7 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    const LITE: &str = include_str!("../../../configs/deepseek-v2-lite.json");
+    const LITE: &str = include_str!("../../../../configs/deepseek-v2-lite.json");
 
     #[test]
     fn overrides_change_fields_and_are_validated() {
