@@ -34,6 +34,14 @@
 #   big-MODEL     a large model with FP8 weights at default flags in tp and dpa: MODEL v2 (236B,
 #                 full depth) or v3 (MLA_V3_LAYERS layers, 16); serves 1024-in / MLA_BIG_OUTPUT
 #                 (1024) out at concurrency 1, 64 and 256                  big-MODEL-MODE-cN.json
+#   router        prefix-aware routing against least-loaded (--router-policy), V2-Lite shape,
+#                 dummy weights, in replicas and dpa: multi-turn (64 conversations x 8 turns of
+#                 512 tokens, 128 out, c=64), shared prefix (1000 prompts, one 2000-token prefix,
+#                 200-token suffixes, c=64) and random (1024-in / 256-out, c=256); multi-turn on
+#                 one GPU too. scripts/router_compare.py checks the issue's bar: hit rate within
+#                 10% of one GPU's, turn-8 TTFT p50 at least 2x better, output throughput and
+#                 random prompts not lower                    router-MODE-POLICY-BENCH.json,
+#                                                                          router-summary.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -74,7 +82,7 @@ for s in "${stages[@]}"; do
   case "$s" in
     correctness) expanded+=(group-tests hf-tp hf-dpa nodes-tp nodes-dpa chat-replicas chat-tp chat-dpa kill-rank) ;;
     bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
-    group-tests | kill-rank | collectives | idle-ranks | soak | matrix | big-v2 | big-v3) expanded+=("$s") ;;
+    group-tests | kill-rank | collectives | idle-ranks | soak | matrix | big-v2 | big-v3 | router) expanded+=("$s") ;;
     nodes-tp | nodes-dpa) expanded+=("$s") ;;
     hf-* | chat-* | engine-* | serve-*)
       [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
@@ -362,6 +370,54 @@ stage_big() {
   return $rc
 }
 
+# router_bench NAME ARGS...: mla-bench serve against the running server (greedy, ignore_eos),
+# results in NAME.json; the router's decisions after it are appended to NAME.log.
+router_bench() {
+  local name=$1 n=$gpus
+  shift
+  [[ "$name" == router-single-* ]] && n=1
+  run_logged "$name" "$bins/mla-bench" serve --base-url "http://127.0.0.1:$port" --ignore-eos --temperature 0 \
+    --gpu "$gpu_name x$n" --out "$out/$name.json" "$@" || return 1
+  ((dry)) && return 0
+  grep -E 'throughput|Median TTFT|hit rate|Failed' "$out/$name.log" | head -6 | sed 's/^/  /'
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^mla:(router_decisions_total|rank_prefix_cache)' >> "$out/$name.log"
+}
+
+# The three workloads of the router stage, against the server of one mode and policy.
+router_workloads() {
+  local tag=$1 rc=0
+  router_bench "$tag-multiturn" --dataset multi-turn --num-prompts 64 --num-turns 8 --input-len 512 \
+    --output-len 128 --max-concurrency 64 || rc=1
+  [[ "$tag" == *single* ]] && return $rc
+  router_bench "$tag-shared" --dataset-name prefix_repetition --num-prompts 1000 \
+    --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 200 --prefix-repetition-num-prefixes 1 \
+    --output-len 128 --max-concurrency 64 || rc=1
+  router_bench "$tag-random" --input-len 1024 --output-len 256 --num-prompts 1024 --max-concurrency 256 || rc=1
+  return $rc
+}
+
+stage_router() {
+  ((gpus >= 2)) || { echo "  needs 2 or more GPUs"; return 0; }
+  local mode policy rc=0
+  # One GPU of this machine: the hit rate the layouts are held to.
+  CUDA_VISIBLE_DEVICES=0 v2lite_server "$out/router-single.server.log" || return 1
+  router_workloads router-single || rc=1
+  server_stop || rc=1
+  for mode in replicas dpa; do
+    for policy in prefix least-loaded; do
+      # shellcheck disable=SC2046
+      v2lite_server "$out/router-$mode-$policy.server.log" $(flags_of "$mode") --router-policy "$policy" ||
+        { rc=1; continue; }
+      ((dry)) || grep -E 'routing over' "$out/router-$mode-$policy.server.log" | cut -c1-220 | sed 's/^/  /'
+      router_workloads "router-$mode-$policy" || rc=1
+      server_stop || rc=1
+    done
+  done
+  ((dry)) && { echo "  + scripts/router_compare.py $out"; return $rc; }
+  python3 scripts/router_compare.py "$out" | tee "$out/router-summary.log" || rc=1
+  return $rc
+}
+
 status=0
 for s in "${stages[@]}"; do
   stamp "$s"
@@ -373,6 +429,7 @@ for s in "${stages[@]}"; do
     soak) stage_soak ;;
     matrix) stage_matrix ;;
     big-*) stage_big "${s#big-}" ;;
+    router) stage_router ;;
     hf-*) stage_hf "${s#hf-}" ;;
     nodes-*) stage_hf "${s#nodes-}" "$gpus" ;;
     chat-*) stage_chat "${s#chat-}" ;;

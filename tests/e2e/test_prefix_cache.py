@@ -100,6 +100,12 @@ def test_shared_prefixes_second_turns_and_concurrency_equal_caching_off(servers)
         assert got == w, f"prompt {i % len(prompts)} sent concurrently"
 
 
+def deepseek_fields_agree(usage):
+    """DeepSeek's platform's split of the prompt, beside OpenAI's cached_tokens."""
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert (usage.prompt_cache_hit_tokens, usage.prompt_cache_miss_tokens) == (cached, usage.prompt_tokens - cached)
+
+
 def test_chat_usage_reports_cached_tokens(servers):
     _, on, off = servers
     messages = [{"role": "system", "content": "You are terse. " * 12}, {"role": "user", "content": "Hello there"}]
@@ -108,6 +114,14 @@ def test_chat_usage_reports_cached_tokens(servers):
     r = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == expected_hit(r.usage.prompt_tokens, r.usage.prompt_tokens)
     assert r.usage.prompt_tokens_details.cached_tokens > 0 or r.usage.prompt_tokens <= BLOCK
+    deepseek_fields_agree(r.usage)
+    # Streamed, the usage chunk carries them too.
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage][-1]
+    assert usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens_details.cached_tokens
+    deepseek_fields_agree(usage)
     r = off.client().chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
+    deepseek_fields_agree(r.usage)
     assert off.metrics().get("mla:prefix_cache_queries_total", 0) == 0

@@ -280,6 +280,11 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
             // The prefill measurement repeats one prompt: a cache hit would hide the compute.
             prefix_caching: false,
             step_watchdog: std::time::Duration::from_secs(600),
+            // By load, as the engine benchmark always measured (no cache to route by).
+            router: mla_engine::RouterConfig {
+                policy: mla_engine::RouterPolicy::LeastLoaded,
+                ..mla_engine::RouterConfig::default()
+            },
         },
     )?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

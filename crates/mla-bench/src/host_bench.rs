@@ -272,6 +272,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             seed: a.seed,
             prefix_caching: true,
             step_watchdog: std::time::Duration::from_secs(600),
+            router: mla_engine::RouterConfig::default(),
         },
     )?;
     // Clients as in the engine benchmark and the server: one task per request on a small runtime.

@@ -8,6 +8,8 @@
 //!   steps move, eager and from CUDA graphs, one thread per GPU.
 //! - `grammar-mask`: the CPU cost of a structured-output token mask per decode step (llguidance
 //!   over a DeepSeek-V3-sized vocabulary), at batch 1 and 64.
+//! - `prefix-lookup`: the CPU cost of routing a request by prefix (hashing its blocks, looking
+//!   them up in every rank's cache index) for a long prompt over many ranks.
 //! - `serve`: a load generator against any OpenAI-compatible server that stands in for
 //!   `vllm bench serve`: its flags, datasets, metric definitions, table and result file.
 //!
@@ -19,6 +21,7 @@ mod engine_bench;
 mod grammar_mask;
 mod host_bench;
 mod kernels;
+mod prefix_lookup;
 mod profile;
 mod report;
 mod serve;
@@ -184,6 +187,26 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Prefix routing: CPU time to hash a prompt's blocks and look them up in every rank's
+    /// cache index, as the router does for each request under --dp and DP attention.
+    PrefixLookup {
+        #[arg(long, default_value_t = 131_072)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 8)]
+        ranks: usize,
+        #[arg(long, default_value_t = 64)]
+        block_size: usize,
+        /// Blocks each rank's cache holds (16,384 blocks of 64: a million tokens).
+        #[arg(long, default_value_t = 16_384)]
+        cached_blocks: usize,
+        /// Changes (registrations and evictions) each rank makes between two lookups.
+        #[arg(long, default_value_t = 4096)]
+        pending: usize,
+        #[arg(long, default_value_t = 200)]
+        reps: usize,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Load generator against any OpenAI-compatible server, a drop-in for `vllm bench serve`:
     /// its flags, datasets, metric definitions, table and result file.
     Serve(Box<serve::ServeArgs>),
@@ -289,6 +312,19 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::GrammarMask { tokenizer, vocab_size, steps, batch, out } => {
             let r = grammar_mask::run(&grammar_mask::GrammarMaskArgs { tokenizer, vocab_size, steps, batches: batch })?;
+            let v = report::envelope("none (CPU only)", r);
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            report::write(out.as_deref(), &v)
+        }
+        Cmd::PrefixLookup { prompt_tokens, ranks, block_size, cached_blocks, pending, reps, out } => {
+            let r = prefix_lookup::run(&prefix_lookup::PrefixLookupArgs {
+                prompt_tokens,
+                ranks,
+                block_size,
+                cached_blocks,
+                pending,
+                reps,
+            })?;
             let v = report::envelope("none (CPU only)", r);
             println!("{}", serde_json::to_string_pretty(&v)?);
             report::write(out.as_deref(), &v)

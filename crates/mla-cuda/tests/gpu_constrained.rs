@@ -36,6 +36,7 @@ fn engine() -> (EngineHandle, Arc<Mutex<mla_cuda::StepClock>>) {
         seed: 7,
         prefix_caching: true,
         step_watchdog: Duration::from_secs(300),
+        router: mla_engine::RouterConfig::default(),
     };
     (Engine::start(Box::new(backend), ecfg).unwrap(), clock)
 }

@@ -24,6 +24,36 @@ pub struct EngineConfig {
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).
     pub step_watchdog: std::time::Duration,
+    /// Which attention rank (of which replica) a request goes to; nothing to choose with one.
+    pub router: RouterConfig,
+}
+
+/// How requests are spread over the attention ranks (`--dp` replicas, DP-attention ranks).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterConfig {
+    pub policy: RouterPolicy,
+    /// The balance rule of `RouterPolicy::Prefix`: the rank holding the longest cached prefix
+    /// is passed over for the least-loaded rank when its load (tokens its requests may hold)
+    /// exceeds that rank's by more than `balance_abs_tokens` and is more than `balance_rel`
+    /// times it. `None`: an eighth of the smallest rank's KV cache.
+    pub balance_abs_tokens: Option<u64>,
+    pub balance_rel: f64,
+}
+
+impl Default for RouterConfig {
+    /// Prefix-aware, with SGLang's relative gap (its router's `--balance-rel-threshold`).
+    fn default() -> Self {
+        RouterConfig { policy: RouterPolicy::Prefix, balance_abs_tokens: None, balance_rel: 1.5 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterPolicy {
+    /// To the rank whose prefix cache holds the longest start of the prompt, within the
+    /// balance rule; the least loaded when none holds more than another. Needs prefix caching.
+    Prefix,
+    /// To the rank with the least work, whatever the caches hold.
+    LeastLoaded,
 }
 
 /// A validated generation request in token space.

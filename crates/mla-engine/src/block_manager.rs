@@ -15,6 +15,7 @@
 //! is never evicted, and nobody writes into a registered block (it is full and computed, and the
 //! scheduler never writes into a block it shares).
 
+use crate::cache_index::CachePublisher;
 use crate::prefix_hash::BlockHash;
 use mla_core::CacheLayout;
 use std::collections::{BTreeMap, HashMap};
@@ -43,6 +44,8 @@ struct Pool {
     /// A block's key in `evictable` while it is there.
     released_at: Vec<u64>,
     clock: u64,
+    /// Tells the router's view of this cache (`cache_index`) what is registered and evicted.
+    publisher: Option<CachePublisher>,
 }
 
 impl Pool {
@@ -59,6 +62,9 @@ impl Pool {
                 let (_, b) = self.evictable.pop_first()?;
                 let h = self.hash_of[b as usize].take().expect("evictable blocks are registered");
                 self.by_hash.remove(&h);
+                if let Some(p) = &self.publisher {
+                    p.evicted(h);
+                }
                 b
             }
         };
@@ -113,6 +119,16 @@ pub struct BlockManager {
 
 impl BlockManager {
     pub fn new(layout: CacheLayout) -> Self {
+        Self::build(layout, None)
+    }
+
+    /// A pool whose registrations and evictions are also sent to `publisher`, so that a
+    /// `CacheIndex` on other threads knows what it caches.
+    pub fn published(layout: CacheLayout, publisher: CachePublisher) -> Self {
+        Self::build(layout, Some(publisher))
+    }
+
+    fn build(layout: CacheLayout, publisher: Option<CachePublisher>) -> Self {
         assert!(layout.block_size > 0, "block_size must be positive");
         assert!(layout.num_blocks <= u32::MAX as usize, "block ids are u32");
         let n = layout.num_blocks;
@@ -124,6 +140,7 @@ impl BlockManager {
             evictable: BTreeMap::new(),
             released_at: vec![0; n],
             clock: 0,
+            publisher,
         };
         BlockManager { pool: Arc::new(Mutex::new(pool)), block_size: layout.block_size, num_blocks: layout.num_blocks }
     }
@@ -277,6 +294,9 @@ impl BlockTable {
         }
         pool.hash_of[b as usize] = Some(hash);
         pool.by_hash.insert(hash, b);
+        if let Some(p) = &pool.publisher {
+            p.cached(hash);
+        }
     }
 
     /// Drops every reference; blocks nobody else holds go back to the free list, or become

@@ -3,13 +3,15 @@
 
 use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, SubmitError};
 use crate::metrics::Metrics;
+use crate::prefix_hash::BlockHash;
 use crate::scheduler::blocks_to_admit;
 use crate::sequence::MAX_COMPLETIONS;
 use crate::stats::EngineStats;
 use anyhow::{bail, Context};
 pub(crate) use liveness::Liveness;
 use mla_core::{Backend, CacheLayout, ModelConfig};
-use router::least_loaded_of;
+use rank_loads::RankLoads;
+use router::Router;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,6 +21,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 mod backend_call;
 mod liveness;
+mod rank_loads;
 mod router;
 mod worker;
 
@@ -31,6 +34,10 @@ pub(crate) enum Command {
         req: Box<GenerateRequest>,
         events: UnboundedSender<EngineEvent>,
         arrived: Instant,
+        /// The attention rank of this engine thread the router chose, and the prompt's block
+        /// hashes if it worked them out.
+        rank: usize,
+        hashes: Vec<BlockHash>,
     },
     Abort(u64),
     /// End one completion of a request (the caller found a stop string), keeping the others.
@@ -58,8 +65,8 @@ impl Engine {
     }
 
     /// Data parallelism: one engine thread per backend (each a full model with its own
-    /// scheduler and KV cache), behind one handle that routes each request to the replica with
-    /// the least work. Replicas never talk to each other.
+    /// schedulers and KV caches), behind one handle that routes each request to an attention
+    /// rank of one of them (`router`). Replicas never talk to each other.
     pub fn start_replicas(backends: Vec<Box<dyn Backend>>, cfg: EngineConfig) -> anyhow::Result<EngineHandle> {
         anyhow::ensure!(!backends.is_empty(), "an engine needs at least one backend");
         let model = backends[0].model_config().clone();
@@ -78,26 +85,39 @@ impl Engine {
             cfg.max_num_batched_tokens = cfg.max_num_batched_tokens.min(step.rank_tokens);
         }
         let queued = Arc::new(AtomicUsize::new(0));
-        let mut replicas = Vec::with_capacity(backends.len());
-        for (i, backend) in backends.into_iter().enumerate() {
-            let layouts = backend.cache_layouts();
-            anyhow::ensure!(!layouts.is_empty(), "replica {i}: the backend reports no KV cache");
-            for layout in &layouts {
+        let layouts: Vec<Vec<CacheLayout>> = backends.iter().map(|b| b.cache_layouts()).collect();
+        for (i, l) in layouts.iter().enumerate() {
+            anyhow::ensure!(!l.is_empty(), "replica {i}: the backend reports no KV cache");
+            for layout in l {
                 check_config(&cfg, &model, *layout)?;
             }
+        }
+        let all = || layouts.iter().flatten();
+        // One chain of block hashes is looked up in every rank, so the blocks must be alike.
+        anyhow::ensure!(
+            all().all(|l| l.block_size == layouts[0][0].block_size),
+            "the ranks' KV cache blocks differ in size"
+        );
+        let smallest = all().map(|l| l.capacity_tokens()).min().expect("every replica has a cache");
+        let (router, caches) =
+            Router::new(&cfg.router, cfg.prefix_caching, all().count(), layouts[0][0].block_size, smallest)?;
+        let mut caches = caches.into_iter();
+        let mut replicas = Vec::with_capacity(backends.len());
+        for ((i, backend), layouts) in backends.into_iter().enumerate().zip(layouts) {
             let (commands, inbox) = std::sync::mpsc::channel();
             let metrics = Metrics::new(&layouts, cfg.max_model_len);
-            let load = Arc::new(AtomicU64::new(0));
+            let loads = Arc::new(RankLoads::new(layouts.len()));
             let liveness = Arc::new(Liveness::new(cfg.step_watchdog));
             let links = worker::Links {
                 inbox,
                 metrics: metrics.clone(),
                 queued: queued.clone(),
-                load: load.clone(),
+                loads: loads.clone(),
                 liveness: liveness.clone(),
             };
             let device = backend.device_name();
-            let worker = worker::Worker::new(backend, cfg.clone(), links);
+            let rank_caches = caches.by_ref().take(layouts.len()).collect();
+            let worker = worker::Worker::new(backend, cfg.clone(), links, rank_caches);
             let watch = liveness.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("mla-engine-{i}"))
@@ -118,10 +138,17 @@ impl Engine {
                 max_num_seqs = cfg.max_num_seqs,
                 "engine started"
             );
-            replicas.push(Replica { layouts, commands, metrics, load, liveness, thread: Mutex::new(Some(thread)) });
+            replicas.push(Replica { layouts, commands, metrics, loads, liveness, thread: Mutex::new(Some(thread)) });
         }
-        let shared =
-            Shared { cfg, model, replicas, queued, next_id: AtomicU64::new(1), shutting_down: AtomicBool::new(false) };
+        let shared = Shared {
+            cfg,
+            model,
+            replicas,
+            router,
+            queued,
+            next_id: AtomicU64::new(1),
+            shutting_down: AtomicBool::new(false),
+        };
         Ok(EngineHandle { shared: Arc::new(shared) })
     }
 }
@@ -163,8 +190,8 @@ struct Replica {
     layouts: Vec<CacheLayout>,
     commands: Sender<Command>,
     metrics: Metrics,
-    /// Tokens of work routed here and not yet ended (see `router`).
-    load: Arc<AtomicU64>,
+    /// Tokens of work routed to each of its ranks and not yet ended (see `router`).
+    loads: Arc<RankLoads>,
     liveness: Arc<Liveness>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -173,6 +200,7 @@ struct Shared {
     cfg: EngineConfig,
     model: ModelConfig,
     replicas: Vec<Replica>,
+    router: Router,
     /// Requests submitted and not yet scheduled, over all replicas (the `max_queued_requests`
     /// count).
     queued: Arc<AtomicUsize>,
@@ -189,6 +217,18 @@ impl Shared {
             .flat_map(|r| r.layouts.iter().copied())
             .min_by_key(|l| l.num_blocks)
             .expect("an engine has at least one rank")
+    }
+
+    /// The replica holding attention rank `rank` (numbered over all replicas), and the rank's
+    /// index within it.
+    fn locate(&self, mut rank: usize) -> (&Replica, usize) {
+        for r in &self.replicas {
+            if rank < r.layouts.len() {
+                return (r, rank);
+            }
+            rank -= r.layouts.len();
+        }
+        panic!("the router chose a rank past the last one")
     }
 }
 
@@ -256,11 +296,11 @@ impl EngineHandle {
         }
         let layout = s.smallest_layout();
         validate(&req, &s.cfg, layout, s.model.vocab_size)?;
-        let loads = s.replicas.iter().map(|r| r.liveness.death().is_none().then(|| r.load.load(Ordering::SeqCst)));
-        let Some(target) = least_loaded_of(loads) else {
+        let loads = router::live_loads(s.replicas.iter().map(|r| (&*r.loads, r.liveness.death().is_none())));
+        let Some(routed) = s.router.route(&req, &loads) else {
             return Err(SubmitError::Unavailable(self.fatal_error().unwrap_or_default()));
         };
-        let replica = &s.replicas[target];
+        let (replica, rank) = s.locate(routed.rank);
         let limit = s.cfg.max_queued_requests;
         s.queued
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| (q < limit).then_some(q + 1))
@@ -269,12 +309,13 @@ impl EngineHandle {
         let n = req.n;
         let cost = worker::request_cost(&req);
         // Counted before the engine thread sees it, so a burst of submissions spreads out.
-        replica.load.fetch_add(cost, Ordering::SeqCst);
+        replica.loads.add(rank, cost);
         let (tx, events) = unbounded_channel();
-        let cmd = Command::Submit { id, req: Box::new(req), events: tx, arrived: Instant::now() };
+        let arrived = Instant::now();
+        let cmd = Command::Submit { id, req: Box::new(req), events: tx, arrived, rank, hashes: routed.hashes };
         if replica.commands.send(cmd).is_err() {
             s.queued.fetch_sub(1, Ordering::SeqCst);
-            replica.load.fetch_sub(cost, Ordering::SeqCst);
+            replica.loads.release(rank, cost);
             return Err(match replica.liveness.death() {
                 Some(why) => SubmitError::Unavailable(why),
                 None => SubmitError::ShuttingDown,
@@ -283,14 +324,17 @@ impl EngineHandle {
         Ok(RequestStream { id, events, n, commands: replica.commands.clone(), died: replica.liveness.subscribe() })
     }
 
-    /// Counters summed over every replica, with one `ranks` entry per attention rank.
+    /// Counters summed over every replica, with one `ranks` entry per attention rank, and the
+    /// router's decisions.
     pub fn stats(&self) -> EngineStats {
         let mut snapshots = self.shared.replicas.iter().map(|r| r.metrics.snapshot());
         let first = snapshots.next().expect("an engine has at least one replica");
-        snapshots.fold(first, |mut total, s| {
+        let mut total = snapshots.fold(first, |mut total, s| {
             total.merge(&s);
             total
-        })
+        });
+        total.routing = self.shared.router.stats();
+        total
     }
 
     /// The KV cache of every attention rank, replica by replica.

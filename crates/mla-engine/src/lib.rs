@@ -15,7 +15,8 @@
 //!   stop string, and leaves the others running); dropping the stream aborts the request within
 //!   one engine step.
 //!
-//! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `scheduler`
+//! Modules: `block_manager` (free list, ref-counted blocks, RAII `BlockTable`), `cache_index`
+//! (every rank's cached block hashes, read by the router on the submitting threads), `scheduler`
 //! (continuous batching policy, public so it can be tested and reused per DP rank), `engine`
 //! (the handle and the engine thread), `metrics` (counters and histograms), `stats` (the
 //! snapshot they give), `request_stats`
@@ -25,6 +26,7 @@
 pub mod api;
 pub mod block_manager;
 mod buckets;
+pub mod cache_index;
 mod engine;
 mod histogram;
 mod id_map;
@@ -41,4 +43,4 @@ pub use engine::{Engine, EngineHandle, RequestStream};
 pub use histogram::Histogram;
 pub use request_stats::{FinishCounts, RequestStats};
 pub use sequence::draw_seed;
-pub use stats::{EngineStats, MaskStats, RankStats};
+pub use stats::{EngineStats, MaskStats, RankStats, RoutingStats};

@@ -13,7 +13,8 @@ use std::hash::{BuildHasher, Hasher};
 
 pub type BlockHash = u128;
 
-/// The keyed hash function of one scheduler's cache.
+/// The keyed hash function of a prefix cache. The ranks of one engine share it (cloning keeps
+/// the keys), so the router looks one chain of a prompt's hashes up in all of them.
 #[derive(Debug, Clone)]
 pub struct PrefixHasher {
     keys: [RandomState; 2],
@@ -28,16 +29,23 @@ impl Default for PrefixHasher {
 impl PrefixHasher {
     /// The hash of a block holding `tokens` after a prefix whose last block hashed to `parent`.
     pub fn block(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
-        let half = |k: &RandomState| {
-            let mut h = k.build_hasher();
+        let [mut lo, mut hi] = self.keys.each_ref().map(RandomState::build_hasher);
+        for h in [&mut lo, &mut hi] {
             h.write_u128(parent.unwrap_or(0));
             h.write_u8(u8::from(parent.is_some()));
-            for &t in tokens {
-                h.write_u32(t);
+            h.write_usize(tokens.len());
+        }
+        // The tokens go in as bytes, many at a time: SipHash then runs a round per 8 bytes
+        // instead of paying a call per token, which made a 128k-token prompt cost 1.3 ms.
+        let mut bytes = [0u8; 256];
+        for chunk in tokens.chunks(bytes.len() / 4) {
+            for (b, t) in bytes.chunks_exact_mut(4).zip(chunk) {
+                b.copy_from_slice(&t.to_le_bytes());
             }
-            h.finish()
-        };
-        (u128::from(half(&self.keys[0])) << 64) | u128::from(half(&self.keys[1]))
+            lo.write(&bytes[..chunk.len() * 4]);
+            hi.write(&bytes[..chunk.len() * 4]);
+        }
+        (u128::from(lo.finish()) << 64) | u128::from(hi.finish())
     }
 
     /// Extends `hashes` (the hashes of the leading full blocks of `tokens`, possibly none yet)
@@ -73,6 +81,11 @@ mod tests {
         assert_eq!(again, ha[..2]);
         // A block of the same tokens at the start is not the same as after a prefix.
         assert_ne!(h.block(None, &a[4..8]), ha[1]);
+        // The byte encoding keeps token boundaries and lengths apart.
+        assert_ne!(h.block(None, &[1, 0]), h.block(None, &[1]));
+        assert_ne!(h.block(None, &[0x0102_0304]), h.block(None, &[0x0304, 0x0102]));
+        let long: Vec<u32> = (0..100).collect();
+        assert_ne!(h.block(None, &long), h.block(None, &long[..99]));
         // Another scheduler's keys give other hashes.
         assert_ne!(PrefixHasher::default().block(None, &a[..4]), ha[0]);
     }

@@ -41,8 +41,9 @@
 
 use crate::api::{FinishReason, GenerateRequest, PromptTokenLogprob};
 use crate::block_manager::BlockManager;
+use crate::cache_index::CachePublisher;
 use crate::id_map::IdMap;
-use crate::prefix_hash::PrefixHasher;
+use crate::prefix_hash::{BlockHash, PrefixHasher};
 use crate::prompt_logprobs::PromptLogprobs;
 use crate::sequence::{Constraints, Group, Owner, Seq, SeqKey, SeqState, Slot};
 use mla_core::step::plan::{SampledToken, SeqStep, StepOutput};
@@ -136,9 +137,25 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig, layout: CacheLayout) -> Self {
+        Self::build(cfg, BlockManager::new(layout), PrefixHasher::default())
+    }
+
+    /// A scheduler whose prefix cache the engine's router sees: blocks are hashed with `hasher`
+    /// (the engine's, the same on every rank, so one chain of a prompt's hashes is looked up in
+    /// all of them) and every registration and eviction goes to `publisher` (`cache_index`).
+    pub fn published(
+        cfg: SchedulerConfig,
+        layout: CacheLayout,
+        hasher: PrefixHasher,
+        publisher: CachePublisher,
+    ) -> Self {
+        Self::build(cfg, BlockManager::published(layout, publisher), hasher)
+    }
+
+    fn build(cfg: SchedulerConfig, blocks: BlockManager, hasher: PrefixHasher) -> Self {
         Scheduler {
             cfg,
-            blocks: BlockManager::new(layout),
+            blocks,
             groups: IdMap::default(),
             new_queue: VecDeque::new(),
             resume_queue: VecDeque::new(),
@@ -146,7 +163,7 @@ impl Scheduler {
             last_kind: None,
             preemptions: 0,
             spare: Vec::new(),
-            hasher: PrefixHasher::default(),
+            hasher,
             prefix_stats: PrefixCacheStats::default(),
             admitted: Vec::new(),
             mask_jobs: Vec::new(),
@@ -211,6 +228,16 @@ impl Scheduler {
             Group { req, owner, seed, prefix: None, completions, cached_tokens: 0, prompt_logprobs, constraints };
         self.groups.insert(id, group);
         self.new_queue.push_back(id);
+    }
+
+    /// `add` for a request whose prompt's leading block hashes the caller already worked out
+    /// with this scheduler's hasher (the router did, to find the rank holding them), so that
+    /// admission does not hash the prompt again. Hashes beyond the blocks admission may take
+    /// from the cache (`reusable_blocks`) are dropped.
+    pub fn add_hashed(&mut self, id: u64, req: GenerateRequest, seed: u64, mut hashes: Vec<BlockHash>) {
+        hashes.truncate(reusable_blocks(req.prompt_tokens.len(), self.blocks.block_size()));
+        self.add(id, req, seed);
+        self.groups.get_mut(&id).expect("just added").completions[0].hashes = hashes;
     }
 
     /// Forgets a request (abort, failure, client gone), freeing its blocks. Returns the indices

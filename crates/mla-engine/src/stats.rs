@@ -15,6 +15,30 @@ pub struct RankStats {
     pub kv_capacity_tokens: usize,
     /// Tokens its live requests may hold at most (what the router balances).
     pub load_tokens: u64,
+    /// Its prefix cache's counters (as `EngineStats::prefix_cache_queries` and `_hits`).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+}
+
+/// The router's decisions since start, by reason (see `RouterPolicy`). A layout with one
+/// attention rank decides nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoutingStats {
+    /// To the rank holding the longest cached prefix.
+    pub prefix: u64,
+    /// To the least-loaded rank, the prefix holder having too much work (the balance rule).
+    pub balance: u64,
+    /// To the least-loaded rank, no rank holding more of the prefix than another (or the
+    /// request wanting prompt logprobs, which computes its whole prompt anyway).
+    pub tie: u64,
+    /// To the least-loaded rank under `RouterPolicy::LeastLoaded`.
+    pub least_loaded: u64,
+}
+
+impl RoutingStats {
+    pub fn total(&self) -> u64 {
+        self.prefix + self.balance + self.tie + self.least_loaded
+    }
 }
 
 /// A consistent snapshot of the engine's counters, for `/metrics` and the startup log.
@@ -39,6 +63,7 @@ pub struct EngineStats {
     /// Prompt tokens looked up in the prefix cache at admission, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    pub routing: RoutingStats,
     /// Structured-output grammar masks computed, and the host time it took.
     pub structured_masks: MaskStats,
     /// Seconds.
@@ -69,6 +94,11 @@ impl EngineStats {
         self.preemptions_total += o.preemptions_total;
         self.prefix_cache_queries += o.prefix_cache_queries;
         self.prefix_cache_hits += o.prefix_cache_hits;
+        let r = &o.routing;
+        self.routing.prefix += r.prefix;
+        self.routing.balance += r.balance;
+        self.routing.tie += r.tie;
+        self.routing.least_loaded += r.least_loaded;
         self.structured_masks.merge(&o.structured_masks);
         self.time_to_first_token.merge(&o.time_to_first_token);
         self.inter_token_latency.merge(&o.inter_token_latency);

@@ -7,6 +7,7 @@ use crate::access_log_args::AccessLogArgs;
 use crate::compat_args::CompatArgs;
 use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
+use crate::routing_args::RoutingArgs;
 use clap::{Parser, ValueEnum};
 use mla_core::step::limits::DEFAULT_EXTRA_LOGIT_ROWS;
 use mla_core::{Parallel, StepBudget, StepLimits};
@@ -213,6 +214,9 @@ pub struct Args {
     /// Turns automatic prefix caching off (also SGLang's --disable-radix-cache).
     #[arg(long, alias = "disable-radix-cache", overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+
+    #[command(flatten)]
+    pub routing: RoutingArgs,
 
     /// Seed for requests that bring none (same seed, same server: same outputs).
     #[arg(long, default_value_t = 0)]
@@ -457,6 +461,7 @@ impl Args {
         if self.max_model_len == Some(0) || self.kv_cache_tokens == Some(0) {
             anyhow::bail!("--max-model-len and --kv-cache-tokens must be at least 1");
         }
+        self.routing.check(parallel.attention_ranks() * parallel.replicas, !self.no_enable_prefix_caching)?;
         self.http.check()?;
         self.access_log.check()?;
         self.compat.check()?;

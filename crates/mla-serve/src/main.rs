@@ -11,6 +11,7 @@ mod http_limits;
 mod model_source;
 mod nodes;
 mod presets;
+mod routing_args;
 mod shutdown;
 mod sizing;
 mod startup;

@@ -82,6 +82,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             seed: args.seed,
             prefix_caching: !args.no_enable_prefix_caching,
             step_watchdog: args.watchdog(),
+            router: args.routing.config(!args.no_enable_prefix_caching),
         },
     )?;
 

@@ -33,7 +33,7 @@ pub fn line(before: &EngineStats, after: &EngineStats, elapsed: Duration) -> Opt
     let hits = after.prefix_cache_hits.saturating_sub(before.prefix_cache_hits);
     let hit_rate = match queries {
         0 => String::new(),
-        q => format!(", prefix cache hit rate {:.1}%", 100.0 * hits as f64 / q as f64),
+        q => format!(", prefix cache hit rate {:.1}%{}", 100.0 * hits as f64 / q as f64, per_rank_hits(before, after)),
     };
     let (m0, m1) = (&before.structured_masks, &after.structured_masks);
     let masks = match m1.steps.saturating_sub(m0.steps) {
@@ -44,14 +44,46 @@ pub fn line(before: &EngineStats, after: &EngineStats, elapsed: Duration) -> Opt
             (m1.seconds - m0.seconds) / steps as f64 * 1e6
         ),
     };
+    let (r0, r1) = (&before.routing, &after.routing);
+    let routed = match r1.total().saturating_sub(r0.total()) {
+        0 => String::new(),
+        _ => format!(
+            ", routed by prefix {}, balance {}, tie {}, least-loaded {}",
+            r1.prefix.saturating_sub(r0.prefix),
+            r1.balance.saturating_sub(r0.balance),
+            r1.tie.saturating_sub(r0.tie),
+            r1.least_loaded.saturating_sub(r0.least_loaded)
+        ),
+    };
     Some(format!(
-        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{masks}",
+        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{routed}{masks}",
         prompt as f64 / secs,
         generated as f64 / secs,
         after.running,
         after.waiting,
         100.0 * after.kv_usage,
     ))
+}
+
+/// Each attention rank's hit rate over the interval, `-` for a rank that looked nothing up;
+/// nothing with one rank, whose rate is the total's.
+fn per_rank_hits(before: &EngineStats, after: &EngineStats) -> String {
+    if after.ranks.len() < 2 {
+        return String::new();
+    }
+    let rates: Vec<String> = after
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (q0, h0) = before.ranks.get(i).map_or((0, 0), |b| (b.prefix_cache_queries, b.prefix_cache_hits));
+            match r.prefix_cache_queries.saturating_sub(q0) {
+                0 => "-".to_string(),
+                q => format!("{:.1}%", 100.0 * r.prefix_cache_hits.saturating_sub(h0) as f64 / q as f64),
+            }
+        })
+        .collect();
+    format!(" (by rank {})", rates.join(" "))
 }
 
 #[cfg(test)]
@@ -85,5 +117,34 @@ mod tests {
             ..busy.clone()
         };
         assert!(line(&busy, &masked, INTERVAL).unwrap().ends_with(", grammar masks 32.0 per step in 150 us"));
+    }
+
+    #[test]
+    fn several_ranks_show_their_hit_rates_and_the_routing() {
+        use mla_engine::{RankStats, RoutingStats};
+        let rank = |q, h| RankStats { prefix_cache_queries: q, prefix_cache_hits: h, ..RankStats::default() };
+        let before = EngineStats {
+            ranks: vec![rank(100, 0), rank(100, 50), rank(0, 0)],
+            prefix_cache_queries: 200,
+            prefix_cache_hits: 50,
+            routing: RoutingStats { prefix: 3, balance: 0, tie: 4, least_loaded: 0 },
+            ..EngineStats::default()
+        };
+        let after = EngineStats {
+            running: 1,
+            ranks: vec![rank(300, 150), rank(200, 50), rank(0, 0)],
+            prefix_cache_queries: 500,
+            prefix_cache_hits: 200,
+            routing: RoutingStats { prefix: 8, balance: 1, tie: 4, least_loaded: 0 },
+            ..EngineStats::default()
+        };
+        // Rank 0: 150 of 200 tokens found; rank 1: none of 100; rank 2 looked nothing up.
+        assert!(
+            line(&before, &after, INTERVAL).unwrap().ends_with(
+                ", prefix cache hit rate 50.0% (by rank 75.0% 0.0% -), routed by prefix 5, balance 1, tie 0, least-loaded 0"
+            ),
+            "{:?}",
+            line(&before, &after, INTERVAL)
+        );
     }
 }

@@ -108,6 +108,31 @@ fn per_rank(e: &mut Exposition, s: &EngineStats) {
         let samples = s.ranks.iter().enumerate().map(|(i, r)| (format!("rank=\"{i}\""), value(r)));
         e.labelled(name, help, "gauge", samples);
     }
+    // Each rank's own hit rate (hits over queries): where routing sends a request shows here.
+    let counters: [(&str, &str, RankGauge); 2] = [
+        (
+            "rank_prefix_cache_queries_total",
+            "Prompt tokens looked up in the rank's prefix cache when their requests were admitted.",
+            |r| r.prefix_cache_queries as f64,
+        ),
+        ("rank_prefix_cache_hits_total", "Prompt tokens found in the rank's prefix cache.", |r| {
+            r.prefix_cache_hits as f64
+        }),
+    ];
+    for (name, help, value) in counters {
+        let samples = s.ranks.iter().enumerate().map(|(i, r)| (format!("rank=\"{i}\""), value(r)));
+        e.labelled(name, help, "counter", samples);
+    }
+    let r = &s.routing;
+    e.labelled(
+        "router_decisions_total",
+        "Requests routed to an attention rank, by reason: prefix (the rank caching the longest start of the \
+         prompt), balance (the least-loaded rank, the prefix's rank having too much work), tie (the least-loaded \
+         rank, no rank caching more than another), least_loaded (--router-policy least-loaded). None with one rank.",
+        "counter",
+        [("prefix", r.prefix), ("balance", r.balance), ("tie", r.tie), ("least_loaded", r.least_loaded)]
+            .map(|(reason, n)| (format!("reason=\"{reason}\""), n as f64)),
+    );
 }
 
 fn counters(e: &mut Exposition, s: &EngineStats) {
@@ -311,10 +336,26 @@ mod tests {
     #[test]
     fn per_rank_gauges_carry_a_rank_label() {
         let ranks = vec![
-            RankStats { running: 4, waiting: 1, kv_usage: 0.5, kv_capacity_tokens: 64, load_tokens: 900 },
-            RankStats { running: 2, waiting: 0, kv_usage: 0.125, kv_capacity_tokens: 64, load_tokens: 300 },
+            RankStats {
+                running: 4,
+                waiting: 1,
+                kv_usage: 0.5,
+                kv_capacity_tokens: 64,
+                load_tokens: 900,
+                prefix_cache_queries: 400,
+                prefix_cache_hits: 256,
+            },
+            RankStats {
+                running: 2,
+                waiting: 0,
+                kv_usage: 0.125,
+                kv_capacity_tokens: 64,
+                load_tokens: 300,
+                ..Default::default()
+            },
         ];
-        let text = render("m", &MetricsConfig::default(), &EngineStats { ranks, ..Default::default() }, 0);
+        let routing = mla_engine::RoutingStats { prefix: 7, balance: 2, tie: 3, least_loaded: 0 };
+        let text = render("m", &MetricsConfig::default(), &EngineStats { ranks, routing, ..Default::default() }, 0);
         assert!(text.contains("mla:num_attention_ranks{model_name=\"m\"} 2\n"));
         assert_eq!(
             lines(&text, "mla:rank_load_tokens"),
@@ -325,5 +366,18 @@ mod tests {
         );
         assert!(text.contains("mla:rank_num_requests_running{model_name=\"m\",rank=\"1\"} 2\n"));
         assert!(text.contains("mla:rank_kv_cache_usage_perc{model_name=\"m\",rank=\"0\"} 0.5\n"));
+        assert!(text.contains("# TYPE mla:rank_prefix_cache_hits_total counter\n"));
+        assert!(text.contains("mla:rank_prefix_cache_queries_total{model_name=\"m\",rank=\"0\"} 400\n"));
+        assert!(text.contains("mla:rank_prefix_cache_hits_total{model_name=\"m\",rank=\"0\"} 256\n"));
+        assert!(text.contains("mla:rank_prefix_cache_hits_total{model_name=\"m\",rank=\"1\"} 0\n"));
+        assert_eq!(
+            lines(&text, "mla:router_decisions_total"),
+            vec![
+                "mla:router_decisions_total{model_name=\"m\",reason=\"prefix\"} 7",
+                "mla:router_decisions_total{model_name=\"m\",reason=\"balance\"} 2",
+                "mla:router_decisions_total{model_name=\"m\",reason=\"tie\"} 3",
+                "mla:router_decisions_total{model_name=\"m\",reason=\"least_loaded\"} 0",
+            ]
+        );
     }
 }

@@ -36,7 +36,8 @@ async fn chat_completion_shape_text_and_usage() {
     assert_eq!(
         v["usage"],
         json!({"prompt_tokens": prompt.len(), "completion_tokens": 5, "total_tokens": prompt.len() + 5,
-               "prompt_tokens_details": {"cached_tokens": 0}})
+               "prompt_tokens_details": {"cached_tokens": 0},
+               "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": prompt.len()})
     );
 }
 
@@ -108,7 +109,8 @@ async fn completions_with_token_prompts_echo_and_logprobs() {
     assert!(choices.iter().all(|c| c["text"] == s.script_text(3)));
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 0}})
+        json!({"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 0},
+               "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": 5})
     );
 
     let v = s.post("/v1/completions", json!({"prompt": "Hi", "echo": true, "max_tokens": 2})).await.json();

@@ -1,7 +1,7 @@
 //! The engine thread: owns the backend and one scheduler per attention rank (one, or one per
 //! device under DP attention); each iteration collects the step in flight, handles commands,
 //! drops requests whose client is gone, starts the next step and delivers the events of the one
-//! before. A new request goes to the attention rank with the least work (`router`).
+//! before. A new request comes with the attention rank the handle's router chose for it.
 //!
 //! The next step is handed to the backend (`Backend::start_step`) before the previous step's
 //! tokens go out to the clients, so a device that runs steps on a thread of its own does not wait
@@ -15,11 +15,13 @@
 //! engine stops, marked dead for the handle.
 
 use super::backend_call::{check_outputs, panic_text, run_checked, split_by_request};
-use super::router::least_loaded;
+use super::rank_loads::RankLoads;
+use super::router::RankCache;
 use super::{Command, Liveness};
 use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RequestTimings, TokenLogprobs};
 use crate::id_map::IdMap;
 use crate::metrics::Metrics;
+use crate::prefix_hash::BlockHash;
 use crate::request_stats::FinishedRequest;
 use crate::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
 use crate::sequence::SeqKey;
@@ -27,7 +29,7 @@ use crate::stats::{MaskStats, RankStats};
 use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, FatalBackendError, SplitMix64};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -92,9 +94,9 @@ pub(super) struct Links {
     pub metrics: Metrics,
     /// Requests submitted and not yet scheduled (the `max_queued_requests` count).
     pub queued: Arc<AtomicUsize>,
-    /// Work this engine has taken on, summed over its ranks; the handle adds a request's cost
-    /// when it routes the request here, the engine takes it off when the request ends.
-    pub load: Arc<AtomicU64>,
+    /// Work each rank has taken on; the handle adds a request's cost when it routes the request
+    /// here, the engine takes it off when the request ends.
+    pub loads: Arc<RankLoads>,
     pub liveness: Arc<Liveness>,
 }
 
@@ -102,8 +104,6 @@ pub(super) struct Worker {
     backend: Box<dyn Backend>,
     /// One scheduler (and KV cache) per attention rank.
     ranks: Vec<Scheduler>,
-    /// Work each rank has taken on: `n · (prompt + max_tokens)` of every live request.
-    loads: Vec<u64>,
     links: Links,
     clients: IdMap<Client>,
     /// Seeds requests that bring none, in arrival order.
@@ -120,6 +120,16 @@ pub(super) struct Worker {
     masks: MaskStats,
 }
 
+/// A request the handle routed to one of this engine's ranks.
+struct Admission {
+    id: u64,
+    req: GenerateRequest,
+    events: UnboundedSender<EngineEvent>,
+    arrived: Instant,
+    rank: usize,
+    hashes: Vec<BlockHash>,
+}
+
 /// A step the backend is running.
 struct InFlight {
     plans: Arc<Vec<StepPlan>>,
@@ -131,7 +141,9 @@ pub(super) fn request_cost(req: &GenerateRequest) -> u64 {
 }
 
 impl Worker {
-    pub fn new(backend: Box<dyn Backend>, cfg: EngineConfig, links: Links) -> Self {
+    /// `caches`: for each attention rank, how the router sees its prefix cache (none under the
+    /// least-loaded policy).
+    pub fn new(backend: Box<dyn Backend>, cfg: EngineConfig, links: Links, caches: Vec<Option<RankCache>>) -> Self {
         // Every step stays within what the backend was sized for (`StepLimits`), which may be
         // less than the flags asked for (its memory planner).
         let step = backend.step_limits();
@@ -142,10 +154,18 @@ impl Worker {
             max_extra_logit_rows: step.extra_logit_rows(),
             prefix_caching: cfg.prefix_caching,
         };
-        let ranks: Vec<Scheduler> = backend.cache_layouts().into_iter().map(|l| Scheduler::new(limits, l)).collect();
+        let layouts = backend.cache_layouts();
+        assert_eq!(layouts.len(), caches.len(), "one router view per attention rank");
+        let ranks: Vec<Scheduler> = layouts
+            .into_iter()
+            .zip(caches)
+            .map(|(l, cache)| match cache {
+                Some(c) => Scheduler::published(limits, l, c.hasher, c.publisher),
+                None => Scheduler::new(limits, l),
+            })
+            .collect();
         Worker {
             backend,
-            loads: vec![0; ranks.len()],
             ranks,
             links,
             clients: IdMap::default(),
@@ -199,9 +219,9 @@ impl Worker {
         // clients, with the reason the engine stopped if it died.
         let died = self.links.liveness.death();
         while let Ok(cmd) = self.links.inbox.try_recv() {
-            if let Command::Submit { req, events, .. } = cmd {
+            if let Command::Submit { req, events, rank, .. } = cmd {
                 self.links.queued.fetch_sub(1, Ordering::SeqCst);
-                self.links.load.fetch_sub(request_cost(&req), Ordering::SeqCst);
+                self.links.loads.release(rank, request_cost(&req));
                 self.links.metrics.count_finished(FinishReason::Abort, req.n as u64);
                 match &died {
                     Some(why) => drop(events.send(EngineEvent::Error { message: why.clone() })),
@@ -257,19 +277,21 @@ impl Worker {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, req, events, arrived } => self.admit(id, *req, events, arrived),
+            Command::Submit { id, req, events, arrived, rank, hashes } => {
+                self.admit(Admission { id, req: *req, events, arrived, rank, hashes })
+            }
             Command::Abort(id) => self.abort(id, true),
             Command::FinishChoice { id, index, reason } => self.finish_choice(id, index, reason),
             Command::Shutdown { deadline } => self.deadline = Some(self.deadline.map_or(deadline, |d| d.min(deadline))),
         }
     }
 
-    fn admit(&mut self, id: u64, req: GenerateRequest, events: UnboundedSender<EngineEvent>, arrived: Instant) {
+    fn admit(&mut self, a: Admission) {
+        let Admission { id, req, events, arrived, rank, hashes } = a;
         let seed = req.seed.unwrap_or_else(|| self.seeds.next_u64());
         let timings = RequestTimings { arrived, first_scheduled: None, first_token: None, finished: None };
-        let rank = least_loaded(&self.loads);
+        // The handle counted it on this rank's load already.
         let cost = request_cost(&req);
-        self.loads[rank] += cost;
         let client = Client {
             events,
             timings,
@@ -283,7 +305,7 @@ impl Worker {
             cost,
         };
         self.clients.insert(id, client);
-        self.ranks[rank].add(id, req, seed);
+        self.ranks[rank].add_hashed(id, req, seed, hashes);
     }
 
     fn rank_of(&self, id: u64) -> Option<usize> {
@@ -359,8 +381,7 @@ impl Worker {
     }
 
     fn release(&mut self, client: &Client) {
-        self.loads[client.rank] -= client.cost;
-        self.links.load.fetch_sub(client.cost, Ordering::SeqCst);
+        self.links.loads.release(client.rank, client.cost);
     }
 
     /// A closed receiver means the client went away: abort within this step. Commands the
@@ -627,13 +648,15 @@ impl Worker {
         stats.ranks = self
             .ranks
             .iter()
-            .zip(&self.loads)
-            .map(|(s, &load)| RankStats {
+            .enumerate()
+            .map(|(i, s)| RankStats {
                 running: s.num_running(),
                 waiting: s.num_waiting(),
                 kv_usage: s.block_manager().usage(),
                 kv_capacity_tokens: s.block_manager().num_blocks() * s.block_manager().block_size(),
-                load_tokens: load,
+                load_tokens: self.links.loads.get(i),
+                prefix_cache_queries: s.prefix_cache_stats().queries,
+                prefix_cache_hits: s.prefix_cache_stats().hits,
             })
             .collect();
         stats.running = stats.ranks.iter().map(|r| r.running).sum();

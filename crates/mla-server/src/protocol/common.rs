@@ -130,12 +130,17 @@ impl Serialize for TopLogprobsWire {
     }
 }
 
+/// The token counts of a response. Beside OpenAI's fields it carries DeepSeek's platform's
+/// `prompt_cache_hit_tokens` and `prompt_cache_miss_tokens` (the prompt split by the prefix
+/// cache), so clients written against DeepSeek's API read their cache savings unchanged.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
     pub prompt_tokens_details: PromptTokensDetails,
+    pub prompt_cache_hit_tokens: usize,
+    pub prompt_cache_miss_tokens: usize,
 }
 
 /// OpenAI's breakdown of the prompt: `cached_tokens` came from the prefix cache.
@@ -146,11 +151,14 @@ pub struct PromptTokensDetails {
 
 impl Usage {
     pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        debug_assert!(cached_tokens <= prompt_tokens, "{cached_tokens} of {prompt_tokens} prompt tokens cached");
         Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_cache_hit_tokens: cached_tokens,
+            prompt_cache_miss_tokens: prompt_tokens.saturating_sub(cached_tokens),
         }
     }
 }
@@ -187,5 +195,28 @@ impl Serialize for UsageField {
             UsageField::Counts(u) => u.serialize(s),
             _ => s.serialize_none(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DeepSeek's platform splits the prompt into cache hits and misses beside OpenAI's details.
+    #[test]
+    fn usage_carries_openai_and_deepseek_cache_fields() {
+        let v = serde_json::to_value(Usage::new(100, 7, 64)).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107,
+                "prompt_tokens_details": {"cached_tokens": 64},
+                "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36})
+        );
+        let none = serde_json::to_value(Usage::new(5, 0, 0)).unwrap();
+        assert_eq!(
+            (none["prompt_cache_hit_tokens"].as_u64(), none["prompt_cache_miss_tokens"].as_u64()),
+            (Some(0), Some(5))
+        );
+        assert_eq!(none["prompt_tokens_details"]["cached_tokens"], 0, "present when nothing was cached");
     }
 }

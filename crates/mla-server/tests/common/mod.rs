@@ -199,6 +199,7 @@ pub fn server(opts: Options) -> TestServer {
         seed: 0,
         prefix_caching: true,
         step_watchdog: std::time::Duration::from_secs(300),
+        router: mla_engine::RouterConfig::default(),
     };
     let engine = Engine::start(Box::new(backend), cfg).unwrap();
     let text = Arc::new(TextPipeline::new(demo_tokenizer(), None).unwrap());
