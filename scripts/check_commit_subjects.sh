@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 rule_commit_subject="Enforce the house rules in CI: fmt, clippy, clang-format, subjects"
 max=72
 # Commits that broke the rule before it was caught and that later commits and run folders name by
-# hash, so history is not rewritten for them (one character over each).
-grandfathered=(ca200f0)
+# hash, so history is not rewritten for them: ca200f0 (one character over); 706cb09 (74, an
+# unsquashed fixup merged with issue-30's branch, below GPU runs that name their commits).
+grandfathered=(ca200f0 706cb09)
 
 if ! git rev-parse --git-dir > /dev/null 2>&1; then
   echo "not a git checkout: commit subjects not checked"
