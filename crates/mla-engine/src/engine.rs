@@ -98,9 +98,13 @@ impl Engine {
             all().all(|l| l.block_size == layouts[0][0].block_size),
             "the ranks' KV cache blocks differ in size"
         );
-        let smallest = all().map(|l| l.capacity_tokens()).min().expect("every replica has a cache");
-        let (router, caches) =
-            Router::new(&cfg.router, cfg.prefix_caching, all().count(), layouts[0][0].block_size, smallest)?;
+        let (router, caches) = Router::new(
+            &cfg.router,
+            cfg.prefix_caching,
+            all().count(),
+            layouts[0][0].block_size,
+            cfg.max_num_batched_tokens,
+        )?;
         let mut caches = caches.into_iter();
         let mut replicas = Vec::with_capacity(backends.len());
         for ((i, backend), layouts) in backends.into_iter().enumerate().zip(layouts) {

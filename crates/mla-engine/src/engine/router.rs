@@ -17,10 +17,10 @@
 
 use super::rank_loads::RankLoads;
 use crate::api::{GenerateRequest, RouterConfig, RouterPolicy};
-use crate::stats::RoutingStats;
 use crate::cache_index::{CacheIndex, CachePublisher};
 use crate::prefix_hash::{BlockHash, PrefixHasher};
 use crate::scheduler::reusable_blocks;
+use crate::stats::RoutingStats;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Why a request went where it did (`RoutingStats`).
@@ -134,15 +134,15 @@ pub(crate) struct Routed {
 }
 
 impl Router {
-    /// A router over `ranks` attention ranks with caches of `block_size`-token blocks, the
-    /// smallest holding `capacity_tokens`, and for each rank what its scheduler needs (none
-    /// under the least-loaded policy).
+    /// A router over `ranks` attention ranks with caches of `block_size`-token blocks, each
+    /// rank feeding at most `step_tokens` tokens a step, and for each rank what its scheduler
+    /// needs (none under the least-loaded policy).
     pub fn new(
         cfg: &RouterConfig,
         prefix_caching: bool,
         ranks: usize,
         block_size: usize,
-        capacity_tokens: usize,
+        step_tokens: usize,
     ) -> anyhow::Result<(Router, Vec<Option<RankCache>>)> {
         let counters = Counters::default();
         if cfg.policy == RouterPolicy::LeastLoaded || ranks == 1 {
@@ -160,10 +160,15 @@ impl Router {
             "the router's relative balance threshold must be at least 1, got {}",
             cfg.balance_rel
         );
-        let rule = BalanceRule {
-            abs_tokens: cfg.balance_abs_tokens.unwrap_or(capacity_tokens as u64 / DEFAULT_ABS_SHARE),
-            rel: cfg.balance_rel,
-        };
+        // The absolute gap defaults to one step's tokens (--max-num-batched-tokens): sending a
+        // request away from its prefix costs recomputing that prefix, at most a few steps of
+        // prefill once, after which both ranks hold it and tie; a rank carrying more than a
+        // step's worth of work beyond another keeps delaying all of its requests. An eighth of
+        // the KV cache (the first default) let one hot prefix pile every request of a
+        // shared-prefix load onto one of two H100s (150k tokens of work on one, none on the
+        // other, never balanced): 0.86x least-loaded's throughput.
+        let rule =
+            BalanceRule { abs_tokens: cfg.balance_abs_tokens.unwrap_or(step_tokens as u64), rel: cfg.balance_rel };
         tracing::info!(
             "routing over {ranks} attention ranks: to the longest cached prefix, or to the least loaded when the \
              prefix's rank carries over {} tokens more work and over {}x as much",
@@ -210,12 +215,6 @@ impl Router {
         }
     }
 }
-
-/// The default absolute gap of the balance rule, as a share of a rank's KV cache: loads are
-/// tokens the requests may hold, the cache's own unit, and one rank holding an eighth of a
-/// cache more than another is where the GPU's decode step (KV reads) starts to feel it while
-/// the other has room to spare. Below that, a cached prefix is worth more than evenness.
-const DEFAULT_ABS_SHARE: u64 = 8;
 
 /// The loads of every rank of every replica, in rank order (`None` for a replica that stopped).
 pub(crate) fn live_loads<'a>(replicas: impl Iterator<Item = (&'a RankLoads, bool)>) -> Vec<Option<u64>> {
