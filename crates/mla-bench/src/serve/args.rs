@@ -122,6 +122,11 @@ pub struct ServeArgs {
     /// Turns per conversation of the multi-turn dataset.
     #[arg(long, default_value_t = 8)]
     pub num_turns: usize,
+    /// Seconds a multi-turn conversation waits between an answer and its next turn (a user
+    /// reading and typing), drawn uniformly from 0.5 to 1.5 times this so conversations drift
+    /// apart; 0 sends the next turn at once. The conversation keeps its concurrency slot.
+    #[arg(long, default_value_t = 0.0)]
+    pub turn_delay: f64,
     /// Random prompts draw ids from LO..HI (default: the served model's vocabulary).
     #[arg(long)]
     pub token_id_range: Option<String>,
@@ -301,6 +306,15 @@ impl ServeArgs {
             );
         }
         anyhow::ensure!(self.max_concurrency != Some(0), "--max-concurrency must be greater than 0");
+        anyhow::ensure!(
+            self.turn_delay.is_finite() && self.turn_delay >= 0.0,
+            "--turn-delay must be a number of seconds, 0 or more"
+        );
+        anyhow::ensure!(
+            self.turn_delay == 0.0 || self.dataset_name == DatasetName::MultiTurn,
+            "--turn-delay is the multi-turn dataset's; --dataset-name {} has no turns",
+            self.dataset_name.name()
+        );
         anyhow::ensure!(
             !(self.backend == Backend::OpenaiChat && self.dataset_name == DatasetName::MultiTurn),
             "--dataset-name multi-turn sends token ids and needs --backend openai"

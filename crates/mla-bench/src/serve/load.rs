@@ -96,11 +96,14 @@ impl Load {
     /// Multi-turn conversations: each holds one slot for all its turns and sends them in order,
     /// turn k + 1's prompt being turn k's prompt, its output and the new tokens of turn k + 1
     /// (as a chat client resends the whole history). `turns[c][k]` are the new tokens of turn k
-    /// of conversation c.
+    /// of conversation c. Between an answer and the next turn the conversation waits
+    /// `turn_delay` seconds times a factor drawn from 0.5..1.5 (seeded by `seed` and c).
     pub async fn run_conversations(
         &self,
         turns: Vec<Vec<Vec<u32>>>,
         output_len: usize,
+        turn_delay: f64,
+        seed: u64,
     ) -> (Vec<RequestRecord>, Duration) {
         let slots = self.slots();
         let t0 = Instant::now();
@@ -116,7 +119,12 @@ impl Load {
                 };
                 let mut history: Vec<u32> = Vec::new();
                 let mut records = Vec::with_capacity(conv.len());
+                let mut rng = mla_core::SplitMix64::new(seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 for (k, new) in conv.into_iter().enumerate() {
+                    if k > 0 && turn_delay > 0.0 {
+                        let factor = 0.5 + rng.next_f64();
+                        tokio::time::sleep(Duration::from_secs_f64(turn_delay * factor)).await;
+                    }
                     history.extend(new);
                     let p = Prompt { prompt: json!(history), prompt_len: history.len(), output_len };
                     let mut r = request::send(&client, &spec, &p, true, Some(format!("{prefix}{k}")), t0).await;

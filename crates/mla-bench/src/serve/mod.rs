@@ -103,7 +103,7 @@ async fn run(a: ServeArgs, client: Arc<client::Client>, endpoint: String) -> any
             let times = arrivals::schedule(prompts.len(), a.request_rate, a.burstiness, &mut rng)?;
             load.run(prompts, &times).await
         }
-        Work::Conversations(c) => load.run_conversations(c, lengths.output).await,
+        Work::Conversations(c) => load.run_conversations(c, lengths.output, a.turn_delay, a.seed).await,
     };
     report_run(&a, &model_id, tokenizer.as_ref(), &client.target.url(""), &records, duration)
 }
@@ -273,7 +273,7 @@ fn report_run(
             json!({
                 "base_url": base_url, "backend": a.backend.name(), "model": model_id, "dataset": a.dataset_name.name(),
                 "input_len": len.input, "output_len": len.output, "prefix_len": a.prefix_repetition_prefix_len,
-                "num_prefixes": a.prefix_repetition_num_prefixes, "num_turns": a.num_turns, "num_prompts": a.num_prompts,
+                "num_prefixes": a.prefix_repetition_num_prefixes, "num_turns": a.num_turns, "turn_delay": a.turn_delay, "num_prompts": a.num_prompts,
                 "max_concurrency": a.max_concurrency, "request_rate": rate, "burstiness": a.burstiness,
                 "ignore_eos": a.ignore_eos(), "temperature": a.temperature, "metrics": m,
             }),
