@@ -17,10 +17,10 @@
 
 use super::rank_loads::RankLoads;
 use crate::api::{GenerateRequest, RouterConfig, RouterPolicy};
-use crate::stats::RoutingStats;
 use crate::cache_index::{CacheIndex, CachePublisher};
 use crate::prefix_hash::{BlockHash, PrefixHasher};
 use crate::scheduler::reusable_blocks;
+use crate::stats::RoutingStats;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Why a request went where it did (`RoutingStats`).
