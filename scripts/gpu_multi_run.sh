@@ -36,8 +36,9 @@
 #                 (1024) out at concurrency 1, 64 and 256                  big-MODEL-MODE-cN.json
 #   router        prefix-aware routing against least-loaded (--router-policy), V2-Lite shape,
 #                 dummy weights, in replicas and dpa: multi-turn (64 conversations x 8 turns of
-#                 512 tokens, 128 out, c=64), shared prefix (1000 prompts, one 2000-token prefix,
-#                 200-token suffixes, c=64) and random (1024-in / 256-out, c=256); multi-turn on
+#                 512 tokens, 128 out, c=64), shared prefix (MLA_ROUTER_SHARED_PROMPTS: 1000
+#                 prompts, one 2000-token prefix, 200-token suffixes, c=64) and random
+#                 (MLA_ROUTER_RANDOM_PROMPTS: 1024, 1024-in / 256-out, c=256); multi-turn on
 #                 one GPU too. scripts/router_compare.py checks the issue's bar: hit rate within
 #                 10% of one GPU's, turn-8 TTFT p50 at least 2x better, output throughput and
 #                 random prompts not lower                    router-MODE-POLICY-BENCH.json,
@@ -129,6 +130,8 @@ flags_of() {
 }
 
 idle_seconds="${MLA_IDLE_SECONDS:-600}"
+router_shared="${MLA_ROUTER_SHARED_PROMPTS:-1000}"
+router_random="${MLA_ROUTER_RANDOM_PROMPTS:-1024}"
 soak_seconds="${MLA_SOAK_SECONDS:-1800}"
 limit_of() {
   local var="MLA_RUN_TIMEOUT_$(echo "$1" | tr 'a-z-' 'A-Z_')" default=300
@@ -389,10 +392,10 @@ router_workloads() {
   router_bench "$tag-multiturn" --dataset multi-turn --num-prompts 64 --num-turns 8 --input-len 512 \
     --output-len 128 --max-concurrency 64 || rc=1
   [[ "$tag" == *single* ]] && return $rc
-  router_bench "$tag-shared" --dataset-name prefix_repetition --num-prompts 1000 \
+  router_bench "$tag-shared" --dataset-name prefix_repetition --num-prompts "$router_shared" \
     --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 200 --prefix-repetition-num-prefixes 1 \
     --output-len 128 --max-concurrency 64 || rc=1
-  router_bench "$tag-random" --input-len 1024 --output-len 256 --num-prompts 1024 --max-concurrency 256 || rc=1
+  router_bench "$tag-random" --input-len 1024 --output-len 256 --num-prompts "$router_random" --max-concurrency 256 || rc=1
   return $rc
 }
 

@@ -34,6 +34,8 @@ echo "== clippy (-D warnings, every target)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== import circles between the modules of each crate"
 python3 scripts/module_cycles.py
+echo "== the maps of the code name only what exists"
+python3 scripts/check_doc_map.py docs/architecture.md docs/multi-gpu.md docs/cuda-backend.md docs/metrics.md README.md CONTRIBUTING.md
 echo "== commit subjects"
 scripts/check_commit_subjects.sh
 echo "== benchmark results index (benches/results/README.md against the run folders)"
