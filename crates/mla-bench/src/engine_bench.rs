@@ -71,20 +71,8 @@ fn clock_delta(a: &StepClock, b: &StepClock) -> Value {
 
 /// A greedy request for a random prompt of `len` tokens, no stop token (also the host benchmark's).
 pub(crate) fn request(rng: &mut rand::rngs::StdRng, len: usize, vocab: usize, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt_tokens: (0..len).map(|_| rng.random_range(0..vocab as u32)).collect(),
-        n: 1,
-        sampling: SamplingParams::greedy(),
-        seed: Some(1),
-        max_tokens,
-        stop_token_ids: vec![],
-        logprobs: None,
-        prompt_logprobs: None,
-        owner: None,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        constraint: None,
-    }
+    let prompt = (0..len).map(|_| rng.random_range(0..vocab as u32)).collect();
+    GenerateRequest { seed: Some(1), ..GenerateRequest::new(prompt, SamplingParams::greedy(), max_tokens) }
 }
 
 /// One token event as seen by the benchmark: (request, arrival, last of its request).

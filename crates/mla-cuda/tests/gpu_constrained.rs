@@ -42,20 +42,7 @@ fn engine() -> (EngineHandle, Arc<Mutex<mla_cuda::StepClock>>) {
 }
 
 fn request(prompt: Vec<u32>, sampling: SamplingParams, seed: Option<u64>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt_tokens: prompt,
-        n: 1,
-        sampling,
-        seed,
-        max_tokens,
-        stop_token_ids: vec![],
-        logprobs: None,
-        owner: None,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        constraint: None,
-        prompt_logprobs: None,
-    }
+    GenerateRequest { seed, ..GenerateRequest::new(prompt, sampling, max_tokens) }
 }
 
 /// The tokens of a one-completion request and how it finished; panics on an engine error.

@@ -87,6 +87,30 @@ pub struct GenerateRequest {
     pub constraint: Option<ConstraintFactory>,
 }
 
+impl GenerateRequest {
+    /// One completion of `prompt_tokens` drawn with `sampling`, at most `max_tokens` long, and
+    /// every other field neutral: a seed from the engine's generator, no stop tokens, no
+    /// logprobs, its own owner, no logit bias, no minimum length, no constraint. Set others
+    /// with struct-update syntax, `GenerateRequest { n: 4, ..GenerateRequest::new(..) }`, so
+    /// that a new field is defaulted here alone.
+    pub fn new(prompt_tokens: Vec<u32>, sampling: SamplingParams, max_tokens: usize) -> Self {
+        GenerateRequest {
+            prompt_tokens,
+            n: 1,
+            sampling,
+            seed: None,
+            max_tokens,
+            stop_token_ids: vec![],
+            logprobs: None,
+            prompt_logprobs: None,
+            owner: None,
+            logit_bias: vec![],
+            min_tokens: 0,
+            constraint: None,
+        }
+    }
+}
+
 /// How long one completion's structured-output mask may take to compute. The masks of a step
 /// are computed while the device runs its forward pass, and the step cannot sample before they
 /// are done, so one grammar's slow mask would hold back every other request's token: past this

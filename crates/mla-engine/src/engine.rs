@@ -20,9 +20,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 mod backend_call;
+mod client;
+mod delivery;
+mod gauges;
 mod liveness;
 mod rank_loads;
 mod router;
+mod turns;
 mod worker;
 
 /// What the handle tells the engine thread.
@@ -311,7 +315,7 @@ impl EngineHandle {
             .map_err(|_| SubmitError::QueueFull { limit })?;
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let n = req.n;
-        let cost = worker::request_cost(&req);
+        let cost = rank_loads::request_cost(&req);
         // Counted before the engine thread sees it, so a burst of submissions spreads out.
         replica.loads.add(rank, cost);
         let (tx, events) = unbounded_channel();

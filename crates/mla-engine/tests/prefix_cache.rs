@@ -24,20 +24,7 @@ fn sched(num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
 }
 
 fn req(prompt: Vec<u32>, n: usize, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt_tokens: prompt,
-        n,
-        sampling: SamplingParams::greedy(),
-        seed: None,
-        max_tokens,
-        stop_token_ids: vec![],
-        logprobs: None,
-        prompt_logprobs: None,
-        owner: None,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        constraint: None,
-    }
+    GenerateRequest { n, ..GenerateRequest::new(prompt, SamplingParams::greedy(), max_tokens) }
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {

@@ -20,20 +20,8 @@ fn sched(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usiz
 }
 
 fn req(prompt_len: usize, n: usize, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt_tokens: (0..prompt_len as u32).map(|i| i % 50 + 2).collect(),
-        n,
-        sampling: SamplingParams::greedy(),
-        seed: None,
-        max_tokens,
-        stop_token_ids: vec![],
-        logprobs: None,
-        prompt_logprobs: None,
-        owner: None,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        constraint: None,
-    }
+    let prompt = (0..prompt_len as u32).map(|i| i % 50 + 2).collect();
+    GenerateRequest { n, ..GenerateRequest::new(prompt, SamplingParams::greedy(), max_tokens) }
 }
 
 /// Token "sampled" at the end of a chunk: a function of the position, never 0 or 1.

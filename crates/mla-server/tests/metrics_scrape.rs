@@ -5,30 +5,17 @@
 mod common;
 mod prometheus;
 
-use common::{server, workspace_root, Options, TestServer};
+use common::{server, wait_idle, workspace_root, Options, TestServer};
 use prometheus::Scrape;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 async fn scrape(s: &TestServer) -> Scrape {
     let r = s.call("GET", "/metrics", None, &[]).await;
     assert_eq!(r.status, 200);
     assert!(r.content_type.starts_with("text/plain"), "{}", r.content_type);
     prometheus::parse(&r.text).unwrap_or_else(|e| panic!("{e}\n{}", r.text))
-}
-
-/// Waits until nothing runs, waits or holds cache blocks: every request has been counted.
-async fn wait_idle(s: &TestServer) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let st = s.engine.stats();
-        if st.running + st.waiting == 0 && st.kv_usage == 0.0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{st:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Sends requests of every kind: n > 1, several prompts, a stop string, streaming, chat.

@@ -3,7 +3,13 @@
 //! rank, before the engine thread sees it, so a burst of submissions spreads out; the engine
 //! thread takes it off when the request ends.
 
+use crate::api::GenerateRequest;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a request adds to its rank's load: the tokens its completions hold at most.
+pub(crate) fn request_cost(req: &GenerateRequest) -> u64 {
+    (req.n * (req.prompt_tokens.len() + req.max_tokens)) as u64
+}
 
 #[derive(Debug)]
 pub(crate) struct RankLoads(Vec<AtomicU64>);

@@ -1,13 +1,18 @@
 //! The engine thread: owns the backend and one scheduler per attention rank (one, or one per
 //! device under DP attention); each iteration collects the step in flight, handles commands,
 //! drops requests whose client is gone, starts the next step and delivers the events of the one
-//! before. A new request comes with the attention rank the handle's router chose for it.
+//! before. A new request comes with the attention rank the handle's router chose for it. This
+//! file holds the loop, the commands, and how a step is launched and concluded; what it leans
+//! on lives beside it: `client` (each request's record and its accounting when it ends),
+//! `delivery` (the events waiting to go out), `turns` (which kind of step the ranks take) and
+//! `gauges` (what it publishes to the statistics).
 //!
 //! The next step is handed to the backend (`Backend::start_step`) before the previous step's
 //! tokens go out to the clients, so a device that runs steps on a thread of its own does not wait
-//! for that bookkeeping. What a step delivers is fixed when it is applied; commands that end a
-//! request first deliver what it still has pending, so every client sees its events in the order
-//! a synchronous engine sends them.
+//! for that bookkeeping. What a step delivers is fixed when it is applied; commands that end or
+//! change a request first deliver what it still has pending (`Worker::with_pending_delivered`,
+//! which every such command goes through), so every client sees its events in the order a
+//! synchronous engine sends them.
 //!
 //! A failed step is retried one request at a time (the other ranks idle), so one bad request
 //! cannot take its batch-mates down, unless the backend says it cannot go on
@@ -15,18 +20,19 @@
 //! engine stops, marked dead for the handle.
 
 use super::backend_call::{check_outputs, panic_text, run_checked, split_by_request};
-use super::rank_loads::RankLoads;
+use super::client::{Client, Clients};
+use super::delivery::{announce_admissions, Outbox};
+use super::gauges;
+use super::rank_loads::{request_cost, RankLoads};
 use super::router::RankCache;
+use super::turns::{idle, Turns};
 use super::{Command, Liveness};
-use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest, RequestTimings, TokenLogprobs};
-use crate::id_map::IdMap;
+use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest};
 use crate::metrics::Metrics;
 use crate::prefix_hash::BlockHash;
-use crate::request_stats::FinishedRequest;
 use crate::scheduler::{Applied, EarlyFinish, Scheduler, SchedulerConfig};
-use crate::sequence::SeqKey;
-use crate::stats::{MaskStats, RankStats};
-use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
+use crate::stats::MaskStats;
+use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, FatalBackendError, SplitMix64};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,59 +40,6 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
-
-/// A request's link to its client, and its timings.
-struct Client {
-    events: UnboundedSender<EngineEvent>,
-    timings: RequestTimings,
-    wants_logprobs: bool,
-    prompt_len: usize,
-    /// When each completion last produced a token (inter-token latency).
-    last_token: Vec<Option<Instant>>,
-    /// Tokens each completion produced, and the cap on them.
-    completion_tokens: Vec<usize>,
-    max_tokens: usize,
-    /// How the request ends if nothing worse happens to it: see `worse`.
-    reason: FinishReason,
-    /// The attention rank serving it, and what it adds to that rank's load.
-    rank: usize,
-    cost: u64,
-}
-
-impl Client {
-    /// Notes how one of its completions ended.
-    fn completion_ended(&mut self, reason: FinishReason) {
-        self.reason = worse(self.reason, reason);
-    }
-
-    /// The request as the statistics record it when it ends.
-    fn finished(&self) -> FinishedRequest<'_> {
-        FinishedRequest {
-            reason: self.reason,
-            first_scheduled: self.timings.first_scheduled,
-            first_token: self.timings.first_token,
-            last_token: self.last_token.iter().flatten().max().copied(),
-            prompt_tokens: self.prompt_len,
-            completion_tokens: &self.completion_tokens,
-            max_tokens: self.max_tokens,
-        }
-    }
-}
-
-/// A request's finish reason from its completions': an abort stands for the whole request (it
-/// did not complete), a length means the answer is truncated somewhere, else it stopped.
-fn worse(a: FinishReason, b: FinishReason) -> FinishReason {
-    let rank = |r| match r {
-        FinishReason::Stop => 0,
-        FinishReason::Length => 1,
-        FinishReason::Abort => 2,
-    };
-    if rank(b) > rank(a) {
-        b
-    } else {
-        a
-    }
-}
 
 /// What the handle shares with the engine thread.
 pub(super) struct Links {
@@ -105,14 +58,14 @@ pub(super) struct Worker {
     /// One scheduler (and KV cache) per attention rank.
     ranks: Vec<Scheduler>,
     links: Links,
-    clients: IdMap<Client>,
+    clients: Clients,
+    /// The last step's events, applied and not yet delivered.
+    outbox: Outbox,
     /// Seeds requests that bring none, in arrival order.
     seeds: SplitMix64,
     deadline: Option<Instant>,
-    /// Applied and not yet delivered: the last step's outcome, when it was applied.
-    undelivered: Option<(Applied, Instant)>,
-    /// Whether the last step of several ranks prefilled on any of them (see `schedule`).
-    last_kind: StepKind,
+    /// Which kind of step the ranks take next.
+    turns: Turns,
     /// Steps finished (or being finished), for the test hook `MLA_TEST_HANG_STEP`.
     steps: u64,
     /// Threads that compute structured-output masks together (the host's cores).
@@ -130,14 +83,19 @@ struct Admission {
     hashes: Vec<BlockHash>,
 }
 
+/// What a request that ends before its completions did tells its client last.
+enum LastWord {
+    /// Nothing: the client is gone.
+    Nothing,
+    /// Each unfinished completion finished as aborted.
+    Aborted,
+    /// This event (an error, a rejection).
+    Event(EngineEvent),
+}
+
 /// A step the backend is running.
 struct InFlight {
     plans: Arc<Vec<StepPlan>>,
-}
-
-/// What a request adds to its rank's load: the tokens its completions hold at most.
-pub(super) fn request_cost(req: &GenerateRequest) -> u64 {
-    (req.n * (req.prompt_tokens.len() + req.max_tokens)) as u64
 }
 
 impl Worker {
@@ -167,13 +125,13 @@ impl Worker {
         Worker {
             backend,
             ranks,
+            clients: Clients::new(links.queued.clone(), links.loads.clone()),
+            outbox: Outbox::new(links.metrics.clone()),
             links,
-            clients: IdMap::default(),
             seeds: SplitMix64::new(cfg.seed),
             deadline: None,
-            undelivered: None,
+            turns: Turns::new(),
             steps: 0,
-            last_kind: StepKind::Decode,
             mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             masks: MaskStats::default(),
         }
@@ -198,22 +156,22 @@ impl Worker {
             if self.deadline.is_some_and(|d| !self.has_work() || Instant::now() >= d) {
                 break;
             }
-            let plans = self.schedule();
+            let plans = self.turns.schedule(&mut self.ranks);
             if plans.iter().any(|p| !p.seqs.is_empty()) {
                 in_flight = Some(self.launch(plans));
             } else if self.has_work() {
                 // Admission guarantees progress (see `Scheduler`), so this is a bug; failing
                 // the stuck requests keeps it visible instead of hanging their clients.
                 tracing::error!("the scheduler has work but built no step");
-                let ids: Vec<u64> = self.clients.keys().copied().collect();
+                let ids = self.clients.ids();
                 ids.into_iter().for_each(|id| self.fail(id, "internal error: the scheduler made no progress".into()));
             }
             // While the backend runs the step just started, the previous one goes out.
-            self.deliver_undelivered();
+            self.outbox.flush(&mut self.clients);
             self.publish();
         }
-        self.deliver_undelivered();
-        let ids: Vec<u64> = self.clients.keys().copied().collect();
+        self.outbox.flush(&mut self.clients);
+        let ids = self.clients.ids();
         ids.into_iter().for_each(|id| self.abort(id, true));
         // Submissions that raced with shutdown (or the engine's death) never ran; tell their
         // clients, with the reason the engine stopped if it died.
@@ -234,32 +192,12 @@ impl Worker {
         self.publish();
     }
 
-    /// Every rank's plan for the next step (an idle rank's is empty). Several ranks take turns
-    /// together: every rank with prompt work prefills in the same step, then every rank with
-    /// sequences decodes, so a decoding rank waits for prefills once per turn rather than once
-    /// per rank that prefills.
-    fn schedule(&mut self) -> Vec<StepPlan> {
-        let idle = || StepPlan { kind: StepKind::Decode, seqs: vec![] };
-        if self.ranks.len() == 1 {
-            return vec![self.ranks[0].schedule().unwrap_or_else(idle)];
-        }
-        let prefer = match self.last_kind {
-            StepKind::Prefill => StepKind::Decode,
-            StepKind::Decode => StepKind::Prefill,
-        };
-        let plans: Vec<StepPlan> =
-            self.ranks.iter_mut().map(|s| s.schedule_prefer(prefer).unwrap_or_else(idle)).collect();
-        let prefilled = plans.iter().any(|p| p.kind == StepKind::Prefill && !p.seqs.is_empty());
-        self.last_kind = if prefilled { StepKind::Prefill } else { StepKind::Decode };
-        plans
-    }
-
     /// Handles pending commands, blocking while there is nothing to run so an idle engine costs
     /// nothing. False once every handle and stream is gone and no work is left.
     fn pump_commands(&mut self) -> bool {
         if !self.has_work() && self.deadline.is_none() {
             // Nothing runs until a command comes: whatever is pending goes out first.
-            self.deliver_undelivered();
+            self.outbox.flush(&mut self.clients);
             self.publish();
             match self.links.inbox.recv() {
                 Ok(cmd) => self.handle(cmd),
@@ -289,106 +227,78 @@ impl Worker {
     fn admit(&mut self, a: Admission) {
         let Admission { id, req, events, arrived, rank, hashes } = a;
         let seed = req.seed.unwrap_or_else(|| self.seeds.next_u64());
-        let timings = RequestTimings { arrived, first_scheduled: None, first_token: None, finished: None };
-        // The handle counted it on this rank's load already.
-        let cost = request_cost(&req);
-        let client = Client {
-            events,
-            timings,
-            wants_logprobs: req.logprobs.is_some(),
-            prompt_len: req.prompt_tokens.len(),
-            last_token: vec![None; req.n],
-            completion_tokens: vec![0; req.n],
-            max_tokens: req.max_tokens,
-            reason: FinishReason::Stop,
-            rank,
-            cost,
-        };
-        self.clients.insert(id, client);
+        self.clients.insert(id, Client::new(events, &req, arrived, rank));
         self.ranks[rank].add_hashed(id, req, seed, hashes);
     }
 
-    fn rank_of(&self, id: u64) -> Option<usize> {
-        self.clients.get(&id).map(|c| c.rank)
+    /// Runs `change` on request `id`, with its attention rank, once what the request still has
+    /// pending has gone out; nothing if the request is gone (its pending events may have ended
+    /// it). Every command that ends or changes one request goes through here, the only place
+    /// that flushes one request's events, so its client sees them in the order a synchronous
+    /// engine would send them.
+    fn with_pending_delivered(&mut self, id: u64, change: impl FnOnce(&mut Self, usize)) {
+        self.outbox.flush_request(id, &mut self.clients);
+        if let Some(rank) = self.clients.rank_of(id) {
+            change(self, rank);
+        }
     }
 
     /// Forgets a request and frees its blocks; `notify` tells a still-listening client.
     fn abort(&mut self, id: u64, notify: bool) {
-        self.deliver_pending_of(id);
-        let Some(rank) = self.rank_of(id) else { return };
-        let Some(unfinished) = self.ranks[rank].remove_request(id) else { return };
-        let mut client = self.forget(id);
-        self.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
-        client.completion_ended(FinishReason::Abort);
-        self.links.metrics.lock().requests.record(&client.finished());
-        if notify {
-            for index in unfinished {
-                let _ = client.events.send(EngineEvent::Finished { index, reason: FinishReason::Abort });
-            }
-        }
-    }
-
-    /// Ends one completion for the caller; see `RequestStream::finish_choice`. When it was the
-    /// request's last, the request completed (it gets an end-to-end latency, unlike an abort).
-    fn finish_choice(&mut self, id: u64, index: usize, reason: FinishReason) {
-        self.deliver_pending_of(id);
-        let Some(rank) = self.rank_of(id) else { return };
-        let Some(ended) = self.ranks[rank].finish_completion(id, index, reason) else { return };
-        self.links.metrics.count_finished(reason, 1);
-        let client = self.clients.get_mut(&id).expect("every scheduled request has a client");
-        client.completion_ended(reason);
-        let _ = client.events.send(EngineEvent::Finished { index, reason });
-        if ended == EarlyFinish::Request {
-            let client = self.forget(id);
-            let mut stats = self.links.metrics.lock();
-            stats.e2e_latency.observe(client.timings.arrived.elapsed().as_secs_f64());
-            stats.requests.record(&client.finished());
-        }
+        self.end_request(id, if notify { LastWord::Aborted } else { LastWord::Nothing });
     }
 
     /// Fails a request; its unfinished completions count as aborted (they ended neither by a
     /// stop nor by length, and the server reports them as aborted).
     fn fail(&mut self, id: u64, message: String) {
-        self.end_with(id, EngineEvent::Error { message });
+        self.end_request(id, LastWord::Event(EngineEvent::Error { message }));
     }
 
     /// Ends a request its own structured-output constraint cannot go on with (see
     /// `EngineEvent::Rejected`), as `fail` does.
     fn reject(&mut self, id: u64, why: String) {
-        self.end_with(id, EngineEvent::Rejected { message: format!("structured output: {why}") });
+        self.end_request(id, LastWord::Event(EngineEvent::Rejected { message: format!("structured output: {why}") }));
     }
 
-    fn end_with(&mut self, id: u64, last: EngineEvent) {
-        self.deliver_pending_of(id);
-        let Some(rank) = self.rank_of(id) else { return };
-        if let Some(unfinished) = self.ranks[rank].remove_request(id) {
-            self.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
-            let mut client = self.forget(id);
-            client.completion_ended(FinishReason::Abort);
-            self.links.metrics.lock().requests.record(&client.finished());
-            let _ = client.events.send(last);
-        }
+    /// Ends a request before its completions did: its blocks are freed, its unfinished
+    /// completions count as aborted, and its client hears `last`.
+    fn end_request(&mut self, id: u64, last: LastWord) {
+        self.with_pending_delivered(id, |w, rank| {
+            let Some(unfinished) = w.ranks[rank].remove_request(id) else { return };
+            w.links.metrics.count_finished(FinishReason::Abort, unfinished.len() as u64);
+            let client = w.clients.cut_short(id, &mut w.links.metrics.lock());
+            match last {
+                LastWord::Nothing => {}
+                LastWord::Aborted => {
+                    for index in unfinished {
+                        let _ = client.events.send(EngineEvent::Finished { index, reason: FinishReason::Abort });
+                    }
+                }
+                LastWord::Event(event) => drop(client.events.send(event)),
+            }
+        });
     }
 
-    /// Removes a request's client and takes its cost off its rank's load.
-    fn forget(&mut self, id: u64) -> Client {
-        let client = self.clients.remove(&id).expect("every scheduled request has a client");
-        if client.timings.first_scheduled.is_none() {
-            self.links.queued.fetch_sub(1, Ordering::SeqCst);
-        }
-        self.release(&client);
-        client
-    }
-
-    fn release(&mut self, client: &Client) {
-        self.links.loads.release(client.rank, client.cost);
+    /// Ends one completion for the caller; see `RequestStream::finish_choice`. When it was the
+    /// request's last, the request completed (it gets an end-to-end latency, unlike an abort).
+    fn finish_choice(&mut self, id: u64, index: usize, reason: FinishReason) {
+        self.with_pending_delivered(id, |w, rank| {
+            let Some(ended) = w.ranks[rank].finish_completion(id, index, reason) else { return };
+            w.links.metrics.count_finished(reason, 1);
+            let client = w.clients.expect_mut(id);
+            client.completion_ended(reason);
+            let _ = client.events.send(EngineEvent::Finished { index, reason });
+            if ended == EarlyFinish::Request {
+                w.clients.complete(id, Instant::now(), &mut w.links.metrics.lock());
+            }
+        });
     }
 
     /// A closed receiver means the client went away: abort within this step. Commands the
     /// client sent before closing (a `finish_choice` for its last live completion, typically)
     /// are handled first, so its completions end with the reason it gave rather than as aborts.
     fn drop_departed_clients(&mut self) {
-        let gone: Vec<u64> = self.clients.iter().filter(|(_, c)| c.events.is_closed()).map(|(&id, _)| id).collect();
+        let gone = self.clients.departed();
         if gone.is_empty() {
             return;
         }
@@ -421,9 +331,12 @@ impl Worker {
         if masks > 0 {
             self.masks.record(masks, started.elapsed());
         }
-        plans.iter().for_each(|p| self.mark_scheduled(p));
-        self.count_step_tokens(&plans);
-        self.announce_admissions();
+        {
+            let mut stats = self.links.metrics.lock();
+            plans.iter().for_each(|p| self.clients.mark_scheduled(p, &mut stats));
+        }
+        gauges::count_step_tokens(&self.links.metrics, &plans);
+        announce_admissions(&mut self.ranks, &self.clients);
         // A request whose constraint failed leaves now; the step still computes its rows, and
         // applying it skips requests that are gone, so its token is never delivered.
         for (id, why) in failed {
@@ -479,9 +392,8 @@ impl Worker {
         tracing::warn!("backend step over {} requests failed ({err:#}); retrying them one by one", parts.len());
         for (rank, id, part) in parts {
             // Each part's events go out before the next part runs, as they always did.
-            self.deliver_undelivered();
-            let mut alone: Vec<StepPlan> =
-                (0..self.ranks.len()).map(|_| StepPlan { kind: StepKind::Decode, seqs: vec![] }).collect();
+            self.outbox.flush(&mut self.clients);
+            let mut alone: Vec<StepPlan> = (0..self.ranks.len()).map(|_| idle()).collect();
             alone[rank] = part;
             match run_checked(self.backend.as_mut(), &alone) {
                 Ok(outs) => self.apply_all(&alone, &outs),
@@ -500,62 +412,15 @@ impl Worker {
     fn die(&mut self, why: String) {
         tracing::error!("{why}");
         self.links.liveness.mark_dead(why.clone());
-        self.deliver_undelivered();
-        let ids: Vec<u64> = self.clients.keys().copied().collect();
+        self.outbox.flush(&mut self.clients);
+        let ids = self.clients.ids();
         ids.into_iter().for_each(|id| self.fail(id, why.clone()));
     }
 
-    /// Tells each request admitted since the last step how much of its prompt the prefix cache
-    /// held (before any of its tokens, which come after the step).
-    fn announce_admissions(&mut self) {
-        for rank in &mut self.ranks {
-            for (id, cached_tokens) in rank.take_admitted() {
-                if let Some(client) = self.clients.get(&id) {
-                    let _ = client.events.send(EngineEvent::Admitted { cached_tokens });
-                }
-            }
-        }
-    }
-
-    /// Each rank that works in this step counts its tokens as vLLM's `iteration_tokens_total`
-    /// does: prompt tokens computed plus tokens sampled. A decode step feeds the token it samples
-    /// after, so it counts one per sequence; a prefill step counts its chunks and, for the chunks
-    /// that end a prompt, the first token drawn.
-    fn count_step_tokens(&self, plans: &[StepPlan]) {
-        let mut stats = self.links.metrics.lock();
-        for plan in plans.iter().filter(|p| !p.seqs.is_empty()) {
-            let sampled = plan.seqs.iter().filter(|s| s.sample.is_some()).count();
-            let tokens = match plan.kind {
-                StepKind::Decode => sampled,
-                _ => plan.seqs.iter().map(|s| s.tokens.len()).sum::<usize>() + sampled,
-            };
-            stats.iteration_tokens.observe(tokens as f64);
-        }
-    }
-
-    fn mark_scheduled(&mut self, plan: &StepPlan) {
-        // A decode step only feeds sequences that were prefilled, so scheduled, before.
-        if plan.kind == StepKind::Decode {
-            return;
-        }
-        let now = Instant::now();
-        let mut stats = self.links.metrics.lock();
-        for s in &plan.seqs {
-            let client =
-                self.clients.get_mut(&SeqKey::from_seq_id(s.seq_id).request).expect("scheduled request has a client");
-            if client.timings.first_scheduled.is_none() {
-                client.timings.first_scheduled = Some(now);
-                self.links.queued.fetch_sub(1, Ordering::SeqCst);
-                stats.queue_time.observe((now - client.timings.arrived).as_secs_f64());
-                stats.prompt_tokens_total += client.prompt_len as u64;
-            }
-        }
-    }
-
-    /// Records every rank's output in its scheduler; the events wait in `undelivered`.
+    /// Records every rank's output in its scheduler; the events wait in the outbox.
     fn apply_all(&mut self, plans: &[StepPlan], outs: &[StepOutput]) {
-        debug_assert!(self.undelivered.is_none(), "a step's events were never delivered");
-        self.deliver_undelivered();
+        debug_assert!(self.outbox.is_empty(), "a step's events were never delivered");
+        self.outbox.flush(&mut self.clients);
         let mut applied = Applied::default();
         for ((sched, plan), out) in self.ranks.iter_mut().zip(plans).zip(outs) {
             let a = sched.apply(plan, out);
@@ -565,107 +430,15 @@ impl Worker {
             applied.rejected.extend(a.rejected);
         }
         let rejected = std::mem::take(&mut applied.rejected);
-        self.undelivered = Some((applied, Instant::now()));
+        self.outbox.hold(applied, Instant::now());
         // After the step's other events of the request (its other completions' tokens).
         for (id, why) in rejected {
             self.reject(id, why);
         }
     }
 
-    /// Delivers the pending events of request `id` alone, before something else is sent to it.
-    fn deliver_pending_of(&mut self, id: u64) {
-        let Some((applied, at)) = self.undelivered.as_mut() else { return };
-        if !applied.tokens.iter().any(|t| t.request == id)
-            && !applied.finished_requests.contains(&id)
-            && !applied.prompt_logprobs.iter().any(|(r, _)| *r == id)
-        {
-            return;
-        }
-        let at = *at;
-        let (tokens, rest) = std::mem::take(&mut applied.tokens).into_iter().partition(|t| t.request == id);
-        applied.tokens = rest;
-        let (finished_requests, rest) =
-            std::mem::take(&mut applied.finished_requests).into_iter().partition(|&r| r == id);
-        applied.finished_requests = rest;
-        let (prompt_logprobs, rest) =
-            std::mem::take(&mut applied.prompt_logprobs).into_iter().partition(|(r, _)| *r == id);
-        applied.prompt_logprobs = rest;
-        self.deliver(Applied { prompt_logprobs, tokens, finished_requests, rejected: vec![] }, at);
-    }
-
-    fn deliver_undelivered(&mut self) {
-        if let Some((applied, at)) = self.undelivered.take() {
-            self.deliver(applied, at);
-        }
-    }
-
-    /// Sends a step's tokens and records their statistics, timed when the step was applied.
-    fn deliver(&mut self, applied: Applied, now: Instant) {
-        let metrics = self.links.metrics.clone();
-        let mut stats = metrics.lock();
-        for (id, entries) in applied.prompt_logprobs {
-            let client = self.clients.get(&id).expect("request has a client");
-            let _ = client.events.send(EngineEvent::PromptLogprobs { entries });
-        }
-        for t in applied.tokens {
-            let client = self.clients.get_mut(&t.request).expect("request has a client");
-            stats.generation_tokens_total += 1;
-            if client.timings.first_token.is_none() {
-                client.timings.first_token = Some(now);
-                stats.time_to_first_token.observe((now - client.timings.arrived).as_secs_f64());
-            }
-            if let Some(prev) = client.last_token[t.index].replace(now) {
-                stats.inter_token_latency.observe((now - prev).as_secs_f64());
-            }
-            client.completion_tokens[t.index] += 1;
-            match t.finish {
-                Some(FinishReason::Stop) => stats.finished_stop += 1,
-                Some(FinishReason::Length) => stats.finished_length += 1,
-                Some(FinishReason::Abort) | None => {}
-            }
-            if let Some(reason) = t.finish {
-                client.completion_ended(reason);
-            }
-            let logprobs =
-                client.wants_logprobs.then_some(TokenLogprobs { logprob: t.token.logprob, top: t.token.top_logprobs });
-            let _ = client.events.send(EngineEvent::Token {
-                index: t.index,
-                token: t.token.token,
-                logprobs,
-                finish: t.finish,
-            });
-        }
-        for id in applied.finished_requests {
-            let client = self.clients.remove(&id).expect("request has a client");
-            stats.e2e_latency.observe((now - client.timings.arrived).as_secs_f64());
-            stats.requests.record(&client.finished());
-            self.release(&client);
-        }
-    }
-
+    /// Publishes the ranks' gauges (see `gauges`).
     fn publish(&self) {
-        let mut stats = self.links.metrics.lock();
-        stats.ranks = self
-            .ranks
-            .iter()
-            .enumerate()
-            .map(|(i, s)| RankStats {
-                running: s.num_running(),
-                waiting: s.num_waiting(),
-                kv_usage: s.block_manager().usage(),
-                kv_capacity_tokens: s.block_manager().num_blocks() * s.block_manager().block_size(),
-                load_tokens: self.links.loads.get(i),
-                prefix_cache_queries: s.prefix_cache_stats().queries,
-                prefix_cache_hits: s.prefix_cache_stats().hits,
-            })
-            .collect();
-        stats.running = stats.ranks.iter().map(|r| r.running).sum();
-        stats.waiting = stats.ranks.iter().map(|r| r.waiting).sum();
-        let used: f64 = stats.ranks.iter().map(|r| r.kv_usage * r.kv_capacity_tokens as f64).sum();
-        stats.kv_usage = used / stats.kv_capacity_tokens.max(1) as f64;
-        stats.preemptions_total = self.ranks.iter().map(Scheduler::preemptions).sum();
-        stats.prefix_cache_queries = self.ranks.iter().map(|s| s.prefix_cache_stats().queries).sum();
-        stats.prefix_cache_hits = self.ranks.iter().map(|s| s.prefix_cache_stats().hits).sum();
-        stats.structured_masks = self.masks;
+        gauges::publish(&self.links.metrics, &self.ranks, &self.links.loads, self.masks);
     }
 }

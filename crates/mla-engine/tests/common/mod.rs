@@ -383,20 +383,7 @@ pub fn request(
     seed: Option<u64>,
     max_tokens: usize,
 ) -> mla_engine::GenerateRequest {
-    mla_engine::GenerateRequest {
-        prompt_tokens: prompt,
-        n: 1,
-        sampling,
-        seed,
-        max_tokens,
-        stop_token_ids: vec![],
-        logprobs: None,
-        prompt_logprobs: None,
-        owner: None,
-        logit_bias: Vec::new(),
-        min_tokens: 0,
-        constraint: None,
-    }
+    mla_engine::GenerateRequest { seed, ..mla_engine::GenerateRequest::new(prompt, sampling, max_tokens) }
 }
 
 /// Distinct prompts of lengths 3, 4, ...

@@ -1,6 +1,7 @@
-//! `/v1/chat/completions`: request fields, the response and its stream chunks.
+//! `/v1/chat/completions`: request fields, the response, and the choices of its stream chunks
+//! (the chunk around them is `common::StreamChunk`).
 
-use super::common::{PromptLogprobsWire, StopReason, Usage, UsageField};
+use super::common::{PromptLogprobsWire, StopReason, Usage};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -150,22 +151,6 @@ pub struct ChatTopLogprob {
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChunkChoice>,
-    /// Present (as `null` until the last chunk) only when `stream_options.include_usage` is set,
-    /// as OpenAI does.
-    #[serde(skip_serializing_if = "UsageField::is_absent")]
-    pub usage: UsageField,
-    /// With `return_token_ids`: on the first chunk.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize)]

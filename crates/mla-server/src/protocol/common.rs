@@ -1,4 +1,5 @@
-//! Fields shared by `/v1/chat/completions` and `/v1/completions`, and the `usage` object.
+//! Fields shared by `/v1/chat/completions` and `/v1/completions`, the `usage` object, and the
+//! stream chunk both send.
 
 use serde::{Deserialize, Serialize};
 
@@ -161,6 +162,25 @@ impl Usage {
             prompt_cache_miss_tokens: prompt_tokens.saturating_sub(cached_tokens),
         }
     }
+}
+
+/// One chunk of a streamed chat or completion response: the envelope the two endpoints share
+/// around their own choices (`ChatChunkChoice`, `CompletionChunkChoice`).
+#[derive(Debug, Clone, Serialize)]
+pub struct StreamChunk<C> {
+    pub id: String,
+    /// `chat.completion.chunk` or `text_completion`.
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<C>,
+    /// Present (as `null` until the last chunk) only when `stream_options.include_usage` is set,
+    /// as OpenAI does.
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    pub usage: UsageField,
+    /// Chat with `return_token_ids`: on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 /// The three states of a chunk's `usage`: absent, `null`, or the counts.

@@ -1,6 +1,7 @@
-//! `/v1/completions`: request fields, the response and its stream chunks.
+//! `/v1/completions`: request fields, the response, and the choices of its stream chunks (the
+//! chunk around them is `common::StreamChunk`).
 
-use super::common::{PromptLogprobsWire, StopReason, TopLogprobsWire, Usage, UsageField};
+use super::common::{PromptLogprobsWire, StopReason, TopLogprobsWire, Usage};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::sync::Arc;
@@ -92,15 +93,4 @@ pub struct CompletionLogprobs {
     pub token_logprobs: Vec<Option<f32>>,
     pub top_logprobs: Vec<Option<TopLogprobsWire>>,
     pub text_offset: Vec<usize>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct CompletionChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<CompletionChunkChoice>,
-    #[serde(skip_serializing_if = "UsageField::is_absent")]
-    pub usage: UsageField,
 }

@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions`.
 
 use super::chat_parsed::{self, ReasoningReport, StreamedChoice};
-use super::output::{self, CollectedChoice, StreamFormat, UsageReporting};
+use super::output::{self, CollectedChoice, Meta, StreamFormat, UsageReporting};
 use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
@@ -12,8 +12,7 @@ use crate::protocol::chat::*;
 use crate::protocol::common::{SamplingWire, UnsupportedWire, Usage, UsageField};
 use crate::protocol::extensions::{ChatExtensionsWire, ExtensionsWire, RefusedExtensionsWire};
 use crate::protocol::ignored_fields::{field_names, log_ignored};
-use crate::protocol::{parse_fields, response_id, unix_now};
-use crate::sse;
+use crate::protocol::parse_fields;
 use crate::state::{blocking, stop_matcher, AppState};
 use crate::structured::{self, wire::Requested, Author, StructuredOutput};
 use crate::validate::chat_options::chat_prompt_options;
@@ -102,7 +101,7 @@ pub async fn handle(
     }
     let mut generation = state.start_generation(vec![request], &params, stop)?;
 
-    let meta = Meta { id: response_id("chatcmpl"), created: unix_now(), model: state.model_name.clone() };
+    let meta = Meta::new("chatcmpl", state.model_name.clone());
     access.describe(&meta.id, params.stream);
     generation.report_to(access);
     // Logprobs would spell out the reasoning left out of the answer (vLLM drops them too).
@@ -130,12 +129,6 @@ pub async fn handle(
         prompt_token_ids: prompt_ids,
     };
     Ok(Json(body).into_response())
-}
-
-struct Meta {
-    id: String,
-    created: u64,
-    model: String,
 }
 
 /// vLLM's chat `echo`: the final message's content when the reply continues it (it is the
@@ -274,16 +267,8 @@ struct ChatStream {
 
 impl ChatStream {
     fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> Bytes {
-        let usage = usage.in_stream(self.include_usage);
-        sse::data_event(&ChatChunk {
-            id: self.meta.id.clone(),
-            object: "chat.completion.chunk",
-            created: self.meta.created,
-            model: self.meta.model.clone(),
-            choices,
-            usage,
-            prompt_token_ids: self.prompt_ids.take(),
-        })
+        let prompt_ids = self.prompt_ids.take();
+        self.meta.chunk("chat.completion.chunk", choices, usage, self.include_usage, prompt_ids)
     }
 }
 

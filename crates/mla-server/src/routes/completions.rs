@@ -1,6 +1,6 @@
 //! `POST /v1/completions`.
 
-use super::output::{self, CollectedChoice, StreamFormat, UsageReporting};
+use super::output::{self, CollectedChoice, Meta, StreamFormat, UsageReporting};
 use crate::access_log::AccessRecord;
 use crate::error::ApiError;
 use crate::extract::JsonObject;
@@ -10,8 +10,7 @@ use crate::protocol::common::{PromptLogprobsWire, SamplingWire, TopLogprobsWire,
 use crate::protocol::completions::*;
 use crate::protocol::extensions::{ExtensionsWire, RefusedExtensionsWire};
 use crate::protocol::ignored_fields::{field_names, log_ignored};
-use crate::protocol::{parse_fields, response_id, unix_now};
-use crate::sse;
+use crate::protocol::parse_fields;
 use crate::state::{blocking, stop_matcher, AppState};
 use crate::structured;
 use crate::text::TextPipeline;
@@ -136,7 +135,7 @@ pub async fn handle(
     let num_prompts = requests.len();
     let mut generation = state.start_generation(requests, &params, stop)?;
 
-    let meta = Meta { id: response_id("cmpl"), created: unix_now(), model: state.model_name.clone() };
+    let meta = Meta::new("cmpl", state.model_name.clone());
     access.describe(&meta.id, params.stream);
     generation.report_to(access);
     let mut shape = Shape {
@@ -326,12 +325,6 @@ fn explain_prompt_error(e: ApiError, body: &Value) -> ApiError {
     }
 }
 
-struct Meta {
-    id: String,
-    created: u64,
-    model: String,
-}
-
 /// The legacy parallel-list form: the prompt's entries (with `echo`), then the generated
 /// tokens, whose alternatives include the token itself as OpenAI's do, in vLLM's order: the
 /// token itself first, then by rank. `offset` is advanced past the tokens (character offsets
@@ -380,15 +373,7 @@ struct CompletionStream {
 
 impl CompletionStream {
     fn chunk(&self, choices: Vec<CompletionChunkChoice>, usage: UsageField) -> Bytes {
-        let usage = usage.in_stream(self.include_usage);
-        sse::data_event(&CompletionChunk {
-            id: self.meta.id.clone(),
-            object: "text_completion",
-            created: self.meta.created,
-            model: self.meta.model.clone(),
-            choices,
-            usage,
-        })
+        self.meta.chunk("text_completion", choices, usage, self.include_usage, None)
     }
 
     fn usage_so_far(&self, usage: Option<Usage>) -> UsageField {

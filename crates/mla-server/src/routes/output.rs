@@ -3,11 +3,13 @@
 
 use crate::error::ApiError;
 use crate::generate::{ChoiceUpdate, Generation, TokenLogprob};
-use crate::protocol::common::{StopReason, Usage};
+use crate::protocol::common::{StopReason, StreamChunk, Usage, UsageField};
+use crate::protocol::{response_id, unix_now};
 use crate::sse;
 use axum::body::Bytes;
 use axum::response::Response;
 use mla_engine::{FinishReason, PromptTokenLogprob};
+use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -46,6 +48,42 @@ pub async fn collect(mut generation: Generation) -> Result<(Vec<CollectedChoice>
         }
     }
     Ok((choices, generation.usage()))
+}
+
+/// Who a response is: its id, when it was created and the model's name, the same on the whole
+/// response and on every chunk of its stream.
+pub struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Meta {
+    /// A new response, its id `prefix-` and random hex.
+    pub fn new(prefix: &str, model: String) -> Self {
+        Meta { id: response_id(prefix), created: unix_now(), model }
+    }
+
+    /// One stream chunk of this response, of kind `object`, as an SSE event; `usage` as
+    /// `UsageField::in_stream` sends it.
+    pub fn chunk<C: Serialize>(
+        &self,
+        object: &'static str,
+        choices: Vec<C>,
+        usage: UsageField,
+        include_usage: bool,
+        prompt_token_ids: Option<Vec<u32>>,
+    ) -> Bytes {
+        sse::data_event(&StreamChunk {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: usage.in_stream(include_usage),
+            prompt_token_ids,
+        })
+    }
 }
 
 /// The chunk shapes of one endpoint's stream. `usage` is the usage so far, given only when the

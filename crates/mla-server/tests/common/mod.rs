@@ -26,7 +26,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tower::ServiceExt;
 
 pub fn workspace_root() -> PathBuf {
@@ -276,4 +276,24 @@ impl TestServer {
     pub fn script_text(&self, k: usize) -> String {
         demo_tokenizer().decode(&self.script[..k], true).unwrap()
     }
+}
+
+/// Waits until nothing runs, waits or holds cache blocks: every request has been counted.
+pub async fn wait_idle(s: &TestServer) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let st = s.engine.stats();
+        if st.running + st.waiting == 0 && st.kv_usage == 0.0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{st:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A chat request from the user saying `content`, with the fields of `extra` added.
+pub fn chat(content: &str, extra: Value) -> Value {
+    let mut body = serde_json::json!({"model": "demo", "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
 }
