@@ -4,8 +4,6 @@
 
 use crate::collective::NcclConnector;
 use crate::device::Device;
-use crate::gpu::nccl::NcclComm;
-use crate::gpu::DeviceBuffer;
 use crate::model::memory_plan::DEFAULT_KV_GOAL_TOKENS;
 use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, ModelOptions, RankLink};
 use crate::ops::PAGE_SIZE;
@@ -170,10 +168,8 @@ pub fn start_worker(
             j.host.all_gather(Tag::new("device ready", 0), &[1.0], &vec![1; here])?;
             let comm =
                 j.connector.connect(rank, world).with_context(|| format!("connecting rank {rank} of {world}"))?;
-            // NCCL sets up its buffers at a communicator's first collectives: run each kind once
-            // now, so the memory they take is gone before the KV cache is sized.
-            warm_up(&dev, &comm).with_context(|| format!("first collectives of rank {rank} of {world}"))?;
-            let link = if j.layout.dp_attention { RankLink::DpAttention(comm) } else { RankLink::TensorParallel(comm) };
+            let link = RankLink::joined(&dev, comm, j.layout.dp_attention)
+                .with_context(|| format!("first collectives of rank {rank} of {world}"))?;
             (j.layout, link)
         }
     };
@@ -257,21 +253,6 @@ fn graph_sizes_within(mut sizes: Vec<usize>, max: usize) -> Vec<usize> {
         sizes.push(max);
     }
     sizes
-}
-
-/// One small collective of each kind the forward pass issues, waited for.
-fn warm_up(dev: &Device, comm: &NcclComm) -> anyhow::Result<()> {
-    let world = comm.world();
-    // Separate input and output buffers: NCCL's in-place forms need rank-dependent offsets.
-    let (f_all, f_one) = (DeviceBuffer::<f32>::alloc_zeroed(world * 256)?, DeviceBuffer::<f32>::alloc_zeroed(256)?);
-    let (b_all, b_one) =
-        (DeviceBuffer::<half::bf16>::alloc_zeroed(world * 256)?, DeviceBuffer::<half::bf16>::alloc_zeroed(256)?);
-    let s = dev.stream();
-    comm.all_reduce_sum_f32(f_one.slice(), s)?;
-    comm.all_gather_bf16(b_one.slice(), b_all.slice(), s)?;
-    comm.reduce_scatter_sum_f32(f_all.slice(), f_one.slice(), s)?;
-    dev.gpu.sync()?;
-    Ok(())
 }
 
 #[cfg(test)]

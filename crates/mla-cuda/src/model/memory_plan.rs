@@ -18,8 +18,6 @@ use super::small_linear::SmallLinear;
 use super::weights::Fp8Share;
 use super::workspace::{Limits, Workspace};
 use crate::device::Device;
-use crate::gpu::nccl::NcclComm;
-use crate::gpu::DeviceBuffer;
 use crate::ops::PAGE_SIZE;
 use mla_core::{ModelConfig, StepLimits};
 
@@ -150,27 +148,23 @@ pub fn plan(dev: &Device, p: PlanInputs) -> anyhow::Result<MemoryPlan> {
             }
         }
     };
-    if let Some(comm) = p.link.comm() {
-        // The ranks gather each other's rows: they must all have the limits of the smallest
-        // budget any of them chose (they started from the same limits and halve alike).
-        let agreed = min_over_ranks(dev, comm, step_limits.rank_tokens)?;
-        if agreed < step_limits.rank_tokens {
-            drop(act);
-            while step_limits.rank_tokens > agreed {
-                step_limits = step_limits.halved().expect("a peer halved this far from the same start");
-            }
-            act = Activations::alloc(dev, &p, &step_limits)?;
+    // The ranks gather each other's rows: they must all have the limits of the smallest
+    // budget any of them chose (they started from the same limits and halve alike).
+    let agreed = p.link.min_over_ranks(dev, step_limits.rank_tokens)?;
+    if agreed < step_limits.rank_tokens {
+        drop(act);
+        while step_limits.rank_tokens > agreed {
+            step_limits = step_limits.halved().expect("a peer halved this far from the same start");
         }
+        act = Activations::alloc(dev, &p, &step_limits)?;
     }
     // The collectives' buffers come last; the cache is sized from what is left after them.
     let (hidden, goal) = (p.cfg.hidden_size, p.kv_goal_tokens);
     let (weight_bytes, utilization, fixed) = (p.weight_bytes, p.gpu_memory_utilization, p.num_blocks);
     let asked = p.step_limits;
     let mode = RankMode::new(p.link, &act.limits, hidden)?;
-    let mut blocks = fixed.unwrap_or_else(|| dev.gpu.mem_info().map_or(0, |(f, _)| blocks_left(f)));
-    if let Some(comm) = mode.comm() {
-        blocks = min_over_ranks(dev, comm, blocks)?;
-    }
+    let blocks = fixed.unwrap_or_else(|| dev.gpu.mem_info().map_or(0, |(f, _)| blocks_left(f)));
+    let blocks = mode.min_over_ranks(dev, blocks)?;
     let (free1, _) = dev.gpu.mem_info()?;
     let activation_bytes = free0.saturating_sub(free1);
     anyhow::ensure!(
@@ -192,15 +186,6 @@ pub fn plan(dev: &Device, p: PlanInputs) -> anyhow::Result<MemoryPlan> {
         );
     }
     Ok(MemoryPlan { activations: act, mode, step_limits, activation_bytes, num_blocks: blocks })
-}
-
-/// The smallest `value` over the group's ranks (an NCCL min all-reduce).
-fn min_over_ranks(dev: &Device, comm: &NcclComm, value: usize) -> anyhow::Result<usize> {
-    // f32 holds the counts exactly (up to 2^24: blocks and token budgets are far below).
-    let buf = DeviceBuffer::from_host(&[value as f32])?;
-    comm.all_reduce_min_f32(buf.slice(), dev.stream())?;
-    dev.gpu.sync()?;
-    Ok(buf.download()?[0] as usize)
 }
 
 fn gib(b: usize) -> f64 {

@@ -12,6 +12,10 @@
 //! Every rank of a group issues the same collectives in the same order with the same sizes,
 //! idle DP-attention ranks included (`CudaModel::queue_idle`): a rank that skipped one would
 //! leave the others waiting in it.
+//!
+//! This is the only module of the CUDA backend that calls a collective: the step's, and at
+//! start the first collectives of a new communicator (`RankLink::joined`) and the agreements
+//! on the step budget and the KV cache size (`min_over_ranks`).
 
 use super::workspace::Limits;
 use crate::device::Device;
@@ -29,6 +33,19 @@ pub enum RankLink {
 }
 
 impl RankLink {
+    /// The link of a rank that joined a group over `comm`. NCCL sets up its buffers at a
+    /// communicator's first collectives: each kind runs once here, so the memory they take is
+    /// gone before the memory plan sizes the KV cache.
+    pub fn joined(dev: &Device, comm: NcclComm, dp_attention: bool) -> anyhow::Result<RankLink> {
+        warm_up(dev, &comm)?;
+        Ok(if dp_attention { RankLink::DpAttention(comm) } else { RankLink::TensorParallel(comm) })
+    }
+
+    /// The smallest `value` over the group's ranks (`value` itself on one device).
+    pub fn min_over_ranks(&self, dev: &Device, value: usize) -> anyhow::Result<usize> {
+        self.comm().map_or(Ok(value), |comm| min_over(dev, comm, value))
+    }
+
     pub fn comm(&self) -> Option<&NcclComm> {
         match self {
             RankLink::Single => None,
@@ -109,6 +126,11 @@ impl RankMode {
                 ffn_f32: DeviceBuffer::alloc(t * hidden)?,
             }),
         })
+    }
+
+    /// The smallest `value` over the group's ranks (`value` itself on one device).
+    pub fn min_over_ranks(&self, dev: &Device, value: usize) -> anyhow::Result<usize> {
+        self.comm().map_or(Ok(value), |comm| min_over(dev, comm, value))
     }
 
     pub fn comm(&self) -> Option<&NcclComm> {
@@ -208,4 +230,27 @@ impl DpAttention {
         }
         Ok(NormDelta::F32(ffn_f32))
     }
+}
+
+/// The smallest `value` over the ranks of `comm` (an NCCL min all-reduce, waited for).
+fn min_over(dev: &Device, comm: &NcclComm, value: usize) -> anyhow::Result<usize> {
+    // f32 holds the counts exactly (up to 2^24: blocks and token budgets are far below).
+    let buf = DeviceBuffer::from_host(&[value as f32])?;
+    comm.all_reduce_min_f32(buf.slice(), dev.stream())?;
+    dev.gpu.sync()?;
+    Ok(buf.download()?[0] as usize)
+}
+
+/// One small collective of each kind the forward pass issues, waited for.
+fn warm_up(dev: &Device, comm: &NcclComm) -> anyhow::Result<()> {
+    let world = comm.world();
+    // Separate input and output buffers: NCCL's in-place forms need rank-dependent offsets.
+    let (f_all, f_one) = (DeviceBuffer::<f32>::alloc_zeroed(world * 256)?, DeviceBuffer::<f32>::alloc_zeroed(256)?);
+    let (b_all, b_one) = (DeviceBuffer::<bf16>::alloc_zeroed(world * 256)?, DeviceBuffer::<bf16>::alloc_zeroed(256)?);
+    let s = dev.stream();
+    comm.all_reduce_sum_f32(f_one.slice(), s)?;
+    comm.all_gather_bf16(b_one.slice(), b_all.slice(), s)?;
+    comm.reduce_scatter_sum_f32(f_all.slice(), f_one.slice(), s)?;
+    dev.gpu.sync()?;
+    Ok(())
 }
