@@ -35,7 +35,7 @@ pub struct RouterConfig {
     /// The balance rule of `RouterPolicy::Prefix`: the rank holding the longest cached prefix
     /// is passed over for the least-loaded rank when its load (tokens its requests may hold)
     /// exceeds that rank's by more than `balance_abs_tokens` and is more than `balance_rel`
-    /// times it. `None`: `max_num_batched_tokens`, one step's tokens.
+    /// times it. `None`: 32,768 tokens (measured, see the router).
     pub balance_abs_tokens: Option<u64>,
     pub balance_rel: f64,
 }

@@ -102,13 +102,7 @@ impl Engine {
             all().all(|l| l.block_size == layouts[0][0].block_size),
             "the ranks' KV cache blocks differ in size"
         );
-        let (router, caches) = Router::new(
-            &cfg.router,
-            cfg.prefix_caching,
-            all().count(),
-            layouts[0][0].block_size,
-            cfg.max_num_batched_tokens,
-        )?;
+        let (router, caches) = Router::new(&cfg.router, cfg.prefix_caching, all().count(), layouts[0][0].block_size)?;
         let mut caches = caches.into_iter();
         let mut replicas = Vec::with_capacity(backends.len());
         for ((i, backend), layouts) in backends.into_iter().enumerate().zip(layouts) {

@@ -19,7 +19,7 @@ pub struct RoutingArgs {
     /// Balance rule of the prefix policy: the rank holding the prefix is passed over for the
     /// least-loaded rank when its work exceeds that rank's by more than TOKENS (tokens the
     /// requests may hold) and by more than --router-balance-rel-threshold times. Default:
-    /// --max-num-batched-tokens, one step's tokens.
+    /// 32768.
     #[arg(long, value_name = "TOKENS")]
     pub router_balance_abs_threshold: Option<u64>,
 

@@ -134,15 +134,13 @@ pub(crate) struct Routed {
 }
 
 impl Router {
-    /// A router over `ranks` attention ranks with caches of `block_size`-token blocks, each
-    /// rank feeding at most `step_tokens` tokens a step, and for each rank what its scheduler
-    /// needs (none under the least-loaded policy).
+    /// A router over `ranks` attention ranks with caches of `block_size`-token blocks, and for
+    /// each rank what its scheduler needs (none under the least-loaded policy).
     pub fn new(
         cfg: &RouterConfig,
         prefix_caching: bool,
         ranks: usize,
         block_size: usize,
-        step_tokens: usize,
     ) -> anyhow::Result<(Router, Vec<Option<RankCache>>)> {
         let counters = Counters::default();
         if cfg.policy == RouterPolicy::LeastLoaded || ranks == 1 {
@@ -160,15 +158,10 @@ impl Router {
             "the router's relative balance threshold must be at least 1, got {}",
             cfg.balance_rel
         );
-        // The absolute gap defaults to one step's tokens (--max-num-batched-tokens): sending a
-        // request away from its prefix costs recomputing that prefix, at most a few steps of
-        // prefill once, after which both ranks hold it and tie; a rank carrying more than a
-        // step's worth of work beyond another keeps delaying all of its requests. An eighth of
-        // the KV cache (the first default) let one hot prefix pile every request of a
-        // shared-prefix load onto one of two H100s (150k tokens of work on one, none on the
-        // other, never balanced): 0.86x least-loaded's throughput.
-        let rule =
-            BalanceRule { abs_tokens: cfg.balance_abs_tokens.unwrap_or(step_tokens as u64), rel: cfg.balance_rel };
+        let rule = BalanceRule {
+            abs_tokens: cfg.balance_abs_tokens.unwrap_or(DEFAULT_BALANCE_ABS_TOKENS),
+            rel: cfg.balance_rel,
+        };
         tracing::info!(
             "routing over {ranks} attention ranks: to the longest cached prefix, or to the least loaded when the \
              prefix's rank carries over {} tokens more work and over {}x as much",
@@ -215,6 +208,18 @@ impl Router {
         }
     }
 }
+
+/// The balance rule's absolute gap when none is given, in tokens of work. Measured on four
+/// H100s (V2-Lite shape, --max-num-batched-tokens 8192, DP attention and --dp 4; run X9 of
+/// 2026-11-27): 64 chats of 8 turns with 2 s between turns found 0.667 of their prompts cached
+/// at a gap of 8,192 tokens, 0.734 at 16,384, 0.794 (all there is, one GPU's rate) at 32,768
+/// and 65,536, because at light load one rank easily carries 1.5x another's work and the rule
+/// sent turns away from their history; a single shared 2,000-token prefix (500 requests at
+/// concurrency 64) lost throughput as the gap grew (7,706, 7,545, 7,428 tok/s at 16k, 32k,
+/// 64k), because the prefix's rank takes that much work before another computes the prefix
+/// too. 32,768 keeps every turn's history and costs a hot prefix about 2-4%. An eighth of the
+/// KV cache (the first default, 150k tokens there) never balanced at all.
+const DEFAULT_BALANCE_ABS_TOKENS: u64 = 32_768;
 
 /// The loads of every rank of every replica, in rank order (`None` for a replica that stopped).
 pub(crate) fn live_loads<'a>(replicas: impl Iterator<Item = (&'a RankLoads, bool)>) -> Vec<Option<u64>> {
