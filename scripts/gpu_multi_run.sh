@@ -134,6 +134,13 @@ idle_seconds="${MLA_IDLE_SECONDS:-600}"
 router_shared="${MLA_ROUTER_SHARED_PROMPTS:-1000}"
 router_random="${MLA_ROUTER_RANDOM_PROMPTS:-1024}"
 router_turn_delay="${MLA_ROUTER_TURN_DELAY:-2}"
+# A sweep of the prefix policy: extra server flags (e.g. the balance thresholds), and which
+# modes, policies and workloads run (one GPU's baseline unless MLA_ROUTER_SINGLE=0).
+router_flags="${MLA_ROUTER_FLAGS:-}"
+router_modes="${MLA_ROUTER_MODES:-replicas dpa}"
+router_policies="${MLA_ROUTER_POLICIES:-prefix least-loaded}"
+router_benches="${MLA_ROUTER_BENCHES:-multiturn shared random}"
+router_single="${MLA_ROUTER_SINGLE:-1}"
 soak_seconds="${MLA_SOAK_SECONDS:-1800}"
 limit_of() {
   local var="MLA_RUN_TIMEOUT_$(echo "$1" | tr 'a-z-' 'A-Z_')" default=300
@@ -391,13 +398,21 @@ router_bench() {
 # The three workloads of the router stage, against the server of one mode and policy.
 router_workloads() {
   local tag=$1 rc=0
-  router_bench "$tag-multiturn" --dataset multi-turn --num-prompts 64 --num-turns 8 --input-len 512 \
-    --output-len 128 --max-concurrency 64 --turn-delay "$router_turn_delay" || rc=1
+  wants() { [[ " $router_benches " == *" $1 "* ]]; }
+  if wants multiturn; then
+    router_bench "$tag-multiturn" --dataset multi-turn --num-prompts 64 --num-turns 8 --input-len 512 \
+      --output-len 128 --max-concurrency 64 --turn-delay "$router_turn_delay" || rc=1
+  fi
   [[ "$tag" == *single* ]] && return $rc
-  router_bench "$tag-shared" --dataset-name prefix_repetition --num-prompts "$router_shared" \
-    --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 200 --prefix-repetition-num-prefixes 1 \
-    --output-len 128 --max-concurrency 64 || rc=1
-  router_bench "$tag-random" --input-len 1024 --output-len 256 --num-prompts "$router_random" --max-concurrency 256 || rc=1
+  if wants shared; then
+    router_bench "$tag-shared" --dataset-name prefix_repetition --num-prompts "$router_shared" \
+      --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 200 --prefix-repetition-num-prefixes 1 \
+      --output-len 128 --max-concurrency 64 || rc=1
+  fi
+  if wants random; then
+    router_bench "$tag-random" --input-len 1024 --output-len 256 --num-prompts "$router_random" \
+      --max-concurrency 256 || rc=1
+  fi
   return $rc
 }
 
@@ -405,13 +420,17 @@ stage_router() {
   ((gpus >= 2)) || { echo "  needs 2 or more GPUs"; return 0; }
   local mode policy rc=0
   # One GPU of this machine: the hit rate the layouts are held to.
-  CUDA_VISIBLE_DEVICES=0 v2lite_server "$out/router-single.server.log" || return 1
-  router_workloads router-single || rc=1
-  server_stop || rc=1
-  for mode in replicas dpa; do
-    for policy in prefix least-loaded; do
-      # shellcheck disable=SC2046
-      v2lite_server "$out/router-$mode-$policy.server.log" $(flags_of "$mode") --router-policy "$policy" ||
+  if ((router_single)); then
+    CUDA_VISIBLE_DEVICES=0 v2lite_server "$out/router-single.server.log" || return 1
+    router_workloads router-single || rc=1
+    server_stop || rc=1
+  fi
+  for mode in $router_modes; do
+    for policy in $router_policies; do
+      local extra=""
+      [[ "$policy" == prefix ]] && extra="$router_flags"
+      # shellcheck disable=SC2046,SC2086
+      v2lite_server "$out/router-$mode-$policy.server.log" $(flags_of "$mode") --router-policy "$policy" $extra ||
         { rc=1; continue; }
       ((dry)) || grep -E 'routing over' "$out/router-$mode-$policy.server.log" | cut -c1-220 | sed 's/^/  /'
       router_workloads "router-$mode-$policy" || rc=1
@@ -419,6 +438,9 @@ stage_router() {
     done
   done
   ((dry)) && { echo "  + scripts/router_compare.py $out"; return $rc; }
+  # A partial sweep has nothing to compare against; its JSON files are the result.
+  [[ "$router_modes $router_policies $router_benches $router_single" == "replicas dpa prefix least-loaded multiturn shared random 1" ]] ||
+    return $rc
   python3 scripts/router_compare.py "$out" | tee "$out/router-summary.log" || rc=1
   return $rc
 }
