@@ -122,6 +122,25 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0():
     assert server.proc.wait(timeout=60) == 0
 
 
+def test_idle_keep_alive_connections_do_not_hold_shutdown():
+    # Pooled clients (the openai SDK, requests.Session) keep idle connections open; closing one
+    # at shutdown used to wait the whole 5 s lingering close for the client to hang up.
+    server = Server()
+    idle = []
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200"), "the connection is served and kept alive"
+        idle.append(s)
+    signalled = time.perf_counter()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    took = time.perf_counter() - signalled
+    for s in idle:
+        s.close()
+    assert took < 2.5, f"shutdown took {took:.1f} s with idle keep-alive connections open"
+
+
 def test_sigint_aborts_what_does_not_finish_in_time():
     server = Server("--max-model-len", "4096", "--shutdown-timeout", "0.5")
     client = server.client()

@@ -54,6 +54,11 @@ const MAX_REFUSING: usize = 256;
 /// closes its side ends it at once), and how long a refused one gets to take its 503. Long
 /// enough for a client still uploading a refused body of tens of MB to reach its read.
 const LINGER: Duration = Duration::from_secs(5);
+/// A lingering close ends once the client has sent nothing for this long: a client still
+/// uploading a refused body sends more well within it, while an idle keep-alive connection (a
+/// pooled client's, closed by shutdown) sends nothing and used to hold shutdown for all of
+/// `LINGER`.
+const LINGER_QUIET: Duration = Duration::from_millis(500);
 /// Request line and headers together (431 above it): generous for any client, and a bound on
 /// what a connection buffers before its request is even routed.
 const MAX_HEADER_BYTES: usize = 64 << 10;
@@ -176,12 +181,18 @@ async fn serve_connection(
 /// Closes a connection without resetting it: closing a socket that still has unread data (the
 /// rest of a body refused with 413, a request the client pipelined) sends a reset, which can
 /// destroy the answer before the client reads it. So the sending side is shut first and what
-/// the client still sends is drained for a moment, as nginx's lingering close does.
+/// the client still sends is drained for a moment, as nginx's lingering close does (its
+/// `lingering_timeout` is our `LINGER_QUIET`, its `lingering_time` our `LINGER`).
 async fn linger(mut stream: TcpStream) {
     let drain = async {
         stream.shutdown().await?;
         let mut sink = [0u8; 4096];
-        while stream.read(&mut sink).await? > 0 {}
+        // Until the client closes its side, goes quiet, or `LINGER` is over.
+        while let Ok(read) = tokio::time::timeout(LINGER_QUIET, stream.read(&mut sink)).await {
+            if read? == 0 {
+                break;
+            }
+        }
         std::io::Result::Ok(())
     };
     let _ = tokio::time::timeout(LINGER, drain).await;
