@@ -88,6 +88,22 @@ async def measure_during(base: str, model: str, probe, min_seconds: float = 2.0)
 # ---- the probes -----------------------------------------------------------------------------
 
 
+# Normal traffic's median may be at most LATENCY_FACTOR x unloaded + LATENCY_SLACK_MS while a
+# hostile probe runs (test_hostile_load.py, test_hostile_requests.py): the slack is for a 2-core
+# CI machine where the test client itself competes for the CPU.
+LATENCY_FACTOR = 3.0
+LATENCY_SLACK_MS = 100.0
+
+
+def assert_unaffected(baseline: dict, loaded: dict, what: str):
+    """Normal traffic measured by `measure_during` beside a probe: none failed, /health answered
+    200, and its median within the bound above of the unloaded `baseline`."""
+    assert not loaded["failed"], f"{what}: normal requests failed: {loaded['failed']}"
+    assert not loaded["health_not_200"], f"{what}: /health answered {loaded['health_not_200']}"
+    bound = LATENCY_FACTOR * baseline["p50_ms"] + LATENCY_SLACK_MS
+    assert loaded["p50_ms"] <= bound, f"{what}: median {loaded['p50_ms']:.0f} ms > {bound:.0f} ms"
+
+
 async def timed_post(client: httpx.AsyncClient, path: str, **kw) -> dict:
     t = time.perf_counter()
     try:

@@ -98,13 +98,7 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Reads and validates `config.json` (or any file in that format).
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let name = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            source_name: name.clone(),
-            field: "<file>".into(),
-            message: format!("cannot read: {e}"),
-        })?;
-        Self::from_json_str(&text, &name)
+        Self::from_file_with_overrides(path, &Map::new())
     }
 
     /// Parses config JSON; `source_name` appears in every error (a path or a preset name).
