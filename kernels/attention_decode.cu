@@ -7,6 +7,7 @@
 // combine. Everything that varies between steps (lengths, block tables) is read from device
 // memory, so a captured CUDA graph stays valid for any contexts at the same batch size.
 #include "common.cuh"
+#include "latent_fp8.cuh"
 
 namespace {
 constexpr int DL = LATENT, DP = ROPE, D = DL + DP, PAGE = PAGE_SIZE, HT = DECODE_HEAD_TILE;
@@ -14,12 +15,14 @@ constexpr int KV_STRIDE = D + 8;  // 1168 bytes per row: conflict-free fragment 
 constexpr int P_STRIDE = PAGE + 8;
 constexpr int KSTEPS = D / 16;         // 36
 constexpr int KEY_GROUPS = PAGE / 16;  // softmax and P: warp w handles keys [16 (w % 4), +16)
+constexpr int FP8_ROW = LATENT_FP8_ROW_BYTES;
 // The dynamic shared memory of the layout below, as the Rust wrapper asks for it (dims.cuh).
-constexpr int smem_bytes(int nwarps) {
-    return (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * nwarps * HT * 4 +
-        nwarps * (nwarps == 4 ? 8 : 2) * 32 * 16;
+constexpr int smem_bytes(int nwarps, bool fp8) {
+    return (HT * KV_STRIDE + (fp8 ? 1 : 2) * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * nwarps * HT * 4 +
+        nwarps * (nwarps == 4 ? 8 : 2) * 32 * 16 + (fp8 ? 2 * PAGE * FP8_ROW : 0);
 }
-static_assert(smem_bytes(4) == DECODE_SMEM_BYTES_4W && smem_bytes(8) == DECODE_SMEM_BYTES_8W,
+static_assert(smem_bytes(4, false) == DECODE_SMEM_BYTES_4W && smem_bytes(8, false) == DECODE_SMEM_BYTES_8W &&
+                  smem_bytes(4, true) == DECODE_SMEM_BYTES_FP8_4W && smem_bytes(8, true) == DECODE_SMEM_BYTES_FP8_8W,
               "decode attention: dims.cuh's shared-memory sizes differ from the kernel's layout");
 }  // namespace
 
@@ -46,10 +49,15 @@ static_assert(smem_bytes(4) == DECODE_SMEM_BYTES_4W && smem_bytes(8) == DECODE_S
 // Dynamic shared memory (the Rust wrapper computes the same): Q tile + two KV pages + P tile,
 // row max/sum scratch, the partial-S exchange:
 // (HT * KV_STRIDE + 2 * PAGE * KV_STRIDE + HT * P_STRIDE) * 2 + 2 * NWARPS * HT * 4 + NWARPS * (NWARPS == 4 ? 8 : 2) * 32 * 16
-template <int NWARPS>
+//
+// FP8 cache (FP8 = true; latent_fp8.cuh): the pages' raw rows (592 bytes, half the bytes from
+// DRAM) are double-buffered by cp.async into two staging pages at the end of shared memory, and
+// each page is dequantized (exactly) into the one bf16 page the MMAs read, so everything after
+// that is the bf16 kernel's arithmetic: on the same values both give the same bits.
+template <int NWARPS, bool FP8>
 __device__ __forceinline__ void decode_attention_body(
     const bf16* __restrict__ q, int q_stride,  // [B, H, 576]: q_lat (W_UK^T q_nope) | q_pe (roped)
-    const bf16* __restrict__ cache,            // [blocks * 64, 576]
+    const void* __restrict__ cache_raw,        // [blocks * 64] rows of 576 bf16 or FP8 rows
     const int* __restrict__ block_tables,      // [B, *bt_stride]
     const int* __restrict__ bt_stride_ptr,     // row stride of block_tables (device scalar)
     const int* __restrict__ seq_lens,          // [B] keys per request, the fed token included
@@ -65,10 +73,13 @@ __device__ __forceinline__ void decode_attention_body(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
     bf16* KVs = Qs + HT * KV_STRIDE;
-    bf16* Ps = KVs + 2 * PAGE * KV_STRIDE;
+    bf16* Ps = KVs + (FP8 ? 1 : 2) * PAGE * KV_STRIDE;
     float* red_max = reinterpret_cast<float*>(Ps + HT * P_STRIDE);
     float* red_sum = red_max + NWARPS * HT;
     float4* s_part = reinterpret_cast<float4*>(red_sum + NWARPS * HT);  // [NWARPS][8 or 2 key tiles][32 lanes]
+    unsigned char* staging = reinterpret_cast<unsigned char*>(s_part + NWARPS * (NWARPS == 4 ? 8 : 2) * 32);
+    const bf16* cache = reinterpret_cast<const bf16*>(cache_raw);
+    const unsigned char* cache8 = reinterpret_cast<const unsigned char*>(cache_raw);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int kg = warp % KEY_GROUPS, dg = warp / KEY_GROUPS;
@@ -86,14 +97,25 @@ __device__ __forceinline__ void decode_attention_body(
         cp_async_16(Qs + r * KV_STRIDE + d, q + (size_t)b * q_stride + (size_t)(h0 + (ok ? r : 0)) * D + d, ok);
     }
     auto load_page = [&](int p, int stage) {
-        bf16* dst = KVs + stage * PAGE * KV_STRIDE;
         const size_t base = (size_t)table[p] * PAGE;
         const int valid = min(PAGE, len - p * PAGE);
+        if constexpr (FP8) {
+            // Zero-filled stale rows have zero codes and scale: zero values.
+            unsigned char* dst = staging + stage * PAGE * FP8_ROW;
 #pragma unroll 2
-        for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
-            const int r = c / (D / 8), d = (c % (D / 8)) * 8;
-            const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
-            cp_async_16(dst + r * KV_STRIDE + d, cache + (base + (ok ? r : 0)) * D + d, ok);
+            for (int c = tid; c < PAGE * (FP8_ROW / 16); c += NTHREADS) {
+                const int r = c / (FP8_ROW / 16), d = (c % (FP8_ROW / 16)) * 16;
+                const bool ok = r < valid;
+                cp_async_16(dst + r * FP8_ROW + d, cache8 + (base + (ok ? r : 0)) * FP8_ROW + d, ok);
+            }
+        } else {
+            bf16* dst = KVs + stage * PAGE * KV_STRIDE;
+#pragma unroll 2
+            for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
+                const int r = c / (D / 8), d = (c % (D / 8)) * 8;
+                const bool ok = r < valid;  // stale rows of the last page may hold anything, even NaN
+                cp_async_16(dst + r * KV_STRIDE + d, cache + (base + (ok ? r : 0)) * D + d, ok);
+            }
         }
     };
     if (p_begin < p_end) load_page(p_begin, 0);
@@ -117,7 +139,20 @@ __device__ __forceinline__ void decode_attention_body(
             cp_async_wait<0>();
         }
         __syncthreads();
-        const bf16* KV = KVs + stage * PAGE * KV_STRIDE;
+        if constexpr (FP8) {
+            // This page's staged rows to the bf16 page (the previous page's readers finished at
+            // the loop's last barrier), 8 codes per thread and step.
+            const unsigned char* src = staging + stage * PAGE * FP8_ROW;
+#pragma unroll 4
+            for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
+                const int r = c / (D / 8), j = c % (D / 8);
+                const unsigned char* row = src + r * FP8_ROW;
+                *reinterpret_cast<uint4*>(KVs + r * KV_STRIDE + j * 8) = latent_fp8x8_to_bf16(
+                    *reinterpret_cast<const uint2*>(row + j * 8), row[D + j * 8 / LATENT_FP8_GROUP]);
+            }
+            __syncthreads();
+        }
+        const bf16* KV = KVs + (FP8 ? 0 : stage * PAGE * KV_STRIDE);
 
         if (p == p_begin) {
 #pragma unroll
@@ -336,7 +371,7 @@ __device__ __forceinline__ void decode_attention_body(
 }
 
 #define MLA_DECODE_PARAMS                                                                                           \
-    const bf16 *__restrict__ q, int q_stride, const bf16 *__restrict__ cache, const int *__restrict__ block_tables, \
+    const bf16 *__restrict__ q, int q_stride, const void *__restrict__ cache, const int *__restrict__ block_tables, \
         const int *__restrict__ bt_stride_ptr, const int *__restrict__ seq_lens, int heads, float scale_log2,       \
         int num_splits, bf16 *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_lse
 #define MLA_DECODE_ARGS \
@@ -345,11 +380,20 @@ __device__ __forceinline__ void decode_attention_body(
 // The two decode attention kernels (see above), on every GPU (sm_90a cubin and compute_80 PTX).
 extern "C" __global__ void __launch_bounds__(128) mla_decode_attention_4w(MLA_DECODE_PARAMS) {
     PDL_ENTRY();
-    decode_attention_body<4>(MLA_DECODE_ARGS);
+    decode_attention_body<4, false>(MLA_DECODE_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(256) mla_decode_attention_8w(MLA_DECODE_PARAMS) {
     PDL_ENTRY();
-    decode_attention_body<8>(MLA_DECODE_ARGS);
+    decode_attention_body<8, false>(MLA_DECODE_ARGS);
+}
+// The same over an FP8 latent cache.
+extern "C" __global__ void __launch_bounds__(128) mla_decode_attention_fp8_4w(MLA_DECODE_PARAMS) {
+    PDL_ENTRY();
+    decode_attention_body<4, true>(MLA_DECODE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) mla_decode_attention_fp8_8w(MLA_DECODE_PARAMS) {
+    PDL_ENTRY();
+    decode_attention_body<8, true>(MLA_DECODE_ARGS);
 }
 
 // The merge weights of one (request, head): w[s] = 2^(lse_s - max lse) for s < 64, *total = their

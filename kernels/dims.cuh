@@ -19,6 +19,12 @@ constexpr int LATENT_ROW = LATENT + ROPE;  // one cached token of one layer: [c_
 // Tokens per block of the paged latent cache (FlashMLA's page size).
 constexpr int PAGE_SIZE = 64;
 
+// The FP8 latent cache (`--kv-cache-dtype fp8`, mla_core::model::latent_fp8): a row is the 576
+// e4m3 codes, one power-of-two scale exponent per group of 64 columns (9 bytes), zero padding to
+// a multiple of 16 bytes: 592 bytes against 1,152 in bf16.
+constexpr int LATENT_FP8_GROUP = 64;
+constexpr int LATENT_FP8_ROW_BYTES = (LATENT_ROW + LATENT_ROW / LATENT_FP8_GROUP + 15) / 16 * 16;
+
 // Threads of the query absorption fused into the rope/cache launch: one per latent column.
 constexpr int ROPE_ABSORB_THREADS = LATENT;
 
@@ -33,6 +39,12 @@ constexpr int DECODE_SMEM_BYTES_4W =
 constexpr int DECODE_SMEM_BYTES_8W =
     (DECODE_HEAD_TILE * (LATENT_ROW + 8) + 2 * PAGE_SIZE * (LATENT_ROW + 8) + DECODE_HEAD_TILE * (PAGE_SIZE + 8)) * 2 +
     2 * 8 * DECODE_HEAD_TILE * 4 + 8 * 2 * 32 * 16;
+// The FP8-cache variants add two staging pages of raw FP8 rows and keep one bf16 page (the
+// dequantized copy the MMAs read) instead of two.
+constexpr int DECODE_SMEM_BYTES_FP8_4W =
+    DECODE_SMEM_BYTES_4W - PAGE_SIZE * (LATENT_ROW + 8) * 2 + 2 * PAGE_SIZE * LATENT_FP8_ROW_BYTES;
+constexpr int DECODE_SMEM_BYTES_FP8_8W =
+    DECODE_SMEM_BYTES_8W - PAGE_SIZE * (LATENT_ROW + 8) * 2 + 2 * PAGE_SIZE * LATENT_FP8_ROW_BYTES;
 // The fused split merge + W_UV absorption of small decode steps: most tokens, output dims per block.
 constexpr int COMBINE_ABSORB_MAX_BATCH = 4;
 constexpr int COMBINE_ABSORB_DIMS = 32;

@@ -1,8 +1,10 @@
 // MLA latent-cache kernels: kv_a_layernorm + YaRN RoPE + the write of [c_kv ; k_pe] into the paged
-// cache through a slot mapping, fused with RoPE on every head's q_pe (and, for small decode steps,
-// with the query absorption). The gather of cached latents for prefill is elementwise.cu's
-// gather_rows.
+// cache through a slot mapping (bf16 rows, or the FP8 rows of latent_fp8.cuh), fused with RoPE on
+// every head's q_pe (and, for small decode steps, with the query absorption); and the gather of an
+// FP8 cache's rows as bf16 for prefill (a bf16 cache's rows go through elementwise.cu's
+// gather_rows).
 #include "common.cuh"
+#include "latent_fp8.cuh"
 
 #define ROPE_CACHE_PARAMS                                                                                              \
     const bf16 *__restrict__ kva, int kva_stride,                       /* [T, R + P]: c_kv (pre-norm) | k_pe */       \
@@ -10,18 +12,39 @@
         bf16 *__restrict__ q, int q_stride,                             /* [T, H * (nope + P)], q_pe roped in place */ \
         bf16 *__restrict__ q_pe_out, int qo_stride, int qo_head_stride, /* optional roped q_pe copy */                 \
         const int *__restrict__ positions, const int *__restrict__ slots, const float *__restrict__ inv_freq,          \
-        float attn_factor, float eps, bf16 *__restrict__ cache, /* [slots, R + P] */                                   \
-        int heads, int nope, int R, int P
+        float attn_factor, float eps, void *__restrict__ cache, /* [slots, R + P] bf16 or FP8 rows */                  \
+        int cache_fp8, int heads, int nope, int R, int P
 #define ROPE_CACHE_ARGS                                                                                       \
     kva, kva_stride, kv_norm_w, q, q_stride, q_pe_out, qo_stride, qo_head_stride, positions, slots, inv_freq, \
-        attn_factor, eps, cache, heads, nope, R, P
+        attn_factor, eps, cache, cache_fp8, heads, nope, R, P
+
+// Quantizes the row in `vals` (R + P = LATENT_ROW values, already rounded to bf16 as a bf16 cache
+// would hold them) into the FP8 row at dst, by the whole block: each warp takes groups of 64
+// columns for their amax and exponent, then every thread a share of the codes.
+DEVICE_INLINE void write_fp8_row(const float* vals, unsigned char* dst) {
+    constexpr int GROUPS = LATENT_ROW / LATENT_FP8_GROUP;
+    __shared__ int exps[GROUPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int g = warp; g < GROUPS; g += nwarps) {
+        const float* v = vals + g * LATENT_FP8_GROUP;
+        const float amax = warp_max(fmaxf(fabsf(v[lane]), fabsf(v[lane + 32])));
+        if (lane == 0) exps[g] = latent_scale_exponent(amax);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < LATENT_ROW; i += blockDim.x)
+        dst[i] = latent_fp8_code(vals[i], exps[i / LATENT_FP8_GROUP]);
+    for (int i = threadIdx.x; i < LATENT_FP8_ROW_BYTES - LATENT_ROW; i += blockDim.x)
+        dst[LATENT_ROW + i] = i < GROUPS ? (unsigned char)exps[i] : 0;
+}
 
 // Token t's kv_a_layernorm, RoPE and cache write, by the whole block. RoPE rotates consecutive
 // pairs (x[2i], x[2i+1]) by pos * inv_freq[i], with cos/sin scaled by `attn_factor`, in f32 as
-// HF's complex-multiply formulation does.
+// HF's complex-multiply formulation does. An FP8 cache (R + P == LATENT_ROW, the host checks) gets
+// the bf16 row's values quantized: the row is built in shared memory first.
 DEVICE_INLINE void rope_cache_token(const int t, ROPE_CACHE_PARAMS) {
     __shared__ float scratch[32];
     __shared__ float rot_cos[64], rot_sin[64];  // rope dim <= 128
+    __shared__ float fp8_vals[LATENT_ROW];
     const bf16* src = kva + (size_t)t * kva_stride;
     const int slot = slots[t];
     const float pos = (float)positions[t];
@@ -32,7 +55,16 @@ DEVICE_INLINE void rope_cache_token(const int t, ROPE_CACHE_PARAMS) {
         rot_cos[i] = c * attn_factor;
         rot_sin[i] = s * attn_factor;
     }
-    bf16* dst = slot >= 0 ? cache + (size_t)slot * (R + P) : nullptr;
+    const bool write = slot >= 0;
+    bf16* dst = write && !cache_fp8 ? reinterpret_cast<bf16*>(cache) + (size_t)slot * (R + P) : nullptr;
+    // Column i of the row, as the bf16 cache stores it.
+    auto put = [&](int i, float v) {
+        const bf16 b = to_bf16(v);
+        if (dst)
+            dst[i] = b;
+        else if (write)
+            fp8_vals[i] = to_f32(b);
+    };
 
     float ss = 0.f;
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
@@ -41,9 +73,7 @@ DEVICE_INLINE void rope_cache_token(const int t, ROPE_CACHE_PARAMS) {
     }
     ss = block_sum(ss, scratch);
     const float r = rsqrtf(ss / (float)R + eps);
-    if (dst)
-        for (int i = threadIdx.x; i < R; i += blockDim.x)
-            dst[i] = to_bf16(to_f32(kv_norm_w[i]) * round_bf16(to_f32(src[i]) * r));
+    for (int i = threadIdx.x; i < R; i += blockDim.x) put(i, to_f32(kv_norm_w[i]) * round_bf16(to_f32(src[i]) * r));
 
     // k_pe (shared by all heads) and every head's q_pe: (heads + 1) * half rotations. (The
     // block_sum above synchronised after the cos/sin table was written.)
@@ -52,10 +82,8 @@ DEVICE_INLINE void rope_cache_token(const int t, ROPE_CACHE_PARAMS) {
         const float c = rot_cos[i], s = rot_sin[i];
         if (h == heads) {
             const float x0 = to_f32(src[R + 2 * i]), x1 = to_f32(src[R + 2 * i + 1]);
-            if (dst) {
-                dst[R + 2 * i] = to_bf16(x0 * c - x1 * s);
-                dst[R + 2 * i + 1] = to_bf16(x0 * s + x1 * c);
-            }
+            put(R + 2 * i, x0 * c - x1 * s);
+            put(R + 2 * i + 1, x0 * s + x1 * c);
         } else {
             bf16* qp = q + (size_t)t * q_stride + (size_t)h * (nope + P) + nope;
             const float x0 = to_f32(qp[2 * i]), x1 = to_f32(qp[2 * i + 1]);
@@ -68,6 +96,10 @@ DEVICE_INLINE void rope_cache_token(const int t, ROPE_CACHE_PARAMS) {
                 o[2 * i + 1] = y1;
             }
         }
+    }
+    if (write && cache_fp8) {
+        __syncthreads();
+        write_fp8_row(fp8_vals, reinterpret_cast<unsigned char*>(cache) + (size_t)slot * LATENT_FP8_ROW_BYTES);
     }
 }
 
@@ -130,4 +162,44 @@ extern "C" __global__ void __launch_bounds__(ABSORB_THREADS)
 #pragma unroll
     for (int k = 0; k < ABSORB_WARPS; ++k) sum += part[k][threadIdx.x];
     q_abs[(size_t)t * qa_stride + (size_t)h * qa_head_stride + threadIdx.x] = to_bf16(sum);
+}
+// out[i, :] = the bf16 values of FP8 cache row idx[i] (576 of them), exactly: the prefill gather
+// of an FP8 cache. One thread per 8 codes of a row (72 per row), grid-stride.
+extern "C" __global__ void gather_latent_fp8(const unsigned char* __restrict__ cache, const int* __restrict__ idx,
+                                             bf16* __restrict__ out, int rows) {
+    PDL_ENTRY();
+    constexpr int CHUNKS = LATENT_ROW / 8;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)rows * CHUNKS;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / CHUNKS;
+        const int c = (int)(i - r * CHUNKS);
+        const unsigned char* row = cache + (size_t)idx[r] * LATENT_FP8_ROW_BYTES;
+        const uint2 codes = *reinterpret_cast<const uint2*>(row + c * 8);
+        reinterpret_cast<uint4*>(out + (size_t)r * LATENT_ROW)[c] =
+            latent_fp8x8_to_bf16(codes, row[LATENT_ROW + c * 8 / LATENT_FP8_GROUP]);
+    }
+}
+
+// Benchmarks and dummy-weight runs: `rows` valid FP8 cache rows of pseudo-random codes (NaN codes
+// replaced by zero) with every group's exponent at 120 (scale 2^-7: values within +-3.5, about
+// the spread of the N(0, 1) values a bf16 cache gets), padding zero.
+extern "C" __global__ void fill_latent_fp8_random(unsigned char* __restrict__ cache, long long rows,
+                                                  unsigned long long seed) {
+    PDL_ENTRY();
+    const long long n = rows * LATENT_FP8_ROW_BYTES;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int col = (int)(i % LATENT_FP8_ROW_BYTES);
+        unsigned char b;
+        if (col < LATENT_ROW) {
+            unsigned long long h = (unsigned long long)i * 0x9E3779B97F4A7C15ull + seed;
+            h ^= h >> 31;
+            h *= 0xBF58476D1CE4E5B9ull;
+            h ^= h >> 29;
+            b = (unsigned char)(h >> 24);
+            if ((b & 0x7f) == 0x7f) b = 0;
+        } else {
+            b = col < LATENT_ROW + LATENT_ROW / LATENT_FP8_GROUP ? 120 : 0;
+        }
+        cache[i] = b;
+    }
 }

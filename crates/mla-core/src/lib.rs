@@ -18,6 +18,7 @@ pub mod step;
 pub use model::checkpoint::Checkpoint;
 pub use model::config::{ConfigError, ModelConfig};
 pub use model::dummy::DummyWeights;
+pub use model::latent_fp8::KvCacheDtype;
 pub use model::parallel::{Parallel, RankLayout, Shard};
 pub use model::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
 pub use model::weights::{ModelSpec, Split, TensorRole, TensorSpec};

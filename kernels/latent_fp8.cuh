@@ -1,0 +1,52 @@
+// The FP8 latent cache's arithmetic on the device (the format: dims.cuh and
+// crates/mla-core/src/model/latent_fp8.rs, whose functions these must equal bit for bit): the
+// scale exponent of a group, the quantization of one value, and the exact dequantization of 8
+// codes to bf16 the decode kernel and the prefill gather read.
+#pragma once
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+// The smallest k with amax <= 448 * 2^k, as k + 127 clamped to [1, 253]: integer arithmetic on
+// the bits (amax = 1.m * 2^(E - 127); 448 = 1.75 * 2^8), as latent_fp8::scale_exponent.
+DEVICE_INLINE int latent_scale_exponent(float amax) {
+    if (!(amax > 0.f)) return 127;
+    const unsigned bits = __float_as_uint(amax);
+    const int e = (int)((bits >> 23) & 0xff) - 8 + ((bits & 0x7fffff) > 0x600000u ? 1 : 0);
+    return min(max(e, 1), 253);
+}
+
+// e4m3(v / 2^(e - 127)), round to nearest even, saturating (v / 2^(e - 127) is exact).
+DEVICE_INLINE unsigned char latent_fp8_code(float v, int e) {
+    const float inv = __uint_as_float((unsigned)(254 - e) << 23);
+    return (unsigned char)__nv_cvt_float_to_fp8(v * inv, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Two e4m3 codes (bytes 0 and 1 of the low 16-bit halves of x) as the bf16x2 whose values are
+// the codes' times 2^-120, exactly: an e4m3 code's exponent and mantissa bits land in bf16's
+// exponent and mantissa (bias 7 against 127), and e4m3 subnormals become bf16 subnormals.
+DEVICE_INLINE uint32_t e4m3x2_as_bf16x2_scaled(uint32_t x) {
+    return ((x << 8) & 0x80008000u) | ((x << 4) & 0x07f007f0u);
+}
+
+// 8 codes of one scale group (e: its exponent byte) to 8 bf16 values code * 2^(e - 127), exact
+// (a code has 4 significant bits; bf16 keeps 8 and f32's exponent range). The 2^120 the bit
+// placement leaves out and the scale are one bf16 multiply while 120 + k <= 127 (a group's
+// amax up to 57,344), two beyond.
+DEVICE_INLINE uint4 latent_fp8x8_to_bf16(uint2 codes, int e) {
+    const int k = e - 127;
+    const int k1 = min(k, 7);
+    const __nv_bfloat162 f1 = __float2bfloat162_rn(__uint_as_float((unsigned)(127 + 120 + k1) << 23));
+    uint32_t w[4] = {__byte_perm(codes.x, 0, 0x4140), __byte_perm(codes.x, 0, 0x4342), __byte_perm(codes.y, 0, 0x4140),
+                     __byte_perm(codes.y, 0, 0x4342)};
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t b = e4m3x2_as_bf16x2_scaled(w[i]);
+        __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), f1);
+        if (k > k1) v = __hmul2(v, __float2bfloat162_rn(__uint_as_float((unsigned)(127 + k - k1) << 23)));
+        o[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    return out;
+}
