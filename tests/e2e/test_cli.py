@@ -42,7 +42,8 @@ from server import Server, run_cli
         (["demo-a", "--model", "demo-b"], "the model is given twice"),
         (["--chat-template", "/no/such/file"], "not a Jinja template"),
         (["--quantization", "awq"], "--quantization awq: not implemented; `fp8`"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: only auto"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: only fp8 (fp8_e4m3)"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype int8: expected auto, fp8 or fp8_e4m3"),
     ],
 )
 def test_bad_flags_fail_at_start(args, needle):

@@ -6,7 +6,7 @@ use crate::model::{CpuModel, Peers};
 use crate::rank::CpuRank;
 use mla_core::runtime::collective::Solo;
 use mla_core::step::plan::{StepOutput, StepPlan};
-use mla_core::{Backend, CacheLayout, ModelConfig, PendingStep, RankLayout, StepLimits, WeightSource};
+use mla_core::{Backend, CacheLayout, KvCacheDtype, ModelConfig, PendingStep, RankLayout, StepLimits, WeightSource};
 use std::sync::Arc;
 
 pub struct CpuBackend {
@@ -26,8 +26,19 @@ impl CpuBackend {
         block_size: usize,
         num_blocks: usize,
     ) -> anyhow::Result<Self> {
-        tracing::info!(source = %weights.describe(), block_size, num_blocks, "loading cpu backend");
-        let rank = CpuRank::new(cfg, weights, RankLayout::SINGLE, block_size, num_blocks)?;
+        Self::with_cache_dtype(cfg, weights, block_size, num_blocks, KvCacheDtype::Auto)
+    }
+
+    /// As `new`, with a latent cache of `kv_dtype` (f32 values or FP8 rows).
+    pub fn with_cache_dtype(
+        cfg: ModelConfig,
+        weights: &dyn WeightSource,
+        block_size: usize,
+        num_blocks: usize,
+        kv_dtype: KvCacheDtype,
+    ) -> anyhow::Result<Self> {
+        tracing::info!(source = %weights.describe(), block_size, num_blocks, kv_cache_dtype = kv_dtype.name(), "loading cpu backend");
+        let rank = CpuRank::new(cfg, weights, RankLayout::SINGLE, block_size, num_blocks, kv_dtype)?;
         Ok(CpuBackend { rank, pending: PendingStep::default(), step_limits: StepLimits::unlimited() })
     }
 
@@ -43,6 +54,11 @@ impl CpuBackend {
     /// Read access to the latent cache (tests and cross-backend checks).
     pub fn cache(&self) -> &LatentCache {
         self.rank.cache()
+    }
+
+    /// Write access to the latent cache (tests that plant faults in it).
+    pub fn cache_mut(&mut self) -> &mut LatentCache {
+        self.rank.cache_mut()
     }
 
     fn run(&mut self, plans: &[StepPlan]) -> anyhow::Result<Vec<StepOutput>> {

@@ -16,7 +16,7 @@ use mla_core::runtime::collective::{Collective, ThreadGroup};
 use mla_core::runtime::group::{GroupBackend, GroupParts, NodeStep};
 use mla_core::runtime::step_thread::{StepRunner, StepThread};
 use mla_core::step::plan::StepOutput;
-use mla_core::{CacheLayout, ModelConfig, Parallel, StepLimits, WeightSource};
+use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, Parallel, StepLimits, WeightSource};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,7 +46,8 @@ impl StepRunner for CpuRankWorker {
 }
 
 /// Starts ranks `ranks` of `parallel` (one copy of the model, checked with `Parallel::check`),
-/// rank `ranks.start + i` on `comms[i]`, each with a cache of `cache`. All start at once.
+/// rank `ranks.start + i` on `comms[i]`, each with a cache of `cache` holding `kv_dtype`. All start
+/// at once.
 pub fn start_ranks(
     cfg: &ModelConfig,
     weights: Arc<dyn WeightSource + Send + Sync>,
@@ -54,6 +55,7 @@ pub fn start_ranks(
     ranks: Range<usize>,
     comms: Vec<Box<dyn Collective + Send>>,
     cache: CacheLayout,
+    kv_dtype: KvCacheDtype,
 ) -> anyhow::Result<Vec<StepThread<CpuRankWorker>>> {
     parallel.check(cfg)?;
     anyhow::ensure!(parallel.replicas == 1, "a rank group is one copy of the model; replicas are separate backends");
@@ -65,6 +67,7 @@ pub fn start_ranks(
         dp_attention = parallel.dp_attention,
         block_size = cache.block_size,
         num_blocks = cache.num_blocks,
+        kv_cache_dtype = kv_dtype.name(),
         "loading cpu ranks"
     );
     let inits: Vec<_> = ranks
@@ -73,7 +76,7 @@ pub fn start_ranks(
             let (cfg, weights) = (cfg.clone(), weights.clone());
             let layout = parallel.rank(r);
             let init = move || {
-                let rank = CpuRank::new(cfg, weights.as_ref(), layout, cache.block_size, cache.num_blocks)?;
+                let rank = CpuRank::new(cfg, weights.as_ref(), layout, cache.block_size, cache.num_blocks, kv_dtype)?;
                 let worker = CpuRankWorker { rank, comm, index: r, dp_attention: layout.dp_attention, steps: 0 };
                 Ok((worker, ()))
             };
@@ -92,13 +95,14 @@ pub fn local_group(
     weights: Arc<dyn WeightSource + Send + Sync>,
     parallel: Parallel,
     cache: CacheLayout,
+    kv_dtype: KvCacheDtype,
     step_limits: StepLimits,
     timeout: Duration,
 ) -> anyhow::Result<CpuGroupBackend> {
     let world = parallel.ranks();
     let comms =
         ThreadGroup::ranks(world, timeout).into_iter().map(|c| Box::new(c) as Box<dyn Collective + Send>).collect();
-    let local = start_ranks(&cfg, weights, parallel, 0..world, comms, cache)?;
+    let local = start_ranks(&cfg, weights, parallel, 0..world, comms, cache, kv_dtype)?;
     Ok(GroupBackend::new(group_parts(cfg, parallel, local, vec![], cache, step_limits, timeout)))
 }
 

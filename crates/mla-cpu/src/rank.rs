@@ -6,7 +6,7 @@ use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, Peers};
 use mla_core::sampling::sample;
 use mla_core::step::plan::{LogitsRequest, SeqResult, StepKind, StepOutput, StepPlan};
-use mla_core::{CacheLayout, ModelConfig, RankLayout, WeightSource};
+use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, RankLayout, WeightSource};
 
 pub struct CpuRank {
     model: CpuModel,
@@ -16,17 +16,18 @@ pub struct CpuRank {
 
 impl CpuRank {
     /// Rank `rank`'s part of `cfg`'s weights from `weights` and a zeroed latent cache of
-    /// `num_blocks` blocks of `block_size` tokens per layer.
+    /// `num_blocks` blocks of `block_size` tokens per layer, holding `kv_dtype`.
     pub fn new(
         cfg: ModelConfig,
         weights: &dyn WeightSource,
         rank: RankLayout,
         block_size: usize,
         num_blocks: usize,
+        kv_dtype: KvCacheDtype,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(block_size > 0, "block_size must be positive");
         anyhow::ensure!(num_blocks > 0, "num_blocks must be positive");
-        let cache = LatentCache::new(cfg.num_hidden_layers, block_size, num_blocks, cfg.kv_cache_dim());
+        let cache = LatentCache::new(cfg.num_hidden_layers, block_size, num_blocks, cfg.kv_cache_dim(), kv_dtype);
         let model = CpuModel::new_rank(cfg, weights, rank)?;
         Ok(CpuRank { model, cache, layout: CacheLayout { block_size, num_blocks } })
     }
@@ -37,6 +38,10 @@ impl CpuRank {
 
     pub fn cache(&self) -> &LatentCache {
         &self.cache
+    }
+
+    pub fn cache_mut(&mut self) -> &mut LatentCache {
+        &mut self.cache
     }
 
     pub fn cache_layout(&self) -> CacheLayout {

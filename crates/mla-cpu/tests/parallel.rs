@@ -11,7 +11,9 @@ mod common;
 
 use common::{config, fixture_dir, load_prompts, max_abs_diff, seq, Prompt};
 use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
-use mla_core::{Backend, CacheLayout, Checkpoint, DummyWeights, ModelConfig, Parallel, StepLimits, WeightSource};
+use mla_core::{
+    Backend, CacheLayout, Checkpoint, DummyWeights, KvCacheDtype, ModelConfig, Parallel, StepLimits, WeightSource,
+};
 use mla_cpu::group::local_group;
 use mla_cpu::{CpuBackend, CpuGroupBackend};
 use std::sync::Arc;
@@ -40,8 +42,16 @@ fn fixture(variant: &'static str) -> Fixture {
 
 fn group(f: &Fixture, parallel: Parallel, blocks: usize) -> CpuGroupBackend {
     let cache = CacheLayout { block_size: BLOCK_SIZE, num_blocks: blocks };
-    local_group(f.cfg.clone(), f.weights.clone(), parallel, cache, StepLimits::unlimited(), Duration::from_secs(600))
-        .unwrap()
+    local_group(
+        f.cfg.clone(),
+        f.weights.clone(),
+        parallel,
+        cache,
+        KvCacheDtype::Auto,
+        StepLimits::unlimited(),
+        Duration::from_secs(600),
+    )
+    .unwrap()
 }
 
 fn single(f: &Fixture, blocks: usize) -> CpuBackend {
@@ -207,7 +217,9 @@ fn tensor_parallel_over_eight_ranks_matches_one_rank() {
     let mut one = CpuBackend::new(cfg.clone(), weights.as_ref(), BLOCK_SIZE, blocks).unwrap();
     let cache = CacheLayout { block_size: BLOCK_SIZE, num_blocks: blocks };
     let tp8 = Parallel::from_flags(8, None, false).unwrap();
-    let mut tp8 = local_group(cfg, weights, tp8, cache, StepLimits::unlimited(), Duration::from_secs(600)).unwrap();
+    let mut tp8 =
+        local_group(cfg, weights, tp8, cache, KvCacheDtype::Auto, StepLimits::unlimited(), Duration::from_secs(600))
+            .unwrap();
     let (want_one, want_rows) = prefill_and_decode(&mut one, &p, blocks);
     let (got_one, got_rows) = prefill_and_decode(&mut tp8, &p, blocks);
     let e = max_abs_diff(&got_one, &want_one).max(max_abs_diff(&got_rows, &want_rows));

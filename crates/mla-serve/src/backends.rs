@@ -75,17 +75,31 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
         return Ok(Loaded { backends: vec![group], sizing });
     }
     let weights = source.host_weights()?;
+    let kv_dtype = args.kv_cache_dtype()?;
     let one_copy = Parallel { replicas: 1, ..parallel };
     // The CPU reference is held to the same step limits as the GPU ranks of this layout.
     let (step, _) = args.step_limits(&parallel)?;
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(parallel.replicas);
     for _ in 0..parallel.replicas {
         backends.push(if one_copy.is_single() {
-            let b = CpuBackend::new(cfg.clone(), weights.as_ref(), cache.block_size, cache.num_blocks)?;
+            let b = CpuBackend::with_cache_dtype(
+                cfg.clone(),
+                weights.as_ref(),
+                cache.block_size,
+                cache.num_blocks,
+                kv_dtype,
+            )?;
             Box::new(b.with_step_limits(step))
         } else {
-            let group =
-                mla_cpu::group::local_group(cfg.clone(), weights.clone(), one_copy, cache, step, args.watchdog());
+            let group = mla_cpu::group::local_group(
+                cfg.clone(),
+                weights.clone(),
+                one_copy,
+                cache,
+                kv_dtype,
+                step,
+                args.watchdog(),
+            );
             Box::new(group?)
         });
     }
@@ -132,8 +146,8 @@ fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result
         Some(m) => m,
         None => max_pos.min(capacity),
     };
-    // The CUDA cache holds bf16 values.
-    let bytes_per_token = cfg.num_hidden_layers * cfg.kv_cache_dim() * 2;
+    // The CUDA cache holds bf16 values or FP8 rows.
+    let bytes_per_token = cfg.num_hidden_layers * mla_cuda::ops::cache_row_bytes(args.kv_cache_dtype()?);
     let sizing = Sizing { num_blocks: smallest, block_size: PAGE_SIZE, max_model_len, bytes_per_token };
     Ok(Loaded { backends, sizing })
 }
@@ -171,6 +185,8 @@ fn cuda_options(args: &Args) -> CudaOptions {
         } else {
             CudaOptions::default().cuda_graph_batch_sizes
         },
+        // Checked when the flags were read (Args::check_quantization).
+        kv_cache_dtype: args.kv_cache_dtype().unwrap_or_default(),
         ..CudaOptions::default()
     }
 }

@@ -13,7 +13,7 @@ use mla_core::runtime::cluster::rendezvous::{self, Hello, PROTOCOL};
 use mla_core::runtime::cluster::tcp_collective::{start_hub, TcpRank};
 use mla_core::runtime::collective::Collective;
 use mla_core::runtime::group::{serve_node, FromNode, GroupBackend, NodeReady, RemoteNode};
-use mla_core::{Backend, CacheLayout, Parallel, StepLimits};
+use mla_core::{Backend, CacheLayout, KvCacheDtype, Parallel, StepLimits};
 use mla_cuda::collective::NcclConnector;
 use mla_cuda::gpu::nccl::NcclId;
 use mla_cuda::group::{GroupOptions, LocalRanks};
@@ -31,6 +31,8 @@ struct Plan {
     watchdog: Duration,
     /// The steps' limits from the flags (CPU ranks keep them; GPU ranks may shrink them).
     step_limits: StepLimits,
+    /// What the ranks' latent caches store (the same on every node: it is part of `layout`).
+    kv_cache_dtype: KvCacheDtype,
 }
 
 impl Plan {
@@ -40,13 +42,14 @@ impl Plan {
         // Everything that must match on every node: the layout, what sizes the ranks' buffers
         // and caches, and the model (not its path, which may differ between machines).
         let layout = format!(
-            "{} --tp {}{} on {device:?}; max_num_seqs {}, max_num_batched_tokens {}, max_model_len {:?}, cache {cache:?}",
+            "{} --tp {}{} on {device:?}; max_num_seqs {}, max_num_batched_tokens {}, max_model_len {:?}, cache {cache:?} of {}",
             if args.nnodes > 1 { format!("--nnodes {}", args.nnodes) } else { String::new() },
             parallel.tp,
             if parallel.dp_attention { " --enable-dp-attention" } else { "" },
             args.max_num_seqs,
             args.max_num_batched_tokens(),
             args.max_model_len,
+            args.kv_cache_dtype()?.name(),
         );
         let c = &source.config;
         let weights = match &source.weights {
@@ -66,6 +69,7 @@ impl Plan {
             timeout: Duration::from_secs_f64(args.dist_timeout),
             watchdog: args.watchdog(),
             step_limits: args.step_limits(&parallel)?.0,
+            kv_cache_dtype: args.kv_cache_dtype()?,
         })
     }
 
@@ -96,7 +100,16 @@ fn cpu_ranks(
         .my_ranks()
         .map(|r| TcpRank::connect(hub, r, world, p.watchdog).map(|c| Box::new(c) as Box<dyn Collective + Send>))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    mla_cpu::group::start_ranks(&source.config, source.host_weights()?, p.parallel, p.my_ranks(), comms, cache)
+    let kv_dtype = p.kv_cache_dtype;
+    mla_cpu::group::start_ranks(
+        &source.config,
+        source.host_weights()?,
+        p.parallel,
+        p.my_ranks(),
+        comms,
+        cache,
+        kv_dtype,
+    )
 }
 
 /// Node 0: meets the other nodes, starts its ranks alongside theirs and returns the group as

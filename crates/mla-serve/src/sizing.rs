@@ -27,9 +27,10 @@ impl Sizing {
     }
 }
 
-/// The CPU cache stores `[c_kv ; k_pe]` in f32 for every layer.
+/// The CPU cache stores `[c_kv ; k_pe]` for every layer, in f32 or as FP8 rows.
 pub fn cpu_sizing(cfg: &ModelConfig, args: &Args) -> anyhow::Result<Sizing> {
-    let bytes_per_token = cfg.num_hidden_layers * cfg.kv_cache_dim() * std::mem::size_of::<f32>();
+    let row = mla_cpu::kv_cache::bytes_per_row(args.kv_cache_dtype()?, cfg.kv_cache_dim());
+    let bytes_per_token = cfg.num_hidden_layers * row;
     let max_pos = cfg.max_position_embeddings;
     if let Some(m) = args.max_model_len {
         if m > max_pos {
@@ -104,6 +105,11 @@ mod tests {
         assert_eq!(s.bytes_per_token, 640);
         assert_eq!(s.kv_tokens(), 32 * 4096);
         assert_eq!(s.max_model_len, 4096);
+        // FP8 rows: 80 codes + 2 exponents, padded to 96 bytes; 1 GiB would hold more than 32
+        // contexts either way.
+        let s = sizing(&["--kv-cache-dtype", "fp8"]).unwrap();
+        assert_eq!(s.bytes_per_token, 2 * 96);
+        assert_eq!(s.kv_tokens(), 32 * 4096);
     }
 
     #[test]

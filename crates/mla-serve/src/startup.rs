@@ -119,11 +119,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let ranks = engine.cache_layouts();
     let total: usize = ranks.iter().map(|l| l.capacity_tokens()).sum();
     tracing::info!(
-        "KV cache: {} tokens per attention rank ({} blocks of {}, {:.1} MiB) x {} rank(s) = {total} tokens; max model length {} tokens",
+        "KV cache: {} tokens per attention rank ({} blocks of {}, {:.1} MiB, {} bytes per token in {}) x {} rank(s) = {total} tokens; max model length {} tokens",
         sizing.kv_tokens(),
         sizing.num_blocks,
         sizing.block_size,
         sizing.kv_bytes() as f64 / (1 << 20) as f64,
+        sizing.bytes_per_token,
+        args.kv_cache_dtype().map(|d| d.name()).unwrap_or("auto"),
         ranks.len(),
         sizing.max_model_len
     );
