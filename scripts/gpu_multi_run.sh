@@ -44,6 +44,11 @@
 #                 10% of one GPU's, turn-8 TTFT p50 at least 2x better, output throughput and
 #                 random prompts not lower                    router-MODE-POLICY-BENCH.json,
 #                                                                          router-summary.json
+#   kvfp8-MODE    the FP8 latent cache against bf16 in MODE: V2-Lite shape, dummy weights, at
+#                 --gpu-memory-utilization MLA_KVFP8_UTIL (0.5: the bf16 cache holds about half
+#                 of 256 sequences of 1024 + 256 tokens per GPU) both serve 1024-in / 256-out at
+#                 concurrency 256 per GPU (2x that many prompts); the startup logs' KV cache lines
+#                 go to kvfp8-MODE.log                           kvfp8-MODE-{auto,fp8}.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -86,7 +91,7 @@ for s in "${stages[@]}"; do
     bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
     group-tests | kill-rank | collectives | idle-ranks | soak | matrix | big-v2 | big-v3 | router) expanded+=("$s") ;;
     nodes-tp | nodes-dpa) expanded+=("$s") ;;
-    hf-* | chat-* | engine-* | serve-*)
+    hf-* | chat-* | engine-* | serve-* | kvfp8-*)
       [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
       expanded+=("$s") ;;
     *) echo "unknown stage $s" >&2; usage ;;
@@ -196,8 +201,11 @@ v2lite_server() {
   local log=$1
   shift
   python3 scripts/wide_tokenizer.py assets/demo "$work/wide" 102400 > /dev/null 2>&1 || true
+  # MLA_V2LITE_UTIL and MLA_V2LITE_FLAGS (e.g. --kv-cache-dtype fp8) apply to every V2-Lite server.
+  # shellcheck disable=SC2086 # flags are words
   server_start "$log" --model deepseek-v2-lite --load-format dummy --device cuda --tokenizer "$work/wide" \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 "$@"
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization "${MLA_V2LITE_UTIL:-0.85}" \
+    ${MLA_V2LITE_FLAGS:-} "$@"
 }
 
 stage_group_tests() { run_logged group-tests "$bins/gpu_group" --ignored --test-threads 1 --nocapture; }
@@ -288,6 +296,21 @@ stage_serve() {
     --gpu "$gpu_name x$gpus $mode" --out "$out/serve-$mode.json"
   local rc=$?
   server_stop || rc=1
+  return $rc
+}
+
+stage_kvfp8() {
+  local mode=$1 per=1 c dt rc=0
+  case "$mode" in replicas | dpa) per=$gpus ;; esac
+  c=$((256 * per))
+  for dt in auto fp8; do
+    # shellcheck disable=SC2046
+    MLA_V2LITE_UTIL="${MLA_KVFP8_UTIL:-0.5}" v2lite_server "$out/kvfp8-$mode-$dt.server.log" $(flags_of "$mode") \
+      --kv-cache-dtype "$dt" || return 1
+    ((dry)) || grep -h "KV cache" "$out/kvfp8-$mode-$dt.server.log" | sed "s/^/$dt: /" >> "$out/kvfp8-$mode.log"
+    serve_case "kvfp8-$mode-$dt" "$c" $((2 * c)) 256 || rc=1
+    server_stop || rc=1
+  done
   return $rc
 }
 
@@ -462,6 +485,7 @@ for s in "${stages[@]}"; do
     chat-*) stage_chat "${s#chat-}" ;;
     engine-*) stage_engine "${s#engine-}" ;;
     serve-*) stage_serve "${s#serve-}" ;;
+    kvfp8-*) stage_kvfp8 "${s#kvfp8-}" ;;
   esac || { status=1; echo "  stage $s FAILED"; }
 done
 stamp done

@@ -25,11 +25,20 @@ pub fn config(
     Ok(cfg)
 }
 
-/// `CudaModel::new` over weights drawn on the device, with the whole cache drawn from N(0, 1).
+/// `CudaModel::new` over weights drawn on the device, with the whole cache drawn from N(0, 1) (an
+/// FP8 cache: valid rows of random codes of about that spread).
 pub fn build(dev: &Device, cfg: &ModelConfig, opts: &ModelOptions) -> anyhow::Result<CudaModel> {
     let weights = DeviceWeights::dummy(cfg, dev, 11)?;
     let model = CudaModel::new(dev, cfg.clone(), weights, opts)?;
-    dev.k.elementwise.fill_normal_bf16(dev.stream(), model.cache.slice(), Normal { mean: 0.0, std: 1.0, seed: 12 })?;
+    if model.cache_dtype.is_fp8() {
+        for l in 0..cfg.num_hidden_layers {
+            dev.k.latent.fill_fp8_random(dev.stream(), model.layer_cache(l), 12 + l as u64)?;
+        }
+    } else {
+        // SAFETY: a bf16 cache's bytes are bf16 values.
+        let values = unsafe { model.cache.slice().reinterpret(model.cache.len() / 2) };
+        dev.k.elementwise.fill_normal_bf16(dev.stream(), values, Normal { mean: 0.0, std: 1.0, seed: 12 })?;
+    }
     dev.gpu.sync()?;
     Ok(model)
 }

@@ -31,6 +31,8 @@ pub struct EngineArgs {
     /// JSON object of config overrides (as mla-serve's --hf-overrides).
     pub hf_overrides: Option<String>,
     pub fp8_w8a8: bool,
+    /// What the latent cache stores (as mla-serve's --kv-cache-dtype).
+    pub kv_cache_dtype: mla_core::KvCacheDtype,
 }
 
 /// Parses `BxCTXxSTEPS` items, e.g. `1x1024x256,256x4096x64`.
@@ -238,6 +240,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
         max_num_seqs: a.max_num_seqs,
         max_model_len: Some(a.max_model_len),
         fp8_w8a8: a.fp8_w8a8,
+        kv_cache_dtype: a.kv_cache_dtype,
         ..CudaOptions::default()
     };
     if !a.graphs {
@@ -318,6 +321,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
         "small_batch_gemv": a.gemv,
         "weights": if fp8_weights { "block-FP8 linear weights" } else { "bf16" },
         "fp8_w8a8": a.fp8_w8a8,
+        "kv_cache_dtype": a.kv_cache_dtype.name(),
         "hf_overrides": a.hf_overrides,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_num_seqs": a.max_num_seqs,

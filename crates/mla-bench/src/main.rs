@@ -94,6 +94,9 @@ enum Cmd {
         /// FP8 projections past the GEMV through dequantize + bf16 cuBLAS instead of W8A8.
         #[arg(long)]
         no_fp8_w8a8: bool,
+        /// As mla-serve's: `fp8` stores the latent cache in FP8 rows.
+        #[arg(long, default_value = "auto", value_name = "DTYPE")]
+        kv_cache_dtype: String,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
@@ -236,10 +239,12 @@ fn main() -> anyhow::Result<()> {
             quantization,
             hf_overrides,
             no_fp8_w8a8,
+            kv_cache_dtype,
             seed,
             out,
         } => {
             let args = engine_bench::EngineArgs {
+                kv_cache_dtype: mla_core::KvCacheDtype::parse(&kv_cache_dtype).map_err(anyhow::Error::msg)?,
                 quantization,
                 hf_overrides,
                 fp8_w8a8: !no_fp8_w8a8,

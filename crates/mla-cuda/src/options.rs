@@ -2,7 +2,7 @@
 //! budget, memory share, CUDA graphs, kernel choices).
 
 use crate::model::memory_plan::BudgetFit;
-use mla_core::{StepBudget, WeightSource};
+use mla_core::{KvCacheDtype, StepBudget, WeightSource};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -44,6 +44,8 @@ pub struct CudaOptions {
     /// FP8 projections of prefill-sized steps in W8A8 through cuBLASLt's block-scaled GEMM (the
     /// engines' numerics and speed), else dequantized to bf16 for cuBLAS (exact W8A16; tests).
     pub fp8_w8a8: bool,
+    /// What the latent cache stores: bf16 rows or FP8 rows (`--kv-cache-dtype`).
+    pub kv_cache_dtype: KvCacheDtype,
     /// Whether `max_num_batched_tokens` may shrink to leave the KV cache room (the server's
     /// default budget) or is kept as given (`model::memory_plan`).
     pub budget_fit: BudgetFit,
@@ -67,6 +69,7 @@ impl Default for CudaOptions {
             cuda_graph_memory_budget: 256 << 20,
             small_batch_gemv: true,
             fp8_w8a8: true,
+            kv_cache_dtype: KvCacheDtype::Auto,
             budget_fit: BudgetFit::Fixed,
         }
     }

@@ -200,6 +200,7 @@ pub fn start_worker(
         max_model_len,
         small_batch_gemv: opts.small_batch_gemv,
         fp8_w8a8: opts.fp8_w8a8,
+        kv_cache_dtype: opts.kv_cache_dtype,
     };
     let weight_bytes = w.bytes();
     let fp8 = w.fp8_share();
@@ -219,14 +220,19 @@ pub fn start_worker(
         );
     }
     tracing::info!(
-        "{who} ({}): weights {:.2} GiB from {source} in {:.1}s; activations {:.2} GiB (measured); KV cache {:.2} GiB = {} blocks of {PAGE_SIZE} = {} tokens",
+        "{who} ({}): weights {:.2} GiB from {source} in {:.1}s; activations {:.2} GiB (measured); KV cache {:.2} GiB = {} blocks of {PAGE_SIZE} = {} tokens of {} ({} bytes per token)",
         dev.gpu.info.name,
         gib(weight_bytes),
         t0.elapsed().as_secs_f64(),
         gib(model.activation_bytes),
         gib(model.cache_bytes()),
         model.num_blocks,
-        model.num_blocks * PAGE_SIZE
+        model.num_blocks * PAGE_SIZE,
+        match model.cache_dtype {
+            mla_core::KvCacheDtype::Auto => "bf16",
+            mla_core::KvCacheDtype::Fp8E4m3 => "fp8_e4m3",
+        },
+        model.cache_bytes_per_token()
     );
     let mut model = model;
     let t1 = std::time::Instant::now();

@@ -377,3 +377,69 @@ fn decode_latent_case(
     }
     failures
 }
+
+/// Decode attention over an FP8 cache (`--kv-cache-dtype fp8`) is the bf16 kernel's arithmetic on
+/// the exactly dequantized rows: both kernels, every split count below, give the same bits as
+/// the bf16 kernels over a bf16 cache holding `latent_fp8::dequantize_row` of each FP8 row. Rows
+/// no sequence owns hold NaN codes in the FP8 cache (and NaN in the bf16 one); some rows have a
+/// group past 57,344 and a group spanning seven decades (the dequantization's second multiply
+/// and e4m3 subnormals).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decode_over_an_fp8_cache_equals_decode_over_its_dequantized_rows() {
+    use mla_core::model::latent_fp8;
+    use mla_core::KvCacheDtype;
+    let dev = device();
+    let (s, k) = (dev.stream(), &dev.k);
+    let heads = 16;
+    let mut rng = Rng::new(77);
+    let lens = [1usize, 63, 65, 300, 4097];
+    let mut c = PagedCase::decode(&mut rng, heads, &lens);
+    let lat = LATENT + ROPE;
+    let rb = latent_fp8::row_bytes(lat);
+    let rows = c.cache.len() / lat;
+    let mut fp8 = vec![0x7fu8; rows * rb];
+    for slot in 0..rows {
+        let row = &mut c.cache[slot * lat..(slot + 1) * lat];
+        if row[0].is_nan() {
+            continue;
+        }
+        if slot % 7 == 3 {
+            for (i, x) in row.iter_mut().enumerate() {
+                match i / latent_fp8::GROUP {
+                    2 => *x *= 9.0e4,
+                    6 => *x *= 10f32.powi(-((i % 8) as i32)),
+                    _ => {}
+                }
+            }
+        }
+        latent_fp8::quantize_row(row, &mut fp8[slot * rb..(slot + 1) * rb]);
+        latent_fp8::dequantize_row(&fp8[slot * rb..(slot + 1) * rb], row);
+    }
+    let meta = c.decode_meta();
+    let b = lens.len();
+    let q_abs = round(&rng.uniform(b * heads * lat, 1.0));
+    let (d_qabs, d_bf16, d_fp8, d_meta) = (up_bf16(&q_abs), up_bf16(&c.cache), up(&fp8), up(&meta.words));
+    let fp8_cache = LatentCacheSlice { bytes: d_fp8.slice(), dtype: KvCacheDtype::Fp8E4m3 };
+    let scale = 0.1147f32;
+    let bf16_case = DecodeCase::from_meta(&meta, &d_meta, heads, d_qabs.slice(), d_bf16.slice(), scale);
+    let fp8_case = DecodeCase::from_meta(&meta, &d_meta, heads, d_qabs.slice(), fp8_cache, scale);
+    let (ref_out, fp8_out) = (DecodeOutputs::poisoned(b, heads, 64), DecodeOutputs::poisoned(b, heads, 64));
+    let default_splits = k.attention.splits(b, heads, meta.decode().unwrap().max_pages);
+    let mut failures = vec![];
+    for (splits, which) in [1, default_splits, 5, 64].into_iter().flat_map(|n| DecodeKernel::ALL.map(|w| (n, w))) {
+        ref_out.poison();
+        fp8_out.poison();
+        k.attention.decode_with(s, &bf16_case.params(splits, &ref_out), which).unwrap();
+        k.attention.decode_with(s, &fp8_case.params(splits, &fp8_out), which).unwrap();
+        dev.gpu.sync().unwrap();
+        let (want, got) = (down(ref_out.o_lat.slice()), down(fp8_out.o_lat.slice()));
+        let differ = want.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let finite = got.iter().all(|x| x.is_finite());
+        println!("fp8 decode {which:?} splits {splits}: {differ} of {} outputs differ, finite {finite}", got.len());
+        if differ > 0 || !finite {
+            failures.push(format!("{which:?}, {splits} splits: {differ} outputs differ (finite: {finite})"));
+        }
+    }
+    assert!(failures.is_empty(), "FP8 decode attention:\n{}", failures.join("\n"));
+}

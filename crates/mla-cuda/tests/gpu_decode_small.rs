@@ -160,7 +160,7 @@ fn partials_case(dev: &mla_cuda::Device, heads: usize) -> Vec<String> {
             batch,
             heads,
             q: q.slice(),
-            cache: cache.slice(),
+            cache: cache.slice().into(),
             block_tables: tables.slice(),
             bt_stride: bt_stride.slice(),
             seq_lens: lens.slice(),

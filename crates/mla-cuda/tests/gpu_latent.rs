@@ -48,7 +48,7 @@ fn rope_and_latent_cache_write_match_the_cpu_reference() {
         positions: d_pos.slice(),
         slots: d_slots.slice(),
         inv_freq: d_inv.slice(),
-        cache: cache.slice(),
+        cache: cache.slice().into(),
     };
     k.latent.rope_cache(s, &rope.params(None)).unwrap();
     dev.gpu.sync().unwrap();

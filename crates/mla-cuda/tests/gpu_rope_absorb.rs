@@ -45,7 +45,7 @@ fn fused_rope_absorb_matches_rope_cache_and_an_f64_absorption() {
                 positions: d_pos.slice(),
                 slots: d_slots.slice(),
                 inv_freq: d_inv.slice(),
-                cache: cache.slice(),
+                cache: cache.slice().into(),
             };
             k.latent.rope_cache(s, &rope.params(absorb.then(|| d_kv_b.slice()))).unwrap();
             dev.gpu.sync().unwrap();

@@ -1,14 +1,18 @@
 //! Decode attention (absorbed MQA over the paged latent cache, split-KV then combine) on the
-//! V2-Lite shape at context 4096: both decode kernels at every batch from 1 to 256, with time and
-//! effective bandwidth; for batches small enough for the fused tail, also the whole attention tail
-//! in its two forms.
+//! V2-Lite shape at context 4096: both decode kernels at every batch from 1 to 256, over a bf16
+//! cache and an FP8 cache (`--kv-cache-dtype fp8`), with time and effective bandwidth (the cache
+//! bytes each reads); for batches small enough for the fused tail, also the whole attention tail
+//! in its two forms (bf16 cache).
 
 use super::timing::{fill, time_ms};
 use super::{CONTEXT, HEADS};
 use half::bf16;
+use mla_core::KvCacheDtype;
 use mla_cuda::gpu::DeviceBuffer;
+use mla_cuda::ops::Normal;
 use mla_cuda::ops::{
-    DecodeAttention, DecodeKernel, Linear, COMBINE_ABSORB_MAX_BATCH, LATENT, NOPE, PAGE_SIZE, ROPE, V_HEAD,
+    cache_row_bytes, DecodeAttention, DecodeKernel, LatentCacheSlice, Linear, COMBINE_ABSORB_MAX_BATCH, LATENT, NOPE,
+    PAGE_SIZE, ROPE, V_HEAD,
 };
 use mla_cuda::Device;
 use serde_json::{json, Value};
@@ -19,7 +23,7 @@ const BATCHES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// so that no launch finds the next one's pages already in L2.
 const ROTATED_CACHE_BYTES: usize = 256 << 20;
 
-/// One row per (kernel, batch), marking the kernel `DecodeKernel::for_batch` dispatches; for
+/// One row per (kernel, batch), marking the kernel `DecodeKernel::for_cache` dispatches; for
 /// batches up to `COMBINE_ABSORB_MAX_BATCH` two more rows: `decode_attention` (kernel + merge) then
 /// cuBLAS `absorb_o`, against `decode_attention_partials` then `decode_combine_absorb_o`.
 pub fn run(dev: &Device) -> anyhow::Result<Value> {
@@ -28,12 +32,22 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
     let kv_b_w = fill(dev, kvw * LATENT, 0.04, 3)?;
     let kv_b = Linear::new(kv_b_w.slice(), kvw, LATENT);
     let mut rows = vec![];
-    for batch in BATCHES {
+    for (batch, dtype) in BATCHES.into_iter().flat_map(|b| [(b, KvCacheDtype::Auto), (b, KvCacheDtype::Fp8E4m3)]) {
+        let cache_name = if dtype.is_fp8() { "fp8" } else { "bf16" };
+        let row = cache_row_bytes(dtype);
         let pages = CONTEXT / PAGE_SIZE;
-        let set_bytes = batch * pages * PAGE_SIZE * lat * 2;
+        let set_bytes = batch * pages * PAGE_SIZE * row;
         let sets = ROTATED_CACHE_BYTES.div_ceil(set_bytes).max(2);
         let blocks = sets * batch * pages;
-        let cache = fill(dev, blocks * PAGE_SIZE * lat, 1.0, 1)?;
+        let cache_buf = DeviceBuffer::<u8>::alloc(blocks * PAGE_SIZE * row)?;
+        let cache = LatentCacheSlice { bytes: cache_buf.slice(), dtype };
+        if dtype.is_fp8() {
+            dev.k.latent.fill_fp8_random(dev.stream(), cache, 1)?;
+        } else {
+            // SAFETY: the buffer's bytes hold whole bf16 rows.
+            let values = unsafe { cache_buf.slice().reinterpret(blocks * PAGE_SIZE * lat) };
+            dev.k.elementwise.fill_normal_bf16(dev.stream(), values, Normal { mean: 0.0, std: 1.0, seed: 1 })?;
+        }
         let tables = DeviceBuffer::from_host(&scattered_blocks(blocks))?;
         let stride = DeviceBuffer::from_host(&[pages as i32])?;
         let lens = DeviceBuffer::from_host(&vec![CONTEXT as i32; batch])?;
@@ -47,7 +61,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             batch,
             heads: HEADS,
             q: q.slice(),
-            cache: cache.slice(),
+            cache,
             block_tables: tables.tail((i % sets) * batch * pages),
             bt_stride: stride.slice(),
             seq_lens: lens.slice(),
@@ -58,22 +72,22 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             scale: 0.1147,
         };
         // The cache pages read, plus q in and the latent output out.
-        let bytes = (batch * CONTEXT * lat * 2 + batch * HEADS * (lat + LATENT) * 2) as f64;
+        let bytes = (batch * CONTEXT * row + batch * HEADS * (lat + LATENT) * 2) as f64;
         for which in DecodeKernel::ALL {
             let ms = time_ms(dev, 20, 15, |i| dev.k.attention.decode_with(dev.stream(), &params(i), which))?;
             let tbps = bytes / (ms * 1e-3) / 1e12;
-            let chosen = which == DecodeKernel::for_batch(batch);
+            let chosen = which == DecodeKernel::for_cache(batch, dtype);
             println!(
-                "decode attention {which:?} B={batch:<4} ctx {CONTEXT}: {:8.1} us  {tbps:.2} TB/s  ({splits} splits){}",
+                "decode attention {which:?} {cache_name} cache B={batch:<4} ctx {CONTEXT}: {:8.1} us  {tbps:.2} TB/s  ({splits} splits){}",
                 ms * 1e3,
                 if chosen { "  (dispatched)" } else { "" }
             );
             rows.push(json!({
-                "kernel": format!("{which:?}"), "dispatched": chosen, "batch": batch, "context": CONTEXT,
+                "kernel": format!("{which:?}"), "cache": cache_name, "dispatched": chosen, "batch": batch, "context": CONTEXT,
                 "heads": HEADS, "splits": splits, "time_us": ms * 1e3, "bytes": bytes, "effective_TBps": tbps,
             }));
         }
-        if batch <= COMBINE_ABSORB_MAX_BATCH {
+        if batch <= COMBINE_ABSORB_MAX_BATCH && !dtype.is_fp8() {
             let two = time_ms(dev, 20, 15, |i| {
                 dev.k.attention.decode(dev.stream(), &params(i))?;
                 dev.blas.absorb_o(&kv_b, HEADS, out.slice(), batch, attn_out.slice())

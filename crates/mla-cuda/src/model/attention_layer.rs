@@ -8,8 +8,8 @@ use super::weights::QueryWeights;
 use crate::device::Device;
 use crate::gpu::DSlice;
 use crate::ops::{
-    AbsorbQ, DecodeAttention, Linear, PrefillAttention, PrefillPass, RmsNormBf16, RopeCache, COMBINE_ABSORB_MAX_BATCH,
-    LATENT, NOPE, ROPE, V_HEAD,
+    AbsorbQ, DecodeAttention, LatentCacheSlice, Linear, PrefillAttention, PrefillPass, RmsNormBf16, RopeCache,
+    COMBINE_ABSORB_MAX_BATCH, LATENT, NOPE, ROPE, V_HEAD,
 };
 use half::bf16;
 
@@ -20,7 +20,7 @@ const SMALL_DECODE_TOKENS: usize = 4;
 /// What both attention paths of one layer read besides the activations.
 struct LayerAttention<'a> {
     /// The layer's slice of the latent cache.
-    cache: DSlice<'a, bf16>,
+    cache: LatentCacheSlice<'a>,
     kv_b: Linear<'a>,
     /// The step's metadata on the device.
     words: DSlice<'a, i32>,
@@ -164,7 +164,14 @@ impl CudaModel {
         let heads = self.cfg.num_attention_heads;
         let (qd, lat, kvw) = (NOPE + ROPE, LATENT + ROPE, heads * (NOPE + V_HEAD));
         for pass in &p.passes {
-            k.elementwise.gather_rows(s, cache, pass.slots.on(words), ws.latent.slice(), pass.keys, lat)?;
+            // The window's cached rows as bf16: a copy, or the exact dequantization of FP8 rows.
+            if cache.is_fp8() {
+                k.latent.gather_fp8(s, cache, pass.slots.on(words), ws.latent.slice(), pass.keys)?;
+            } else {
+                // SAFETY: a bf16 cache's bytes are bf16 values.
+                let rows = unsafe { cache.bytes.reinterpret::<bf16>(cache.bytes.len / 2) };
+                k.elementwise.gather_rows(s, rows, pass.slots.on(words), ws.latent.slice(), pass.keys, lat)?;
+            }
             dev.blas.linear(kv_b, rows(&ws.latent, lat), pass.keys, rows(&ws.kv, kvw))?;
             let a = PrefillAttention {
                 heads,

@@ -16,19 +16,21 @@ use super::workspace::Workspace;
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
-    AddRmsNorm, Embedding, NormDelta, RmsNormF32, RouteParams, Sample, SamplerOutputs, Strided, MAX_TOP_LOGPROBS,
-    PAGE_SIZE,
+    cache_row_bytes, AddRmsNorm, Embedding, LatentCacheSlice, NormDelta, RmsNormF32, RouteParams, Sample,
+    SamplerOutputs, Strided, MAX_TOP_LOGPROBS, PAGE_SIZE,
 };
 use half::bf16;
 use mla_core::step::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
-use mla_core::{ModelConfig, StepLimits};
+use mla_core::{KvCacheDtype, ModelConfig, StepLimits};
 
 pub struct CudaModel {
     pub cfg: ModelConfig,
     pub weights: DeviceWeights,
     pub ws: Workspace,
-    /// [layers][(num_blocks + 1) * PAGE_SIZE][kv_lora_rank + qk_rope]
-    pub cache: DeviceBuffer<bf16>,
+    /// [layers][(num_blocks + 1) * PAGE_SIZE] rows of [kv_lora_rank + qk_rope] in bf16, or the
+    /// FP8 rows of `mla_core::model::latent_fp8`, as bytes.
+    pub cache: DeviceBuffer<u8>,
+    pub cache_dtype: KvCacheDtype,
     /// Blocks the block manager may use; block `num_blocks` (`pad_block`) is private: the rows
     /// that pad a decode batch up to a captured graph's size write and read only it.
     pub num_blocks: usize,
@@ -99,11 +101,14 @@ impl CudaModel {
             w8a8: opts.fp8_w8a8 && dev.gpu.info.compute_capability == (9, 0),
             link,
             weight_bytes: weights.bytes(),
+            cache_row_bytes: cache_row_bytes(opts.kv_cache_dtype),
         };
         let MemoryPlan { activations, mode, step_limits, activation_bytes, num_blocks } =
             memory_plan::plan(dev, inputs)?;
         let Activations { ws, linears, meta, lim, .. } = activations;
-        let cache = DeviceBuffer::alloc((num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cfg.kv_cache_dim())?;
+        let cache = DeviceBuffer::alloc(
+            (num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cache_row_bytes(opts.kv_cache_dtype),
+        )?;
         let inv_freq = DeviceBuffer::from_host(&cfg.rope_inv_freq())?;
         let s = lim.max_seqs;
         Ok(CudaModel {
@@ -115,6 +120,7 @@ impl CudaModel {
             weights,
             ws,
             cache,
+            cache_dtype: opts.kv_cache_dtype,
             num_blocks,
             inv_freq,
             meta,
@@ -141,9 +147,15 @@ impl CudaModel {
         self.num_blocks
     }
 
-    pub(super) fn layer_cache(&self, layer: usize) -> DSlice<'_, bf16> {
-        let per = (self.num_blocks + 1) * PAGE_SIZE * self.cfg.kv_cache_dim();
-        self.cache.sub(layer * per, per)
+    /// Bytes one token takes in every layer's cache together.
+    pub fn cache_bytes_per_token(&self) -> usize {
+        self.cfg.num_hidden_layers * cache_row_bytes(self.cache_dtype)
+    }
+
+    /// One layer's cache (every block, the padding block included).
+    pub fn layer_cache(&self, layer: usize) -> LatentCacheSlice<'_> {
+        let per = (self.num_blocks + 1) * PAGE_SIZE * cache_row_bytes(self.cache_dtype);
+        LatentCacheSlice { bytes: self.cache.sub(layer * per, per), dtype: self.cache_dtype }
     }
 
     /// Words of the metadata buffer every decode step (and every captured graph) reads.

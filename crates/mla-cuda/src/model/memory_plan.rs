@@ -75,6 +75,8 @@ pub struct PlanInputs<'a> {
     pub small_batch_gemv: bool,
     pub w8a8: bool,
     pub weight_bytes: usize,
+    /// Bytes of one token's cached row in one layer (bf16 or FP8 rows).
+    pub cache_row_bytes: usize,
 }
 
 impl Activations {
@@ -109,7 +111,7 @@ pub fn plan(dev: &Device, p: PlanInputs) -> anyhow::Result<MemoryPlan> {
     // driver (and NCCL's buffers inside graphs).
     let allowed = (p.gpu_memory_utilization * total as f64) as usize;
     let margin = if p.link.comm().is_none() { 512usize << 20 } else { 1024usize << 20 };
-    let row_bytes = p.cfg.num_hidden_layers * p.cfg.kv_cache_dim() * 2;
+    let row_bytes = p.cfg.num_hidden_layers * p.cache_row_bytes;
     let blocks_left = |free: usize| {
         let budget = allowed.saturating_sub(total - free + margin);
         // One block less: the padding block comes on top.

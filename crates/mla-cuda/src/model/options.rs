@@ -2,7 +2,7 @@
 //! cache and the kernels' options.
 
 use super::memory_plan::BudgetFit;
-use mla_core::StepLimits;
+use mla_core::{KvCacheDtype, StepLimits};
 
 #[derive(Debug, Clone)]
 pub struct ModelOptions {
@@ -26,6 +26,8 @@ pub struct ModelOptions {
     /// FP8 projections of steps past the GEMV's rows in W8A8 through cuBLASLt's block-scaled GEMM
     /// (sm_90 only); off, or on other GPUs, they dequantize to bf16 for cuBLAS (`SmallLinear`).
     pub fp8_w8a8: bool,
+    /// What the latent cache stores (bf16 or FP8 rows).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl ModelOptions {
@@ -47,6 +49,7 @@ impl ModelOptions {
             max_model_len: usize::MAX,
             small_batch_gemv: true,
             fp8_w8a8: true,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
 }

@@ -4,8 +4,10 @@
 
 use super::dims::{
     COMBINE_ABSORB_DIMS, COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, DECODE_SMEM_BYTES_4W, DECODE_SMEM_BYTES_8W,
-    LATENT, NOPE, PREFILL_SM90_SMEM_BYTES, PREFILL_SMEM_BYTES, ROPE, V_HEAD,
+    DECODE_SMEM_BYTES_FP8_4W, DECODE_SMEM_BYTES_FP8_8W, LATENT, NOPE, PREFILL_SM90_SMEM_BYTES, PREFILL_SMEM_BYTES,
+    ROPE, V_HEAD,
 };
+use super::latent::{row_bytes, LatentCacheSlice};
 use super::{ensure_len, ensure_smem, Linear};
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
@@ -17,6 +19,9 @@ pub struct AttentionKernels {
     prefill_wgmma: Option<Kernel>,
     decode_4w: Kernel,
     decode_8w: Kernel,
+    /// The same two over an FP8 latent cache.
+    decode_fp8_4w: Kernel,
+    decode_fp8_8w: Kernel,
     combine: Kernel,
     combine_absorb_o: Kernel,
     sm_count: usize,
@@ -36,12 +41,24 @@ pub enum DecodeKernel {
 impl DecodeKernel {
     pub const ALL: [DecodeKernel; 2] = [DecodeKernel::FourWarps, DecodeKernel::EightWarps];
 
-    /// The faster one for `batch` requests.
+    /// The faster one for `batch` requests over a bf16 cache.
     pub fn for_batch(batch: usize) -> DecodeKernel {
         if batch == 1 || (32..=64).contains(&batch) {
             DecodeKernel::EightWarps
         } else {
             DecodeKernel::FourWarps
+        }
+    }
+
+    /// The faster one for `batch` requests over a cache of `dtype`. Over an FP8 cache the
+    /// dequantization of each page runs between its load and its MMAs, on the same warps, and
+    /// four warps (one per scheduler) cannot hide its latency: eight are 1.2-1.4x faster at every
+    /// batch (run F2, H100, docs/performance.md "FP8 latent cache").
+    pub fn for_cache(batch: usize, dtype: mla_core::KvCacheDtype) -> DecodeKernel {
+        if dtype.is_fp8() {
+            DecodeKernel::EightWarps
+        } else {
+            DecodeKernel::for_batch(batch)
         }
     }
 }
@@ -108,7 +125,7 @@ pub struct DecodeAttention<'a> {
     pub heads: usize,
     /// [batch, heads, 576]: absorbed q_lat | roped q_pe.
     pub q: DSlice<'a, bf16>,
-    pub cache: DSlice<'a, bf16>,
+    pub cache: LatentCacheSlice<'a>,
     pub block_tables: DSlice<'a, i32>,
     /// One element on the device: the row stride of `block_tables`.
     pub bt_stride: DSlice<'a, i32>,
@@ -178,16 +195,22 @@ impl AttentionKernels {
         } else {
             None
         };
-        for (bytes, what) in [(PREFILL_SMEM_BYTES, "prefill attention"), (DECODE_SMEM_BYTES_4W, "decode attention")] {
+        for (bytes, what) in [
+            (PREFILL_SMEM_BYTES, "prefill attention"),
+            (DECODE_SMEM_BYTES_4W, "decode attention"),
+            (DECODE_SMEM_BYTES_FP8_4W, "decode attention over an FP8 cache"),
+        ] {
             ensure_smem(info, bytes, what)?;
         }
         let kernels = AttentionKernels {
             prefill_mma: k("attention_prefill", "mla_prefill_attention")?,
             prefill_wgmma,
             // Both decode kernels keep Q in registers and are dispatched by batch size
-            // (DecodeKernel::for_batch), on every GPU (cubin and PTX).
+            // (DecodeKernel::for_cache), on every GPU (cubin and PTX).
             decode_4w: k("attention_decode", "mla_decode_attention_4w")?,
             decode_8w: k("attention_decode", "mla_decode_attention_8w")?,
+            decode_fp8_4w: k("attention_decode", "mla_decode_attention_fp8_4w")?,
+            decode_fp8_8w: k("attention_decode", "mla_decode_attention_fp8_8w")?,
             combine: k("attention_decode", "mla_decode_combine")?,
             combine_absorb_o: k("attention_decode", "mla_decode_combine_absorb_o")?,
             sm_count: info.sm_count,
@@ -195,6 +218,8 @@ impl AttentionKernels {
         kernels.prefill_mma.set_max_dynamic_smem(PREFILL_SMEM_BYTES)?;
         kernels.decode_4w.set_max_dynamic_smem(DECODE_SMEM_BYTES_4W)?;
         kernels.decode_8w.set_max_dynamic_smem(DECODE_SMEM_BYTES_8W)?;
+        kernels.decode_fp8_4w.set_max_dynamic_smem(DECODE_SMEM_BYTES_FP8_4W)?;
+        kernels.decode_fp8_8w.set_max_dynamic_smem(DECODE_SMEM_BYTES_FP8_8W)?;
         Ok(kernels)
     }
 
@@ -290,9 +315,9 @@ impl AttentionKernels {
     }
 
     /// Decode attention (kernels/attention_decode.cu) through the kernel for this batch size
-    /// ([`DecodeKernel::for_batch`]), merging the splits into `out`.
+    /// and cache ([`DecodeKernel::for_cache`]), merging the splits into `out`.
     pub fn decode(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
-        self.decode_with(s, p, DecodeKernel::for_batch(p.batch))
+        self.decode_with(s, p, DecodeKernel::for_cache(p.batch, p.cache.dtype))
     }
 
     /// Decode attention through a chosen implementation (tests and benchmarks compare both).
@@ -328,7 +353,7 @@ impl AttentionKernels {
     /// one split and leaving `out` untouched: the first half of a small decode step whose second is
     /// [`AttentionKernels::decode_combine_absorb_o`].
     pub fn decode_partials(&self, s: CUstream, p: &DecodeAttention) -> anyhow::Result<()> {
-        self.decode_launch(s, p, DecodeKernel::for_batch(p.batch), false)
+        self.decode_launch(s, p, DecodeKernel::for_cache(p.batch, p.cache.dtype), false)
     }
 
     fn decode_launch(
@@ -340,7 +365,12 @@ impl AttentionKernels {
     ) -> anyhow::Result<()> {
         let d = LATENT + ROPE;
         ensure_len!(p.q, p.batch * p.heads * d, "decode queries");
-        anyhow::ensure!(p.cache.len.is_multiple_of(d), "latent cache length {} is not a multiple of {d}", p.cache.len);
+        let rb = row_bytes(p.cache.dtype);
+        anyhow::ensure!(
+            p.cache.bytes.len.is_multiple_of(rb),
+            "latent cache of {} bytes is not a whole number of {rb}-byte rows",
+            p.cache.bytes.len
+        );
         ensure_len!(p.bt_stride, 1, "block-table stride");
         ensure_len!(p.seq_lens, p.batch, "sequence lengths");
         anyhow::ensure!((1..=64).contains(&p.num_splits), "decode splits {} outside 1..=64", p.num_splits);
@@ -353,9 +383,11 @@ impl AttentionKernels {
         }
         let scale_log2 = p.scale * std::f32::consts::LOG2_E;
         let grid = (p.num_splits as u32, p.heads.div_ceil(DECODE_HEAD_TILE) as u32, p.batch as u32);
-        let (kernel, threads, smem) = match which {
-            DecodeKernel::FourWarps => (&self.decode_4w, 128, DECODE_SMEM_BYTES_4W),
-            DecodeKernel::EightWarps => (&self.decode_8w, 256, DECODE_SMEM_BYTES_8W),
+        let (kernel, threads, smem) = match (which, p.cache.is_fp8()) {
+            (DecodeKernel::FourWarps, false) => (&self.decode_4w, 128, DECODE_SMEM_BYTES_4W),
+            (DecodeKernel::EightWarps, false) => (&self.decode_8w, 256, DECODE_SMEM_BYTES_8W),
+            (DecodeKernel::FourWarps, true) => (&self.decode_fp8_4w, 128, DECODE_SMEM_BYTES_FP8_4W),
+            (DecodeKernel::EightWarps, true) => (&self.decode_fp8_8w, 256, DECODE_SMEM_BYTES_FP8_8W),
         };
         kernel.launch(
             s,
@@ -365,7 +397,7 @@ impl AttentionKernels {
             &[
                 Arg::Ptr(p.q.ptr),
                 Arg::I32((p.heads * d) as i32),
-                Arg::Ptr(p.cache.ptr),
+                Arg::Ptr(p.cache.ptr()),
                 Arg::Ptr(p.block_tables.ptr),
                 Arg::Ptr(p.bt_stride.ptr),
                 Arg::Ptr(p.seq_lens.ptr),

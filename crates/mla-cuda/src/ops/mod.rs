@@ -28,8 +28,8 @@ pub use attention::{
     PrefillPass, SplitPartials,
 };
 pub use dims::{
-    COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS, LATENT, LATENT_ROW,
-    MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
+    COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS, LATENT, LATENT_FP8_ROW_BYTES,
+    LATENT_ROW, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
 };
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use expert_mats::ExpertMats;
@@ -38,7 +38,7 @@ pub use fp8_gemm::Fp8Act;
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
 pub use gemv_fp8::{Fp8GemvKind, GemvFp8Kernels};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, GroupedInput, Sm90Schedule};
-pub use latent::{AbsorbQ, LatentKernels, RopeCache};
+pub use latent::{row_bytes as cache_row_bytes, AbsorbQ, LatentCacheSlice, LatentKernels, RopeCache};
 pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams, TileM};
 pub use moe_gemv::{MoeGemvExperts, MoeGemvKernels, MoeGemvRouter};
@@ -65,7 +65,7 @@ impl Kernels {
     pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
         Ok(Kernels {
             elementwise: ElementwiseKernels::load(m, info)?,
-            latent: LatentKernels::load(m)?,
+            latent: LatentKernels::load(m, info.sm_count)?,
             attention: AttentionKernels::load(m, info)?,
             moe: MoeKernels::load(m)?,
             grouped_gemm: GroupedGemmKernels::load(m, info)?,

@@ -11,7 +11,9 @@ use mla_core::SplitMix64;
 use mla_core::{CheckpointError, DummyWeights, Fp8Tensor, WeightSource};
 use mla_cuda::gpu::{DSlice, DeviceBuffer};
 use mla_cuda::model::StepMeta;
-use mla_cuda::ops::{AbsorbQ, DecodeAttention, MoeRouting, RopeCache, TileM, FP8_BLOCK, LATENT, NOPE, V_HEAD};
+use mla_cuda::ops::{
+    AbsorbQ, DecodeAttention, LatentCacheSlice, MoeRouting, RopeCache, TileM, FP8_BLOCK, LATENT, NOPE, V_HEAD,
+};
 use mla_cuda::Device;
 use std::path::PathBuf;
 
@@ -141,7 +143,7 @@ pub struct DecodeCase<'a> {
     pub batch: usize,
     pub heads: usize,
     pub q: DSlice<'a, bf16>,
-    pub cache: DSlice<'a, bf16>,
+    pub cache: LatentCacheSlice<'a>,
     pub block_tables: DSlice<'a, i32>,
     pub bt_stride: DSlice<'a, i32>,
     pub seq_lens: DSlice<'a, i32>,
@@ -156,7 +158,7 @@ impl<'a> DecodeCase<'a> {
         words: &'a DeviceBuffer<i32>,
         heads: usize,
         q: DSlice<'a, bf16>,
-        cache: DSlice<'a, bf16>,
+        cache: impl Into<LatentCacheSlice<'a>>,
         scale: f32,
     ) -> Self {
         let d = meta.decode().expect("a decode step's metadata");
@@ -165,7 +167,7 @@ impl<'a> DecodeCase<'a> {
             batch: meta.seqs,
             heads,
             q,
-            cache,
+            cache: cache.into(),
             block_tables: w.tail(d.block_tables.off),
             bt_stride: d.bt_stride.on(w),
             seq_lens: d.seq_lens.on(w),
@@ -232,7 +234,7 @@ pub struct RopeCase<'a> {
     pub positions: DSlice<'a, i32>,
     pub slots: DSlice<'a, i32>,
     pub inv_freq: DSlice<'a, f32>,
-    pub cache: DSlice<'a, bf16>,
+    pub cache: LatentCacheSlice<'a>,
 }
 
 impl<'a> RopeCase<'a> {
