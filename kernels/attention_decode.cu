@@ -141,14 +141,17 @@ __device__ __forceinline__ void decode_attention_body(
         __syncthreads();
         if constexpr (FP8) {
             // This page's staged rows to the bf16 page (the previous page's readers finished at
-            // the loop's last barrier), 8 codes per thread and step.
+            // the loop's last barrier), 16 codes of one scale group per thread and step.
             const unsigned char* src = staging + stage * PAGE * FP8_ROW;
-#pragma unroll 4
-            for (int c = tid; c < PAGE * (D / 8); c += NTHREADS) {
-                const int r = c / (D / 8), j = c % (D / 8);
+#pragma unroll 3
+            for (int c = tid; c < PAGE * (D / 16); c += NTHREADS) {
+                const int r = c / (D / 16), j = c % (D / 16);
                 const unsigned char* row = src + r * FP8_ROW;
-                *reinterpret_cast<uint4*>(KVs + r * KV_STRIDE + j * 8) = latent_fp8x8_to_bf16(
-                    *reinterpret_cast<const uint2*>(row + j * 8), row[D + j * 8 / LATENT_FP8_GROUP]);
+                const uint4 codes = *reinterpret_cast<const uint4*>(row + j * 16);
+                const __nv_bfloat162 f = latent_fp8_factor(row[D + j * 16 / LATENT_FP8_GROUP]);
+                uint4* dst = reinterpret_cast<uint4*>(KVs + r * KV_STRIDE + j * 16);
+                dst[0] = latent_fp8x8_to_bf16(make_uint2(codes.x, codes.y), f);
+                dst[1] = latent_fp8x8_to_bf16(make_uint2(codes.z, codes.w), f);
             }
             __syncthreads();
         }

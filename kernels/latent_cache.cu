@@ -176,7 +176,7 @@ extern "C" __global__ void gather_latent_fp8(const unsigned char* __restrict__ c
         const unsigned char* row = cache + (size_t)idx[r] * LATENT_FP8_ROW_BYTES;
         const uint2 codes = *reinterpret_cast<const uint2*>(row + c * 8);
         reinterpret_cast<uint4*>(out + (size_t)r * LATENT_ROW)[c] =
-            latent_fp8x8_to_bf16(codes, row[LATENT_ROW + c * 8 / LATENT_FP8_GROUP]);
+            latent_fp8x8_to_bf16(codes, latent_fp8_factor(row[LATENT_ROW + c * 8 / LATENT_FP8_GROUP]));
     }
 }
 

@@ -7,13 +7,15 @@
 
 #include "common.cuh"
 
-// The smallest k with amax <= 448 * 2^k, as k + 127 clamped to [1, 253]: integer arithmetic on
-// the bits (amax = 1.m * 2^(E - 127); 448 = 1.75 * 2^8), as latent_fp8::scale_exponent.
+// The smallest k with amax <= 448 * 2^k, as k + 127 clamped to [1, LATENT_FP8_MAX_EXPONENT]:
+// integer arithmetic on the bits (amax = 1.m * 2^(E - 127); 448 = 1.75 * 2^8), as
+// latent_fp8::scale_exponent.
+constexpr int LATENT_FP8_MAX_EXPONENT = 127 + 7;
 DEVICE_INLINE int latent_scale_exponent(float amax) {
     if (!(amax > 0.f)) return 127;
     const unsigned bits = __float_as_uint(amax);
     const int e = (int)((bits >> 23) & 0xff) - 8 + ((bits & 0x7fffff) > 0x600000u ? 1 : 0);
-    return min(max(e, 1), 253);
+    return min(max(e, 1), LATENT_FP8_MAX_EXPONENT);
 }
 
 // e4m3(v / 2^(e - 127)), round to nearest even, saturating (v / 2^(e - 127) is exact).
@@ -29,23 +31,24 @@ DEVICE_INLINE uint32_t e4m3x2_as_bf16x2_scaled(uint32_t x) {
     return ((x << 8) & 0x80008000u) | ((x << 4) & 0x07f007f0u);
 }
 
-// 8 codes of one scale group (e: its exponent byte) to 8 bf16 values code * 2^(e - 127), exact
-// (a code has 4 significant bits; bf16 keeps 8 and f32's exponent range). The 2^120 the bit
-// placement leaves out and the scale are one bf16 multiply while 120 + k <= 127 (a group's
-// amax up to 57,344), two beyond.
-DEVICE_INLINE uint4 latent_fp8x8_to_bf16(uint2 codes, int e) {
-    const int k = e - 127;
-    const int k1 = min(k, 7);
-    const __nv_bfloat162 f1 = __float2bfloat162_rn(__uint_as_float((unsigned)(127 + 120 + k1) << 23));
-    uint32_t w[4] = {__byte_perm(codes.x, 0, 0x4140), __byte_perm(codes.x, 0, 0x4342), __byte_perm(codes.y, 0, 0x4140),
-                     __byte_perm(codes.y, 0, 0x4342)};
+// The bf16 factor that takes e4m3x2_as_bf16x2_scaled's values to code * 2^(e - 127): 2^(120 + k),
+// a normal bf16 for every exponent the format allows (k <= 7).
+DEVICE_INLINE __nv_bfloat162 latent_fp8_factor(int e) {
+    return __float2bfloat162_rn(__uint_as_float((unsigned)(e + 120) << 23));
+}
+
+// 8 codes of one scale group (f: latent_fp8_factor of its exponent) to 8 bf16 values
+// code * 2^(e - 127), exact (a code has 4 significant bits; bf16 keeps 8 and f32's exponent
+// range): the bit placement, then one bf16 multiply per pair.
+DEVICE_INLINE uint4 latent_fp8x8_to_bf16(uint2 codes, __nv_bfloat162 f) {
+    const uint32_t w[4] = {__byte_perm(codes.x, 0, 0x4140), __byte_perm(codes.x, 0, 0x4342),
+                           __byte_perm(codes.y, 0, 0x4140), __byte_perm(codes.y, 0, 0x4342)};
     uint4 out;
     uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const uint32_t b = e4m3x2_as_bf16x2_scaled(w[i]);
-        __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), f1);
-        if (k > k1) v = __hmul2(v, __float2bfloat162_rn(__uint_as_float((unsigned)(127 + k - k1) << 23)));
+        const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), f);
         o[i] = *reinterpret_cast<const uint32_t*>(&v);
     }
     return out;

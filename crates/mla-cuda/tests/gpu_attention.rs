@@ -382,8 +382,8 @@ fn decode_latent_case(
 /// the exactly dequantized rows: both kernels, every split count below, give the same bits as
 /// the bf16 kernels over a bf16 cache holding `latent_fp8::dequantize_row` of each FP8 row. Rows
 /// no sequence owns hold NaN codes in the FP8 cache (and NaN in the bf16 one); some rows have a
-/// group past 57,344 and a group spanning seven decades (the dequantization's second multiply
-/// and e4m3 subnormals).
+/// group past 57,344 (saturated at the largest scale) and a group spanning seven decades (e4m3
+/// subnormals).
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn decode_over_an_fp8_cache_equals_decode_over_its_dequantized_rows() {

@@ -18,6 +18,8 @@
 //!   so finer groups than vLLM's per-128 cost nothing, and the rope part (the last 64 columns)
 //!   gets a scale of its own instead of sharing one with c_kv of a different magnitude.
 //! - The rope part in FP8 too: bf16 k_pe would make rows of 656 bytes (1.76x, not 1.95x).
+//! - Scales up to 2^7 ([`MAX_EXPONENT`]): values beyond ±57,344 saturate, so that the decode
+//!   kernel dequantizes 16 codes with eight bf16 multiplies and no second path.
 //!
 //! Both backends quantize with these functions' arithmetic (the CUDA write in
 //! `kernels/latent_cache.cu`), and the GPU tests hold the two to the same bytes.
@@ -72,11 +74,20 @@ pub fn row_bytes(dim: usize) -> usize {
     (dim + groups(dim)).div_ceil(16) * 16
 }
 
+/// The largest exponent byte: scales up to 2^7, so a group's values saturate at ±57,344
+/// (448 * 2^7). The decode kernel dequantizes with one bf16 multiply by 2^(120 + k), which is a
+/// bf16 value only for k <= 7; cached latents of the published models stay far below (c_kv is
+/// normalized, k_pe a projection of a normalized hidden state).
+pub const MAX_EXPONENT: u8 = 127 + 7;
+/// Where values saturate.
+pub const MAX_VALUE: f32 = 448.0 * 128.0;
+
 /// The scale exponent byte of a group whose largest magnitude is `amax`: the smallest power of
-/// two `2^k` with `amax / 2^k <= 448`, as `k + 127`, clamped to [1, 253] so that both the scale
-/// and its inverse are normal f32 values. Integer arithmetic on the bits (no log2), so the CUDA
-/// quantizer computes the same byte: with `amax = 1.m * 2^(E-127)`, `amax <= 448 * 2^k` holds
-/// for `k = E - 135` when `1.m <= 1.75` (448 = 1.75 * 2^8) and needs one more otherwise.
+/// two `2^k` with `amax / 2^k <= 448`, as `k + 127`, clamped to [1, MAX_EXPONENT] (so that the
+/// scale, its inverse and the decode kernel's factor are normal). Integer arithmetic on the bits
+/// (no log2), so the CUDA quantizer computes the same byte: with `amax = 1.m * 2^(E-127)`,
+/// `amax <= 448 * 2^k` holds for `k = E - 135` when `1.m <= 1.75` (448 = 1.75 * 2^8) and needs
+/// one more otherwise.
 pub fn scale_exponent(amax: f32) -> u8 {
     if amax.is_nan() || amax <= 0.0 {
         return 127;
@@ -84,7 +95,7 @@ pub fn scale_exponent(amax: f32) -> u8 {
     let bits = amax.to_bits();
     let (exp, man) = ((bits >> 23) & 0xff, bits & 0x7f_ffff);
     let e = exp as i32 - 8 + i32::from(man > 0x60_0000);
-    e.clamp(1, 253) as u8
+    e.clamp(1, MAX_EXPONENT as i32) as u8
 }
 
 /// `2^(e - 127)`.
@@ -134,7 +145,7 @@ mod tests {
 
     #[test]
     fn the_exponent_is_the_smallest_that_fits() {
-        for &amax in &[448.0f32, 449.0, 1.0, 0.875, 1.75, 1.7500001, 3.0e-3, 12345.0, 1e-30] {
+        for &amax in &[448.0f32, 449.0, 1.0, 0.875, 1.75, 1.7500001, 3.0e-3, 12345.0, MAX_VALUE, 1e-30] {
             let e = scale_exponent(amax);
             let s = scale_of(e);
             assert!(amax / s <= 448.0, "{amax}: scale {s} too small");
@@ -143,7 +154,14 @@ mod tests {
         assert_eq!(scale_exponent(448.0), 127);
         assert_eq!(scale_exponent(449.0), 128);
         assert_eq!(scale_exponent(0.0), 127);
-        assert_eq!(scale_exponent(f32::INFINITY), 247); // any finite scale: an infinite value saturates
+        // Beyond the largest scale, values saturate at MAX_VALUE.
+        assert_eq!(scale_exponent(MAX_VALUE * 1.01), MAX_EXPONENT);
+        assert_eq!(scale_exponent(f32::INFINITY), MAX_EXPONENT);
+        let mut bytes = vec![0u8; row_bytes(2)];
+        quantize_row(&[1e6, -3.0], &mut bytes);
+        let mut back = [0f32; 2];
+        dequantize_row(&bytes, &mut back);
+        assert_eq!(back[0], MAX_VALUE);
     }
 
     #[test]
