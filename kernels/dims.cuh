@@ -20,10 +20,10 @@ constexpr int LATENT_ROW = LATENT + ROPE;  // one cached token of one layer: [c_
 constexpr int PAGE_SIZE = 64;
 
 // The FP8 latent cache (`--kv-cache-dtype fp8`, mla_core::model::latent_fp8): a row is the 576
-// e4m3 codes, one power-of-two scale exponent per group of 64 columns (9 bytes), zero padding to
-// a multiple of 16 bytes: 592 bytes against 1,152 in bf16.
+// e4m3 codes, then one 16-byte block with the power-of-two scale exponents of the groups of 64
+// columns (9 bytes) and zero padding: 592 bytes against 1,152 in bf16.
 constexpr int LATENT_FP8_GROUP = 64;
-constexpr int LATENT_FP8_ROW_BYTES = (LATENT_ROW + LATENT_ROW / LATENT_FP8_GROUP + 15) / 16 * 16;
+constexpr int LATENT_FP8_ROW_BYTES = LATENT_ROW + 16;
 
 // Threads of the query absorption fused into the rope/cache launch: one per latent column.
 constexpr int ROPE_ABSORB_THREADS = LATENT;

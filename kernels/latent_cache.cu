@@ -187,7 +187,8 @@ extern "C" __global__ void fill_latent_fp8_random(unsigned char* __restrict__ ca
                                                   unsigned long long seed) {
     PDL_ENTRY();
     const long long n = rows * LATENT_FP8_ROW_BYTES;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         const int col = (int)(i % LATENT_FP8_ROW_BYTES);
         unsigned char b;
         if (col < LATENT_ROW) {

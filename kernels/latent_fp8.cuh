@@ -7,6 +7,9 @@
 
 #include "common.cuh"
 
+static_assert(LATENT_ROW % 16 == 0 && LATENT_ROW / LATENT_FP8_GROUP <= 16,
+              "an FP8 row's exponents must fit the 16-byte block after its codes");
+
 // The smallest k with amax <= 448 * 2^k, as k + 127 clamped to [1, LATENT_FP8_MAX_EXPONENT]:
 // integer arithmetic on the bits (amax = 1.m * 2^(E - 127); 448 = 1.75 * 2^8), as
 // latent_fp8::scale_exponent.

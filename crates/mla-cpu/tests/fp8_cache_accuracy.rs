@@ -72,7 +72,10 @@ fn drift(ours: &[Vec<f32>], oracle: &[Vec<f32>]) -> Drift {
 
 /// Every prompt's rows (prefill of the prompt, then teacher-forced decode), the cache holding
 /// `dtype`; `plant` may alter the FP8 cache after the prefill.
-fn rows(variant: &str, dtype: KvCacheDtype, plant: Option<&dyn Fn(&mut [u8], usize)>) -> (Vec<Vec<f32>>, Vec<Prompt>) {
+/// A fault planted in an FP8 cache's bytes (rows of `row_bytes(dim)`; the second argument is dim).
+type Plant<'a> = &'a dyn Fn(&mut [u8], usize);
+
+fn rows(variant: &str, dtype: KvCacheDtype, plant: Option<Plant>) -> (Vec<Vec<f32>>, Vec<Prompt>) {
     let dir = fixture_dir(variant);
     assert!(dir.is_dir(), "{variant}: the fixture directory {} is absent", dir.display());
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();

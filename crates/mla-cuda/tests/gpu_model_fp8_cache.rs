@@ -17,7 +17,7 @@ use common::*;
 use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, KvCacheDtype, ModelConfig};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
-use std::path::PathBuf;
+use std::path::Path;
 
 const DRIFT_FACTOR: f64 = 4.0;
 const TOP1_MARGIN: f64 = 0.1;
@@ -62,7 +62,7 @@ fn step(b: &mut CudaBackend, kind: StepKind, seqs: Vec<SeqStep>) -> StepOutput {
     b.step(&StepPlan { kind, seqs }).unwrap()
 }
 
-fn backend(dir: &PathBuf, cfg: &ModelConfig, dtype: KvCacheDtype, blocks: usize, chunk: usize) -> CudaBackend {
+fn backend(dir: &Path, cfg: &ModelConfig, dtype: KvCacheDtype, blocks: usize, chunk: usize) -> CudaBackend {
     let opts = CudaOptions {
         fp8_w8a8: false,
         max_num_batched_tokens: chunk,
@@ -72,7 +72,7 @@ fn backend(dir: &PathBuf, cfg: &ModelConfig, dtype: KvCacheDtype, blocks: usize,
         kv_cache_dtype: dtype,
         ..Default::default()
     };
-    CudaBackend::new(cfg.clone(), WeightsFrom::Checkpoint(dir.clone()), opts).unwrap()
+    CudaBackend::new(cfg.clone(), WeightsFrom::Checkpoint(dir.to_path_buf()), opts).unwrap()
 }
 
 /// Prompt prefill then teacher-forced decode of `cont`: the rows of every fed token.
@@ -136,7 +136,7 @@ fn fp8_cache_over_long_contexts_against_the_bf16_cache() {
     let chunk = 2048;
     for ctx in [4096usize, 12288] {
         let prompt: Vec<u32> =
-            std::iter::once(0).chain((1..ctx as u32).map(|i| (i * 2_654_435_761u32 >> 7) % 510 + 2)).collect();
+            std::iter::once(0).chain((1..ctx as u32).map(|i| ((i * 2_654_435_761u32) >> 7) % 510 + 2)).collect();
         let blocks = (ctx + 64).div_ceil(64) + 1;
         let table: Vec<u32> = (0..blocks as u32).rev().collect();
         let mut bf = backend(&dir, &cfg, KvCacheDtype::Auto, blocks, chunk);
