@@ -2,16 +2,17 @@
 reads the same FP8 rows as the CUDA backend (mla_core::model::latent_fp8): the startup log and
 /metrics say what the cache holds; on the `real_dims` fixture (the published 576-value latent
 rows, nine scale groups) concurrent greedy requests, each prompt twice (the second finds its
-prefix cached), give the same tokens in every layout (one rank, --tp 2, --dp 2, DP attention)
-and with a cache so small that requests are preempted and recomputed. Their distance from HF
-itself is the Rust test `mla-cpu/tests/fp8_cache_accuracy.rs`."""
+prefix cached), give the same tokens in every layout (one rank, --tp 2, --dp 2, DP attention,
+DP attention over two nodes) and with a cache so small that requests are preempted and
+recomputed; nodes that disagree on the cache dtype are refused. Their distance from HF itself
+is the Rust test `mla-cpu/tests/fp8_cache_accuracy.rs`."""
 
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server import Server
+from server import Server, free_addr, run_cli, start_node
 from test_parallel import model_dir
 
 VARIANT = "real_dims"
@@ -24,8 +25,11 @@ LAYOUTS = {
 }
 
 
-def run_layout(flags, tmp_path):
+def run_layout(flags, tmp_path, node1_flags=None):
     oracle = model_dir(VARIANT, tmp_path)
+    node1 = None
+    if node1_flags is not None:
+        node1, node1_log = start_node(1, node1_flags[0], node1_flags[1])
     server = Server(
         "--model",
         str(tmp_path),
@@ -63,6 +67,8 @@ def run_layout(flags, tmp_path):
         return log, metrics, [o for o, _ in outputs], again
     finally:
         assert server.stop() == 0
+        if node1 is not None:
+            assert node1.wait(timeout=30) == 0, open(node1_log).read()
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +101,25 @@ def test_every_layout_gives_the_one_rank_tokens(layout, one_rank, tmp_path):
     assert got == want, layout
     if layout == "preempted":
         assert metrics["mla:num_preemptions_total"] > 0, "no request was preempted"
+
+
+def test_two_nodes_give_the_one_rank_tokens(one_rank, tmp_path):
+    _, _, want, _ = one_rank
+    addr = free_addr()
+    layout = ["--tp", "2", "--enable-dp-attention"]
+    common = ["--model", str(tmp_path), "--device", "cpu", "--kv-cache-dtype", "fp8", "--block-size", "16", *layout]
+    log, _, got, _ = run_layout(
+        [*layout, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr], tmp_path, (addr, common)
+    )
+    assert "on 2 nodes" in log
+    assert got == want
+
+
+def test_nodes_that_disagree_on_the_cache_dtype_are_refused(tmp_path):
+    model_dir(VARIANT, tmp_path)
+    addr = free_addr()
+    base = ["--model", str(tmp_path), "--device", "cpu", "--tp", "2", "--dist-timeout", "20"]
+    node1, log1 = start_node(1, addr, base + ["--kv-cache-dtype", "fp8"])
+    r = run_cli(*base, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr, "--port", "0")
+    assert r.returncode != 0 and "fp8_e4m3" in r.stderr, r.stderr
+    assert node1.wait(timeout=30) != 0
