@@ -33,7 +33,8 @@
 #                 bf16 in each mode, whose noise must agree within 1.5x    matrix-tf.log
 #   big-MODEL     a large model with FP8 weights at default flags in tp and dpa: MODEL v2 (236B,
 #                 full depth) or v3 (MLA_V3_LAYERS layers, 16); serves 1024-in / MLA_BIG_OUTPUT
-#                 (1024) out at concurrency 1, 64 and 256                  big-MODEL-MODE-cN.json
+#                 (1024) out at concurrency 1, 64 and 256; MLA_BIG_MODES picks the modes (tp dpa),
+#                 MLA_BIG_FLAGS adds server flags (e.g. --kv-cache-dtype fp8)  big-MODEL-MODE-cN.json
 #   router        prefix-aware routing against least-loaded (--router-policy), V2-Lite shape,
 #                 dummy weights, in replicas and dpa: multi-turn (64 conversations x 8 turns of
 #                 512 tokens, 128 out, c=64, MLA_ROUTER_TURN_DELAY: 2 s of a user's reading and
@@ -391,11 +392,12 @@ stage_big() {
     extra=(--hf-overrides "{\"num_hidden_layers\": ${MLA_V3_LAYERS:-16}}")
   fi
   python3 scripts/wide_tokenizer.py assets/demo "$work/wide-$model" "$vocab" > /dev/null 2>&1 || true
-  for mode in tp dpa; do
+  for mode in ${MLA_BIG_MODES:-tp dpa}; do
     local tag="big-$model-$mode"
-    # shellcheck disable=SC2046
+    # shellcheck disable=SC2046,SC2086 # flags are words
     server_start "$out/$tag.server.log" --model "deepseek-$model" --load-format dummy --device cuda \
-      --tokenizer "$work/wide-$model" --quantization fp8 $(flags_of "$mode") "${extra[@]}" || { rc=1; continue; }
+      --tokenizer "$work/wide-$model" --quantization fp8 $(flags_of "$mode") "${extra[@]}" ${MLA_BIG_FLAGS:-} ||
+      { rc=1; continue; }
     ((dry)) || grep -E 'weights|steps:|KV cache|cut to|trying' "$out/$tag.server.log" | cut -c1-220 | sed 's/^/  /'
     serve_case "$tag-c1" 1 2 "$olen" || rc=1
     serve_case "$tag-c64" 64 64 "$olen" || rc=1
