@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from server import Server, free_addr, run_cli, start_node
-from test_parallel import model_dir
+from test_parallel import greedy_completion, model_dir, token_ids
 
 VARIANT = "real_dims"
 LAYOUTS = {
@@ -49,15 +49,8 @@ def run_layout(flags, tmp_path, node1_flags=None):
         prompts = oracle["prompts"] * 2
 
         def greedy(p):
-            r = client.completions.create(
-                model=VARIANT,
-                prompt=p["prompt"],
-                max_tokens=len(p["continuation"]),
-                temperature=0,
-                logprobs=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-            )
-            return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens], r.usage
+            r = greedy_completion(client, VARIANT, p)
+            return token_ids(r), r.usage
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(greedy, prompts))

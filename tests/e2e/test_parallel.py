@@ -25,6 +25,22 @@ LAYOUTS = {
 }
 
 
+def greedy_completion(client, model, p):
+    """An oracle prompt's greedy completion of its continuation's length, as token ids (`token_ids`)."""
+    return client.completions.create(
+        model=model,
+        prompt=p["prompt"],
+        max_tokens=len(p["continuation"]),
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+
+
+def token_ids(completion):
+    return [int(t.split(":")[1]) for t in completion.choices[0].logprobs.tokens]
+
+
 def model_dir(variant, tmp_path):
     src = FIXTURES / variant
     for name in ("config.json", "model.safetensors"):
@@ -48,15 +64,7 @@ def test_concurrent_greedy_requests_match_hf(layout, variant, tmp_path):
         prompts = oracle["prompts"] * 2
 
         def greedy(p):
-            r = client.completions.create(
-                model=variant,
-                prompt=p["prompt"],
-                max_tokens=len(p["continuation"]),
-                temperature=0,
-                logprobs=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-            )
-            return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+            return token_ids(greedy_completion(client, variant, p))
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(greedy, prompts))
@@ -168,10 +176,7 @@ def test_two_nodes_serve_hf_greedy_and_stop_together(layout, tmp_path):
         prompts = oracle["prompts"] * 2
 
         def greedy(p):
-            r = client.completions.create(model="m", prompt=p["prompt"], max_tokens=len(p["continuation"]),
-                                          temperature=0, logprobs=0,
-                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-            return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+            return token_ids(greedy_completion(client, "m", p))
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(greedy, prompts))

@@ -47,18 +47,6 @@ impl LatentCache {
         self.dim
     }
 
-    pub fn dtype(&self) -> KvCacheDtype {
-        match self.storage {
-            Storage::F32(_) => KvCacheDtype::Auto,
-            Storage::Fp8(_) => KvCacheDtype::Fp8E4m3,
-        }
-    }
-
-    /// Bytes one token takes in every layer together.
-    pub fn bytes_per_token(&self) -> usize {
-        self.num_layers * bytes_per_row(self.dtype(), self.dim)
-    }
-
     /// The slot's index among all layers' slots.
     fn index(&self, layer: usize, slot: usize) -> usize {
         assert!(layer < self.num_layers && slot < self.num_blocks * self.block_size, "cache slot out of range");
@@ -79,25 +67,13 @@ impl LatentCache {
     }
 
     /// The values stored at `slot` (dequantized from an FP8 cache) into `out`.
-    pub fn read_into(&self, layer: usize, slot: usize, out: &mut [f32]) {
+    fn read_into(&self, layer: usize, slot: usize, out: &mut [f32]) {
         let (i, dim) = (self.index(layer, slot), self.dim);
         match &self.storage {
             Storage::F32(data) => out.copy_from_slice(&data[i * dim..(i + 1) * dim]),
             Storage::Fp8(data) => {
                 let w = latent_fp8::row_bytes(dim);
                 latent_fp8::dequantize_row(&data[i * w..(i + 1) * w], out);
-            }
-        }
-    }
-
-    /// The stored bytes of one FP8 row (tests comparing with the CUDA cache); None in f32.
-    pub fn fp8_row(&self, layer: usize, slot: usize) -> Option<&[u8]> {
-        let i = self.index(layer, slot);
-        match &self.storage {
-            Storage::F32(_) => None,
-            Storage::Fp8(data) => {
-                let w = latent_fp8::row_bytes(self.dim);
-                Some(&data[i * w..(i + 1) * w])
             }
         }
     }
@@ -109,12 +85,6 @@ impl LatentCache {
             Storage::F32(_) => None,
             Storage::Fp8(data) => Some(data),
         }
-    }
-
-    pub fn row(&self, layer: usize, slot: usize) -> Vec<f32> {
-        let mut out = vec![0.0; self.dim];
-        self.read_into(layer, slot, &mut out);
-        out
     }
 
     /// Logical positions `0..len` of one sequence as a contiguous `[len, dim]` copy, following

@@ -14,6 +14,7 @@ mod common;
 
 use common::{fixture_dir, load_prompts, seq, Prompt};
 use mla_core::model::latent_fp8;
+use mla_core::sampling::{argmax, log_softmax};
 use mla_core::step::plan::{StepKind, StepPlan};
 use mla_core::{Backend, Checkpoint, KvCacheDtype, ModelConfig};
 use mla_cpu::CpuBackend;
@@ -44,22 +45,12 @@ impl Drift {
     }
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let lse = row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
-}
-
 fn drift(ours: &[Vec<f32>], oracle: &[Vec<f32>]) -> Drift {
     assert_eq!(ours.len(), oracle.len());
     let mut deltas: Vec<f64> = ours
         .iter()
         .zip(oracle)
-        .flat_map(|(a, b)| log_softmax(a).into_iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs()))
+        .flat_map(|(a, b)| log_softmax(a).into_iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs() as f64))
         .collect();
     deltas.sort_by(f64::total_cmp);
     let agree = ours.iter().zip(oracle).filter(|(a, b)| argmax(a) == argmax(b)).count();

@@ -14,6 +14,7 @@ mod common;
 
 use common::hf::*;
 use common::*;
+use mla_core::sampling::{argmax, log_softmax};
 use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, KvCacheDtype, ModelConfig};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
@@ -28,25 +29,15 @@ struct Drift {
     top1: f64,
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let lse = row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
 fn drift(ours: &[Vec<f32>], reference: &[Vec<f32>]) -> Drift {
     assert_eq!(ours.len(), reference.len());
     let mut d: Vec<f64> = ours
         .iter()
         .zip(reference)
-        .flat_map(|(a, b)| log_softmax(a).into_iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs()))
+        .flat_map(|(a, b)| log_softmax(a).into_iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs() as f64))
         .collect();
     d.sort_by(f64::total_cmp);
-    let agree = ours
-        .iter()
-        .zip(reference)
-        .filter(|(a, b)| mla_core::sampling::argmax(a) == mla_core::sampling::argmax(b))
-        .count();
+    let agree = ours.iter().zip(reference).filter(|(a, b)| argmax(a) == argmax(b)).count();
     Drift {
         mean: d.iter().sum::<f64>() / d.len() as f64,
         p99: d[d.len() * 99 / 100],
