@@ -44,6 +44,7 @@ from server import Server, run_cli
         (["--quantization", "awq"], "--quantization awq: not implemented; `fp8`"),
         (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: only fp8 (fp8_e4m3)"),
         (["--kv-cache-dtype", "int8"], "--kv-cache-dtype int8: expected auto, fp8 or fp8_e4m3"),
+        (["--kv-cache-dtype", "bfloat16"], "the cpu backend's cache holds float32 (auto) or fp8"),
     ],
 )
 def test_bad_flags_fail_at_start(args, needle):

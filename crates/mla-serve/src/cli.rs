@@ -377,7 +377,8 @@ impl Args {
         KvCacheDtype::parse(&self.kv_cache_dtype).map_err(anyhow::Error::msg)
     }
 
-    /// Refuses a --dtype the chosen backend does not compute in (cuda: bfloat16, cpu: float32).
+    /// Refuses a --dtype the chosen backend does not compute in (cuda: bfloat16, cpu: float32), and
+    /// a bf16 KV cache on the CPU.
     pub fn check_dtype(&self, on_cuda: bool) -> anyhow::Result<()> {
         let (native, device) = if on_cuda { (Dtype::Bfloat16, "cuda") } else { (Dtype::Float32, "cpu") };
         if self.dtype != Dtype::Auto && self.dtype != native {
@@ -387,6 +388,10 @@ impl Args {
                 name(self.dtype),
                 name(native)
             );
+        }
+        // vLLM's `bfloat16` names the compute dtype, which the CPU cache is not (it holds f32).
+        if !on_cuda && self.kv_cache_dtype == "bfloat16" {
+            anyhow::bail!("--kv-cache-dtype bfloat16: the cpu backend's cache holds float32 (auto) or fp8");
         }
         Ok(())
     }

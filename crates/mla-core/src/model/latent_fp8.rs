@@ -40,7 +40,8 @@ pub enum KvCacheDtype {
 }
 
 impl KvCacheDtype {
-    /// vLLM's spellings: `auto`, `fp8`, `fp8_e4m3`; `fp8_e5m2` and the others are refused.
+    /// vLLM's spellings: `auto`, `bfloat16` (the CUDA backend's compute dtype: the server refuses
+    /// it on the CPU), `fp8`, `fp8_e4m3`; `fp8_e5m2` and the others are refused.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "auto" | "bfloat16" => Ok(KvCacheDtype::Auto),
@@ -48,7 +49,7 @@ impl KvCacheDtype {
             "fp8_e5m2" => Err("--kv-cache-dtype fp8_e5m2: only fp8 (fp8_e4m3) is implemented; e5m2 keeps one \
                                mantissa bit less for a range the per-group scales already give"
                 .into()),
-            other => Err(format!("--kv-cache-dtype {other}: expected auto, fp8 or fp8_e4m3")),
+            other => Err(format!("--kv-cache-dtype {other}: expected auto, fp8 or fp8_e4m3 (bfloat16 on cuda)")),
         }
     }
 
