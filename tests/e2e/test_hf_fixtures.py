@@ -12,9 +12,12 @@ HF's own bf16 run moves logits by up to ~0.02 around its f32 values on these mod
 the H200, docs/cuda-backend.md), so a smaller gap may flip in bf16 without any bug.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,8 +47,9 @@ def comparable(prompt):
     return next((i for i, g in enumerate(gaps) if g < NEAR_TIE), len(gaps))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_greedy_continuation_matches_hf(variant, tmp_path):
+@contextlib.contextmanager
+def served(variant, tmp_path):
+    """The fixture model behind the real server (on NODES processes), with its HF oracle."""
     src = FIXTURES / variant
     # The fixtures are committed (tests/fixtures/README.md): without its oracle a test proves nothing.
     assert (src / "oracle.json").exists(), f"fixture {variant} is missing from {src}"
@@ -69,6 +73,23 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
     try:
         # stderr is a file here, not a terminal: loading logs its progress as lines.
         assert "100% (" in server.log_text(), server.log_text()
+        yield server, oracle
+    finally:
+        assert server.stop() == 0
+        for proc, log in followers:
+            assert proc.wait(timeout=60) == 0, Path(log).read_text()
+
+
+def check_choice(variant, p, choice):
+    got = [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+    k = comparable(p)
+    assert got[:k] == p["continuation"][:k], f"{variant}/{p['name']}"
+    text_check(choice.text, p["continuation"][:k], got)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_continuation_matches_hf(variant, tmp_path):
+    with served(variant, tmp_path) as (server, oracle):
         client = server.client()
         prompts = oracle["prompts"]
         r = client.completions.create(
@@ -80,14 +101,47 @@ def test_greedy_continuation_matches_hf(variant, tmp_path):
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         )
         for p, choice in zip(prompts, sorted(r.choices, key=lambda c: c.index)):
-            got = [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+            check_choice(variant, p, choice)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prompts_arriving_while_others_decode_match_hf(variant, tmp_path):
+    """Each prompt is its own request, sent once the previous one is decoding, so its prefill
+    shares steps with their decode rows (mixed steps under --enable-mixed-chunk, turns
+    otherwise): the outputs still equal HF's."""
+    with served(variant, tmp_path) as (server, oracle):
+        client = server.client()
+        prompts = oracle["prompts"]
+        # Decoding to the model's length limit, so it is still decoding when the next prompt
+        # arrives; only the oracle's continuation is compared.
+        limit = json.loads((FIXTURES / variant / "config.json").read_text())["max_position_embeddings"]
+
+        def run(p, started):
+            stream = client.completions.create(
+                model=variant, prompt=p["prompt"], max_tokens=limit - len(p["prompt"]), temperature=0, logprobs=0,
+                stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            )
+            tokens, text = [], ""
+            for chunk in stream:
+                c = chunk.choices[0]
+                tokens.extend(c.logprobs.tokens)
+                text += c.text
+                started.set()
+            return tokens
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = []
+            for p in prompts:
+                started = threading.Event()
+                futures.append(pool.submit(run, p, started))
+                started.wait(timeout=60)
+            outs = [f.result() for f in futures]
+        for p, tokens in zip(prompts, outs):
+            got = [int(t.split(":")[1]) for t in tokens]
             k = comparable(p)
             assert got[:k] == p["continuation"][:k], f"{variant}/{p['name']}"
-            text_check(choice.text, p["continuation"][:k], got)
-    finally:
-        assert server.stop() == 0
-        for proc, log in followers:
-            assert proc.wait(timeout=60) == 0, Path(log).read_text()
+        if "--enable-mixed-chunk" in EXTRA_FLAGS:
+            assert server.metrics()["mla:mixed_steps_total"] > 0, "no step was mixed"
 
 
 def node_env(node_rank):

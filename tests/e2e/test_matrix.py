@@ -152,11 +152,11 @@ def check_alone(out, oracle, hf):
     assert re.fullmatch(REGEX, text), f"structured output {text!r} does not match {REGEX}"
 
 
-def start(weights, layout, ranks, tmp_path):
+def start(weights, layout, ranks, tmp_path, steps=()):
     variant, extra, _ = WEIGHTS[weights]
     d = tmp_path / "model"
     oracle = model_dir(variant, d)
-    flags = ["--model", str(d), *COMMON, *extra]
+    flags = ["--model", str(d), *COMMON, *extra, *steps]
     if layout is None:
         return Server(*flags), None, oracle
     layout_flags = LAYOUTS[layout](ranks)
@@ -191,8 +191,22 @@ def reference(weights, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("weights", list(WEIGHTS))
 def test_layout_under_mixed_traffic_matches_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory):
+    run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout", [None, *LAYOUTS])
+@pytest.mark.parametrize("weights", ["bf16", "fp8-checkpoint"])
+def test_mixed_steps_under_mixed_traffic_match_one_rank(weights, layout, tmp_path, tmp_path_factory):
+    """Decode rows and prompt chunks in one step (`--enable-mixed-chunk`): the same greedy
+    outputs as one rank taking turns, through the same burst, preemption, aborts, n = 2,
+    structured output and prefix hits; and the steps really mixed."""
+    metrics = run_against_one_rank(weights, layout, 2, tmp_path, tmp_path_factory, ["--enable-mixed-chunk"])
+    assert metrics["mla:mixed_steps_total"] > 0, "no step was mixed"
+
+
+def run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory, steps=()):
     ref = reference(weights, tmp_path_factory)
-    server, node1, oracle = start(weights, layout, ranks, tmp_path)
+    server, node1, oracle = start(weights, layout, ranks, tmp_path, steps)
     try:
         out = traffic(server, ranks, oracle)
         metrics = server.metrics()
@@ -216,3 +230,4 @@ def test_layout_under_mixed_traffic_matches_one_rank(weights, layout, ranks, tmp
         if node1 is not None:
             node1[0].wait(timeout=30)
         assert code == 0, server.log_text()[-4000:]
+    return metrics

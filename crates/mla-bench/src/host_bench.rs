@@ -271,6 +271,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             max_queued_requests: 1 << 20,
             seed: a.seed,
             prefix_caching: true,
+            mixed_steps: false,
             step_watchdog: std::time::Duration::from_secs(600),
             router: mla_engine::RouterConfig::default(),
         },

@@ -1,5 +1,5 @@
 //! One MLA attention layer over a step's tokens: projections, latent normalisation, RoPE, cache
-//! writes, then the normal or the absorbed path per sequence, then `o_proj`.
+//! writes, then each sequence's path (normal or absorbed), then `o_proj`.
 
 use crate::attention_absorbed::absorbed_attention;
 use crate::attention_normal::normal_attention;
@@ -14,7 +14,7 @@ use mla_core::step::plan::slot_of;
 /// `config.rms_norm_eps` (which only the decoder-layer and final norms use).
 pub const LATENT_NORM_EPS: f32 = 1e-6;
 
-/// Which attention formulation a step uses.
+/// Which attention formulation a sequence's tokens use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionPath {
     /// Decompressed MHA (prefill).
@@ -32,6 +32,8 @@ pub struct SeqSpan<'a> {
     /// Position of the first fed token (tokens before it are already cached).
     pub context_len: usize,
     pub block_table: &'a [u32],
+    /// Prompt chunks take the normal path, decode rows the absorbed one, in the same step.
+    pub path: AttentionPath,
 }
 
 /// Everything attention needs that does not change between layers.
@@ -52,7 +54,6 @@ pub fn mla_forward(
     x: &[f32],
     seqs: &[SeqSpan],
     cache: &mut LatentCache,
-    path: AttentionPath,
 ) -> Vec<f32> {
     let d = ctx.dims;
     let mut q = match &w.query {
@@ -86,7 +87,7 @@ pub fn mla_forward(
         let latent = cache.gather(layer, s.block_table, s.context_len + s.len);
         let q_seq = &q[s.start * d.num_heads * qhd..(s.start + s.len) * d.num_heads * qhd];
         let q_pos: Vec<usize> = (s.context_len..s.context_len + s.len).collect();
-        let out = match path {
+        let out = match s.path {
             AttentionPath::Normal => normal_attention(&d, q_seq, &q_pos, &latent, &w.kv_b_proj, ctx.softmax_scale),
             AttentionPath::Absorbed => absorbed_attention(&d, q_seq, &q_pos, &latent, &w.kv_b_proj, ctx.softmax_scale),
         };

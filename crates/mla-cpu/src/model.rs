@@ -10,7 +10,7 @@
 //! backends.
 
 use crate::kv_cache::LatentCache;
-use crate::mla::{mla_forward, AttentionPath, MlaContext, SeqSpan};
+use crate::mla::{mla_forward, MlaContext, SeqSpan};
 use crate::mla_dims::MlaDims;
 use crate::model_weights::{FfnWeights, ModelWeights};
 use crate::norm::{rms_norm, rms_norm_rows};
@@ -81,13 +81,11 @@ impl CpuModel {
         tokens: &[u32],
         seqs: &[SeqSpan],
         cache: &mut LatentCache,
-        path: AttentionPath,
         want_logits: &[bool],
     ) -> Vec<Option<Vec<f32>>> {
         assert_eq!(self.layout.world, 1, "a rank of several runs through forward_rank");
         let peers = Peers { comm: &mut Solo, counts: &[tokens.len()] };
-        self.forward_rank(tokens, seqs, cache, path, want_logits, peers)
-            .expect("a single rank's collectives cannot fail")
+        self.forward_rank(tokens, seqs, cache, want_logits, peers).expect("a single rank's collectives cannot fail")
     }
 
     /// `forward` for one rank of a group: the same calls on every rank, in the same order, even
@@ -97,7 +95,6 @@ impl CpuModel {
         tokens: &[u32],
         seqs: &[SeqSpan],
         cache: &mut LatentCache,
-        path: AttentionPath,
         want_logits: &[bool],
         peers: Peers,
     ) -> Result<Vec<Option<Vec<f32>>>, CollectiveError> {
@@ -124,7 +121,7 @@ impl CpuModel {
         };
         for (i, layer) in self.weights.layers.iter().enumerate() {
             let x = rms_norm_rows(&hidden, &layer.input_layernorm, eps);
-            let mut attn = mla_forward(&layer.self_attn, &ctx, i, &x, seqs, cache, path);
+            let mut attn = mla_forward(&layer.self_attn, &ctx, i, &x, seqs, cache);
             if !dp_attention {
                 // This rank's heads' share of o_proj; identity on one rank.
                 comm.all_reduce_sum(Tag::new("attention all_reduce", i), &mut attn)?;

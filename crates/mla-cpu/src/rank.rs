@@ -5,7 +5,7 @@ use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, Peers};
 use mla_core::sampling::sample;
-use mla_core::step::plan::{LogitsRequest, SeqResult, StepKind, StepOutput, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SeqResult, StepOutput, StepPlan};
 use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, RankLayout, WeightSource};
 
 pub struct CpuRank {
@@ -57,15 +57,13 @@ impl CpuRank {
 
     /// Runs `plan` (validated) with this rank's peers; an empty plan still makes every collective.
     pub fn run(&mut self, plan: &StepPlan, peers: Peers) -> anyhow::Result<StepOutput> {
-        let path = match plan.kind {
-            StepKind::Prefill => AttentionPath::Normal,
-            StepKind::Decode => AttentionPath::Absorbed,
-        };
+        let first_decode = plan.num_prefill();
         let mut tokens = Vec::with_capacity(plan.num_tokens());
         let mut spans = Vec::with_capacity(plan.seqs.len());
         let mut want = Vec::with_capacity(plan.num_tokens());
-        for s in &plan.seqs {
+        for (i, s) in plan.seqs.iter().enumerate() {
             spans.push(SeqSpan {
+                path: if i < first_decode { AttentionPath::Normal } else { AttentionPath::Absorbed },
                 start: tokens.len(),
                 len: s.tokens.len(),
                 context_len: s.context_len,
@@ -77,7 +75,7 @@ impl CpuRank {
                 (0..s.tokens.len()).map(|j| s.logits == LogitsRequest::All || (last_needed && j + 1 == s.tokens.len())),
             );
         }
-        let mut logits = self.model.forward_rank(&tokens, &spans, &mut self.cache, path, &want, peers)?;
+        let mut logits = self.model.forward_rank(&tokens, &spans, &mut self.cache, &want, peers)?;
 
         let mut out = StepOutput::default();
         for (s, span) in plan.seqs.iter().zip(&spans) {

@@ -131,6 +131,69 @@ fn mixed_batch_gives_each_request_its_solo_logits() {
     }
 }
 
+/// A mixed step (prompt chunks on the normal path, decode rows on the absorbed path, one batch
+/// for everything else) gives every sequence what the separate prefill and decode steps give it,
+/// and caches the same rows. A row read or cached at a position off by one changes the logits by
+/// about 0.5 (planted in the CPU rank: it fails). Which path a row takes is invisible here, the
+/// two agreeing to f32 rounding on the CPU; the GPU test `gpu_mixed_step` covers that.
+#[test]
+fn mixed_step_matches_its_prefill_and_decode_steps() {
+    for (name, json) in CONFIGS {
+        let p = [tokens(21, 11, 64), tokens(9, 12, 64), tokens(30, 13, 64)];
+        let tables: [Vec<u32>; 3] = [vec![0, 1, 2], vec![3, 4], vec![5, 6, 7, 8]];
+        // Sequences 0 and 1 are decoding; sequence 2 prefills its second chunk over a cached
+        // first one, so the mixed step's prompt rows also read cached keys.
+        let history = [20usize, 8];
+        let (chunk0, chunk1) = (12usize, 30usize);
+        let warm = |b: &mut mla_cpu::CpuBackend| {
+            step(b, StepKind::Prefill, (0..2).map(|i| seq(i as u64, &p[i][..history[i]], 0, &tables[i])).collect());
+            step(b, StepKind::Prefill, vec![seq(2, &p[2][..chunk0], 0, &tables[2])]);
+        };
+        let decode_row = |i: usize| seq(i as u64, &p[i][history[i]..history[i] + 1], history[i], &tables[i]);
+        let chunk = seq(2, &p[2][chunk0..chunk1], chunk0, &tables[2]);
+
+        let mut apart = dummy_backend(json, 8, 9);
+        warm(&mut apart);
+        let prefilled = step(&mut apart, StepKind::Prefill, vec![chunk.clone()]).remove(0);
+        let decoded = step(&mut apart, StepKind::Decode, (0..2).map(decode_row).collect());
+
+        let mut mixed = dummy_backend(json, 8, 9);
+        warm(&mut mixed);
+        let seqs = vec![chunk, decode_row(0), decode_row(1)];
+        let out = step(&mut mixed, StepKind::Mixed { prefill: 1 }, seqs);
+        let d = max_abs_diff(&prefilled, &out[0]);
+        assert!(d <= SAME_MATH, "{name}: the prompt chunk differs by {d} in a mixed step");
+        for i in 0..2 {
+            let d = max_abs_diff(&decoded[i], &out[1 + i]);
+            assert!(d <= SAME_MATH, "{name}: decode row {i} differs by {d} in a mixed step");
+        }
+        // The next decode step reads what the mixed step cached, for all three sequences.
+        let next = |i: usize, at: usize| seq(i as u64, &[7 + i as u32], at, &tables[i]);
+        let after = |b: &mut mla_cpu::CpuBackend| {
+            step(b, StepKind::Decode, vec![next(0, history[0] + 1), next(1, history[1] + 1), next(2, chunk1)])
+        };
+        let (a, m) = (after(&mut apart), after(&mut mixed));
+        for i in 0..3 {
+            let d = max_abs_diff(&a[i], &m[i]);
+            assert!(d <= SAME_MATH, "{name}: sequence {i} decodes differently after a mixed step ({d})");
+        }
+    }
+}
+
+#[test]
+fn a_mixed_step_names_its_prompt_chunks_and_decode_rows_feed_one_token() {
+    let mut b = dummy_backend(V2_LITE_LIKE, 4, 4);
+    let too_many = StepPlan { kind: StepKind::Mixed { prefill: 2 }, seqs: vec![seq(1, &[1, 2], 0, &[0])] };
+    let e = b.step(&too_many).unwrap_err().to_string();
+    assert!(e.contains("names 2 prompt chunks but holds only 1"), "{e}");
+    let long_row = StepPlan {
+        kind: StepKind::Mixed { prefill: 1 },
+        seqs: vec![seq(1, &[1, 2], 0, &[0]), seq(2, &[3, 4], 0, &[1])],
+    };
+    let e = b.step(&long_row).unwrap_err().to_string();
+    assert!(e.contains("sequence 2: a decode step feeds exactly one token, found 2"), "{e}");
+}
+
 #[test]
 fn logits_requests_and_greedy_sampling_follow_the_plan() {
     let mut b = dummy_backend(V3_LIKE, 16, 4);

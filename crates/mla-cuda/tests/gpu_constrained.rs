@@ -35,6 +35,7 @@ fn engine() -> (EngineHandle, Arc<Mutex<mla_cuda::StepClock>>) {
         max_queued_requests: 16,
         seed: 7,
         prefix_caching: true,
+        mixed_steps: false,
         step_watchdog: Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     };

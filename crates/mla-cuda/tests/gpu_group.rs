@@ -157,6 +157,7 @@ fn run_both(one: &mut dyn Backend, other: &mut dyn Backend, ranks: usize, dp: bo
             .map(|(_, ids, kind)| match kind {
                 StepKind::Prefill => script.prefill(ids),
                 StepKind::Decode => script.decode(ids),
+                StepKind::Mixed { .. } => unreachable!("the schedule names steps of one kind"),
             })
             .collect();
         let reference: Vec<StepOutput> = plans.iter().map(|p| one.step(p).unwrap()).collect();

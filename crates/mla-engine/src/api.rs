@@ -21,6 +21,9 @@ pub struct EngineConfig {
     /// Automatic prefix caching: computed blocks are kept by content and reused by prompts
     /// that start the same way.
     pub prefix_caching: bool,
+    /// Steps carry decode rows and prompt chunks together instead of taking turns
+    /// (`--enable-mixed-chunk`; the scheduler's `mixed_steps`).
+    pub mixed_steps: bool,
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).
     pub step_watchdog: std::time::Duration,

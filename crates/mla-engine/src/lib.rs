@@ -43,4 +43,4 @@ pub use engine::{Engine, EngineHandle, RequestStream};
 pub use histogram::Histogram;
 pub use request_stats::{FinishCounts, RequestStats};
 pub use sequence::draw_seed;
-pub use stats::{EngineStats, MaskStats, RankStats, RoutingStats};
+pub use stats::{EngineStats, MaskStats, RankStats, RoutingStats, StepCounts};

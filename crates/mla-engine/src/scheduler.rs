@@ -1,5 +1,5 @@
-//! Continuous batching: requests join and leave at every step. Each step is either a prefill
-//! batch or a decode batch (`StepKind`), built from the sequences resident in the cache plus
+//! Continuous batching: requests join and leave at every step. Each step is a prefill batch, a
+//! decode batch or both (`StepKind`), built from the sequences resident in the cache plus
 //! whatever can be admitted.
 //!
 //! Policy:
@@ -17,6 +17,10 @@
 //! - Fairness: while both kinds of work exist, steps alternate prefill / decode. A decode's
 //!   inter-token latency therefore grows by at most one budget-bounded prefill step while a long
 //!   prompt is prefilled in chunks, and prompts still advance on every other step.
+//! - Mixed steps (`mixed_steps`): instead of alternating, every step feeds each decodable
+//!   sequence its token and fills the rest of the token budget with prompt chunks
+//!   (`StepKind::Mixed`), as vLLM's scheduler does: decoding never pauses for a prompt, and
+//!   the FFN weights are read once for both kinds of rows.
 //! - Admission reserves blocks for everything the sequence will feed before its first decode;
 //!   decode steps allocate one block when a sequence crosses a block boundary. When none is
 //!   free, the newest resident sequence is preempted: its blocks are freed and it is re-queued
@@ -70,6 +74,9 @@ pub struct SchedulerConfig {
     pub max_extra_logit_rows: usize,
     /// Keep computed blocks by content and reuse them for prompts that start the same way.
     pub prefix_caching: bool,
+    /// Put the decode rows and the prompt chunks of a step together (`StepKind::Mixed`) instead
+    /// of alternating prefill and decode steps.
+    pub mixed_steps: bool,
 }
 
 /// Prefix-cache counters since start, in prompt tokens (vLLM's `prefix_cache_queries` and
@@ -282,14 +289,17 @@ impl Scheduler {
     /// engine uses it to line up the kinds of DP-attention ranks, which step together: a rank
     /// that prefills while the others decode makes them wait for it.
     pub fn schedule_prefer(&mut self, kind: StepKind) -> Option<StepPlan> {
+        if self.cfg.mixed_steps {
+            return self.schedule_mixed();
+        }
         let other = match kind {
-            StepKind::Prefill => StepKind::Decode,
             StepKind::Decode => StepKind::Prefill,
+            _ => StepKind::Decode,
         };
         for kind in [kind, other] {
             let seqs = match kind {
-                StepKind::Prefill => self.build_prefill(),
                 StepKind::Decode => self.build_decode(),
+                _ => self.build_prefill(self.cfg.max_num_batched_tokens),
             };
             if !seqs.is_empty() {
                 self.last_kind = Some(kind);
@@ -299,6 +309,36 @@ impl Scheduler {
             }
         }
         None
+    }
+
+    /// Every decodable sequence's next token, then prompt chunks in what is left of the token
+    /// budget; a step of one kind when there is only one kind of work. Decode rows go first so
+    /// that prompts never delay them: a sequence's inter-token latency is one step, whose length
+    /// the budget bounds.
+    fn schedule_mixed(&mut self) -> Option<StepPlan> {
+        let seqs = self.build_decode();
+        let decode = seqs.len();
+        let budget = self.cfg.max_num_batched_tokens.saturating_sub(decode);
+        let prefill = if budget > 0 { self.build_prefill(budget) } else { Vec::new() };
+        // Admitting a prompt may have preempted a decoding completion for fairness (its blocks
+        // are gone): its row leaves the step.
+        let (kept, preempted): (Vec<SeqStep>, Vec<SeqStep>) =
+            seqs.into_iter().partition(|e| self.is_decodable(SeqKey::from_seq_id(e.seq_id)));
+        self.spare.extend(preempted);
+        let mut seqs = kept;
+        let decode = seqs.len();
+        let kind = match (prefill.len(), decode) {
+            (0, 0) => return None,
+            (0, _) => StepKind::Decode,
+            (_, 0) => StepKind::Prefill,
+            (p, _) => StepKind::Mixed { prefill: p },
+        };
+        // Prompt chunks first: the plan's order is the path order (`StepPlan::split`).
+        seqs.splice(0..0, prefill);
+        self.last_kind = Some(kind);
+        let mut plan = StepPlan { kind, seqs };
+        self.attach_masks(&mut plan);
+        Some(plan)
     }
 
     /// Takes back a plan the backend is done with; its vectors are reused by later plans.

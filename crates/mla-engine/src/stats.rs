@@ -66,6 +66,8 @@ pub struct EngineStats {
     pub routing: RoutingStats,
     /// Structured-output grammar masks computed, and the host time it took.
     pub structured_masks: MaskStats,
+    /// Steps by kind, and how evenly the ranks of a DP-attention group shared them.
+    pub steps: StepCounts,
     /// Seconds.
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
@@ -100,6 +102,7 @@ impl EngineStats {
         self.routing.tie += r.tie;
         self.routing.least_loaded += r.least_loaded;
         self.structured_masks.merge(&o.structured_masks);
+        self.steps.merge(&o.steps);
         self.time_to_first_token.merge(&o.time_to_first_token);
         self.inter_token_latency.merge(&o.inter_token_latency);
         self.e2e_latency.merge(&o.e2e_latency);
@@ -130,5 +133,40 @@ impl MaskStats {
         self.masks += o.masks;
         self.steps += o.steps;
         self.seconds += o.seconds;
+    }
+}
+
+/// Steps since start. A step of a DP-attention group counts once (its ranks run it together)
+/// and is as long as its busiest rank, so `balance_sum / group_steps` is the mean of each
+/// step's tokens per rank over its busiest rank's (TensorRT-LLM's balance ratio): 1 when every
+/// rank feeds as many tokens, 1/N when one rank of N does all the work.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepCounts {
+    pub steps: u64,
+    /// Steps holding prompt chunks and decode rows together on some rank.
+    pub mixed: u64,
+    /// Steps of a group of several ranks in which some rank fed tokens.
+    pub group_steps: u64,
+    pub balance_sum: f64,
+}
+
+impl StepCounts {
+    /// Records one step that fed `tokens[r]` on rank r.
+    pub fn record(&mut self, tokens: &[usize], mixed: bool) {
+        self.steps += 1;
+        self.mixed += u64::from(mixed);
+        let busiest = tokens.iter().copied().max().unwrap_or(0);
+        if tokens.len() > 1 && busiest > 0 {
+            let mean = tokens.iter().sum::<usize>() as f64 / tokens.len() as f64;
+            self.group_steps += 1;
+            self.balance_sum += mean / busiest as f64;
+        }
+    }
+
+    pub fn merge(&mut self, o: &StepCounts) {
+        self.steps += o.steps;
+        self.mixed += o.mixed;
+        self.group_steps += o.group_steps;
+        self.balance_sum += o.balance_sum;
     }
 }

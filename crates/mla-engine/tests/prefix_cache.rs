@@ -19,6 +19,7 @@ fn sched(num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
         max_num_batched_tokens: budget,
         max_extra_logit_rows: 512,
         prefix_caching: true,
+        mixed_steps: false,
     };
     Scheduler::new(cfg, CacheLayout { block_size: BS, num_blocks })
 }

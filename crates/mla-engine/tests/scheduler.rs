@@ -9,12 +9,17 @@ use mla_engine::{FinishReason, GenerateRequest};
 use std::collections::HashMap;
 
 fn sched(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
+    sched_with(block_size, num_blocks, max_num_seqs, budget, false)
+}
+
+fn sched_with(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize, mixed: bool) -> Scheduler {
     let cfg = SchedulerConfig {
         max_model_len: 4096,
         max_num_seqs,
         max_num_batched_tokens: budget,
         max_extra_logit_rows: 512,
         prefix_caching: false,
+        mixed_steps: mixed,
     };
     Scheduler::new(cfg, CacheLayout { block_size, num_blocks })
 }
@@ -101,6 +106,62 @@ fn decodes_are_not_starved_while_a_long_prompt_prefills() {
     assert!(kinds.windows(2).all(|w| w != [StepKind::Prefill, StepKind::Prefill]), "{kinds:?}");
     assert_eq!(kinds.iter().filter(|&&k| k == StepKind::Prefill).count(), 5, "40 tokens in chunks of 8");
     assert!(decodes_of_1 >= 4, "{kinds:?}");
+}
+
+#[test]
+fn mixed_steps_decode_in_every_step_while_a_long_prompt_prefills() {
+    let mut s = sched_with(4, 256, 8, 8, true);
+    s.add(1, req(3, 1, 1000), 0);
+    step(&mut s); // request 1's prompt
+    s.add(2, req(40, 1, 5), 0);
+    let mut chunks = vec![];
+    loop {
+        let (p, a) = step(&mut s);
+        assert!(p.num_tokens() <= 8, "over the budget: {p:?}");
+        let (prompt, decode) = p.split();
+        assert_eq!(p.kind, StepKind::Mixed { prefill: 1 }, "{p:?}");
+        assert!(prompt.iter().all(|q| q.seq_id >> 16 == 2), "{p:?}");
+        assert_eq!(decode.len(), 1);
+        assert_eq!((decode[0].seq_id >> 16, decode[0].tokens.len()), (1, 1), "request 1 decodes in every step");
+        chunks.push(prompt[0].tokens.len());
+        if a.tokens.iter().any(|t| t.request == 2) {
+            break;
+        }
+    }
+    // The decode row takes one token of the budget: 40 prompt tokens in chunks of 7.
+    assert_eq!(chunks, [7, 7, 7, 7, 7, 5]);
+    // Then both decode together.
+    let (p, _) = step(&mut s);
+    assert_eq!((p.kind, p.seqs.len()), (StepKind::Decode, 2));
+}
+
+#[test]
+fn mixed_steps_give_every_request_the_same_tokens_through_preemption() {
+    // A cache too small for the four requests at once: the newest are preempted and recomputed.
+    let run = |mixed: bool| {
+        let mut s = sched_with(4, 24, 8, 16, mixed);
+        for id in 1..=4u64 {
+            s.add(id, req(10 + 7 * id as usize, 1, 20), 0);
+        }
+        let log = run_to_end(&mut s);
+        let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+        for (_, a) in &log {
+            for t in &a.tokens {
+                tokens.entry(t.request).or_default().push(t.token.token);
+            }
+        }
+        let mixed_steps = log.iter().filter(|(p, _)| matches!(p.kind, StepKind::Mixed { .. })).count();
+        (tokens, s.preemptions(), mixed_steps, log.len())
+    };
+    let (alternating, pre_a, mixed_a, steps_a) = run(false);
+    let (mixed, pre_m, mixed_m, steps_m) = run(true);
+    assert!(pre_a > 0 && pre_m > 0, "the cache must force preemption ({pre_a}, {pre_m})");
+    assert_eq!(mixed_a, 0);
+    assert!(mixed_m > 0, "no mixed step was built");
+    assert!(steps_m < steps_a, "mixing should take fewer steps ({steps_m} against {steps_a})");
+    assert_eq!(alternating.len(), 4);
+    assert!(alternating.values().all(|t| t.len() == 20));
+    assert_eq!(mixed, alternating);
 }
 
 #[test]
@@ -210,6 +271,7 @@ fn finishing_rules_and_removal_free_blocks() {
         max_num_batched_tokens: 64,
         max_extra_logit_rows: 512,
         prefix_caching: false,
+        mixed_steps: false,
     };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 32 });
     let mut stop = req(5, 1, 100);
@@ -352,6 +414,26 @@ fn an_owner_above_its_fair_share_makes_room_for_a_newcomer() {
 }
 
 #[test]
+fn a_completion_preempted_for_fairness_leaves_the_mixed_step_it_was_decoding_in() {
+    // As above, with mixed steps: the completion that makes room had its decode row in the
+    // step being built when the newcomer was admitted; the row must go with it (a row whose
+    // blocks are freed would be applied to a recomputing sequence: the engine panicked here).
+    let mut s = sched_with(4, 256, 4, 64, true);
+    s.add(1, req(5, 4, 200), 0);
+    for _ in 0..4 {
+        step(&mut s);
+    }
+    s.add(2, req(5, 1, 3), 0);
+    let (p, _) = step(&mut s);
+    assert_eq!(s.preemptions(), 1);
+    assert_eq!(p.kind, StepKind::Mixed { prefill: 1 }, "{p:?}");
+    assert_eq!(p.split().1.len(), 3, "the preempted completion's row left the step");
+    let log = run_to_end(&mut s);
+    let ends = log.iter().flat_map(|(_, a)| a.tokens.iter()).filter(|t| t.request == 1 && t.finish.is_some());
+    assert_eq!(ends.filter(|t| t.finish == Some(FinishReason::Length)).count(), 4);
+}
+
+#[test]
 fn fair_shares_do_not_preempt_within_the_share_or_ping_pong() {
     // Two owners with n = 2 each fill 4 slots exactly: a third owner's n = 3 is above its share
     // (4 / 3 = 1) and waits instead of evicting anyone.
@@ -408,6 +490,7 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
             max_num_batched_tokens: 4,
             max_extra_logit_rows: 512,
             prefix_caching: true,
+            mixed_steps: false,
         };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks });
         s.add(1, req(4, 1, 26), 0);
@@ -454,6 +537,7 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
         max_num_batched_tokens: 1024,
         max_extra_logit_rows: 200,
         prefix_caching: false,
+        mixed_steps: false,
     };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 16, num_blocks: 256 });
     for id in 0..4 {
@@ -500,6 +584,7 @@ fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
             max_num_batched_tokens: 64,
             max_extra_logit_rows: 512,
             prefix_caching: true,
+            mixed_steps: false,
         };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 64 });
         let scored = req(10, n, 2);

@@ -216,6 +216,13 @@ pub struct Args {
     #[arg(long, alias = "disable-radix-cache", overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
 
+    /// Every step feeds each running sequence its next token and fills the rest of
+    /// --max-num-batched-tokens with prompt chunks, instead of alternating prefill and decode
+    /// steps (SGLang's flag; vLLM's scheduler always does this). Decoding never pauses for a
+    /// prompt, and under DP attention no rank's prefill stalls the others' decoding rows.
+    #[arg(long)]
+    pub enable_mixed_chunk: bool,
+
     #[command(flatten)]
     pub routing: RoutingArgs,
 

@@ -2,7 +2,7 @@
 //! waiting, KV cache usage, prompt and generation throughput over the last interval, and the
 //! prefix cache hit rate. Silent while idle, so an idle server's log stays quiet.
 
-use mla_engine::{EngineHandle, EngineStats};
+use mla_engine::{EngineHandle, EngineStats, StepCounts};
 use std::time::{Duration, Instant};
 
 /// vLLM's default interval is 10 s; 5 s makes a benchmark's first minute readable.
@@ -55,14 +55,30 @@ pub fn line(before: &EngineStats, after: &EngineStats, elapsed: Duration) -> Opt
             r1.least_loaded.saturating_sub(r0.least_loaded)
         ),
     };
+    let steps = step_counts(&before.steps, &after.steps);
     Some(format!(
-        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{routed}{masks}",
+        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{routed}{masks}{steps}",
         prompt as f64 / secs,
         generated as f64 / secs,
         after.running,
         after.waiting,
         100.0 * after.kv_usage,
     ))
+}
+
+/// Mixed steps over the interval, when there were any, and under DP attention how evenly the
+/// ranks shared the steps (mean tokens per rank over the busiest rank's: a step lasts as long
+/// as its busiest rank).
+fn step_counts(before: &StepCounts, after: &StepCounts) -> String {
+    let mixed = match after.mixed.saturating_sub(before.mixed) {
+        0 => String::new(),
+        m => format!(", mixed steps {m} of {}", after.steps.saturating_sub(before.steps)),
+    };
+    let balance = match after.group_steps.saturating_sub(before.group_steps) {
+        0 => String::new(),
+        n => format!(", rank balance {:.0}%", 100.0 * (after.balance_sum - before.balance_sum) / n as f64),
+    };
+    mixed + &balance
 }
 
 /// Each attention rank's hit rate over the interval, `-` for a rank that looked nothing up;
@@ -117,6 +133,17 @@ mod tests {
             ..busy.clone()
         };
         assert!(line(&busy, &masked, INTERVAL).unwrap().ends_with(", grammar masks 32.0 per step in 150 us"));
+        // Two ranks: one step fed 8 and 8 tokens, one fed 8 and 0 (mixed): (1 + 0.5) / 2.
+        let mut steps = StepCounts::default();
+        steps.record(&[8, 8], false);
+        steps.record(&[8, 0], true);
+        steps.record(&[0, 0], false);
+        let stepped = EngineStats { steps, ..busy.clone() };
+        assert!(
+            line(&busy, &stepped, INTERVAL).unwrap().ends_with(", mixed steps 1 of 3, rank balance 75%"),
+            "{}",
+            line(&busy, &stepped, INTERVAL).unwrap()
+        );
     }
 
     #[test]

@@ -145,6 +145,12 @@ fn counters(e: &mut Exposition, s: &EngineStats) {
         s.prefix_cache_queries,
     );
     e.counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits);
+    e.counter("steps_total", "Forward steps run (a DP-attention group's step counts once).", s.steps.steps);
+    e.counter(
+        "mixed_steps_total",
+        "Steps that held prompt chunks and decode rows together (--enable-mixed-chunk).",
+        s.steps.mixed,
+    );
     e.labelled(
         "request_success_total",
         "Requests finished, by finished_reason: abort if aborted or failed, else length if any of its \

@@ -58,6 +58,18 @@ pub enum StepKind {
     Prefill,
     /// Absorbed (MQA over the latent cache) path; every sequence feeds exactly one token.
     Decode,
+    /// Both in one step, so running sequences keep decoding while a prompt is being computed:
+    /// the first `prefill` sequences are prompt chunks on the normal path, the rest feed one
+    /// token each on the absorbed path. Everything but attention runs over all rows at once,
+    /// so the step reads the FFN weights once for both.
+    Mixed { prefill: usize },
+}
+
+impl StepKind {
+    /// Whether any sequence of the step runs the normal (prompt) path.
+    pub fn has_prefill(self) -> bool {
+        !matches!(self, StepKind::Decode)
+    }
 }
 
 /// Which logits a sequence wants back (tests and scoring; serving normally asks for none).
@@ -157,6 +169,8 @@ pub enum PlanError {
     EmptySequence { seq_id: u64 },
     #[error("sequence {seq_id}: a decode step feeds exactly one token, found {found}")]
     DecodeNeedsOneToken { seq_id: u64, found: usize },
+    #[error("a mixed step names {prefill} prompt chunks but holds only {seqs} sequences")]
+    MixedPrefillCount { prefill: usize, seqs: usize },
     #[error(
         "sequence {seq_id}: block table has {have} blocks of {block_size} tokens, {need} positions need {need_blocks}"
     )]
@@ -179,11 +193,17 @@ impl StepPlan {
         vocab_size: usize,
         max_len: usize,
     ) -> Result<(), PlanError> {
-        for s in &self.seqs {
+        if let StepKind::Mixed { prefill } = self.kind {
+            if prefill > self.seqs.len() {
+                return Err(PlanError::MixedPrefillCount { prefill, seqs: self.seqs.len() });
+            }
+        }
+        let first_decode = self.num_prefill();
+        for (i, s) in self.seqs.iter().enumerate() {
             if s.tokens.is_empty() {
                 return Err(PlanError::EmptySequence { seq_id: s.seq_id });
             }
-            if self.kind == StepKind::Decode && s.tokens.len() != 1 {
+            if i >= first_decode && s.tokens.len() != 1 {
                 return Err(PlanError::DecodeNeedsOneToken { seq_id: s.seq_id, found: s.tokens.len() });
             }
             let need = s.end_pos();
@@ -217,6 +237,20 @@ impl StepPlan {
 
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// How many of the leading sequences run the normal (prompt) path; the rest are decode rows.
+    pub fn num_prefill(&self) -> usize {
+        match self.kind {
+            StepKind::Prefill => self.seqs.len(),
+            StepKind::Decode => 0,
+            StepKind::Mixed { prefill } => prefill.min(self.seqs.len()),
+        }
+    }
+
+    /// The prompt chunks and the decode rows of the step, in plan order.
+    pub fn split(&self) -> (&[SeqStep], &[SeqStep]) {
+        self.seqs.split_at(self.num_prefill())
     }
 
     /// Rows of logits the step computes (`SeqStep::logit_rows`).

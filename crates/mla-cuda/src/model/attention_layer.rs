@@ -1,9 +1,10 @@
 //! One layer's MLA attention on the device: the query and latent projections, RoPE and the cache
-//! write, then the absorbed path over the latent cache for decode steps or the normal
-//! (decompressed) path for prefill steps, and the output projection.
+//! write, then the normal (decompressed) path for the prompt chunks and the absorbed path over the
+//! latent cache for the decode rows (a mixed step runs both, each over its own rows), and the
+//! output projection over every row.
 
 use super::forward::{rows, CudaModel};
-use super::meta::{DecodeLayout, PrefillLayout, StepLayout, StepMeta};
+use super::meta::{DecodeLayout, PrefillLayout, StepMeta};
 use super::weights::QueryWeights;
 use crate::device::Device;
 use crate::gpu::DSlice;
@@ -12,9 +13,10 @@ use crate::ops::{
     COMBINE_ABSORB_MAX_BATCH, LATENT, NOPE, ROPE, V_HEAD,
 };
 use half::bf16;
+use std::ops::Range;
 
-/// Decode steps of at most this many tokens absorb the queries inside the rope/cache launch
-/// (one launch instead of two; the cuBLAS batched GEMM wins beyond a few tokens).
+/// Steps of at most this many decode rows absorb their queries inside the rope/cache launch
+/// (one launch instead of two; the cuBLAS batched GEMM wins beyond a few rows).
 const SMALL_DECODE_TOKENS: usize = 4;
 
 /// What both attention paths of one layer read besides the activations.
@@ -69,66 +71,94 @@ impl CudaModel {
                 self.linears.linear(dev, &b.proj(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
             }
         }
-        let cache = self.layer_cache(l);
-        let kv_b = lw.kv_b.lin();
-        // Small decode steps absorb the queries in the rope/cache launch (latent_cache.cu).
-        let decode = matches!(m.layout, StepLayout::Decode(_));
-        let absorb_in_rope = decode && t <= SMALL_DECODE_TOKENS;
+        let layer = LayerAttention { cache: self.layer_cache(l), kv_b: lw.kv_b.lin(), words };
+        // A mixed step queues the cache writes of all its rows before either path reads the
+        // cache, as a step of one kind does.
+        if let Some(p) = m.prefill() {
+            self.rope_cache(dev, l, m, &layer, 0..p.tokens, false)?;
+        }
+        let decode = match m.decode() {
+            Some(d) => Some((d, self.rope_cache(dev, l, m, &layer, d.rows(), true)?)),
+            None => None,
+        };
+        if let Some(p) = m.prefill() {
+            self.prefill_attention(dev, p, &layer)?;
+        }
+        if let Some((d, absorbed)) = decode {
+            self.decode_attention(dev, d, &layer, absorbed, decode_splits)?;
+        }
+        self.linears.linear(dev, &lw.o_proj.proj(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
+        Ok(())
+    }
+
+    /// kv_a_layernorm, RoPE and the cache write for step rows `rows`. Decode rows (`decode`) also
+    /// copy their roped q_pe into `q_abs` (whose row 0 is the first decode row), and a few of
+    /// them are absorbed in the same launch (latent_cache.cu); returns whether they were.
+    fn rope_cache(
+        &self,
+        dev: &Device,
+        l: usize,
+        m: &StepMeta,
+        layer: &LayerAttention,
+        rows: Range<usize>,
+        decode: bool,
+    ) -> anyhow::Result<bool> {
+        let ws = &self.ws;
+        let heads = self.cfg.num_attention_heads;
+        let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
+        let absorb = decode && rows.len() <= SMALL_DECODE_TOKENS;
         let rope = RopeCache {
-            tokens: t,
+            tokens: rows.len(),
             heads,
             nope: NOPE,
             kv_lora_rank: LATENT,
             rope_dim: ROPE,
-            kva: ws.kva.slice(),
+            kva: ws.kva.slice().tail(rows.start * lat),
             kva_stride: lat,
-            kv_norm_w: lw.kv_a_norm.slice(),
-            q: ws.q.slice(),
+            kv_norm_w: self.weights.layers[l].kv_a_norm.slice(),
+            q: ws.q.slice().tail(rows.start * heads * qd),
             q_stride: heads * qd,
             q_pe_out: decode.then(|| (ws.q_abs.slice().tail(LATENT), heads * lat, lat)),
-            positions: m.positions.on(words),
-            slots: m.slots.on(words),
+            positions: m.positions.sub(rows.start, rows.len()).on(layer.words),
+            slots: m.slots.sub(rows.start, rows.len()).on(layer.words),
             inv_freq: self.inv_freq.slice(),
             attn_factor: self.attn_factor,
             eps: self.eps,
-            cache,
-            absorb: absorb_in_rope.then(|| AbsorbQ {
-                kv_b: kv_b.w,
+            cache: layer.cache,
+            absorb: absorb.then(|| AbsorbQ {
+                kv_b: layer.kv_b.w,
                 v_dim: V_HEAD,
                 q_abs: ws.q_abs.slice(),
                 row_stride: heads * lat,
                 head_stride: lat,
             }),
         };
-        k.latent.rope_cache(s, &rope)?;
-        let layer = LayerAttention { cache, kv_b, words };
-        match &m.layout {
-            StepLayout::Decode(d) => {
-                if !absorb_in_rope {
-                    dev.blas.absorb_q(&kv_b, heads, ws.q.slice(), t, ws.q_abs.slice())?;
-                }
-                self.decode_attention(dev, d, t, &layer, decode_splits)?;
-            }
-            StepLayout::Prefill(p) => self.prefill_attention(dev, p, m, &layer)?,
-        }
-        self.linears.linear(dev, &lw.o_proj.proj(), rows(&ws.attn_out, heads * V_HEAD), t, rows(&ws.delta, hidden))?;
-        Ok(())
+        dev.k.latent.rope_cache(dev.stream(), &rope)?;
+        Ok(absorb)
     }
 
-    /// The absorbed path: attention over the latent cache in latent space, then W_UV.
+    /// The absorbed path for the decode rows: W_UK (unless `rope_cache` did it), attention over
+    /// the latent cache in latent space, then W_UV into the rows' attention output.
     fn decode_attention(
         &self,
         dev: &Device,
         d: &DecodeLayout,
-        t: usize,
         layer: &LayerAttention,
+        absorbed: bool,
         decode_splits: usize,
     ) -> anyhow::Result<()> {
         let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
         let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
+        let heads = self.cfg.num_attention_heads;
+        let b = d.batch;
+        if !absorbed {
+            let q = ws.q.slice().tail(d.row0 * heads * (NOPE + ROPE));
+            dev.blas.absorb_q(kv_b, heads, q, b, ws.q_abs.slice())?;
+        }
+        let attn_out = ws.attn_out.slice().tail(d.row0 * heads * V_HEAD);
         let p = DecodeAttention {
-            batch: t,
-            heads: self.cfg.num_attention_heads,
+            batch: b,
+            heads,
             q: ws.q_abs.slice(),
             cache,
             block_tables: d.block_tables.on(words),
@@ -140,25 +170,19 @@ impl CudaModel {
             part_lse: ws.part_lse.slice(),
             scale: self.scale,
         };
-        if t <= COMBINE_ABSORB_MAX_BATCH {
+        if b <= COMBINE_ABSORB_MAX_BATCH {
             // Small steps: the split merge and W_UV in one launch after the partials.
             k.attention.decode_partials(s, &p)?;
-            k.attention.decode_combine_absorb_o(s, &p.partials(), kv_b, ws.attn_out.slice())
+            k.attention.decode_combine_absorb_o(s, &p.partials(), kv_b, attn_out)
         } else {
             k.attention.decode(s, &p)?;
-            dev.blas.absorb_o(kv_b, p.heads, ws.o_lat.slice(), t, ws.attn_out.slice())
+            dev.blas.absorb_o(kv_b, heads, ws.o_lat.slice(), b, attn_out)
         }
     }
 
     /// The normal path: per pass over a window of cached keys, decompress them through kv_b and
     /// run causal flash attention, carrying the running state between passes.
-    fn prefill_attention(
-        &self,
-        dev: &Device,
-        p: &PrefillLayout,
-        m: &StepMeta,
-        layer: &LayerAttention,
-    ) -> anyhow::Result<()> {
+    fn prefill_attention(&self, dev: &Device, p: &PrefillLayout, layer: &LayerAttention) -> anyhow::Result<()> {
         let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
         let (cache, kv_b, words) = (layer.cache, &layer.kv_b, layer.words);
         let heads = self.cfg.num_attention_heads;
@@ -175,7 +199,7 @@ impl CudaModel {
             dev.blas.linear(kv_b, rows(&ws.latent, lat), pass.keys, rows(&ws.kv, kvw))?;
             let a = PrefillAttention {
                 heads,
-                q_rows: m.tokens,
+                q_rows: p.tokens,
                 q: ws.q.slice(),
                 q_stride: heads * qd,
                 k_rows: pass.keys,
@@ -190,7 +214,7 @@ impl CudaModel {
                 tiles: p.tile_seq.len,
                 tile_seq: p.tile_seq.on(words),
                 tile_q0: p.tile_q0.on(words),
-                seqs: m.seqs,
+                seqs: p.seqs,
                 cu_q: p.cu_q.on(words),
                 q_pos0: p.q_pos0.on(words),
                 k_row0: pass.k_row0.on(words),

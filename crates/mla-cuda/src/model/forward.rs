@@ -1,6 +1,7 @@
-//! One forward step: embedding, the decoder layers (MLA attention on the normal path for prefill
-//! and the absorbed path for decode, dense MLP or DeepSeekMoE), the final norm, the output
-//! projection for the rows that need logits, and device sampling.
+//! One forward step: embedding, the decoder layers (MLA attention on the normal path for prompt
+//! chunks and the absorbed path for decode rows, both in a mixed step; dense MLP or DeepSeekMoE
+//! over every row), the final norm, the output projection for the rows that need logits, and
+//! device sampling.
 //!
 //! `queue_forward` only queues work on the stream: no allocation, no synchronisation, no host
 //! reads of device data, so a decode step can be captured as a CUDA graph as is.
@@ -212,10 +213,12 @@ impl CudaModel {
         out
     }
 
+    /// Decode splits for the step's decode rows (those of a mixed step alone: the prompt chunks
+    /// take no part in the decode launch).
     pub fn default_decode_splits(&self, dev: &Device, meta: &StepMeta) -> usize {
-        let max_pages = meta.decode().map_or(1, |d| d.max_pages);
+        let (batch, max_pages) = meta.decode().map_or((meta.seqs, 1), |d| (d.batch, d.max_pages));
         self.decode_splits_override
-            .unwrap_or_else(|| dev.k.attention.splits(meta.seqs, self.cfg.num_attention_heads, max_pages))
+            .unwrap_or_else(|| dev.k.attention.splits(batch, self.cfg.num_attention_heads, max_pages))
     }
 
     /// Decode splits a graph captured for `batch` sequences uses (valid for any context length).

@@ -139,7 +139,8 @@ impl DecodeGraphs {
 }
 
 /// Whether a graph can run `plan`: a decode step (or an idle rank's empty plan) whose rows all
-/// sample and ask for no logits.
+/// sample and ask for no logits. Never a mixed step: its prompt chunks' sections and launches
+/// change with every plan.
 pub fn graph_expressible(plan: &StepPlan) -> bool {
     plan.seqs.is_empty()
         || (plan.kind == StepKind::Decode
@@ -285,5 +286,32 @@ impl CudaModel {
         }
         set.spare_words = meta.words;
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixed_steps_never_replay_a_graph() {
+        let pads = pad_rows(4, 9);
+        let mut chunk = pad_row(7, 3);
+        chunk.tokens = vec![5, 6];
+        let decode = StepPlan { kind: StepKind::Decode, seqs: pads[..2].to_vec() };
+        let mixed = StepPlan { kind: StepKind::Mixed { prefill: 1 }, seqs: vec![chunk, pads[0].clone()] };
+        // Even one whose rows are all one token: its kind names a prompt chunk.
+        let single = StepPlan { kind: StepKind::Mixed { prefill: 1 }, seqs: pads[..2].to_vec() };
+        assert!(graph_expressible(&decode));
+        assert!(!graph_expressible(&mixed) && !graph_expressible(&single));
+        let lim = MetaLimits {
+            max_tokens: 16,
+            max_seqs: 4,
+            max_logit_rows: 8,
+            max_kv_chunk: 64,
+            max_blocks_per_seq: 2,
+            vocab: 32,
+        };
+        assert!(graph_step_meta(&mixed, &pads, 4, &lim, vec![]).is_err());
     }
 }

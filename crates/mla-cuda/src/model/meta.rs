@@ -8,6 +8,10 @@
 //! not known yet when the words are built (the engine fills them during the forward pass): a
 //! step lists the rows that have one (`MaskRow`), and the model uploads them just before it
 //! queues the sampler.
+//!
+//! A mixed step has both attention layouts: the prefill sections describe its prompt chunks
+//! (rows `0 .. Tp`), the decode sections its decode rows (`Tp ..`, one per sequence); tokens,
+//! positions, slots and the output rows cover every row in plan order, as in any step.
 
 use super::meta_words::{Arena, Section};
 use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE, PREFILL_TILE_Q};
@@ -33,9 +37,13 @@ pub struct SeqOut {
     pub logit_rows: Vec<usize>,
 }
 
-/// The sections only decode steps have (the absorbed path over the paged cache).
+/// The sections of the decode rows (the absorbed path over the paged cache).
 #[derive(Debug, Clone)]
 pub struct DecodeLayout {
+    /// The first decode row of the step: 0, or the prompt chunks' tokens in a mixed step.
+    pub row0: usize,
+    /// Decode rows (= their sequences: one token each).
+    pub batch: usize,
     /// Keys per sequence, the fed token included.
     pub seq_lens: Section<i32>,
     /// One word: the row stride of `block_tables` (the longest table of the step).
@@ -44,6 +52,13 @@ pub struct DecodeLayout {
     /// (at stride `max_pages`) are written and uploaded.
     pub block_tables: Section<i32>,
     pub max_pages: usize,
+}
+
+impl DecodeLayout {
+    /// The step's rows these sections describe.
+    pub fn rows(&self) -> std::ops::Range<usize> {
+        self.row0..self.row0 + self.batch
+    }
 }
 
 /// One prefill pass over a window of cached keys per sequence.
@@ -61,9 +76,13 @@ pub struct PassMeta {
     pub last: bool,
 }
 
-/// The sections only prefill steps have (the normal path, chunked over cached keys).
+/// The sections of the prompt chunks (the normal path, chunked over cached keys), which are the
+/// step's first rows.
 #[derive(Debug, Clone)]
 pub struct PrefillLayout {
+    /// Query rows and sequences of the chunks.
+    pub tokens: usize,
+    pub seqs: usize,
     /// Query row offsets per sequence (`seqs + 1` words) and each first query's position.
     pub cu_q: Section<i32>,
     pub q_pos0: Section<i32>,
@@ -77,6 +96,12 @@ pub struct PrefillLayout {
 pub enum StepLayout {
     Decode(DecodeLayout),
     Prefill(PrefillLayout),
+    /// Prompt chunks first, then decode rows (`StepKind::Mixed`); a mixed plan with no rows of
+    /// one kind gets the other kind's layout.
+    Mixed {
+        prefill: PrefillLayout,
+        decode: DecodeLayout,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -111,9 +136,10 @@ pub struct StepMeta {
 
 impl StepMeta {
     pub fn kind(&self) -> StepKind {
-        match self.layout {
+        match &self.layout {
             StepLayout::Decode(_) => StepKind::Decode,
             StepLayout::Prefill(_) => StepKind::Prefill,
+            StepLayout::Mixed { prefill, .. } => StepKind::Mixed { prefill: prefill.seqs },
         }
     }
 
@@ -122,16 +148,18 @@ impl StepMeta {
         self.logit_src.len
     }
 
+    /// The decode rows' sections (a decode or mixed step).
     pub fn decode(&self) -> Option<&DecodeLayout> {
         match &self.layout {
-            StepLayout::Decode(d) => Some(d),
+            StepLayout::Decode(d) | StepLayout::Mixed { decode: d, .. } => Some(d),
             StepLayout::Prefill(_) => None,
         }
     }
 
+    /// The prompt chunks' sections (a prefill or mixed step).
     pub fn prefill(&self) -> Option<&PrefillLayout> {
         match &self.layout {
-            StepLayout::Prefill(p) => Some(p),
+            StepLayout::Prefill(p) | StepLayout::Mixed { prefill: p, .. } => Some(p),
             StepLayout::Decode(_) => None,
         }
     }
@@ -150,8 +178,9 @@ pub struct MetaLimits {
 
 impl MetaLimits {
     /// Words any decode step's metadata takes at most (its sections are bounded by the limits),
-    /// plus room for the common prefill steps. A prefill step over more cached keys than that
-    /// uploads into a buffer of its own (`MetaBuffers`).
+    /// plus room for the common prefill and mixed steps (one pass over cached keys). A step with
+    /// prompt chunks over more cached keys than that uploads into a buffer of its own
+    /// (`MetaBuffers`).
     pub fn words(&self) -> usize {
         let (t, s) = (self.max_tokens, self.max_seqs);
         // tokens/positions/slots, output rows, sampling params (16 words each), the penalty and
@@ -247,10 +276,7 @@ impl StepMeta {
         let (logit_src, sample_rows, outputs) = push_outputs(&mut a, rows, lim)?;
         let (sampling, side) = push_sampling(&mut a, rows, sample_rows, lim)?;
         let common = Common { token_ids, positions, slots, logit_src, sample_rows, outputs, sampling, side };
-        let layout = match kind {
-            StepKind::Decode => StepLayout::Decode(push_decode_tables(&mut a, rows, lim)),
-            StepKind::Prefill => StepLayout::Prefill(push_prefill_tiles(&mut a, seqs, lim)),
-        };
+        let layout = push_layout(&mut a, kind, rows, t, lim)?;
         Ok(StepMeta {
             tokens: t,
             seqs: s,
@@ -461,10 +487,34 @@ fn penalty_entries(prompt: &[u32], output: &[u32], vocab: usize, scratch: &mut V
     }
 }
 
-/// The decode sections at offsets that depend only on the batch size (see the module comment).
-/// The words end at the used block-table rows: the rest of the region is neither zeroed nor
-/// copied.
-fn push_decode_tables(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> DecodeLayout {
+/// The attention sections of a step of `t` tokens: the prompt chunks' (the leading sequences
+/// `kind` names), then the decode rows' (the rest, and the padding rows).
+fn push_layout(a: &mut Arena, kind: StepKind, rows: Rows, t: usize, lim: &MetaLimits) -> anyhow::Result<StepLayout> {
+    let p = match kind {
+        StepKind::Prefill => rows.seqs.len(),
+        StepKind::Decode => 0,
+        StepKind::Mixed { prefill } => prefill,
+    };
+    anyhow::ensure!(p <= rows.seqs.len(), "a mixed step names {p} prompt chunks but has {} sequences", rows.seqs.len());
+    let (chunks, decode_seqs) = rows.seqs.split_at(p);
+    let decode = Rows { seqs: decode_seqs, pads: rows.pads };
+    let tp: usize = chunks.iter().map(|sq| sq.tokens.len()).sum();
+    // The decode sections address row `tp + b` as decode row b: only right if each feeds one.
+    anyhow::ensure!(t - tp == decode.len(), "the {} decode rows of a step feed {} tokens", decode.len(), t - tp);
+    Ok(if kind == StepKind::Prefill || (p > 0 && decode.len() == 0) {
+        StepLayout::Prefill(push_prefill_tiles(a, chunks, lim))
+    } else if p == 0 {
+        StepLayout::Decode(push_decode_tables(a, decode, 0, lim))
+    } else {
+        let prefill = push_prefill_tiles(a, chunks, lim);
+        StepLayout::Mixed { prefill, decode: push_decode_tables(a, decode, tp, lim) }
+    })
+}
+
+/// The decode sections of `rows`, the step's rows from `row0` on, at offsets that depend only on
+/// the batch size in a decode step (see the module comment). The words end at the used
+/// block-table rows: the rest of the region is neither zeroed nor copied.
+fn push_decode_tables(a: &mut Arena, rows: Rows, row0: usize, lim: &MetaLimits) -> DecodeLayout {
     let s = rows.len();
     let lens: Vec<i32> = rows.iter().map(|sq| sq.end_pos() as i32).collect();
     let seq_lens = a.push(&lens);
@@ -479,7 +529,7 @@ fn push_decode_tables(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> DecodeLayo
         }
     }
     a.words.truncate(block_tables.off + s * stride);
-    DecodeLayout { seq_lens, bt_stride, block_tables, max_pages: stride }
+    DecodeLayout { row0, batch: s, seq_lens, bt_stride, block_tables, max_pages: stride }
 }
 
 /// The prefill sections: query offsets and positions, the tile map (heaviest tiles first: the
@@ -502,6 +552,8 @@ fn push_prefill_tiles(a: &mut Arena, seqs: &[SeqStep], lim: &MetaLimits) -> Pref
     let tile_seq: Vec<i32> = tiles.iter().map(|t| t.1).collect();
     let tile_q0: Vec<i32> = tiles.iter().map(|t| t.2).collect();
     PrefillLayout {
+        tokens: cu[seqs.len()] as usize,
+        seqs: seqs.len(),
         cu_q: a.push(&cu),
         q_pos0: a.push(&qp0),
         tile_seq: a.push(&tile_seq),
@@ -638,6 +690,48 @@ mod tests {
         assert_eq!(at(&ma, da.bt_stride, 0), 3);
         assert_eq!(&ma.words[da.block_tables.off + 3..da.block_tables.off + 6], &[3, 4, 6]);
         assert_eq!(at(&ma, da.seq_lens, 1), 131);
+    }
+
+    #[test]
+    fn mixed_steps_give_the_chunks_their_rows_and_the_decode_rows_theirs() {
+        // Chunks of 10 (after 70 cached) and 3 tokens on rows 0..13, then two decode rows.
+        let seqs = vec![
+            seq(1, 70, 10, vec![5, 2]),
+            seq(2, 0, 3, vec![7]),
+            sampled(seq(3, 130, 1, vec![3, 4, 6]), None),
+            sampled(seq(4, 5, 1, vec![0]), None),
+        ];
+        let plan = StepPlan { kind: StepKind::Mixed { prefill: 2 }, seqs };
+        let m = StepMeta::build(&plan, &lim()).unwrap();
+        assert_eq!((m.kind(), m.tokens, m.seqs), (StepKind::Mixed { prefill: 2 }, 15, 4));
+        let (p, d) = (m.prefill().unwrap(), m.decode().unwrap());
+        assert_eq!((p.tokens, p.seqs), (13, 2));
+        assert_eq!((p.cu_q.read(&m.words), p.q_pos0.read(&m.words)), (vec![0, 10, 13], vec![70, 0]));
+        // The tiles and key windows are the chunks' alone: 80 + 3 keys in one pass.
+        assert_eq!((p.tile_seq.len, p.passes.len(), p.passes[0].keys, p.passes[0].k_len.len), (2, 1, 83, 2));
+        assert_eq!((d.row0, d.batch, d.rows()), (13, 2, 13..15));
+        assert_eq!((d.seq_lens.read(&m.words), at(&m, d.bt_stride, 0)), (vec![131, 6], 3));
+        assert_eq!(&m.words[d.block_tables.off..], &[3, 4, 6, 0, 0, 0]);
+        // Positions and slots cover every row; the decode rows' part is what their rope reads
+        // (position 130 is offset 2 of the third block, 6).
+        assert_eq!(m.positions.read(&m.words)[..3], [70, 71, 72]);
+        assert_eq!(m.positions.sub(10, 3).read(&m.words), vec![0, 1, 2]);
+        assert_eq!(m.positions.sub(d.row0, d.batch).read(&m.words), vec![130, 5]);
+        assert_eq!(m.slots.sub(d.row0, d.batch).read(&m.words), vec![6 * 64 + 2, 5]);
+        // The sampled rows are the decode rows, by their place among all rows.
+        assert_eq!((m.sample_rows, m.logit_src.read(&m.words)), (2, vec![13, 14]));
+        assert!(m.words.len() <= lim().words());
+    }
+
+    #[test]
+    fn a_mixed_plan_of_one_kind_gets_that_kinds_layout() {
+        let rows = || vec![seq(1, 4, 3, vec![0]), seq(2, 9, 1, vec![1])];
+        let build = |prefill, seqs| StepMeta::build(&StepPlan { kind: StepKind::Mixed { prefill }, seqs }, &lim());
+        assert_eq!(build(2, rows()).unwrap().kind(), StepKind::Prefill);
+        assert_eq!(build(0, vec![seq(1, 4, 1, vec![0]), seq(2, 9, 1, vec![1])]).unwrap().kind(), StepKind::Decode);
+        // Decode rows feeding more than one token would shift every later row's sections.
+        assert!(build(0, rows()).is_err());
+        assert!(build(3, rows()).is_err());
     }
 
     fn sampled(mut s: SeqStep, penalty: Option<PenaltyTokens>) -> SeqStep {

@@ -1,17 +1,16 @@
 //! The device side of the step metadata (`meta`): one fixed buffer that every decode step, and so
-//! every captured graph, reads; an overflow buffer for the prefill steps over more cached keys than
-//! the fixed one holds (prefill runs eagerly, so its words may live anywhere); the penalty and
-//! logit-bias entries' own buffers, whose addresses the upload writes into the step's words; and
-//! the mask table, sized once for a mask per sequence, which structured-output masks are copied
-//! into when the engine has filled them. No captured graph ever holds the address of a buffer that
-//! can move, so none is ever captured again.
+//! every captured graph, reads; an overflow buffer for the prefill (and mixed) steps over more
+//! cached keys than the fixed one holds (they run eagerly, so their words may live anywhere); the
+//! penalty and logit-bias entries' own buffers, whose addresses the upload writes into the step's
+//! words; and the mask table, sized once for a mask per sequence, which structured-output masks
+//! are copied into when the engine has filled them. No captured graph ever holds the address of a
+//! buffer that can move, so none is ever captured again.
 
 use super::meta::{MetaLimits, StepMeta};
 use super::meta_words::to_words;
 use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use mla_core::step::token_mask::{mask_words, MASK_WAIT};
-use mla_core::StepKind;
 
 /// Entries of a variable count (penalties, logit biases) on the device and the pinned words they
 /// are copied from; both grow to the next power of two when a step needs more.
@@ -114,8 +113,9 @@ impl MetaBuffers {
         meta.words[meta.bias_table.words()].copy_from_slice(to_words(&addr));
         let n = meta.words.len();
         if n > self.fixed.len() {
+            // Only prompt chunks' key windows are unbounded; a mixed step runs eagerly too.
             anyhow::ensure!(
-                meta.kind() == StepKind::Prefill,
+                meta.kind().has_prefill(),
                 "decode step metadata of {n} words exceeds the {} the limits promise",
                 self.fixed.len()
             );

@@ -49,6 +49,12 @@ impl<T: MetaValue> Section<T> {
         self.off..self.off + self.len * words_of::<T>()
     }
 
+    /// Values `start .. start + len` of the section (a mixed step's prompt or decode rows).
+    pub fn sub(&self, start: usize, len: usize) -> Section<T> {
+        assert!(start + len <= self.len, "values {start}..{} of a section of {}", start + len, self.len);
+        Section { off: self.off + start * words_of::<T>(), len, _t: PhantomData }
+    }
+
     /// The section in the device copy of the words.
     ///
     /// Panics when the words do not cover the section (a caller passing another step's words).

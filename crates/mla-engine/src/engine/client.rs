@@ -11,7 +11,7 @@ use crate::id_map::IdMap;
 use crate::request_stats::FinishedRequest;
 use crate::sequence::SeqKey;
 use crate::stats::EngineStats;
-use mla_core::step::plan::{StepKind, StepPlan};
+use mla_core::step::plan::StepPlan;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -132,12 +132,13 @@ impl Clients {
 
     /// Notes the requests of `plan` that run for the first time: they leave the queue.
     pub fn mark_scheduled(&mut self, plan: &StepPlan, stats: &mut EngineStats) {
-        // A decode step only feeds sequences that were prefilled, so scheduled, before.
-        if plan.kind == StepKind::Decode {
+        // Decode rows only feed sequences that were prefilled, so scheduled, before.
+        let (prompt_chunks, _) = plan.split();
+        if prompt_chunks.is_empty() {
             return;
         }
         let now = Instant::now();
-        for s in &plan.seqs {
+        for s in prompt_chunks {
             let request = SeqKey::from_seq_id(s.seq_id).request;
             let client = self.map.get_mut(&request).expect("scheduled request has a client");
             if client.timings.first_scheduled.is_none() {

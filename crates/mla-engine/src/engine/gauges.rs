@@ -11,16 +11,17 @@ use mla_core::step::plan::{StepKind, StepPlan};
 
 /// Each rank that works in this step counts its tokens as vLLM's `iteration_tokens_total` does:
 /// prompt tokens computed plus tokens sampled. A decode step feeds the token it samples after,
-/// so it counts one per sequence; a prefill step counts its chunks and, for the chunks that end
-/// a prompt, the first token drawn.
+/// so it counts one per sequence; a prompt chunk counts its tokens and, when it ends its prompt,
+/// the first token drawn. A mixed step counts both.
 pub(super) fn count_step_tokens(metrics: &Metrics, plans: &[StepPlan]) {
     let mut stats = metrics.lock();
+    let fed: Vec<usize> = plans.iter().map(StepPlan::num_tokens).collect();
+    let mixed = plans.iter().any(|p| matches!(p.kind, StepKind::Mixed { .. }) && !p.seqs.is_empty());
+    stats.steps.record(&fed, mixed);
     for plan in plans.iter().filter(|p| !p.seqs.is_empty()) {
         let sampled = plan.seqs.iter().filter(|s| s.sample.is_some()).count();
-        let tokens = match plan.kind {
-            StepKind::Decode => sampled,
-            _ => plan.seqs.iter().map(|s| s.tokens.len()).sum::<usize>() + sampled,
-        };
+        let prompt_tokens: usize = plan.split().0.iter().map(|s| s.tokens.len()).sum();
+        let tokens = prompt_tokens + sampled;
         stats.iteration_tokens.observe(tokens as f64);
     }
 }

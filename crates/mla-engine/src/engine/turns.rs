@@ -2,7 +2,8 @@
 //! of step each rank plans next. All ranks run one step together, so a rank that decodes waits
 //! for any rank that prefills; taking turns (every rank with prompt work prefills in the same
 //! step, then every rank with sequences decodes) makes a decoding rank wait once per turn rather
-//! than once per rank that prefills. A single rank simply plans what its scheduler picks.
+//! than once per rank that prefills. With mixed steps every rank decodes in every step and the
+//! turns do not matter. A single rank simply plans what its scheduler picks.
 
 use crate::scheduler::Scheduler;
 use mla_core::step::plan::{StepKind, StepPlan};
@@ -29,11 +30,11 @@ impl Turns {
             return vec![ranks[0].schedule().unwrap_or_else(idle)];
         }
         let prefer = match self.last_kind {
-            StepKind::Prefill => StepKind::Decode,
             StepKind::Decode => StepKind::Prefill,
+            _ => StepKind::Decode,
         };
         let plans: Vec<StepPlan> = ranks.iter_mut().map(|s| s.schedule_prefer(prefer).unwrap_or_else(idle)).collect();
-        let prefilled = plans.iter().any(|p| p.kind == StepKind::Prefill && !p.seqs.is_empty());
+        let prefilled = plans.iter().any(|p| p.kind.has_prefill() && !p.seqs.is_empty());
         self.last_kind = if prefilled { StepKind::Prefill } else { StepKind::Decode };
         plans
     }

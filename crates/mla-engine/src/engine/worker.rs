@@ -111,6 +111,7 @@ impl Worker {
             max_num_batched_tokens: cfg.max_num_batched_tokens.min(step.rank_tokens),
             max_extra_logit_rows: step.extra_logit_rows(),
             prefix_caching: cfg.prefix_caching,
+            mixed_steps: cfg.mixed_steps,
         };
         let layouts = backend.cache_layouts();
         assert_eq!(layouts.len(), caches.len(), "one router view per attention rank");

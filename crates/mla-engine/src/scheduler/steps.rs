@@ -24,11 +24,11 @@ impl Scheduler {
         }
     }
 
-    /// Prompt chunks within `max_num_batched_tokens`, and prompt-logprob rows within
-    /// `max_extra_logit_rows`: resident sequences first, then admissions. A chunk that wants
-    /// logits when none are left waits for the next step.
-    pub(super) fn build_prefill(&mut self) -> Vec<SeqStep> {
-        let mut left = Left { tokens: self.cfg.max_num_batched_tokens, logit_rows: self.cfg.max_extra_logit_rows };
+    /// Prompt chunks within `tokens`, and prompt-logprob rows within `max_extra_logit_rows`:
+    /// resident sequences first, then admissions. A chunk that wants logits when none are left
+    /// waits for the next step.
+    pub(super) fn build_prefill(&mut self, tokens: usize) -> Vec<SeqStep> {
+        let mut left = Left { tokens, logit_rows: self.cfg.max_extra_logit_rows };
         let mut steps = Vec::new();
         let mut add = |this: &mut Self, key: SeqKey, left: &mut Left| {
             if left.tokens > 0 && this.needs_prefill(key) {

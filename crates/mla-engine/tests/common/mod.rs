@@ -372,6 +372,7 @@ pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
         max_queued_requests: 64,
         seed: 42,
         prefix_caching: true,
+        mixed_steps: false,
         step_watchdog: std::time::Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     }

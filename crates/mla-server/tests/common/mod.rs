@@ -198,6 +198,7 @@ pub fn server(opts: Options) -> TestServer {
         max_queued_requests: opts.max_queued,
         seed: 0,
         prefix_caching: true,
+        mixed_steps: false,
         step_watchdog: std::time::Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     };
