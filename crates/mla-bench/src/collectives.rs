@@ -44,16 +44,19 @@ enum Op {
     AllGatherV,
     /// DP attention, eager steps: the packed reduce-scatter (one grouped reduce per rank).
     ReduceScatterV,
+    /// The same in bf16: half the bytes, NCCL adding in bf16.
+    ReduceScatterVBf16,
 }
 
-const OPS: [Op; 5] = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::AllGatherV, Op::ReduceScatterV];
+const OPS: [Op; 6] =
+    [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::AllGatherV, Op::ReduceScatterV, Op::ReduceScatterVBf16];
 
 impl Op {
     /// Bytes of the whole the bandwidths are computed from.
     fn bytes(self, rows: usize, hidden: usize, n: usize) -> usize {
         match self {
             Op::AllReduce => rows * hidden * 4,
-            Op::AllGather | Op::AllGatherV => n * rows * hidden * 2,
+            Op::AllGather | Op::AllGatherV | Op::ReduceScatterVBf16 => n * rows * hidden * 2,
             Op::ReduceScatter | Op::ReduceScatterV => n * rows * hidden * 4,
         }
     }
@@ -171,7 +174,8 @@ fn time_size(
             Op::AllGather => comm.all_gather_bf16(bin, bout, s),
             Op::ReduceScatter => comm.reduce_scatter_sum_f32(fin, mine, s),
             Op::AllGatherV => comm.all_gather_v_bf16(bin, bout, &counts, s),
-            Op::ReduceScatterV => comm.reduce_scatter_v_sum_f32(fin, mine, &counts, s),
+            Op::ReduceScatterV => comm.reduce_scatter_v_sum(fin, mine, &counts, s),
+            Op::ReduceScatterVBf16 => comm.reduce_scatter_v_sum(bout, bin, &counts, s),
         }
     };
     let (start, end) = (Event::new()?, Event::new()?);

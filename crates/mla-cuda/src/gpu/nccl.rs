@@ -24,6 +24,19 @@ const IN_PROGRESS: NcclResult = 7;
 const FLOAT32: c_int = 7;
 const BFLOAT16: c_int = 9;
 const SUM: c_int = 0;
+
+/// Element types the collectives carry, with NCCL's code for each.
+pub trait NcclElement: Copy {
+    const NCCL_TYPE: c_int;
+}
+
+impl NcclElement for f32 {
+    const NCCL_TYPE: c_int = FLOAT32;
+}
+
+impl NcclElement for bf16 {
+    const NCCL_TYPE: c_int = BFLOAT16;
+}
 const MIN: c_int = 3;
 
 /// The 128-byte id every rank of a communicator starts from (`ncclUniqueId`). Plain bytes: it
@@ -288,11 +301,12 @@ impl NcclComm {
     }
 
     /// `reduce_scatter_sum_f32` with `counts[r]` elements for rank r, packed in rank order in
-    /// `input`: one reduce per rank with data, grouped into one launch.
-    pub fn reduce_scatter_v_sum_f32(
+    /// `input`: one reduce per rank with data, grouped into one launch. In f32 or bf16 (NCCL then
+    /// adds in bf16: one more rounding per peer, half the bytes).
+    pub fn reduce_scatter_v_sum<T: NcclElement>(
         &self,
-        input: DSlice<f32>,
-        out: DSlice<f32>,
+        input: DSlice<T>,
+        out: DSlice<T>,
         counts: &[usize],
         stream: CUstream,
     ) -> anyhow::Result<()> {
@@ -310,7 +324,7 @@ impl NcclComm {
                             src.ptr as *const c_void,
                             out.ptr as *mut c_void,
                             n,
-                            FLOAT32,
+                            T::NCCL_TYPE,
                             SUM,
                             root as c_int,
                             comm,

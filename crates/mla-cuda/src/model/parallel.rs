@@ -84,6 +84,22 @@ pub struct DpAttention {
     ffn_all: DeviceBuffer<bf16>,
     ffn_all_f32: DeviceBuffer<f32>,
     ffn_f32: DeviceBuffer<f32>,
+    /// Reduce eager steps' FFN outputs in bf16 (`PACKED_REDUCE_ENV`).
+    bf16_packed_reduce: bool,
+}
+
+/// `MLA_DPA_PACKED_REDUCE=bf16` reduces the FFN outputs of eager DP-attention steps (prefill
+/// and mixed steps, whose rows are packed) in bf16 instead of f32: half the bytes of the
+/// step's largest collective, one more bf16 rounding per peer. Graph steps keep f32 (they are
+/// small and latency-bound). `f32` (the default) or `bf16`; anything else is refused.
+pub const PACKED_REDUCE_ENV: &str = "MLA_DPA_PACKED_REDUCE";
+
+fn bf16_packed_reduce() -> anyhow::Result<bool> {
+    match std::env::var(PACKED_REDUCE_ENV).as_deref() {
+        Err(_) | Ok("f32") => Ok(false),
+        Ok("bf16") => Ok(true),
+        Ok(other) => anyhow::bail!("{PACKED_REDUCE_ENV}={other}: expected f32 or bf16"),
+    }
 }
 
 /// How a DP-attention step's FFN collectives lay out the ranks' rows.
@@ -124,6 +140,7 @@ impl RankMode {
                 ffn_all: DeviceBuffer::alloc(f * hidden)?,
                 ffn_all_f32: DeviceBuffer::alloc(f * hidden)?,
                 ffn_f32: DeviceBuffer::alloc(t * hidden)?,
+                bf16_packed_reduce: bf16_packed_reduce()?,
             }),
         })
     }
@@ -223,10 +240,16 @@ impl DpAttention {
             FfnRows::Packed(_) => comm.all_gather_v_bf16(io.h.sub(0, mine), h_all, &elems, s)?,
         }
         run(h_all, all / hidden, ffn_all)?;
+        if self.bf16_packed_reduce && matches!(rows, FfnRows::Packed(_)) {
+            // The sums land in this rank's rows of the gathered output, which nothing reads again.
+            let mine_bf16 = ffn_all.sub(elems[..rank].iter().sum(), mine);
+            comm.reduce_scatter_v_sum(ffn_all, mine_bf16, &elems, s)?;
+            return Ok(NormDelta::Bf16(mine_bf16));
+        }
         dev.k.elementwise.bf16_to_f32(s, ffn_all, ffn_all_f32, all)?;
         match rows {
             FfnRows::Padded(_) => comm.reduce_scatter_sum_f32(ffn_all_f32, ffn_f32, s)?,
-            FfnRows::Packed(_) => comm.reduce_scatter_v_sum_f32(ffn_all_f32, ffn_f32, &elems, s)?,
+            FfnRows::Packed(_) => comm.reduce_scatter_v_sum(ffn_all_f32, ffn_f32, &elems, s)?,
         }
         Ok(NormDelta::F32(ffn_f32))
     }
