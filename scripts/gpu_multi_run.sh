@@ -50,6 +50,10 @@
 #                 of 256 sequences of 1024 + 256 tokens per GPU) both serve 1024-in / 256-out at
 #                 concurrency 256 per GPU (2x that many prompts); the startup logs' KV cache lines
 #                 go to kvfp8-MODE.log                           kvfp8-MODE-{auto,fp8}.json
+#   mixed-MODE    mixed prefill+decode steps (--enable-mixed-chunk) against steps taking turns in
+#                 MODE: V2-Lite shape, dummy weights, 1024-in / 256-out at concurrency 256 per
+#                 GPU (2x that many prompts); under dpa also with MLA_DPA_PACKED_REDUCE=bf16 and
+#                 with a 2048-token budget per rank               mixed-MODE-CASE.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -92,7 +96,7 @@ for s in "${stages[@]}"; do
     bench) expanded+=(engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa) ;;
     group-tests | kill-rank | collectives | idle-ranks | soak | matrix | big-v2 | big-v3 | router) expanded+=("$s") ;;
     nodes-tp | nodes-dpa) expanded+=("$s") ;;
-    hf-* | chat-* | engine-* | serve-* | kvfp8-*)
+    hf-* | chat-* | engine-* | serve-* | kvfp8-* | mixed-*)
       [[ " $modes " == *" ${s#*-} "* ]] || { echo "unknown mode in $s (modes: $modes)" >&2; usage; }
       expanded+=("$s") ;;
     *) echo "unknown stage $s" >&2; usage ;;
@@ -205,7 +209,8 @@ v2lite_server() {
   # MLA_V2LITE_UTIL and MLA_V2LITE_FLAGS (e.g. --kv-cache-dtype fp8) apply to every V2-Lite server.
   # shellcheck disable=SC2086 # flags are words
   server_start "$log" --model deepseek-v2-lite --load-format dummy --device cuda --tokenizer "$work/wide" \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization "${MLA_V2LITE_UTIL:-0.85}" \
+    --max-num-seqs 256 --max-num-batched-tokens "${MLA_V2LITE_BUDGET:-8192}" \
+    --gpu-memory-utilization "${MLA_V2LITE_UTIL:-0.85}" \
     ${MLA_V2LITE_FLAGS:-} "$@"
 }
 
@@ -220,7 +225,8 @@ stage_hf() {
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$work/site" .whl/*.whl > /dev/null
   fi
   [[ -d "$work/site" ]] && export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
-  MLA_E2E_DEVICE=cuda MLA_E2E_FLAGS="$(flags_of "$mode")" MLA_E2E_NODES=$nodes MLA_SERVE_BIN="$bins/mla-serve" \
+  # MLA_HF_FLAGS adds server flags (e.g. --enable-mixed-chunk).
+  MLA_E2E_DEVICE=cuda MLA_E2E_FLAGS="$(flags_of "$mode") ${MLA_HF_FLAGS:-}" MLA_E2E_NODES=$nodes MLA_SERVE_BIN="$bins/mla-serve" \
     run_logged "$name" python3 -m pytest -q tests/e2e/test_hf_fixtures.py
 }
 
@@ -311,6 +317,29 @@ stage_kvfp8() {
     ((dry)) || grep -h "KV cache" "$out/kvfp8-$mode-$dt.server.log" | sed "s/^/$dt: /" >> "$out/kvfp8-$mode.log"
     serve_case "kvfp8-$mode-$dt" "$c" $((2 * c)) 256 || rc=1
     server_stop || rc=1
+  done
+  return $rc
+}
+
+stage_mixed() {
+  local mode=$1 per=1 c rc=0 case
+  case "$mode" in replicas | dpa) per=$gpus ;; esac
+  c=$((256 * per))
+  # name|settings and flags: prefill and decode taking turns, then mixed steps; under DP
+  # attention also with the eager steps' FFN outputs reduced in bf16, and with a quarter of
+  # the token budget per rank (SGLang divides its chunk by the DP size).
+  local cases=("turns|" "mixed|--enable-mixed-chunk")
+  [[ "$mode" == dpa ]] && cases+=("mixed-bf16|MLA_DPA_PACKED_REDUCE=bf16 --enable-mixed-chunk"
+    "mixed-2k|MLA_V2LITE_BUDGET=2048 --enable-mixed-chunk")
+  for case in "${cases[@]}"; do
+    local name=${case%%|*} words
+    read -r -a words <<< "${case#*|}"
+    local envs=() flags=()
+    for a in "${words[@]}"; do [[ "$a" == MLA_*=* ]] && envs+=("$a") || flags+=("$a"); done
+    # shellcheck disable=SC2046
+    (((${#envs[@]})) && export "${envs[@]}"; v2lite_server "$out/mixed-$mode-$name.server.log" $(flags_of "$mode") \
+      "${flags[@]}" && serve_case "mixed-$mode-$name" "$c" $((2 * c)) 256; r=$?; server_stop || r=1; exit $r) \
+      || rc=1
   done
   return $rc
 }
@@ -488,6 +517,7 @@ for s in "${stages[@]}"; do
     engine-*) stage_engine "${s#engine-}" ;;
     serve-*) stage_serve "${s#serve-}" ;;
     kvfp8-*) stage_kvfp8 "${s#kvfp8-}" ;;
+    mixed-*) stage_mixed "${s#mixed-}" ;;
   esac || { status=1; echo "  stage $s FAILED"; }
 done
 stamp done
