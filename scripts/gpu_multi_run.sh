@@ -50,10 +50,11 @@
 #                 of 256 sequences of 1024 + 256 tokens per GPU) both serve 1024-in / 256-out at
 #                 concurrency 256 per GPU (2x that many prompts); the startup logs' KV cache lines
 #                 go to kvfp8-MODE.log                           kvfp8-MODE-{auto,fp8}.json
-#   mixed-MODE    mixed prefill+decode steps (--enable-mixed-chunk) against steps taking turns in
-#                 MODE: V2-Lite shape, dummy weights, 1024-in / 256-out at concurrency 256 per
-#                 GPU (2x that many prompts); under dpa also with MLA_DPA_PACKED_REDUCE=bf16 and
-#                 with a 2048-token budget per rank               mixed-MODE-CASE.json
+#   mixed-MODE    mixed prefill+decode steps (the default) against steps taking turns
+#                 (--disable-mixed-chunk) in MODE: V2-Lite shape, dummy weights, 1024-in /
+#                 256-out at concurrency 256 per GPU (2x that many prompts); under dpa also with
+#                 MLA_DPA_PACKED_REDUCE=f32 and with a 2048-token budget per rank
+#                                                                 mixed-MODE-CASE.json
 #   correctness   group-tests hf-tp hf-dpa chat-replicas chat-tp chat-dpa kill-rank
 #   bench         engine-single engine-replicas engine-dpa engine-tp serve-replicas serve-dpa
 # NCCL_NVLS_ENABLE=0 is set unless given (NVLink multicast can take a shared host's GPUs down).
@@ -225,7 +226,7 @@ stage_hf() {
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$work/site" .whl/*.whl > /dev/null
   fi
   [[ -d "$work/site" ]] && export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
-  # MLA_HF_FLAGS adds server flags (e.g. --enable-mixed-chunk).
+  # MLA_HF_FLAGS adds server flags (e.g. --disable-mixed-chunk).
   MLA_E2E_DEVICE=cuda MLA_E2E_FLAGS="$(flags_of "$mode") ${MLA_HF_FLAGS:-}" MLA_E2E_NODES=$nodes MLA_SERVE_BIN="$bins/mla-serve" \
     run_logged "$name" python3 -m pytest -q tests/e2e/test_hf_fixtures.py
 }
@@ -325,12 +326,12 @@ stage_mixed() {
   local mode=$1 per=1 c rc=0 case
   case "$mode" in replicas | dpa) per=$gpus ;; esac
   c=$((256 * per))
-  # name|settings and flags: prefill and decode taking turns, then mixed steps; under DP
-  # attention also with the eager steps' FFN outputs reduced in bf16, and with a quarter of
-  # the token budget per rank (SGLang divides its chunk by the DP size).
-  local cases=("turns|" "mixed|--enable-mixed-chunk")
-  [[ "$mode" == dpa ]] && cases+=("mixed-bf16|MLA_DPA_PACKED_REDUCE=bf16 --enable-mixed-chunk"
-    "mixed-2k|MLA_V2LITE_BUDGET=2048 --enable-mixed-chunk")
+  # name|settings and flags: prefill and decode taking turns, then mixed steps (the default);
+  # under DP attention also with the eager steps' FFN outputs reduced in f32 instead of bf16,
+  # and with a quarter of the token budget per rank (SGLang divides its chunk by the DP size).
+  local cases=("turns|--disable-mixed-chunk" "mixed|")
+  [[ "$mode" == dpa ]] && cases+=("mixed-f32|MLA_DPA_PACKED_REDUCE=f32"
+    "mixed-2k|MLA_V2LITE_BUDGET=2048")
   for case in "${cases[@]}"; do
     local name=${case%%|*} words
     read -r -a words <<< "${case#*|}"

@@ -191,17 +191,18 @@ def reference(weights, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("weights", list(WEIGHTS))
 def test_layout_under_mixed_traffic_matches_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory):
-    run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory)
+    metrics = run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory)
+    assert metrics["mla:mixed_steps_total"] > 0, "no step mixed prompt chunks and decode rows"
 
 
 @pytest.mark.parametrize("layout", [None, *LAYOUTS])
 @pytest.mark.parametrize("weights", ["bf16", "fp8-checkpoint"])
-def test_mixed_steps_under_mixed_traffic_match_one_rank(weights, layout, tmp_path, tmp_path_factory):
-    """Decode rows and prompt chunks in one step (`--enable-mixed-chunk`): the same greedy
-    outputs as one rank taking turns, through the same burst, preemption, aborts, n = 2,
-    structured output and prefix hits; and the steps really mixed."""
-    metrics = run_against_one_rank(weights, layout, 2, tmp_path, tmp_path_factory, ["--enable-mixed-chunk"])
-    assert metrics["mla:mixed_steps_total"] > 0, "no step was mixed"
+def test_steps_taking_turns_under_mixed_traffic_match_one_rank(weights, layout, tmp_path, tmp_path_factory):
+    """Prefill and decode steps taking turns (`--disable-mixed-chunk`): the same greedy outputs
+    as one rank with mixed steps, through the same burst, preemption, aborts, n = 2, structured
+    output and prefix hits; and no step mixed."""
+    metrics = run_against_one_rank(weights, layout, 2, tmp_path, tmp_path_factory, ["--disable-mixed-chunk"])
+    assert metrics["mla:mixed_steps_total"] == 0
 
 
 def run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory, steps=()):

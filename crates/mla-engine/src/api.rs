@@ -22,7 +22,7 @@ pub struct EngineConfig {
     /// that start the same way.
     pub prefix_caching: bool,
     /// Steps carry decode rows and prompt chunks together instead of taking turns
-    /// (`--enable-mixed-chunk`; the scheduler's `mixed_steps`).
+    /// (on unless `--disable-mixed-chunk`; the scheduler's `mixed_steps`).
     pub mixed_steps: bool,
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).

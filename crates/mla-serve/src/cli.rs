@@ -216,12 +216,16 @@ pub struct Args {
     #[arg(long, alias = "disable-radix-cache", overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
 
-    /// Every step feeds each running sequence its next token and fills the rest of
-    /// --max-num-batched-tokens with prompt chunks, instead of alternating prefill and decode
-    /// steps (SGLang's flag; vLLM's scheduler always does this). Decoding never pauses for a
-    /// prompt, and under DP attention no rank's prefill stalls the others' decoding rows.
-    #[arg(long)]
+    /// Mixed steps, on by default: every step feeds each running sequence its next token and
+    /// fills the rest of --max-num-batched-tokens with prompt chunks (as vLLM's scheduler
+    /// always does), so decoding never pauses for a prompt. SGLang's flag; accepted for scripts
+    /// that pass it.
+    #[arg(long, overrides_with = "no_enable_mixed_chunk")]
     pub enable_mixed_chunk: bool,
+
+    /// Prefill and decode steps take turns instead of mixing (also --disable-mixed-chunk).
+    #[arg(long, alias = "disable-mixed-chunk", overrides_with = "enable_mixed_chunk")]
+    pub no_enable_mixed_chunk: bool,
 
     #[command(flatten)]
     pub routing: RoutingArgs,
@@ -537,6 +541,16 @@ mod tests {
         let a = parse(&[]);
         assert_eq!((a.port, a.block_size, a.tp), (8000, 64, 1));
         assert_eq!(a.check_supported().unwrap(), Device::Auto);
+    }
+
+    #[test]
+    fn mixed_steps_are_on_unless_turned_off_and_the_last_flag_wins() {
+        let on = |a: &[&str]| !parse(a).no_enable_mixed_chunk;
+        assert!(on(&[]));
+        assert!(on(&["--enable-mixed-chunk"]));
+        assert!(!on(&["--disable-mixed-chunk"]));
+        assert!(!on(&["--enable-mixed-chunk", "--no-enable-mixed-chunk"]));
+        assert!(on(&["--disable-mixed-chunk", "--enable-mixed-chunk"]));
     }
 
     #[test]

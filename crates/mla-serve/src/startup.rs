@@ -81,7 +81,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             max_queued_requests: args.max_queued_requests,
             seed: args.seed,
             prefix_caching: !args.no_enable_prefix_caching,
-            mixed_steps: args.enable_mixed_chunk,
+            mixed_steps: !args.no_enable_mixed_chunk,
             step_watchdog: args.watchdog(),
             router: args.routing.config(!args.no_enable_prefix_caching),
         },

@@ -148,7 +148,7 @@ fn counters(e: &mut Exposition, s: &EngineStats) {
     e.counter("steps_total", "Forward steps run (a DP-attention group's step counts once).", s.steps.steps);
     e.counter(
         "mixed_steps_total",
-        "Steps that held prompt chunks and decode rows together (--enable-mixed-chunk).",
+        "Steps that held prompt chunks and decode rows together (off with --disable-mixed-chunk).",
         s.steps.mixed,
     );
     e.labelled(
