@@ -34,7 +34,8 @@
 #   big-MODEL     a large model with FP8 weights at default flags in tp and dpa: MODEL v2 (236B,
 #                 full depth) or v3 (MLA_V3_LAYERS layers, 16); serves 1024-in / MLA_BIG_OUTPUT
 #                 (1024) out at concurrency 1, 64 and 256; MLA_BIG_MODES picks the modes (tp dpa),
-#                 MLA_BIG_FLAGS adds server flags (e.g. --kv-cache-dtype fp8)  big-MODEL-MODE-cN.json
+#                 MLA_BIG_FLAGS adds server flags (e.g. --kv-cache-dtype fp8), MLA_BIG_CONCURRENCY
+#                 picks the concurrencies (1 64 256)                   big-MODEL-MODE-cN.json
 #   router        prefix-aware routing against least-loaded (--router-policy), V2-Lite shape,
 #                 dummy weights, in replicas and dpa: multi-turn (64 conversations x 8 turns of
 #                 512 tokens, 128 out, c=64, MLA_ROUTER_TURN_DELAY: 2 s of a user's reading and
@@ -429,9 +430,10 @@ stage_big() {
       --tokenizer "$work/wide-$model" --quantization fp8 $(flags_of "$mode") "${extra[@]}" ${MLA_BIG_FLAGS:-} ||
       { rc=1; continue; }
     ((dry)) || grep -E 'weights|steps:|KV cache|cut to|trying' "$out/$tag.server.log" | cut -c1-220 | sed 's/^/  /'
-    serve_case "$tag-c1" 1 2 "$olen" || rc=1
-    serve_case "$tag-c64" 64 64 "$olen" || rc=1
-    serve_case "$tag-c256" 256 256 "$olen" || rc=1
+    local c
+    for c in ${MLA_BIG_CONCURRENCY:-1 64 256}; do
+      serve_case "$tag-c$c" "$c" $((c > 1 ? c : 2)) "$olen" || rc=1
+    done
     server_stop || { echo "  the $tag server did not exit cleanly"; rc=1; }
   done
   return $rc
