@@ -12,9 +12,9 @@
 //! on the decode rows alone); what differs is the row count of every other projection: 2 or 6
 //! decode rows, 24 chunk rows, against 26 or 30 in the mixed step, which cuBLAS may run with
 //! other kernels. FP8 projections go through dequantization + cuBLAS at every row count (the
-//! W8A16 GEMV of up to 8 rows would round otherwise: 1.8-2.7e-2 of row error on an H100, run M1
-//! of 2026-11-27). Measured there with the same kernels: every row equal, bf16 weights and FP8,
-//! both caches. The bound stays at the 2e-2 `gpu_model_fp8` allows for rounding, as cuBLAS may
+//! W8A16 GEMV of up to 8 rows would round otherwise: 1.8-2.7e-2 of row error on an H100, run Q1
+//! of 2026-11-27). With the same kernels every row came out equal (run Q2: bf16 and FP8 weights,
+//! both caches). The bound stays at the 2e-2 `gpu_model_fp8` allows for rounding, as cuBLAS may
 //! pick other kernels elsewhere.
 //!
 //! Why it can fail. A decode row given another row's attention output, or reading another

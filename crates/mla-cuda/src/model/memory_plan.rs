@@ -121,7 +121,11 @@ pub fn plan(dev: &Device, p: PlanInputs) -> anyhow::Result<MemoryPlan> {
     let mut act = loop {
         let tried = Activations::alloc(dev, &p, &step_limits);
         let (free1, _) = dev.gpu.mem_info()?;
-        let blocks = p.num_blocks.unwrap_or_else(|| blocks_left(free1));
+        // The collectives' buffers come out of the same memory after this loop: a cache that
+        // reached its goal only without them would fall short of it (V2 236B under DP
+        // attention with the FP8 cache kept 2048-token steps for 13,568 KV tokens, run Q4).
+        let collectives = tried.as_ref().map_or(0, |a| p.link.buffer_bytes(&a.limits, p.cfg.hidden_size));
+        let blocks = p.num_blocks.unwrap_or_else(|| blocks_left(free1.saturating_sub(collectives)));
         let enough = p.num_blocks.is_some() || blocks * PAGE_SIZE >= p.kv_goal_tokens;
         let smaller = (p.fit == BudgetFit::Shrink && p.num_blocks.is_none()).then(|| step_limits.halved()).flatten();
         match (tried, smaller) {

@@ -54,6 +54,20 @@ impl RankLink {
         }
     }
 
+    /// Bytes of the buffers `RankMode::new` allocates for steps within `limits`, so the memory
+    /// planner can count them before it sizes the KV cache from what is left.
+    pub fn buffer_bytes(&self, limits: &Limits, hidden: usize) -> usize {
+        let (t, f) = (limits.max_tokens, limits.ffn_rows);
+        let (b16, b32) = (std::mem::size_of::<bf16>(), std::mem::size_of::<f32>());
+        match self {
+            RankLink::Single => 0,
+            // delta_f32, ffn_f32
+            RankLink::TensorParallel(_) => 2 * t * hidden * b32,
+            // h_all, ffn_all, ffn_all_f32, ffn_f32
+            RankLink::DpAttention(_) => f * hidden * (2 * b16 + b32) + t * hidden * b32,
+        }
+    }
+
     /// Ranks whose rows the FFN runs over together (`mla_core::StepLimits::gathered_ranks`).
     pub fn gathered_ranks(&self) -> usize {
         match self {
@@ -91,9 +105,10 @@ pub struct DpAttention {
 
 /// The FFN outputs of eager DP-attention steps (prefill and mixed steps, whose rows are packed)
 /// are reduced in bf16: half the bytes of the step's largest collective for one more bf16
-/// rounding per peer, as vLLM and SGLang reduce in the model's dtype. Measured on two H100s
-/// (run M1, 2026-11-27): +2% output tok/s serving 1024/256 at c=512, HF fixtures' greedy outputs
-/// unchanged. Graph steps keep f32 (small and latency-bound, bytes do not matter there).
+/// rounding per peer, as vLLM and SGLang reduce in the model's dtype. Measured on H100s
+/// (runs Q1, Q2, 2026-11-27), V2-Lite serving 1024/256: +2% output tok/s on two GPUs, +11% on
+/// four (29,342 against 26,363 with f32); the HF fixtures' greedy outputs through the server
+/// under DP attention stayed equal to HF's. Graph steps keep f32 (small and latency-bound, bytes do not matter there).
 /// `MLA_DPA_PACKED_REDUCE=f32` restores f32 for A/B runs; anything but `f32` or `bf16` is refused.
 pub const PACKED_REDUCE_ENV: &str = "MLA_DPA_PACKED_REDUCE";
 
@@ -128,6 +143,7 @@ pub struct FfnIo<'a> {
 
 impl RankMode {
     /// `link` with the buffers its collectives need for steps within `limits`.
+    /// (`RankLink::buffer_bytes` counts what this allocates: keep the two alike.)
     pub fn new(link: RankLink, limits: &Limits, hidden: usize) -> anyhow::Result<Self> {
         let (t, f) = (limits.max_tokens, limits.ffn_rows);
         Ok(match link {
