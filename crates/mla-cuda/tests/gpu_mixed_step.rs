@@ -106,7 +106,7 @@ fn backend(cfg: &ModelConfig, dtype: KvCacheDtype) -> CudaBackend {
         ..Default::default()
     };
     let weights = SharpQueries(Dummy { inner: DummyWeights::new(5), bf16: true });
-    let mut b = CudaBackend::new(cfg.clone(), WeightsFrom::Host(Arc::new(weights)), opts).unwrap();
+    let b = CudaBackend::new(cfg.clone(), WeightsFrom::Host(Arc::new(weights)), opts).unwrap();
     // FP8 projections through dequantization + cuBLAS at every row count: the W8A16 GEMV of up
     // to 8 rows rounds otherwise, and the decode rows of a mixed step are more than 8.
     b.with_worker(|w| w.model.linears.fp8_gemv_max_rows = 0).unwrap();

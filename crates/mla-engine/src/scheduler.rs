@@ -321,11 +321,16 @@ impl Scheduler {
         let budget = self.cfg.max_num_batched_tokens.saturating_sub(decode);
         let prefill = if budget > 0 { self.build_prefill(budget) } else { Vec::new() };
         // Admitting a prompt may have preempted a decoding completion for fairness (its blocks
-        // are gone): its row leaves the step.
-        let (kept, preempted): (Vec<SeqStep>, Vec<SeqStep>) =
-            seqs.into_iter().partition(|e| self.is_decodable(SeqKey::from_seq_id(e.seq_id)));
+        // are gone), and may even have admitted it again (other blocks, or a prompt chunk of its
+        // history): its row leaves the step unless the sequence stands exactly as it was built.
+        let (kept, preempted): (Vec<SeqStep>, Vec<SeqStep>) = seqs.into_iter().partition(|e| self.decode_row_stands(e));
         self.spare.extend(preempted);
         let mut seqs = kept;
+        if seqs.is_empty() && prefill.is_empty() {
+            // Admission can bring in a sequence with nothing to prefill: a resumed completion
+            // whose history, all but its last token, is in the prefix cache. It decodes now.
+            seqs = self.build_decode();
+        }
         let decode = seqs.len();
         let kind = match (prefill.len(), decode) {
             (0, 0) => return None,
@@ -339,6 +344,16 @@ impl Scheduler {
         let mut plan = StepPlan { kind, seqs };
         self.attach_masks(&mut plan);
         Some(plan)
+    }
+
+    /// Whether decode row `e` still describes its sequence: decodable, at the same position,
+    /// over the same blocks.
+    fn decode_row_stands(&self, e: &SeqStep) -> bool {
+        let key = SeqKey::from_seq_id(e.seq_id);
+        self.is_decodable(key)
+            && self.groups[&key.request]
+                .seq(key.slot)
+                .is_some_and(|s| s.computed == e.context_len && s.table.blocks() == e.block_table.as_slice())
     }
 
     /// Takes back a plan the backend is done with; its vectors are reused by later plans.

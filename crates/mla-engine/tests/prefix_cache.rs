@@ -12,14 +12,23 @@ use std::collections::HashMap;
 
 const BS: usize = 4;
 
+/// Steps mix decode rows and prompt chunks (the server's default); `sched_turns` alternates them.
 fn sched(num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
+    sched_with(num_blocks, max_num_seqs, budget, true)
+}
+
+fn sched_turns(num_blocks: usize, max_num_seqs: usize, budget: usize) -> Scheduler {
+    sched_with(num_blocks, max_num_seqs, budget, false)
+}
+
+fn sched_with(num_blocks: usize, max_num_seqs: usize, budget: usize, mixed_steps: bool) -> Scheduler {
     let cfg = SchedulerConfig {
         max_model_len: 4096,
         max_num_seqs,
         max_num_batched_tokens: budget,
         max_extra_logit_rows: 512,
         prefix_caching: true,
-        mixed_steps: false,
+        mixed_steps,
     };
     Scheduler::new(cfg, CacheLayout { block_size: BS, num_blocks })
 }
@@ -96,6 +105,9 @@ impl Harness {
 
     fn step(&mut self) -> StepPlan {
         let plan = self.s.schedule().expect("work to do");
+        let mut ids: Vec<u64> = plan.seqs.iter().map(|q| q.seq_id).collect();
+        ids.sort_unstable();
+        assert!(ids.windows(2).all(|w| w[0] != w[1]), "a sequence twice in one step: {:?}", plan.kind);
         self.kv.check_and_write(&self.s, &plan, &self.prompts);
         let seqs = plan
             .seqs
@@ -234,9 +246,18 @@ fn blocks_in_use_are_never_evicted_and_a_full_cache_still_admits() {
 /// checks, and at the end every block is free or cached and unreferenced.
 #[test]
 fn a_thousand_random_requests_with_aborts_leak_nothing() {
-    let mut rng = mla_core::SplitMix64::new(11);
+    // Mixed steps once stopped here: a resumed completion admitted with all but its last token
+    // cached has nothing to prefill, and the step held nothing else.
+    for seed in 11..15 {
+        random_requests_with_aborts(sched(20, 8, 24), seed);
+    }
+    random_requests_with_aborts(sched_turns(20, 8, 24), 11);
+}
+
+fn random_requests_with_aborts(s: Scheduler, seed: u64) {
+    let mut rng = mla_core::SplitMix64::new(seed);
     let mut below = |n: u64| (rng.next_u64() % n) as usize;
-    let mut h = Harness::new(sched(20, 8, 24));
+    let mut h = Harness::new(s);
     let heads: Vec<Vec<u32>> = (0..4).map(|i| prompt(4 + 9 * i, 20 + i as u32)).collect();
     let (mut next, mut hits) = (1u64, 0);
     while next <= 1000 || h.s.has_work() {
