@@ -316,16 +316,19 @@ impl Scheduler {
     /// that prompts never delay them: a sequence's inter-token latency is one step, whose length
     /// the budget bounds.
     fn schedule_mixed(&mut self) -> Option<StepPlan> {
-        let seqs = self.build_decode();
-        let decode = seqs.len();
-        let budget = self.cfg.max_num_batched_tokens.saturating_sub(decode);
+        let mut seqs = self.build_decode();
+        let budget = self.cfg.max_num_batched_tokens.saturating_sub(seqs.len());
+        let preemptions = self.preemptions;
         let prefill = if budget > 0 { self.build_prefill(budget) } else { Vec::new() };
         // Admitting a prompt may have preempted a decoding completion for fairness (its blocks
         // are gone), and may even have admitted it again (other blocks, or a prompt chunk of its
         // history): its row leaves the step unless the sequence stands exactly as it was built.
-        let (kept, preempted): (Vec<SeqStep>, Vec<SeqStep>) = seqs.into_iter().partition(|e| self.decode_row_stands(e));
-        self.spare.extend(preempted);
-        let mut seqs = kept;
+        // Only a preemption can do that, so the rows are checked only after one.
+        if self.preemptions != preemptions {
+            let (kept, stale): (Vec<SeqStep>, Vec<SeqStep>) = seqs.into_iter().partition(|e| self.decode_row_stands(e));
+            self.spare.extend(stale);
+            seqs = kept;
+        }
         if seqs.is_empty() && prefill.is_empty() {
             // Admission can bring in a sequence with nothing to prefill: a resumed completion
             // whose history, all but its last token, is in the prefix cache. It decodes now.
