@@ -17,13 +17,19 @@ fn start(block_size: usize, num_blocks: usize) -> (EngineHandle, std::sync::Arc<
 }
 
 /// Submits every request at once and gathers each one's single completion.
+/// The engine is held at its first step until all are queued, so the preemption the tiny
+/// cache is meant to force does not depend on how fast the submitting thread runs.
 fn run_all(num_blocks: usize, sampling: &SamplingParams, seeds: &[Option<u64>]) -> (Vec<Vec<u32>>, EngineStats) {
-    let (engine, _) = start(4, num_blocks);
+    let gate = std::sync::Arc::new(StepGate::default());
+    let mut backend = HistoryBackend::new(CacheLayout { block_size: 4, num_blocks }, MAX_LEN);
+    backend.gate = Some(gate.clone());
+    let engine = Engine::start(Box::new(backend), engine_config(MAX_LEN)).unwrap();
     let mut streams: Vec<_> = prompts(seeds.len())
         .into_iter()
         .zip(seeds)
         .map(|(p, &seed)| engine.submit(request(p, sampling.clone(), seed, 40)).unwrap())
         .collect();
+    gate.open();
     let outs = streams
         .iter_mut()
         .map(|s| {

@@ -15,8 +15,18 @@ use std::time::Duration;
 const MAX_LEN: usize = 64;
 
 fn start(num_blocks: usize, delay_ms: u64) -> (EngineHandle, Arc<Mutex<Log>>, Arc<std::sync::atomic::AtomicUsize>) {
+    start_gated(num_blocks, delay_ms, None)
+}
+
+/// With a gate, no step runs until the test opens it (to queue requests before the first step).
+fn start_gated(
+    num_blocks: usize,
+    delay_ms: u64,
+    gate: Option<Arc<StepGate>>,
+) -> (EngineHandle, Arc<Mutex<Log>>, Arc<std::sync::atomic::AtomicUsize>) {
     let mut b = HistoryBackend::new(CacheLayout { block_size: 4, num_blocks }, MAX_LEN);
     b.delay = Duration::from_millis(delay_ms);
+    b.gate = gate;
     let log = b.log.clone();
     let t = Threaded::new(b);
     let started = t.started.clone();
@@ -34,12 +44,15 @@ fn outputs_with_preemption_and_seeds_equal_the_reference() {
     };
     for (sampling, seeds) in [(SamplingParams::greedy(), [None; 6]), (params, [11, 12, 13, 14, 15, 16].map(Some))] {
         // 16 blocks of 4 hold 64 tokens; six requests growing to ~50 tokens each must preempt.
-        let (engine, log, started) = start(16, 0);
+        // Held until all six are queued, so the preemption does not depend on thread timing.
+        let gate = Arc::new(StepGate::default());
+        let (engine, log, started) = start_gated(16, 0, Some(gate.clone()));
         let mut streams: Vec<_> = prompts(6)
             .into_iter()
             .zip(seeds)
             .map(|(p, seed)| engine.submit(request(p, sampling.clone(), seed, 40)).unwrap())
             .collect();
+        gate.open();
         for (i, (s, p)) in streams.iter_mut().zip(prompts(6)).enumerate() {
             let c = collect(s, 1);
             assert_eq!((c.error.as_deref(), c.finish[0]), (None, Some(FinishReason::Length)));

@@ -69,13 +69,18 @@ fn prompt_logprobs_are_exact_across_chunks_sharing_and_a_warm_prefix_cache() {
 fn prompt_logprobs_survive_preemption() {
     // 16 blocks of 4 tokens: a long-running request and a scored one do not fit together, so
     // the newer is preempted (during its prefill or after) and recomputed.
-    let backend = HistoryBackend::new(CacheLayout { block_size: 4, num_blocks: 16 }, MAX_LEN);
+    // The engine is held at its first step until both are queued: on a busy machine it could
+    // otherwise finish the long request before the scored one arrives, and nothing is preempted.
+    let gate = std::sync::Arc::new(StepGate::default());
+    let mut backend = HistoryBackend::new(CacheLayout { block_size: 4, num_blocks: 16 }, MAX_LEN);
+    backend.gate = Some(gate.clone());
     let engine = Engine::start(Box::new(backend), engine_config(MAX_LEN)).unwrap();
     let long: Vec<u32> = (0..10).map(|i| (i * 5 % 60 + 2) as u32).collect();
     let scored: Vec<u32> = (0..30).map(|i| (i * 11 % 60 + 1) as u32).collect();
     let mut a = engine.submit(request(long, SamplingParams::greedy(), None, 40)).unwrap();
     let mut b =
         engine.submit(GenerateRequest { max_tokens: 20, ..with_prompt_logprobs(scored.clone(), 1, 3) }).unwrap();
+    gate.open();
     let (ca, cb) = (collect(&mut a, 1), collect(&mut b, 1));
     assert_eq!((ca.error, cb.error), (None, None));
     let got: Vec<_> = cb.prompt_logprobs.unwrap().into_iter().map(|e| (e.token, e.logprob, e.rank, e.top)).collect();
