@@ -21,7 +21,7 @@ pub use model::dummy::DummyWeights;
 pub use model::latent_fp8::KvCacheDtype;
 pub use model::parallel::{Parallel, RankLayout, Shard};
 pub use model::weight_source::{CheckpointError, Fp8Tensor, WeightSource};
-pub use model::weights::{ModelSpec, Split, TensorRole, TensorSpec};
+pub use model::weights::{ModelSpec, MtpSpec, Split, TensorRole, TensorSpec};
 pub use rng::SplitMix64;
 pub use step::backend::{Backend, CacheLayout, FatalBackendError, PendingStep};
 pub use step::limits::{StepBudget, StepLimits};

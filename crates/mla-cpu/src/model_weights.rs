@@ -5,8 +5,8 @@ use crate::linear::Matrix;
 use crate::mlp::SiluMlp;
 use crate::moe::MoeBlock;
 use mla_core::model::weight_source::LoadProgress;
-use mla_core::model::weights::{AttentionSpec, FfnSpec, MlpSpec, QuerySpec};
-use mla_core::{CheckpointError, ModelConfig, ModelSpec, RankLayout, TensorSpec, WeightSource};
+use mla_core::model::weights::{AttentionSpec, FfnSpec, LayerSpec, MlpSpec, QuerySpec};
+use mla_core::{CheckpointError, ModelConfig, ModelSpec, MtpSpec, RankLayout, TensorSpec, WeightSource};
 
 #[derive(Debug, Clone)]
 pub enum QueryWeights {
@@ -62,30 +62,7 @@ impl ModelWeights {
         let loader = Loader { src, layout, bar: LoadProgress::new(spec.tensors().len(), &what) };
         let weights = ModelWeights {
             embed_tokens: loader.matrix(&spec.embed_tokens)?,
-            layers: spec
-                .layers
-                .iter()
-                .map(|l| {
-                    Ok(LayerWeights {
-                        input_layernorm: loader.vector(&l.input_layernorm)?,
-                        self_attn: loader.attention(&l.self_attn)?,
-                        post_attention_layernorm: loader.vector(&l.post_attention_layernorm)?,
-                        mlp: match &l.mlp {
-                            FfnSpec::Dense(m) => FfnWeights::Dense(loader.mlp(m)?),
-                            FfnSpec::Moe(moe) => FfnWeights::Moe(MoeBlock {
-                                gate: loader.matrix(&moe.gate)?,
-                                correction_bias: moe
-                                    .e_score_correction_bias
-                                    .as_ref()
-                                    .map(|b| loader.vector(b))
-                                    .transpose()?,
-                                experts: moe.experts.iter().map(|e| loader.mlp(e)).collect::<Result<_, _>>()?,
-                                shared_experts: moe.shared_experts.as_ref().map(|s| loader.mlp(s)).transpose()?,
-                            }),
-                        },
-                    })
-                })
-                .collect::<Result<_, CheckpointError>>()?,
+            layers: spec.layers.iter().map(|l| loader.layer(l)).collect::<Result<_, CheckpointError>>()?,
             norm: loader.vector(&spec.norm)?,
             lm_head: spec.lm_head.as_ref().map(|h| loader.matrix(h)).transpose()?,
         };
@@ -96,6 +73,35 @@ impl ModelWeights {
     /// The output projection `[vocab, hidden]`.
     pub fn output_projection(&self) -> &Matrix {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+}
+
+/// The multi-token-prediction module (`mla_core::MtpSpec`): the draft model of speculative
+/// decoding. Its embedding and output projection are the main model's.
+#[derive(Debug, Clone)]
+pub struct MtpWeights {
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    /// `[hidden, 2 * hidden]`, replicated on every rank (it is small next to the layer).
+    pub eh_proj: Matrix,
+    pub layer: LayerWeights,
+    pub shared_head_norm: Vec<f32>,
+}
+
+impl MtpWeights {
+    /// Rank `layout`'s part of the MTP module `spec` (`MtpSpec::new` of the model's config).
+    pub fn load_rank(spec: &MtpSpec, src: &dyn WeightSource, layout: RankLayout) -> Result<Self, CheckpointError> {
+        let what = format!("loading the MTP layer (cpu, rank {} of {})", layout.rank, layout.world);
+        let loader = Loader { src, layout, bar: LoadProgress::new(spec.tensors().len(), &what) };
+        let weights = MtpWeights {
+            enorm: loader.vector(&spec.enorm)?,
+            hnorm: loader.vector(&spec.hnorm)?,
+            eh_proj: loader.matrix(&spec.eh_proj)?,
+            layer: loader.layer(&spec.layer)?,
+            shared_head_norm: loader.vector(&spec.shared_head_norm)?,
+        };
+        loader.bar.finish();
+        Ok(weights)
     }
 }
 
@@ -117,6 +123,23 @@ impl Loader<'_> {
         let shape = self.layout.shard(spec).shape(&spec.shape);
         let v = self.vector(spec)?;
         Ok(Matrix::new(shape[0], shape[1], v))
+    }
+
+    fn layer(&self, l: &LayerSpec) -> Result<LayerWeights, CheckpointError> {
+        Ok(LayerWeights {
+            input_layernorm: self.vector(&l.input_layernorm)?,
+            self_attn: self.attention(&l.self_attn)?,
+            post_attention_layernorm: self.vector(&l.post_attention_layernorm)?,
+            mlp: match &l.mlp {
+                FfnSpec::Dense(m) => FfnWeights::Dense(self.mlp(m)?),
+                FfnSpec::Moe(moe) => FfnWeights::Moe(MoeBlock {
+                    gate: self.matrix(&moe.gate)?,
+                    correction_bias: moe.e_score_correction_bias.as_ref().map(|b| self.vector(b)).transpose()?,
+                    experts: moe.experts.iter().map(|e| self.mlp(e)).collect::<Result<_, _>>()?,
+                    shared_experts: moe.shared_experts.as_ref().map(|s| self.mlp(s)).transpose()?,
+                }),
+            },
+        })
     }
 
     fn mlp(&self, m: &MlpSpec) -> Result<SiluMlp, CheckpointError> {

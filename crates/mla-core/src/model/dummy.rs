@@ -54,7 +54,9 @@ pub fn dummy_distribution(spec: &TensorSpec) -> (f32, f32) {
     let fan_in = *spec.shape.last().unwrap_or(&1) as f32;
     match spec.role {
         TensorRole::Embedding => (0.0, 1.0),
-        TensorRole::Linear | TensorRole::LmHead | TensorRole::Router => (0.0, fan_in.powf(-0.5)),
+        TensorRole::Linear | TensorRole::LmHead | TensorRole::Router | TensorRole::MtpProjection => {
+            (0.0, fan_in.powf(-0.5))
+        }
         TensorRole::Norm => (1.0, 0.1),
         TensorRole::Bias => (0.0, 0.1),
     }

@@ -21,6 +21,9 @@ pub enum TensorRole {
     Router,
     /// noaux_tc expert-selection bias `[n_routed_experts]`.
     Bias,
+    /// MTP's `eh_proj` `[hidden, 2 * hidden]`: a linear that the published V3 checkpoints store
+    /// in bf16 even where every other linear is FP8 (vLLM and SGLang load it unquantised too).
+    MtpProjection,
 }
 
 /// How tensor parallelism divides a tensor among the ranks of a group (`parallel::RankLayout`
@@ -127,6 +130,54 @@ pub struct LayerSpec {
     pub mlp: FfnSpec,
 }
 
+/// DeepSeek-V3's multi-token-prediction module (`num_nextn_predict_layers: 1`), stored as layer
+/// `num_hidden_layers` of the checkpoint. It drafts the token after next: for position `i` it
+/// takes the main model's last hidden state `h_i` (after `model.norm`, the rows `lm_head` sees)
+/// and the embedding of token `i + 1`, and runs
+/// `eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])` through a full decoder layer with its own
+/// latent cache, then `shared_head.norm` and the output projection. The embedding and head are
+/// the main model's: the checkpoint's copies (`embed_tokens`, `shared_head.head`) are not read.
+/// Not part of `ModelSpec`: it is loaded only when speculative decoding asks for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MtpSpec {
+    pub enorm: TensorSpec,
+    pub hnorm: TensorSpec,
+    /// `[hidden, 2 * hidden]`: the embedding half of the input first, then the hidden half.
+    pub eh_proj: TensorSpec,
+    /// The decoder layer, named and shaped as main layer `num_hidden_layers` would be.
+    pub layer: LayerSpec,
+    pub shared_head_norm: TensorSpec,
+}
+
+impl MtpSpec {
+    /// The MTP module `cfg` declares, or `None` when `num_nextn_predict_layers` is 0. Published
+    /// models have at most one; more would each be their own layer, which is not supported.
+    pub fn new(cfg: &ModelConfig) -> Option<Self> {
+        if cfg.num_nextn_predict_layers == 0 {
+            return None;
+        }
+        let i = cfg.num_hidden_layers;
+        let h = cfg.hidden_size;
+        let p = format!("model.layers.{i}");
+        let norm = |n: &str| TensorSpec::new(format!("{p}.{n}.weight"), vec![h], TensorRole::Norm);
+        Some(MtpSpec {
+            enorm: norm("enorm"),
+            hnorm: norm("hnorm"),
+            eh_proj: TensorSpec::new(format!("{p}.eh_proj.weight"), vec![h, 2 * h], TensorRole::MtpProjection),
+            layer: layer_spec(cfg, i),
+            shared_head_norm: norm("shared_head.norm"),
+        })
+    }
+
+    /// Every tensor once, in checkpoint order.
+    pub fn tensors(&self) -> Vec<&TensorSpec> {
+        let mut out = vec![&self.enorm, &self.hnorm, &self.eh_proj];
+        out.extend(self.layer.tensors());
+        out.push(&self.shared_head_norm);
+        out
+    }
+}
+
 /// All tensors of a model, structured the way the forward pass uses them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelSpec {
@@ -162,29 +213,7 @@ impl ModelSpec {
     pub fn tensors(&self) -> Vec<&TensorSpec> {
         let mut out = vec![&self.embed_tokens];
         for layer in &self.layers {
-            out.push(&layer.input_layernorm);
-            match &layer.self_attn.query {
-                QuerySpec::Direct { q_proj } => out.push(q_proj),
-                QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj } => {
-                    out.extend([q_a_proj, q_a_layernorm, q_b_proj])
-                }
-            }
-            let a = &layer.self_attn;
-            out.extend([&a.kv_a_proj_with_mqa, &a.kv_a_layernorm, &a.kv_b_proj, &a.o_proj]);
-            out.push(&layer.post_attention_layernorm);
-            match &layer.mlp {
-                FfnSpec::Dense(m) => out.extend(m.tensors()),
-                FfnSpec::Moe(moe) => {
-                    out.push(&moe.gate);
-                    out.extend(moe.e_score_correction_bias.as_ref());
-                    for e in &moe.experts {
-                        out.extend(e.tensors());
-                    }
-                    if let Some(s) = &moe.shared_experts {
-                        out.extend(s.tensors());
-                    }
-                }
-            }
+            out.extend(layer.tensors());
         }
         out.push(&self.norm);
         out.extend(self.lm_head.as_ref());
@@ -194,6 +223,34 @@ impl ModelSpec {
     /// Total parameter count (the embedding counted once when tied).
     pub fn num_params(&self) -> usize {
         self.tensors().iter().map(|t| t.numel()).sum()
+    }
+}
+
+impl LayerSpec {
+    /// Every tensor of the layer once, in checkpoint order.
+    pub fn tensors(&self) -> Vec<&TensorSpec> {
+        let mut out = vec![&self.input_layernorm];
+        match &self.self_attn.query {
+            QuerySpec::Direct { q_proj } => out.push(q_proj),
+            QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj } => out.extend([q_a_proj, q_a_layernorm, q_b_proj]),
+        }
+        let a = &self.self_attn;
+        out.extend([&a.kv_a_proj_with_mqa, &a.kv_a_layernorm, &a.kv_b_proj, &a.o_proj]);
+        out.push(&self.post_attention_layernorm);
+        match &self.mlp {
+            FfnSpec::Dense(m) => out.extend(m.tensors()),
+            FfnSpec::Moe(moe) => {
+                out.push(&moe.gate);
+                out.extend(moe.e_score_correction_bias.as_ref());
+                for e in &moe.experts {
+                    out.extend(e.tensors());
+                }
+                if let Some(s) = &moe.shared_experts {
+                    out.extend(s.tensors());
+                }
+            }
+        }
+        out
     }
 }
 
@@ -299,5 +356,32 @@ mod tests {
         assert!(!fp8
             .iter()
             .any(|n| n.contains("norm") || n.contains("embed") || n.contains("lm_head") || n.ends_with("gate.weight")));
+    }
+
+    #[test]
+    fn v3_mtp_module_is_layer_61_with_a_moe_layer_and_11_6b_parameters() {
+        let cfg = preset(include_str!("../../../../configs/deepseek-v3.json"));
+        let mtp = MtpSpec::new(&cfg).expect("V3 declares one MTP layer");
+        let names: Vec<&str> = mtp.tensors().iter().map(|t| t.name.as_str()).collect();
+        for n in [
+            "model.layers.61.enorm.weight",
+            "model.layers.61.hnorm.weight",
+            "model.layers.61.eh_proj.weight",
+            "model.layers.61.self_attn.kv_b_proj.weight",
+            "model.layers.61.mlp.experts.255.down_proj.weight",
+            "model.layers.61.mlp.gate.e_score_correction_bias",
+            "model.layers.61.shared_head.norm.weight",
+        ] {
+            assert!(names.contains(&n), "{n}");
+        }
+        assert!(names.iter().all(|n| n.starts_with("model.layers.61.")));
+        assert_eq!(mtp.eh_proj.shape, vec![7168, 14336]);
+        assert!(!mtp.eh_proj.fp8_quantizable(), "published in bf16");
+        // DeepSeek's report: 11.5B unique MTP parameters besides the shared embedding and head
+        // (fp8-mtp.md counts 11.61B from the published tensor shapes).
+        let n = mtp.tensors().iter().map(|t| t.numel()).sum::<usize>() as f64 / 1e9;
+        assert!((11.5..11.7).contains(&n), "{n}");
+        let v2 = preset(include_str!("../../../../configs/deepseek-v2-lite.json"));
+        assert!(MtpSpec::new(&v2).is_none());
     }
 }
