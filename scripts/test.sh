@@ -33,10 +33,16 @@ echo "== Rust tests"
 # clippy above already compiles them (every target). Linking their twenty binaries to run nothing
 # took minutes of the 2-core CI machine, so only mla-cuda's host-side unit tests run here;
 # scripts/gpu_tests.sh builds and runs the rest on a GPU machine.
+#
+# The binaries are built in the same cargo invocation shape as the tests (`--bins --tests`), so
+# dependencies resolve to the same features and one compile serves both: a separate
+# `cargo build -p mla-serve` afterwards resolves without the dev-dependencies' features (hyper's
+# client, rand's std, ...) and recompiled every workspace crate and a dozen dependencies, minutes
+# of the 2-core CI machine. The end-to-end suite runs the binary this build leaves.
+cargo build --locked --workspace --exclude mla-cuda --bins --tests 2>&1
 cargo test --workspace --locked --exclude mla-cuda 2>&1
 cargo test --locked -p mla-cuda --lib 2>&1
 
 echo "== End-to-end tests (real binary, real HTTP, openai SDK)"
-cargo build --locked -p mla-serve 2>&1
 export MLA_SERVE_BIN="${MLA_SERVE_BIN:-$PWD/target/debug/mla-serve}"
 python3 -m pytest -q tests/e2e 2>&1
