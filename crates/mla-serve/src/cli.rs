@@ -8,6 +8,7 @@ use crate::compat_args::CompatArgs;
 use crate::cors_args::CorsArgs;
 use crate::http_limits::HttpLimitArgs;
 use crate::routing_args::RoutingArgs;
+use crate::speculative_args::SpeculativeArgs;
 use clap::{Parser, ValueEnum};
 use mla_core::step::limits::DEFAULT_EXTRA_LOGIT_ROWS;
 use mla_core::{KvCacheDtype, Parallel, StepBudget, StepLimits};
@@ -244,6 +245,9 @@ pub struct Args {
 
     #[command(flatten)]
     pub compat: CompatArgs,
+
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
 
     /// Log verbosity.
     #[arg(long, value_enum, default_value_t = LogLevel::Info)]
@@ -482,6 +486,7 @@ impl Args {
         self.http.check()?;
         self.access_log.check()?;
         self.compat.check()?;
+        self.speculative.check()?;
         self.cors.layer()?;
         Ok(device)
     }

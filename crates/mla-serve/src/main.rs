@@ -14,6 +14,7 @@ mod presets;
 mod routing_args;
 mod shutdown;
 mod sizing;
+mod speculative_args;
 mod startup;
 mod stats_log;
 
