@@ -13,6 +13,7 @@ pub mod model;
 pub mod rng;
 pub mod runtime;
 pub mod sampling;
+pub mod speculative;
 pub mod step;
 
 pub use model::checkpoint::Checkpoint;

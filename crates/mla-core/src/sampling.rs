@@ -134,9 +134,46 @@ pub fn sample(logits: &[f32], req: &SampleRequest) -> Result<SampledToken, MaskE
 }
 
 fn draw(logits: &[f32], p: &SamplingParams, seed: u64) -> u32 {
+    let d = distribution(logits, p);
+    d.pick(SplitMix64::new(seed).next_f64())
+}
+
+/// The distribution a draw picks from once temperature, top-k, top-p and min-p have been
+/// applied: the kept candidates, most likely first, with probabilities summing to 1 (up to
+/// rounding). Speculative decoding compares the target's and the draft's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Distribution {
+    pub tokens: Vec<u32>,
+    pub probs: Vec<f64>,
+}
+
+impl Distribution {
+    /// The token at quantile `u` in [0, 1) of the candidates in their order (the last one if
+    /// rounding leaves `u` past the sum).
+    pub fn pick(&self, u: f64) -> u32 {
+        let total: f64 = self.probs.iter().sum();
+        let u = u * total;
+        let mut acc = 0.0;
+        for (&tok, q) in self.tokens.iter().zip(&self.probs) {
+            acc += q;
+            if u < acc {
+                return tok;
+            }
+        }
+        *self.tokens.last().expect("a distribution keeps at least one candidate")
+    }
+
+    /// Probability of `token` (0 when it was filtered out).
+    pub fn prob(&self, token: u32) -> f64 {
+        self.tokens.iter().position(|&t| t == token).map_or(0.0, |i| self.probs[i])
+    }
+}
+
+/// `logits` (already shaped and penalised) as the sampler's distribution for non-greedy `p`.
+pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
     // Candidates sorted by descending logit; filtering only ever keeps a prefix of this order.
     let k = p.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
-    let mut cand = top_k_entries(logits, k);
+    let cand = top_k_entries(logits, k);
     let inv_t = 1.0 / p.temperature as f64;
     let max = cand[0].1 as f64 * inv_t;
     let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| (l as f64 * inv_t - max).exp()).collect();
@@ -157,18 +194,10 @@ fn draw(logits: &[f32], p: &SamplingParams, seed: u64) -> u32 {
         let floor = probs[0] * p.min_p as f64;
         keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
     }
-    cand.truncate(keep);
     probs.truncate(keep);
     let total: f64 = probs.iter().sum();
-    let u = SplitMix64::new(seed).next_f64() * total;
-    let mut acc = 0.0;
-    for (&(tok, _), q) in cand.iter().zip(&probs) {
-        acc += q;
-        if u < acc {
-            return tok;
-        }
-    }
-    cand[keep - 1].0
+    probs.iter_mut().for_each(|x| *x /= total);
+    Distribution { tokens: cand[..keep].iter().map(|&(t, _)| t).collect(), probs }
 }
 
 #[cfg(test)]
