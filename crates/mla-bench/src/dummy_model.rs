@@ -56,6 +56,7 @@ pub fn decode_plan(batch: usize, context_len: usize, blocks_per_seq: usize, j: u
                 block_table: ((i * blocks_per_seq) as u32..((i + 1) * blocks_per_seq) as u32).collect(),
                 logits: LogitsRequest::None,
                 sample: Some(greedy(i as u64)),
+                mtp: None,
             })
             .collect(),
     }

@@ -115,6 +115,8 @@ impl HostStep {
                     logprob: 0.0,
                     top_logprobs: vec![],
                 }),
+                extra_tokens: vec![],
+                drafts: vec![],
             })
             .collect();
         StepOutput { seqs }
@@ -145,6 +147,8 @@ impl HostStep {
                     logprob: 0.0,
                     top_logprobs: vec![],
                 }),
+                extra_tokens: vec![],
+                drafts: vec![],
             })
             .collect();
         self.spare_words = meta.words;

@@ -47,6 +47,7 @@ pub fn run(cfg: ModelConfig, batches: &[usize], context: usize, prefill_len: usi
             block_table: (base..base + prefill_len.div_ceil(PAGE_SIZE) as u32).collect(),
             logits: LogitsRequest::None,
             sample: Some(dummy_model::greedy(0)),
+            mtp: None,
         }],
     };
     let mut steps: Vec<Step> = batches.iter().map(|&b| Step::Decode(b)).collect();

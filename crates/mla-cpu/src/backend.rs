@@ -42,6 +42,12 @@ impl CpuBackend {
         Ok(CpuBackend { rank, pending: PendingStep::default(), step_limits: StepLimits::unlimited() })
     }
 
+    /// Loads the model's MTP layer so steps may ask for speculative decoding.
+    pub fn with_mtp(mut self, weights: &dyn WeightSource) -> anyhow::Result<Self> {
+        self.rank.enable_mtp(weights, RankLayout::SINGLE)?;
+        Ok(self)
+    }
+
     /// Accepts only steps within `step_limits` (unlimited by default).
     pub fn with_step_limits(self, step_limits: StepLimits) -> Self {
         CpuBackend { step_limits, ..self }

@@ -47,6 +47,14 @@ impl LatentCache {
         self.dim
     }
 
+    /// What the cache stores.
+    pub fn dtype(&self) -> KvCacheDtype {
+        match self.storage {
+            Storage::F32(_) => KvCacheDtype::Auto,
+            Storage::Fp8(_) => KvCacheDtype::Fp8E4m3,
+        }
+    }
+
     /// The slot's index among all layers' slots.
     fn index(&self, layer: usize, slot: usize) -> usize {
         assert!(layer < self.num_layers && slot < self.num_blocks * self.block_size, "cache slot out of range");

@@ -238,7 +238,7 @@ impl CpuModel {
     }
 
     /// The output projection of the wanted rows of `normed` (rows already through their norm).
-    fn logits_of(&self, normed: &[f32], want: &[bool]) -> Vec<Option<Vec<f32>>> {
+    pub fn logits_of(&self, normed: &[f32], want: &[bool]) -> Vec<Option<Vec<f32>>> {
         let head = self.weights.output_projection();
         normed
             .par_chunks(self.cfg.hidden_size)

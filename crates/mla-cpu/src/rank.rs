@@ -4,14 +4,17 @@
 use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, Peers};
-use mla_core::sampling::sample;
+use crate::model_weights::MtpWeights;
+use crate::speculative;
 use mla_core::step::plan::{LogitsRequest, SeqResult, StepOutput, StepPlan};
-use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, RankLayout, WeightSource};
+use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, MtpSpec, RankLayout, WeightSource};
 
 pub struct CpuRank {
     model: CpuModel,
     cache: LatentCache,
     layout: CacheLayout,
+    /// The MTP layer, when speculative decoding is on (its rows are the cache's last layer).
+    mtp: Option<MtpWeights>,
 }
 
 impl CpuRank {
@@ -29,7 +32,21 @@ impl CpuRank {
         anyhow::ensure!(num_blocks > 0, "num_blocks must be positive");
         let cache = LatentCache::new(cfg.num_hidden_layers, block_size, num_blocks, cfg.kv_cache_dim(), kv_dtype);
         let model = CpuModel::new_rank(cfg, weights, rank)?;
-        Ok(CpuRank { model, cache, layout: CacheLayout { block_size, num_blocks } })
+        Ok(CpuRank { model, cache, layout: CacheLayout { block_size, num_blocks }, mtp: None })
+    }
+
+    /// Loads the model's MTP layer for speculative decoding and gives it a cache layer of its
+    /// own after the main ones (the cache is new and empty: this is part of construction).
+    pub fn enable_mtp(&mut self, weights: &dyn WeightSource, rank: RankLayout) -> anyhow::Result<()> {
+        let cfg = self.model.config();
+        let spec = MtpSpec::new(cfg).ok_or_else(|| {
+            anyhow::anyhow!("the model has no multi-token-prediction layer (num_nextn_predict_layers is 0)")
+        })?;
+        self.mtp = Some(MtpWeights::load_rank(&spec, weights, rank)?);
+        let CacheLayout { block_size, num_blocks } = self.layout;
+        self.cache =
+            LatentCache::new(cfg.num_hidden_layers + 1, block_size, num_blocks, self.cache.dim(), self.cache.dtype());
+        Ok(())
     }
 
     pub fn model(&self) -> &CpuModel {
@@ -70,28 +87,54 @@ impl CpuRank {
                 block_table: &s.block_table,
             });
             tokens.extend_from_slice(&s.tokens);
+            // The sampled row, and with drafts fed every row from the last emitted token on.
             let last_needed = s.logits == LogitsRequest::Last || s.sample.is_some();
-            want.extend(
-                (0..s.tokens.len()).map(|j| s.logits == LogitsRequest::All || (last_needed && j + 1 == s.tokens.len())),
-            );
+            let first_sampled = s.tokens.len() - 1 - s.drafts_fed();
+            want.extend((0..s.tokens.len()).map(|j| {
+                s.logits == LogitsRequest::All
+                    || (last_needed && j + 1 == s.tokens.len())
+                    || (s.sample.is_some() && j >= first_sampled)
+            }));
         }
-        let mut logits = self.model.forward_rank(&tokens, &spans, &mut self.cache, &want, peers)?;
+        let speculative = plan.has_speculative();
+        anyhow::ensure!(
+            !speculative || self.mtp.is_some(),
+            "the step asks for speculative decoding but the MTP layer is not loaded"
+        );
+        let (mut logits, hidden) = if speculative {
+            let hidden = self.model.final_hidden_rank(&tokens, &spans, &mut self.cache, peers)?;
+            (self.model.logits_of(&hidden, &want), hidden)
+        } else {
+            (self.model.forward_rank(&tokens, &spans, &mut self.cache, &want, peers)?, Vec::new())
+        };
 
-        let mut out = StepOutput::default();
+        let mut emitted = Vec::with_capacity(plan.seqs.len());
         for (s, span) in plan.seqs.iter().zip(&spans) {
+            let rows = &logits[span.start..span.start + span.len];
+            emitted
+                .push(speculative::emitted_tokens(s, rows).map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
+        }
+        let mut drafts = match (&self.mtp, speculative) {
+            (Some(mtp), true) => speculative::draft(&self.model, mtp, plan, &hidden, &emitted, &mut self.cache)?,
+            _ => vec![Vec::new(); plan.seqs.len()],
+        };
+        let mut out = StepOutput::default();
+        for (i, (s, span)) in plan.seqs.iter().zip(&spans).enumerate() {
             let rows = &mut logits[span.start..span.start + span.len];
-            let sampled = s
-                .sample
-                .as_ref()
-                .map(|req| sample(rows.last().and_then(|r| r.as_ref()).expect("last-token logits were computed"), req))
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?;
             let logits = match s.logits {
                 LogitsRequest::None => vec![],
                 LogitsRequest::Last => vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")],
                 LogitsRequest::All => rows.iter_mut().map(|r| r.take().expect("all logits")).collect(),
             };
-            out.seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled });
+            let mut tokens = std::mem::take(&mut emitted[i]).into_iter();
+            let sampled = tokens.next();
+            out.seqs.push(SeqResult {
+                seq_id: s.seq_id,
+                logits,
+                sampled,
+                extra_tokens: tokens.collect(),
+                drafts: std::mem::take(&mut drafts[i]),
+            });
         }
         Ok(out)
     }

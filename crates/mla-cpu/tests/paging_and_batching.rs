@@ -191,7 +191,12 @@ fn a_mixed_step_names_its_prompt_chunks_and_decode_rows_feed_one_token() {
         seqs: vec![seq(1, &[1, 2], 0, &[0]), seq(2, &[3, 4], 0, &[1])],
     };
     let e = b.step(&long_row).unwrap_err().to_string();
-    assert!(e.contains("sequence 2: a decode step feeds exactly one token, found 2"), "{e}");
+    assert!(
+        e.contains(
+            "sequence 2: a decode step feeds exactly one token per row (plus the drafts it verifies: 0), found 2"
+        ),
+        "{e}"
+    );
 }
 
 #[test]

@@ -120,6 +120,8 @@ impl Harness {
                     logprob: 0.0,
                     top_logprobs: vec![],
                 }),
+                extra_tokens: vec![],
+                drafts: vec![],
             })
             .collect();
         let applied = self.s.apply(&plan, &StepOutput { seqs });

@@ -48,6 +48,8 @@ fn step(s: &mut Scheduler) -> (StepPlan, Applied) {
                 logprob: 0.0,
                 top_logprobs: vec![],
             }),
+            extra_tokens: vec![],
+            drafts: vec![],
         })
         .collect();
     let applied = s.apply(&plan, &StepOutput { seqs });
@@ -473,6 +475,8 @@ fn step_with_logits(s: &mut Scheduler) -> (StepPlan, Applied) {
                 logprob: 0.0,
                 top_logprobs: vec![],
             }),
+            extra_tokens: vec![],
+            drafts: vec![],
         })
         .collect();
     let applied = s.apply(&plan, &StepOutput { seqs });
@@ -565,6 +569,8 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
                     logprob: 0.0,
                     top_logprobs: vec![],
                 }),
+                extra_tokens: vec![],
+                drafts: vec![],
             })
             .collect();
         s.apply(&plan, &StepOutput { seqs });

@@ -37,6 +37,7 @@ fn prefill_meta(seqs: usize, len: usize) -> anyhow::Result<StepMeta> {
                 block_table: ((i * len / PAGE_SIZE) as u32..((i + 1) * len / PAGE_SIZE) as u32).collect(),
                 logits: LogitsRequest::None,
                 sample: None,
+                mtp: None,
             })
             .collect(),
     };

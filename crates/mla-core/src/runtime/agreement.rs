@@ -44,6 +44,7 @@ mod tests {
             block_table: vec![0],
             logits: LogitsRequest::None,
             sample: Some(SampleRequest::new(SamplingParams::greedy(), 0)),
+            mtp: None,
         };
         StepPlan { kind, seqs: (0..seqs).map(seq).collect() }
     }

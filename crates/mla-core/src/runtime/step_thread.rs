@@ -354,7 +354,13 @@ mod tests {
                 seqs: plan
                     .seqs
                     .iter()
-                    .map(|s| SeqResult { seq_id: s.seq_id, logits: vec![], sampled: sampled(s) })
+                    .map(|s| SeqResult {
+                        seq_id: s.seq_id,
+                        logits: vec![],
+                        sampled: sampled(s),
+                        extra_tokens: vec![],
+                        drafts: vec![],
+                    })
                     .collect(),
             })
         }
@@ -377,6 +383,7 @@ mod tests {
             block_table: vec![0],
             logits: LogitsRequest::None,
             sample: None,
+            mtp: None,
         };
         Arc::new(StepPlanOne(StepPlan { kind: StepKind::Decode, seqs: ctx.iter().enumerate().map(seq).collect() }))
     }

@@ -179,6 +179,7 @@ mod tests {
             block_table: vec![0],
             logits,
             sample: Some(SampleRequest::new(SamplingParams::greedy(), 0)),
+            mtp: None,
         };
         StepPlan { kind: StepKind::Prefill, seqs: (0..seqs).map(seq).collect() }
     }

@@ -123,6 +123,24 @@ impl SampleRequest {
     }
 }
 
+/// Speculative decoding with the model's MTP layer, for one sequence of a step
+/// (docs/speculative-decoding.md). The backend verifies the drafts it proposed last step, runs
+/// the MTP layer over the rows whose next token is now known, and proposes the next drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MtpStep {
+    /// How many trailing `tokens` of a decode row are drafts to verify: the row feeds the last
+    /// emitted token, then the drafts, at consecutive positions.
+    pub drafts_fed: usize,
+    /// A prompt chunk that is not the end of what the sequence feeds: the token after it, so the
+    /// MTP row of the chunk's last position has its pair. `None` where the step's own draw
+    /// supplies it (or nothing does; that row then keeps stale values, which can cost
+    /// acceptance but never correctness: verification decides what is emitted).
+    pub next_token: Option<u32>,
+    /// Drafts to propose for the next step (0: none). The block table must cover
+    /// `draft - 1` positions past the step's fed tokens, where the drafting rows go.
+    pub draft: usize,
+}
+
 /// One sequence's share of a step.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SeqStep {
@@ -135,12 +153,25 @@ pub struct SeqStep {
     pub block_table: Vec<u32>,
     pub logits: LogitsRequest,
     pub sample: Option<SampleRequest>,
+    /// Speculative decoding; `None` without it.
+    #[serde(default)]
+    pub mtp: Option<MtpStep>,
 }
 
 impl SeqStep {
     /// Position one past the last fed token.
     pub fn end_pos(&self) -> usize {
         self.context_len + self.tokens.len()
+    }
+
+    /// Drafts fed to be verified (0 without speculative decoding).
+    pub fn drafts_fed(&self) -> usize {
+        self.mtp.map_or(0, |m| m.drafts_fed)
+    }
+
+    /// Positions the block table must cover: the fed tokens, and the rows drafting writes.
+    pub fn table_positions(&self) -> usize {
+        self.end_pos() + self.mtp.map_or(0, |m| m.draft.saturating_sub(1))
     }
 
     /// Rows of logits the backend computes for it: the sampled row, then the rows asked for (a
@@ -167,8 +198,10 @@ pub struct StepPlan {
 pub enum PlanError {
     #[error("sequence {seq_id}: feeds no tokens")]
     EmptySequence { seq_id: u64 },
-    #[error("sequence {seq_id}: a decode step feeds exactly one token, found {found}")]
-    DecodeNeedsOneToken { seq_id: u64, found: usize },
+    #[error("sequence {seq_id}: a decode step feeds exactly one token per row (plus the drafts it verifies: {drafts}), found {found}")]
+    DecodeNeedsOneToken { seq_id: u64, found: usize, drafts: usize },
+    #[error("sequence {seq_id}: {why}")]
+    Speculative { seq_id: u64, why: &'static str },
     #[error("a mixed step names {prefill} prompt chunks but holds only {seqs} sequences")]
     MixedPrefillCount { prefill: usize, seqs: usize },
     #[error(
@@ -203,10 +236,14 @@ impl StepPlan {
             if s.tokens.is_empty() {
                 return Err(PlanError::EmptySequence { seq_id: s.seq_id });
             }
-            if i >= first_decode && s.tokens.len() != 1 {
-                return Err(PlanError::DecodeNeedsOneToken { seq_id: s.seq_id, found: s.tokens.len() });
+            let drafts = s.drafts_fed();
+            if i >= first_decode && s.tokens.len() != 1 + drafts {
+                return Err(PlanError::DecodeNeedsOneToken { seq_id: s.seq_id, found: s.tokens.len(), drafts });
             }
-            let need = s.end_pos();
+            if let Some(m) = s.mtp {
+                Self::check_speculative(s, m, i >= first_decode)?;
+            }
+            let need = s.table_positions();
             if need > max_len {
                 return Err(PlanError::TooLong { seq_id: s.seq_id, end: need, max: max_len });
             }
@@ -237,6 +274,36 @@ impl StepPlan {
 
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// What speculative decoding asks of a sequence must be something the backend can do
+    /// exactly: drafts are verified greedily, with nothing that changes logits per row.
+    fn check_speculative(s: &SeqStep, m: MtpStep, decode_row: bool) -> Result<(), PlanError> {
+        let why = |why| Err(PlanError::Speculative { seq_id: s.seq_id, why });
+        if m.drafts_fed > 0 && !decode_row {
+            return why("drafts are verified on decode rows only");
+        }
+        if (m.drafts_fed > 0 || m.draft > 0) && s.sample.is_none() {
+            return why("drafting and verifying need the step to sample");
+        }
+        if m.next_token.is_some() && (decode_row || s.sample.is_some()) {
+            return why("next_token belongs to a prompt chunk that does not sample");
+        }
+        if m.drafts_fed > 0 && s.logits != LogitsRequest::None {
+            return why("a row that verifies drafts returns no logits");
+        }
+        if let Some(r) = &s.sample {
+            if (m.drafts_fed > 0 || m.draft > 0) && (!r.params.is_greedy() || r.penalty.is_some() || r.shapes_logits())
+            {
+                return why("only greedy draws without penalties, logit_bias or a grammar are verified so far");
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any sequence asks for speculative decoding (`SeqStep::mtp`).
+    pub fn has_speculative(&self) -> bool {
+        self.seqs.iter().any(|s| s.mtp.is_some())
     }
 
     /// How many of the leading sequences run the normal (prompt) path; the rest are decode rows.
@@ -286,6 +353,14 @@ pub struct SeqResult {
     /// Rows of `vocab_size` logits as asked by `LogitsRequest` (empty for `None`).
     pub logits: Vec<Vec<f32>>,
     pub sampled: Option<SampledToken>,
+    /// Speculative decoding: the tokens emitted after `sampled`, in order (the drafts that
+    /// stood after the first, then the target's own choice where the first one failed or all
+    /// stood). `sampled` and these are what the step adds to the sequence.
+    #[serde(default)]
+    pub extra_tokens: Vec<SampledToken>,
+    /// Speculative decoding: the drafts for the next step (`MtpStep::draft` of them).
+    #[serde(default)]
+    pub drafts: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]

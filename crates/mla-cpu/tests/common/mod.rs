@@ -60,6 +60,7 @@ pub fn seq(seq_id: u64, tokens: &[u32], context_len: usize, block_table: &[u32])
         block_table: block_table.to_vec(),
         logits: LogitsRequest::All,
         sample: None,
+        mtp: None,
     }
 }
 

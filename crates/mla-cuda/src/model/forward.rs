@@ -184,6 +184,7 @@ impl CudaModel {
 
     fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        anyhow::ensure!(!plan.has_speculative(), "speculative decoding (MTP) is not built for the CUDA backend yet");
         if plan.seqs.is_empty() {
             if self.mode.is_dp_attention() {
                 let r = self.queue_idle(dev, rows).and_then(|()| Ok(dev.gpu.sync()?));
@@ -395,6 +396,8 @@ impl CudaModel {
                         .map(|j| (tids[r * MAX_TOP_LOGPROBS + j] as u32, tlps[r * MAX_TOP_LOGPROBS + j]))
                         .collect(),
                 }),
+                extra_tokens: vec![],
+                drafts: vec![],
             })
             .collect();
         Ok(StepOutput { seqs })

@@ -112,6 +112,7 @@ fn pad_row(i: usize, pad_block: usize) -> SeqStep {
             logit_bias: Vec::new(),
             allowed: None,
         }),
+        mtp: None,
     }
 }
 
@@ -262,6 +263,7 @@ impl CudaModel {
         i: usize,
     ) -> anyhow::Result<(StepOutput, ReplayTimes)> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        anyhow::ensure!(!plan.has_speculative(), "speculative decoding (MTP) is not built for the CUDA backend yet");
         let words = std::mem::take(&mut set.spare_words);
         let batch = set.graphs[i].batch;
         let mut meta = graph_step_meta(plan, &set.pads, batch, &self.lim, words)?;

@@ -627,6 +627,7 @@ mod tests {
             block_table: table,
             logits: LogitsRequest::None,
             sample: None,
+            mtp: None,
         }
     }
 

@@ -128,7 +128,15 @@ pub fn seq(
     logits: LogitsRequest,
     sample: Option<SampleRequest>,
 ) -> SeqStep {
-    SeqStep { seq_id: id, tokens: tokens.to_vec(), context_len: ctx, block_table: table.to_vec(), logits, sample }
+    SeqStep {
+        seq_id: id,
+        tokens: tokens.to_vec(),
+        context_len: ctx,
+        block_table: table.to_vec(),
+        logits,
+        sample,
+        mtp: None,
+    }
 }
 
 /// A bf16-exact kv_b_proj for `heads` heads, [heads * (NOPE + V_HEAD), LATENT]: uniform entries of

@@ -154,7 +154,7 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, logit_rows: &mut usize, spare: 
     tokens.extend_from_slice(&seq.tokens[seq.computed..end]);
     block_table.clear();
     block_table.extend_from_slice(seq.table.blocks());
-    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample })
+    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample, mtp: None })
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {

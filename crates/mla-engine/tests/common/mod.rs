@@ -208,7 +208,7 @@ impl HistoryBackend {
                 LogitsRequest::Last => vec![logits_for(&history)],
                 LogitsRequest::All => (s.context_len..s.end_pos()).map(|p| logits_for(&history[..=p])).collect(),
             };
-            seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled });
+            seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled, extra_tokens: vec![], drafts: vec![] });
         }
         Ok(StepOutput { seqs })
     }

@@ -121,7 +121,13 @@ impl ScriptBackend {
                     top_logprobs: top.iter().take(req.top_logprobs.unwrap_or(0)).copied().collect(),
                 }
             });
-            out.seqs.push(SeqResult { seq_id: s.seq_id, logits: self.logits(s), sampled });
+            out.seqs.push(SeqResult {
+                seq_id: s.seq_id,
+                logits: self.logits(s),
+                sampled,
+                extra_tokens: vec![],
+                drafts: vec![],
+            });
         }
         Ok(out)
     }

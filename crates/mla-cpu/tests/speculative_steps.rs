@@ -1,0 +1,252 @@
+//! Speculative decoding steps on the CPU reference backend (`SeqStep::mtp`), driven the way an
+//! engine drives them, over the MTP fixtures (tests/fixtures/v3_mtp, v3_mtp_fp8):
+//! - greedy output with the backend's own drafts, K = 1, 2 and 3, equals plain greedy decoding
+//!   token for token;
+//! - drafts forced from the reference continuation, with one wrong draft planted at each place,
+//!   are accepted exactly up to the wrong one and the output still equals the reference (so
+//!   the K+1-row verify step, acceptance and the overwrite of rejected rows are all exercised
+//!   with real acceptances, which the fixture's untrained MTP layer rarely gives);
+//! - each step's first draft is the argmax of the MTP oracle's row for that position wherever
+//!   the output still follows the oracle's sequence, so the MTP layer's cache is kept right
+//!   across prefill, verify steps and rejections.
+
+mod common;
+
+use common::fixture_dir;
+use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
+use mla_core::{Backend, Checkpoint, ModelConfig, SamplingParams};
+use mla_cpu::CpuBackend;
+use safetensors::SafeTensors;
+
+const BLOCK_SIZE: usize = 16;
+const NEW_TOKENS: usize = 24;
+/// The oracle's draft rows are compared where their top-2 gap is at least this.
+const GAP_FLOOR: f32 = 1e-3;
+
+/// A prompt, the oracle's teacher-forced sequence (prompt and continuation) and its draft
+/// logits rows.
+type OraclePrompt = (Vec<u32>, Vec<u32>, Vec<Vec<f32>>);
+
+struct Fixture {
+    cfg: ModelConfig,
+    ckpt: Checkpoint,
+    prompts: Vec<OraclePrompt>,
+}
+
+fn fixture(variant: &str) -> Fixture {
+    let dir = fixture_dir(variant);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("oracle_mtp.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("oracle_mtp_f32.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    // The prompts are v3's (tests/fixtures/README.md): 5, 20 and 48 tokens.
+    let prompt_len = |name: &str| match name {
+        "short" => 5,
+        "medium" => 20,
+        "long" => 48,
+        other => panic!("unknown prompt {other}"),
+    };
+    let prompts = record["prompts"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, p)| {
+            let seq: Vec<u32> = p["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+            let t = st.tensor(&format!("{name}.draft_logits")).unwrap();
+            let flat: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            let rows = flat.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect();
+            (seq[..prompt_len(name)].to_vec(), seq, rows)
+        })
+        .collect();
+    Fixture { cfg, ckpt, prompts }
+}
+
+fn backend(f: &Fixture, mtp: bool) -> CpuBackend {
+    let b = CpuBackend::new(f.cfg.clone(), &f.ckpt, BLOCK_SIZE, 16).unwrap();
+    if mtp {
+        b.with_mtp(&f.ckpt).unwrap()
+    } else {
+        b
+    }
+}
+
+fn table() -> Vec<u32> {
+    // Reversed, so logical and physical order differ.
+    (0..16u32).rev().collect()
+}
+
+fn run(b: &mut CpuBackend, kind: StepKind, s: SeqStep) -> SeqResult {
+    b.step(&StepPlan { kind, seqs: vec![s] }).unwrap().seqs.remove(0)
+}
+
+fn greedy_step(tokens: Vec<u32>, context_len: usize, mtp: Option<MtpStep>) -> SeqStep {
+    SeqStep {
+        seq_id: 1,
+        tokens,
+        context_len,
+        block_table: table(),
+        logits: LogitsRequest::None,
+        sample: Some(SampleRequest::new(SamplingParams::greedy(), 0)),
+        mtp,
+    }
+}
+
+fn plain_greedy(f: &Fixture, prompt: &[u32]) -> Vec<u32> {
+    let mut b = backend(f, false);
+    let mut out = vec![run(&mut b, StepKind::Prefill, greedy_step(prompt.to_vec(), 0, None)).sampled.unwrap().token];
+    while out.len() < NEW_TOKENS {
+        let ctx = prompt.len() + out.len() - 1;
+        out.push(
+            run(&mut b, StepKind::Decode, greedy_step(vec![*out.last().unwrap()], ctx, None)).sampled.unwrap().token,
+        );
+    }
+    out
+}
+
+/// What a speculative run saw: the output, per verify step how many drafts stood, and per step
+/// (prefill included) the position its first draft is for and that draft.
+struct Run {
+    out: Vec<u32>,
+    accepted: Vec<usize>,
+    first_drafts: Vec<(usize, u32)>,
+}
+
+/// Greedy decoding with drafts: `feed(out, own)` picks the drafts a verify step feeds, from the
+/// output so far and the backend's own drafts.
+fn speculative(f: &Fixture, prompt: &[u32], k: usize, mut feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>) -> Run {
+    let mut b = backend(f, true);
+    let mtp = |drafts_fed| Some(MtpStep { drafts_fed, next_token: None, draft: k });
+    let r = run(&mut b, StepKind::Prefill, greedy_step(prompt.to_vec(), 0, mtp(0)));
+    assert!(r.extra_tokens.is_empty());
+    let mut out = vec![r.sampled.unwrap().token];
+    let mut own = r.drafts;
+    assert_eq!(own.len(), k);
+    let mut run_log = Run { out: vec![], accepted: vec![], first_drafts: vec![(prompt.len() + 1, own[0])] };
+    while out.len() < NEW_TOKENS {
+        let computed = prompt.len() + out.len() - 1;
+        let drafts = feed(&out, &own);
+        let fed = drafts.len();
+        let tokens: Vec<u32> = std::iter::once(*out.last().unwrap()).chain(drafts.iter().copied()).collect();
+        let r = run(&mut b, StepKind::Decode, greedy_step(tokens, computed, mtp(fed)));
+        let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
+        assert!(!emitted.is_empty() && emitted.len() <= fed + 1);
+        let stood = emitted.len() - 1;
+        assert_eq!(emitted[..stood], drafts[..stood], "the tokens before the last are the drafts that stood");
+        run_log.accepted.push(stood);
+        out.extend(&emitted);
+        own = r.drafts;
+        assert_eq!(own.len(), k);
+        run_log.first_drafts.push((prompt.len() + out.len(), own[0]));
+    }
+    out.truncate(NEW_TOKENS);
+    run_log.out = out;
+    run_log
+}
+
+/// `min_compared`: the FP8 model's greedy output leaves the oracle's sequence (v3's bf16
+/// continuation) within a few tokens, so few of its drafts have an oracle row to meet; its drafts
+/// are checked teacher-forced in tests/mtp_oracle.rs.
+fn check_own_drafts(variant: &str, min_compared: usize) {
+    let f = fixture(variant);
+    let (mut compared, mut agreed) = (0, 0);
+    for (prompt, oracle_seq, oracle_rows) in &f.prompts {
+        let reference = plain_greedy(&f, prompt);
+        for k in 1..=3 {
+            let r = speculative(&f, prompt, k, |_, own| own.to_vec());
+            assert_eq!(r.out, reference, "{variant}, prompt of {}, K = {k}", prompt.len());
+            // The first draft for position p comes from the MTP row at p - 2; compare with the
+            // oracle's while our sequence is still the oracle's up to p - 1.
+            let full: Vec<u32> = prompt.iter().chain(&reference).copied().collect();
+            for &(pos, draft) in &r.first_drafts {
+                let row = pos - 2;
+                if row >= oracle_rows.len()
+                    || full.len() < pos
+                    || full[..pos] != oracle_seq[..pos.min(oracle_seq.len())]
+                {
+                    continue;
+                }
+                let o = &oracle_rows[row];
+                let mut sorted = o.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if sorted[0] - sorted[1] < GAP_FLOOR {
+                    continue;
+                }
+                compared += 1;
+                agreed += usize::from(mla_core::sampling::argmax(o) == draft);
+            }
+        }
+    }
+    eprintln!("{variant}: {agreed} of {compared} first drafts are the oracle's argmax");
+    assert!(compared >= min_compared, "too few drafts compared ({compared})");
+    assert_eq!(agreed, compared, "{variant}: drafts differ from the MTP oracle's");
+}
+
+#[test]
+fn greedy_with_own_drafts_equals_plain_greedy_and_drafts_follow_the_oracle() {
+    check_own_drafts("v3_mtp", 100);
+}
+
+#[test]
+fn greedy_with_own_drafts_equals_plain_greedy_fp8_weights() {
+    check_own_drafts("v3_mtp_fp8", 3);
+}
+
+#[test]
+fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
+    let f = fixture("v3_mtp");
+    let (prompt, _, _) = &f.prompts[1];
+    let reference = plain_greedy(&f, prompt);
+    let vocab = f.cfg.vocab_size as u32;
+    for k in 1..=3 {
+        // Step i plants its wrong draft at place i mod (k + 1); place k means all are right.
+        let mut step = 0;
+        let mut expected = Vec::new();
+        let r = speculative(&f, prompt, k, |out, _| {
+            let wrong_at = step % (k + 1);
+            step += 1;
+            let mut drafts: Vec<u32> = (0..k).map(|j| reference.get(out.len() + j).copied().unwrap_or(0)).collect();
+            if wrong_at < k {
+                drafts[wrong_at] = (drafts[wrong_at] + 1) % vocab;
+            }
+            // Beyond the reference's end every draft is "right" by construction (0), so only
+            // count steps wholly inside it.
+            let inside = out.len() + k <= reference.len();
+            expected.push(inside.then_some(wrong_at.min(k)));
+            drafts
+        });
+        assert_eq!(r.out, reference, "K = {k}");
+        let mut checked = 0;
+        for (got, want) in r.accepted.iter().zip(&expected) {
+            if let Some(want) = want {
+                assert_eq!(got, want, "K = {k}: drafts stood {got} times, expected {want}");
+                checked += 1;
+            }
+        }
+        assert!(checked >= 4, "K = {k}: only {checked} steps checked");
+        assert!(r.accepted.contains(&k), "K = {k}: no step accepted every draft");
+    }
+}
+
+#[test]
+fn steps_asking_what_cannot_be_verified_exactly_are_refused() {
+    let f = fixture("v3_mtp");
+    let mut b = backend(&f, true);
+    let refused = |b: &mut CpuBackend, kind: StepKind, s: SeqStep, says: &str| {
+        let e = b.step(&StepPlan { kind, seqs: vec![s] }).unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+    };
+    let mtp = |drafts_fed, draft| Some(MtpStep { drafts_fed, next_token: None, draft });
+    refused(&mut b, StepKind::Prefill, greedy_step(vec![0, 5, 6], 0, mtp(1, 1)), "decode rows only");
+    refused(&mut b, StepKind::Decode, greedy_step(vec![5, 6, 7], 0, mtp(1, 1)), "the drafts it verifies: 1), found 3");
+    let mut sampled = greedy_step(vec![5, 6], 0, mtp(1, 1));
+    sampled.sample = Some(SampleRequest::new(SamplingParams::default(), 3));
+    refused(&mut b, StepKind::Decode, sampled, "only greedy draws");
+    let mut with_logits = greedy_step(vec![5, 6], 0, mtp(1, 1));
+    with_logits.logits = LogitsRequest::All;
+    refused(&mut b, StepKind::Decode, with_logits, "returns no logits");
+    // Without the MTP layer loaded, any speculative step is refused.
+    let mut plain = backend(&f, false);
+    refused(&mut plain, StepKind::Prefill, greedy_step(vec![0, 5, 6], 0, mtp(0, 1)), "MTP layer is not loaded");
+}
