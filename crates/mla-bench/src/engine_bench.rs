@@ -271,6 +271,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
             // The prefill measurement repeats one prompt: a cache hit would hide the compute.
             prefix_caching: false,
             mixed_steps: false,
+            mtp_drafts: 0,
             step_watchdog: std::time::Duration::from_secs(600),
             // By load, as the engine benchmark always measured (no cache to route by).
             router: mla_engine::RouterConfig {

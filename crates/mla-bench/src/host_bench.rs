@@ -276,6 +276,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             seed: a.seed,
             prefix_caching: true,
             mixed_steps: false,
+            mtp_drafts: 0,
             step_watchdog: std::time::Duration::from_secs(600),
             router: mla_engine::RouterConfig::default(),
         },

@@ -36,6 +36,7 @@ fn engine() -> (EngineHandle, Arc<Mutex<mla_cuda::StepClock>>) {
         seed: 7,
         prefix_caching: true,
         mixed_steps: false,
+        mtp_drafts: 0,
         step_watchdog: Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     };

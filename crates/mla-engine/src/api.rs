@@ -24,6 +24,9 @@ pub struct EngineConfig {
     /// Steps carry decode rows and prompt chunks together instead of taking turns
     /// (on unless `--disable-mixed-chunk`; the scheduler's `mixed_steps`).
     pub mixed_steps: bool,
+    /// Speculative decoding with the model's MTP layer: drafts per step, 0 for none
+    /// (`--speculative-config`; the backend must have loaded the layer).
+    pub mtp_drafts: usize,
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).
     pub step_watchdog: std::time::Duration,

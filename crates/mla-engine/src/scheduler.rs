@@ -77,6 +77,9 @@ pub struct SchedulerConfig {
     /// Put the decode rows and the prompt chunks of a step together (`StepKind::Mixed`) instead
     /// of alternating prefill and decode steps.
     pub mixed_steps: bool,
+    /// Speculative decoding with the model's MTP layer: drafts per step (0: off). Requests that
+    /// can be verified exactly draft (`Group::may_speculate`); the others decode as without.
+    pub mtp_drafts: usize,
 }
 
 /// Prefix-cache counters since start, in prompt tokens (vLLM's `prefix_cache_queries` and
@@ -140,6 +143,48 @@ pub struct Scheduler {
     admitted: Vec<(u64, usize)>,
     /// Structured-output masks the last plan is waiting for (`fill_masks`).
     mask_jobs: Vec<(SeqKey, MaskWriter)>,
+    /// Speculative decoding's counts since start.
+    spec: SpecStats,
+}
+
+/// How speculative decoding has fared since start (vLLM's `spec_decode_*` counters).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Decode rows that fed drafts.
+    pub drafts: u64,
+    /// Drafted tokens fed for verification.
+    pub draft_tokens: u64,
+    /// Of those, the ones that stood.
+    pub accepted_tokens: u64,
+    /// Per draft position (0 first), how often the draft there stood.
+    pub accepted_per_pos: Vec<u64>,
+}
+
+impl SpecStats {
+    fn record(&mut self, fed: usize, stood: usize) {
+        self.drafts += 1;
+        self.draft_tokens += fed as u64;
+        self.accepted_tokens += stood as u64;
+        if self.accepted_per_pos.len() < fed {
+            self.accepted_per_pos.resize(fed, 0);
+        }
+        for p in &mut self.accepted_per_pos[..stood] {
+            *p += 1;
+        }
+    }
+
+    /// Adds another rank's counts.
+    pub fn merge(&mut self, o: &SpecStats) {
+        self.drafts += o.drafts;
+        self.draft_tokens += o.draft_tokens;
+        self.accepted_tokens += o.accepted_tokens;
+        if self.accepted_per_pos.len() < o.accepted_per_pos.len() {
+            self.accepted_per_pos.resize(o.accepted_per_pos.len(), 0);
+        }
+        for (a, b) in self.accepted_per_pos.iter_mut().zip(&o.accepted_per_pos) {
+            *a += b;
+        }
+    }
 }
 
 impl Scheduler {
@@ -174,7 +219,13 @@ impl Scheduler {
             prefix_stats: PrefixCacheStats::default(),
             admitted: Vec::new(),
             mask_jobs: Vec::new(),
+            spec: SpecStats::default(),
         }
+    }
+
+    /// Speculative decoding's counts since start.
+    pub fn spec_stats(&self) -> &SpecStats {
+        &self.spec
     }
 
     pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
@@ -317,7 +368,8 @@ impl Scheduler {
     /// the budget bounds.
     fn schedule_mixed(&mut self) -> Option<StepPlan> {
         let mut seqs = self.build_decode();
-        let budget = self.cfg.max_num_batched_tokens.saturating_sub(seqs.len());
+        let fed: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let budget = self.cfg.max_num_batched_tokens.saturating_sub(fed);
         let preemptions = self.preemptions;
         let prefill = if budget > 0 { self.build_prefill(budget) } else { Vec::new() };
         // Admitting a prompt may have preempted a decoding completion for fairness (its blocks
@@ -379,9 +431,21 @@ impl Scheduler {
             }
             let seq = g.seq_mut(key.slot).expect("scheduled sequence exists");
             debug_assert_eq!(seq.computed, step.context_len, "plan applied out of order");
-            seq.computed += step.tokens.len();
+            // Speculative decoding: of the drafts fed, those that stood are in the cache now
+            // (they are the step's first emitted tokens); the rows of the others are garbage
+            // that later steps overwrite.
+            let (fed, stood) = (step.drafts_fed(), res.extra_tokens.len());
+            seq.computed += step.tokens.len() - fed + stood;
+            if fed > 0 {
+                self.spec.record(fed, stood);
+            }
             if self.cfg.prefix_caching {
+                // The blocks the drafts that stood complete are hashed with their tokens, which
+                // join the sequence only as they are emitted below.
+                let before = seq.tokens.len();
+                seq.tokens.extend(res.sampled.iter().chain(&res.extra_tokens).take(stood).map(|t| t.token));
                 register_computed_blocks(&self.hasher, seq, self.blocks.block_size());
+                seq.tokens.truncate(before);
             }
             let leaves = match (key.slot, &res.sampled) {
                 (Slot::Prefix, _) => {
@@ -392,21 +456,33 @@ impl Scheduler {
                     }
                     computed
                 }
-                (Slot::Completion(i), Some(tok)) => match g.push_token(i, tok.token, self.cfg.max_model_len) {
-                    Ok(finish) => {
-                        applied.tokens.push(TokenOutcome {
-                            request: key.request,
-                            index: i,
-                            token: tok.clone(),
-                            finish,
-                        });
-                        finish.is_some()
+                (Slot::Completion(i), Some(first)) => {
+                    let mut leaves = false;
+                    for tok in std::iter::once(first).chain(&res.extra_tokens) {
+                        match g.push_token(i, tok.token, self.cfg.max_model_len) {
+                            Ok(finish) => {
+                                applied.tokens.push(TokenOutcome {
+                                    request: key.request,
+                                    index: i,
+                                    token: tok.clone(),
+                                    finish,
+                                });
+                                if finish.is_some() {
+                                    leaves = true;
+                                    break;
+                                }
+                            }
+                            Err(why) => {
+                                applied.rejected.push((key.request, why));
+                                break;
+                            }
+                        }
                     }
-                    Err(why) => {
-                        applied.rejected.push((key.request, why));
-                        false
+                    if !leaves {
+                        g.completions[i].drafts.clone_from(&res.drafts);
                     }
-                },
+                    leaves
+                }
                 (Slot::Completion(_), None) => false,
             };
             if !leaves {

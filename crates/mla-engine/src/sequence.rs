@@ -75,11 +75,14 @@ pub struct Seq {
     /// many leading blocks of `table` have been offered to the cache.
     pub hashes: Vec<BlockHash>,
     pub registered: usize,
+    /// Speculative decoding: the tokens the MTP layer drafted after the last one, to be
+    /// verified by the next decode step (empty without it).
+    pub drafts: Vec<u32>,
 }
 
 impl Seq {
     pub fn new(tokens: Vec<u32>, table: BlockTable, state: SeqState) -> Seq {
-        Seq { tokens, computed: 0, table, state, hashes: Vec::new(), registered: 0 }
+        Seq { tokens, computed: 0, table, state, hashes: Vec::new(), registered: 0, drafts: Vec::new() }
     }
 
     pub fn uncomputed(&self) -> usize {
@@ -91,6 +94,7 @@ impl Seq {
         self.table.release();
         self.computed = 0;
         self.registered = 0;
+        self.drafts.clear();
     }
 }
 
@@ -207,6 +211,20 @@ impl Group {
         seq.state = SeqState::Finished(reason);
         seq.evict();
         true
+    }
+
+    /// Whether this request's completions may be decoded speculatively: greedy, with nothing
+    /// that changes a row's logits by what came before it (penalties, logit_bias, a grammar),
+    /// which is what the backends verify exactly (`StepPlan::validate`).
+    pub fn may_speculate(&self) -> bool {
+        let s = &self.req.sampling;
+        s.is_greedy() && !s.has_penalties() && self.req.logit_bias.is_empty() && self.constraints.0.is_empty()
+    }
+
+    /// Whether completion `i` drafts now: `min_tokens`, while it holds, bans the stop tokens
+    /// row by row.
+    pub fn drafts_now(&self, i: usize) -> bool {
+        self.may_speculate() && (self.outputs(i).len() >= self.req.min_tokens || self.req.stop_token_ids.is_empty())
     }
 
     /// Outputs completion `i` has produced so far.

@@ -68,6 +68,8 @@ pub struct EngineStats {
     pub structured_masks: MaskStats,
     /// Steps by kind, and how evenly the ranks of a DP-attention group shared them.
     pub steps: StepCounts,
+    /// Speculative decoding: drafts fed and how many stood.
+    pub spec: crate::scheduler::SpecStats,
     /// Seconds.
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
@@ -103,6 +105,7 @@ impl EngineStats {
         self.routing.least_loaded += r.least_loaded;
         self.structured_masks.merge(&o.structured_masks);
         self.steps.merge(&o.steps);
+        self.spec.merge(&o.spec);
         self.time_to_first_token.merge(&o.time_to_first_token);
         self.inter_token_latency.merge(&o.inter_token_latency);
         self.e2e_latency.merge(&o.e2e_latency);

@@ -29,6 +29,7 @@ fn sched_with(num_blocks: usize, max_num_seqs: usize, budget: usize, mixed_steps
         max_extra_logit_rows: 512,
         prefix_caching: true,
         mixed_steps,
+        mtp_drafts: 0,
     };
     Scheduler::new(cfg, CacheLayout { block_size: BS, num_blocks })
 }

@@ -20,6 +20,7 @@ fn sched_with(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget:
         max_extra_logit_rows: 512,
         prefix_caching: false,
         mixed_steps: mixed,
+        mtp_drafts: 0,
     };
     Scheduler::new(cfg, CacheLayout { block_size, num_blocks })
 }
@@ -274,6 +275,7 @@ fn finishing_rules_and_removal_free_blocks() {
         max_extra_logit_rows: 512,
         prefix_caching: false,
         mixed_steps: false,
+        mtp_drafts: 0,
     };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 32 });
     let mut stop = req(5, 1, 100);
@@ -495,6 +497,7 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
             max_extra_logit_rows: 512,
             prefix_caching: true,
             mixed_steps: false,
+            mtp_drafts: 0,
         };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks });
         s.add(1, req(4, 1, 26), 0);
@@ -542,6 +545,7 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
         max_extra_logit_rows: 200,
         prefix_caching: false,
         mixed_steps: false,
+        mtp_drafts: 0,
     };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 16, num_blocks: 256 });
     for id in 0..4 {
@@ -591,6 +595,7 @@ fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
             max_extra_logit_rows: 512,
             prefix_caching: true,
             mixed_steps: false,
+            mtp_drafts: 0,
         };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 64 });
         let scored = req(10, n, 2);

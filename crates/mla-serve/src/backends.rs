@@ -52,12 +52,49 @@ pub struct Loaded {
 /// Builds the backends for a resolved device (`resolve_device` first).
 pub fn load(device: Device, source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
     parallel.check(&source.config)?;
+    if let Some(r) = args.speculative.request()? {
+        check_speculative(device, source, args, parallel, r.draft_tokens)?;
+    }
     match device {
         Device::Cuda => cuda(source, args, parallel),
         Device::Cpu => cpu(source, args, parallel),
         Device::Auto => bail!("internal error: --device auto must be resolved before loading"),
     }
 }
+
+/// Where speculative decoding with the MTP layer runs so far: the CPU backend, one rank per
+/// replica (docs/speculative-decoding.md).
+fn check_speculative(
+    device: Device,
+    source: &ModelSource,
+    args: &Args,
+    parallel: Parallel,
+    drafts: usize,
+) -> anyhow::Result<()> {
+    let cfg = &source.config;
+    if cfg.num_nextn_predict_layers == 0 {
+        bail!(
+            "speculative decoding with MTP: {} has no multi-token-prediction layer (num_nextn_predict_layers is 0; DeepSeek-V3 and R1 have one)",
+            source.name
+        );
+    }
+    if device == Device::Cuda {
+        bail!(
+            "speculative decoding with MTP is not built for the CUDA backend yet (it runs on --device cpu); start without the speculative flags"
+        );
+    }
+    let one_replica = Parallel { replicas: 1, ..parallel };
+    if !one_replica.is_single() || args.nnodes > 1 {
+        bail!("speculative decoding with MTP runs on one CPU rank per replica so far: drop --tp, --enable-dp-attention and --nnodes (--dp N works)");
+    }
+    if !(1..=MAX_DRAFTS).contains(&drafts) {
+        bail!("speculative decoding with MTP: {drafts} draft tokens per step; 1 to {MAX_DRAFTS} are supported");
+    }
+    Ok(())
+}
+
+/// More drafts than this from one MTP layer chained on itself would mostly be rejected.
+const MAX_DRAFTS: usize = 8;
 
 fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
     let sizing = sizing::cpu_sizing(&source.config, args)?;
@@ -89,6 +126,10 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
                 cache.num_blocks,
                 kv_dtype,
             )?;
+            let b = match args.speculative.request()? {
+                Some(_) => b.with_mtp(weights.as_ref())?,
+                None => b,
+            };
             Box::new(b.with_step_limits(step))
         } else {
             let group = mla_cpu::group::local_group(

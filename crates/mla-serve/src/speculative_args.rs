@@ -4,21 +4,20 @@
 //! multi-token-prediction layer as the draft model, K draft tokens per step.
 //!
 //! The flags are read and checked in full, so a command line written for vLLM or SGLang gets an
-//! exact answer, and then refused: the MTP module loads and drafts in the CPU reference
-//! (`mla_cpu::model::CpuModel::mtp_forward_rank`, checked against its oracle), but the engine does
-//! not run draft and verify steps yet (issue 31). A flag that is accepted must do what it says.
+//! exact answer. Speculative decoding runs on the CPU backend so far (one rank per replica);
+//! elsewhere it is refused with the reason (`backends::load`), never accepted and ignored.
 
 use clap::Args as ClapArgs;
 
 #[derive(Debug, Clone, Default, ClapArgs)]
 pub struct SpeculativeArgs {
-    /// vLLM's speculative decoding config, e.g. '{"method": "mtp", "num_speculative_tokens": 1}'.
-    /// Not available yet: refused with the reason.
+    /// vLLM's speculative decoding config, e.g. '{"method": "mtp", "num_speculative_tokens": 1}':
+    /// the model's MTP layer drafts that many tokens per step (CPU backend so far).
     #[arg(long, value_name = "JSON")]
     pub speculative_config: Option<String>,
 
-    /// SGLang's speculative algorithm (EAGLE or NEXTN: the model's MTP layer for DeepSeek). Not
-    /// available yet: refused with the reason.
+    /// SGLang's speculative algorithm (EAGLE or NEXTN: the model's MTP layer for DeepSeek), with
+    /// --speculative-num-steps drafts per step (CPU backend so far).
     #[arg(long, value_name = "NAME")]
     pub speculative_algorithm: Option<String>,
 
@@ -61,18 +60,10 @@ impl SpeculativeArgs {
         }
     }
 
-    /// Refuses speculative decoding, after reading the flags, with what exists and what does not.
+    /// Checks the flags before anything loads; where they can run is checked once the device
+    /// and the model are known (`backends::load`).
     pub fn check(&self) -> anyhow::Result<()> {
-        if let Some(r) = self.request()? {
-            anyhow::bail!(
-                "speculative decoding with the model's MTP layer ({} draft token{} per step) is not available yet: \
-                 the MTP layer loads and drafts in the CPU reference, but the engine does not run draft and verify \
-                 steps (issue 31); start without the speculative flags",
-                r.draft_tokens,
-                if r.draft_tokens == 1 { "" } else { "s" }
-            );
-        }
-        Ok(())
+        self.request().map(|_| ())
     }
 
     fn no_sglang_details(&self, context: &str) -> anyhow::Result<()> {
@@ -228,15 +219,5 @@ mod tests {
             ],
             "give one",
         );
-    }
-
-    #[test]
-    fn a_well_formed_request_is_refused_until_the_engine_runs_it() {
-        let cli =
-            Cli::try_parse_from(["x", "--speculative-config", r#"{"method": "mtp", "num_speculative_tokens": 1}"#])
-                .unwrap();
-        let e = cli.spec.check().unwrap_err().to_string();
-        assert!(e.contains("not available yet") && e.contains("1 draft token per step"), "{e}");
-        assert!(Cli::try_parse_from(["x"]).unwrap().spec.check().is_ok());
     }
 }

@@ -72,6 +72,12 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         );
     }
     let devices: Vec<String> = backends.iter().map(|b| b.device_name()).collect();
+    let mtp_drafts = args.speculative.request()?.map_or(0, |r| r.draft_tokens);
+    if mtp_drafts > 0 {
+        tracing::info!(
+            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for greedy requests without penalties, logit_bias or a grammar; others decode one token per step"
+        );
+    }
     let engine = Engine::start_replicas(
         backends,
         EngineConfig {
@@ -82,6 +88,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             seed: args.seed,
             prefix_caching: !args.no_enable_prefix_caching,
             mixed_steps: !args.no_enable_mixed_chunk,
+            mtp_drafts,
             step_watchdog: args.watchdog(),
             router: args.routing.config(!args.no_enable_prefix_caching),
         },

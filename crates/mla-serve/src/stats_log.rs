@@ -2,6 +2,7 @@
 //! waiting, KV cache usage, prompt and generation throughput over the last interval, and the
 //! prefix cache hit rate. Silent while idle, so an idle server's log stays quiet.
 
+use mla_engine::scheduler::SpecStats;
 use mla_engine::{EngineHandle, EngineStats, StepCounts};
 use std::time::{Duration, Instant};
 
@@ -56,14 +57,31 @@ pub fn line(before: &EngineStats, after: &EngineStats, elapsed: Duration) -> Opt
         ),
     };
     let steps = step_counts(&before.steps, &after.steps);
+    let spec = spec_acceptance(&before.spec, &after.spec);
     Some(format!(
-        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{routed}{masks}{steps}",
+        "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV cache {:.1}%{hit_rate}{routed}{masks}{steps}{spec}",
         prompt as f64 / secs,
         generated as f64 / secs,
         after.running,
         after.waiting,
         100.0 * after.kv_usage,
     ))
+}
+
+/// Speculative decoding over the interval: the share of drafted tokens that stood, and the
+/// mean tokens a verifying row emitted (the drafts that stood plus the target's own).
+fn spec_acceptance(before: &SpecStats, after: &SpecStats) -> String {
+    let fed = after.draft_tokens.saturating_sub(before.draft_tokens);
+    let rows = after.drafts.saturating_sub(before.drafts);
+    if fed == 0 || rows == 0 {
+        return String::new();
+    }
+    let stood = after.accepted_tokens.saturating_sub(before.accepted_tokens);
+    format!(
+        ", draft acceptance {:.1}% ({stood} of {fed}), {:.2} tokens per verify row",
+        100.0 * stood as f64 / fed as f64,
+        (rows + stood) as f64 / rows as f64
+    )
 }
 
 /// Mixed steps over the interval, when there were any, and under DP attention how evenly the

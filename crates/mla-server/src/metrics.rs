@@ -151,6 +151,7 @@ fn counters(e: &mut Exposition, s: &EngineStats) {
         "Steps that held prompt chunks and decode rows together (off with --disable-mixed-chunk).",
         s.steps.mixed,
     );
+    spec_decode(e, &s.spec);
     e.labelled(
         "request_success_total",
         "Requests finished, by finished_reason: abort if aborted or failed, else length if any of its \
@@ -164,6 +165,23 @@ fn counters(e: &mut Exposition, s: &EngineStats) {
         "Completions (choices) finished, by finished_reason.",
         "counter",
         by_reason(&completions),
+    );
+}
+
+/// vLLM's speculative decoding counters (all zero without `--speculative-config`).
+fn spec_decode(e: &mut Exposition, s: &mla_engine::scheduler::SpecStats) {
+    e.counter("spec_decode_num_drafts_total", "Decode rows that fed drafts for verification.", s.drafts);
+    e.counter("spec_decode_num_draft_tokens_total", "Drafted tokens fed for verification.", s.draft_tokens);
+    e.counter("spec_decode_num_accepted_tokens_total", "Drafted tokens that verification accepted.", s.accepted_tokens);
+    e.labelled(
+        "spec_decode_num_accepted_tokens_per_pos_total",
+        "Drafted tokens accepted, by their position among a step's drafts (0 first).",
+        "counter",
+        s.accepted_per_pos
+            .iter()
+            .enumerate()
+            .map(|(p, &n)| (format!("position=\"{p}\""), n as f64))
+            .collect::<Vec<_>>(),
     );
 }
 

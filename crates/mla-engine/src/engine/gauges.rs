@@ -50,4 +50,8 @@ pub(super) fn publish(metrics: &Metrics, ranks: &[Scheduler], loads: &RankLoads,
     stats.prefix_cache_queries = ranks.iter().map(|s| s.prefix_cache_stats().queries).sum();
     stats.prefix_cache_hits = ranks.iter().map(|s| s.prefix_cache_stats().hits).sum();
     stats.structured_masks = masks;
+    stats.spec = Default::default();
+    for r in ranks.iter() {
+        stats.spec.merge(r.spec_stats());
+    }
 }

@@ -112,6 +112,7 @@ impl Worker {
             max_extra_logit_rows: step.extra_logit_rows(),
             prefix_caching: cfg.prefix_caching,
             mixed_steps: cfg.mixed_steps,
+            mtp_drafts: cfg.mtp_drafts,
         };
         let layouts = backend.cache_layouts();
         assert_eq!(layouts.len(), caches.len(), "one router view per attention rank");

@@ -3,7 +3,7 @@
 use super::Scheduler;
 use crate::prompt_logprobs::LOGITS_CHUNK;
 use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
-use mla_core::step::plan::{LogitsRequest, PenaltyTokens, SampleRequest, SeqStep};
+use mla_core::step::plan::{LogitsRequest, MtpStep, PenaltyTokens, SampleRequest, SeqStep};
 
 impl Scheduler {
     /// A completion that has sampled a token and now only has to feed it.
@@ -30,12 +30,12 @@ impl Scheduler {
     pub(super) fn build_prefill(&mut self, tokens: usize) -> Vec<SeqStep> {
         let mut left = Left { tokens, logit_rows: self.cfg.max_extra_logit_rows };
         let mut steps = Vec::new();
+        let drafting = self.drafting();
         let mut add = |this: &mut Self, key: SeqKey, left: &mut Left| {
             if left.tokens > 0 && this.needs_prefill(key) {
                 let at_most = left.tokens;
-                if let Some(step) =
-                    entry(&this.groups[&key.request], key, at_most, &mut left.logit_rows, &mut this.spare)
-                {
+                let g = &this.groups[&key.request];
+                if let Some(step) = entry(g, key, at_most, &mut left.logit_rows, &mut this.spare, drafting) {
                     left.tokens -= step.tokens.len();
                     steps.push(step);
                 }
@@ -54,9 +54,13 @@ impl Scheduler {
     }
 
     /// One token for every decodable sequence, oldest first, preempting the newest sequences
-    /// when a block boundary needs a block and none is free.
+    /// when a block boundary needs a block and none is free. With speculative decoding a row
+    /// also feeds the sequence's drafts, when the blocks for them and the rows drafting writes
+    /// are free and the step's token budget has room; otherwise it feeds its one token.
     pub(super) fn build_decode(&mut self) -> Vec<SeqStep> {
         let mut steps = Vec::with_capacity(self.running.len());
+        let drafting = self.drafting();
+        let mut budget = self.cfg.max_num_batched_tokens;
         let mut i = 0;
         while i < self.running.len() {
             let key = self.running[i];
@@ -64,19 +68,36 @@ impl Scheduler {
             // the blocks it holds or the free ones.
             let g = self.groups.get_mut(&key.request).expect("running sequence exists");
             if decodable(g, key.slot) {
+                let speculate = match (drafting, key.slot) {
+                    (Some(d), Slot::Completion(c)) => d.fits_row(g, c, budget),
+                    _ => false,
+                };
                 let seq = g.seq_mut(key.slot).expect("running sequence exists");
-                if seq.table.reserve(seq.tokens.len()).is_ok() {
-                    steps.push(decode_entry(g, key, &mut self.spare));
+                let with_drafts =
+                    speculate && drafting.is_some_and(|d| seq.table.reserve(d.row_positions(seq)).is_ok());
+                let entry = if with_drafts || seq.table.reserve(seq.tokens.len()).is_ok() {
+                    decode_entry(g, key, &mut self.spare, drafting, with_drafts)
                 } else if self.make_room(key) {
-                    steps.push(decode_entry(&self.groups[&key.request], key, &mut self.spare));
+                    decode_entry(&self.groups[&key.request], key, &mut self.spare, drafting, false)
                 } else {
                     // `key` was the newest resident sequence, so nothing follows it.
                     break;
-                }
+                };
+                budget = budget.saturating_sub(entry.tokens.len());
+                steps.push(entry);
             }
             i += 1;
         }
         steps
+    }
+
+    /// What speculative decoding asks of this step's entries, when it is on.
+    fn drafting(&self) -> Option<Drafting> {
+        (self.cfg.mtp_drafts > 0).then_some(Drafting {
+            k: self.cfg.mtp_drafts,
+            block_size: self.blocks.block_size(),
+            max_model_len: self.cfg.max_model_len,
+        })
     }
 
     /// Reserves the block `key`'s next token lands in. Victims are always newer than `key`
@@ -97,6 +118,63 @@ impl Scheduler {
     }
 }
 
+/// Speculative decoding's parameters for building entries (`SchedulerConfig::mtp_drafts`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Drafting {
+    /// Drafts per step.
+    k: usize,
+    block_size: usize,
+    max_model_len: usize,
+}
+
+impl Drafting {
+    /// Positions a decode row with its drafts needs blocks for: the last token, the drafts, and
+    /// the `k - 1` rows drafting writes past them.
+    fn row_positions(&self, seq: &crate::sequence::Seq) -> usize {
+        seq.tokens.len() + seq.drafts.len() + self.k - 1
+    }
+
+    /// Whether completion `c` feeds its drafts this step: it has some, may draft now, stays
+    /// within the model's length and the step's token budget.
+    fn fits_row(&self, g: &Group, c: usize, budget: usize) -> bool {
+        let seq = &g.completions[c];
+        !seq.drafts.is_empty()
+            && g.drafts_now(c)
+            && self.row_positions(seq) <= self.max_model_len
+            && seq.drafts.len() < budget
+    }
+
+    /// The `MtpStep` of an entry feeding `seq.tokens[computed..end]` (plus `fed` drafts), or
+    /// `None` for a request that never drafts (its MTP rows would serve nothing).
+    fn step(&self, g: &Group, key: SeqKey, end: usize, samples: bool, fed: usize) -> Option<MtpStep> {
+        if !g.may_speculate() {
+            return None;
+        }
+        let seq = g.seq(key.slot).expect("resident sequence exists");
+        // A chunk that does not sample names the token after it, for its last MTP row.
+        let next_token = match key.slot {
+            _ if samples => None,
+            Slot::Prefix => g.req.prompt_tokens.get(end).copied(),
+            Slot::Completion(_) => seq.tokens.get(end).copied(),
+        };
+        // Drafting writes rows up to `k - 1` positions past what the step feeds; they must be
+        // in the table already (a prompt's last chunk takes what admission reserved).
+        let last_drafting_row = end + fed + self.k - 1;
+        let draft = match key.slot {
+            Slot::Completion(c)
+                if samples
+                    && g.drafts_now(c)
+                    && last_drafting_row <= self.max_model_len
+                    && last_drafting_row <= seq.table.len() * self.block_size =>
+            {
+                self.k
+            }
+            _ => 0,
+        };
+        Some(MtpStep { drafts_fed: fed, next_token, draft })
+    }
+}
+
 /// What a prefill step still has room for.
 struct Left {
     tokens: usize,
@@ -111,18 +189,37 @@ fn decodable(g: &Group, slot: Slot) -> bool {
     g.prefix.is_none() && s.state == SeqState::Running && s.computed > 0 && s.uncomputed() == 1
 }
 
-/// A decode step's entry: the one token `key` sampled last.
-fn decode_entry(g: &Group, key: SeqKey, spare: &mut Vec<SeqStep>) -> SeqStep {
+/// A decode step's entry: the one token `key` sampled last, and with `with_drafts` the drafts
+/// to verify after it.
+fn decode_entry(
+    g: &Group,
+    key: SeqKey,
+    spare: &mut Vec<SeqStep>,
+    drafting: Option<Drafting>,
+    with_drafts: bool,
+) -> SeqStep {
     // A decoding sequence is past its prompt, so it never asks for prompt logits.
     let mut no_limit = usize::MAX;
-    entry(g, key, 1, &mut no_limit, spare).expect("an entry that wants no logits is always built")
+    let mut e = entry(g, key, 1, &mut no_limit, spare, None).expect("an entry that wants no logits is always built");
+    let seq = g.seq(key.slot).expect("resident sequence exists");
+    let fed = if with_drafts { seq.drafts.len() } else { 0 };
+    e.tokens.extend_from_slice(&seq.drafts[..fed]);
+    e.mtp = drafting.and_then(|d| d.step(g, key, seq.computed + 1, true, fed));
+    e
 }
 
 /// The plan entry of the next `at_most` uncomputed tokens of `key`, sampling when they reach its
 /// end, reusing the vectors of a recycled entry when there is any (`Scheduler::recycle`). A
 /// chunk that computes missing prompt logprobs takes a logit row per token from `logit_rows`,
 /// at most `LOGITS_CHUNK`; None when there are none left.
-fn entry(g: &Group, key: SeqKey, at_most: usize, logit_rows: &mut usize, spare: &mut Vec<SeqStep>) -> Option<SeqStep> {
+fn entry(
+    g: &Group,
+    key: SeqKey,
+    at_most: usize,
+    logit_rows: &mut usize,
+    spare: &mut Vec<SeqStep>,
+    drafting: Option<Drafting>,
+) -> Option<SeqStep> {
     let seq = g.seq(key.slot).expect("resident sequence exists");
     let mut end = seq.computed + seq.uncomputed().min(at_most);
     let logits = match &g.prompt_logprobs {
@@ -154,7 +251,8 @@ fn entry(g: &Group, key: SeqKey, at_most: usize, logit_rows: &mut usize, spare: 
     tokens.extend_from_slice(&seq.tokens[seq.computed..end]);
     block_table.clear();
     block_table.extend_from_slice(seq.table.blocks());
-    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample, mtp: None })
+    let mtp = drafting.and_then(|d| d.step(g, key, end, sample.is_some(), 0));
+    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample, mtp })
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {

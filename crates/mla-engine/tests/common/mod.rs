@@ -373,6 +373,7 @@ pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
         seed: 42,
         prefix_caching: true,
         mixed_steps: false,
+        mtp_drafts: 0,
         step_watchdog: std::time::Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     }

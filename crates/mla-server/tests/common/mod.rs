@@ -205,6 +205,7 @@ pub fn server(opts: Options) -> TestServer {
         seed: 0,
         prefix_caching: true,
         mixed_steps: false,
+        mtp_drafts: 0,
         step_watchdog: std::time::Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     };

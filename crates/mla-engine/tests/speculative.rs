@@ -1,0 +1,250 @@
+//! Speculative decoding through the engine (`EngineConfig::mtp_drafts`) on the CPU reference
+//! with the MTP fixture (tests/fixtures/v3_mtp): every request's output equals the output of the
+//! same engine without speculation, token for token, under concurrency, chunked prefill, mixed
+//! steps, prefix caching, `n > 1`, `min_tokens`, stop tokens, `max_tokens` cut inside a step's
+//! emitted tokens and preemption by recompute.
+//!
+//! The fixture's MTP layer is untrained, so its own drafts rarely stand. To exercise the engine
+//! with drafts that do, `ForcedDrafts` wraps the backend and replaces each step's drafts with
+//! the sequence's true continuation (from a run without speculation), one of them planted wrong
+//! on some steps. Verification is the target's, so what is emitted stays exact; the engine must
+//! take 1 to K+1 tokens per row, account the cache and blocks for them, and stop in the middle.
+
+mod common;
+
+use common::{collect, engine_config};
+use mla_core::step::plan::{StepOutput, StepPlan};
+use mla_core::{Backend, CacheLayout, Checkpoint, ModelConfig, PendingStep, SamplingParams, StepLimits};
+use mla_cpu::CpuBackend;
+use mla_engine::{Engine, EngineStats, GenerateRequest};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+const MAX_LEN: usize = 128;
+const BLOCK_SIZE: usize = 16;
+
+fn fixture() -> (ModelConfig, Checkpoint) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/v3_mtp");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
+    (cfg, ckpt)
+}
+
+fn cpu_backend(num_blocks: usize, mtp: bool) -> CpuBackend {
+    let (cfg, ckpt) = fixture();
+    let b = CpuBackend::new(cfg, &ckpt, BLOCK_SIZE, num_blocks).unwrap();
+    if mtp {
+        b.with_mtp(&ckpt).unwrap()
+    } else {
+        b
+    }
+}
+
+/// Replaces the drafts of every result with the sequence's true continuation (the whole token
+/// sequence of a run without speculation, found by the tokens the sequence has fed), planting a
+/// wrong one on every third step at a place that moves.
+struct ForcedDrafts {
+    inner: CpuBackend,
+    pending: PendingStep,
+    references: Vec<Vec<u32>>,
+    /// Per sequence id, the tokens it has fed so far (reset when it is prefilled from 0 again).
+    fed: HashMap<u64, Vec<u32>>,
+    steps: usize,
+    vocab: u32,
+}
+
+impl ForcedDrafts {
+    fn true_drafts(&mut self, plan: &StepPlan, out: &mut StepOutput) {
+        self.steps += 1;
+        for (s, r) in plan.seqs.iter().zip(&mut out.seqs) {
+            let fed_real = s.tokens.len() - s.drafts_fed();
+            let history = self.fed.entry(s.seq_id).or_default();
+            history.truncate(s.context_len);
+            if history.len() < s.context_len {
+                // Positions this sequence never fed here: a shared prefix of `n > 1` or blocks
+                // from the prefix cache. Take them from the reference that has the fed tokens
+                // at these positions.
+                let at = s.context_len..s.context_len + fed_real;
+                let Some(reference) = self.references.iter().find(|t| t.get(at.clone()) == Some(&s.tokens[..fed_real]))
+                else {
+                    panic!("sequence {}: no reference feeds {:?} at {at:?}", s.seq_id, &s.tokens[..fed_real])
+                };
+                *history = reference[..s.context_len].to_vec();
+            }
+            history.extend_from_slice(&s.tokens[..fed_real]);
+            history.extend(r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token));
+            let in_cache = s.context_len + fed_real + r.extra_tokens.len();
+            if r.drafts.is_empty() {
+                // Keep only what is in the cache: the last emitted token is fed next step.
+                history.truncate(in_cache);
+                continue;
+            }
+            // A sequence may emit past its reference's end (max_tokens cuts it in the engine).
+            let agrees = |t: &&Vec<u32>| {
+                let n = t.len().min(history.len());
+                t[..n] == history[..n]
+            };
+            let Some(reference) = self.references.iter().find(agrees) else {
+                panic!("sequence {} left every reference: {history:?}", s.seq_id)
+            };
+            let k = r.drafts.len();
+            let at = history.len();
+            let mut drafts: Vec<u32> = (0..k).map(|j| reference.get(at + j).copied().unwrap_or(0)).collect();
+            if self.steps.is_multiple_of(3) {
+                let j = (self.steps / 3) % k;
+                drafts[j] = (drafts[j] + 1) % self.vocab;
+            }
+            r.drafts = drafts;
+            history.truncate(in_cache);
+        }
+    }
+}
+
+impl Backend for ForcedDrafts {
+    fn device_name(&self) -> String {
+        "cpu with forced drafts".into()
+    }
+    fn model_config(&self) -> &ModelConfig {
+        self.inner.model_config()
+    }
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        self.inner.cache_layouts()
+    }
+    fn step_limits(&self) -> StepLimits {
+        self.inner.step_limits()
+    }
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        self.pending.set(plans);
+    }
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        let plans = self.pending.take()?;
+        self.inner.start_step(&plans);
+        let mut outs = self.inner.finish_step()?;
+        for (plan, out) in plans.iter().zip(&mut outs) {
+            self.true_drafts(plan, out);
+        }
+        Ok(outs)
+    }
+}
+
+/// Requests that cover what the engine must keep exact: greedy ones of several lengths (some
+/// with a stop token, one with `min_tokens`, one with `n = 2`), a shared prompt (prefix cache),
+/// and requests that never draft (sampled with a seed, a repetition penalty).
+fn requests() -> Vec<GenerateRequest> {
+    let greedy = SamplingParams::greedy();
+    let prompt = |len: usize, salt: u32| -> Vec<u32> {
+        std::iter::once(0).chain((1..len as u32).map(|i| (i * 37 + salt * 11) % 500 + 2)).collect()
+    };
+    vec![
+        GenerateRequest::new(prompt(5, 1), greedy.clone(), 30),
+        GenerateRequest::new(prompt(20, 2), greedy.clone(), 25),
+        GenerateRequest::new(prompt(40, 3), greedy.clone(), 17),
+        GenerateRequest::new(prompt(40, 3), greedy.clone(), 20),
+        GenerateRequest {
+            min_tokens: 8,
+            stop_token_ids: vec![201, 258],
+            ..GenerateRequest::new(prompt(9, 4), greedy.clone(), 30)
+        },
+        GenerateRequest { stop_token_ids: vec![201], ..GenerateRequest::new(prompt(12, 5), greedy.clone(), 40) },
+        GenerateRequest { n: 2, ..GenerateRequest::new(prompt(33, 6), greedy.clone(), 22) },
+        GenerateRequest {
+            seed: Some(7),
+            ..GenerateRequest::new(prompt(7, 7), SamplingParams { temperature: 0.8, ..Default::default() }, 20)
+        },
+        GenerateRequest::new(prompt(8, 8), SamplingParams { repetition_penalty: 1.3, ..SamplingParams::greedy() }, 20),
+    ]
+}
+
+/// Every request at once; their outputs in order, and the engine's statistics.
+fn run(backend: Box<dyn Backend>, mtp_drafts: usize, mixed: bool, budget: usize) -> (Vec<Vec<Vec<u32>>>, EngineStats) {
+    let cfg = mla_engine::EngineConfig {
+        mtp_drafts,
+        mixed_steps: mixed,
+        max_num_batched_tokens: budget,
+        ..engine_config(MAX_LEN)
+    };
+    let engine = Engine::start(backend, cfg).unwrap();
+    let reqs = requests();
+    let mut streams: Vec<_> = reqs.iter().map(|r| (r.n, engine.submit(r.clone()).unwrap())).collect();
+    let outs = streams
+        .iter_mut()
+        .map(|(n, s)| {
+            let c = collect(s, *n);
+            assert_eq!(c.error, None);
+            c.tokens
+        })
+        .collect();
+    let stats = engine.stats();
+    engine.shutdown(Duration::from_secs(1));
+    (outs, stats)
+}
+
+fn references(outs: &[Vec<Vec<u32>>]) -> Vec<Vec<u32>> {
+    requests()
+        .iter()
+        .zip(outs)
+        .flat_map(|(r, o)| o.iter().map(move |t| r.prompt_tokens.iter().chain(t).copied().collect()))
+        .collect()
+}
+
+#[test]
+fn outputs_with_the_mtp_layers_own_drafts_equal_the_plain_engine() {
+    for (mixed, budget) in [(false, 16), (true, 24)] {
+        let (plain, _) = run(Box::new(cpu_backend(64, false)), 0, mixed, budget);
+        for k in [1, 3] {
+            let (spec, stats) = run(Box::new(cpu_backend(64, true)), k, mixed, budget);
+            assert_eq!(spec, plain, "K = {k}, mixed {mixed}");
+            assert!(stats.spec.draft_tokens > 0, "K = {k}: nothing was drafted");
+        }
+    }
+}
+
+#[test]
+fn drafts_that_stand_give_the_same_outputs_with_fewer_steps() {
+    let (plain, plain_stats) = run(Box::new(cpu_backend(64, false)), 0, true, 24);
+    let refs = references(&plain);
+    for k in [1, 2, 4] {
+        let (cfg, _) = fixture();
+        let forced = ForcedDrafts {
+            inner: cpu_backend(64, true),
+            pending: PendingStep::default(),
+            references: refs.clone(),
+            fed: HashMap::new(),
+            steps: 0,
+            vocab: cfg.vocab_size as u32,
+        };
+        let (spec, stats) = run(Box::new(forced), k, true, 24);
+        assert_eq!(spec, plain, "K = {k}");
+        let s = &stats.spec;
+        eprintln!(
+            "K = {k}: {} of {} drafts stood over {} verify rows; {} steps against {} without",
+            s.accepted_tokens, s.draft_tokens, s.drafts, stats.steps.steps, plain_stats.steps.steps
+        );
+        assert!(s.accepted_tokens * 2 > s.draft_tokens, "K = {k}: forced drafts mostly stand");
+        assert!(s.accepted_tokens < s.draft_tokens, "K = {k}: the planted errors are rejected");
+        assert_eq!(s.accepted_per_pos.len(), k);
+        assert!(stats.steps.steps < plain_stats.steps.steps, "K = {k}: standing drafts save steps");
+    }
+}
+
+#[test]
+fn preemption_with_drafts_in_flight_keeps_outputs_exact() {
+    // 12 blocks of 16 tokens cannot hold every request at once: sequences are preempted and
+    // recomputed, their drafts dropped and drafted again.
+    let (plain, _) = run(Box::new(cpu_backend(64, false)), 0, true, 24);
+    let refs = references(&plain);
+    let (cfg, _) = fixture();
+    let forced = ForcedDrafts {
+        inner: cpu_backend(12, true),
+        pending: PendingStep::default(),
+        references: refs,
+        fed: HashMap::new(),
+        steps: 0,
+        vocab: cfg.vocab_size as u32,
+    };
+    let (spec, stats) = run(Box::new(forced), 3, true, 24);
+    assert!(stats.preemptions_total > 0, "the small cache was meant to preempt");
+    assert_eq!(spec, plain);
+}

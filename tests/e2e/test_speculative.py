@@ -1,0 +1,133 @@
+"""Speculative decoding with the MTP layer through the real binary, as users turn it on.
+
+The v3_mtp fixture is the v3 fixture's exact model plus an MTP layer (tests/fixtures/README.md),
+so HF transformers' greedy continuation of v3 (its oracle) judges the output: with vLLM's
+`--speculative-config` or SGLang's `--speculative-algorithm` the server must still produce it,
+prompts batched in one request, streamed one by one, and arriving while others decode. A sampled
+request (which does not draft) gives what a server without speculation gives for the same seed.
+/metrics counts the drafts. Where speculative decoding cannot run, the server refuses to start
+and says why.
+"""
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from server import ROOT, Server, run_cli
+
+FIXTURES = ROOT / "tests" / "fixtures"
+DEMO = ROOT / "assets" / "demo"
+NEAR_TIE = 1e-3
+VLLM = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+SGLANG = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
+
+
+def model_dir(tmp_path, variant):
+    d = tmp_path / variant
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (d / name).symlink_to(FIXTURES / variant / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / name, d / name)
+    return d
+
+
+def oracle():
+    # v3_mtp's main model is v3's: v3's HF oracle is its oracle.
+    return json.loads((FIXTURES / "v3" / "oracle.json").read_text())["prompts"]
+
+
+def comparable(p):
+    return next((i for i, g in enumerate(p["gaps"]) if g < NEAR_TIE), len(p["gaps"]))
+
+
+def ids(choice):
+    return [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+
+
+def greedy(client, prompts, **kw):
+    r = client.completions.create(
+        model="m",
+        prompt=prompts,
+        max_tokens=32,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        **kw,
+    )
+    return [ids(c) for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+@pytest.mark.parametrize("flags", [VLLM, SGLANG], ids=["vllm", "sglang"])
+def test_greedy_output_with_mtp_is_hfs(flags, tmp_path):
+    server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *flags)
+    try:
+        assert "speculative decoding: the MTP layer drafts" in server.log_text()
+        client = server.client()
+        prompts = oracle()
+        batched = greedy(client, [p["prompt"] for p in prompts])
+        with ThreadPoolExecutor(3) as pool:
+            one_by_one = list(pool.map(lambda p: greedy(client, [p["prompt"]])[0], prompts))
+        for p, got, alone in zip(prompts, batched, one_by_one):
+            k = comparable(p)
+            assert got[:k] == p["continuation"][:k], p["name"]
+            assert alone == got, p["name"]
+        # Streamed, with logprobs: the same tokens, each with its own logprob.
+        stream = client.completions.create(
+            model="m",
+            prompt=prompts[1]["prompt"],
+            max_tokens=32,
+            temperature=0,
+            logprobs=1,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+        streamed = [int(t.split(":")[1]) for ch in stream for t in ch.choices[0].logprobs.tokens]
+        assert streamed == batched[1]
+        m = server.metrics()
+        assert m["mla:spec_decode_num_draft_tokens_total"] > 0
+        assert m["mla:spec_decode_num_drafts_total"] > 0
+        assert m["mla:spec_decode_num_accepted_tokens_total"] <= m["mla:spec_decode_num_draft_tokens_total"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_sampled_requests_match_the_server_without_speculation(tmp_path):
+    d = model_dir(tmp_path, "v3_mtp")
+    outputs = []
+    for flags in ([], VLLM):
+        server = Server("--model", str(d), "--served-model-name", "m", "--device", "cpu", *flags)
+        try:
+            client = server.client()
+            r = client.completions.create(
+                model="m",
+                prompt=[oracle()[0]["prompt"], oracle()[2]["prompt"]],
+                max_tokens=24,
+                temperature=0.9,
+                seed=11,
+                logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, "repetition_penalty": 1.1},
+            )
+            outputs.append([ids(c) for c in sorted(r.choices, key=lambda c: c.index)])
+            if flags:
+                # Neither request could draft (sampled, with a penalty): nothing was verified.
+                assert server.metrics()["mla:spec_decode_num_draft_tokens_total"] == 0
+        finally:
+            assert server.stop() == 0
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(
+    "variant,extra,needle",
+    [
+        ("v3", [], "has no multi-token-prediction layer"),
+        ("v3_mtp", ["--tp", "2"], "one CPU rank per replica"),
+        ("v3_mtp", ["--speculative-num-steps", "2"], "belongs with --speculative-algorithm"),
+    ],
+)
+def test_where_it_cannot_run_the_server_says_why(variant, extra, needle, tmp_path):
+    r = run_cli("--model", str(model_dir(tmp_path, variant)), "--device", "cpu", *VLLM[: 0 if "--speculative-num-steps" in extra else 2], *extra, "--port", "1")
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
