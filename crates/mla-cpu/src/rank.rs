@@ -38,14 +38,22 @@ impl CpuRank {
     /// Loads the model's MTP layer for speculative decoding and gives it a cache layer of its
     /// own after the main ones (the cache is new and empty: this is part of construction).
     pub fn enable_mtp(&mut self, weights: &dyn WeightSource, rank: RankLayout) -> anyhow::Result<()> {
+        // The MTP rows run without collectives (`speculative::draft`): one rank only so far.
+        anyhow::ensure!(
+            rank.world == 1,
+            "speculative decoding with MTP runs on one CPU rank so far, not {}",
+            rank.world
+        );
         let cfg = self.model.config();
         let spec = MtpSpec::new(cfg).ok_or_else(|| {
             anyhow::anyhow!("the model has no multi-token-prediction layer (num_nextn_predict_layers is 0)")
         })?;
         self.mtp = Some(MtpWeights::load_rank(&spec, weights, rank)?);
         let CacheLayout { block_size, num_blocks } = self.layout;
-        self.cache =
-            LatentCache::new(cfg.num_hidden_layers + 1, block_size, num_blocks, self.cache.dim(), self.cache.dtype());
+        let (dim, dtype) = (self.cache.dim(), self.cache.dtype());
+        // Free the old cache before the larger one is allocated, so start-up never holds both.
+        self.cache = LatentCache::new(0, block_size, num_blocks, dim, dtype);
+        self.cache = LatentCache::new(cfg.num_hidden_layers + 1, block_size, num_blocks, dim, dtype);
         Ok(())
     }
 

@@ -10,14 +10,13 @@
 
 mod common;
 
-use common::{fixture_dir, max_abs_diff};
-use mla_core::runtime::collective::{Collective, ThreadGroup};
-use mla_core::{Checkpoint, KvCacheDtype, ModelConfig, MtpSpec, Parallel, RankLayout, WeightSource};
+use common::{max_abs_diff, mtp_oracles as oracles};
+use mla_core::runtime::collective::{Collective, Solo, ThreadGroup};
+use mla_core::{KvCacheDtype, ModelConfig, MtpSpec, Parallel, RankLayout, WeightSource};
 use mla_cpu::kv_cache::LatentCache;
 use mla_cpu::mla::{AttentionPath, SeqSpan};
 use mla_cpu::model::{CpuModel, MtpInput, Peers};
 use mla_cpu::model_weights::MtpWeights;
-use safetensors::SafeTensors;
 use std::time::Duration;
 
 /// Against the oracle's f32 logits (as tests/hf_fixtures.rs against HF's).
@@ -25,41 +24,6 @@ const TOLERANCE: f32 = 2e-3;
 /// Between ranks and one rank: the same sums in another order.
 const RANKS_TOLERANCE: f32 = 1e-4;
 const BLOCK_SIZE: usize = 16;
-
-struct Oracle {
-    tokens: Vec<u32>,
-    /// `[len, hidden]`: HF's last hidden state per position.
-    hidden: Vec<f32>,
-    /// `[len - 1, vocab]`: row i drafts the token at i + 2.
-    draft: Vec<Vec<f32>>,
-}
-
-fn f32_tensor(st: &SafeTensors, name: &str) -> (Vec<usize>, Vec<f32>) {
-    let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let v = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-    (t.shape().to_vec(), v)
-}
-
-fn oracles(variant: &str) -> (ModelConfig, Checkpoint, Vec<Oracle>) {
-    let dir = fixture_dir(variant);
-    assert!(dir.is_dir(), "{variant}: fixture {} is absent (scripts/make_mtp_fixture.py)", dir.display());
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("oracle_mtp.json")).unwrap()).unwrap();
-    let bytes = std::fs::read(dir.join("oracle_mtp_f32.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let list = record["prompts"].as_object().unwrap().iter().map(|(name, p)| {
-        let tokens: Vec<u32> = p["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-        let (_, hidden) = f32_tensor(&st, &format!("{name}.hidden"));
-        let (shape, flat) = f32_tensor(&st, &format!("{name}.draft_logits"));
-        assert_eq!(shape, vec![tokens.len() - 1, cfg.vocab_size]);
-        Oracle { tokens, hidden, draft: flat.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect() }
-    });
-    let list: Vec<Oracle> = list.collect();
-    assert_eq!(list.len(), 3, "short, medium and long");
-    (cfg, ckpt, list)
-}
 
 /// A cache with the MTP layer's own layer after the main ones, and a reversed block table so
 /// logical and physical order differ.
@@ -74,7 +38,28 @@ fn span(start: usize, len: usize, context_len: usize, table: &[u32], path: Atten
 }
 
 fn solo(tokens: usize) -> Peers<'static> {
-    Peers { comm: Box::leak(Box::new(mla_core::runtime::collective::Solo)), counts: Box::leak(Box::new([tokens])) }
+    Peers { comm: Box::leak(Box::new(Solo)), counts: Box::leak(Box::new([tokens])) }
+}
+
+/// The main model over all of `tokens` in one prefill, then the MTP layer over every row in one
+/// chunk (row i pairs h_i with token i + 1): the hidden rows and the draft logits per row.
+fn teacher_forced(
+    model: &CpuModel,
+    mtp: &MtpWeights,
+    tokens: &[u32],
+    cache: &mut LatentCache,
+    table: &[u32],
+    comm: &mut dyn Collective,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let (n, h) = (tokens.len(), model.config().hidden_size);
+    let all = [span(0, n, 0, table, AttentionPath::Normal)];
+    let hidden = model.final_hidden_rank(tokens, &all, cache, Peers { comm: &mut *comm, counts: &[n] }).unwrap();
+    let one = [span(0, n - 1, 0, table, AttentionPath::Normal)];
+    let input = MtpInput { prev_hidden: &hidden[..(n - 1) * h], tokens: &tokens[1..] };
+    let out =
+        model.mtp_forward_rank(mtp, input, &one, cache, &vec![true; n - 1], Peers { comm, counts: &[n - 1] }).unwrap();
+    assert_eq!(out.hidden.len(), (n - 1) * h);
+    (hidden, out.logits.into_iter().map(Option::unwrap).collect())
 }
 
 fn rows(flat: &[f32], width: usize) -> Vec<Vec<f32>> {
@@ -90,29 +75,14 @@ fn check_variant(variant: &str) {
     for o in &list {
         let n = o.tokens.len();
         let (mut cache, table) = cache_for(&cfg, n);
-        let all = [span(0, n, 0, &table, AttentionPath::Normal)];
-        let hidden = model.final_hidden_rank(&o.tokens, &all, &mut cache, solo(n)).unwrap();
+        let (hidden, draft) = teacher_forced(&model, &mtp, &o.tokens, &mut cache, &table, &mut Solo);
         worst_hidden = worst_hidden.max(max_abs_diff(&rows(&hidden, h), &rows(&o.hidden, h)));
-
-        // Every row in one chunk: rows i = 0..n-2 pair h_i with token i + 1.
-        let rows_n = n - 1;
-        let one = [span(0, rows_n, 0, &table, AttentionPath::Normal)];
-        let out = model
-            .mtp_forward_rank(
-                &mtp,
-                MtpInput { prev_hidden: &hidden[..rows_n * h], tokens: &o.tokens[1..] },
-                &one,
-                &mut cache,
-                &vec![true; rows_n],
-                solo(rows_n),
-            )
-            .unwrap();
-        let draft: Vec<Vec<f32>> = out.logits.into_iter().map(Option::unwrap).collect();
         worst_draft = worst_draft.max(max_abs_diff(&draft, &o.draft));
-        assert_eq!(out.hidden.len(), rows_n * h);
+        let rows_n = n - 1;
 
         // A prompt chunk, then one row per step on the absorbed path, over a fresh MTP layer.
         let (mut cache, table) = cache_for(&cfg, n);
+        let all = [span(0, n, 0, &table, AttentionPath::Normal)];
         model.final_hidden_rank(&o.tokens, &all, &mut cache, solo(n)).unwrap();
         let chunk = rows_n.min(6);
         let first = [span(0, chunk, 0, &table, AttentionPath::Normal)];
@@ -177,23 +147,8 @@ fn swapping_the_concatenation_order_misses_the_oracle() {
     }
     mtp.eh_proj = mla_cpu::Matrix::new(rows_w, cols, swapped);
     let o = &list[1];
-    let n = o.tokens.len();
-    let (mut cache, table) = cache_for(&cfg, n);
-    let hidden = model
-        .final_hidden_rank(&o.tokens, &[span(0, n, 0, &table, AttentionPath::Normal)], &mut cache, solo(n))
-        .unwrap();
-    let one = [span(0, n - 1, 0, &table, AttentionPath::Normal)];
-    let out = model
-        .mtp_forward_rank(
-            &mtp,
-            MtpInput { prev_hidden: &hidden[..(n - 1) * h], tokens: &o.tokens[1..] },
-            &one,
-            &mut cache,
-            &vec![true; n - 1],
-            solo(n - 1),
-        )
-        .unwrap();
-    let draft: Vec<Vec<f32>> = out.logits.into_iter().map(Option::unwrap).collect();
+    let (mut cache, table) = cache_for(&cfg, o.tokens.len());
+    let (_, draft) = teacher_forced(&model, &mtp, &o.tokens, &mut cache, &table, &mut Solo);
     let diff = max_abs_diff(&draft, &o.draft);
     assert!(diff > 100.0 * TOLERANCE, "swapped halves differ by only {diff}");
 }
@@ -203,7 +158,6 @@ fn mtp_under_tensor_parallelism_matches_one_rank() {
     let (cfg, ckpt, list) = oracles("v3_mtp");
     let o = &list[2];
     let n = o.tokens.len();
-    let h = cfg.hidden_size;
     let run = |layout: RankLayout, comm: &mut dyn Collective| -> Vec<Vec<f32>> {
         let model = CpuModel::new_rank(cfg.clone(), &ckpt as &dyn WeightSource, layout).unwrap();
         let mtp = MtpWeights::load_rank(&MtpSpec::new(&cfg).unwrap(), &ckpt, layout).unwrap();
@@ -212,25 +166,9 @@ fn mtp_under_tensor_parallelism_matches_one_rank() {
         let mut cache =
             LatentCache::new(cfg.num_hidden_layers + 1, BLOCK_SIZE, blocks, local.kv_cache_dim(), KvCacheDtype::Auto);
         let table: Vec<u32> = (0..blocks as u32).collect();
-        let counts = [n];
-        let all = [span(0, n, 0, &table, AttentionPath::Normal)];
-        let hidden =
-            model.final_hidden_rank(&o.tokens, &all, &mut cache, Peers { comm: &mut *comm, counts: &counts }).unwrap();
-        let counts = [n - 1];
-        let one = [span(0, n - 1, 0, &table, AttentionPath::Normal)];
-        let out = model
-            .mtp_forward_rank(
-                &mtp,
-                MtpInput { prev_hidden: &hidden[..(n - 1) * h], tokens: &o.tokens[1..] },
-                &one,
-                &mut cache,
-                &vec![true; n - 1],
-                Peers { comm, counts: &counts },
-            )
-            .unwrap();
-        out.logits.into_iter().map(Option::unwrap).collect()
+        teacher_forced(&model, &mtp, &o.tokens, &mut cache, &table, comm).1
     };
-    let single = run(RankLayout::SINGLE, &mut mla_core::runtime::collective::Solo);
+    let single = run(RankLayout::SINGLE, &mut Solo);
     let parallel = Parallel::from_flags(2, None, false).unwrap();
     let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
         let handles: Vec<_> = ThreadGroup::ranks(2, Duration::from_secs(120))

@@ -12,11 +12,9 @@
 
 mod common;
 
-use common::fixture_dir;
 use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
 use mla_core::{Backend, Checkpoint, ModelConfig, SamplingParams};
 use mla_cpu::CpuBackend;
-use safetensors::SafeTensors;
 
 const BLOCK_SIZE: usize = 16;
 const NEW_TOKENS: usize = 24;
@@ -34,13 +32,7 @@ struct Fixture {
 }
 
 fn fixture(variant: &str) -> Fixture {
-    let dir = fixture_dir(variant);
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir, &cfg).unwrap();
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("oracle_mtp.json")).unwrap()).unwrap();
-    let bytes = std::fs::read(dir.join("oracle_mtp_f32.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (cfg, ckpt, list) = common::mtp_oracles(variant);
     // The prompts are v3's (tests/fixtures/README.md): 5, 20 and 48 tokens.
     let prompt_len = |name: &str| match name {
         "short" => 5,
@@ -48,18 +40,7 @@ fn fixture(variant: &str) -> Fixture {
         "long" => 48,
         other => panic!("unknown prompt {other}"),
     };
-    let prompts = record["prompts"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(name, p)| {
-            let seq: Vec<u32> = p["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-            let t = st.tensor(&format!("{name}.draft_logits")).unwrap();
-            let flat: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-            let rows = flat.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect();
-            (seq[..prompt_len(name)].to_vec(), seq, rows)
-        })
-        .collect();
+    let prompts = list.into_iter().map(|o| (o.tokens[..prompt_len(&o.name)].to_vec(), o.tokens, o.draft)).collect();
     Fixture { cfg, ckpt, prompts }
 }
 

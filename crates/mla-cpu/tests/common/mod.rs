@@ -140,3 +140,46 @@ pub fn load_prompts(dir: &std::path::Path, vocab: usize) -> Vec<Prompt> {
         })
         .collect()
 }
+
+/// One teacher-forced sequence of an MTP fixture's oracle (tests/fixtures/v3_mtp*,
+/// scripts/make_mtp_fixture.py).
+pub struct MtpOracle {
+    pub name: String,
+    /// Prompt and continuation.
+    pub tokens: Vec<u32>,
+    /// `[len, hidden]`: HF's last hidden state per position.
+    pub hidden: Vec<f32>,
+    /// `[len - 1][vocab]`: row i drafts the token at i + 2.
+    pub draft: Vec<Vec<f32>>,
+}
+
+/// An MTP fixture's config, checkpoint and oracle sequences (short, medium, long).
+pub fn mtp_oracles(variant: &str) -> (ModelConfig, mla_core::Checkpoint, Vec<MtpOracle>) {
+    let dir = fixture_dir(variant);
+    assert!(dir.is_dir(), "{variant}: fixture {} is absent (scripts/make_mtp_fixture.py)", dir.display());
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = mla_core::Checkpoint::open(&dir, &cfg).unwrap();
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("oracle_mtp.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("oracle_mtp_f32.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |name: &str| -> (Vec<usize>, Vec<f32>) {
+        let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        (t.shape().to_vec(), t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
+    };
+    let list: Vec<MtpOracle> = record["prompts"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, p)| {
+            let tokens: Vec<u32> = p["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+            let (_, hidden) = f32s(&format!("{name}.hidden"));
+            let (shape, flat) = f32s(&format!("{name}.draft_logits"));
+            assert_eq!(shape, vec![tokens.len() - 1, cfg.vocab_size]);
+            let draft = flat.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect();
+            MtpOracle { name: name.clone(), tokens, hidden, draft }
+        })
+        .collect();
+    assert_eq!(list.len(), 3, "short, medium and long");
+    (cfg, ckpt, list)
+}
