@@ -36,6 +36,13 @@ pub fn verify_greedy(target_choice: u32, draft: u32) -> Verdict {
     }
 }
 
+/// How many tokens a greedy verify step emits: `choices[j]` is the target's choice after the fed
+/// token and `drafts[..j]`, and each choice stands while the draft before it was the choice.
+pub fn greedy_emitted(choices: &[u32], drafts: &[u32]) -> usize {
+    assert_eq!(choices.len(), drafts.len() + 1, "one choice per draft, and one after them");
+    1 + choices.iter().zip(drafts).take_while(|&(&c, &d)| verify_greedy(c, d) == Verdict::Accept).count()
+}
+
 /// Sampled verification of `draft`, drawn from `q`, against the target distribution `p`, with
 /// the two uniforms of `seed` (accept, then residual).
 pub fn verify_sampled(p: &Distribution, q: &Distribution, draft: u32, seed: u64) -> Verdict {

@@ -49,6 +49,9 @@ pub struct CudaOptions {
     /// Whether `max_num_batched_tokens` may shrink to leave the KV cache room (the server's
     /// default budget) or is kept as given (`model::memory_plan`).
     pub budget_fit: BudgetFit,
+    /// Speculative decoding: drafts per step from the model's MTP module, which is loaded with
+    /// its own cache layer (0: off, the module's tensors are not read).
+    pub mtp_drafts: usize,
 }
 
 /// The default decode graph buckets: fine steps at small batches, where padding costs most.
@@ -71,6 +74,7 @@ impl Default for CudaOptions {
             fp8_w8a8: true,
             kv_cache_dtype: KvCacheDtype::Auto,
             budget_fit: BudgetFit::Fixed,
+            mtp_drafts: 0,
         }
     }
 }

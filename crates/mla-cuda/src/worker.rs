@@ -74,6 +74,9 @@ impl DeviceWorker {
 
     /// One engine step: a captured graph when one fits, else eager.
     pub fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        if plan.has_speculative() {
+            return self.timed(|w| Ok((w.model.step_speculative(&w.dev, Some(&mut w.graphs), plan)?, None)));
+        }
         self.timed(|w| match w.model.step_with_graphs(&w.dev, &mut w.graphs, plan) {
             Some(r) => r.map(|(out, t)| (out, Some(t.launched))),
             None => Ok((w.model.step(&w.dev, plan)?, None)),
@@ -175,15 +178,25 @@ pub fn start_worker(
     };
     let local = layout.local_config(&cfg);
     let t0 = std::time::Instant::now();
+    let mtp = opts.mtp_drafts > 0;
+    // The MTP passes run on one GPU so far: their rows meet no collective.
+    anyhow::ensure!(
+        !mtp || layout.world == 1,
+        "speculative decoding with MTP runs on one GPU so far, not on a group of {}",
+        layout.world
+    );
     let (w, source) = match weights {
         WeightsFrom::Checkpoint(dir) => {
             let ckpt = Checkpoint::open(&dir, &cfg)?;
-            (DeviceWeights::load_rank(&cfg, &ckpt, layout, &dev)?, format!("checkpoint {}", dir.display()))
+            (DeviceWeights::load_rank_with(&cfg, &ckpt, layout, &dev, mtp)?, format!("checkpoint {}", dir.display()))
         }
-        WeightsFrom::DummyOnDevice { seed } => {
-            (DeviceWeights::dummy(&local, &dev, seed)?, format!("dummy weights drawn on the device (seed {seed})"))
+        WeightsFrom::DummyOnDevice { seed } => (
+            DeviceWeights::dummy_with(&local, &dev, seed, mtp)?,
+            format!("dummy weights drawn on the device (seed {seed})"),
+        ),
+        WeightsFrom::Host(src) => {
+            (DeviceWeights::load_rank_with(&cfg, src.as_ref(), layout, &dev, mtp)?, src.describe())
         }
-        WeightsFrom::Host(src) => (DeviceWeights::load_rank(&cfg, src.as_ref(), layout, &dev)?, src.describe()),
     };
     dev.gpu.sync()?;
     let max_model_len = opts.max_model_len.unwrap_or(cfg.max_position_embeddings);
@@ -201,6 +214,7 @@ pub fn start_worker(
         small_batch_gemv: opts.small_batch_gemv,
         fp8_w8a8: opts.fp8_w8a8,
         kv_cache_dtype: opts.kv_cache_dtype,
+        mtp_drafts: opts.mtp_drafts,
     };
     let weight_bytes = w.bytes();
     let fp8 = w.fp8_share();
@@ -237,7 +251,11 @@ pub fn start_worker(
     let mut model = model;
     let t1 = std::time::Instant::now();
     // The memory planner may have cut the batch below --max-num-seqs: graphs up to what remains.
-    let sizes = graph_sizes_within(opts.graph_sizes(), model.step_limits.rank_seqs);
+    // Speculative decoding's verify steps run 1 + drafts rows per sequence.
+    let mut sizes = graph_sizes_within(opts.graph_sizes(), model.step_limits.rank_seqs);
+    if mtp {
+        sizes = graph_sizes_within(speculative_graph_sizes(&sizes, opts.mtp_drafts), model.lim.max_seqs);
+    }
     let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
     if !sizes.is_empty() {
         tracing::info!(
@@ -248,6 +266,15 @@ pub fn start_worker(
         );
     }
     Ok(DeviceWorker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
+}
+
+/// With speculative decoding a verify step of `b` sequences runs up to `b * (1 + drafts)` rows:
+/// each size, and each times that.
+fn speculative_graph_sizes(sizes: &[usize], drafts: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = sizes.iter().flat_map(|&b| [b, b * (1 + drafts)]).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 /// `sizes` (ascending) without those above `max`, and `max` itself when some were dropped, so

@@ -5,7 +5,7 @@
 
 use super::forward::{rows, CudaModel};
 use super::meta::{DecodeLayout, PrefillLayout, StepMeta};
-use super::weights::QueryWeights;
+use super::weights::{LayerWeights, QueryWeights};
 use crate::device::Device;
 use crate::gpu::DSlice;
 use crate::ops::{
@@ -23,15 +23,19 @@ const SMALL_DECODE_TOKENS: usize = 4;
 struct LayerAttention<'a> {
     /// The layer's slice of the latent cache.
     cache: LatentCacheSlice<'a>,
+    kv_a_norm: DSlice<'a, bf16>,
     kv_b: Linear<'a>,
     /// The step's metadata on the device.
     words: DSlice<'a, i32>,
 }
 
 impl CudaModel {
+    /// Layer `lw`'s attention, over cache layer `l` (a main layer's own index, or the MTP
+    /// module's layer after them).
     pub(super) fn attention(
         &self,
         dev: &Device,
+        lw: &LayerWeights,
         l: usize,
         m: &StepMeta,
         words: DSlice<i32>,
@@ -40,7 +44,6 @@ impl CudaModel {
         let (s, k) = (dev.stream(), &dev.k);
         let cfg = &self.cfg;
         let ws = &self.ws;
-        let lw = &self.weights.layers[l];
         let (t, hidden, heads) = (m.tokens, cfg.hidden_size, cfg.num_attention_heads);
         let (qd, lat) = (NOPE + ROPE, LATENT + ROPE);
         let h = rows(&ws.h, hidden);
@@ -71,14 +74,15 @@ impl CudaModel {
                 self.linears.linear(dev, &b.proj(), rows(&ws.q_a_normed, r), t, rows(&ws.q, heads * qd))?;
             }
         }
-        let layer = LayerAttention { cache: self.layer_cache(l), kv_b: lw.kv_b.lin(), words };
+        let layer =
+            LayerAttention { cache: self.layer_cache(l), kv_a_norm: lw.kv_a_norm.slice(), kv_b: lw.kv_b.lin(), words };
         // A mixed step queues the cache writes of all its rows before either path reads the
         // cache, as a step of one kind does.
         if let Some(p) = m.prefill() {
-            self.rope_cache(dev, l, m, &layer, 0..p.tokens, false)?;
+            self.rope_cache(dev, m, &layer, 0..p.tokens, false)?;
         }
         let decode = match m.decode() {
-            Some(d) => Some((d, self.rope_cache(dev, l, m, &layer, d.rows(), true)?)),
+            Some(d) => Some((d, self.rope_cache(dev, m, &layer, d.rows(), true)?)),
             None => None,
         };
         if let Some(p) = m.prefill() {
@@ -97,7 +101,6 @@ impl CudaModel {
     fn rope_cache(
         &self,
         dev: &Device,
-        l: usize,
         m: &StepMeta,
         layer: &LayerAttention,
         rows: Range<usize>,
@@ -115,7 +118,7 @@ impl CudaModel {
             rope_dim: ROPE,
             kva: ws.kva.slice().tail(rows.start * lat),
             kva_stride: lat,
-            kv_norm_w: self.weights.layers[l].kv_a_norm.slice(),
+            kv_norm_w: layer.kv_a_norm,
             q: ws.q.slice().tail(rows.start * heads * qd),
             q_stride: heads * qd,
             q_pe_out: decode.then(|| (ws.q_abs.slice().tail(LATENT), heads * lat, lat)),

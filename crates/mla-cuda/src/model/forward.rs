@@ -36,7 +36,7 @@ pub struct CudaModel {
     /// that pad a decode batch up to a captured graph's size write and read only it.
     pub num_blocks: usize,
     pub(super) inv_freq: DeviceBuffer<f32>,
-    meta: MetaBuffers,
+    pub(super) meta: MetaBuffers,
     host_tokens: PinnedBuffer<i32>,
     host_logprobs: PinnedBuffer<f32>,
     host_top_ids: PinnedBuffer<i32>,
@@ -51,6 +51,10 @@ pub struct CudaModel {
     pub activation_bytes: usize,
     /// Forces the decode split count (tests comparing eager steps with a captured graph).
     pub decode_splits_override: Option<usize>,
+    /// Benchmarks only (`mla-bench spec-step`): each fed draft stands with this probability,
+    /// whatever the target chose, so that a model of dummy weights emits the tokens of a given
+    /// acceptance rate. The output is then not the model's: never set by the server.
+    pub forced_acceptance: Option<(f64, mla_core::SplitMix64)>,
     /// Which kernel runs the dense projections of small steps.
     pub linears: SmallLinear,
     pub mode: RankMode,
@@ -87,6 +91,12 @@ impl CudaModel {
             "step limits gather {} ranks' rows, but this rank's FFN gathers {gathered}",
             opts.step_limits.gathered_ranks
         );
+        anyhow::ensure!(
+            weights.mtp.is_some() == (opts.mtp_drafts > 0),
+            "speculative decoding asks for {} drafts per step, but the MTP module is {}loaded",
+            opts.mtp_drafts,
+            if weights.mtp.is_some() { "" } else { "not " }
+        );
         let fp8 = weights.fp8_share();
         let inputs = PlanInputs {
             cfg: &cfg,
@@ -103,13 +113,14 @@ impl CudaModel {
             link,
             weight_bytes: weights.bytes(),
             cache_row_bytes: cache_row_bytes(opts.kv_cache_dtype),
+            mtp_drafts: opts.mtp_drafts,
         };
+        let cache_layers = inputs.cache_layers();
         let MemoryPlan { activations, mode, step_limits, activation_bytes, num_blocks } =
             memory_plan::plan(dev, inputs)?;
         let Activations { ws, linears, meta, lim, .. } = activations;
-        let cache = DeviceBuffer::alloc(
-            (num_blocks + 1) * PAGE_SIZE * cfg.num_hidden_layers * cache_row_bytes(opts.kv_cache_dtype),
-        )?;
+        let cache =
+            DeviceBuffer::alloc((num_blocks + 1) * PAGE_SIZE * cache_layers * cache_row_bytes(opts.kv_cache_dtype))?;
         let inv_freq = DeviceBuffer::from_host(&cfg.rope_inv_freq())?;
         let s = lim.max_seqs;
         Ok(CudaModel {
@@ -133,6 +144,7 @@ impl CudaModel {
             max_model_len,
             activation_bytes,
             decode_splits_override: None,
+            forced_acceptance: None,
             linears,
             mode,
             step_limits,
@@ -148,9 +160,14 @@ impl CudaModel {
         self.num_blocks
     }
 
+    /// Layers of the latent cache: the model's, then the MTP module's when it is loaded.
+    pub fn cache_layers(&self) -> usize {
+        self.cfg.num_hidden_layers + usize::from(self.weights.mtp.is_some())
+    }
+
     /// Bytes one token takes in every layer's cache together.
     pub fn cache_bytes_per_token(&self) -> usize {
-        self.cfg.num_hidden_layers * cache_row_bytes(self.cache_dtype)
+        self.cache_layers() * cache_row_bytes(self.cache_dtype)
     }
 
     /// One layer's cache (every block, the padding block included).
@@ -164,8 +181,12 @@ impl CudaModel {
         self.meta.fixed_words()
     }
 
-    /// Runs one step: validate, upload metadata, queue the forward pass, read results.
+    /// Runs one step: validate, upload metadata, queue the forward pass, read results. A step
+    /// that asks for speculative decoding runs its verify and draft passes (`speculative`).
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
+        if plan.has_speculative() {
+            return self.step_speculative(dev, None, plan);
+        }
         self.run_eager(dev, plan, FfnRows::Padded(plan.num_tokens()))
     }
 
@@ -184,7 +205,7 @@ impl CudaModel {
 
     fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
-        anyhow::ensure!(!plan.has_speculative(), "speculative decoding (MTP) is not built for the CUDA backend yet");
+        anyhow::ensure!(!plan.has_speculative(), "speculative steps run through CudaModel::step");
         if plan.seqs.is_empty() {
             if self.mode.is_dp_attention() {
                 let r = self.queue_idle(dev, rows).and_then(|()| Ok(dev.gpu.sync()?));
@@ -290,16 +311,23 @@ impl CudaModel {
             } else {
                 self.add_norm(dev, ffn_delta, lw.input_norm.slice(), t)?;
             }
-            self.attention(dev, l, m, words, decode_splits)?;
+            self.attention(dev, lw, l, m, words, decode_splits)?;
             let attn_delta = self.mode.attention_output(dev, ws.delta.slice(), t, hidden)?;
             self.add_norm(dev, attn_delta, lw.post_norm.slice(), t)?;
             ffn_delta = self.ffn(dev, &lw.ffn, t, ffn_rows)?;
         }
         self.add_norm(dev, ffn_delta, self.weights.norm.slice(), t)?;
+        self.queue_head(dev, m, words)
+    }
+
+    /// The output projection of the rows of `ws.h` the step wants logits of.
+    pub(super) fn queue_head(&self, dev: &Device, m: &StepMeta, words: DSlice<i32>) -> anyhow::Result<()> {
+        let (ws, hidden) = (&self.ws, self.cfg.hidden_size);
         let r = m.logit_rows();
         if r > 0 {
-            k.elementwise.gather_rows(s, ws.h.slice(), m.logit_src.on(words), ws.h_rows.slice(), r, hidden)?;
-            let v = cfg.vocab_size;
+            let src = m.logit_src.on(words);
+            dev.k.elementwise.gather_rows(dev.stream(), ws.h.slice(), src, ws.h_rows.slice(), r, hidden)?;
+            let v = self.cfg.vocab_size;
             let head = self.weights.output_projection();
             self.linears.linear_f32_out(dev, &head, rows(&ws.h_rows, hidden), r, rows(&ws.logits, v))?;
         }
@@ -349,7 +377,13 @@ impl CudaModel {
     }
 
     /// `residual += delta; h = rmsnorm(residual) * weight` over the step's rows.
-    fn add_norm(&self, dev: &Device, delta: NormDelta, weight: DSlice<bf16>, t: usize) -> anyhow::Result<()> {
+    pub(super) fn add_norm(
+        &self,
+        dev: &Device,
+        delta: NormDelta,
+        weight: DSlice<bf16>,
+        t: usize,
+    ) -> anyhow::Result<()> {
         let p = AddRmsNorm {
             residual: self.ws.residual.slice(),
             delta,

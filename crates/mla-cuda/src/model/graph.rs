@@ -132,7 +132,7 @@ impl DecodeGraphs {
 
     /// The graph a decode step would replay, if any.
     fn pick(&self, plan: &StepPlan) -> Option<usize> {
-        if plan.seqs.is_empty() || !graph_expressible(plan) {
+        if plan.seqs.is_empty() || !graph_expressible(plan) || plan.has_speculative() {
             return None;
         }
         self.graphs.iter().position(|g| g.batch >= plan.seqs.len())
@@ -263,7 +263,10 @@ impl CudaModel {
         i: usize,
     ) -> anyhow::Result<(StepOutput, ReplayTimes)> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
-        anyhow::ensure!(!plan.has_speculative(), "speculative decoding (MTP) is not built for the CUDA backend yet");
+        anyhow::ensure!(
+            !plan.has_speculative(),
+            "speculative steps replay their verify rows (CudaModel::step_speculative)"
+        );
         let words = std::mem::take(&mut set.spare_words);
         let batch = set.graphs[i].batch;
         let mut meta = graph_step_meta(plan, &set.pads, batch, &self.lim, words)?;

@@ -77,6 +77,16 @@ pub struct PlanInputs<'a> {
     pub weight_bytes: usize,
     /// Bytes of one token's cached row in one layer (bf16 or FP8 rows).
     pub cache_row_bytes: usize,
+    /// Speculative decoding's drafts per step (0: off): the MTP module's cache layer, its
+    /// buffers and the verify steps' extra rows (`Limits::with_draft_rows`).
+    pub mtp_drafts: usize,
+}
+
+impl PlanInputs<'_> {
+    /// Layers of the KV cache: the model's, and the MTP module's when speculative decoding is on.
+    pub fn cache_layers(&self) -> usize {
+        self.cfg.num_hidden_layers + usize::from(self.mtp_drafts > 0)
+    }
 }
 
 impl Activations {
@@ -84,7 +94,7 @@ impl Activations {
         // The window of cached keys decompressed per prefill pass shrinks with the budget (it
         // is 1 GiB at V2's 128 heads): more passes over a long context, the same work.
         let kv_chunk = p.max_kv_chunk * step_limits.rank_tokens / p.step_limits.rank_tokens;
-        let limits = Limits::of(step_limits, kv_chunk);
+        let limits = Limits::of(step_limits, kv_chunk).with_draft_rows(p.mtp_drafts);
         let lim = MetaLimits {
             max_tokens: limits.max_tokens,
             max_seqs: limits.max_seqs,
@@ -97,7 +107,7 @@ impl Activations {
         // gathered rows under DP attention).
         let linears = SmallLinear::new(p.small_batch_gemv, p.fp8, limits.ffn_rows, p.w8a8)?;
         let w8a8_experts = p.w8a8 && p.fp8.expert_layers > 0 && dev.k.grouped_gemm.has_w8a8();
-        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, w8a8_experts)?;
+        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, w8a8_experts, p.mtp_drafts > 0)?;
         let meta = MetaBuffers::new(&lim)?;
         Ok(Activations { ws, linears, meta, lim, limits })
     }
@@ -111,7 +121,7 @@ pub fn plan(dev: &Device, p: PlanInputs) -> anyhow::Result<MemoryPlan> {
     // driver (and NCCL's buffers inside graphs).
     let allowed = (p.gpu_memory_utilization * total as f64) as usize;
     let margin = if p.link.comm().is_none() { 512usize << 20 } else { 1024usize << 20 };
-    let row_bytes = p.cfg.num_hidden_layers * p.cache_row_bytes;
+    let row_bytes = p.cache_layers() * p.cache_row_bytes;
     let blocks_left = |free: usize| {
         let budget = allowed.saturating_sub(total - free + margin);
         // One block less: the padding block comes on top.

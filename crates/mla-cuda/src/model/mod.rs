@@ -13,6 +13,7 @@ pub mod moe_small;
 pub mod options;
 pub mod parallel;
 pub mod small_linear;
+mod speculative;
 pub mod weights;
 pub mod workspace;
 

@@ -28,6 +28,9 @@ pub struct ModelOptions {
     pub fp8_w8a8: bool,
     /// What the latent cache stores (bf16 or FP8 rows).
     pub kv_cache_dtype: KvCacheDtype,
+    /// Speculative decoding: drafts per step from the MTP module (0: off). The weights must hold
+    /// the module; a verify step runs `1 + mtp_drafts` rows per sequence (`model::speculative`).
+    pub mtp_drafts: usize,
 }
 
 impl ModelOptions {
@@ -50,6 +53,7 @@ impl ModelOptions {
             small_batch_gemv: true,
             fp8_w8a8: true,
             kv_cache_dtype: KvCacheDtype::Auto,
+            mtp_drafts: 0,
         }
     }
 }

@@ -23,7 +23,8 @@ use half::bf16;
 use mla_core::model::config::{ModelConfig, TopkMethod};
 use mla_core::model::dummy::{dummy_distribution, DummyWeights};
 use mla_core::model::fp8_source::Fp8Quantized;
-use mla_core::model::weights::{FfnSpec, MlpSpec, ModelSpec, QuerySpec, TensorSpec};
+use mla_core::model::parallel::Shard;
+use mla_core::model::weights::{FfnSpec, LayerSpec, MlpSpec, ModelSpec, MtpSpec, QuerySpec, TensorSpec};
 use mla_core::{RankLayout, WeightSource};
 use std::collections::HashMap;
 
@@ -240,6 +241,22 @@ pub struct DeviceWeights {
     pub norm: DeviceBuffer<bf16>,
     /// `None` when tied to the embedding.
     pub lm_head: Option<Mat>,
+    /// The multi-token-prediction module, when speculative decoding is on.
+    pub mtp: Option<MtpLayerWeights>,
+}
+
+/// The MTP module (`mla_core::MtpSpec`): `eh_proj` is kept as its two column halves, so that
+/// `eh_proj · [enorm(e); hnorm(h)]` is two projections summed into the residual and the
+/// concatenation never exists (docs/speculative-decoding.md).
+pub struct MtpLayerWeights {
+    pub enorm: DeviceBuffer<bf16>,
+    pub hnorm: DeviceBuffer<bf16>,
+    /// `eh_proj[:, ..hidden]`, which takes the normed embedding.
+    pub eh_embed: Mat,
+    /// `eh_proj[:, hidden..]`, which takes the normed hidden state.
+    pub eh_hidden: Mat,
+    pub layer: LayerWeights,
+    pub shared_head_norm: DeviceBuffer<bf16>,
 }
 
 /// How much of the weights is block-FP8, for the startup log.
@@ -262,11 +279,19 @@ impl DeviceWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed).lin()
     }
 
+    /// The decoder layers, the MTP module's included.
+    fn all_layers(&self) -> impl Iterator<Item = &LayerWeights> {
+        self.layers.iter().chain(self.mtp.as_ref().map(|m| &m.layer))
+    }
+
     /// Every projection matrix outside the expert stacks.
     fn mats(&self) -> Vec<&Mat> {
         let mut v = vec![&self.embed];
         v.extend(&self.lm_head);
-        for l in &self.layers {
+        if let Some(m) = &self.mtp {
+            v.extend([&m.eh_embed, &m.eh_hidden]);
+        }
+        for l in self.all_layers() {
             match &l.query {
                 QueryWeights::Direct(m) => v.push(m),
                 QueryWeights::LowRank { a, b, .. } => v.extend([a, b]),
@@ -284,7 +309,7 @@ impl DeviceWeights {
     }
 
     fn stacks(&self) -> impl Iterator<Item = &ExpertStack> {
-        self.layers.iter().flat_map(|l| match &l.ffn {
+        self.all_layers().flat_map(|l| match &l.ffn {
             FfnWeights::Moe(m) => vec![&m.gate_up, &m.down],
             FfnWeights::Dense(_) => vec![],
         })
@@ -295,7 +320,10 @@ impl DeviceWeights {
         let mut n = self.norm.bytes();
         n += self.mats().iter().map(|m| m.bytes()).sum::<usize>();
         n += self.stacks().map(|s| s.bytes()).sum::<usize>();
-        for l in &self.layers {
+        if let Some(m) = &self.mtp {
+            n += m.enorm.bytes() + m.hnorm.bytes() + m.shared_head_norm.bytes();
+        }
+        for l in self.all_layers() {
             n += l.input_norm.bytes() + l.kv_a_norm.bytes() + l.post_norm.bytes();
             if let QueryWeights::LowRank { a_norm, .. } = &l.query {
                 n += a_norm.bytes();
@@ -321,7 +349,7 @@ impl DeviceWeights {
             s.largest_projection = s.largest_projection.max(m.out * m.inp);
             s.widest_input = s.widest_input.max(m.inp);
         }
-        for l in &self.layers {
+        for l in self.all_layers() {
             if let FfnWeights::Moe(m) = &l.ffn {
                 if let ExpertStack::Fp8 { .. } = m.gate_up {
                     // gate, up and down of every expert (the router is [E, H]).
@@ -338,7 +366,7 @@ impl DeviceWeights {
     /// under `layout`. A matrix a rank holds a cut of is FP8 only when the cut falls on scale
     /// blocks (its local width along the cut a multiple of 128), so that the checkpoint's FP8
     /// blocks stay whole; V3's shares under TP8 all do.
-    fn alloc(cfg: &ModelConfig, layout: RankLayout) -> anyhow::Result<Self> {
+    fn alloc(cfg: &ModelConfig, layout: RankLayout, mtp: bool) -> anyhow::Result<Self> {
         let h = cfg.hidden_size;
         let heads = cfg.num_attention_heads;
         let fp8 = cfg.quantization.is_some();
@@ -354,8 +382,7 @@ impl DeviceWeights {
         };
         // Attention projections cut by heads under TP: q / q_b by rows, o_proj by columns.
         let attn_fp8 = |cut_dim: usize| fp8 && (!attn_cut || on_blocks(cut_dim));
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
+        let layer = |i: usize| -> anyhow::Result<LayerWeights> {
             let query = match cfg.q_lora_rank {
                 None => QueryWeights::Direct(Mat::alloc_maybe_fp8(
                     heads * cfg.q_head_dim(),
@@ -383,7 +410,7 @@ impl DeviceWeights {
             } else {
                 FfnWeights::Dense(mlp(cfg.intermediate_size, fp8)?)
             };
-            layers.push(LayerWeights {
+            Ok(LayerWeights {
                 input_norm: DeviceBuffer::alloc(h)?,
                 query,
                 kv_a: Mat::alloc_maybe_fp8(cfg.kv_cache_dim(), h, fp8)?,
@@ -392,69 +419,101 @@ impl DeviceWeights {
                 o_proj: Mat::alloc_maybe_fp8(h, heads * cfg.v_head_dim, attn_fp8(heads * cfg.v_head_dim))?,
                 post_norm: DeviceBuffer::alloc(h)?,
                 ffn,
-            });
-        }
+            })
+        };
+        let layers = (0..cfg.num_hidden_layers).map(layer).collect::<anyhow::Result<Vec<_>>>()?;
+        // The MTP module's decoder layer is shaped as layer `num_hidden_layers` would be; its
+        // eh_proj is bf16 in the published checkpoints (and kept so here).
+        let mtp = mtp
+            .then(|| -> anyhow::Result<MtpLayerWeights> {
+                Ok(MtpLayerWeights {
+                    enorm: DeviceBuffer::alloc(h)?,
+                    hnorm: DeviceBuffer::alloc(h)?,
+                    eh_embed: Mat::alloc(h, h)?,
+                    eh_hidden: Mat::alloc(h, h)?,
+                    layer: layer(cfg.num_hidden_layers)?,
+                    shared_head_norm: DeviceBuffer::alloc(h)?,
+                })
+            })
+            .transpose()?;
         Ok(DeviceWeights {
             embed: Mat::alloc(cfg.vocab_size, h)?,
             layers,
             norm: DeviceBuffer::alloc(h)?,
             lm_head: if cfg.tie_word_embeddings { None } else { Some(Mat::alloc(cfg.vocab_size, h)?) },
+            mtp,
         })
     }
 
-    /// Where each tensor of the spec lives on the device.
-    fn destinations<'a>(&'a self, spec: &'a ModelSpec) -> Vec<(&'a TensorSpec, Dest<'a>)> {
-        let mut out: Vec<(&TensorSpec, Dest)> = vec![(&spec.embed_tokens, self.embed.dest(0..self.embed.out))];
-        let mlp = |out: &mut Vec<(&'a TensorSpec, Dest<'a>)>, s: &'a MlpSpec, w: &'a MlpWeights| {
-            let half = w.gate_up.out / 2;
-            out.push((&s.gate_proj, w.gate_up.dest(0..half)));
-            out.push((&s.up_proj, w.gate_up.dest(half..2 * half)));
-            out.push((&s.down_proj, w.down.dest(0..w.down.out)));
-        };
-        let whole = |m: &'a Mat| m.dest(0..m.out);
+    /// Where each tensor of the spec (and of the MTP module's, when loaded) lives on the device.
+    fn destinations<'a>(&'a self, spec: &'a ModelSpec, mtp: Option<&'a MtpSpec>) -> Vec<Placement<'a>> {
+        let mut out = vec![Placement::of(&spec.embed_tokens, self.embed.dest(0..self.embed.out))];
         for (ls, lw) in spec.layers.iter().zip(&self.layers) {
-            out.push((&ls.input_layernorm, Dest::Bf16(lw.input_norm.slice())));
-            match (&ls.self_attn.query, &lw.query) {
-                (QuerySpec::Direct { q_proj }, QueryWeights::Direct(m)) => out.push((q_proj, whole(m))),
-                (QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj }, QueryWeights::LowRank { a, a_norm, b }) => {
-                    out.push((q_a_proj, whole(a)));
-                    out.push((q_a_layernorm, Dest::Bf16(a_norm.slice())));
-                    out.push((q_b_proj, whole(b)));
-                }
-                _ => unreachable!("weights allocated from the same config as the spec"),
-            }
-            let a = &ls.self_attn;
-            out.push((&a.kv_a_proj_with_mqa, whole(&lw.kv_a)));
-            out.push((&a.kv_a_layernorm, Dest::Bf16(lw.kv_a_norm.slice())));
-            out.push((&a.kv_b_proj, whole(&lw.kv_b)));
-            out.push((&a.o_proj, whole(&lw.o_proj)));
-            out.push((&ls.post_attention_layernorm, Dest::Bf16(lw.post_norm.slice())));
-            match (&ls.mlp, &lw.ffn) {
-                (FfnSpec::Dense(s), FfnWeights::Dense(w)) => mlp(&mut out, s, w),
-                (FfnSpec::Moe(s), FfnWeights::Moe(w)) => {
-                    out.push((&s.gate, Dest::F32(w.router.slice())));
-                    if let (Some(bs), Some(bw)) = (&s.e_score_correction_bias, &w.bias) {
-                        out.push((bs, Dest::F32(bw.slice())));
-                    }
-                    let h = self.norm.len();
-                    let im = expert_width(s);
-                    for (e, es) in s.experts.iter().enumerate() {
-                        out.push((&es.gate_proj, w.gate_up.dest(e, 2 * im, h, 0..im)));
-                        out.push((&es.up_proj, w.gate_up.dest(e, 2 * im, h, im..2 * im)));
-                        out.push((&es.down_proj, w.down.dest(e, h, im, 0..h)));
-                    }
-                    if let (Some(ss), Some(sw)) = (&s.shared_experts, &w.shared) {
-                        mlp(&mut out, ss, sw);
-                    }
-                }
-                _ => unreachable!("weights allocated from the same config as the spec"),
-            }
+            self.layer_destinations(ls, lw, &mut out);
         }
-        out.push((&spec.norm, Dest::Bf16(self.norm.slice())));
+        out.push(Placement::of(&spec.norm, Dest::Bf16(self.norm.slice())));
         if let (Some(s), Some(m)) = (&spec.lm_head, &self.lm_head) {
-            out.push((s, whole(m)));
+            out.push(Placement::of(s, m.dest(0..m.out)));
+        }
+        if let (Some(s), Some(w)) = (mtp, &self.mtp) {
+            let h = self.norm.len();
+            out.push(Placement::of(&s.enorm, Dest::Bf16(w.enorm.slice())));
+            out.push(Placement::of(&s.hnorm, Dest::Bf16(w.hnorm.slice())));
+            // eh_proj is replicated on every rank; its halves are read apart.
+            for (m, cols) in [(&w.eh_embed, 0..h), (&w.eh_hidden, h..2 * h)] {
+                out.push(Placement { spec: &s.eh_proj, dest: m.dest(0..m.out), part: Some(Shard::Cols(cols)) });
+            }
+            self.layer_destinations(&s.layer, &w.layer, &mut out);
+            out.push(Placement::of(&s.shared_head_norm, Dest::Bf16(w.shared_head_norm.slice())));
         }
         out
+    }
+
+    fn layer_destinations<'a>(&'a self, ls: &'a LayerSpec, lw: &'a LayerWeights, out: &mut Vec<Placement<'a>>) {
+        let mut put = |t: &'a TensorSpec, d: Dest<'a>| out.push(Placement::of(t, d));
+        let whole = |m: &'a Mat| m.dest(0..m.out);
+        let mlp = |put: &mut dyn FnMut(&'a TensorSpec, Dest<'a>), s: &'a MlpSpec, w: &'a MlpWeights| {
+            let half = w.gate_up.out / 2;
+            put(&s.gate_proj, w.gate_up.dest(0..half));
+            put(&s.up_proj, w.gate_up.dest(half..2 * half));
+            put(&s.down_proj, w.down.dest(0..w.down.out));
+        };
+        put(&ls.input_layernorm, Dest::Bf16(lw.input_norm.slice()));
+        match (&ls.self_attn.query, &lw.query) {
+            (QuerySpec::Direct { q_proj }, QueryWeights::Direct(m)) => put(q_proj, whole(m)),
+            (QuerySpec::LowRank { q_a_proj, q_a_layernorm, q_b_proj }, QueryWeights::LowRank { a, a_norm, b }) => {
+                put(q_a_proj, whole(a));
+                put(q_a_layernorm, Dest::Bf16(a_norm.slice()));
+                put(q_b_proj, whole(b));
+            }
+            _ => unreachable!("weights allocated from the same config as the spec"),
+        }
+        let a = &ls.self_attn;
+        put(&a.kv_a_proj_with_mqa, whole(&lw.kv_a));
+        put(&a.kv_a_layernorm, Dest::Bf16(lw.kv_a_norm.slice()));
+        put(&a.kv_b_proj, whole(&lw.kv_b));
+        put(&a.o_proj, whole(&lw.o_proj));
+        put(&ls.post_attention_layernorm, Dest::Bf16(lw.post_norm.slice()));
+        match (&ls.mlp, &lw.ffn) {
+            (FfnSpec::Dense(s), FfnWeights::Dense(w)) => mlp(&mut put, s, w),
+            (FfnSpec::Moe(s), FfnWeights::Moe(w)) => {
+                put(&s.gate, Dest::F32(w.router.slice()));
+                if let (Some(bs), Some(bw)) = (&s.e_score_correction_bias, &w.bias) {
+                    put(bs, Dest::F32(bw.slice()));
+                }
+                let h = self.norm.len();
+                let im = expert_width(s);
+                for (e, es) in s.experts.iter().enumerate() {
+                    put(&es.gate_proj, w.gate_up.dest(e, 2 * im, h, 0..im));
+                    put(&es.up_proj, w.gate_up.dest(e, 2 * im, h, im..2 * im));
+                    put(&es.down_proj, w.down.dest(e, h, im, 0..h));
+                }
+                if let (Some(ss), Some(sw)) = (&s.shared_experts, &w.shared) {
+                    mlp(&mut put, ss, sw);
+                }
+            }
+            _ => unreachable!("weights allocated from the same config as the spec"),
+        }
     }
 
     /// Reads every tensor from `src` (converted to bf16 on the host) into device memory.
@@ -471,11 +530,25 @@ impl DeviceWeights {
         layout: RankLayout,
         dev: &Device,
     ) -> anyhow::Result<Self> {
+        Self::load_rank_with(cfg, src, layout, dev, false)
+    }
+
+    /// `load_rank`, with the MTP module when `mtp` (an error when the model has none).
+    pub fn load_rank_with(
+        cfg: &ModelConfig,
+        src: &dyn WeightSource,
+        layout: RankLayout,
+        dev: &Device,
+        mtp: bool,
+    ) -> anyhow::Result<Self> {
         let local = layout.local_config(cfg);
-        let w = Self::alloc(&local, layout)?;
+        let (full_mtp, local_mtp) = (mtp_spec(cfg, mtp)?, mtp_spec(&local, mtp)?);
+        let w = Self::alloc(&local, layout, mtp)?;
         let (full_spec, local_spec) = (ModelSpec::new(cfg), ModelSpec::new(&local));
-        let full: HashMap<&str, &TensorSpec> = full_spec.tensors().into_iter().map(|t| (t.name.as_str(), t)).collect();
-        let dests = w.destinations(&local_spec);
+        let mut full: HashMap<&str, &TensorSpec> =
+            full_spec.tensors().into_iter().map(|t| (t.name.as_str(), t)).collect();
+        full.extend(full_mtp.iter().flat_map(|m| m.tensors()).map(|t| (t.name.as_str(), t)));
+        let dests = w.destinations(&local_spec, local_mtp.as_ref());
         let mut staging = Staging::new(&dests)?;
         // In an FP8 model every quantizable tensor is the dequantization of its FP8 form, also
         // where the GPU keeps it in bf16 (kv_b_proj, shapes the FP8 kernels cannot take): those
@@ -483,9 +556,9 @@ impl DeviceWeights {
         // as the CPU reference reads them.
         let quantized = cfg.quantization.map(|q| Fp8Quantized::new(src, q.block));
         let bar = mla_core::model::weight_source::LoadProgress::new(dests.len(), "loading weights to the GPU");
-        for (t, d) in &dests {
+        for Placement { spec: t, dest: d, part } in &dests {
             let f = full[t.name.as_str()];
-            let part = layout.shard(f);
+            let part = part.clone().unwrap_or_else(|| layout.shard(f));
             let n: usize = part.shape(&f.shape).iter().product();
             anyhow::ensure!(n == d.len(), "{}: {n} elements in this rank's share, device slot {}", t.name, d.len());
             let reading = || format!("reading {}", t.name);
@@ -549,13 +622,20 @@ impl DeviceWeights {
     /// rank's dummy weights are not a cut of one model's, which nothing compares them with).
     /// FP8 matrices are drawn in bf16 and quantized.
     pub fn dummy(cfg: &ModelConfig, dev: &Device, seed: u64) -> anyhow::Result<Self> {
+        Self::dummy_with(cfg, dev, seed, false)
+    }
+
+    /// `dummy`, with an MTP module when `mtp` (drafts from random weights are random: for
+    /// timing the machinery, not for acceptance).
+    pub fn dummy_with(cfg: &ModelConfig, dev: &Device, seed: u64, mtp: bool) -> anyhow::Result<Self> {
         let (k, stream) = (&dev.k, dev.stream());
-        let w = Self::alloc(cfg, RankLayout::SINGLE)?;
+        let mtp_spec = mtp_spec(cfg, mtp)?;
+        let w = Self::alloc(cfg, RankLayout::SINGLE, mtp)?;
         let spec = ModelSpec::new(cfg);
         let source = DummyWeights::new(seed);
-        let dests = w.destinations(&spec);
+        let dests = w.destinations(&spec, mtp_spec.as_ref());
         let mut staging = Staging::new(&dests)?;
-        for (t, d) in dests {
+        for Placement { spec: t, dest: d, .. } in dests {
             let (mean, std) = dummy_distribution(t);
             let dist = Normal { mean, std, seed: source.tensor_seed(&t.name) };
             match d {
@@ -577,6 +657,30 @@ impl DeviceWeights {
 /// An expert's width (moe_intermediate_size of this rank) from its spec (`down_proj` is `[H, I]`).
 fn expert_width(s: &mla_core::model::weights::MoeSpec) -> usize {
     s.experts[0].down_proj.shape[1]
+}
+
+/// The MTP module of `cfg` when `wanted`; an error when it is wanted and the model has none.
+fn mtp_spec(cfg: &ModelConfig, wanted: bool) -> anyhow::Result<Option<MtpSpec>> {
+    if !wanted {
+        return Ok(None);
+    }
+    MtpSpec::new(cfg)
+        .map(Some)
+        .ok_or_else(|| anyhow::anyhow!("the model has no multi-token-prediction layer (num_nextn_predict_layers is 0)"))
+}
+
+/// One tensor's place on the device, and the part of it to read when that is not the rank's
+/// share (`RankLayout::shard`).
+struct Placement<'a> {
+    spec: &'a TensorSpec,
+    dest: Dest<'a>,
+    part: Option<Shard>,
+}
+
+impl<'a> Placement<'a> {
+    fn of(spec: &'a TensorSpec, dest: Dest<'a>) -> Self {
+        Placement { spec, dest, part: None }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -602,8 +706,9 @@ struct Staging {
 }
 
 impl Staging {
-    fn new(dests: &[(&TensorSpec, Dest)]) -> anyhow::Result<Self> {
-        let most = dests.iter().filter(|(_, d)| matches!(d, Dest::Fp8(_))).map(|(_, d)| d.len()).max().unwrap_or(0);
+    fn new(dests: &[Placement]) -> anyhow::Result<Self> {
+        let fp8 = dests.iter().filter(|p| matches!(p.dest, Dest::Fp8(_)));
+        let most = fp8.map(|p| p.dest.len()).max().unwrap_or(0);
         Ok(Staging { buf: DeviceBuffer::alloc(most.max(1))? })
     }
 

@@ -35,6 +35,14 @@ impl Limits {
         }
     }
 
+    /// The limits with room for speculative decoding's verify steps, whose sequences each run
+    /// `1 + drafts` decode rows (`model::speculative`): the engine budgets those rows as tokens,
+    /// so the rows stay within `max_tokens`.
+    pub fn with_draft_rows(self, drafts: usize) -> Self {
+        let rows = (self.max_seqs * (1 + drafts)).min(self.max_tokens).max(self.max_seqs);
+        Limits { max_seqs: rows, max_logit_rows: self.max_logit_rows + (rows - self.max_seqs), ..self }
+    }
+
     pub fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.max_tokens > 0 && self.max_seqs > 0, "limits must be positive: {self:?}");
         anyhow::ensure!(
@@ -175,11 +183,29 @@ pub struct Workspace {
     pub top_lps: DeviceBuffer<f32>,
     /// Rows of split-KV partial outputs the decode kernel may use (batch x splits).
     pub split_rows: usize,
+    /// Speculative decoding's MTP passes, when on.
+    pub mtp: Option<MtpBuffers>,
+}
+
+/// What an MTP pass keeps besides the step's buffers (`model::speculative`).
+pub struct MtpBuffers {
+    /// The hidden rows the pass drafts from, in f32: the target's last hidden states (converted
+    /// from bf16), or a previous MTP pass's output rows.
+    pub prev: DeviceBuffer<f32>,
+    /// Which rows of the source each MTP row takes.
+    pub src: DeviceBuffer<i32>,
 }
 
 impl Workspace {
     /// `fp8_expert_acts`: the experts run W8A8 (allocates their quantized operands).
-    pub fn new(cfg: &ModelConfig, limits: Limits, sm_count: usize, fp8_expert_acts: bool) -> anyhow::Result<Self> {
+    /// `mtp`: the MTP module's pass runs too (its layer is shaped as layer `num_hidden_layers`).
+    pub fn new(
+        cfg: &ModelConfig,
+        limits: Limits,
+        sm_count: usize,
+        fp8_expert_acts: bool,
+        mtp: bool,
+    ) -> anyhow::Result<Self> {
         limits.check()?;
         let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
         // The FFN's buffers hold every rank's rows under DP attention.
@@ -188,14 +214,12 @@ impl Workspace {
         let qd = cfg.q_head_dim();
         let lat = cfg.kv_cache_dim();
         let kvw = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim);
-        let dense_inter = (0..cfg.num_hidden_layers)
-            .filter(|&i| !cfg.is_moe_layer(i))
-            .map(|_| cfg.intermediate_size)
-            .max()
-            .unwrap_or(0);
+        let layers = cfg.num_hidden_layers + usize::from(mtp);
+        let dense_inter =
+            (0..layers).filter(|&i| !cfg.is_moe_layer(i)).map(|_| cfg.intermediate_size).max().unwrap_or(0);
         let inter = dense_inter.max(cfg.shared_expert_intermediate_size());
         let split_rows = sm_count + s;
-        let moe = if cfg.n_routed_experts > 0 && (0..cfg.num_hidden_layers).any(|i| cfg.is_moe_layer(i)) {
+        let moe = if cfg.n_routed_experts > 0 && (0..layers).any(|i| cfg.is_moe_layer(i)) {
             let (e, k, im) = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
             let a = f * k;
             // The small tile height needs the most tiles.
@@ -255,6 +279,11 @@ impl Workspace {
             top_ids: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
             top_lps: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
             split_rows,
+            mtp: mtp
+                .then(|| -> anyhow::Result<MtpBuffers> {
+                    Ok(MtpBuffers { prev: DeviceBuffer::alloc(t * h)?, src: DeviceBuffer::alloc(t)? })
+                })
+                .transpose()?,
         })
     }
 }

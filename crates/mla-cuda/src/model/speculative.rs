@@ -1,0 +1,404 @@
+//! Speculative decoding with the MTP module on the device (docs/speculative-decoding.md; the CPU
+//! reference is mla-cpu's `speculative`, which this follows row for row). A step that asks for it
+//! runs in three parts:
+//!
+//! 1. Verify. A sequence that feeds drafts becomes `1 + drafts` plain decode rows, row `j` at
+//!    position `context_len + j` over the same block table. Every layer queues the cache writes
+//!    of all its rows before any row's attention (`attention_layer`), and row `j` attends to
+//!    positions `0 ..= context_len + j` by its length alone, so the drafts are scored causally
+//!    by the ordinary decode path, from a captured graph when one fits: no kernel of its own.
+//! 2. Accept, on the host: greedy, from the rows' sampled tokens (`plan::check_speculative`
+//!    admits only greedy draws so far).
+//! 3. Draft. The MTP module runs over every row whose next token is now known (one per emitted
+//!    token of a decode sequence, one per prompt position with its successor), which also fills
+//!    its cache layer, and the last row of each drafting sequence proposes the first draft; each
+//!    further draft is one more pass of one row per sequence, fed the module's own output.
+//!
+//! The MTP pass's input is `eh_proj · [enorm(embed(token)); hnorm(prev)]`, computed as two
+//! projections summed in f32 into the residual (`weights::MtpLayerWeights`); the decoder layer, norms,
+//! head and sampler are the main model's code on the module's weights and cache layer.
+
+use super::forward::{rows, CudaModel};
+use super::graph::DecodeGraphs;
+use super::meta::StepMeta;
+use super::parallel::FfnRows;
+use crate::device::Device;
+use crate::gpu::DSlice;
+use crate::ops::{Embedding, NormDelta, RmsNormF32, PAGE_SIZE};
+use half::bf16;
+use mla_core::speculative::greedy_emitted;
+use mla_core::step::plan::{
+    LogitsRequest, SampleRequest, SampledToken, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
+};
+use mla_core::SamplingParams;
+use std::ops::Range;
+
+/// The verify step of a plan: its sequences with drafts spread over rows of their own.
+struct Verify {
+    plan: StepPlan,
+    /// Per sequence of the original plan, its sequences in `plan`.
+    groups: Vec<Range<usize>>,
+    /// Per sequence of `plan`, its first row among the step's token rows.
+    row0: Vec<usize>,
+}
+
+impl Verify {
+    fn of(plan: &StepPlan) -> Self {
+        let first_decode = plan.num_prefill();
+        let mut seqs = Vec::with_capacity(plan.num_tokens());
+        let mut groups = Vec::with_capacity(plan.seqs.len());
+        for (i, s) in plan.seqs.iter().enumerate() {
+            let start = seqs.len();
+            let plain = SeqStep { mtp: None, ..s.clone() };
+            if i < first_decode || s.drafts_fed() == 0 {
+                seqs.push(plain);
+            } else {
+                for (j, &t) in s.tokens.iter().enumerate() {
+                    seqs.push(SeqStep { tokens: vec![t], context_len: s.context_len + j, ..plain.clone() });
+                }
+            }
+            groups.push(start..seqs.len());
+        }
+        let row0 = seqs
+            .iter()
+            .scan(0, |at, s: &SeqStep| {
+                let r = *at;
+                *at += s.tokens.len();
+                Some(r)
+            })
+            .collect();
+        Verify { plan: StepPlan { kind: plan.kind, seqs }, groups, row0 }
+    }
+}
+
+/// Where an MTP pass takes its `prev` rows from.
+#[derive(Clone, Copy)]
+enum PrevRows {
+    /// The target's last hidden states (`ws.h` after the verify step's final norm).
+    Target,
+    /// The previous MTP pass's output before `shared_head.norm` (`ws.residual`).
+    Mtp,
+}
+
+/// One MTP pass: its rows as a plan, and the source row of each of its token rows.
+struct MtpPass {
+    plan: StepPlan,
+    src: Vec<i32>,
+}
+
+/// A sequence still drafting: its index in the original plan, the position of its last MTP row,
+/// and that row among the last pass's token rows.
+struct Chain {
+    seq: usize,
+    pos: usize,
+    row: usize,
+}
+
+fn greedy() -> Option<SampleRequest> {
+    Some(SampleRequest::new(SamplingParams::greedy(), 0))
+}
+
+impl CudaModel {
+    /// Runs a step that asks for speculative decoding (see the module doc); the verify step
+    /// replays a decode graph from `graphs` when one fits.
+    pub fn step_speculative(
+        &mut self,
+        dev: &Device,
+        graphs: Option<&mut DecodeGraphs>,
+        plan: &StepPlan,
+    ) -> anyhow::Result<StepOutput> {
+        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        anyhow::ensure!(
+            self.weights.mtp.is_some(),
+            "the step asks for speculative decoding but the MTP module is not loaded"
+        );
+        let verify = Verify::of(plan);
+        let replayed = graphs.and_then(|set| self.step_with_graphs(dev, set, &verify.plan));
+        let out = match replayed {
+            Some(r) => r?.0,
+            None => self.step(dev, &verify.plan)?,
+        };
+        let mut results = Vec::with_capacity(plan.seqs.len());
+        for (s, g) in plan.seqs.iter().zip(&verify.groups) {
+            let forced = self.forced_acceptance.as_mut().map(|(p, rng)| stood_at_rate(*p, rng, s.drafts_fed()));
+            results.push(accept(s, &out.seqs[g.clone()], forced)?);
+        }
+        let drafts = self.draft(dev, plan, &verify, &results)?;
+        for (r, d) in results.iter_mut().zip(drafts) {
+            r.drafts = d;
+        }
+        Ok(StepOutput { seqs: results })
+    }
+
+    /// The MTP passes after a verify step: per sequence of `plan`, its drafts for the next step.
+    fn draft(
+        &mut self,
+        dev: &Device,
+        plan: &StepPlan,
+        verify: &Verify,
+        results: &[SeqResult],
+    ) -> anyhow::Result<Vec<Vec<u32>>> {
+        let first_decode = plan.num_prefill();
+        let mut drafts = vec![Vec::new(); plan.seqs.len()];
+        let (mut chunks, mut rows) = (MtpPass::empty(), MtpPass::empty());
+        // Which sequence of the original plan each MTP sequence drafts for, and where its rows go.
+        let (mut chunk_of, mut row_of) = (Vec::new(), Vec::new());
+        for (i, (s, r)) in plan.seqs.iter().zip(results).enumerate() {
+            let Some(m) = s.mtp else { continue };
+            let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
+            let first_row = verify.row0[verify.groups[i].start];
+            let wants = m.draft > 0;
+            if i < first_decode {
+                // Row j of a prompt chunk pairs position context_len + j with the token after it.
+                let after = m.next_token.or(emitted.first().copied());
+                let next: Vec<u32> = s.tokens[1..].iter().copied().chain(after).collect();
+                if next.is_empty() {
+                    continue;
+                }
+                chunks.src.extend((0..next.len()).map(|j| (first_row + j) as i32));
+                let sample = if wants { greedy() } else { None };
+                chunks.plan.seqs.push(SeqStep { tokens: next, sample, mtp: None, ..plain(s) });
+                chunk_of.push(i);
+            } else {
+                // A decode sequence's rows pair each emitted token with the row before it.
+                let n = emitted.len();
+                for (j, &t) in emitted.iter().enumerate() {
+                    rows.src.push((first_row + j) as i32);
+                    let sample = if wants && j + 1 == n { greedy() } else { None };
+                    rows.plan.seqs.push(SeqStep {
+                        tokens: vec![t],
+                        context_len: s.context_len + j,
+                        sample,
+                        mtp: None,
+                        ..plain(s)
+                    });
+                    row_of.push((i, j + 1 == n));
+                }
+            }
+        }
+        let prefill = chunks.plan.seqs.len();
+        let kind = match (prefill, rows.plan.seqs.len()) {
+            (_, 0) => StepKind::Prefill,
+            (0, _) => StepKind::Decode,
+            (p, _) => StepKind::Mixed { prefill: p },
+        };
+        if prefill + rows.plan.seqs.len() == 0 {
+            return Ok(drafts);
+        }
+        let pass = MtpPass {
+            plan: StepPlan { kind, seqs: chunks.plan.seqs.into_iter().chain(rows.plan.seqs).collect() },
+            src: chunks.src.into_iter().chain(rows.src).collect(),
+        };
+        let owners: Vec<(usize, bool)> = chunk_of.into_iter().map(|i| (i, true)).chain(row_of).collect();
+        let out = self.mtp_pass(dev, &pass, PrevRows::Target)?;
+        // Each drafting sequence's last MTP row: its first draft, and where the chain goes on.
+        let mut chain = Vec::new();
+        let mut at = 0;
+        for ((seq, last), (ms, r)) in owners.iter().zip(pass.plan.seqs.iter().zip(&out.seqs)) {
+            let row = at + ms.tokens.len() - 1;
+            at += ms.tokens.len();
+            if let (true, Some(t)) = (last, &r.sampled) {
+                drafts[*seq].push(t.token);
+                chain.push(Chain { seq: *seq, pos: ms.context_len + ms.tokens.len() - 1, row });
+            }
+        }
+        loop {
+            chain.retain(|c| drafts[c.seq].len() < plan.seqs[c.seq].mtp.map_or(0, |m| m.draft));
+            if chain.is_empty() {
+                return Ok(drafts);
+            }
+            let seqs = chain
+                .iter()
+                .map(|c| {
+                    let s = &plan.seqs[c.seq];
+                    let token = *drafts[c.seq].last().expect("a chained sequence has drafted");
+                    SeqStep { tokens: vec![token], context_len: c.pos + 1, sample: greedy(), mtp: None, ..plain(s) }
+                })
+                .collect();
+            let pass = MtpPass {
+                plan: StepPlan { kind: StepKind::Decode, seqs },
+                src: chain.iter().map(|c| c.row as i32).collect(),
+            };
+            let out = self.mtp_pass(dev, &pass, PrevRows::Mtp)?;
+            for (k, (c, r)) in chain.iter_mut().zip(&out.seqs).enumerate() {
+                drafts[c.seq].push(r.sampled.as_ref().expect("every chained row samples").token);
+                c.pos += 1;
+                c.row = k;
+            }
+        }
+    }
+
+    /// One MTP pass over `pass`'s rows: uploads, queues, samples, reads.
+    fn mtp_pass(&mut self, dev: &Device, pass: &MtpPass, prev: PrevRows) -> anyhow::Result<StepOutput> {
+        let bufs = self.ws.mtp.as_ref().expect("the MTP buffers exist when the module is loaded");
+        anyhow::ensure!(pass.src.len() <= bufs.src.len(), "MTP pass of {} rows", pass.src.len());
+        // The previous pass (or the verify step) was read back already: nothing reads `src` now.
+        bufs.src.upload_at(0, &pass.src)?;
+        let mut meta = StepMeta::build(&pass.plan, &self.lim)?;
+        let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
+            me.upload_meta(dev, meta)?;
+            let splits = me.default_decode_splits(dev, meta);
+            me.queue_mtp(dev, meta, splits, prev)?;
+            me.queue_sampler(dev, meta)?;
+            me.read_outputs(dev, meta)
+        };
+        let out = run(self, &mut meta);
+        if out.is_err() {
+            let _ = dev.gpu.sync();
+        }
+        out
+    }
+
+    /// Queues the MTP module over the rows of `m`, whose `prev` rows `ws.mtp.src` names, up to
+    /// the logits. Its output before `shared_head.norm` stays in `ws.residual` for the next pass.
+    fn queue_mtp(&self, dev: &Device, m: &StepMeta, splits: usize, prev: PrevRows) -> anyhow::Result<()> {
+        let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
+        let mtp = self.weights.mtp.as_ref().expect("checked by the caller");
+        let bufs = ws.mtp.as_ref().expect("the MTP buffers exist when the module is loaded");
+        let (n, h) = (m.tokens, self.cfg.hidden_size);
+        let words = self.meta.words_for(m.words.len());
+        let src = bufs.src.sub(0, n);
+        // First the prev rows, before anything overwrites their source.
+        match prev {
+            PrevRows::Target => {
+                k.elementwise.gather_rows(s, ws.h.slice(), src, ws.delta.sub(0, n * h), n, h)?;
+                k.elementwise.bf16_to_f32(s, ws.delta.slice(), bufs.prev.slice(), n * h)?;
+            }
+            PrevRows::Mtp => {
+                // f32 rows moved as pairs of 16-bit values: a bit-exact copy.
+                // SAFETY: both buffers hold f32 values, seen as twice as many 16-bit ones.
+                let (from, to): (DSlice<bf16>, DSlice<bf16>) = unsafe {
+                    (ws.residual.slice().reinterpret(2 * ws.residual.len()), bufs.prev.slice().reinterpret(2 * n * h))
+                };
+                k.elementwise.gather_rows(s, from, src, to, n, 2 * h)?;
+            }
+        }
+        let embedding = Embedding {
+            table: self.weights.embed.lin().w,
+            vocab: self.cfg.vocab_size,
+            ids: m.token_ids.on(words),
+            out: ws.residual.slice(),
+            tokens: n,
+            hidden: h,
+        };
+        k.elementwise.embedding(s, &embedding)?;
+        for (x, weight, out) in [(&ws.residual, &mtp.enorm, &ws.h), (&bufs.prev, &mtp.hnorm, &ws.delta)] {
+            let norm = RmsNormF32 {
+                x: x.slice(),
+                weight: weight.slice(),
+                out: out.slice(),
+                rows: n,
+                hidden: h,
+                eps: self.eps,
+            };
+            k.elementwise.rmsnorm_f32(s, &norm)?;
+        }
+        // residual = eh_proj[:, h..] · hnorm(prev); then + eh_proj[:, ..h] · enorm(e), both in
+        // f32, by the layer's input norm, which adds its delta to the residual (`prev` is free
+        // once normed).
+        self.linears.linear_f32_out(dev, &mtp.eh_hidden.lin(), rows(&ws.delta, h), n, rows(&ws.residual, h))?;
+        self.linears.linear_f32_out(dev, &mtp.eh_embed.lin(), rows(&ws.h, h), n, rows(&bufs.prev, h))?;
+        let lw = &mtp.layer;
+        self.add_norm(dev, NormDelta::F32(bufs.prev.slice()), lw.input_norm.slice(), n)?;
+        self.attention(dev, lw, self.cfg.num_hidden_layers, m, words, splits)?;
+        let attn_delta = self.mode.attention_output(dev, ws.delta.slice(), n, h)?;
+        self.add_norm(dev, attn_delta, lw.post_norm.slice(), n)?;
+        let ffn_delta = self.ffn(dev, &lw.ffn, n, FfnRows::Padded(n))?;
+        self.add_norm(dev, ffn_delta, mtp.shared_head_norm.slice(), n)?;
+        self.queue_head(dev, m, words)
+    }
+}
+
+impl MtpPass {
+    fn empty() -> Self {
+        MtpPass { plan: StepPlan { kind: StepKind::Decode, seqs: vec![] }, src: vec![] }
+    }
+}
+
+/// A sequence's step without speculation's fields, for the rows built from it.
+fn plain(s: &SeqStep) -> SeqStep {
+    SeqStep { logits: LogitsRequest::None, sample: None, mtp: None, ..s.clone() }
+}
+
+/// Drafts standing, of `fed`, when each stands with probability `p` (`forced_acceptance`).
+fn stood_at_rate(p: f64, rng: &mut mla_core::SplitMix64, fed: usize) -> usize {
+    (0..fed).take_while(|_| rng.next_f64() < p).count()
+}
+
+/// One sequence's result from its verify rows `rows` (one, unless it fed drafts): the draw, and
+/// with drafts, those that stood and the target's own choice after them. `forced`: how many
+/// stood, decided elsewhere (benchmarks only), in place of verification.
+fn accept(s: &SeqStep, rows: &[SeqResult], forced: Option<usize>) -> anyhow::Result<SeqResult> {
+    let fed = s.drafts_fed();
+    if fed == 0 {
+        return Ok(SeqResult { drafts: vec![], ..rows[0].clone() });
+    }
+    let choices: Vec<SampledToken> = rows
+        .iter()
+        .map(|r| r.sampled.clone().ok_or_else(|| anyhow::anyhow!("sequence {}: a verify row did not sample", s.seq_id)))
+        .collect::<anyhow::Result<_>>()?;
+    let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
+    let n = forced.map_or_else(|| greedy_emitted(&tokens, &s.tokens[1..]), |stood| stood + 1);
+    let mut emitted = choices.into_iter().take(n);
+    Ok(SeqResult {
+        seq_id: s.seq_id,
+        logits: vec![],
+        sampled: emitted.next(),
+        extra_tokens: emitted.collect(),
+        drafts: vec![],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mla_core::step::plan::MtpStep;
+
+    fn seq(id: u64, tokens: Vec<u32>, context_len: usize, drafts_fed: usize) -> SeqStep {
+        SeqStep {
+            seq_id: id,
+            tokens,
+            context_len,
+            block_table: vec![3, 1, 2],
+            logits: LogitsRequest::None,
+            sample: greedy(),
+            mtp: Some(MtpStep { drafts_fed, next_token: None, draft: 2 }),
+        }
+    }
+
+    #[test]
+    fn a_verify_step_spreads_drafts_over_rows_of_their_own() {
+        let chunk = SeqStep { sample: None, ..seq(1, vec![5, 6, 7], 0, 0) };
+        let plan = StepPlan {
+            kind: StepKind::Mixed { prefill: 1 },
+            seqs: vec![chunk, seq(2, vec![9, 10, 11], 40, 2), seq(3, vec![12], 70, 0)],
+        };
+        let v = Verify::of(&plan);
+        assert_eq!(v.groups, vec![0..1, 1..4, 4..5]);
+        assert_eq!(v.row0, vec![0, 3, 4, 5, 6]);
+        assert_eq!(v.plan.kind, StepKind::Mixed { prefill: 1 });
+        let rows: Vec<(Vec<u32>, usize)> = v.plan.seqs.iter().map(|s| (s.tokens.clone(), s.context_len)).collect();
+        assert_eq!(rows, vec![(vec![5, 6, 7], 0), (vec![9], 40), (vec![10], 41), (vec![11], 42), (vec![12], 70)]);
+        assert!(v.plan.seqs.iter().all(|s| s.mtp.is_none() && s.block_table == vec![3, 1, 2]));
+        v.plan.validate(64, 4, 100, 1000).unwrap();
+    }
+
+    #[test]
+    fn drafts_stand_up_to_the_first_the_target_did_not_choose() {
+        let s = seq(2, vec![9, 10, 11], 40, 2);
+        let row = |t: u32| SeqResult {
+            seq_id: 2,
+            logits: vec![],
+            sampled: Some(SampledToken { token: t, logprob: 0.0, top_logprobs: vec![] }),
+            extra_tokens: vec![],
+            drafts: vec![],
+        };
+        let emitted = |r: SeqResult| -> Vec<u32> { r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect() };
+        // Both drafts stand: the target's three choices are emitted.
+        assert_eq!(emitted(accept(&s, &[row(10), row(11), row(4)], None).unwrap()), vec![10, 11, 4]);
+        // The second draft misses: its replacement ends the step.
+        assert_eq!(emitted(accept(&s, &[row(10), row(8), row(4)], None).unwrap()), vec![10, 8]);
+        // The first misses.
+        assert_eq!(emitted(accept(&s, &[row(7), row(11), row(4)], None).unwrap()), vec![7]);
+    }
+}
