@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Build the MTP (multi-token prediction) oracle fixtures: tests/fixtures/v3_mtp and v3_mtp_fp8.
+"""Build the MTP (multi-token prediction) oracle fixtures: tests/fixtures/v3_mtp, v3_mtp_fp8 and
+v3_mtp_fp8_real_dims.
 
 Why: HF transformers loads DeepSeek-V3 but ignores its MTP module (layer `num_hidden_layers` of
 the checkpoint), so it offers no draft logits to test against. This script writes the module's
@@ -41,8 +42,19 @@ import make_fixtures as mf  # noqa: E402
 MTP_SEED = 1007
 
 
-def mtp_config(fp8):
-    base = mf.V3_FP8 if fp8 else mf.V3
+# name -> (the fixture whose main model it carries exactly, FP8 or not). The real-dims one has the
+# MLA dims the CUDA kernels are built for, so the GPU runs it (crates/mla-cuda/tests/gpu_mtp.rs).
+BUILDS = {
+    "v3_mtp": ("v3", False),
+    "v3_mtp_fp8": ("v3", True),
+    "v3_mtp_fp8_real_dims": ("v3_fp8_real_dims", True),
+}
+
+
+def mtp_config(main_variant, fp8):
+    base = mf.VARIANTS[main_variant]["config"]
+    if fp8 and "quantization_config" not in base:
+        base = {**base, "quantization_config": mf.V3_FP8["quantization_config"]}
     return {**base, "num_nextn_predict_layers": 1}
 
 
@@ -127,11 +139,12 @@ def draft_logits(main, mtp, mtp_f32, c, seq):
     return h, out.logits[0]
 
 
-def build(out_root, fp8):
-    name = "v3_mtp_fp8" if fp8 else "v3_mtp"
-    c = mtp_config(fp8)
-    v3 = mf.VARIANTS["v3"]
-    main_w = mf.make_weights(mf.V3, v3["seed"])
+def build(out_root, name):
+    main_variant, fp8 = BUILDS[name]
+    c = mtp_config(main_variant, fp8)
+    v = mf.VARIANTS[main_variant]
+    main_c = v["config"]
+    main_w = mf.make_weights(main_c, v["seed"], v.get("block_factor_log2"))
     mtp_w = make_mtp_weights(c)
     d = os.path.join(out_root, name)
     os.makedirs(d, exist_ok=True)
@@ -139,7 +152,7 @@ def build(out_root, fp8):
         json.dump(mf.published_config(c), f, indent=2)
         f.write("\n")
 
-    saved_main, main_f32, _ = mf.checkpoint_and_model_weights(mf.V3, main_w, fp8)
+    saved_main, main_f32, _ = mf.checkpoint_and_model_weights(main_c, main_w, fp8)
     saved, mtp_f32 = OrderedDict(saved_main), OrderedDict()
     L = c["num_hidden_layers"]
     for n, w in mtp_w.items():
@@ -161,27 +174,28 @@ def build(out_root, fp8):
     main_keys = {**c, "num_nextn_predict_layers": 0}
     with open(os.path.join(main_cfg_dir, "config.json"), "w") as f:
         json.dump(mf.published_config(main_keys), f)
-    main = mf.build_model(main_cfg_dir, mf.V3, main_f32, torch.float32)
+    main = mf.build_model(main_cfg_dir, main_c, main_f32, torch.float32)
     mtp = mtp_model(main_cfg_dir, c, mtp_f32, main_f32["lm_head.weight"])
     os.remove(os.path.join(main_cfg_dir, "config.json"))
     os.rmdir(main_cfg_dir)
 
-    # The prompts and continuations are v3's (the same main model, or its FP8 copy).
-    oracle = json.load(open(os.path.join(out_root, "v3", "oracle.json")))
+    # The prompts and continuations are the main fixture's (the same model, or its FP8 copy).
+    oracle = json.load(open(os.path.join(out_root, main_variant, "oracle.json")))
+    same_main = fp8 == ("quantization_config" in main_c)
     tensors, record = OrderedDict(), OrderedDict()
     main_vs_v3 = 0.0
-    v3_f32 = load_file(os.path.join(out_root, "v3", "oracle_f32.safetensors"))
+    v3_f32 = load_file(os.path.join(out_root, main_variant, "oracle_f32.safetensors"))
     for entry in oracle["prompts"]:
         pname = entry["name"]
         seq = entry["prompt"] + entry["continuation"]
         h, draft = draft_logits(main, mtp, mtp_f32, c, seq)
-        if not fp8:
-            # The main model is v3's: its logits are v3's oracle, up to the rounding of another
-            # torch build (v3's oracle was made with an earlier one on a GPU machine's CPU).
+        if same_main:
+            # The main model is the main fixture's: its logits are that fixture's oracle, up to
+            # the rounding of another torch build (those oracles were made with an earlier one).
             logits = main.lm_head(h)
             diff = (logits - v3_f32[pname]).abs().max().item()
             if diff > 1e-4:
-                raise SystemExit(f"{pname}: the main model is not v3's (max logit difference {diff})")
+                raise SystemExit(f"{pname}: the main model is not {main_variant}'s (max logit difference {diff})")
             main_vs_v3 = max(main_vs_v3, diff)
         tensors[f"{pname}.hidden"] = h.contiguous()
         tensors[f"{pname}.draft_logits"] = draft.contiguous()
@@ -202,7 +216,8 @@ def build(out_root, fp8):
                 "torch": torch.__version__,
                 "transformers": mf.transformers.__version__,
                 "mtp_seed": MTP_SEED,
-                "main_logits_vs_v3_oracle": None if fp8 else main_vs_v3,
+                "main_fixture": main_variant,
+                "main_logits_vs_its_oracle": main_vs_v3 if same_main else None,
                 "prompts": record,
             },
             f,
@@ -215,10 +230,11 @@ def build(out_root, fp8):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="tests/fixtures")
+    ap.add_argument("--only", choices=sorted(BUILDS), action="append", help="build only these (default: all)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    for fp8 in (False, True):
-        build(args.out, fp8)
+    for name in args.only or BUILDS:
+        build(args.out, name)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,13 @@ fn mtp_draft_logits_match_the_oracle_fp8_weights() {
     check_variant("v3_mtp_fp8");
 }
 
+/// The fixture the GPU tests run (crates/mla-cuda/tests/gpu_mtp.rs): the MLA dims of the
+/// published models, FP8 weights.
+#[test]
+fn mtp_draft_logits_match_the_oracle_real_dims() {
+    check_variant("v3_mtp_fp8_real_dims");
+}
+
 /// The oracle's draft logits must depend on the MTP module's own weights: a module whose
 /// `eh_proj` takes its halves the other way round (hidden first) misses them by far. Shows the
 /// test above can fail on the one convention the oracle does not take from HF.

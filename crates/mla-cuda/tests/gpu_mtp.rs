@@ -1,0 +1,312 @@
+//! Speculative decoding with the MTP module on the GPU (issue 31), over the
+//! `v3_mtp_fp8_real_dims` fixture: `v3_fp8_real_dims`'s exact FP8 main model (the MLA dims the
+//! kernels are built for) plus an MTP layer in the published layout, with an oracle written from
+//! the module's definition around HF transformers' own decoder layer
+//! (`scripts/make_mtp_fixture.py`). Three prompts decode together in every test, through the
+//! backend the server runs (verify steps replay decode graphs where one fits):
+//! - the drafts, teacher-forced along HF's greedy sequence, are the argmax of the oracle's draft
+//!   logits wherever those have a clear top-2 gap (so the MTP pass, its cache layer across the
+//!   prefill and decode passes, and the head are right);
+//! - greedy output with the backend's own drafts, K = 1, 2, 3, equals plain greedy decoding on
+//!   the same GPU up to the first near-tie of HF's logits;
+//! - drafts forced from that plain output, with one wrong draft planted at each place, stand
+//!   exactly up to the wrong one (the K+1-row verify step on real acceptances, which an untrained
+//!   MTP layer rarely gives).
+//!
+//! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_mtp -- --ignored --test-threads 1`.
+
+mod common;
+
+use common::hf::{oracle, oracle_logits, Prompt};
+use common::repo_root;
+use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
+use mla_core::{Backend, ModelConfig, SamplingParams};
+use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
+use std::path::PathBuf;
+
+const NEW_TOKENS: usize = 24;
+/// HF's logits with a top-2 gap below this may rank differently in a bf16/FP8 forward.
+const GAP_FLOOR: f32 = 0.05;
+/// The fixture's 128 positions (max_position_embeddings) in blocks of 64.
+const BLOCKS_PER_SEQ: usize = 2;
+
+fn mtp_dir() -> PathBuf {
+    repo_root().join("tests/fixtures/v3_mtp_fp8_real_dims")
+}
+
+fn main_dir() -> PathBuf {
+    repo_root().join("tests/fixtures/v3_fp8_real_dims")
+}
+
+/// Exact W8A16 everywhere (as gpu_model_fp8's HF comparisons): larger FP8 steps dequantize for
+/// cuBLAS instead of quantizing their activations, so steps of different sizes differ only by
+/// summation order.
+fn backend(drafts: usize) -> CudaBackend {
+    let dir = mtp_dir();
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let opts = CudaOptions {
+        fp8_w8a8: false,
+        max_num_batched_tokens: 256,
+        max_num_seqs: 8,
+        num_blocks: Some(16),
+        mtp_drafts: drafts,
+        ..Default::default()
+    };
+    CudaBackend::new(cfg, WeightsFrom::Checkpoint(dir), opts).unwrap()
+}
+
+fn greedy() -> Option<SampleRequest> {
+    Some(SampleRequest::new(SamplingParams::greedy(), 0))
+}
+
+fn table(i: usize) -> Vec<u32> {
+    // Reversed, so logical and physical order differ.
+    (i * BLOCKS_PER_SEQ..(i + 1) * BLOCKS_PER_SEQ).rev().map(|b| b as u32).collect()
+}
+
+fn step(i: usize, tokens: Vec<u32>, context_len: usize, mtp: Option<MtpStep>) -> SeqStep {
+    SeqStep {
+        seq_id: i as u64,
+        tokens,
+        context_len,
+        block_table: table(i),
+        logits: LogitsRequest::None,
+        sample: greedy(),
+        mtp,
+    }
+}
+
+fn emitted(r: &SeqResult) -> Vec<u32> {
+    r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect()
+}
+
+/// What one sequence of a run saw: its output, and per verify step the drafts that stood.
+#[derive(Default)]
+struct Seen {
+    out: Vec<u32>,
+    stood: Vec<usize>,
+}
+
+/// Decodes every prompt together: each prompt's prefill alone, then decode steps over all of
+/// them. `feed(i, out, own)` picks the drafts sequence `i` feeds (`None`: plain decoding, the
+/// backend without MTP).
+fn run(
+    b: &mut CudaBackend,
+    prompts: &[Prompt],
+    k: Option<usize>,
+    mut feed: impl FnMut(usize, &[u32], &[u32]) -> Vec<u32>,
+) -> Vec<Seen> {
+    let mtp = |fed| k.map(|k| MtpStep { drafts_fed: fed, next_token: None, draft: k });
+    let mut seen: Vec<Seen> = prompts.iter().map(|_| Seen::default()).collect();
+    let mut own: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
+    for (i, p) in prompts.iter().enumerate() {
+        let plan = StepPlan { kind: StepKind::Prefill, seqs: vec![step(i, p.prompt.clone(), 0, mtp(0))] };
+        let r = b.step(&plan).unwrap().seqs.remove(0);
+        seen[i].out = emitted(&r);
+        own[i] = r.drafts;
+    }
+    while seen.iter().any(|s| s.out.len() < NEW_TOKENS) {
+        let live: Vec<usize> = (0..prompts.len()).filter(|&i| seen[i].out.len() < NEW_TOKENS).collect();
+        let mut fed = Vec::new();
+        let seqs = live
+            .iter()
+            .map(|&i| {
+                let drafts = if k.is_some() { feed(i, &seen[i].out, &own[i]) } else { vec![] };
+                let computed = prompts[i].prompt.len() + seen[i].out.len() - 1;
+                let tokens = std::iter::once(*seen[i].out.last().unwrap()).chain(drafts.iter().copied()).collect();
+                fed.push(drafts);
+                step(i, tokens, computed, mtp(fed.last().unwrap().len()))
+            })
+            .collect();
+        let out = b.step(&StepPlan { kind: StepKind::Decode, seqs }).unwrap();
+        for ((&i, r), drafts) in live.iter().zip(&out.seqs).zip(&fed) {
+            let e = emitted(r);
+            assert!(!e.is_empty() && e.len() <= drafts.len() + 1);
+            let stood = e.len() - 1;
+            assert_eq!(e[..stood], drafts[..stood], "the tokens before the last are the drafts that stood");
+            seen[i].out.extend(&e);
+            seen[i].stood.push(stood);
+            own[i] = r.drafts.clone();
+        }
+    }
+    for s in &mut seen {
+        s.out.truncate(NEW_TOKENS);
+    }
+    seen
+}
+
+/// How many leading tokens of `ours` are comparable: while they follow HF's continuation and
+/// HF's choice there was clear.
+fn comparable(p: &Prompt, ours: &[u32]) -> usize {
+    (0..ours.len().min(p.continuation.len()))
+        .find(|&j| ours[j] != p.continuation[j] || p.gaps[j] < GAP_FLOOR)
+        .unwrap_or(ours.len().min(p.continuation.len()))
+}
+
+fn argmax_gap(row: &[f32]) -> (u32, f32) {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    (idx[0] as u32, row[idx[0]] - row[idx[1]])
+}
+
+/// The mechanism a verify step rests on, without the MTP module: two decode rows of one sequence
+/// at consecutive positions over one block table in one step score as two successive decode steps.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn rows_at_consecutive_positions_score_as_successive_steps() {
+    let prompts = oracle(&main_dir());
+    let prefill = |b: &mut CudaBackend| -> Vec<u32> {
+        (0..prompts.len())
+            .map(|i| {
+                let plan =
+                    StepPlan { kind: StepKind::Prefill, seqs: vec![step(i, prompts[i].prompt.clone(), 0, None)] };
+                b.step(&plan).unwrap().seqs[0].sampled.as_ref().unwrap().token
+            })
+            .collect()
+    };
+    let with_logits = |s: SeqStep| SeqStep { logits: LogitsRequest::Last, ..s };
+    // Sequential: x at n, then y at n + 1.
+    let mut a = backend(0);
+    let x = prefill(&mut a);
+    let decode = |b: &mut CudaBackend, toks: &[u32], off: usize, logits: bool| {
+        let seqs = (0..prompts.len())
+            .map(|i| {
+                let s = step(i, vec![toks[i]], prompts[i].prompt.len() + off, None);
+                if logits {
+                    with_logits(s)
+                } else {
+                    s
+                }
+            })
+            .collect();
+        b.step(&StepPlan { kind: StepKind::Decode, seqs }).unwrap()
+    };
+    let y: Vec<u32> = decode(&mut a, &x, 0, false).seqs.iter().map(|r| r.sampled.as_ref().unwrap().token).collect();
+    let second = decode(&mut a, &y, 1, true);
+    // Together: both rows of every sequence in one step, eagerly (logits) and from a graph.
+    for logits in [true, false] {
+        let mut b = backend(0);
+        assert_eq!(prefill(&mut b), x);
+        let seqs = (0..prompts.len())
+            .flat_map(|i| {
+                let n = prompts[i].prompt.len();
+                [step(i, vec![x[i]], n, None), step(i, vec![y[i]], n + 1, None)]
+            })
+            .map(|s| if logits { with_logits(s) } else { s })
+            .collect();
+        let out = b.step(&StepPlan { kind: StepKind::Decode, seqs }).unwrap();
+        for i in 0..prompts.len() {
+            let (first, row) = (&out.seqs[2 * i], &out.seqs[2 * i + 1]);
+            assert_eq!(first.sampled.as_ref().unwrap().token, y[i], "{}: the first row", prompts[i].name);
+            let want = second.seqs[i].sampled.as_ref().unwrap().token;
+            assert_eq!(row.sampled.as_ref().unwrap().token, want, "{} (logits: {logits})", prompts[i].name);
+            if logits {
+                let d = row.logits[0]
+                    .iter()
+                    .zip(&second.seqs[i].logits[0])
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0f32, f32::max);
+                eprintln!("{}: the second row's logits within {d:.2e} of the second step's", prompts[i].name);
+                assert!(d < 0.05, "{}: {d}", prompts[i].name);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn drafts_are_the_oracles_argmax_teacher_forced() {
+    let prompts = oracle(&main_dir());
+    let mut b = backend(1);
+    // Teacher-forced: every step feeds HF's next token, whatever the backend sampled.
+    let (mut compared, mut agreed) = (0, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let full: Vec<u32> = p.prompt.iter().chain(&p.continuation).copied().collect();
+        let rows = oracle_logits(&mtp_dir(), "oracle_mtp_f32.safetensors", &format!("{}.draft_logits", p.name));
+        let mtp = Some(MtpStep { drafts_fed: 0, next_token: None, draft: 1 });
+        let plan = StepPlan { kind: StepKind::Prefill, seqs: vec![step(i, p.prompt.clone(), 0, mtp)] };
+        let mut r = b.step(&plan).unwrap().seqs.remove(0);
+        // Row `pos` of the oracle pairs position pos with token pos + 1 and drafts pos + 2.
+        let mut pos = p.prompt.len() - 1;
+        while pos + 1 < full.len() {
+            if r.sampled.as_ref().unwrap().token != full[pos + 1] {
+                // The MTP row paired the backend's token, not HF's: the oracle no longer applies.
+                break;
+            }
+            let (want, gap) = argmax_gap(&rows[pos]);
+            if gap >= GAP_FLOOR {
+                compared += 1;
+                let got = r.drafts[0];
+                agreed += usize::from(got == want);
+                if got != want {
+                    let short = rows[pos][want as usize] - rows[pos][got as usize];
+                    eprintln!(
+                        "{} row {pos}: draft {got}, oracle {want} (gap {gap:.3}; ours {short:.3} below it)",
+                        p.name
+                    );
+                }
+            }
+            pos += 1;
+            let plan = StepPlan { kind: StepKind::Decode, seqs: vec![step(i, vec![full[pos]], pos, mtp)] };
+            r = b.step(&plan).unwrap().seqs.remove(0);
+        }
+    }
+    eprintln!("{agreed} of {compared} drafts are the oracle's argmax");
+    assert!(compared >= 30, "too few drafts compared ({compared})");
+    assert_eq!(agreed, compared, "drafts differ from the MTP oracle's");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn greedy_with_own_drafts_equals_plain_greedy() {
+    let prompts = oracle(&main_dir());
+    let plain = run(&mut backend(0), &prompts, None, |_, _, _| vec![]);
+    for k in 1..=3 {
+        let spec = run(&mut backend(k), &prompts, Some(k), |_, _, own| own.to_vec());
+        let mut total = 0;
+        for ((p, a), s) in prompts.iter().zip(&plain).zip(&spec) {
+            let n = comparable(p, &a.out);
+            assert_eq!(s.out[..n], a.out[..n], "{}, K = {k}", p.name);
+            total += n;
+            let stood: usize = s.stood.iter().sum();
+            eprintln!("K = {k}, {}: {n} tokens compared, {stood} drafts stood", p.name);
+        }
+        assert!(total >= 30, "too few tokens compared ({total})");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
+    let prompts = oracle(&main_dir());
+    let plain = run(&mut backend(0), &prompts, None, |_, _, _| vec![]);
+    let limit: Vec<usize> = prompts.iter().zip(&plain).map(|(p, a)| comparable(p, &a.out)).collect();
+    let vocab = 512;
+    for k in 1..=3 {
+        let mut steps = vec![0usize; prompts.len()];
+        let mut expected: Vec<Vec<Option<usize>>> = vec![vec![]; prompts.len()];
+        let spec = run(&mut backend(k), &prompts, Some(k), |i, out, _| {
+            let reference = &plain[i].out;
+            let wrong_at = steps[i] % (k + 1);
+            steps[i] += 1;
+            let mut drafts: Vec<u32> = (0..k).map(|j| reference.get(out.len() + j).copied().unwrap_or(0)).collect();
+            if wrong_at < k {
+                drafts[wrong_at] = (drafts[wrong_at] + 1) % vocab;
+            }
+            // Only steps wholly inside the comparable prefix have a known outcome.
+            expected[i].push((out.len() + k + 1 <= limit[i]).then_some(wrong_at.min(k)));
+            drafts
+        });
+        let mut checked = 0;
+        for i in 0..prompts.len() {
+            assert_eq!(spec[i].out[..limit[i]], plain[i].out[..limit[i]], "{}, K = {k}", prompts[i].name);
+            for (step, (&stood, want)) in spec[i].stood.iter().zip(&expected[i]).enumerate() {
+                if let Some(w) = want {
+                    assert_eq!(stood, *w, "{}, K = {k}, step {step}", prompts[i].name);
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 10, "K = {k}: too few verify steps checked ({checked})");
+    }
+}
