@@ -62,8 +62,8 @@ pub fn load(device: Device, source: &ModelSource, args: &Args, parallel: Paralle
     }
 }
 
-/// Where speculative decoding with the MTP layer runs so far: the CPU backend, one rank per
-/// replica (docs/speculative-decoding.md).
+/// Where speculative decoding with the MTP layer runs so far: one rank per replica, on the CPU
+/// or one GPU (docs/speculative-decoding.md).
 fn check_speculative(
     device: Device,
     source: &ModelSource,
@@ -78,14 +78,10 @@ fn check_speculative(
             source.name
         );
     }
-    if device == Device::Cuda {
-        bail!(
-            "speculative decoding with MTP is not built for the CUDA backend yet (it runs on --device cpu); start without the speculative flags"
-        );
-    }
     let one_replica = Parallel { replicas: 1, ..parallel };
     if !one_replica.is_single() || args.nnodes > 1 {
-        bail!("speculative decoding with MTP runs on one CPU rank per replica so far: drop --tp, --enable-dp-attention and --nnodes (--dp N works)");
+        let on = if device == Device::Cuda { "GPU" } else { "CPU rank" };
+        bail!("speculative decoding with MTP runs on one {on} per replica so far: drop --tp, --enable-dp-attention and --nnodes (--dp N works)");
     }
     if !(1..=MAX_DRAFTS).contains(&drafts) {
         bail!("speculative decoding with MTP: {drafts} draft tokens per step; 1 to {MAX_DRAFTS} are supported");
@@ -187,8 +183,9 @@ fn cuda(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result
         Some(m) => m,
         None => max_pos.min(capacity),
     };
-    // The CUDA cache holds bf16 values or FP8 rows.
-    let bytes_per_token = cfg.num_hidden_layers * mla_cuda::ops::cache_row_bytes(args.kv_cache_dtype()?);
+    // The CUDA cache holds bf16 values or FP8 rows, for the MTP module's layer too when it runs.
+    let layers = cfg.num_hidden_layers + usize::from(args.speculative.request()?.is_some());
+    let bytes_per_token = layers * mla_cuda::ops::cache_row_bytes(args.kv_cache_dtype()?);
     let sizing = Sizing { num_blocks: smallest, block_size: PAGE_SIZE, max_model_len, bytes_per_token };
     Ok(Loaded { backends, sizing })
 }
@@ -228,6 +225,8 @@ fn cuda_options(args: &Args) -> CudaOptions {
         },
         // Checked when the flags were read (Args::check_quantization).
         kv_cache_dtype: args.kv_cache_dtype().unwrap_or_default(),
+        // Checked when the backends were asked for (check_speculative).
+        mtp_drafts: args.speculative.request().ok().flatten().map_or(0, |r| r.draft_tokens),
         ..CudaOptions::default()
     }
 }
