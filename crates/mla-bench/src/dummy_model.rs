@@ -27,11 +27,12 @@ pub fn config(
 
 /// `CudaModel::new` over weights drawn on the device, with the whole cache drawn from N(0, 1) (an
 /// FP8 cache: valid rows of random codes of about that spread).
+/// With `opts.mtp_drafts` > 0 the weights hold an MTP module (and the cache its layer).
 pub fn build(dev: &Device, cfg: &ModelConfig, opts: &ModelOptions) -> anyhow::Result<CudaModel> {
-    let weights = DeviceWeights::dummy(cfg, dev, 11)?;
+    let weights = DeviceWeights::dummy_with(cfg, dev, 11, opts.mtp_drafts > 0)?;
     let model = CudaModel::new(dev, cfg.clone(), weights, opts)?;
     if model.cache_dtype.is_fp8() {
-        for l in 0..cfg.num_hidden_layers {
+        for l in 0..model.cache_layers() {
             dev.k.latent.fill_fp8_random(dev.stream(), model.layer_cache(l), 12 + l as u64)?;
         }
     } else {

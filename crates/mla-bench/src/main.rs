@@ -25,6 +25,7 @@ mod prefix_lookup;
 mod profile;
 mod report;
 mod serve;
+mod spec_step;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -154,6 +155,32 @@ enum Cmd {
         /// As mla-serve's: config fields to override, e.g. '{"num_hidden_layers": 6}'.
         #[arg(long, value_name = "JSON")]
         hf_overrides: Option<String>,
+    },
+    /// Speculative decoding with the MTP module: the plain decode step against the verify step
+    /// and the whole speculative step at forced acceptance rates (benchmark only), per batch
+    /// size and drafts per step, on dummy weights with an MTP module.
+    SpecStep {
+        /// Model config (dummy weights of this shape; it must declare an MTP layer).
+        #[arg(long, default_value = "configs/deepseek-v3.json")]
+        config: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16,32,64,128,256")]
+        batch: Vec<usize>,
+        /// Drafts per step (K), comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        drafts: Vec<usize>,
+        /// Forced acceptance rates per draft, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "0,0.6,0.8,0.9")]
+        acceptance: Vec<f64>,
+        #[arg(long, default_value_t = 1024)]
+        context: usize,
+        /// As mla-serve's: `fp8` makes the linear weights block-FP8 (quantized on the device).
+        #[arg(long, value_name = "METHOD")]
+        quantization: Option<String>,
+        /// As mla-serve's: config fields to override, e.g. '{"num_hidden_layers": 6}'.
+        #[arg(long, value_name = "JSON")]
+        hf_overrides: Option<String>,
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// NCCL collectives at the sizes a multi-GPU step moves (TP all-reduce, DP-attention gathers
     /// and reduce-scatters), eager and replayed from CUDA graphs.
@@ -309,6 +336,13 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Collectives { gpus, hidden, rows, iters, out } => {
             let v = collectives::run(&collectives::CollectiveArgs { gpus, hidden, rows, iters })?;
+            report::write(out.as_deref(), &v)
+        }
+        Cmd::SpecStep { config, batch, drafts, acceptance, context, quantization, hf_overrides, out } => {
+            let cfg = dummy_model::config(&config, hf_overrides.as_deref(), quantization.as_deref())?;
+            let r = spec_step::run(&spec_step::SpecStepArgs { cfg, batches: batch, drafts, acceptance, context })?;
+            let gpu = r["gpu"].as_str().unwrap_or("").to_string();
+            let v = report::envelope(&gpu, r);
             report::write(out.as_deref(), &v)
         }
         Cmd::Profile { config, batch, context, prefill_len, quantization, hf_overrides } => {
