@@ -22,6 +22,11 @@ DEMO = ROOT / "assets" / "demo"
 NEAR_TIE = 1e-3
 VLLM = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 SGLANG = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
+# Drafting pauses while 2 or more sequences run: the batched request drafts only in its tail.
+VLLM_PAUSED = [
+    "--speculative-config",
+    json.dumps({"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 2}),
+]
 
 
 def model_dir(tmp_path, variant):
@@ -60,11 +65,13 @@ def greedy(client, prompts, **kw):
     return [ids(c) for c in sorted(r.choices, key=lambda c: c.index)]
 
 
-@pytest.mark.parametrize("flags", [VLLM, SGLANG], ids=["vllm", "sglang"])
+@pytest.mark.parametrize("flags", [VLLM, SGLANG, VLLM_PAUSED], ids=["vllm", "sglang", "vllm-paused"])
 def test_greedy_output_with_mtp_is_hfs(flags, tmp_path):
     server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *flags)
     try:
         assert "speculative decoding: the MTP layer drafts" in server.log_text()
+        if flags is VLLM_PAUSED:
+            assert "paused while 2 or more sequences run" in server.log_text()
         client = server.client()
         prompts = oracle()
         batched = greedy(client, [p["prompt"] for p in prompts])

@@ -272,6 +272,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
             prefix_caching: false,
             mixed_steps: false,
             mtp_drafts: 0,
+            spec_disable_batch: None,
             step_watchdog: std::time::Duration::from_secs(600),
             // By load, as the engine benchmark always measured (no cache to route by).
             router: mla_engine::RouterConfig {

@@ -277,6 +277,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
             prefix_caching: true,
             mixed_steps: false,
             mtp_drafts: 0,
+            spec_disable_batch: None,
             step_watchdog: std::time::Duration::from_secs(600),
             router: mla_engine::RouterConfig::default(),
         },

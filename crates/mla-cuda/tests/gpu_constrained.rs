@@ -37,6 +37,7 @@ fn engine() -> (EngineHandle, Arc<Mutex<mla_cuda::StepClock>>) {
         prefix_caching: true,
         mixed_steps: false,
         mtp_drafts: 0,
+        spec_disable_batch: None,
         step_watchdog: Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     };

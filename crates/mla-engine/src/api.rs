@@ -27,6 +27,9 @@ pub struct EngineConfig {
     /// Speculative decoding with the model's MTP layer: drafts per step, 0 for none
     /// (`--speculative-config`; the backend must have loaded the layer).
     pub mtp_drafts: usize,
+    /// Speculative decoding pauses while at least this many sequences run (vLLM's
+    /// `disable_by_batch_size`); `None`: never.
+    pub spec_disable_batch: Option<usize>,
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).
     pub step_watchdog: std::time::Duration,

@@ -80,6 +80,12 @@ pub struct SchedulerConfig {
     /// Speculative decoding with the model's MTP layer: drafts per step (0: off). Requests that
     /// can be verified exactly draft (`Group::may_speculate`); the others decode as without.
     pub mtp_drafts: usize,
+    /// Drafting pauses while at least this many sequences run (`None`: never): past some batch
+    /// size a verify step's extra rows cost more than the accepted drafts save
+    /// (docs/speculative-decoding.md, "When it pays"). Rows then run without the MTP layer, whose
+    /// cache misses those positions: acceptance dips for a while after drafting resumes,
+    /// correctness does not change.
+    pub spec_disable_batch: Option<usize>,
 }
 
 /// Prefix-cache counters since start, in prompt tokens (vLLM's `prefix_cache_queries` and
@@ -145,6 +151,8 @@ pub struct Scheduler {
     mask_jobs: Vec<(SeqKey, MaskWriter)>,
     /// Speculative decoding's counts since start.
     spec: SpecStats,
+    /// Whether drafting is paused by `SchedulerConfig::spec_disable_batch` (logged as it turns).
+    spec_paused: bool,
 }
 
 /// How speculative decoding has fared since start (vLLM's `spec_decode_*` counters).
@@ -220,6 +228,7 @@ impl Scheduler {
             admitted: Vec::new(),
             mask_jobs: Vec::new(),
             spec: SpecStats::default(),
+            spec_paused: false,
         }
     }
 

@@ -159,8 +159,20 @@ fn requests() -> Vec<GenerateRequest> {
 
 /// Every request at once; their outputs in order, and the engine's statistics.
 fn run(backend: Box<dyn Backend>, mtp_drafts: usize, mixed: bool, budget: usize) -> (Vec<Vec<Vec<u32>>>, EngineStats) {
+    run_paused(backend, mtp_drafts, mixed, budget, None)
+}
+
+/// `run` with drafting paused while `disable` or more sequences run.
+fn run_paused(
+    backend: Box<dyn Backend>,
+    mtp_drafts: usize,
+    mixed: bool,
+    budget: usize,
+    disable: Option<usize>,
+) -> (Vec<Vec<Vec<u32>>>, EngineStats) {
     let cfg = mla_engine::EngineConfig {
         mtp_drafts,
+        spec_disable_batch: disable,
         mixed_steps: mixed,
         max_num_batched_tokens: budget,
         ..engine_config(MAX_LEN)
@@ -199,6 +211,25 @@ fn outputs_with_the_mtp_layers_own_drafts_equal_the_plain_engine() {
             assert!(stats.spec.draft_tokens > 0, "K = {k}: nothing was drafted");
         }
     }
+}
+
+#[test]
+fn drafting_pauses_while_the_batch_reaches_disable_by_batch_size() {
+    let (plain, _) = run(Box::new(cpu_backend(64, false)), 0, true, 24);
+    // Some sequence always runs: a pause at 1 never drafts, and the outputs are the plain ones.
+    let (never, stats) = run_paused(Box::new(cpu_backend(64, true)), 2, true, 24, Some(1));
+    assert_eq!(never, plain);
+    assert_eq!((stats.spec.drafts, stats.spec.draft_tokens), (0, 0));
+    // A pause at 3 of the 6 sequences: drafting only in the tail, once fewer than 3 run.
+    let (_, free) = run_paused(Box::new(cpu_backend(64, true)), 2, true, 24, None);
+    let (tail, some) = run_paused(Box::new(cpu_backend(64, true)), 2, true, 24, Some(3));
+    assert_eq!(tail, plain);
+    assert!(
+        some.spec.drafts > 0 && some.spec.drafts < free.spec.drafts,
+        "{} verify rows paused at 3, {} without",
+        some.spec.drafts,
+        free.spec.drafts
+    );
 }
 
 #[test]

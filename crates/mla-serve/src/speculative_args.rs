@@ -4,7 +4,7 @@
 //! multi-token-prediction layer as the draft model, K draft tokens per step.
 //!
 //! The flags are read and checked in full, so a command line written for vLLM or SGLang gets an
-//! exact answer. Speculative decoding runs on the CPU backend so far (one rank per replica);
+//! exact answer. Speculative decoding runs on the CPU backend or one GPU per replica so far;
 //! elsewhere it is refused with the reason (`backends::load`), never accepted and ignored.
 
 use clap::Args as ClapArgs;
@@ -12,12 +12,13 @@ use clap::Args as ClapArgs;
 #[derive(Debug, Clone, Default, ClapArgs)]
 pub struct SpeculativeArgs {
     /// vLLM's speculative decoding config, e.g. '{"method": "mtp", "num_speculative_tokens": 1}':
-    /// the model's MTP layer drafts that many tokens per step (CPU backend so far).
+    /// the model's MTP layer drafts that many tokens per step; "disable_by_batch_size": N pauses
+    /// drafting while N or more sequences run.
     #[arg(long, value_name = "JSON")]
     pub speculative_config: Option<String>,
 
     /// SGLang's speculative algorithm (EAGLE or NEXTN: the model's MTP layer for DeepSeek), with
-    /// --speculative-num-steps drafts per step (CPU backend so far).
+    /// --speculative-num-steps drafts per step.
     #[arg(long, value_name = "NAME")]
     pub speculative_algorithm: Option<String>,
 
@@ -34,10 +35,12 @@ pub struct SpeculativeArgs {
     pub speculative_num_draft_tokens: Option<usize>,
 }
 
-/// What the flags ask for, once read: MTP drafting `draft_tokens` tokens per step.
+/// What the flags ask for, once read: MTP drafting `draft_tokens` tokens per step, paused while
+/// `disable_by_batch_size` or more sequences run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpeculativeRequest {
     pub draft_tokens: usize,
+    pub disable_by_batch_size: Option<usize>,
 }
 
 impl SpeculativeArgs {
@@ -105,7 +108,7 @@ impl SpeculativeArgs {
         if k == 0 {
             anyhow::bail!("--speculative-num-steps must be at least 1 (--speculative-num-draft-tokens at least 2)");
         }
-        Ok(SpeculativeRequest { draft_tokens: k })
+        Ok(SpeculativeRequest { draft_tokens: k, disable_by_batch_size: None })
     }
 }
 
@@ -118,11 +121,19 @@ fn vllm_config(json: &str) -> anyhow::Result<SpeculativeRequest> {
         )
     })?;
     let obj = v.as_object().ok_or_else(|| anyhow::anyhow!("--speculative-config: a JSON object is expected"))?;
+    const KEYS: [&str; 3] = ["method", "num_speculative_tokens", "disable_by_batch_size"];
     for key in obj.keys() {
-        if !["method", "num_speculative_tokens"].contains(&key.as_str()) {
-            anyhow::bail!("--speculative-config: `{key}` is not supported (only method and num_speculative_tokens)");
+        if !KEYS.contains(&key.as_str()) {
+            anyhow::bail!("--speculative-config: `{key}` is not supported (only {})", KEYS.join(", "));
         }
     }
+    let disable_by_batch_size = match obj.get("disable_by_batch_size") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_u64().filter(|&n| n >= 1) {
+            Some(n) => Some(n as usize),
+            None => anyhow::bail!("--speculative-config: disable_by_batch_size must be a whole number of at least 1"),
+        },
+    };
     match obj.get("method").and_then(|m| m.as_str()) {
         Some("mtp" | "deepseek_mtp") => {}
         Some(m) => {
@@ -132,7 +143,7 @@ fn vllm_config(json: &str) -> anyhow::Result<SpeculativeRequest> {
     }
     let k = obj.get("num_speculative_tokens").map(|k| k.as_u64().filter(|&k| k >= 1));
     match k {
-        Some(Some(k)) => Ok(SpeculativeRequest { draft_tokens: k as usize }),
+        Some(Some(k)) => Ok(SpeculativeRequest { draft_tokens: k as usize, disable_by_batch_size }),
         Some(None) => {
             anyhow::bail!("--speculative-config: num_speculative_tokens must be a whole number of at least 1")
         }
@@ -156,7 +167,7 @@ mod tests {
     }
 
     fn k(n: usize) -> Option<SpeculativeRequest> {
-        Some(SpeculativeRequest { draft_tokens: n })
+        Some(SpeculativeRequest { draft_tokens: n, disable_by_batch_size: None })
     }
 
     #[test]
@@ -183,6 +194,11 @@ mod tests {
             k(1)
         );
         assert_eq!(read(&["--speculative-algorithm", "eagle", "--speculative-num-draft-tokens", "3"]).unwrap(), k(2));
+        let paused = r#"{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}"#;
+        assert_eq!(
+            read(&["--speculative-config", paused]).unwrap(),
+            Some(SpeculativeRequest { draft_tokens: 2, disable_by_batch_size: Some(64) })
+        );
     }
 
     #[test]
@@ -196,6 +212,8 @@ mod tests {
         err(&["--speculative-config", r#"{"method": "mtp"}"#], "num_speculative_tokens is missing");
         err(&["--speculative-config", r#"{"method": "mtp", "num_speculative_tokens": 0}"#], "at least 1");
         err(&["--speculative-config", r#"{"method": "mtp", "num_speculative_tokens": 1, "model": "x"}"#], "`model`");
+        let zero = r#"{"method": "mtp", "num_speculative_tokens": 1, "disable_by_batch_size": 0}"#;
+        err(&["--speculative-config", zero], "disable_by_batch_size must be");
         err(&["--speculative-algorithm", "MEDUSA"], "EAGLE or NEXTN");
         err(&["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4"], "only 1");
         err(

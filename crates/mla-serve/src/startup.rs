@@ -72,10 +72,14 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         );
     }
     let devices: Vec<String> = backends.iter().map(|b| b.device_name()).collect();
-    let mtp_drafts = args.speculative.request()?.map_or(0, |r| r.draft_tokens);
+    let spec = args.speculative.request()?;
+    let mtp_drafts = spec.map_or(0, |r| r.draft_tokens);
+    let spec_disable_batch = spec.and_then(|r| r.disable_by_batch_size);
     if mtp_drafts > 0 {
+        let pause = spec_disable_batch
+            .map_or(String::new(), |n| format!("; paused while {n} or more sequences run (disable_by_batch_size)"));
         tracing::info!(
-            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for greedy requests without penalties, logit_bias or a grammar; others decode one token per step"
+            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for greedy requests without penalties, logit_bias or a grammar; others decode one token per step{pause}"
         );
     }
     let engine = Engine::start_replicas(
@@ -89,6 +93,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             prefix_caching: !args.no_enable_prefix_caching,
             mixed_steps: !args.no_enable_mixed_chunk,
             mtp_drafts,
+            spec_disable_batch,
             step_watchdog: args.watchdog(),
             router: args.routing.config(!args.no_enable_prefix_caching),
         },

@@ -113,6 +113,7 @@ impl Worker {
             prefix_caching: cfg.prefix_caching,
             mixed_steps: cfg.mixed_steps,
             mtp_drafts: cfg.mtp_drafts,
+            spec_disable_batch: cfg.spec_disable_batch,
         };
         let layouts = backend.cache_layouts();
         assert_eq!(layouts.len(), caches.len(), "one router view per attention rank");

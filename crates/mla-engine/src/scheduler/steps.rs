@@ -91,9 +91,28 @@ impl Scheduler {
         steps
     }
 
-    /// What speculative decoding asks of this step's entries, when it is on.
-    fn drafting(&self) -> Option<Drafting> {
-        (self.cfg.mtp_drafts > 0).then_some(Drafting {
+    /// What speculative decoding asks of this step's entries, when it is on and not paused by
+    /// the batch-size rule (`SchedulerConfig::spec_disable_batch`).
+    fn drafting(&mut self) -> Option<Drafting> {
+        if self.cfg.mtp_drafts == 0 {
+            return None;
+        }
+        let running = self.running.len();
+        let paused = self.cfg.spec_disable_batch.is_some_and(|n| running >= n);
+        if paused != self.spec_paused {
+            self.spec_paused = paused;
+            let limit = self.cfg.spec_disable_batch.unwrap_or(0);
+            if paused {
+                tracing::info!(
+                    "speculative decoding paused: {running} sequences running (disable_by_batch_size {limit})"
+                );
+            } else {
+                tracing::info!(
+                    "speculative decoding resumed: {running} sequences running (disable_by_batch_size {limit})"
+                );
+            }
+        }
+        (!paused).then_some(Drafting {
             k: self.cfg.mtp_drafts,
             block_size: self.blocks.block_size(),
             max_model_len: self.cfg.max_model_len,

@@ -374,6 +374,7 @@ pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
         prefix_caching: true,
         mixed_steps: false,
         mtp_drafts: 0,
+        spec_disable_batch: None,
         step_watchdog: std::time::Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     }

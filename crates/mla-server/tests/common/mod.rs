@@ -206,6 +206,7 @@ pub fn server(opts: Options) -> TestServer {
         prefix_caching: true,
         mixed_steps: false,
         mtp_drafts: 0,
+        spec_disable_batch: None,
         step_watchdog: std::time::Duration::from_secs(300),
         router: mla_engine::RouterConfig::default(),
     };
