@@ -6,7 +6,7 @@ so HF transformers' greedy continuation of v3 (its oracle) judges the output: wi
 prompts batched in one request, streamed one by one, and arriving while others decode. A sampled
 request (which does not draft) gives what a server without speculation gives for the same seed.
 /metrics counts the drafts. Where speculative decoding cannot run, the server refuses to start
-and says why.
+and says why. Tensor-parallel ranks (`--tp 2` on the CPU reference) draft and verify as one.
 """
 
 import json
@@ -65,7 +65,9 @@ def greedy(client, prompts, **kw):
     return [ids(c) for c in sorted(r.choices, key=lambda c: c.index)]
 
 
-@pytest.mark.parametrize("flags", [VLLM, SGLANG, VLLM_PAUSED], ids=["vllm", "sglang", "vllm-paused"])
+@pytest.mark.parametrize(
+    "flags", [VLLM, SGLANG, VLLM_PAUSED, VLLM + ["--tp", "2"]], ids=["vllm", "sglang", "vllm-paused", "vllm-tp2"]
+)
 def test_greedy_output_with_mtp_is_hfs(flags, tmp_path):
     server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *flags)
     try:
@@ -130,7 +132,7 @@ def test_sampled_requests_match_the_server_without_speculation(tmp_path):
     "variant,extra,needle",
     [
         ("v3", [], "has no multi-token-prediction layer"),
-        ("v3_mtp", ["--tp", "2"], "one CPU rank per replica"),
+        ("v3_mtp", ["--tp", "2", "--enable-dp-attention"], "drop --enable-dp-attention"),
         ("v3_mtp", ["--speculative-num-steps", "2"], "belongs with --speculative-algorithm"),
     ],
 )

@@ -46,8 +46,9 @@ impl StepRunner for CpuRankWorker {
 }
 
 /// Starts ranks `ranks` of `parallel` (one copy of the model, checked with `Parallel::check`),
-/// rank `ranks.start + i` on `comms[i]`, each with a cache of `cache` holding `kv_dtype`. All start
-/// at once.
+/// rank `ranks.start + i` on `comms[i]`, each with a cache of `cache` holding `kv_dtype`, and
+/// with the MTP layer when `mtp` (speculative decoding). All start at once.
+#[allow(clippy::too_many_arguments)]
 pub fn start_ranks(
     cfg: &ModelConfig,
     weights: Arc<dyn WeightSource + Send + Sync>,
@@ -56,6 +57,7 @@ pub fn start_ranks(
     comms: Vec<Box<dyn Collective + Send>>,
     cache: CacheLayout,
     kv_dtype: KvCacheDtype,
+    mtp: bool,
 ) -> anyhow::Result<Vec<StepThread<CpuRankWorker>>> {
     parallel.check(cfg)?;
     anyhow::ensure!(parallel.replicas == 1, "a rank group is one copy of the model; replicas are separate backends");
@@ -76,7 +78,11 @@ pub fn start_ranks(
             let (cfg, weights) = (cfg.clone(), weights.clone());
             let layout = parallel.rank(r);
             let init = move || {
-                let rank = CpuRank::new(cfg, weights.as_ref(), layout, cache.block_size, cache.num_blocks, kv_dtype)?;
+                let mut rank =
+                    CpuRank::new(cfg, weights.as_ref(), layout, cache.block_size, cache.num_blocks, kv_dtype)?;
+                if mtp {
+                    rank.enable_mtp(weights.as_ref(), layout)?;
+                }
                 let worker = CpuRankWorker { rank, comm, index: r, dp_attention: layout.dp_attention, steps: 0 };
                 Ok((worker, ()))
             };
@@ -89,7 +95,9 @@ pub fn start_ranks(
 /// Every rank of `parallel` in this process, meeting in a `ThreadGroup`; a rank that waits longer
 /// than `timeout` in one collective (a rank stuck or gone) fails the group, and so does a step
 /// that takes longer (CPU ranks of a DP-attention step may differ by a prefill chunk of work, so
-/// it should be generous). Steps outside `step_limits` are refused before any rank starts.
+/// it should be generous). Steps outside `step_limits` are refused before any rank starts. `mtp`:
+/// every rank loads the MTP layer (speculative decoding, tensor parallel only).
+#[allow(clippy::too_many_arguments)]
 pub fn local_group(
     cfg: ModelConfig,
     weights: Arc<dyn WeightSource + Send + Sync>,
@@ -98,11 +106,12 @@ pub fn local_group(
     kv_dtype: KvCacheDtype,
     step_limits: StepLimits,
     timeout: Duration,
+    mtp: bool,
 ) -> anyhow::Result<CpuGroupBackend> {
     let world = parallel.ranks();
     let comms =
         ThreadGroup::ranks(world, timeout).into_iter().map(|c| Box::new(c) as Box<dyn Collective + Send>).collect();
-    let local = start_ranks(&cfg, weights, parallel, 0..world, comms, cache, kv_dtype)?;
+    let local = start_ranks(&cfg, weights, parallel, 0..world, comms, cache, kv_dtype, mtp)?;
     Ok(GroupBackend::new(group_parts(cfg, parallel, local, vec![], cache, step_limits, timeout)))
 }
 

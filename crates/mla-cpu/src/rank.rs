@@ -38,11 +38,11 @@ impl CpuRank {
     /// Loads the model's MTP layer for speculative decoding and gives it a cache layer of its
     /// own after the main ones (the cache is new and empty: this is part of construction).
     pub fn enable_mtp(&mut self, weights: &dyn WeightSource, rank: RankLayout) -> anyhow::Result<()> {
-        // The MTP rows run without collectives (`speculative::draft`): one rank only so far.
+        // Under DP attention ranks would make different numbers of MTP passes, each with its
+        // collectives; tensor-parallel ranks make the same ones (`speculative::draft`).
         anyhow::ensure!(
-            rank.world == 1,
-            "speculative decoding with MTP runs on one CPU rank so far, not {}",
-            rank.world
+            !(rank.dp_attention && rank.world > 1),
+            "speculative decoding with MTP does not run under DP attention yet"
         );
         let cfg = self.model.config();
         let spec = MtpSpec::new(cfg).ok_or_else(|| {
@@ -82,6 +82,7 @@ impl CpuRank {
 
     /// Runs `plan` (validated) with this rank's peers; an empty plan still makes every collective.
     pub fn run(&mut self, plan: &StepPlan, peers: Peers) -> anyhow::Result<StepOutput> {
+        let Peers { comm, counts } = peers;
         let first_decode = plan.num_prefill();
         let mut tokens = Vec::with_capacity(plan.num_tokens());
         let mut spans = Vec::with_capacity(plan.seqs.len());
@@ -110,10 +111,14 @@ impl CpuRank {
             "the step asks for speculative decoding but the MTP layer is not loaded"
         );
         let (mut logits, hidden) = if speculative {
-            let hidden = self.model.final_hidden_rank(&tokens, &spans, &mut self.cache, peers)?;
+            let hidden =
+                self.model.final_hidden_rank(&tokens, &spans, &mut self.cache, Peers { comm: &mut *comm, counts })?;
             (self.model.logits_of(&hidden, &want), hidden)
         } else {
-            (self.model.forward_rank(&tokens, &spans, &mut self.cache, &want, peers)?, Vec::new())
+            (
+                self.model.forward_rank(&tokens, &spans, &mut self.cache, &want, Peers { comm: &mut *comm, counts })?,
+                Vec::new(),
+            )
         };
 
         let mut emitted = Vec::with_capacity(plan.seqs.len());
@@ -123,7 +128,7 @@ impl CpuRank {
                 .push(speculative::emitted_tokens(s, rows).map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
         }
         let mut drafts = match (&self.mtp, speculative) {
-            (Some(mtp), true) => speculative::draft(&self.model, mtp, plan, &hidden, &emitted, &mut self.cache)?,
+            (Some(mtp), true) => speculative::draft(&self.model, mtp, plan, &hidden, &emitted, &mut self.cache, comm)?,
             _ => vec![Vec::new(); plan.seqs.len()],
         };
         let mut out = StepOutput::default();

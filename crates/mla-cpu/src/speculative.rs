@@ -11,6 +11,7 @@ use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
+use mla_core::runtime::collective::Collective;
 use mla_core::sampling::{argmax, sample};
 use mla_core::speculative::{verify_greedy, Verdict};
 use mla_core::step::plan::{SampledToken, SeqStep, StepPlan};
@@ -50,7 +51,9 @@ struct MtpRows {
 
 /// Runs the MTP layer for every sequence of `plan` that asks for it and returns, per sequence,
 /// its drafts for the next step. `hidden` holds the target's rows after `model.norm`, laid out
-/// as the step's tokens; `emitted` what each sequence emits this step.
+/// as the step's tokens; `emitted` what each sequence emits this step. Under tensor parallelism
+/// every rank runs the same passes (the same plan, and the same emitted tokens from the same
+/// reduced logits) and meets the others through `comm` in each.
 pub fn draft(
     model: &CpuModel,
     mtp: &MtpWeights,
@@ -58,6 +61,7 @@ pub fn draft(
     hidden: &[f32],
     emitted: &[Vec<SampledToken>],
     cache: &mut LatentCache,
+    comm: &mut dyn Collective,
 ) -> Result<Vec<Vec<u32>>, mla_core::runtime::collective::CollectiveError> {
     let h = model.config().hidden_size;
     let first_decode = plan.num_prefill();
@@ -97,7 +101,7 @@ pub fn draft(
         want[r.start + r.len - 1] = true;
     }
     let counts = [tokens.len()];
-    let peers = Peers { comm: &mut mla_core::runtime::collective::Solo, counts: &counts };
+    let peers = Peers { comm: &mut *comm, counts: &counts };
     let out =
         model.mtp_forward_rank(mtp, MtpInput { prev_hidden: &prev, tokens: &tokens }, &spans, cache, &want, peers)?;
 
@@ -130,7 +134,7 @@ pub fn draft(
             })
             .collect();
         let counts = [tokens.len()];
-        let peers = Peers { comm: &mut mla_core::runtime::collective::Solo, counts: &counts };
+        let peers = Peers { comm: &mut *comm, counts: &counts };
         let want = vec![true; tokens.len()];
         let out = model.mtp_forward_rank(
             mtp,

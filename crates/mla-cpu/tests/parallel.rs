@@ -50,6 +50,7 @@ fn group(f: &Fixture, parallel: Parallel, blocks: usize) -> CpuGroupBackend {
         KvCacheDtype::Auto,
         StepLimits::unlimited(),
         Duration::from_secs(600),
+        false,
     )
     .unwrap()
 }
@@ -217,9 +218,17 @@ fn tensor_parallel_over_eight_ranks_matches_one_rank() {
     let mut one = CpuBackend::new(cfg.clone(), weights.as_ref(), BLOCK_SIZE, blocks).unwrap();
     let cache = CacheLayout { block_size: BLOCK_SIZE, num_blocks: blocks };
     let tp8 = Parallel::from_flags(8, None, false).unwrap();
-    let mut tp8 =
-        local_group(cfg, weights, tp8, cache, KvCacheDtype::Auto, StepLimits::unlimited(), Duration::from_secs(600))
-            .unwrap();
+    let mut tp8 = local_group(
+        cfg,
+        weights,
+        tp8,
+        cache,
+        KvCacheDtype::Auto,
+        StepLimits::unlimited(),
+        Duration::from_secs(600),
+        false,
+    )
+    .unwrap();
     let (want_one, want_rows) = prefill_and_decode(&mut one, &p, blocks);
     let (got_one, got_rows) = prefill_and_decode(&mut tp8, &p, blocks);
     let e = max_abs_diff(&got_one, &want_one).max(max_abs_diff(&got_rows, &want_rows));

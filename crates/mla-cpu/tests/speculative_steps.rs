@@ -58,7 +58,7 @@ fn table() -> Vec<u32> {
     (0..16u32).rev().collect()
 }
 
-fn run(b: &mut CpuBackend, kind: StepKind, s: SeqStep) -> SeqResult {
+fn run(b: &mut dyn Backend, kind: StepKind, s: SeqStep) -> SeqResult {
     b.step(&StepPlan { kind, seqs: vec![s] }).unwrap().seqs.remove(0)
 }
 
@@ -96,10 +96,19 @@ struct Run {
 
 /// Greedy decoding with drafts: `feed(out, own)` picks the drafts a verify step feeds, from the
 /// output so far and the backend's own drafts.
-fn speculative(f: &Fixture, prompt: &[u32], k: usize, mut feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>) -> Run {
-    let mut b = backend(f, true);
+fn speculative(f: &Fixture, prompt: &[u32], k: usize, feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>) -> Run {
+    speculative_on(&mut backend(f, true), prompt, k, feed)
+}
+
+/// `speculative` on the backend `b` (which has the MTP layer loaded).
+fn speculative_on(
+    b: &mut dyn Backend,
+    prompt: &[u32],
+    k: usize,
+    mut feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>,
+) -> Run {
     let mtp = |drafts_fed| Some(MtpStep { drafts_fed, next_token: None, draft: k });
-    let r = run(&mut b, StepKind::Prefill, greedy_step(prompt.to_vec(), 0, mtp(0)));
+    let r = run(b, StepKind::Prefill, greedy_step(prompt.to_vec(), 0, mtp(0)));
     assert!(r.extra_tokens.is_empty());
     let mut out = vec![r.sampled.unwrap().token];
     let mut own = r.drafts;
@@ -110,7 +119,7 @@ fn speculative(f: &Fixture, prompt: &[u32], k: usize, mut feed: impl FnMut(&[u32
         let drafts = feed(&out, &own);
         let fed = drafts.len();
         let tokens: Vec<u32> = std::iter::once(*out.last().unwrap()).chain(drafts.iter().copied()).collect();
-        let r = run(&mut b, StepKind::Decode, greedy_step(tokens, computed, mtp(fed)));
+        let r = run(b, StepKind::Decode, greedy_step(tokens, computed, mtp(fed)));
         let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
         assert!(!emitted.is_empty() && emitted.len() <= fed + 1);
         let stood = emitted.len() - 1;
@@ -207,6 +216,36 @@ fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
         }
         assert!(checked >= 4, "K = {k}: only {checked} steps checked");
         assert!(r.accepted.contains(&k), "K = {k}: no step accepted every draft");
+    }
+}
+
+/// Two tensor-parallel ranks (an in-process collective) draft and verify as one rank does: the
+/// same outputs and the same drafts at every step, K = 1 and 3.
+#[test]
+fn tensor_parallel_ranks_draft_and_verify_as_one_rank() {
+    let f = fixture("v3_mtp");
+    let weights: std::sync::Arc<dyn mla_core::WeightSource + Send + Sync> =
+        std::sync::Arc::new(Checkpoint::open(&common::fixture_dir("v3_mtp"), &f.cfg).unwrap());
+    let cache = mla_core::CacheLayout { block_size: BLOCK_SIZE, num_blocks: 16 };
+    let tp2 = mla_core::Parallel::from_flags(2, None, false).unwrap();
+    for k in [1, 3] {
+        for (prompt, _, _) in &f.prompts {
+            let one = speculative(&f, prompt, k, |_, own| own.to_vec());
+            let mut group = mla_cpu::group::local_group(
+                f.cfg.clone(),
+                weights.clone(),
+                tp2,
+                cache,
+                mla_core::KvCacheDtype::Auto,
+                mla_core::StepLimits::unlimited(),
+                std::time::Duration::from_secs(600),
+                true,
+            )
+            .unwrap();
+            let two = speculative_on(&mut group, prompt, k, |_, own| own.to_vec());
+            assert_eq!(two.out, one.out, "K = {k}, prompt of {}", prompt.len());
+            assert_eq!(two.first_drafts, one.first_drafts, "K = {k}, prompt of {}", prompt.len());
+        }
     }
 }
 

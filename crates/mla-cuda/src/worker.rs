@@ -179,11 +179,11 @@ pub fn start_worker(
     let local = layout.local_config(&cfg);
     let t0 = std::time::Instant::now();
     let mtp = opts.mtp_drafts > 0;
-    // The MTP passes run on one GPU so far: their rows meet no collective.
+    // Tensor-parallel ranks make the same MTP passes (the same plan, and the same emitted
+    // tokens from the same reduced logits); DP-attention ranks would not.
     anyhow::ensure!(
-        !mtp || layout.world == 1,
-        "speculative decoding with MTP runs on one GPU so far, not on a group of {}",
-        layout.world
+        !mtp || !layout.dp_attention || layout.world == 1,
+        "speculative decoding with MTP does not run under DP attention yet"
     );
     let (w, source) = match weights {
         WeightsFrom::Checkpoint(dir) => {

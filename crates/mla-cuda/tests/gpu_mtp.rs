@@ -21,8 +21,12 @@ use common::hf::{oracle, oracle_logits, Prompt};
 use common::repo_root;
 use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
+use mla_cuda::collective::NcclConnector;
+use mla_cuda::group::{local_group, CudaGroupBackend, GroupOptions};
 use mla_cuda::{CudaBackend, CudaOptions, WeightsFrom};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 const NEW_TOKENS: usize = 24;
 /// HF's logits with a top-2 gap below this may rank differently in a bf16/FP8 forward.
@@ -43,16 +47,35 @@ fn main_dir() -> PathBuf {
 /// summation order.
 fn backend(drafts: usize) -> CudaBackend {
     let dir = mtp_dir();
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let opts = CudaOptions {
+    CudaBackend::new(config(), WeightsFrom::Checkpoint(dir), options(drafts)).unwrap()
+}
+
+fn config() -> ModelConfig {
+    ModelConfig::from_file(&mtp_dir().join("config.json")).unwrap()
+}
+
+fn options(drafts: usize) -> CudaOptions {
+    CudaOptions {
         fp8_w8a8: false,
         max_num_batched_tokens: 256,
         max_num_seqs: 8,
         num_blocks: Some(16),
         mtp_drafts: drafts,
         ..Default::default()
+    }
+}
+
+/// Tensor-parallel ranks over real NCCL, as many as there are GPUs up to two (one GPU: a
+/// one-rank communicator, whose collectives are real all the same).
+fn tp_group(drafts: usize) -> (usize, CudaGroupBackend) {
+    let world = mla_cuda::visible_gpus().clamp(1, 2);
+    let g = GroupOptions {
+        world,
+        dp_attention: false,
+        watchdog: Duration::from_secs(120),
+        connector: Arc::new(NcclConnector::new().unwrap()),
     };
-    CudaBackend::new(cfg, WeightsFrom::Checkpoint(dir), opts).unwrap()
+    (world, local_group(config(), WeightsFrom::Checkpoint(mtp_dir()), options(drafts), g).unwrap())
 }
 
 fn greedy() -> Option<SampleRequest> {
@@ -91,7 +114,7 @@ struct Seen {
 /// them. `feed(i, out, own)` picks the drafts sequence `i` feeds (`None`: plain decoding, the
 /// backend without MTP).
 fn run(
-    b: &mut CudaBackend,
+    b: &mut dyn Backend,
     prompts: &[Prompt],
     k: Option<usize>,
     mut feed: impl FnMut(usize, &[u32], &[u32]) -> Vec<u32>,
@@ -272,6 +295,40 @@ fn greedy_with_own_drafts_equals_plain_greedy() {
             eprintln!("K = {k}, {}: {n} tokens compared, {stood} drafts stood", p.name);
         }
         assert!(total >= 30, "too few tokens compared ({total})");
+    }
+}
+
+/// Tensor-parallel ranks make the same MTP passes through their collectives: their output with
+/// drafts equals one GPU's plain greedy output, and forced drafts stand where they stand on one
+/// GPU. One rank must match one GPU bit for bit (the same drafts at every step); two, up to
+/// bf16 rounding of the reduced sums.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn tensor_parallel_ranks_speculate_as_one_gpu() {
+    let prompts = oracle(&main_dir());
+    let plain = run(&mut backend(0), &prompts, None, |_, _, _| vec![]);
+    let k = 2;
+    let own = run(&mut backend(k), &prompts, Some(k), |_, _, own| own.to_vec());
+    let mut drafts_one: Vec<Vec<Vec<u32>>> = vec![vec![]; prompts.len()];
+    let (world, mut group) = tp_group(k);
+    let mut drafts_tp: Vec<Vec<Vec<u32>>> = vec![vec![]; prompts.len()];
+    let tp = run(&mut group, &prompts, Some(k), |i, _, own| {
+        drafts_tp[i].push(own.to_vec());
+        own.to_vec()
+    });
+    let again = run(&mut backend(k), &prompts, Some(k), |i, _, own| {
+        drafts_one[i].push(own.to_vec());
+        own.to_vec()
+    });
+    for (i, p) in prompts.iter().enumerate() {
+        let n = comparable(p, &plain[i].out);
+        assert_eq!(tp[i].out[..n], plain[i].out[..n], "{}: {world} TP ranks against plain greedy", p.name);
+        assert_eq!(own[i].out, again[i].out, "{}: one GPU, run twice", p.name);
+        if world == 1 {
+            assert_eq!(tp[i].out, own[i].out, "{}: a one-rank group against one GPU", p.name);
+            assert_eq!(drafts_tp[i], drafts_one[i], "{}: a one-rank group drafts as one GPU", p.name);
+        }
+        eprintln!("{world} TP ranks, {}: {n} tokens compared with plain greedy", p.name);
     }
 }
 

@@ -62,8 +62,8 @@ pub fn load(device: Device, source: &ModelSource, args: &Args, parallel: Paralle
     }
 }
 
-/// Where speculative decoding with the MTP layer runs so far: one rank per replica, on the CPU
-/// or one GPU (docs/speculative-decoding.md).
+/// Where speculative decoding with the MTP layer runs so far: one rank or a tensor-parallel group
+/// per replica, on one node (docs/speculative-decoding.md).
 fn check_speculative(
     device: Device,
     source: &ModelSource,
@@ -78,10 +78,9 @@ fn check_speculative(
             source.name
         );
     }
-    let one_replica = Parallel { replicas: 1, ..parallel };
-    if !one_replica.is_single() || args.nnodes > 1 {
-        let on = if device == Device::Cuda { "GPU" } else { "CPU rank" };
-        bail!("speculative decoding with MTP runs on one {on} per replica so far: drop --tp, --enable-dp-attention and --nnodes (--dp N works)");
+    if parallel.dp_attention || args.nnodes > 1 {
+        let on = if device == Device::Cuda { "GPUs" } else { "CPU ranks" };
+        bail!("speculative decoding with MTP runs on one node's {on} with --tp N and --dp N so far: drop --enable-dp-attention and --nnodes");
     }
     if !(1..=MAX_DRAFTS).contains(&drafts) {
         bail!("speculative decoding with MTP: {drafts} draft tokens per step; 1 to {MAX_DRAFTS} are supported");
@@ -136,6 +135,7 @@ fn cpu(source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<
                 kv_dtype,
                 step,
                 args.watchdog(),
+                args.speculative.request()?.is_some(),
             );
             Box::new(group?)
         });

@@ -109,6 +109,8 @@ fn cpu_ranks(
         comms,
         cache,
         kv_dtype,
+        // Speculative decoding is refused across nodes (backends::check_speculative).
+        false,
     )
 }
 
