@@ -85,6 +85,8 @@ constexpr int GEMV_FP8_STREAM_SMEM_W4T1S4 = 4 * (4 * GEMV_FP8_STREAM_STAGE_T1 + 
 constexpr int GEMV_FP8_STREAM_SMEM_W4T2S4 = 4 * (4 * GEMV_FP8_STREAM_STAGE_T2 + 2 * 4 * 32 * 4);
 constexpr int GEMV_FP8_STREAM_SMEM_W8T1S6 = 8 * (6 * GEMV_FP8_STREAM_STAGE_T1 + 1 * 4 * 32 * 4);
 constexpr int GEMV_FP8_STREAM_SMEM_W2T1S8 = 2 * (8 * GEMV_FP8_STREAM_STAGE_T1 + 1 * 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W4T1S6 = 4 * (6 * GEMV_FP8_STREAM_STAGE_T1 + 1 * 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W8T2S3 = 8 * (3 * GEMV_FP8_STREAM_STAGE_T2 + 2 * 4 * 32 * 4);
 
 // Small-step MoE GEMVs: warps per block of the router and gate/up kernels.
 constexpr int MOE_GEMV_WARPS = 4;

@@ -50,6 +50,8 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
     let mut rows = vec![];
     let mut rng = SplitMix64::new(41);
     let has_stream = dev.k.gemv_fp8.has_stream();
+    let floor = launch_floor_us(dev)?;
+    println!("launch floor, [128, 256] x 1 back to back: mma {:.2} us, stream {:.2} us", floor.0, floor.1);
     for (name, n, k) in SHAPES {
         let copies = ROTATE_BYTES.div_ceil(n * k).clamp(1, 16);
         let bf: Vec<DeviceBuffer<bf16>> =
@@ -79,24 +81,26 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
                 f64::NAN
             };
             let fp8_time = |kind| time_ms(dev, 50, 7, |i| dev.k.gemv_fp8.launch_with(kind, dev.stream(), &lin(i), xs, m, ys()));
-            let stream_time =
-                |cfg| time_ms(dev, 50, 7, |i| dev.k.gemv_fp8.launch_stream(cfg, dev.stream(), &lin(i), xs, m, ys()));
+            let stream_time_n = |cfg, iters, reps| {
+                time_ms(dev, iters, reps, |i| dev.k.gemv_fp8.launch_stream(cfg, dev.stream(), &lin(i), xs, m, ys()))
+            };
+            let stream_time = |cfg| stream_time_n(cfg, 50, 7);
             let t_fma = if small { fp8_time(Fp8GemvKind::Fma)? } else { f64::NAN };
             let t_mma = fp8_time(Fp8GemvKind::Mma)?;
             let (b16, b8) = ((n * k * 2) as f64, (n * k) as f64);
             let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
             let chosen = dev.k.gemv_fp8.stream_config(n, k);
-            let (mut t_stream, mut t_stream_nopf, mut sweep, mut best) = (f64::NAN, f64::NAN, vec![], None);
+            let (mut t_stream, mut t_stream_pf, mut sweep, mut best) = (f64::NAN, f64::NAN, vec![], None);
             if has_stream {
                 t_stream = stream_time(chosen)?;
-                t_stream_nopf = stream_time(StreamConfig { prefetch: false, ..chosen })?;
+                t_stream_pf = stream_time(StreamConfig { prefetch: true, ..chosen })?;
                 for variant in 0..STREAM_VARIANTS.len() {
-                    for splits in [1usize, 2, 4, 8] {
+                    for splits in [1usize, 2, 3, 4, 6, 8] {
                         if StreamConfig::no_empty_split(k, splits) != splits {
                             continue;
                         }
-                        let cfg = StreamConfig { variant, splits, prefetch: true };
-                        let t = stream_time(cfg)?;
+                        let cfg = StreamConfig { variant, splits, prefetch: false };
+                        let t = stream_time_n(cfg, 20, 5)?;
                         let vname = STREAM_VARIANTS[variant].name();
                         sweep.push(json!({"variant": vname, "splits": splits, "us": t * 1e3, "tb_s": tb(b8, t)}));
                         if best.as_ref().is_none_or(|(bt, _, _)| t < *bt) {
@@ -115,12 +119,12 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
                     if chosen.prefetch { " +prefetch" } else { "" }),
                 "fp8_stream_us": t_stream * 1e3, "fp8_stream_tb_s": tb(b8, t_stream),
                 "fp8_stream_of_copy": tb(b8, t_stream) / copy,
-                "fp8_stream_noprefetch_us": t_stream_nopf * 1e3,
+                "fp8_stream_prefetch_us": t_stream_pf * 1e3,
                 "fp8_stream_best": {"variant": bname, "splits": bsplits, "us": bt * 1e3, "tb_s": tb(b8, bt)},
                 "fp8_stream_sweep": sweep,
             });
             println!(
-                "weight gemv {name:>14} [{n}, {k}] x {m}: bf16 {:6.1} us | fp8 fma {:6.1} us {:4.2} TB/s | mma {:6.1} us {:4.2} TB/s | stream {:6.1} us {:4.2} TB/s ({:.0}% of copy; no prefetch {:.1}) | best {bname} x{bsplits} {:6.1} us {:4.2} TB/s",
+                "weight gemv {name:>14} [{n}, {k}] x {m}: bf16 {:6.1} us | fp8 fma {:6.1} us {:4.2} TB/s | mma {:6.1} us {:4.2} TB/s | stream {:6.1} us {:4.2} TB/s ({:.0}% of copy; L2 prefetch {:.1}) | best {bname} x{bsplits} {:6.1} us {:4.2} TB/s",
                 t_bf16 * 1e3,
                 t_fma * 1e3,
                 tb(b8, t_fma),
@@ -129,12 +133,32 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
                 t_stream * 1e3,
                 tb(b8, t_stream),
                 100.0 * tb(b8, t_stream) / copy,
-                t_stream_nopf * 1e3,
+                t_stream_pf * 1e3,
                 bt * 1e3,
                 tb(b8, bt),
             );
             rows.push(row);
         }
     }
-    Ok(json!({ "copy_tb_s": copy, "cases": rows }))
+    Ok(json!({ "copy_tb_s": copy, "floor_us": {"mma": floor.0, "stream": floor.1}, "cases": rows }))
+}
+
+/// Time per launch of the MMA and streaming kernels on a tiny weight ([128, 256], 1 row): the
+/// back-to-back launch cost that bounds the narrow shapes from below.
+fn launch_floor_us(dev: &Device) -> anyhow::Result<(f64, f64)> {
+    let (n, k) = (128, 256);
+    let w = DeviceBuffer::from_host(&vec![0x38u8; n * k])?;
+    let sd = DeviceBuffer::from_host(&[1f32; 2])?;
+    let x = fill(dev, k, 1.0, 61)?;
+    let y = DeviceBuffer::<bf16>::alloc(n)?;
+    let lin = Fp8Linear { w: w.slice(), scale_inv: sd.slice(), out: n, inp: k };
+    let (xs, ys) = (Strided::new(x.slice(), k), || GemvOut::Bf16(Strided::new(y.slice(), n)));
+    let g = &dev.k.gemv_fp8;
+    let mma = time_ms(dev, 50, 7, |_| g.launch_with(Fp8GemvKind::Mma, dev.stream(), &lin, xs, 1, ys()))?;
+    let stream = if g.has_stream() {
+        time_ms(dev, 50, 7, |_| g.launch_with(Fp8GemvKind::Stream, dev.stream(), &lin, xs, 1, ys()))?
+    } else {
+        f64::NAN
+    };
+    Ok((mma * 1e3, stream * 1e3))
 }
