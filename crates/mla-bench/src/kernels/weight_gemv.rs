@@ -89,7 +89,7 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             let t_mma = fp8_time(Fp8GemvKind::Mma)?;
             let (b16, b8) = ((n * k * 2) as f64, (n * k) as f64);
             let tb = |bytes: f64, ms: f64| bytes / (ms * 1e-3) / 1e12;
-            let chosen = dev.k.gemv_fp8.stream_config(n, k);
+            let chosen = dev.k.gemv_fp8.stream_config(n, k, m);
             let (mut t_stream, mut t_stream_pf, mut sweep, mut best) = (f64::NAN, f64::NAN, vec![], None);
             if has_stream {
                 t_stream = stream_time(chosen)?;

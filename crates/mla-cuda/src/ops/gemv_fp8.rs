@@ -74,17 +74,46 @@ pub struct StreamConfig {
     pub prefetch: bool,
 }
 
+/// `STREAM_VARIANTS` index of w4t1s4, the default, and of w4t2s4, past 4 rows on shapes it fills.
+const STREAM_DEFAULT: usize = 0;
+const STREAM_WIDE: usize = 1;
+
 /// Most K splits (the portable cluster size).
 pub const STREAM_MAX_SPLITS: usize = 8;
 
 impl StreamConfig {
-    /// The launch for an [n, k] weight on `sm_count` SMs: variant 0, and K split until the
-    /// CTAs cover the SMs about twice (no split left empty).
-    pub fn choose(n: usize, k: usize, sm_count: usize) -> StreamConfig {
-        let variant = 0;
-        let row_ctas = n.div_ceil(STREAM_VARIANTS[variant].cta_rows()).max(1);
-        let splits = (2 * sm_count).div_ceil(row_ctas).clamp(1, STREAM_MAX_SPLITS);
-        StreamConfig { variant, splits: Self::no_empty_split(k, splits), prefetch: false }
+    /// The launch for an [n, k] weight and `rows` input rows on a GPU that holds `slots[v]` CTAs
+    /// of variant v at once (SMs x CTAs per SM). From the H200 sweep G2 (docs/performance.md):
+    /// what counts is one full wave. w4t1s4 (3 CTAs per SM), with K split into as many parts
+    /// (at most 8) as keep the CTAs within one wave: o_proj's 112 row blocks x 3 splits took
+    /// 33.2 us, x 4 (two waves) 43.3. When the rows alone fill a wave (dense gate/up), 2 splits
+    /// if K has at least 32 scale blocks (shorter CTAs, a shorter last wave: 81.2 against 84.0
+    /// us at 8 rows). Past 4 rows, w4t2s4 (32 rows a warp: half the input reads per weight)
+    /// when it fills at least 80% of a wave (o_proj at 8 rows 35.6 against 39.9 us), else
+    /// w4t1s4 (q_a+kv_a, q_b).
+    pub fn choose(n: usize, k: usize, rows: usize, slots: &[usize]) -> StreamConfig {
+        let k_blocks = k.div_ceil(super::linear::FP8_BLOCK).max(1);
+        // (splits, fraction of a wave filled; > 1: several waves) of variant v.
+        let plan = |v: usize| {
+            let row_ctas = n.div_ceil(STREAM_VARIANTS[v].cta_rows()).max(1);
+            let slots = slots[v].max(1);
+            if row_ctas >= slots {
+                let splits = if k_blocks >= 32 { 2 } else { 1 };
+                return (Self::no_empty_split(k, splits), row_ctas as f64 / slots as f64);
+            }
+            let splits = (1..=STREAM_MAX_SPLITS.min(k_blocks))
+                .filter(|&s| Self::no_empty_split(k, s) == s && row_ctas * s <= slots)
+                .max()
+                .unwrap_or(1);
+            (splits, (row_ctas * splits) as f64 / slots as f64)
+        };
+        if rows > 4 {
+            let (splits, fill) = plan(STREAM_WIDE);
+            if (0.8..=1.0).contains(&fill) {
+                return StreamConfig { variant: STREAM_WIDE, splits, prefetch: false };
+            }
+        }
+        StreamConfig { variant: STREAM_DEFAULT, splits: plan(STREAM_DEFAULT).0, prefetch: false }
     }
 
     /// The number of non-empty splits when K's scale blocks are dealt out `ceil(blocks / splits)`
@@ -101,17 +130,19 @@ pub struct GemvFp8Kernels {
     mma: Kernel,
     /// The streaming variants (`STREAM_VARIANTS` order); empty without the sm_90a cubin.
     stream: Vec<Kernel>,
-    sm_count: usize,
+    /// CTAs of each variant the GPU holds at once.
+    stream_slots: Vec<usize>,
 }
 
 impl GemvFp8Kernels {
     pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
-        let mut stream = vec![];
+        let (mut stream, mut stream_slots) = (vec![], vec![]);
         // Clusters and the variants' shared memory: the sm_90a cubin only.
         if !m.used_ptx && STREAM_VARIANTS.iter().all(|v| v.smem <= info.max_smem_per_block_optin) {
             for v in STREAM_VARIANTS {
                 let k = m.kernel("gemv_fp8", v.kernel)?;
                 k.set_max_dynamic_smem(v.smem)?;
+                stream_slots.push(info.sm_count * k.max_active_blocks_per_sm(32 * v.warps as u32, v.smem)?);
                 stream.push(k);
             }
         }
@@ -119,7 +150,7 @@ impl GemvFp8Kernels {
             fma: m.kernel("gemv_fp8", "gemv_fp8_block")?,
             mma: m.kernel("gemv_fp8", "gemv_fp8_mma")?,
             stream,
-            sm_count: info.sm_count,
+            stream_slots,
         })
     }
 
@@ -129,8 +160,8 @@ impl GemvFp8Kernels {
     }
 
     /// `StreamConfig::choose` on this GPU.
-    pub fn stream_config(&self, n: usize, k: usize) -> StreamConfig {
-        StreamConfig::choose(n, k, self.sm_count)
+    pub fn stream_config(&self, n: usize, k: usize, rows: usize) -> StreamConfig {
+        StreamConfig::choose(n, k, rows, &self.stream_slots)
     }
 
     /// Whether `launch` can take these operands: K a multiple of 16 (16-byte weight loads), the
@@ -154,17 +185,20 @@ impl GemvFp8Kernels {
         rows: usize,
         y: GemvOut,
     ) -> anyhow::Result<()> {
-        self.launch_with(Self::kind_for(rows), s, lin, x, rows, y)
+        self.launch_with(self.kind_for(rows), s, lin, x, rows, y)
     }
 
-    /// The kernel for `rows` input rows (H200, run F17 in docs/runs/2026-11-26.md): at 4 rows
-    /// the MMA kernel takes 12.3 / 16.1 / 52.8 / 58.4 us on V3's q_a+kv_a, q_b, o_proj and
-    /// dense down against 20.0 / 27.7 / 159.3 / 203.6 for the FMA one (which spends an FMA per
-    /// weight and row), and the same at 1 row as at 4; at 1 row the FMA kernel is as fast or
-    /// faster on the shapes where the MMA one has the fewest warps per row (q_a+kv_a 10.1
-    /// against 12.2 us, dense gate/up 83.4 against 100.1).
-    pub fn kind_for(rows: usize) -> Fp8GemvKind {
-        if rows == 1 {
+    /// The kernel for `rows` input rows: the streaming one wherever it is loaded (sm_90). On the
+    /// H200 (run G2, docs/performance.md) it took V3's q_a+kv_a, q_b, o_proj and dense gate/up
+    /// at 1 row in 7.8 / 11.3 / 32.9 / 71.3 us against the FMA kernel's 10.0 / 16.7 / 56.6 /
+    /// 83.4 and the MMA kernel's 12.3 / 15.6 / 52.0 / 99.2, and stays ahead at 2 to 8 rows.
+    /// Elsewhere (PTX): the FMA kernel at 1 row, the MMA one at 2 to 8 (run F17: at 4 rows
+    /// 12.3 / 16.1 / 52.8 us on q_a+kv_a, q_b, o_proj against the FMA kernel's 20.0 / 27.7 /
+    /// 159.3).
+    pub fn kind_for(&self, rows: usize) -> Fp8GemvKind {
+        if self.has_stream() {
+            Fp8GemvKind::Stream
+        } else if rows == 1 {
             Fp8GemvKind::Fma
         } else {
             Fp8GemvKind::Mma
@@ -183,7 +217,7 @@ impl GemvFp8Kernels {
     ) -> anyhow::Result<()> {
         if kind == Fp8GemvKind::Stream {
             if self.has_stream() {
-                return self.launch_stream(self.stream_config(lin.out, lin.inp), s, lin, x, rows, y);
+                return self.launch_stream(self.stream_config(lin.out, lin.inp, rows), s, lin, x, rows, y);
             }
             return self.launch_with(Fp8GemvKind::Mma, s, lin, x, rows, y);
         }
@@ -270,5 +304,38 @@ impl GemvFp8Kernels {
         anyhow::ensure!(stride >= lin.out, "gemv_fp8 output stride {stride} < {}", lin.out);
         anyhow::ensure!(len >= (rows - 1) * stride + lin.out, "gemv_fp8 output: {len} elements too few");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The configurations `choose` gives V3's shapes on an H100/H200 (132 SMs: 396 CTAs of
+    /// w4t1s4, 264 of w4t2s4), as the G2 sweep found best.
+    #[test]
+    fn choose_fills_one_wave() {
+        let slots = [396, 264, 132, 396, 264, 132];
+        let pick = |n, k, rows| {
+            let c = StreamConfig::choose(n, k, rows, &slots);
+            (STREAM_VARIANTS[c.variant].name(), c.splits)
+        };
+        let t1 = |s| ("w4t1s4".to_string(), s);
+        let t2 = |s| ("w4t2s4".to_string(), s);
+        for rows in [1, 4] {
+            assert_eq!(pick(2112, 7168, rows), t1(8), "q_a+kv_a");
+            assert_eq!(pick(24576, 1536, rows), t1(1), "q_b");
+            assert_eq!(pick(7168, 16384, rows), t1(3), "o_proj");
+            assert_eq!(pick(7168, 18432, rows), t1(3), "dense down");
+            assert_eq!(pick(36864, 7168, rows), t1(2), "dense gate/up");
+        }
+        assert_eq!(pick(2112, 7168, 8), t1(8));
+        assert_eq!(pick(24576, 1536, 8), t1(1));
+        assert_eq!(pick(7168, 16384, 8), t2(4));
+        assert_eq!(pick(7168, 18432, 8), t2(4));
+        assert_eq!(pick(36864, 7168, 8), t1(2));
+        // Tiny and odd shapes: no empty split, at least one.
+        assert_eq!(pick(13, 48, 1), t1(1));
+        assert_eq!(pick(384, 1360, 1), t1(6));
     }
 }
