@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 namespace {
 template <int TILES>
 struct StreamLayout {
-    static constexpr int W_CHUNKS = 4 * TILES;  // 16-byte weight chunks per lane and stage
+    static constexpr int W_CHUNKS = 4 * TILES;   // 16-byte weight chunks per lane and stage
     static constexpr int CHUNKS = W_CHUNKS + 4;  // and 4 of inputs (32 bytes per 64-wide half)
     static constexpr int STAGE_BYTES = CHUNKS * 32 * 16 + TILES * 32 * 4;
 };
@@ -241,7 +241,7 @@ DEVICE_INLINE uint32_t prmt(uint32_t a, uint32_t sel) {
 template <uint32_t SEL>
 DEVICE_INLINE uint32_t e4m3x2_to_bf16x2_int(uint32_t word) {
     const uint32_t v = (prmt(word, SEL) << 4) & 0x87f087f0u;  // bf16 bits of w * 2^-120
-    const uint32_t k = 0x7b807b80u;                          // 2^120, twice
+    const uint32_t k = 0x7b807b80u;                           // 2^120, twice
     const __nv_bfloat162 r =
         __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k));
     return *reinterpret_cast<const uint32_t*>(&r);
@@ -280,9 +280,9 @@ DEVICE_INLINE float ld_dsmem_f32(const float* p, int rank) {
 }
 
 template <int WARPS, int TILES, int STAGES>
-DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv,
-                                        int n_rows, int k_len, const __nv_bfloat16* __restrict__ x, int x_stride,
-                                        int m_rows, void* __restrict__ y, int y_stride, int out_f32, int flags) {
+DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows,
+                                        int k_len, const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows,
+                                        void* __restrict__ y, int y_stride, int out_f32, int flags) {
     using L = StreamLayout<TILES>;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -298,8 +298,7 @@ DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const flo
     if ((flags & 1) && n_stages > 0) {  // the CTA's weight rows over its K range into L2
         const int k_lo = kb0 * SCALE_BLOCK, k_hi = min(k_len, (kb0 + n_stages) * SCALE_BLOCK);
         for (int r = threadIdx.x; r < CTA_ROWS; r += 32 * WARPS)
-            if (cta_row0 + r < n_rows)
-                prefetch_l2(w + (size_t)(cta_row0 + r) * k_len + k_lo, (unsigned)(k_hi - k_lo));
+            if (cta_row0 + r < n_rows) prefetch_l2(w + (size_t)(cta_row0 + r) * k_len + k_lo, (unsigned)(k_hi - k_lo));
     }
     // Rows past N read row N - 1 (their sums are not written).
     const uint8_t* wrow[TILES][2];
@@ -325,7 +324,8 @@ DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const flo
                 for (int rr = 0; rr < 2; ++rr) {
                     const int k = kbase + h * 64;
                     const bool ok = k < k_len;
-                    cp_async_16_l2(st + (((tile * 2 + h) * 2 + rr) * 32 + lane) * 16, wrow[tile][rr] + (ok ? k : 0), ok);
+                    cp_async_16_l2(st + (((tile * 2 + h) * 2 + rr) * 32 + lane) * 16, wrow[tile][rr] + (ok ? k : 0),
+                                   ok);
                 }
             cp_async_4_ca(st + L::CHUNKS * 512 + (tile * 32 + lane) * 4, srow[tile] + i);
         }
@@ -372,8 +372,9 @@ DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const flo
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
-                const uint4 v = has_x ? *reinterpret_cast<const uint4*>(st + ((L::W_CHUNKS + h * 2 + q) * 32 + lane) * 16)
-                                      : make_uint4(0, 0, 0, 0);
+                const uint4 v = has_x
+                    ? *reinterpret_cast<const uint4*>(st + ((L::W_CHUNKS + h * 2 + q) * 32 + lane) * 16)
+                    : make_uint4(0, 0, 0, 0);
                 xw[h][4 * q] = v.x;
                 xw[h][4 * q + 1] = v.y;
                 xw[h][4 * q + 2] = v.z;
@@ -437,16 +438,16 @@ DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const flo
 // when splits > 1 (sm_90 only); dynamic shared memory GEMV_FP8_STREAM_SMEM(WARPS, TILES, STAGES).
 // K % 16 == 0, x_stride % 8 == 0, W and x 16-byte aligned, m_rows <= 8. flags bit 0: prefetch the
 // CTA's weights into L2 first.
-#define GEMV_FP8_STREAM(WARPS, TILES, STAGES)                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_fp8_stream_w##WARPS##t##TILES##s##STAGES(      \
-        const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows, int k_len,               \
-        const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows, void* __restrict__ y, int y_stride,       \
-        int out_f32, int flags) {                                                                                \
+#define GEMV_FP8_STREAM(WARPS, TILES, STAGES)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_fp8_stream_w##WARPS##t##TILES##s##STAGES(       \
+        const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows, int k_len,                \
+        const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows, void* __restrict__ y, int y_stride,        \
+        int out_f32, int flags) {                                                                                 \
         gemv_fp8_stream_body<WARPS, TILES, STAGES>(w, scale_inv, n_rows, k_len, x, x_stride, m_rows, y, y_stride, \
-                                                   out_f32, flags);                                              \
-    }                                                                                                            \
-    static_assert(WARPS * (STAGES * StreamLayout<TILES>::STAGE_BYTES + TILES * 4 * 32 * 4) ==                    \
-                      GEMV_FP8_STREAM_SMEM_W##WARPS##T##TILES##S##STAGES,                                        \
+                                                   out_f32, flags);                                               \
+    }                                                                                                             \
+    static_assert(WARPS * (STAGES * StreamLayout<TILES>::STAGE_BYTES + TILES * 4 * 32 * 4) ==                     \
+                      GEMV_FP8_STREAM_SMEM_W##WARPS##T##TILES##S##STAGES,                                         \
                   "dims.cuh's shared memory of the streaming GEMV differs from the kernel's")
 GEMV_FP8_STREAM(4, 1, 4);
 GEMV_FP8_STREAM(4, 2, 4);

@@ -103,7 +103,7 @@ fn fp8_gemv_stream_variants_and_splits_match_the_reference() {
             let den: f64 = want.iter().map(|b| b * b).sum();
             // Rows of the output at a stride past N, so that a write past row N would show.
             let ys = n + 24;
-            for variant in 0..STREAM_VARIANTS.len() {
+            for (variant, v) in STREAM_VARIANTS.iter().enumerate() {
                 for (si, splits) in [1usize, 2, 3, 8].into_iter().enumerate() {
                     let cfg = StreamConfig { variant, splits, prefetch: si % 2 == 0 };
                     let run = || {
@@ -115,7 +115,7 @@ fn fp8_gemv_stream_variants_and_splits_match_the_reference() {
                         down(y.slice())
                     };
                     let (a, b) = (run(), run());
-                    let name = STREAM_VARIANTS[variant].name();
+                    let name = v.name();
                     assert!(
                         a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
                         "{name} x{splits} [{n}, {k}] x {m}: two runs differ"
@@ -162,7 +162,7 @@ fn fp8_gemv_stream_converts_every_e4m3_code_exactly() {
         let (wd, sd) = (up(&bytes), up(&scales));
         let lin = Fp8Linear { w: wd.slice(), scale_inv: sd.slice(), out: n, inp: k };
         let xd = up_bf16(&vec![xv; k]);
-        for variant in 0..STREAM_VARIANTS.len() {
+        for (variant, v) in STREAM_VARIANTS.iter().enumerate() {
             for splits in [1, 2] {
                 let y = up(&vec![f32::NAN; n]);
                 let cfg = StreamConfig { variant, splits, prefetch: false };
@@ -178,7 +178,7 @@ fn fp8_gemv_stream_converts_every_e4m3_code_exactly() {
                         "code {:#04x}: {} against {want} ({}, x{splits}, x = {xv})",
                         codes[j],
                         got[j],
-                        STREAM_VARIANTS[variant].name()
+                        v.name()
                     );
                 }
             }

@@ -80,7 +80,8 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             } else {
                 f64::NAN
             };
-            let fp8_time = |kind| time_ms(dev, 50, 7, |i| dev.k.gemv_fp8.launch_with(kind, dev.stream(), &lin(i), xs, m, ys()));
+            let fp8_time =
+                |kind| time_ms(dev, 50, 7, |i| dev.k.gemv_fp8.launch_with(kind, dev.stream(), &lin(i), xs, m, ys()));
             let stream_time_n = |cfg, iters, reps| {
                 time_ms(dev, iters, reps, |i| dev.k.gemv_fp8.launch_stream(cfg, dev.stream(), &lin(i), xs, m, ys()))
             };
@@ -94,14 +95,14 @@ pub fn run(dev: &Device) -> anyhow::Result<Value> {
             if has_stream {
                 t_stream = stream_time(chosen)?;
                 t_stream_pf = stream_time(StreamConfig { prefetch: true, ..chosen })?;
-                for variant in 0..STREAM_VARIANTS.len() {
+                for (variant, v) in STREAM_VARIANTS.iter().enumerate() {
                     for splits in [1usize, 2, 3, 4, 6, 8] {
                         if StreamConfig::no_empty_split(k, splits) != splits {
                             continue;
                         }
                         let cfg = StreamConfig { variant, splits, prefetch: false };
                         let t = stream_time_n(cfg, 20, 5)?;
-                        let vname = STREAM_VARIANTS[variant].name();
+                        let vname = v.name();
                         sweep.push(json!({"variant": vname, "splits": splits, "us": t * 1e3, "tb_s": tb(b8, t)}));
                         if best.as_ref().is_none_or(|(bt, _, _)| t < *bt) {
                             best = Some((t, vname, splits));

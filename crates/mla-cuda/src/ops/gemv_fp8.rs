@@ -7,8 +7,9 @@
 //! (`model::small_linear`).
 
 use super::dims::{
-    FP8_GEMV_MAX_ROWS, GEMV_FP8_STREAM_SMEM_W2T1S8, GEMV_FP8_STREAM_SMEM_W4T1S4, GEMV_FP8_STREAM_SMEM_W4T2S4,
-    GEMV_FP8_STREAM_SMEM_W8T1S6, GEMV_FP8_STREAM_SMEM_W4T1S6, GEMV_FP8_STREAM_SMEM_W8T2S3, GEMV_KERNEL_MAX_ROWS, GEMV_ROWS_PER_BLOCK,
+    FP8_GEMV_MAX_ROWS, GEMV_FP8_STREAM_SMEM_W2T1S8, GEMV_FP8_STREAM_SMEM_W4T1S4, GEMV_FP8_STREAM_SMEM_W4T1S6,
+    GEMV_FP8_STREAM_SMEM_W4T2S4, GEMV_FP8_STREAM_SMEM_W8T1S6, GEMV_FP8_STREAM_SMEM_W8T2S3, GEMV_KERNEL_MAX_ROWS,
+    GEMV_ROWS_PER_BLOCK,
 };
 use super::gemv::GemvOut;
 use super::linear::{Fp8Linear, Strided};
@@ -57,12 +58,48 @@ impl StreamVariant {
 
 /// The variants kernels/gemv_fp8.cu instantiates, in the order of `StreamConfig::variant`.
 pub const STREAM_VARIANTS: [StreamVariant; 6] = [
-    StreamVariant { kernel: "gemv_fp8_stream_w4t1s4", warps: 4, tiles: 1, stages: 4, smem: GEMV_FP8_STREAM_SMEM_W4T1S4 },
-    StreamVariant { kernel: "gemv_fp8_stream_w4t2s4", warps: 4, tiles: 2, stages: 4, smem: GEMV_FP8_STREAM_SMEM_W4T2S4 },
-    StreamVariant { kernel: "gemv_fp8_stream_w8t1s6", warps: 8, tiles: 1, stages: 6, smem: GEMV_FP8_STREAM_SMEM_W8T1S6 },
-    StreamVariant { kernel: "gemv_fp8_stream_w2t1s8", warps: 2, tiles: 1, stages: 8, smem: GEMV_FP8_STREAM_SMEM_W2T1S8 },
-    StreamVariant { kernel: "gemv_fp8_stream_w4t1s6", warps: 4, tiles: 1, stages: 6, smem: GEMV_FP8_STREAM_SMEM_W4T1S6 },
-    StreamVariant { kernel: "gemv_fp8_stream_w8t2s3", warps: 8, tiles: 2, stages: 3, smem: GEMV_FP8_STREAM_SMEM_W8T2S3 },
+    StreamVariant {
+        kernel: "gemv_fp8_stream_w4t1s4",
+        warps: 4,
+        tiles: 1,
+        stages: 4,
+        smem: GEMV_FP8_STREAM_SMEM_W4T1S4,
+    },
+    StreamVariant {
+        kernel: "gemv_fp8_stream_w4t2s4",
+        warps: 4,
+        tiles: 2,
+        stages: 4,
+        smem: GEMV_FP8_STREAM_SMEM_W4T2S4,
+    },
+    StreamVariant {
+        kernel: "gemv_fp8_stream_w8t1s6",
+        warps: 8,
+        tiles: 1,
+        stages: 6,
+        smem: GEMV_FP8_STREAM_SMEM_W8T1S6,
+    },
+    StreamVariant {
+        kernel: "gemv_fp8_stream_w2t1s8",
+        warps: 2,
+        tiles: 1,
+        stages: 8,
+        smem: GEMV_FP8_STREAM_SMEM_W2T1S8,
+    },
+    StreamVariant {
+        kernel: "gemv_fp8_stream_w4t1s6",
+        warps: 4,
+        tiles: 1,
+        stages: 6,
+        smem: GEMV_FP8_STREAM_SMEM_W4T1S6,
+    },
+    StreamVariant {
+        kernel: "gemv_fp8_stream_w8t2s3",
+        warps: 8,
+        tiles: 2,
+        stages: 3,
+        smem: GEMV_FP8_STREAM_SMEM_W8T2S3,
+    },
 ];
 
 /// How one launch of the streaming kernel runs: which variant, over how many K splits (the
