@@ -76,6 +76,17 @@ constexpr int GROUPED_SM90_FP8_SMEM_BYTES = GROUPED_SM90_SMEM_BYTES + 2 * 256 * 
 constexpr int GEMV_KERNEL_MAX_ROWS = 4;
 constexpr int GEMV_ROWS_PER_BLOCK = 8;
 constexpr int FP8_GEMV_MAX_ROWS = 8;
+// The streaming FP8 GEMV (gemv_fp8_stream_w<WARPS>t<TILES>s<STAGES>): per warp, STAGES ring slots
+// of a lane's 16-byte chunks (4 per 16-row tile of weights, 4 of inputs) and the tile scales,
+// then the split-K partial sums (TILES x 4 floats a lane); its dynamic shared memory per variant.
+constexpr int GEMV_FP8_STREAM_STAGE_T1 = (4 + 4) * 32 * 16 + 32 * 4;
+constexpr int GEMV_FP8_STREAM_STAGE_T2 = (4 * 2 + 4) * 32 * 16 + 2 * 32 * 4;
+constexpr int GEMV_FP8_STREAM_SMEM_W4T1S4 = 4 * (4 * GEMV_FP8_STREAM_STAGE_T1 + 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W4T2S4 = 4 * (4 * GEMV_FP8_STREAM_STAGE_T2 + 2 * 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W8T1S6 = 8 * (6 * GEMV_FP8_STREAM_STAGE_T1 + 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W2T1S8 = 2 * (8 * GEMV_FP8_STREAM_STAGE_T1 + 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W4T1S6 = 4 * (6 * GEMV_FP8_STREAM_STAGE_T1 + 4 * 32 * 4);
+constexpr int GEMV_FP8_STREAM_SMEM_W8T2S3 = 8 * (3 * GEMV_FP8_STREAM_STAGE_T2 + 2 * 4 * 32 * 4);
 
 // Small-step MoE GEMVs: warps per block of the router and gate/up kernels.
 constexpr int MOE_GEMV_WARPS = 4;

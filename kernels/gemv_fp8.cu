@@ -200,3 +200,258 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
             reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(v);
     }
 }
+
+// The streaming kernel of 1 to 8 rows (issue 29): the tensor-core kernel's fragments and exact
+// products, fed from a per-lane ring of shared memory and split over K across the CTAs of a
+// thread-block cluster, so that every SM has tens of KB of weights in flight whatever N is.
+//
+// - A warp owns TILES tiles of 16 weight rows and walks the scale blocks of its CTA's K range.
+//   Each lane copies, with cp.async, exactly the 16-byte chunks (weights of rows g and g + 8,
+//   inputs of token g, the tile's scale) that it will itself read back, into STAGES slots of a
+//   ring: so no barrier is needed, only cp.async.wait_group, and STAGES - 1 scale blocks of
+//   every warp are in flight while one is multiplied.
+// - e4m3 to bf16 takes three integer operations and one bf16x2 multiply per pair of weights,
+//   and no conversion instruction (the conversion pipe, 16 results per clock and SM, bounded
+//   the MMA kernel): the byte is sign-extended to 16 bits, shifted left by 4 and masked, which
+//   places sign, exponent and mantissa where bf16 has them, a bf16 worth w * 2^-120 (subnormal
+//   for e4m3's subnormals), then multiplied by 2^120, exact. The NaN codes (0x7f, 0xff), absent
+//   from checkpoints, become +-480.
+// - The weight copies of the first stages are issued before the programmatic-launch wait (the
+//   weights do not depend on the preceding kernel), the inputs after it.
+// - Split K: blockIdx.x is the split and the cluster rank (cluster dims (splits, 1, 1), set by
+//   the launcher; splits == 1 launches no cluster). Each CTA leaves its f32 partial sums in its
+//   shared memory; after a cluster barrier, rank r sums, for the outputs it owns, the partials
+//   of ranks 0, 1, ... in that order through distributed shared memory: deterministic, no
+//   workspace, no atomics. Only sm_90 has clusters: the PTX fallback takes splits == 1.
+namespace {
+template <int TILES>
+struct StreamLayout {
+    static constexpr int W_CHUNKS = 4 * TILES;   // 16-byte weight chunks per lane and stage
+    static constexpr int CHUNKS = W_CHUNKS + 4;  // and 4 of inputs (32 bytes per 64-wide half)
+    static constexpr int STAGE_BYTES = CHUNKS * 32 * 16 + TILES * 32 * 4;
+};
+
+DEVICE_INLINE uint32_t prmt(uint32_t a, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(r) : "r"(a), "r"(sel));
+    return r;
+}
+
+// Bytes 0, 1 (SEL 0x9180) or 2, 3 (SEL 0xB3A2) of `word`, two e4m3 codes, as bf16x2, exactly.
+template <uint32_t SEL>
+DEVICE_INLINE uint32_t e4m3x2_to_bf16x2_int(uint32_t word) {
+    const uint32_t v = (prmt(word, SEL) << 4) & 0x87f087f0u;  // bf16 bits of w * 2^-120
+    const uint32_t k = 0x7b807b80u;                           // 2^120, twice
+    const __nv_bfloat162 r =
+        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k));
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+DEVICE_INLINE void cp_async_16_l2(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+DEVICE_INLINE void cp_async_16_ca(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+DEVICE_INLINE void cp_async_4_ca(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+
+DEVICE_INLINE void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// The f32 at `p` in the shared memory of the cluster's CTA `rank`.
+DEVICE_INLINE float ld_dsmem_f32(const float* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    __trap();
+    return 0.f;
+#endif
+}
+
+template <int WARPS, int TILES, int STAGES>
+DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows,
+                                        int k_len, const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows,
+                                        void* __restrict__ y, int y_stride, int out_f32, int flags) {
+    using L = StreamLayout<TILES>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int splits = gridDim.x, split = blockIdx.x;
+    const int k_blocks = (k_len + SCALE_BLOCK - 1) / SCALE_BLOCK;
+    const int per = (k_blocks + splits - 1) / splits;
+    const int kb0 = min(k_blocks, split * per), n_stages = min(k_blocks, kb0 + per) - kb0;
+    constexpr int CTA_ROWS = WARPS * TILES * 16;
+    const int cta_row0 = blockIdx.y * CTA_ROWS, warp_row0 = cta_row0 + warp * TILES * 16;
+    uint8_t* ring = smem + warp * STAGES * L::STAGE_BYTES;
+    float* red = reinterpret_cast<float*>(smem + WARPS * STAGES * L::STAGE_BYTES);  // [WARPS][TILES * 4][32]
+
+    if ((flags & 1) && n_stages > 0) {  // the CTA's weight rows over its K range into L2
+        const int k_lo = kb0 * SCALE_BLOCK, k_hi = min(k_len, (kb0 + n_stages) * SCALE_BLOCK);
+        for (int r = threadIdx.x; r < CTA_ROWS; r += 32 * WARPS)
+            if (cta_row0 + r < n_rows) prefetch_l2(w + (size_t)(cta_row0 + r) * k_len + k_lo, (unsigned)(k_hi - k_lo));
+    }
+    // Rows past N read row N - 1 (their sums are not written).
+    const uint8_t* wrow[TILES][2];
+    const float* srow[TILES];
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile) {
+        const int r0 = warp_row0 + tile * 16;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) wrow[tile][rr] = w + (size_t)min(r0 + g + 8 * rr, n_rows - 1) * k_len;
+        srow[tile] = scale_inv + (size_t)(min(r0, n_rows - 1) / SCALE_BLOCK) * k_blocks + kb0;
+    }
+    const __nv_bfloat16* xrow = x + (size_t)min(g, m_rows - 1) * x_stride;
+    const bool has_x = g < m_rows;
+
+    auto issue_w = [&](int i) {
+        uint8_t* st = ring + (i % STAGES) * L::STAGE_BYTES;
+        const int kbase = (kb0 + i) * SCALE_BLOCK + t * 16;
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const int k = kbase + h * 64;
+                    const bool ok = k < k_len;
+                    cp_async_16_l2(st + (((tile * 2 + h) * 2 + rr) * 32 + lane) * 16, wrow[tile][rr] + (ok ? k : 0),
+                                   ok);
+                }
+            cp_async_4_ca(st + L::CHUNKS * 512 + (tile * 32 + lane) * 4, srow[tile] + i);
+        }
+    };
+    auto issue_x = [&](int i) {
+        if (!has_x) return;
+        uint8_t* st = ring + (i % STAGES) * L::STAGE_BYTES;
+        const int kbase = (kb0 + i) * SCALE_BLOCK + t * 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int k = kbase + h * 64;
+            const bool ok = k < k_len;
+#pragma unroll
+            for (int q = 0; q < 2; ++q)
+                cp_async_16_ca(st + ((L::W_CHUNKS + h * 2 + q) * 32 + lane) * 16, xrow + (ok ? k : 0) + q * 8, ok);
+        }
+    };
+
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p)
+        if (p < n_stages) issue_w(p);
+    PDL_ENTRY();
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) {
+        if (p < n_stages) issue_x(p);
+        cp_async_commit();
+    }
+
+    float acc[TILES][4];
+#pragma unroll
+    for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[tile][i] = 0.f;
+    for (int i = 0; i < n_stages; ++i) {
+        if (i + STAGES - 1 < n_stages) {
+            issue_w(i + STAGES - 1);
+            issue_x(i + STAGES - 1);
+        }
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        const uint8_t* st = ring + (i % STAGES) * L::STAGE_BYTES;
+        uint32_t xw[2][8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const uint4 v = has_x
+                    ? *reinterpret_cast<const uint4*>(st + ((L::W_CHUNKS + h * 2 + q) * 32 + lane) * 16)
+                    : make_uint4(0, 0, 0, 0);
+                xw[h][4 * q] = v.x;
+                xw[h][4 * q + 1] = v.y;
+                xw[h][4 * q + 2] = v.z;
+                xw[h][4 * q + 3] = v.w;
+            }
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile) {
+            const float s = *reinterpret_cast<const float*>(st + L::CHUNKS * 512 + (tile * 32 + lane) * 4);
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 va = *reinterpret_cast<const uint4*>(st + (((tile * 2 + h) * 2 + 0) * 32 + lane) * 16);
+                const uint4 vb = *reinterpret_cast<const uint4*>(st + (((tile * 2 + h) * 2 + 1) * 32 + lane) * 16);
+                const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    // Step j: weights 4j..4j+3 of this lane's 16 (rows g, g + 8) and the same inputs.
+                    const uint32_t a[4] = {e4m3x2_to_bf16x2_int<0x9180>(wa[j]), e4m3x2_to_bf16x2_int<0x9180>(wb[j]),
+                                           e4m3x2_to_bf16x2_int<0xB3A2>(wa[j]), e4m3x2_to_bf16x2_int<0xB3A2>(wb[j])};
+                    mma_bf16_16816(c, a, xw[h][2 * j], xw[h][2 * j + 1]);
+                }
+            }
+#pragma unroll
+            for (int i2 = 0; i2 < 4; ++i2) acc[tile][i2] = fmaf(c[i2], s, acc[tile][i2]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // c[i] of tile: row warp_row0 + 16 tile + g + 8 (i >> 1), token 2t + (i & 1).
+    auto store = [&](int e, float v) {
+        const int tile = e >> 2, i = e & 3;
+        const int n = warp_row0 + tile * 16 + g + (i >> 1) * 8, m = 2 * t + (i & 1);
+        if (n >= n_rows || m >= m_rows) return;
+        const size_t at = (size_t)m * y_stride + n;
+        if (out_f32)
+            reinterpret_cast<float*>(y)[at] = v;
+        else
+            reinterpret_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(v);
+    };
+    if (splits == 1) {
+#pragma unroll
+        for (int e = 0; e < TILES * 4; ++e) store(e, acc[e >> 2][e & 3]);
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < TILES * 4; ++e) red[(warp * TILES * 4 + e) * 32 + lane] = acc[e >> 2][e & 3];
+    cluster_sync_all();
+#pragma unroll
+    for (int e = 0; e < TILES * 4; ++e) {
+        if (e % splits != split) continue;
+        const float* p = red + (warp * TILES * 4 + e) * 32 + lane;
+        float v = 0.f;
+        for (int r = 0; r < splits; ++r) v += ld_dsmem_f32(p, r);
+        store(e, v);
+    }
+    cluster_sync_all();  // no CTA leaves while another still reads its partials
+}
+}  // namespace
+
+// Grid: (splits, ceil(N / (16 WARPS TILES))) blocks of 32 WARPS threads, cluster (splits, 1, 1)
+// when splits > 1 (sm_90 only); dynamic shared memory GEMV_FP8_STREAM_SMEM(WARPS, TILES, STAGES).
+// K % 16 == 0, x_stride % 8 == 0, W and x 16-byte aligned, m_rows <= 8. flags bit 0: prefetch the
+// CTA's weights into L2 first.
+#define GEMV_FP8_STREAM(WARPS, TILES, STAGES)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_fp8_stream_w##WARPS##t##TILES##s##STAGES(       \
+        const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows, int k_len,                \
+        const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows, void* __restrict__ y, int y_stride,        \
+        int out_f32, int flags) {                                                                                 \
+        gemv_fp8_stream_body<WARPS, TILES, STAGES>(w, scale_inv, n_rows, k_len, x, x_stride, m_rows, y, y_stride, \
+                                                   out_f32, flags);                                               \
+    }                                                                                                             \
+    static_assert(WARPS * (STAGES * StreamLayout<TILES>::STAGE_BYTES + TILES * 4 * 32 * 4) ==                     \
+                      GEMV_FP8_STREAM_SMEM_W##WARPS##T##TILES##S##STAGES,                                         \
+                  "dims.cuh's shared memory of the streaming GEMV differs from the kernel's")
+GEMV_FP8_STREAM(4, 1, 4);
+GEMV_FP8_STREAM(4, 2, 4);
+GEMV_FP8_STREAM(8, 1, 6);
+GEMV_FP8_STREAM(2, 1, 8);
+GEMV_FP8_STREAM(4, 1, 6);
+GEMV_FP8_STREAM(8, 2, 3);

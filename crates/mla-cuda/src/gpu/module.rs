@@ -52,22 +52,48 @@ impl Kernel {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_cluster(stream, grid, block, smem, 1, args)
+    }
+
+    /// `launch` in thread-block clusters of `cluster` blocks along x (sm_90; 1: no cluster).
+    /// `grid.0` must be a multiple of `cluster`.
+    pub fn launch_cluster(
+        &self,
+        stream: sys::CUstream,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        cluster: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
         // Little-endian: a 4-byte parameter reads the low half of its 8-byte slot.
         let mut store: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut ptrs: Vec<*mut c_void> = store.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        if !self.pdl {
+        if !self.pdl && cluster <= 1 {
             // SAFETY: as below for cuLaunchKernelEx: one live 8-byte slot per kernel parameter.
             return unsafe { result::launch_kernel(self.func, grid, (block, 1, 1), smem, stream, &mut ptrs) }
                 .ctx(&format!("launching {}", self.name));
         }
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
-        };
+        let mut attrs = Vec::with_capacity(2);
+        if self.pdl {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+            });
+        }
+        if cluster > 1 {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 },
+                },
+            });
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -77,11 +103,11 @@ impl Kernel {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: stream,
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         // SAFETY: `ptrs` points at one live 8-byte slot per kernel parameter; the config and its
-        // attribute outlive the call.
+        // attributes outlive the call.
         unsafe { sys::cuLaunchKernelEx(&config, self.func, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .ctx(&format!("launching {}", self.name))

@@ -7,8 +7,9 @@
 //! take (unaligned rows), go to cuBLAS.
 //!
 //! Block-FP8 weights (issue 12): steps of up to `FP8_GEMV_MAX_ROWS` (8) rows stream the FP8 bytes
-//! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16; 2-8
-//! rows on tensor cores, whose time does not grow with the rows). Larger
+//! through `ops::GemvFp8Kernels` (W8A16, dequantized in registers; half the bytes of bf16; on
+//! sm_90 the streaming kernel, tensor cores fed by a cp.async ring with K split over a cluster
+//! on narrow shapes, 1-8 rows; elsewhere FMA at 1 row and tensor cores at 2-8). Larger
 //! steps, on Hopper, quantize the activations per row and 128 columns and run cuBLASLt's
 //! block-scaled FP8 GEMM (W8A8, what DeepGEMM, vLLM and SGLang compute) on the rows up to a
 //! multiple of 4, the GEMV on the rest. Otherwise (other GPUs, or `fp8_w8a8` off for exact

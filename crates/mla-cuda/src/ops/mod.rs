@@ -36,7 +36,7 @@ pub use expert_mats::ExpertMats;
 pub use fp8_convert::Fp8ConvertKernels;
 pub use fp8_gemm::Fp8Act;
 pub use gemv::{GemvKernels, GemvLaunch, GemvOut};
-pub use gemv_fp8::{Fp8GemvKind, GemvFp8Kernels};
+pub use gemv_fp8::{Fp8GemvKind, GemvFp8Kernels, StreamConfig, StreamVariant, STREAM_MAX_SPLITS, STREAM_VARIANTS};
 pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, GroupedInput, Sm90Schedule};
 pub use latent::{row_bytes as cache_row_bytes, AbsorbQ, LatentCacheSlice, LatentKernels, RopeCache};
 pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
@@ -70,7 +70,7 @@ impl Kernels {
             moe: MoeKernels::load(m)?,
             grouped_gemm: GroupedGemmKernels::load(m, info)?,
             gemv: GemvKernels::load(m)?,
-            gemv_fp8: GemvFp8Kernels::load(m)?,
+            gemv_fp8: GemvFp8Kernels::load(m, info)?,
             fp8_convert: Fp8ConvertKernels::load(m, info.sm_count)?,
             moe_gemv: MoeGemvKernels::load(m, info)?,
             sampling: SamplingKernels::load(m)?,
