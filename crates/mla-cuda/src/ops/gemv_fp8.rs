@@ -169,7 +169,15 @@ pub struct GemvFp8Kernels {
     stream: Vec<Kernel>,
     /// CTAs of each variant the GPU holds at once.
     stream_slots: Vec<usize>,
+    /// Weights of fewer bytes than this keep the FMA / MMA kernels (`kind_for`).
+    stream_min_bytes: usize,
 }
+
+/// Below this many weight bytes `kind_for` keeps the FMA / MMA kernels (see there). For A/B runs
+/// `MLA_GEMV_STREAM_MIN_BYTES` overrides it at load (0: the streaming kernel for every shape).
+pub const STREAM_MIN_BYTES: usize = 8 << 20;
+/// Steps of more rows keep the MMA kernel (see `kind_for`).
+pub const STREAM_MAX_ROWS: usize = 4;
 
 impl GemvFp8Kernels {
     pub fn load(m: &Modules, info: &GpuInfo) -> anyhow::Result<Self> {
@@ -188,6 +196,10 @@ impl GemvFp8Kernels {
             mma: m.kernel("gemv_fp8", "gemv_fp8_mma")?,
             stream,
             stream_slots,
+            stream_min_bytes: std::env::var("MLA_GEMV_STREAM_MIN_BYTES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(STREAM_MIN_BYTES),
         })
     }
 
@@ -222,18 +234,24 @@ impl GemvFp8Kernels {
         rows: usize,
         y: GemvOut,
     ) -> anyhow::Result<()> {
-        self.launch_with(self.kind_for(rows), s, lin, x, rows, y)
+        self.launch_with(self.kind_for(lin, rows), s, lin, x, rows, y)
     }
 
-    /// The kernel for `rows` input rows: the streaming one wherever it is loaded (sm_90). On the
-    /// H200 (run G2, docs/performance.md) it took V3's q_a+kv_a, q_b, o_proj and dense gate/up
-    /// at 1 row in 7.8 / 11.3 / 32.9 / 71.3 us against the FMA kernel's 10.0 / 16.7 / 56.6 /
-    /// 83.4 and the MMA kernel's 12.3 / 15.6 / 52.0 / 99.2, and stays ahead at 2 to 8 rows.
+    /// The kernel for `rows` input rows of `lin`. The streaming one where it is loaded (sm_90)
+    /// for weights of at least `STREAM_MIN_BYTES` and at most `STREAM_MAX_ROWS` rows. Alone (run
+    /// G15, H200, docs/performance.md) it took V3's q_a+kv_a, q_b, o_proj and dense gate/up at 1
+    /// row in 7.7 / 11.2 / 32.7 / 70.5 us against the FMA kernel's 10.1 / 16.7 / 56.6 / 83.6
+    /// and the MMA kernel's 12.2 / 15.6 / 51.9 / 99.6, and stays ahead at 2 to 8 rows. In the
+    /// engine (run B6, H200) it lost where the weights are small or the rows many: V2-Lite FP8
+    /// decoded at 469 tok/s at B = 1 and 1,583-1,593 at B = 8 with it on every shape, against
+    /// 508-510 and 1,692-1,703 without; at 8 MiB and up, 509-511 and 1,634-1,639; one TP-8 rank
+    /// of V3 (61 layers) 140 tok/s at B = 1 from 8 MiB up against 135 without. The cause of the
+    /// loss in the engine (the kernels around it, the cluster launch) is not profiled yet.
     /// Elsewhere (PTX): the FMA kernel at 1 row, the MMA one at 2 to 8 (run F17: at 4 rows
     /// 12.3 / 16.1 / 52.8 us on q_a+kv_a, q_b, o_proj against the FMA kernel's 20.0 / 27.7 /
     /// 159.3).
-    pub fn kind_for(&self, rows: usize) -> Fp8GemvKind {
-        if self.has_stream() {
+    pub fn kind_for(&self, lin: &Fp8Linear, rows: usize) -> Fp8GemvKind {
+        if self.has_stream() && rows <= STREAM_MAX_ROWS && lin.out * lin.inp >= self.stream_min_bytes {
             Fp8GemvKind::Stream
         } else if rows == 1 {
             Fp8GemvKind::Fma
