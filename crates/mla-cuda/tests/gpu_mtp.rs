@@ -351,7 +351,7 @@ fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
                 drafts[wrong_at] = (drafts[wrong_at] + 1) % vocab;
             }
             // Only steps wholly inside the comparable prefix have a known outcome.
-            expected[i].push((out.len() + k + 1 <= limit[i]).then_some(wrong_at.min(k)));
+            expected[i].push((out.len() + k < limit[i]).then_some(wrong_at.min(k)));
             drafts
         });
         let mut checked = 0;
