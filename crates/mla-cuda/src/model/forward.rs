@@ -62,6 +62,14 @@ pub struct CudaModel {
     pub step_limits: StepLimits,
 }
 
+/// A step's result, after leaving no copy or kernel of it in flight when it failed.
+pub(super) fn settled<T>(dev: &Device, r: anyhow::Result<T>) -> anyhow::Result<T> {
+    if r.is_err() {
+        let _ = dev.gpu.sync();
+    }
+    r
+}
+
 /// Activations as `Strided` rows of `width` (packed).
 pub(super) fn rows<T>(buf: &DeviceBuffer<T>, width: usize) -> Strided<'_, T> {
     Strided::new(buf.slice(), width)
@@ -227,12 +235,7 @@ impl CudaModel {
             me.queue_sampler(dev, meta)?;
             me.read_outputs(dev, meta)
         };
-        let out = run(self, &mut meta);
-        if out.is_err() {
-            // Leave no copy or kernel of the failed step in flight.
-            let _ = dev.gpu.sync();
-        }
-        out
+        settled(dev, run(self, &mut meta))
     }
 
     /// Decode splits for the step's decode rows (those of a mixed step alone: the prompt chunks

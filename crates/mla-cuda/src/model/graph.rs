@@ -285,10 +285,7 @@ impl CudaModel {
             let out = me.read_outputs(dev, meta)?;
             Ok((out, ReplayTimes { launched, done: std::time::Instant::now() }))
         };
-        let r = run(self, &mut meta);
-        if r.is_err() {
-            let _ = dev.gpu.sync();
-        }
+        let r = super::forward::settled(dev, run(self, &mut meta));
         set.spare_words = meta.words;
         r
     }

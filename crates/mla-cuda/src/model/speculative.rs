@@ -18,7 +18,7 @@
 //! projections summed in f32 into the residual (`weights::MtpLayerWeights`); the decoder layer, norms,
 //! head and sampler are the main model's code on the module's weights and cache layer.
 
-use super::forward::{rows, CudaModel};
+use super::forward::{rows, settled, CudaModel};
 use super::graph::DecodeGraphs;
 use super::meta::StepMeta;
 use super::parallel::FfnRows;
@@ -242,11 +242,7 @@ impl CudaModel {
             me.queue_sampler(dev, meta)?;
             me.read_outputs(dev, meta)
         };
-        let out = run(self, &mut meta);
-        if out.is_err() {
-            let _ = dev.gpu.sync();
-        }
-        out
+        settled(dev, run(self, &mut meta))
     }
 
     /// Queues the MTP module over the rows of `m`, whose `prev` rows `ws.mtp.src` names, up to

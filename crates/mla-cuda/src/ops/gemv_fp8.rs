@@ -281,29 +281,11 @@ impl GemvFp8Kernels {
             kind == Fp8GemvKind::Mma || rows <= GEMV_KERNEL_MAX_ROWS,
             "gemv_fp8: the FMA kernel takes at most {GEMV_KERNEL_MAX_ROWS} rows, not {rows}"
         );
-        let (ptr, _, stride) = y.ptr_len_stride();
         let (kernel, blocks, threads) = match kind {
             Fp8GemvKind::Fma => (&self.fma, lin.out.div_ceil(GEMV_ROWS_PER_BLOCK), 128),
             _ => (&self.mma, lin.out.div_ceil(16), 256),
         };
-        kernel.launch(
-            s,
-            (blocks as u32, 1, 1),
-            threads,
-            0,
-            &[
-                Arg::Ptr(lin.w.ptr),
-                Arg::Ptr(lin.scale_inv.ptr),
-                Arg::I32(lin.out as i32),
-                Arg::I32(lin.inp as i32),
-                Arg::Ptr(x.data.ptr),
-                Arg::I32(x.stride as i32),
-                Arg::I32(rows as i32),
-                Arg::Ptr(ptr),
-                Arg::I32(stride as i32),
-                Arg::I32(y.is_f32() as i32),
-            ],
-        )?;
+        kernel.launch(s, (blocks as u32, 1, 1), threads, 0, &kernel_args(lin, &x, rows, &y))?;
         Ok(())
     }
 
@@ -325,26 +307,13 @@ impl GemvFp8Kernels {
             cfg.splits
         );
         self.check(lin, &x, rows, &y)?;
-        let (ptr, _, stride) = y.ptr_len_stride();
         self.stream[cfg.variant].launch_cluster(
             s,
             (cfg.splits as u32, lin.out.div_ceil(v.cta_rows()) as u32, 1),
             32 * v.warps as u32,
             v.smem as u32,
             cfg.splits as u32,
-            &[
-                Arg::Ptr(lin.w.ptr),
-                Arg::Ptr(lin.scale_inv.ptr),
-                Arg::I32(lin.out as i32),
-                Arg::I32(lin.inp as i32),
-                Arg::Ptr(x.data.ptr),
-                Arg::I32(x.stride as i32),
-                Arg::I32(rows as i32),
-                Arg::Ptr(ptr),
-                Arg::I32(stride as i32),
-                Arg::I32(y.is_f32() as i32),
-                Arg::I32(cfg.prefetch as i32),
-            ],
+            &[&kernel_args(lin, &x, rows, &y)[..], &[Arg::I32(cfg.prefetch as i32)]].concat(),
         )?;
         Ok(())
     }
@@ -360,6 +329,23 @@ impl GemvFp8Kernels {
         anyhow::ensure!(len >= (rows - 1) * stride + lin.out, "gemv_fp8 output: {len} elements too few");
         Ok(())
     }
+}
+
+/// The arguments every FP8 GEMV kernel takes, in order (the streaming one adds its prefetch flag).
+fn kernel_args(lin: &Fp8Linear, x: &Strided<bf16>, rows: usize, y: &GemvOut) -> [Arg; 10] {
+    let (ptr, _, stride) = y.ptr_len_stride();
+    [
+        Arg::Ptr(lin.w.ptr),
+        Arg::Ptr(lin.scale_inv.ptr),
+        Arg::I32(lin.out as i32),
+        Arg::I32(lin.inp as i32),
+        Arg::Ptr(x.data.ptr),
+        Arg::I32(x.stride as i32),
+        Arg::I32(rows as i32),
+        Arg::Ptr(ptr),
+        Arg::I32(stride as i32),
+        Arg::I32(y.is_f32() as i32),
+    ]
 }
 
 #[cfg(test)]
