@@ -13,7 +13,7 @@ use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
 use mla_core::runtime::collective::Collective;
 use mla_core::sampling::{argmax, sample};
-use mla_core::speculative::{verify_greedy, Verdict};
+use mla_core::speculative::greedy_emitted;
 use mla_core::step::plan::{SampledToken, SeqStep, StepPlan};
 use mla_core::step::token_mask::MaskError;
 
@@ -23,21 +23,13 @@ pub fn emitted_tokens(s: &SeqStep, rows: &[Option<Vec<f32>>]) -> Result<Vec<Samp
     let Some(req) = &s.sample else { return Ok(vec![]) };
     let fed = s.drafts_fed();
     let first = rows.len() - 1 - fed;
-    let mut out = Vec::with_capacity(fed + 1);
-    for j in 0..=fed {
-        let row = rows[first + j].as_ref().expect("verified rows have logits");
-        let choice = sample(row, req)?;
-        let token = choice.token;
-        out.push(choice);
-        if j == fed {
-            break;
-        }
-        match verify_greedy(token, s.tokens[1 + j]) {
-            Verdict::Accept => continue,
-            Verdict::Replace(_) => break,
-        }
-    }
-    Ok(out)
+    let mut choices = rows[first..]
+        .iter()
+        .map(|row| sample(row.as_ref().expect("verified rows have logits"), req))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
+    choices.truncate(greedy_emitted(&tokens, &s.tokens[s.tokens.len() - fed..]));
+    Ok(choices)
 }
 
 /// One sequence's MTP rows this step, in the batch of MTP rows.
