@@ -6,7 +6,9 @@ so HF transformers' greedy continuation of v3 (its oracle) judges the output: wi
 prompts batched in one request, streamed one by one, and arriving while others decode. A sampled
 request (which does not draft) gives what a server without speculation gives for the same seed.
 /metrics counts the drafts. Where speculative decoding cannot run, the server refuses to start
-and says why. Tensor-parallel ranks (`--tp 2` on the CPU reference) draft and verify as one.
+and says why. Tensor-parallel ranks (`--tp 2` on the CPU reference) draft and verify as one;
+DP-attention ranks (`--tp 2 --enable-dp-attention`), each drafting for its own requests, give
+the same output, on one node and on two.
 """
 
 import json
@@ -15,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server import ROOT, Server, run_cli
+from server import ROOT, Server, free_addr, run_cli, start_node
 
 FIXTURES = ROOT / "tests" / "fixtures"
 DEMO = ROOT / "assets" / "demo"
@@ -65,14 +67,19 @@ def greedy(client, prompts, **kw):
     return [ids(c) for c in sorted(r.choices, key=lambda c: c.index)]
 
 
+DPA2 = ["--tp", "2", "--enable-dp-attention"]
+
+
 @pytest.mark.parametrize(
-    "flags", [VLLM, SGLANG, VLLM_PAUSED, VLLM + ["--tp", "2"]], ids=["vllm", "sglang", "vllm-paused", "vllm-tp2"]
+    "flags",
+    [VLLM, SGLANG, VLLM_PAUSED, VLLM + ["--tp", "2"], VLLM + DPA2, VLLM_PAUSED + DPA2],
+    ids=["vllm", "sglang", "vllm-paused", "vllm-tp2", "vllm-dpa2", "vllm-paused-dpa2"],
 )
 def test_greedy_output_with_mtp_is_hfs(flags, tmp_path):
     server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *flags)
     try:
         assert "speculative decoding: the MTP layer drafts" in server.log_text()
-        if flags is VLLM_PAUSED:
+        if flags[:2] == VLLM_PAUSED:
             assert "paused while 2 or more sequences run" in server.log_text()
         client = server.client()
         prompts = oracle()
@@ -132,7 +139,6 @@ def test_sampled_requests_match_the_server_without_speculation(tmp_path):
     "variant,extra,needle",
     [
         ("v3", [], "has no multi-token-prediction layer"),
-        ("v3_mtp", ["--tp", "2", "--enable-dp-attention"], "drop --enable-dp-attention"),
         ("v3_mtp", ["--speculative-num-steps", "2"], "belongs with --speculative-algorithm"),
     ],
 )
@@ -140,3 +146,32 @@ def test_where_it_cannot_run_the_server_says_why(variant, extra, needle, tmp_pat
     r = run_cli("--model", str(model_dir(tmp_path, variant)), "--device", "cpu", *VLLM[: 0 if "--speculative-num-steps" in extra else 2], *extra, "--port", "1")
     assert r.returncode != 0
     assert needle in r.stderr, r.stderr
+
+
+def test_two_nodes_with_dp_attention_draft_and_give_hfs_output(tmp_path):
+    """Node 1 holds rank 1 of a DP-attention pair; both load the MTP layer and make every MTP
+    pass together. A node started without the speculative flags is refused at the rendezvous."""
+    d = model_dir(tmp_path, "v3_mtp")
+    common = ["--model", str(d), "--device", "cpu", *DPA2, *VLLM]
+    addr = free_addr()
+    node1, _ = start_node(1, addr, common)
+    server = Server(*common, "--served-model-name", "m", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
+    try:
+        client = server.client()
+        prompts = oracle()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(lambda p: greedy(client, [p["prompt"]])[0], prompts * 2))
+        for p, got in zip(prompts * 2, outputs):
+            k = comparable(p)
+            assert got[:k] == p["continuation"][:k], p["name"]
+        assert server.metrics()["mla:spec_decode_num_draft_tokens_total"] > 0
+    finally:
+        assert server.stop() == 0
+    node1.wait(timeout=30)
+
+    addr = free_addr()
+    plain = ["--model", str(d), "--device", "cpu", *DPA2, "--dist-timeout", "20"]
+    node1, _ = start_node(1, addr, plain)
+    r = run_cli(*plain, *VLLM, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr, "--port", "0")
+    assert r.returncode != 0 and "node 1 runs" in r.stderr, r.stderr
+    assert node1.wait(timeout=30) != 0

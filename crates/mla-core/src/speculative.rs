@@ -17,6 +17,7 @@
 
 use crate::rng::SplitMix64;
 use crate::sampling::Distribution;
+use crate::step::plan::{SeqStep, StepPlan};
 
 /// What becomes of one drafted token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +66,55 @@ pub fn residual(p: &Distribution, q: &Distribution) -> Distribution {
         return p.clone();
     }
     Distribution { tokens: p.tokens.clone(), probs: probs.into_iter().map(|x| x / total).collect() }
+}
+
+/// The MTP layer's rows in the first pass after a step, for one sequence: one per fed position
+/// whose next token is known by the end of the step (the next fed token, `next_token`, or the
+/// step's own draw). A decode row that feeds drafts runs all `1 + drafts_fed` of them, whatever
+/// stands: row `j` pairs position `context_len + j` with the target's choice there, which is the
+/// next emitted token for every row up to the last one emitted; the rows after it write entries
+/// of the MTP cache layer past the sequence's end, which the next step overwrites before any row
+/// reads them. So the count is a function of the plan alone, known before anything is verified
+/// (DP-attention ranks size their collectives with it, and the device needs no host decision).
+pub fn first_pass_rows(s: &SeqStep) -> usize {
+    match s.mtp {
+        None => 0,
+        Some(m) => s.tokens.len() - 1 + usize::from(m.next_token.is_some() || s.sample.is_some()),
+    }
+}
+
+/// Whether `s` proposes drafts this step: it wants them and its first pass has a row to draw from.
+pub fn drafts_from(s: &SeqStep) -> bool {
+    s.mtp.is_some_and(|m| m.draft > 0) && first_pass_rows(s) > 0
+}
+
+/// Rows of each MTP pass `plan` makes: the first pass (`first_pass_rows` summed), then one row
+/// per sequence still drafting in each further pass (pass `c` serves the sequences that want
+/// more than `c` drafts). Empty for a plan without speculative decoding.
+pub fn mtp_pass_rows(plan: &StepPlan) -> Vec<usize> {
+    if !plan.has_speculative() {
+        return vec![];
+    }
+    let passes = plan.seqs.iter().filter_map(|s| s.mtp).map(|m| m.draft.max(1)).max().unwrap_or(1);
+    let mut rows = vec![plan.seqs.iter().map(first_pass_rows).sum()];
+    for c in 1..passes {
+        rows.push(plan.seqs.iter().filter(|s| drafts_from(s) && s.mtp.is_some_and(|m| m.draft > c)).count());
+    }
+    rows
+}
+
+/// Every rank's rows in every MTP pass of a step, `[pass][rank]`: under DP attention each rank
+/// runs its own plan, and all of them make as many passes as the longest one, meeting in every
+/// pass's FFN collectives (a rank with no rows in a pass still takes part). A pass in which no
+/// rank has rows is left out on every rank alike. One plan (one rank, or tensor parallelism):
+/// its own passes.
+pub fn mtp_pass_counts(plans: &[StepPlan]) -> Vec<Vec<usize>> {
+    let per_rank: Vec<Vec<usize>> = plans.iter().map(mtp_pass_rows).collect();
+    let passes = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+    (0..passes)
+        .map(|p| per_rank.iter().map(|r| r.get(p).copied().unwrap_or(0)).collect::<Vec<usize>>())
+        .filter(|counts| counts.iter().any(|&c| c > 0))
+        .collect()
 }
 
 #[cfg(test)]
@@ -194,5 +244,55 @@ mod tests {
                 Verdict::Accept => panic!("token 2 is outside the target's top 2"),
             }
         }
+    }
+
+    fn mtp_seq(tokens: usize, sample: bool, m: crate::step::plan::MtpStep) -> SeqStep {
+        use crate::step::plan::{LogitsRequest, SampleRequest};
+        SeqStep {
+            seq_id: 0,
+            tokens: vec![1; tokens],
+            context_len: 10,
+            block_table: vec![0, 1],
+            logits: LogitsRequest::None,
+            sample: sample.then(|| SampleRequest::new(SamplingParams::greedy(), 0)),
+            mtp: Some(m),
+        }
+    }
+
+    #[test]
+    fn mtp_passes_follow_from_the_plan_alone() {
+        use crate::step::plan::{MtpStep, StepKind};
+        let m = |drafts_fed, next_token, draft| MtpStep { drafts_fed, next_token, draft };
+        // A middle prompt chunk of 5 with its successor: 5 rows, no draft. The last chunk of 3
+        // (it samples): 3 rows, 2 drafts. A decode row feeding 2 drafts: all 3 rows, 3 drafts.
+        // A decode row without MTP: none.
+        let plan = StepPlan {
+            kind: StepKind::Mixed { prefill: 2 },
+            seqs: vec![
+                mtp_seq(5, false, m(0, Some(7), 0)),
+                mtp_seq(3, true, m(0, None, 2)),
+                mtp_seq(3, true, m(2, None, 3)),
+                SeqStep { mtp: None, ..mtp_seq(1, true, m(0, None, 0)) },
+            ],
+        };
+        assert_eq!(plan.seqs.iter().map(first_pass_rows).collect::<Vec<_>>(), vec![5, 3, 3, 0]);
+        assert_eq!(mtp_pass_rows(&plan), vec![11, 2, 1]);
+        // A one-token chunk that neither samples nor knows its successor has no row, so it
+        // cannot draft even if asked to.
+        let lone = StepPlan { kind: StepKind::Prefill, seqs: vec![mtp_seq(1, false, m(0, None, 0))] };
+        assert_eq!(mtp_pass_rows(&lone), vec![0]);
+        assert!(!drafts_from(&lone.seqs[0]));
+        let plain = StepPlan { kind: StepKind::Decode, seqs: vec![plan.seqs[3].clone()] };
+        assert!(mtp_pass_rows(&plain).is_empty());
+
+        // DP attention: every rank makes the longest plan's passes; a pass nobody has rows in
+        // is left out everywhere.
+        let idle = StepPlan { kind: StepKind::Decode, seqs: vec![] };
+        let counts = mtp_pass_counts(&[plan.clone(), idle.clone(), plain.clone()]);
+        assert_eq!(counts, vec![vec![11, 0, 0], vec![2, 0, 0], vec![1, 0, 0]]);
+        let counts = mtp_pass_counts(&[lone, plan.clone()]);
+        assert_eq!(counts, vec![vec![0, 11], vec![0, 2], vec![0, 1]]);
+        assert!(mtp_pass_counts(&[idle, plain]).is_empty());
+        assert_eq!(mtp_pass_counts(std::slice::from_ref(&plan)), vec![vec![11], vec![2], vec![1]]);
     }
 }

@@ -5,6 +5,7 @@ use crate::kv_cache::LatentCache;
 use crate::model::{CpuModel, Peers};
 use crate::rank::CpuRank;
 use mla_core::runtime::collective::Solo;
+use mla_core::speculative::mtp_pass_counts;
 use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, KvCacheDtype, ModelConfig, PendingStep, RankLayout, StepLimits, WeightSource};
 use std::sync::Arc;
@@ -73,7 +74,8 @@ impl CpuBackend {
         self.rank.validate(plan)?;
         self.step_limits.check(plans)?;
         let counts = [plan.num_tokens()];
-        Ok(vec![self.rank.run(plan, Peers { comm: &mut Solo, counts: &counts })?])
+        let passes = mtp_pass_counts(plans);
+        Ok(vec![self.rank.run(plan, Peers { comm: &mut Solo, counts: &counts }, &passes)?])
     }
 }
 

@@ -41,7 +41,8 @@ impl StepRunner for CpuRankWorker {
         mla_core::runtime::fault::maybe_kill(self.index, self.steps);
         let plan = step.plan_of(self.index);
         let counts = if self.dp_attention { step.counts() } else { vec![] };
-        self.rank.run(plan, Peers { comm: self.comm.as_mut(), counts: &counts })
+        let passes = mla_core::speculative::mtp_pass_counts(&step.plans);
+        self.rank.run(plan, Peers { comm: self.comm.as_mut(), counts: &counts }, &passes)
     }
 }
 

@@ -6,7 +6,7 @@ use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, Peers};
 use crate::model_weights::MtpWeights;
 use crate::speculative;
-use mla_core::step::plan::{LogitsRequest, SeqResult, StepOutput, StepPlan};
+use mla_core::step::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, MtpSpec, RankLayout, WeightSource};
 
 pub struct CpuRank {
@@ -38,12 +38,6 @@ impl CpuRank {
     /// Loads the model's MTP layer for speculative decoding and gives it a cache layer of its
     /// own after the main ones (the cache is new and empty: this is part of construction).
     pub fn enable_mtp(&mut self, weights: &dyn WeightSource, rank: RankLayout) -> anyhow::Result<()> {
-        // Under DP attention ranks would make different numbers of MTP passes, each with its
-        // collectives; tensor-parallel ranks make the same ones (`speculative::draft`).
-        anyhow::ensure!(
-            !(rank.dp_attention && rank.world > 1),
-            "speculative decoding with MTP does not run under DP attention yet"
-        );
         let cfg = self.model.config();
         let spec = MtpSpec::new(cfg).ok_or_else(|| {
             anyhow::anyhow!("the model has no multi-token-prediction layer (num_nextn_predict_layers is 0)")
@@ -81,7 +75,10 @@ impl CpuRank {
     }
 
     /// Runs `plan` (validated) with this rank's peers; an empty plan still makes every collective.
-    pub fn run(&mut self, plan: &StepPlan, peers: Peers) -> anyhow::Result<StepOutput> {
+    /// `mtp_passes`: every rank's rows in each MTP pass of the step
+    /// (`mla_core::speculative::mtp_pass_counts` of the step's plans; empty without speculative
+    /// decoding). Under DP attention a rank runs them all, with its own rows or none.
+    pub fn run(&mut self, plan: &StepPlan, peers: Peers, mtp_passes: &[Vec<usize>]) -> anyhow::Result<StepOutput> {
         let Peers { comm, counts } = peers;
         let first_decode = plan.num_prefill();
         let mut tokens = Vec::with_capacity(plan.num_tokens());
@@ -105,7 +102,7 @@ impl CpuRank {
                     || (s.sample.is_some() && j >= first_sampled)
             }));
         }
-        let speculative = plan.has_speculative();
+        let speculative = !mtp_passes.is_empty() || plan.has_speculative();
         anyhow::ensure!(
             !speculative || self.mtp.is_some(),
             "the step asks for speculative decoding but the MTP layer is not loaded"
@@ -121,16 +118,20 @@ impl CpuRank {
             )
         };
 
-        let mut emitted = Vec::with_capacity(plan.seqs.len());
+        let mut verified = Vec::with_capacity(plan.seqs.len());
         for (s, span) in plan.seqs.iter().zip(&spans) {
             let rows = &logits[span.start..span.start + span.len];
-            emitted
-                .push(speculative::emitted_tokens(s, rows).map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
+            verified.push(speculative::verify(s, rows).map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
         }
         let mut drafts = match (&self.mtp, speculative) {
-            (Some(mtp), true) => speculative::draft(&self.model, mtp, plan, &hidden, &emitted, &mut self.cache, comm)?,
+            (Some(mtp), true) => {
+                let cache = &mut self.cache;
+                speculative::draft(&self.model, mtp, plan, &hidden, &verified, cache, comm, mtp_passes)?
+            }
             _ => vec![Vec::new(); plan.seqs.len()],
         };
+        let mut emitted: Vec<Vec<SampledToken>> =
+            verified.into_iter().map(speculative::Verified::into_emitted).collect();
         let mut out = StepOutput::default();
         for (i, (s, span)) in plan.seqs.iter().zip(&spans).enumerate() {
             let rows = &mut logits[span.start..span.start + span.len];

@@ -1,35 +1,54 @@
 //! Speculative decoding on the CPU reference (docs/speculative-decoding.md): greedy verification
-//! of the drafts a decode row feeds, then the MTP layer over every row whose next token is now
-//! known, then the next drafts, chaining the layer's own output.
+//! of the drafts a decode row feeds, then the MTP layer over the step's rows
+//! (`mla_core::speculative::first_pass_rows`), then the next drafts, chaining the layer's own
+//! output.
 //!
 //! The MTP layer's rows live in cache layer `num_hidden_layers`. Row `i` pairs the main model's
 //! hidden state at position `i` with the token at `i + 1`; a row whose pair is not known this
 //! step (a prompt chunk that does not sample and names no next token) is left as it was. That
 //! can only lower acceptance: what is emitted is decided by verification against the target.
+//! The passes and their rows follow from the plan alone, so DP-attention ranks, each with its
+//! own plan, know every rank's rows in every pass (`mla_core::speculative::mtp_pass_counts`).
 
 use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
-use mla_core::runtime::collective::Collective;
+use mla_core::runtime::collective::{Collective, CollectiveError};
 use mla_core::sampling::{argmax, sample};
-use mla_core::speculative::greedy_emitted;
+use mla_core::speculative::{drafts_from, first_pass_rows, greedy_emitted};
 use mla_core::step::plan::{SampledToken, SeqStep, StepPlan};
 use mla_core::step::token_mask::MaskError;
 
-/// The tokens one sequence emits this step: its draw, and with drafts fed, the drafts that stood
-/// and the target's own choice after them. `logits[j]` is the target's row `j`.
-pub fn emitted_tokens(s: &SeqStep, rows: &[Option<Vec<f32>>]) -> Result<Vec<SampledToken>, MaskError> {
-    let Some(req) = &s.sample else { return Ok(vec![]) };
+/// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
+/// with drafts fed every row from the last emitted token on), and how many of them it emits
+/// (the draw, and with drafts the ones that stood and the target's own choice after them).
+#[derive(Debug, Default)]
+pub struct Verified {
+    pub choices: Vec<SampledToken>,
+    pub emitted: usize,
+}
+
+impl Verified {
+    /// The tokens the sequence emits this step.
+    pub fn into_emitted(mut self) -> Vec<SampledToken> {
+        self.choices.truncate(self.emitted);
+        self.choices
+    }
+}
+
+/// Verifies one sequence's rows; `rows[j]` is the target's row `j`.
+pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>]) -> Result<Verified, MaskError> {
+    let Some(req) = &s.sample else { return Ok(Verified::default()) };
     let fed = s.drafts_fed();
     let first = rows.len() - 1 - fed;
-    let mut choices = rows[first..]
+    let choices = rows[first..]
         .iter()
         .map(|row| sample(row.as_ref().expect("verified rows have logits"), req))
         .collect::<Result<Vec<_>, _>>()?;
     let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
-    choices.truncate(greedy_emitted(&tokens, &s.tokens[s.tokens.len() - fed..]));
-    Ok(choices)
+    let emitted = greedy_emitted(&tokens, &s.tokens[s.tokens.len() - fed..]);
+    Ok(Verified { choices, emitted })
 }
 
 /// One sequence's MTP rows this step, in the batch of MTP rows.
@@ -39,45 +58,55 @@ struct MtpRows {
     /// First and count of its rows in the MTP batch.
     start: usize,
     len: usize,
+    /// Its row of the last emitted token, from `start` (the one that drafts).
+    last: usize,
 }
 
-/// Runs the MTP layer for every sequence of `plan` that asks for it and returns, per sequence,
-/// its drafts for the next step. `hidden` holds the target's rows after `model.norm`, laid out
-/// as the step's tokens; `emitted` what each sequence emits this step. Under tensor parallelism
-/// every rank runs the same passes (the same plan, and the same emitted tokens from the same
-/// reduced logits) and meets the others through `comm` in each.
+/// Runs the MTP passes of a step and returns, per sequence of `plan`, its drafts for the next
+/// step. `hidden` holds the target's rows after `model.norm`, laid out as the step's tokens;
+/// `verified` each sequence's verification; `passes[p][r]` rank r's rows in pass p (one entry per
+/// pass under tensor parallelism or alone, where every rank runs the same plan). Each pass meets
+/// the other ranks through `comm`, also when this rank has no rows in it.
+#[allow(clippy::too_many_arguments)]
 pub fn draft(
     model: &CpuModel,
     mtp: &MtpWeights,
     plan: &StepPlan,
     hidden: &[f32],
-    emitted: &[Vec<SampledToken>],
+    verified: &[Verified],
     cache: &mut LatentCache,
     comm: &mut dyn Collective,
-) -> Result<Vec<Vec<u32>>, mla_core::runtime::collective::CollectiveError> {
+    passes: &[Vec<usize>],
+) -> Result<Vec<Vec<u32>>, CollectiveError> {
     let h = model.config().hidden_size;
     let first_decode = plan.num_prefill();
+    let mut drafts = vec![Vec::new(); plan.seqs.len()];
+    let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(drafts) };
     let (mut tokens, mut prev, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     let mut at = 0;
-    for (i, s) in plan.seqs.iter().enumerate() {
+    for (i, (s, v)) in plan.seqs.iter().zip(verified).enumerate() {
         let start_row = at;
         at += s.tokens.len();
-        let Some(m) = s.mtp else { continue };
-        // The token after each fed position: the next fed token, then what the step supplies.
-        // A decode row's fed drafts that stood are also its emitted tokens, so its pairs are
-        // exactly the emitted ones.
-        let next: Vec<u32> = if i >= first_decode {
-            emitted[i].iter().map(|t| t.token).collect()
-        } else {
-            let after = m.next_token.or(emitted[i].first().map(|t| t.token));
-            s.tokens[1..].iter().copied().chain(after).collect()
-        };
-        if next.is_empty() {
+        let n = first_pass_rows(s);
+        if n == 0 {
             continue;
         }
-        rows.push(MtpRows { seq: i, start: tokens.len(), len: next.len() });
+        // Row j's pair: the target's draw at row j where the row samples (for the rows up to
+        // the last emitted one, the next emitted token), else the next fed token, or the chunk's
+        // `next_token`.
+        let sampled_from = s.tokens.len() - v.choices.len();
+        let next_fed = s.tokens[1..].iter().copied().chain(s.mtp.and_then(|m| m.next_token));
+        let next: Vec<u32> = next_fed
+            .chain(std::iter::repeat(0))
+            .take(n)
+            .enumerate()
+            .map(|(j, fed)| if j >= sampled_from { v.choices[j - sampled_from].token } else { fed })
+            .collect();
+        // The row of the last emitted token (the last row where nothing is verified).
+        let last = n - 1 - (v.choices.len() - v.emitted);
+        rows.push(MtpRows { seq: i, start: tokens.len(), len: n, last });
         tokens.extend_from_slice(&next);
-        prev.extend_from_slice(&hidden[start_row * h..(start_row + next.len()) * h]);
+        prev.extend_from_slice(&hidden[start_row * h..(start_row + n) * h]);
     }
     let spans: Vec<SeqSpan> = rows
         .iter()
@@ -87,31 +116,26 @@ pub fn draft(
             SeqSpan { start: r.start, len: r.len, context_len: s.context_len, block_table: &s.block_table, path }
         })
         .collect();
-    let wants = |r: &MtpRows| plan.seqs[r.seq].mtp.is_some_and(|m| m.draft > 0);
+    let wants = |r: &MtpRows| drafts_from(&plan.seqs[r.seq]);
     let mut want = vec![false; tokens.len()];
     for r in rows.iter().filter(|r| wants(r)) {
-        want[r.start + r.len - 1] = true;
+        want[r.start + r.last] = true;
     }
-    let counts = [tokens.len()];
-    let peers = Peers { comm: &mut *comm, counts: &counts };
+    let peers = Peers { comm: &mut *comm, counts: first_counts };
     let out =
         model.mtp_forward_rank(mtp, MtpInput { prev_hidden: &prev, tokens: &tokens }, &spans, cache, &want, peers)?;
 
-    let mut drafts = vec![Vec::new(); plan.seqs.len()];
-    // The chain: each drafting sequence's last row, then one row per further draft.
+    // The chain: each drafting sequence's last emitted row, then one row per further draft.
     let mut chain: Vec<(usize, usize, Vec<f32>)> = Vec::new(); // (seq, position of the row, its hidden)
     for r in rows.iter().filter(|r| wants(r)) {
-        let last = r.start + r.len - 1;
-        let logits = out.logits[last].as_ref().expect("the last row's logits were asked for");
+        let row = r.start + r.last;
+        let logits = out.logits[row].as_ref().expect("the drafting row's logits were asked for");
         drafts[r.seq].push(argmax(logits));
-        let pos = plan.seqs[r.seq].context_len + r.len - 1;
-        chain.push((r.seq, pos, out.hidden[last * h..(last + 1) * h].to_vec()));
+        let pos = plan.seqs[r.seq].context_len + r.last;
+        chain.push((r.seq, pos, out.hidden[row * h..(row + 1) * h].to_vec()));
     }
-    loop {
+    for counts in chain_counts {
         chain.retain(|(seq, _, _)| drafts[*seq].len() < plan.seqs[*seq].mtp.map_or(0, |m| m.draft));
-        if chain.is_empty() {
-            break;
-        }
         let tokens: Vec<u32> = chain.iter().map(|(seq, _, _)| *drafts[*seq].last().unwrap()).collect();
         let prev: Vec<f32> = chain.iter().flat_map(|(_, _, hid)| hid.iter().copied()).collect();
         let spans: Vec<SeqSpan> = chain
@@ -125,8 +149,7 @@ pub fn draft(
                 path: AttentionPath::Absorbed,
             })
             .collect();
-        let counts = [tokens.len()];
-        let peers = Peers { comm: &mut *comm, counts: &counts };
+        let peers = Peers { comm: &mut *comm, counts };
         let want = vec![true; tokens.len()];
         let out = model.mtp_forward_rank(
             mtp,

@@ -101,38 +101,78 @@ fn speculative(f: &Fixture, prompt: &[u32], k: usize, feed: impl FnMut(&[u32], &
 }
 
 /// `speculative` on the backend `b` (which has the MTP layer loaded).
-fn speculative_on(
-    b: &mut dyn Backend,
-    prompt: &[u32],
-    k: usize,
-    mut feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>,
-) -> Run {
-    let mtp = |drafts_fed| Some(MtpStep { drafts_fed, next_token: None, draft: k });
-    let r = run(b, StepKind::Prefill, greedy_step(prompt.to_vec(), 0, mtp(0)));
-    assert!(r.extra_tokens.is_empty());
-    let mut out = vec![r.sampled.unwrap().token];
-    let mut own = r.drafts;
-    assert_eq!(own.len(), k);
-    let mut run_log = Run { out: vec![], accepted: vec![], first_drafts: vec![(prompt.len() + 1, own[0])] };
-    while out.len() < NEW_TOKENS {
-        let computed = prompt.len() + out.len() - 1;
-        let drafts = feed(&out, &own);
-        let fed = drafts.len();
-        let tokens: Vec<u32> = std::iter::once(*out.last().unwrap()).chain(drafts.iter().copied()).collect();
-        let r = run(b, StepKind::Decode, greedy_step(tokens, computed, mtp(fed)));
-        let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
-        assert!(!emitted.is_empty() && emitted.len() <= fed + 1);
-        let stood = emitted.len() - 1;
-        assert_eq!(emitted[..stood], drafts[..stood], "the tokens before the last are the drafts that stood");
-        run_log.accepted.push(stood);
-        out.extend(&emitted);
-        own = r.drafts;
-        assert_eq!(own.len(), k);
-        run_log.first_drafts.push((prompt.len() + out.len(), own[0]));
+fn speculative_on(b: &mut dyn Backend, prompt: &[u32], k: usize, feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>) -> Run {
+    let mut d = Decoder::new(1, prompt, k, feed);
+    while let Some((kind, s)) = d.next_step() {
+        let r = run(b, kind, s);
+        d.take(r);
     }
-    out.truncate(NEW_TOKENS);
-    run_log.out = out;
-    run_log
+    d.finish()
+}
+
+/// One sequence decoded greedily with drafts, a step at a time (so several can share steps).
+struct Decoder<'p, F> {
+    id: u64,
+    prompt: &'p [u32],
+    k: usize,
+    feed: F,
+    /// The drafts fed in the step in flight.
+    fed: Vec<u32>,
+    out: Vec<u32>,
+    own: Vec<u32>,
+    log: Run,
+}
+
+impl<'p, F: FnMut(&[u32], &[u32]) -> Vec<u32>> Decoder<'p, F> {
+    fn new(id: u64, prompt: &'p [u32], k: usize, feed: F) -> Self {
+        let log = Run { out: vec![], accepted: vec![], first_drafts: vec![] };
+        Decoder { id, prompt, k, feed, fed: vec![], out: vec![], own: vec![], log }
+    }
+
+    fn mtp(&self, drafts_fed: usize) -> Option<MtpStep> {
+        Some(MtpStep { drafts_fed, next_token: None, draft: self.k })
+    }
+
+    /// The sequence's next step (`None` once it has its tokens).
+    fn next_step(&mut self) -> Option<(StepKind, SeqStep)> {
+        if self.out.is_empty() {
+            let s = greedy_step(self.prompt.to_vec(), 0, self.mtp(0));
+            return Some((StepKind::Prefill, SeqStep { seq_id: self.id, ..s }));
+        }
+        if self.out.len() >= NEW_TOKENS {
+            return None;
+        }
+        let computed = self.prompt.len() + self.out.len() - 1;
+        self.fed = (self.feed)(&self.out, &self.own);
+        let tokens: Vec<u32> = std::iter::once(*self.out.last().unwrap()).chain(self.fed.iter().copied()).collect();
+        let s = greedy_step(tokens, computed, self.mtp(self.fed.len()));
+        Some((StepKind::Decode, SeqStep { seq_id: self.id, ..s }))
+    }
+
+    /// The result of the step `next_step` gave.
+    fn take(&mut self, r: SeqResult) {
+        assert_eq!(r.seq_id, self.id);
+        let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
+        if self.out.is_empty() {
+            assert_eq!(emitted.len(), 1, "a prompt step emits its draw alone");
+        } else {
+            let fed = self.fed.len();
+            assert!(!emitted.is_empty() && emitted.len() <= fed + 1);
+            let stood = emitted.len() - 1;
+            assert_eq!(emitted[..stood], self.fed[..stood], "the tokens before the last are the drafts that stood");
+            self.log.accepted.push(stood);
+        }
+        self.out.extend(&emitted);
+        self.own = r.drafts;
+        assert_eq!(self.own.len(), self.k);
+        self.log.first_drafts.push((self.prompt.len() + self.out.len(), self.own[0]));
+    }
+
+    fn finish(mut self) -> Run {
+        self.out.truncate(NEW_TOKENS);
+        self.log.out = self.out;
+        self.log
+    }
 }
 
 /// `min_compared`: the FP8 model's greedy output leaves the oracle's sequence (v3's bf16
@@ -245,6 +285,66 @@ fn tensor_parallel_ranks_draft_and_verify_as_one_rank() {
             let two = speculative_on(&mut group, prompt, k, |_, own| own.to_vec());
             assert_eq!(two.out, one.out, "K = {k}, prompt of {}", prompt.len());
             assert_eq!(two.first_drafts, one.first_drafts, "K = {k}, prompt of {}", prompt.len());
+        }
+    }
+}
+
+/// DP attention: each rank runs its own sequence with its own number of drafts, starting and
+/// finishing at other steps than the other rank (so a rank is idle while the other drafts, or
+/// makes fewer MTP passes), and every rank's output and drafts equal that sequence alone on one
+/// rank. The ranks meet in every MTP pass's FFN collectives, with their own rows or none.
+#[test]
+fn dp_attention_ranks_draft_and_verify_as_one_rank_each() {
+    let f = fixture("v3_mtp");
+    let weights: std::sync::Arc<dyn mla_core::WeightSource + Send + Sync> =
+        std::sync::Arc::new(Checkpoint::open(&common::fixture_dir("v3_mtp"), &f.cfg).unwrap());
+    let cache = mla_core::CacheLayout { block_size: BLOCK_SIZE, num_blocks: 16 };
+    let dpa = mla_core::Parallel::from_flags(2, None, true).unwrap();
+    let prompts: Vec<&[u32]> = f.prompts.iter().map(|(p, _, _)| p.as_slice()).collect();
+    // (rank 0's prompt and K, rank 1's prompt and K, the step rank 1 starts at)
+    for (a, ka, b, kb, delay) in [(0, 1, 1, 3, 2), (2, 3, 0, 1, 0), (1, 2, 2, 2, 5)] {
+        let one_a = speculative(&f, prompts[a], ka, |_, own| own.to_vec());
+        let one_b = speculative(&f, prompts[b], kb, |_, own| own.to_vec());
+        let mut group = mla_cpu::group::local_group(
+            f.cfg.clone(),
+            weights.clone(),
+            dpa,
+            cache,
+            mla_core::KvCacheDtype::Auto,
+            mla_core::StepLimits::unlimited(),
+            std::time::Duration::from_secs(600),
+            true,
+        )
+        .unwrap();
+        let own = |_: &[u32], own: &[u32]| own.to_vec();
+        let mut ranks = [Decoder::new(1, prompts[a], ka, own), Decoder::new(2, prompts[b], kb, own)];
+        let idle = StepPlan { kind: StepKind::Decode, seqs: vec![] };
+        for step in 0.. {
+            let plans: Vec<StepPlan> = ranks
+                .iter_mut()
+                .enumerate()
+                .map(|(r, d)| match d.next_step() {
+                    Some((kind, s)) if r == 0 || step >= delay => StepPlan { kind, seqs: vec![s] },
+                    _ => idle.clone(),
+                })
+                .collect();
+            if plans.iter().all(|p| p.seqs.is_empty()) {
+                break;
+            }
+            let plans = std::sync::Arc::new(plans);
+            group.start_step(&plans);
+            let outs = group.finish_step().unwrap();
+            for ((d, p), mut o) in ranks.iter_mut().zip(plans.iter()).zip(outs) {
+                if !p.seqs.is_empty() {
+                    d.take(o.seqs.remove(0));
+                }
+            }
+        }
+        let [two_a, two_b] = ranks.map(Decoder::finish);
+        for (two, one, what) in [(two_a, one_a, "rank 0"), (two_b, one_b, "rank 1")] {
+            assert_eq!(two.out, one.out, "{what}: K = {ka}/{kb}");
+            assert_eq!(two.first_drafts, one.first_drafts, "{what}: K = {ka}/{kb}");
+            assert_eq!(two.accepted, one.accepted, "{what}: K = {ka}/{kb}");
         }
     }
 }

@@ -53,7 +53,7 @@ pub struct Loaded {
 pub fn load(device: Device, source: &ModelSource, args: &Args, parallel: Parallel) -> anyhow::Result<Loaded> {
     parallel.check(&source.config)?;
     if let Some(r) = args.speculative.request()? {
-        check_speculative(device, source, args, parallel, r.draft_tokens)?;
+        check_speculative(source, r.draft_tokens)?;
     }
     match device {
         Device::Cuda => cuda(source, args, parallel),
@@ -62,25 +62,16 @@ pub fn load(device: Device, source: &ModelSource, args: &Args, parallel: Paralle
     }
 }
 
-/// Where speculative decoding with the MTP layer runs so far: one rank or a tensor-parallel group
-/// per replica, on one node (docs/speculative-decoding.md).
-fn check_speculative(
-    device: Device,
-    source: &ModelSource,
-    args: &Args,
-    parallel: Parallel,
-    drafts: usize,
-) -> anyhow::Result<()> {
+/// Whether speculative decoding with the MTP layer can run: the model has the layer and the
+/// number of drafts is one the layer can chain (docs/speculative-decoding.md). Every layout runs
+/// it: one rank, `--tp N`, `--dp N`, DP attention and several nodes.
+fn check_speculative(source: &ModelSource, drafts: usize) -> anyhow::Result<()> {
     let cfg = &source.config;
     if cfg.num_nextn_predict_layers == 0 {
         bail!(
             "speculative decoding with MTP: {} has no multi-token-prediction layer (num_nextn_predict_layers is 0; DeepSeek-V3 and R1 have one)",
             source.name
         );
-    }
-    if parallel.dp_attention || args.nnodes > 1 {
-        let on = if device == Device::Cuda { "GPUs" } else { "CPU ranks" };
-        bail!("speculative decoding with MTP runs on one node's {on} with --tp N and --dp N so far: drop --enable-dp-attention and --nnodes");
     }
     if !(1..=MAX_DRAFTS).contains(&drafts) {
         bail!("speculative decoding with MTP: {drafts} draft tokens per step; 1 to {MAX_DRAFTS} are supported");

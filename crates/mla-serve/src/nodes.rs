@@ -33,6 +33,8 @@ struct Plan {
     step_limits: StepLimits,
     /// What the ranks' latent caches store (the same on every node: it is part of `layout`).
     kv_cache_dtype: KvCacheDtype,
+    /// Whether the ranks load the MTP layer for speculative decoding (part of `layout` too).
+    mtp: bool,
 }
 
 impl Plan {
@@ -42,10 +44,15 @@ impl Plan {
         // Everything that must match on every node: the layout, what sizes the ranks' buffers
         // and caches, and the model (not its path, which may differ between machines).
         let layout = format!(
-            "{} --tp {}{} on {device:?}; max_num_seqs {}, max_num_batched_tokens {}, max_model_len {:?}, cache {cache:?} of {}",
+            "{} --tp {}{}{} on {device:?}; max_num_seqs {}, max_num_batched_tokens {}, max_model_len {:?}, cache {cache:?} of {}",
             if args.nnodes > 1 { format!("--nnodes {}", args.nnodes) } else { String::new() },
             parallel.tp,
             if parallel.dp_attention { " --enable-dp-attention" } else { "" },
+            // Every rank loads the MTP layer and makes the same passes, or none does.
+            match args.speculative.request()? {
+                Some(r) => format!(" with {} MTP draft tokens", r.draft_tokens),
+                None => String::new(),
+            },
             args.max_num_seqs,
             args.max_num_batched_tokens(),
             args.max_model_len,
@@ -70,6 +77,7 @@ impl Plan {
             watchdog: args.watchdog(),
             step_limits: args.step_limits(&parallel)?.0,
             kv_cache_dtype: args.kv_cache_dtype()?,
+            mtp: args.speculative.request()?.is_some(),
         })
     }
 
@@ -109,8 +117,8 @@ fn cpu_ranks(
         comms,
         cache,
         kv_dtype,
-        // Speculative decoding is refused across nodes (backends::check_speculative).
-        false,
+        // Part of the layout every node checked at the rendezvous.
+        p.mtp,
     )
 }
 
