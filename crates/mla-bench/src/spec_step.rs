@@ -71,7 +71,7 @@ pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
                 let mut emitted = 0usize;
                 let spec = |j: usize| speculative_plan(b, k, a.context, blocks_per_seq, j, vocab);
                 let ms = time_steps(&mut |j| {
-                    let out = model.step_speculative(&dev, Some(&mut graphs), &spec(j))?;
+                    let out = model.step_speculative(&dev, Some(&mut graphs), &spec(j), None)?;
                     emitted += out.seqs.iter().map(|s| 1 + s.extra_tokens.len()).sum::<usize>();
                     Ok(())
                 })?;

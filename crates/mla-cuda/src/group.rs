@@ -56,7 +56,7 @@ impl StepRunner for CudaRankWorker {
         let plan = step.plan_of(self.rank);
         match &step.agreed {
             None => self.worker.step(plan),
-            Some(a) => self.worker.step_agreed(plan, a),
+            Some(a) => self.worker.step_agreed(plan, a, &mla_core::speculative::mtp_pass_counts(&step.plans)),
         }
     }
 }

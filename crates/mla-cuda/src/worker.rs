@@ -5,7 +5,7 @@
 use crate::collective::NcclConnector;
 use crate::device::Device;
 use crate::model::memory_plan::DEFAULT_KV_GOAL_TOKENS;
-use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, ModelOptions, RankLink};
+use crate::model::{CudaModel, DecodeGraphs, DeviceWeights, DpaStep, ModelOptions, RankLink};
 use crate::ops::PAGE_SIZE;
 use crate::options::{CudaOptions, WeightsFrom};
 use anyhow::Context;
@@ -75,7 +75,7 @@ impl DeviceWorker {
     /// One engine step: a captured graph when one fits, else eager.
     pub fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         if plan.has_speculative() {
-            return self.timed(|w| Ok((w.model.step_speculative(&w.dev, Some(&mut w.graphs), plan)?, None)));
+            return self.timed(|w| Ok((w.model.step_speculative(&w.dev, Some(&mut w.graphs), plan, None)?, None)));
         }
         self.timed(|w| match w.model.step_with_graphs(&w.dev, &mut w.graphs, plan) {
             Some(r) => r.map(|(out, t)| (out, Some(t.launched))),
@@ -84,7 +84,21 @@ impl DeviceWorker {
     }
 
     /// A step of a DP-attention rank, run as the group agreed (`mla_core::runtime::agreement`).
-    pub fn step_agreed(&mut self, plan: &StepPlan, agreed: &StepAgreement) -> anyhow::Result<StepOutput> {
+    /// `mtp_passes`: every rank's rows in each MTP pass of the step (empty without speculative
+    /// decoding); when there are any, every rank runs them, eagerly, whatever its own plan.
+    pub fn step_agreed(
+        &mut self,
+        plan: &StepPlan,
+        agreed: &StepAgreement,
+        mtp_passes: &[Vec<usize>],
+    ) -> anyhow::Result<StepOutput> {
+        if !mtp_passes.is_empty() {
+            let StepAgreement::Eager { counts } = agreed else {
+                anyhow::bail!("a speculative step of DP-attention ranks runs eagerly; the group agreed {agreed:?}")
+            };
+            let dpa = DpaStep { counts, passes: mtp_passes };
+            return self.timed(|w| Ok((w.model.step_speculative(&w.dev, None, plan, Some(dpa))?, None)));
+        }
         self.timed(|w| match agreed {
             StepAgreement::Graph { batch } => {
                 let (out, t) = w.model.replay_batch(&w.dev, &mut w.graphs, plan, *batch)?;
@@ -179,12 +193,6 @@ pub fn start_worker(
     let local = layout.local_config(&cfg);
     let t0 = std::time::Instant::now();
     let mtp = opts.mtp_drafts > 0;
-    // Tensor-parallel ranks make the same MTP passes (the same plan, and the same emitted
-    // tokens from the same reduced logits); DP-attention ranks would not.
-    anyhow::ensure!(
-        !mtp || !layout.dp_attention || layout.world == 1,
-        "speculative decoding with MTP does not run under DP attention yet"
-    );
     let (w, source) = match weights {
         WeightsFrom::Checkpoint(dir) => {
             let ckpt = Checkpoint::open(&dir, &cfg)?;

@@ -78,6 +78,18 @@ fn tp_group(drafts: usize) -> (usize, CudaGroupBackend) {
     (world, local_group(config(), WeightsFrom::Checkpoint(mtp_dir()), options(drafts), g).unwrap())
 }
 
+/// A DP-attention pair over real NCCL (one GPU: a one-rank group, which runs as one GPU).
+fn dpa_group(drafts: usize) -> (usize, CudaGroupBackend) {
+    let world = mla_cuda::visible_gpus().clamp(1, 2);
+    let g = GroupOptions {
+        world,
+        dp_attention: true,
+        watchdog: Duration::from_secs(120),
+        connector: Arc::new(NcclConnector::new().unwrap()),
+    };
+    (world, local_group(config(), WeightsFrom::Checkpoint(mtp_dir()), options(drafts), g).unwrap())
+}
+
 fn greedy() -> Option<SampleRequest> {
     Some(SampleRequest::new(SamplingParams::greedy(), 0))
 }
@@ -330,6 +342,80 @@ fn tensor_parallel_ranks_speculate_as_one_gpu() {
         }
         eprintln!("{world} TP ranks, {}: {n} tokens compared with plain greedy", p.name);
     }
+}
+
+/// DP attention: prompt i runs on rank i % 2 with its own number of drafts (K on even, 1 on odd
+/// prompts), each prefill alone while the other rank idles, so ranks make different numbers of
+/// MTP passes with different rows, or none, and meet in every pass's FFN collectives. Every
+/// output equals one GPU's plain greedy output.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn dp_attention_ranks_speculate_as_one_gpu_each() {
+    let prompts = oracle(&main_dir());
+    let plain = run(&mut backend(0), &prompts, None, |_, _, _| vec![]);
+    let k = 3;
+    let drafts_of = |i: usize| if i % 2 == 0 { k } else { 1 };
+    let (world, mut group) = dpa_group(k);
+    let rank_of = |i: usize| i % world;
+    let mtp = |i: usize, fed: usize| Some(MtpStep { drafts_fed: fed, next_token: None, draft: drafts_of(i) });
+    let mut seen: Vec<Seen> = prompts.iter().map(|_| Seen::default()).collect();
+    let mut own: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
+    let mut step_all = |plans: Vec<StepPlan>| {
+        let plans = Arc::new(plans);
+        group.start_step(&plans);
+        group.finish_step().unwrap()
+    };
+    let idle = || StepPlan { kind: StepKind::Decode, seqs: vec![] };
+    for (i, p) in prompts.iter().enumerate() {
+        let mut plans: Vec<StepPlan> = (0..world).map(|_| idle()).collect();
+        plans[rank_of(i)] = StepPlan { kind: StepKind::Prefill, seqs: vec![step(i, p.prompt.clone(), 0, mtp(i, 0))] };
+        let r = step_all(plans).remove(rank_of(i)).seqs.remove(0);
+        seen[i].out = emitted(&r);
+        own[i] = r.drafts;
+    }
+    let mut passes_differed = false;
+    while seen.iter().any(|s| s.out.len() < NEW_TOKENS) {
+        let live: Vec<usize> = (0..prompts.len()).filter(|&i| seen[i].out.len() < NEW_TOKENS).collect();
+        let mut plans: Vec<StepPlan> = (0..world).map(|_| idle()).collect();
+        let mut order: Vec<Vec<usize>> = vec![vec![]; world];
+        for &i in &live {
+            let computed = prompts[i].prompt.len() + seen[i].out.len() - 1;
+            let tokens = std::iter::once(*seen[i].out.last().unwrap()).chain(own[i].iter().copied()).collect();
+            plans[rank_of(i)].seqs.push(step(i, tokens, computed, mtp(i, own[i].len())));
+            order[rank_of(i)].push(i);
+        }
+        let passes = mla_core::speculative::mtp_pass_counts(&plans);
+        passes_differed |= passes.iter().any(|c| c.iter().any(|&x| x != c[0]));
+        let outs = step_all(plans);
+        for (r, out) in outs.iter().enumerate() {
+            for (&i, res) in order[r].iter().zip(&out.seqs) {
+                let e = emitted(res);
+                assert!(!e.is_empty() && e.len() <= own[i].len() + 1);
+                let stood = e.len() - 1;
+                assert_eq!(e[..stood], own[i][..stood], "the tokens before the last are the drafts that stood");
+                seen[i].out.extend(&e);
+                seen[i].stood.push(stood);
+                own[i] = res.drafts.clone();
+                assert_eq!(own[i].len(), drafts_of(i));
+            }
+        }
+    }
+    assert!(world == 1 || passes_differed, "the ranks never made different MTP passes");
+    let mut total = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        seen[i].out.truncate(NEW_TOKENS);
+        let n = comparable(p, &plain[i].out);
+        assert_eq!(
+            seen[i].out[..n],
+            plain[i].out[..n],
+            "{}: rank {} of {world} DP-attention ranks",
+            p.name,
+            rank_of(i)
+        );
+        total += n;
+        eprintln!("{world} DP-attention ranks, {}: {n} tokens compared with plain greedy", p.name);
+    }
+    assert!(total >= 30, "too few tokens compared ({total})");
 }
 
 #[test]

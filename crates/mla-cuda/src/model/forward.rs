@@ -193,7 +193,7 @@ impl CudaModel {
     /// that asks for speculative decoding runs its verify and draft passes (`speculative`).
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         if plan.has_speculative() {
-            return self.step_speculative(dev, None, plan);
+            return self.step_speculative(dev, None, plan, None);
         }
         self.run_eager(dev, plan, FfnRows::Padded(plan.num_tokens()))
     }
@@ -211,7 +211,7 @@ impl CudaModel {
         self.run_eager(dev, plan, FfnRows::Packed(counts))
     }
 
-    fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
+    pub(super) fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
         anyhow::ensure!(!plan.has_speculative(), "speculative steps run through CudaModel::step");
         if plan.seqs.is_empty() {

@@ -145,6 +145,7 @@ impl DecodeGraphs {
 pub fn graph_expressible(plan: &StepPlan) -> bool {
     plan.seqs.is_empty()
         || (plan.kind == StepKind::Decode
+            && !plan.has_speculative()
             && plan.seqs.iter().all(|s| s.sample.is_some() && s.logits == LogitsRequest::None))
 }
 

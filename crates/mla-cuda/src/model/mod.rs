@@ -23,6 +23,7 @@ pub use meta::{DecodeLayout, MetaLimits, PassMeta, PrefillLayout, StepLayout, St
 pub use meta_words::Section;
 pub use options::ModelOptions;
 pub use parallel::{FfnRows, RankLink, RankMode};
+pub use speculative::DpaStep;
 pub use weights::DeviceWeights;
 pub use workspace::{Limits, Workspace};
 

@@ -9,10 +9,13 @@
 //!    by the ordinary decode path, from a captured graph when one fits: no kernel of its own.
 //! 2. Accept, on the host: greedy, from the rows' sampled tokens (`plan::check_speculative`
 //!    admits only greedy draws so far).
-//! 3. Draft. The MTP module runs over every row whose next token is now known (one per emitted
-//!    token of a decode sequence, one per prompt position with its successor), which also fills
-//!    its cache layer, and the last row of each drafting sequence proposes the first draft; each
-//!    further draft is one more pass of one row per sequence, fed the module's own output.
+//! 3. Draft. The MTP module runs over the rows `mla_core::speculative::first_pass_rows` names
+//!    (every verify row of a decode sequence, paired with the target's choice there; one per
+//!    prompt position with its successor), which also fills its cache layer, and the row of each
+//!    drafting sequence's last emitted token proposes the first draft; each further draft is one
+//!    more pass of one row per sequence, fed the module's own output. The rows of every pass
+//!    follow from the plan alone, so the ranks of a DP-attention group, each with its own plan,
+//!    size every pass's FFN collectives alike (`DpaStep`), an idle rank taking part with none.
 //!
 //! The MTP pass's input is `eh_proj · [enorm(embed(token)); hnorm(prev)]`, computed as two
 //! projections summed in f32 into the residual (`weights::MtpLayerWeights`); the decoder layer, norms,
@@ -26,7 +29,7 @@ use crate::device::Device;
 use crate::gpu::DSlice;
 use crate::ops::{Embedding, NormDelta, RmsNormF32, PAGE_SIZE};
 use half::bf16;
-use mla_core::speculative::greedy_emitted;
+use mla_core::speculative::{drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts};
 use mla_core::step::plan::{
     LogitsRequest, SampleRequest, SampledToken, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
 };
@@ -86,6 +89,15 @@ struct MtpPass {
     src: Vec<i32>,
 }
 
+/// How a DP-attention rank meets the others in a speculative step: every rank's verify rows
+/// (`StepAgreement::Eager`'s counts) and every rank's rows in each MTP pass
+/// (`mla_core::speculative::mtp_pass_counts` of the step's plans).
+#[derive(Clone, Copy)]
+pub struct DpaStep<'a> {
+    pub counts: &'a [usize],
+    pub passes: &'a [Vec<usize>],
+}
+
 /// A sequence still drafting: its index in the original plan, the position of its last MTP row,
 /// and that row among the last pass's token rows.
 struct Chain {
@@ -100,12 +112,14 @@ fn greedy() -> Option<SampleRequest> {
 
 impl CudaModel {
     /// Runs a step that asks for speculative decoding (see the module doc); the verify step
-    /// replays a decode graph from `graphs` when one fits.
+    /// replays a decode graph from `graphs` when one fits. `dpa`: this rank's step in a
+    /// DP-attention group (run eagerly; its plan may be empty or plain while others draft).
     pub fn step_speculative(
         &mut self,
         dev: &Device,
         graphs: Option<&mut DecodeGraphs>,
         plan: &StepPlan,
+        dpa: Option<DpaStep>,
     ) -> anyhow::Result<StepOutput> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
         anyhow::ensure!(
@@ -113,17 +127,27 @@ impl CudaModel {
             "the step asks for speculative decoding but the MTP module is not loaded"
         );
         let verify = Verify::of(plan);
-        let replayed = graphs.and_then(|set| self.step_with_graphs(dev, set, &verify.plan));
-        let out = match replayed {
-            Some(r) => r?.0,
-            None => self.step(dev, &verify.plan)?,
+        let out = match dpa {
+            Some(d) => self.run_eager(dev, &verify.plan, FfnRows::Packed(d.counts))?,
+            None => match graphs.and_then(|set| self.step_with_graphs(dev, set, &verify.plan)) {
+                Some(r) => r?.0,
+                None => self.step(dev, &verify.plan)?,
+            },
         };
         let mut results = Vec::with_capacity(plan.seqs.len());
         for (s, g) in plan.seqs.iter().zip(&verify.groups) {
             let forced = self.forced_acceptance.as_mut().map(|(p, rng)| stood_at_rate(*p, rng, s.drafts_fed()));
             results.push(accept(s, &out.seqs[g.clone()], forced)?);
         }
-        let drafts = self.draft(dev, plan, &verify, &results)?;
+        let own;
+        let passes = match dpa {
+            Some(d) => d.passes,
+            None => {
+                own = mtp_pass_counts(std::slice::from_ref(plan));
+                &own
+            }
+        };
+        let drafts = self.draft(dev, plan, &verify, &out, &results, passes, dpa.is_some())?;
         for (r, d) in results.iter_mut().zip(drafts) {
             r.drafts = d;
         }
@@ -131,48 +155,61 @@ impl CudaModel {
     }
 
     /// The MTP passes after a verify step: per sequence of `plan`, its drafts for the next step.
+    /// `checked`: the verify rows' draws; `passes[p][r]`: rank r's rows in pass p (this rank's
+    /// alone outside DP attention, where `packed` is false).
+    #[allow(clippy::too_many_arguments)]
     fn draft(
         &mut self,
         dev: &Device,
         plan: &StepPlan,
         verify: &Verify,
+        checked: &StepOutput,
         results: &[SeqResult],
+        passes: &[Vec<usize>],
+        packed: bool,
     ) -> anyhow::Result<Vec<Vec<u32>>> {
         let first_decode = plan.num_prefill();
         let mut drafts = vec![Vec::new(); plan.seqs.len()];
+        let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(drafts) };
+        let me = if packed { self.mode.comm().map_or(0, |c| c.rank()) } else { 0 };
+        let ffn_rows = |counts: &[usize]| -> anyhow::Result<usize> {
+            counts.get(me).copied().ok_or_else(|| anyhow::anyhow!("MTP pass counts {counts:?} name no rank {me}"))
+        };
         let (mut chunks, mut rows) = (MtpPass::empty(), MtpPass::empty());
-        // Which sequence of the original plan each MTP sequence drafts for, and where its rows go.
+        // Which sequence of the original plan each MTP sequence drafts for, and whether it drafts.
         let (mut chunk_of, mut row_of) = (Vec::new(), Vec::new());
         for (i, (s, r)) in plan.seqs.iter().zip(results).enumerate() {
-            let Some(m) = s.mtp else { continue };
-            let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
-            let first_row = verify.row0[verify.groups[i].start];
-            let wants = m.draft > 0;
+            let n = first_pass_rows(s);
+            if n == 0 {
+                continue;
+            }
+            let group = verify.groups[i].clone();
+            let first_row = verify.row0[group.start];
+            let wants = drafts_from(s);
             if i < first_decode {
                 // Row j of a prompt chunk pairs position context_len + j with the token after it.
-                let after = m.next_token.or(emitted.first().copied());
+                let after = s.mtp.and_then(|m| m.next_token).or(r.sampled.as_ref().map(|t| t.token));
                 let next: Vec<u32> = s.tokens[1..].iter().copied().chain(after).collect();
-                if next.is_empty() {
-                    continue;
-                }
                 chunks.src.extend((0..next.len()).map(|j| (first_row + j) as i32));
                 let sample = if wants { greedy() } else { None };
                 chunks.plan.seqs.push(SeqStep { tokens: next, sample, mtp: None, ..plain(s) });
                 chunk_of.push(i);
             } else {
-                // A decode sequence's rows pair each emitted token with the row before it.
-                let n = emitted.len();
-                for (j, &t) in emitted.iter().enumerate() {
+                // Every verify row j, paired with the target's choice there: the next emitted
+                // token up to the last one; the rows after it write past the sequence's end.
+                let emitted = r.sampled.iter().len() + r.extra_tokens.len();
+                for (j, v) in checked.seqs[group].iter().enumerate() {
+                    let t = v.sampled.as_ref().ok_or_else(|| anyhow::anyhow!("a verify row did not sample"))?;
                     rows.src.push((first_row + j) as i32);
-                    let sample = if wants && j + 1 == n { greedy() } else { None };
+                    let drafting = wants && j + 1 == emitted;
                     rows.plan.seqs.push(SeqStep {
-                        tokens: vec![t],
+                        tokens: vec![t.token],
                         context_len: s.context_len + j,
-                        sample,
+                        sample: if drafting { greedy() } else { None },
                         mtp: None,
                         ..plain(s)
                     });
-                    row_of.push((i, j + 1 == n));
+                    row_of.push((i, drafting));
                 }
             }
         }
@@ -182,31 +219,37 @@ impl CudaModel {
             (0, _) => StepKind::Decode,
             (p, _) => StepKind::Mixed { prefill: p },
         };
-        if prefill + rows.plan.seqs.len() == 0 {
-            return Ok(drafts);
-        }
         let pass = MtpPass {
             plan: StepPlan { kind, seqs: chunks.plan.seqs.into_iter().chain(rows.plan.seqs).collect() },
             src: chunks.src.into_iter().chain(rows.src).collect(),
         };
+        anyhow::ensure!(
+            pass.src.len() == ffn_rows(first_counts)?,
+            "the first MTP pass has {} rows where the plan says {:?}",
+            pass.src.len(),
+            first_counts
+        );
         let owners: Vec<(usize, bool)> = chunk_of.into_iter().map(|i| (i, true)).chain(row_of).collect();
-        let out = self.mtp_pass(dev, &pass, PrevRows::Target)?;
-        // Each drafting sequence's last MTP row: its first draft, and where the chain goes on.
+        let out = self.mtp_pass(dev, &pass, PrevRows::Target, packed.then_some(first_counts))?;
+        // Each drafting sequence's row of its last emitted token: its first draft, and where
+        // the chain goes on.
         let mut chain = Vec::new();
         let mut at = 0;
-        for ((seq, last), (ms, r)) in owners.iter().zip(pass.plan.seqs.iter().zip(&out.seqs)) {
+        for ((seq, drafting), (ms, r)) in owners.iter().zip(pass.plan.seqs.iter().zip(&out.seqs)) {
             let row = at + ms.tokens.len() - 1;
             at += ms.tokens.len();
-            if let (true, Some(t)) = (last, &r.sampled) {
+            if let (true, Some(t)) = (drafting, &r.sampled) {
                 drafts[*seq].push(t.token);
                 chain.push(Chain { seq: *seq, pos: ms.context_len + ms.tokens.len() - 1, row });
             }
         }
-        loop {
+        for counts in chain_counts {
             chain.retain(|c| drafts[c.seq].len() < plan.seqs[c.seq].mtp.map_or(0, |m| m.draft));
-            if chain.is_empty() {
-                return Ok(drafts);
-            }
+            anyhow::ensure!(
+                chain.len() == ffn_rows(counts)?,
+                "an MTP chain pass of {} rows, not {counts:?}",
+                chain.len()
+            );
             let seqs = chain
                 .iter()
                 .map(|c| {
@@ -219,17 +262,35 @@ impl CudaModel {
                 plan: StepPlan { kind: StepKind::Decode, seqs },
                 src: chain.iter().map(|c| c.row as i32).collect(),
             };
-            let out = self.mtp_pass(dev, &pass, PrevRows::Mtp)?;
+            let out = self.mtp_pass(dev, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
             for (k, (c, r)) in chain.iter_mut().zip(&out.seqs).enumerate() {
                 drafts[c.seq].push(r.sampled.as_ref().expect("every chained row samples").token);
                 c.pos += 1;
                 c.row = k;
             }
         }
+        Ok(drafts)
     }
 
-    /// One MTP pass over `pass`'s rows: uploads, queues, samples, reads.
-    fn mtp_pass(&mut self, dev: &Device, pass: &MtpPass, prev: PrevRows) -> anyhow::Result<StepOutput> {
+    /// One MTP pass over `pass`'s rows: uploads, queues, samples, reads. `packed`: every DP-
+    /// attention rank's rows in this pass, which its FFN collectives carry; a rank with none
+    /// runs the module's FFN alone for them.
+    fn mtp_pass(
+        &mut self,
+        dev: &Device,
+        pass: &MtpPass,
+        prev: PrevRows,
+        packed: Option<&[usize]>,
+    ) -> anyhow::Result<StepOutput> {
+        let ffn_rows = packed.map_or(FfnRows::Padded(pass.src.len()), FfnRows::Packed);
+        if pass.src.is_empty() {
+            if packed.is_some() {
+                let mtp = self.weights.mtp.as_ref().expect("checked by the caller");
+                let idle = self.ffn(dev, &mtp.layer.ffn, 0, ffn_rows).and_then(|_| Ok(dev.gpu.sync()?));
+                settled(dev, idle)?;
+            }
+            return Ok(StepOutput::default());
+        }
         let bufs = self.ws.mtp.as_ref().expect("the MTP buffers exist when the module is loaded");
         anyhow::ensure!(pass.src.len() <= bufs.src.len(), "MTP pass of {} rows", pass.src.len());
         // The previous pass (or the verify step) was read back already: nothing reads `src` now.
@@ -238,7 +299,7 @@ impl CudaModel {
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
             me.upload_meta(dev, meta)?;
             let splits = me.default_decode_splits(dev, meta);
-            me.queue_mtp(dev, meta, splits, prev)?;
+            me.queue_mtp(dev, meta, splits, prev, ffn_rows)?;
             me.queue_sampler(dev, meta)?;
             me.read_outputs(dev, meta)
         };
@@ -247,7 +308,14 @@ impl CudaModel {
 
     /// Queues the MTP module over the rows of `m`, whose `prev` rows `ws.mtp.src` names, up to
     /// the logits. Its output before `shared_head.norm` stays in `ws.residual` for the next pass.
-    fn queue_mtp(&self, dev: &Device, m: &StepMeta, splits: usize, prev: PrevRows) -> anyhow::Result<()> {
+    fn queue_mtp(
+        &self,
+        dev: &Device,
+        m: &StepMeta,
+        splits: usize,
+        prev: PrevRows,
+        ffn_rows: FfnRows,
+    ) -> anyhow::Result<()> {
         let (s, k, ws) = (dev.stream(), &dev.k, &self.ws);
         let mtp = self.weights.mtp.as_ref().expect("checked by the caller");
         let bufs = ws.mtp.as_ref().expect("the MTP buffers exist when the module is loaded");
@@ -299,7 +367,7 @@ impl CudaModel {
         self.attention(dev, lw, self.cfg.num_hidden_layers, m, words, splits)?;
         let attn_delta = self.mode.attention_output(dev, ws.delta.slice(), n, h)?;
         self.add_norm(dev, attn_delta, lw.post_norm.slice(), n)?;
-        let ffn_delta = self.ffn(dev, &lw.ffn, n, FfnRows::Padded(n))?;
+        let ffn_delta = self.ffn(dev, &lw.ffn, n, ffn_rows)?;
         self.add_norm(dev, ffn_delta, mtp.shared_head_norm.slice(), n)?;
         self.queue_head(dev, m, words)
     }
