@@ -354,7 +354,7 @@ fn dp_attention_ranks_speculate_as_one_gpu_each() {
     let prompts = oracle(&main_dir());
     let plain = run(&mut backend(0), &prompts, None, |_, _, _| vec![]);
     let k = 3;
-    let drafts_of = |i: usize| if i % 2 == 0 { k } else { 1 };
+    let drafts_of = |i: usize| if i.is_multiple_of(2) { k } else { 1 };
     let (world, mut group) = dpa_group(k);
     let rank_of = |i: usize| i % world;
     let mtp = |i: usize, fed: usize| Some(MtpStep { drafts_fed: fed, next_token: None, draft: drafts_of(i) });
