@@ -135,6 +135,43 @@ def test_sampled_requests_match_the_server_without_speculation(tmp_path):
     assert outputs[0] == outputs[1]
 
 
+def test_sampled_requests_draft_and_reproduce_on_the_cpu_reference(tmp_path):
+    """Sampled requests without penalties draft (rejection sampling keeps the target's
+    distribution: crates/mla-cpu/tests/speculative_sampling.rs tests that statistically); the
+    same seed gives the same tokens again, with n = 2, streamed or not, with logprobs."""
+    server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *VLLM)
+    try:
+        assert "for greedy and sampled requests" in server.log_text()
+        client = server.client()
+
+        def sampled(**kw):
+            r = client.completions.create(
+                model="m",
+                prompt=oracle()[1]["prompt"],
+                max_tokens=24,
+                temperature=0.8,
+                top_p=0.95,
+                seed=5,
+                n=2,
+                logprobs=2,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                **kw,
+            )
+            return r
+
+        first, again = sampled(), sampled()
+        assert [ids(c) for c in first.choices] == [ids(c) for c in again.choices]
+        assert all(len(ids(c)) == 24 for c in first.choices)
+        assert ids(first.choices[0]) != ids(first.choices[1]), "two completions of one seed differ"
+        for c in first.choices:
+            assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+            assert all(len(top) >= 1 for top in c.logprobs.top_logprobs)
+        m = server.metrics()
+        assert m["mla:spec_decode_num_draft_tokens_total"] > 0
+    finally:
+        assert server.stop() == 0
+
+
 @pytest.mark.parametrize(
     "variant,extra,needle",
     [

@@ -133,6 +133,19 @@ pub fn sample(logits: &[f32], req: &SampleRequest) -> Result<SampledToken, MaskE
     Ok(SampledToken { token, logprob, top_logprobs })
 }
 
+/// `token` reported as `sample` would report a draw of it from `logits`: with its log-probability
+/// and the top alternatives when `req` asks for them. Speculative decoding emits tokens that
+/// verification chose (a draft that stood, a residual draw) rather than `sample`.
+pub fn report(logits: &[f32], req: &SampleRequest, token: u32) -> SampledToken {
+    match req.top_logprobs {
+        Some(k) => {
+            let lp = log_softmax(logits);
+            SampledToken { token, logprob: lp[token as usize], top_logprobs: top_k_entries(&lp, k) }
+        }
+        None => SampledToken { token, logprob: 0.0, top_logprobs: vec![] },
+    }
+}
+
 fn draw(logits: &[f32], p: &SamplingParams, seed: u64) -> u32 {
     let d = distribution(logits, p);
     d.pick(SplitMix64::new(seed).next_f64())

@@ -68,6 +68,31 @@ pub fn residual(p: &Distribution, q: &Distribution) -> Distribution {
     Distribution { tokens: p.tokens.clone(), probs: probs.into_iter().map(|x| x / total).collect() }
 }
 
+/// Seed of verify row `row`'s draws in a step whose first row draws with `seed` (the engine's
+/// seed for the step's first output position; row 0 keeps it, so a row without drafts draws as
+/// without speculation).
+pub fn row_seed(seed: u64, row: usize) -> u64 {
+    match row {
+        0 => seed,
+        r => SplitMix64::new(seed ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64(),
+    }
+}
+
+/// Seed of the `j`-th draft a step draws for a sequence whose step seed is `seed`: apart from
+/// every row's seed, so a draft and the uniforms that verify it are independent.
+pub fn draft_seed(seed: u64, j: usize) -> u64 {
+    SplitMix64::new(seed ^ 0xA5A5_5A5A_C3C3_3C3C ^ (j as u64 + 1).wrapping_mul(0xBF58_476D_1CE4_E5B9)).next_u64()
+}
+
+/// A draft's distribution `q` as verification sees it: the one it was drawn from, or, where
+/// that is not kept (a draft chosen by other means), the point mass on the draft. Verifying
+/// against the point mass (accept with `p(d)`, else draw from `p` without `d`) is exact for a
+/// draft chosen any way at all independently of the verdict's uniforms, only less often accepted
+/// than against the true `q`.
+pub fn point_mass(draft: u32) -> Distribution {
+    Distribution { tokens: vec![draft], probs: vec![1.0] }
+}
+
 /// The MTP layer's rows in the first pass after a step, for one sequence: one per fed position
 /// whose next token is known by the end of the step (the next fed token, `next_token`, or the
 /// step's own draw). A decode row that feeds drafts runs all `1 + drafts_fed` of them, whatever

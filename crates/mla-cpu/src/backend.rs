@@ -80,6 +80,10 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn verifies_sampled_drafts(&self) -> bool {
+        true
+    }
+
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }

@@ -143,5 +143,6 @@ pub fn group_parts(
         graph_batches: vec![],
         graphable: |_| false,
         watchdog,
+        sampled_drafts: true,
     }
 }

@@ -8,6 +8,7 @@ use crate::model_weights::MtpWeights;
 use crate::speculative;
 use mla_core::step::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, MtpSpec, RankLayout, WeightSource};
+use std::collections::HashMap;
 
 pub struct CpuRank {
     model: CpuModel,
@@ -15,6 +16,10 @@ pub struct CpuRank {
     layout: CacheLayout,
     /// The MTP layer, when speculative decoding is on (its rows are the cache's last layer).
     mtp: Option<MtpWeights>,
+    /// The sampled drafts of the last step's sequences and what they were drawn from, until the
+    /// next step verifies them (a sequence absent from a step loses them: its drafts are then
+    /// verified against their point masses, exact but accepted less often).
+    drawn: HashMap<u64, speculative::Drawn>,
 }
 
 impl CpuRank {
@@ -32,7 +37,7 @@ impl CpuRank {
         anyhow::ensure!(num_blocks > 0, "num_blocks must be positive");
         let cache = LatentCache::new(cfg.num_hidden_layers, block_size, num_blocks, cfg.kv_cache_dim(), kv_dtype);
         let model = CpuModel::new_rank(cfg, weights, rank)?;
-        Ok(CpuRank { model, cache, layout: CacheLayout { block_size, num_blocks }, mtp: None })
+        Ok(CpuRank { model, cache, layout: CacheLayout { block_size, num_blocks }, mtp: None, drawn: HashMap::new() })
     }
 
     /// Loads the model's MTP layer for speculative decoding and gives it a cache layer of its
@@ -121,15 +126,27 @@ impl CpuRank {
         let mut verified = Vec::with_capacity(plan.seqs.len());
         for (s, span) in plan.seqs.iter().zip(&spans) {
             let rows = &logits[span.start..span.start + span.len];
-            verified.push(speculative::verify(s, rows).map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
+            let v = speculative::verify(s, rows, self.drawn.get(&s.seq_id));
+            verified.push(v.map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
         }
-        let mut drafts = match (&self.mtp, speculative) {
+        let proposals = match (&self.mtp, speculative) {
             (Some(mtp), true) => {
                 let cache = &mut self.cache;
                 speculative::draft(&self.model, mtp, plan, &hidden, &verified, cache, comm, mtp_passes)?
             }
-            _ => vec![Vec::new(); plan.seqs.len()],
+            _ => speculative::Proposals {
+                drafts: vec![Vec::new(); plan.seqs.len()],
+                q: vec![Vec::new(); plan.seqs.len()],
+            },
         };
+        let speculative::Proposals { mut drafts, q } = proposals;
+        self.drawn = plan
+            .seqs
+            .iter()
+            .zip(drafts.iter().zip(q))
+            .filter(|(_, (_, q))| !q.is_empty())
+            .map(|(s, (d, q))| (s.seq_id, speculative::Drawn { drafts: d.clone(), q }))
+            .collect();
         let mut emitted: Vec<Vec<SampledToken>> =
             verified.into_iter().map(speculative::Verified::into_emitted).collect();
         let mut out = StepOutput::default();

@@ -14,10 +14,13 @@ use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
+use mla_core::rng::SplitMix64;
 use mla_core::runtime::collective::{Collective, CollectiveError};
-use mla_core::sampling::{argmax, sample};
-use mla_core::speculative::{drafts_from, first_pass_rows, greedy_emitted};
-use mla_core::step::plan::{SampledToken, SeqStep, StepPlan};
+use mla_core::sampling::{argmax, distribution, report, sample, Distribution};
+use mla_core::speculative::{
+    draft_seed, drafts_from, first_pass_rows, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict,
+};
+use mla_core::step::plan::{SampleRequest, SampledToken, SeqStep, StepPlan};
 use mla_core::step::token_mask::MaskError;
 
 /// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
@@ -37,18 +40,65 @@ impl Verified {
     }
 }
 
-/// Verifies one sequence's rows; `rows[j]` is the target's row `j`.
-pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>]) -> Result<Verified, MaskError> {
+/// A sequence's sampled drafts and the distributions they were drawn from, kept by the rank from
+/// the step that drew them to the step that verifies them.
+#[derive(Debug, Clone, Default)]
+pub struct Drawn {
+    pub drafts: Vec<u32>,
+    pub q: Vec<Distribution>,
+}
+
+/// Verifies one sequence's rows; `rows[j]` is the target's row `j`. `drawn`: what the rank kept
+/// of the sequence's last drafts. Their distributions are used where the fed drafts are the ones
+/// drawn from them; any other draft is verified against its point mass
+/// (`speculative::point_mass`), which is exact for a draft chosen any way, only accepted less.
+pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>], drawn: Option<&Drawn>) -> Result<Verified, MaskError> {
     let Some(req) = &s.sample else { return Ok(Verified::default()) };
     let fed = s.drafts_fed();
     let first = rows.len() - 1 - fed;
-    let choices = rows[first..]
-        .iter()
-        .map(|row| sample(row.as_ref().expect("verified rows have logits"), req))
-        .collect::<Result<Vec<_>, _>>()?;
-    let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
-    let emitted = greedy_emitted(&tokens, &s.tokens[s.tokens.len() - fed..]);
-    Ok(Verified { choices, emitted })
+    let row = |j: usize| rows[first + j].as_deref().expect("verified rows have logits");
+    let drafts = &s.tokens[s.tokens.len() - fed..];
+    let q = drawn.filter(|k| k.q.len() >= fed && k.drafts.get(..fed) == Some(drafts)).map(|k| &k.q[..fed]);
+    if req.params.is_greedy() || fed == 0 {
+        let choices = (0..=fed).map(|j| sample(row(j), req)).collect::<Result<Vec<_>, _>>()?;
+        let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
+        let emitted = greedy_emitted(&tokens, drafts);
+        return Ok(Verified { choices, emitted });
+    }
+    // Rejection sampling, row by row (the plan admits no penalties, bias or masks here, so each
+    // row's distribution is its logits' under the request's parameters).
+    let mut choices = Vec::with_capacity(fed + 1);
+    for (j, &d) in drafts.iter().enumerate() {
+        let p = distribution(row(j), &req.params);
+        let own = q.map_or_else(|| point_mass(d), |q| q[j].clone());
+        let token = match verify_sampled(&p, &own, d, row_seed(req.seed, j)) {
+            Verdict::Accept => d,
+            Verdict::Replace(t) => t,
+        };
+        choices.push(report(row(j), req, token));
+        if token != d {
+            // Rows after a replaced draft emit nothing; the MTP pass still pairs each with a
+            // token (any will do: those entries are rewritten before anything reads them).
+            let emitted = choices.len();
+            choices.resize(fed + 1, choices[emitted - 1].clone());
+            return Ok(Verified { choices, emitted });
+        }
+    }
+    let bonus = SampleRequest { seed: row_seed(req.seed, fed), ..req.clone() };
+    choices.push(sample(row(fed), &bonus)?);
+    Ok(Verified { choices, emitted: fed + 1 })
+}
+
+/// The draft a drafting row proposes from the MTP layer's `logits`: the argmax for a greedy
+/// draw, else a draw from `q` (the request's parameters on the layer's logits) with the draft's
+/// own seed, `q` returned to be kept until the drafts are verified.
+fn propose(logits: &[f32], req: &SampleRequest, j: usize) -> (u32, Option<Distribution>) {
+    if req.params.is_greedy() {
+        return (argmax(logits), None);
+    }
+    let q = distribution(logits, &req.params);
+    let d = q.pick(SplitMix64::new(draft_seed(req.seed, j)).next_f64());
+    (d, Some(q))
 }
 
 /// One sequence's MTP rows this step, in the batch of MTP rows.
@@ -60,6 +110,21 @@ struct MtpRows {
     len: usize,
     /// Its row of the last emitted token, from `start` (the one that drafts).
     last: usize,
+}
+
+/// What the MTP passes propose: per sequence of the plan, its drafts for the next step and,
+/// for a sampled draw, the distribution each draft was drawn from.
+#[derive(Default)]
+pub struct Proposals {
+    pub drafts: Vec<Vec<u32>>,
+    pub q: Vec<Vec<Distribution>>,
+}
+
+impl Proposals {
+    fn push(&mut self, seq: usize, (d, q): (u32, Option<Distribution>)) {
+        self.drafts[seq].push(d);
+        self.q[seq].extend(q);
+    }
 }
 
 /// Runs the MTP passes of a step and returns, per sequence of `plan`, its drafts for the next
@@ -77,11 +142,12 @@ pub fn draft(
     cache: &mut LatentCache,
     comm: &mut dyn Collective,
     passes: &[Vec<usize>],
-) -> Result<Vec<Vec<u32>>, CollectiveError> {
+) -> Result<Proposals, CollectiveError> {
     let h = model.config().hidden_size;
     let first_decode = plan.num_prefill();
-    let mut drafts = vec![Vec::new(); plan.seqs.len()];
-    let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(drafts) };
+    let n_seqs = plan.seqs.len();
+    let mut out = Proposals { drafts: vec![Vec::new(); n_seqs], q: vec![Vec::new(); n_seqs] };
+    let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(out) };
     let (mut tokens, mut prev, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     let mut at = 0;
     for (i, (s, v)) in plan.seqs.iter().zip(verified).enumerate() {
@@ -122,21 +188,23 @@ pub fn draft(
         want[r.start + r.last] = true;
     }
     let peers = Peers { comm: &mut *comm, counts: first_counts };
-    let out =
+    let pass =
         model.mtp_forward_rank(mtp, MtpInput { prev_hidden: &prev, tokens: &tokens }, &spans, cache, &want, peers)?;
+    let request = |seq: usize| plan.seqs[seq].sample.as_ref().expect("a drafting sequence samples");
 
     // The chain: each drafting sequence's last emitted row, then one row per further draft.
     let mut chain: Vec<(usize, usize, Vec<f32>)> = Vec::new(); // (seq, position of the row, its hidden)
     for r in rows.iter().filter(|r| wants(r)) {
         let row = r.start + r.last;
-        let logits = out.logits[row].as_ref().expect("the drafting row's logits were asked for");
-        drafts[r.seq].push(argmax(logits));
+        let logits = pass.logits[row].as_ref().expect("the drafting row's logits were asked for");
+        out.push(r.seq, propose(logits, request(r.seq), 0));
         let pos = plan.seqs[r.seq].context_len + r.last;
-        chain.push((r.seq, pos, out.hidden[row * h..(row + 1) * h].to_vec()));
+        chain.push((r.seq, pos, pass.hidden[row * h..(row + 1) * h].to_vec()));
     }
+    let drafts = |out: &Proposals, seq: usize| out.drafts[seq].len();
     for counts in chain_counts {
-        chain.retain(|(seq, _, _)| drafts[*seq].len() < plan.seqs[*seq].mtp.map_or(0, |m| m.draft));
-        let tokens: Vec<u32> = chain.iter().map(|(seq, _, _)| *drafts[*seq].last().unwrap()).collect();
+        chain.retain(|(seq, _, _)| drafts(&out, *seq) < plan.seqs[*seq].mtp.map_or(0, |m| m.draft));
+        let tokens: Vec<u32> = chain.iter().map(|(seq, _, _)| *out.drafts[*seq].last().unwrap()).collect();
         let prev: Vec<f32> = chain.iter().flat_map(|(_, _, hid)| hid.iter().copied()).collect();
         let spans: Vec<SeqSpan> = chain
             .iter()
@@ -151,7 +219,7 @@ pub fn draft(
             .collect();
         let peers = Peers { comm: &mut *comm, counts };
         let want = vec![true; tokens.len()];
-        let out = model.mtp_forward_rank(
+        let pass = model.mtp_forward_rank(
             mtp,
             MtpInput { prev_hidden: &prev, tokens: &tokens },
             &spans,
@@ -160,10 +228,12 @@ pub fn draft(
             peers,
         )?;
         for (k, (seq, pos, hid)) in chain.iter_mut().enumerate() {
-            drafts[*seq].push(argmax(out.logits[k].as_ref().expect("every chain row's logits")));
+            let logits = pass.logits[k].as_ref().expect("every chain row's logits");
+            let j = out.drafts[*seq].len();
+            out.push(*seq, propose(logits, request(*seq), j));
             *pos += 1;
-            hid.copy_from_slice(&out.hidden[k * h..(k + 1) * h]);
+            hid.copy_from_slice(&pass.hidden[k * h..(k + 1) * h]);
         }
     }
-    Ok(drafts)
+    Ok(out)
 }

@@ -183,5 +183,6 @@ pub fn group_parts(
         graph_batches: local.ready.graph_batches,
         graphable: graph_expressible,
         watchdog: group.watchdog,
+        sampled_drafts: false,
     }
 }

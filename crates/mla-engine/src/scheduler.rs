@@ -86,6 +86,9 @@ pub struct SchedulerConfig {
     /// cache misses those positions: acceptance dips for a while after drafting resumes,
     /// correctness does not change.
     pub spec_disable_batch: Option<usize>,
+    /// Whether the backend verifies drafts of sampled draws (`Backend::verifies_sampled_drafts`);
+    /// without it only greedy requests draft.
+    pub spec_sampled: bool,
 }
 
 /// Prefix-cache counters since start, in prompt tokens (vLLM's `prefix_cache_queries` and

@@ -213,18 +213,23 @@ impl Group {
         true
     }
 
-    /// Whether this request's completions may be decoded speculatively: greedy, with nothing
-    /// that changes a row's logits by what came before it (penalties, logit_bias, a grammar),
-    /// which is what the backends verify exactly (`StepPlan::validate`).
-    pub fn may_speculate(&self) -> bool {
+    /// Whether this request's completions may be decoded speculatively: nothing that changes a
+    /// row's logits by what came before it (penalties, logit_bias, a grammar), which is what the
+    /// backends verify exactly (`StepPlan::validate`), and a greedy draw unless the backend
+    /// verifies sampled drafts (`sampled`).
+    pub fn may_speculate(&self, sampled: bool) -> bool {
         let s = &self.req.sampling;
-        s.is_greedy() && !s.has_penalties() && self.req.logit_bias.is_empty() && self.constraints.0.is_empty()
+        (sampled || s.is_greedy())
+            && !s.has_penalties()
+            && self.req.logit_bias.is_empty()
+            && self.constraints.0.is_empty()
     }
 
     /// Whether completion `i` drafts now: `min_tokens`, while it holds, bans the stop tokens
     /// row by row.
-    pub fn drafts_now(&self, i: usize) -> bool {
-        self.may_speculate() && (self.outputs(i).len() >= self.req.min_tokens || self.req.stop_token_ids.is_empty())
+    pub fn drafts_now(&self, i: usize, sampled: bool) -> bool {
+        self.may_speculate(sampled)
+            && (self.outputs(i).len() >= self.req.min_tokens || self.req.stop_token_ids.is_empty())
     }
 
     /// Outputs completion `i` has produced so far.

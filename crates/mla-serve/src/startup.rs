@@ -78,8 +78,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     if mtp_drafts > 0 {
         let pause = spec_disable_batch
             .map_or(String::new(), |n| format!("; paused while {n} or more sequences run (disable_by_batch_size)"));
+        // Drafts of sampled draws are verified by rejection sampling where the backend can.
+        let draws = match backends.iter().all(|b| b.verifies_sampled_drafts()) {
+            true => "greedy and sampled requests",
+            false => "greedy requests (sampled ones: the CPU reference only, so far)",
+        };
         tracing::info!(
-            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for greedy requests without penalties, logit_bias or a grammar; others decode one token per step{pause}"
+            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for {draws} without penalties, logit_bias or a grammar; others decode one token per step{pause}"
         );
     }
     let engine = Engine::start_replicas(

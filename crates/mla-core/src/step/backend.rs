@@ -51,6 +51,12 @@ pub trait Backend: Send {
     /// `FatalBackendError`: then the backend cannot run another step.
     fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>>;
 
+    /// Whether the backend verifies drafts of sampled (non-greedy) draws by rejection sampling;
+    /// without it the engine drafts for greedy requests only.
+    fn verifies_sampled_drafts(&self) -> bool {
+        false
+    }
+
     /// One step of a backend with one attention rank (tests, benchmarks).
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         self.start_step(&Arc::new(vec![plan.clone()]));

@@ -277,7 +277,9 @@ impl StepPlan {
     }
 
     /// What speculative decoding asks of a sequence must be something the backend can do
-    /// exactly: drafts are verified greedily, with nothing that changes logits per row.
+    /// exactly: drafts are verified greedily or by rejection sampling (`speculative`), with
+    /// nothing that changes logits per row. Whether a backend verifies sampled drafts is its
+    /// own (`Backend::verifies_sampled_drafts`).
     fn check_speculative(s: &SeqStep, m: MtpStep, decode_row: bool) -> Result<(), PlanError> {
         let why = |why| Err(PlanError::Speculative { seq_id: s.seq_id, why });
         if m.drafts_fed > 0 && !decode_row {
@@ -293,9 +295,8 @@ impl StepPlan {
             return why("a row that verifies drafts returns no logits");
         }
         if let Some(r) = &s.sample {
-            if (m.drafts_fed > 0 || m.draft > 0) && (!r.params.is_greedy() || r.penalty.is_some() || r.shapes_logits())
-            {
-                return why("only greedy draws without penalties, logit_bias or a grammar are verified so far");
+            if (m.drafts_fed > 0 || m.draft > 0) && (r.penalty.is_some() || r.shapes_logits()) {
+                return why("only draws without penalties, logit_bias or a grammar are verified so far");
             }
         }
         Ok(())

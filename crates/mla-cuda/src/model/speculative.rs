@@ -7,8 +7,8 @@
 //!    of all its rows before any row's attention (`attention_layer`), and row `j` attends to
 //!    positions `0 ..= context_len + j` by its length alone, so the drafts are scored causally
 //!    by the ordinary decode path, from a captured graph when one fits: no kernel of its own.
-//! 2. Accept, on the host: greedy, from the rows' sampled tokens (`plan::check_speculative`
-//!    admits only greedy draws so far).
+//! 2. Accept, on the host: greedy, from the rows' sampled tokens (sampled draws are refused:
+//!    `Backend::verifies_sampled_drafts` is false here, so the engine drafts for greedy ones).
 //! 3. Draft. The MTP module runs over the rows `mla_core::speculative::first_pass_rows` names
 //!    (every verify row of a decode sequence, paired with the target's choice there; one per
 //!    prompt position with its successor), which also fills its cache layer, and the row of each
@@ -126,6 +126,12 @@ impl CudaModel {
             self.weights.mtp.is_some(),
             "the step asks for speculative decoding but the MTP module is not loaded"
         );
+        if let Some(s) = plan.seqs.iter().find(|s| {
+            let drafts = s.mtp.is_some_and(|m| m.drafts_fed > 0 || m.draft > 0);
+            drafts && s.sample.as_ref().is_some_and(|r| !r.params.is_greedy())
+        }) {
+            anyhow::bail!("sequence {}: the CUDA backend verifies drafts of greedy draws only", s.seq_id);
+        }
         let verify = Verify::of(plan);
         let out = match dpa {
             Some(d) => self.run_eager(dev, &verify.plan, FfnRows::Packed(d.counts))?,

@@ -114,6 +114,7 @@ impl Worker {
             mixed_steps: cfg.mixed_steps,
             mtp_drafts: cfg.mtp_drafts,
             spec_disable_batch: cfg.spec_disable_batch,
+            spec_sampled: backend.verifies_sampled_drafts(),
         };
         let layouts = backend.cache_layouts();
         assert_eq!(layouts.len(), caches.len(), "one router view per attention rank");

@@ -114,6 +114,7 @@ impl Scheduler {
         }
         (!paused).then_some(Drafting {
             k: self.cfg.mtp_drafts,
+            sampled: self.cfg.spec_sampled,
             block_size: self.blocks.block_size(),
             max_model_len: self.cfg.max_model_len,
         })
@@ -142,6 +143,8 @@ impl Scheduler {
 pub(super) struct Drafting {
     /// Drafts per step.
     k: usize,
+    /// Whether sampled (non-greedy) draws draft too (`SchedulerConfig::spec_sampled`).
+    sampled: bool,
     block_size: usize,
     max_model_len: usize,
 }
@@ -158,7 +161,7 @@ impl Drafting {
     fn fits_row(&self, g: &Group, c: usize, budget: usize) -> bool {
         let seq = &g.completions[c];
         !seq.drafts.is_empty()
-            && g.drafts_now(c)
+            && g.drafts_now(c, self.sampled)
             && self.row_positions(seq) <= self.max_model_len
             && seq.drafts.len() < budget
     }
@@ -166,7 +169,7 @@ impl Drafting {
     /// The `MtpStep` of an entry feeding `seq.tokens[computed..end]` (plus `fed` drafts), or
     /// `None` for a request that never drafts (its MTP rows would serve nothing).
     fn step(&self, g: &Group, key: SeqKey, end: usize, samples: bool, fed: usize) -> Option<MtpStep> {
-        if !g.may_speculate() {
+        if !g.may_speculate(self.sampled) {
             return None;
         }
         let seq = g.seq(key.slot).expect("resident sequence exists");
@@ -182,7 +185,7 @@ impl Drafting {
         let draft = match key.slot {
             Slot::Completion(c)
                 if samples
-                    && g.drafts_now(c)
+                    && g.drafts_now(c, self.sampled)
                     && last_drafting_row <= self.max_model_len
                     && last_drafting_row <= seq.table.len() * self.block_size =>
             {

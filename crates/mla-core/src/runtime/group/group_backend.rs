@@ -33,6 +33,8 @@ pub struct GroupParts<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
     pub watchdog: Duration,
     /// For logs and `Backend::device_name`.
     pub name: String,
+    /// `Backend::verifies_sampled_drafts` of the ranks.
+    pub sampled_drafts: bool,
 }
 
 pub struct GroupBackend<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
@@ -125,6 +127,10 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> Backend for GroupBacke
 
     fn step_limits(&self) -> StepLimits {
         self.p.step_limits
+    }
+
+    fn verifies_sampled_drafts(&self) -> bool {
+        self.p.sampled_drafts
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
