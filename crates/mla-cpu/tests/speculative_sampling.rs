@@ -42,12 +42,7 @@ fn fixture() -> Fixture {
 }
 
 fn backend(f: &Fixture, mtp: bool) -> CpuBackend {
-    let b = CpuBackend::new(f.cfg.clone(), &f.ckpt, BLOCK_SIZE, 8).unwrap();
-    if mtp {
-        b.with_mtp(&f.ckpt).unwrap()
-    } else {
-        b
-    }
+    common::mtp_backend(&f.cfg, &f.ckpt, BLOCK_SIZE, 8, mtp)
 }
 
 fn table() -> Vec<u32> {

@@ -45,12 +45,7 @@ fn fixture(variant: &str) -> Fixture {
 }
 
 fn backend(f: &Fixture, mtp: bool) -> CpuBackend {
-    let b = CpuBackend::new(f.cfg.clone(), &f.ckpt, BLOCK_SIZE, 16).unwrap();
-    if mtp {
-        b.with_mtp(&f.ckpt).unwrap()
-    } else {
-        b
-    }
+    common::mtp_backend(&f.cfg, &f.ckpt, BLOCK_SIZE, 16, mtp)
 }
 
 fn table() -> Vec<u32> {
@@ -92,6 +87,23 @@ struct Run {
     out: Vec<u32>,
     accepted: Vec<usize>,
     first_drafts: Vec<(usize, u32)>,
+}
+
+/// Two CPU ranks in one process with the MTP layer loaded: tensor parallel, or DP attention.
+fn pair(f: &Fixture, dp_attention: bool) -> mla_cpu::group::CpuGroupBackend {
+    let weights: std::sync::Arc<dyn mla_core::WeightSource + Send + Sync> =
+        std::sync::Arc::new(Checkpoint::open(&common::fixture_dir("v3_mtp"), &f.cfg).unwrap());
+    mla_cpu::group::local_group(
+        f.cfg.clone(),
+        weights,
+        mla_core::Parallel::from_flags(2, None, dp_attention).unwrap(),
+        mla_core::CacheLayout { block_size: BLOCK_SIZE, num_blocks: 16 },
+        mla_core::KvCacheDtype::Auto,
+        mla_core::StepLimits::unlimited(),
+        std::time::Duration::from_secs(600),
+        true,
+    )
+    .unwrap()
 }
 
 /// Greedy decoding with drafts: `feed(out, own)` picks the drafts a verify step feeds, from the
@@ -264,24 +276,10 @@ fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
 #[test]
 fn tensor_parallel_ranks_draft_and_verify_as_one_rank() {
     let f = fixture("v3_mtp");
-    let weights: std::sync::Arc<dyn mla_core::WeightSource + Send + Sync> =
-        std::sync::Arc::new(Checkpoint::open(&common::fixture_dir("v3_mtp"), &f.cfg).unwrap());
-    let cache = mla_core::CacheLayout { block_size: BLOCK_SIZE, num_blocks: 16 };
-    let tp2 = mla_core::Parallel::from_flags(2, None, false).unwrap();
     for k in [1, 3] {
         for (prompt, _, _) in &f.prompts {
             let one = speculative(&f, prompt, k, |_, own| own.to_vec());
-            let mut group = mla_cpu::group::local_group(
-                f.cfg.clone(),
-                weights.clone(),
-                tp2,
-                cache,
-                mla_core::KvCacheDtype::Auto,
-                mla_core::StepLimits::unlimited(),
-                std::time::Duration::from_secs(600),
-                true,
-            )
-            .unwrap();
+            let mut group = pair(&f, false);
             let two = speculative_on(&mut group, prompt, k, |_, own| own.to_vec());
             assert_eq!(two.out, one.out, "K = {k}, prompt of {}", prompt.len());
             assert_eq!(two.first_drafts, one.first_drafts, "K = {k}, prompt of {}", prompt.len());
@@ -296,26 +294,12 @@ fn tensor_parallel_ranks_draft_and_verify_as_one_rank() {
 #[test]
 fn dp_attention_ranks_draft_and_verify_as_one_rank_each() {
     let f = fixture("v3_mtp");
-    let weights: std::sync::Arc<dyn mla_core::WeightSource + Send + Sync> =
-        std::sync::Arc::new(Checkpoint::open(&common::fixture_dir("v3_mtp"), &f.cfg).unwrap());
-    let cache = mla_core::CacheLayout { block_size: BLOCK_SIZE, num_blocks: 16 };
-    let dpa = mla_core::Parallel::from_flags(2, None, true).unwrap();
     let prompts: Vec<&[u32]> = f.prompts.iter().map(|(p, _, _)| p.as_slice()).collect();
     // (rank 0's prompt and K, rank 1's prompt and K, the step rank 1 starts at)
     for (a, ka, b, kb, delay) in [(0, 1, 1, 3, 2), (2, 3, 0, 1, 0), (1, 2, 2, 2, 5)] {
         let one_a = speculative(&f, prompts[a], ka, |_, own| own.to_vec());
         let one_b = speculative(&f, prompts[b], kb, |_, own| own.to_vec());
-        let mut group = mla_cpu::group::local_group(
-            f.cfg.clone(),
-            weights.clone(),
-            dpa,
-            cache,
-            mla_core::KvCacheDtype::Auto,
-            mla_core::StepLimits::unlimited(),
-            std::time::Duration::from_secs(600),
-            true,
-        )
-        .unwrap();
+        let mut group = pair(&f, true);
         let own = |_: &[u32], own: &[u32]| own.to_vec();
         let mut ranks = [Decoder::new(1, prompts[a], ka, own), Decoder::new(2, prompts[b], kb, own)];
         let idle = StepPlan { kind: StepKind::Decode, seqs: vec![] };

@@ -65,25 +65,13 @@ fn options(drafts: usize) -> CudaOptions {
     }
 }
 
-/// Tensor-parallel ranks over real NCCL, as many as there are GPUs up to two (one GPU: a
-/// one-rank communicator, whose collectives are real all the same).
-fn tp_group(drafts: usize) -> (usize, CudaGroupBackend) {
+/// A group over real NCCL, as many ranks as there are GPUs up to two, tensor parallel or DP
+/// attention (one GPU: a one-rank communicator, whose collectives are real all the same).
+fn group(drafts: usize, dp_attention: bool) -> (usize, CudaGroupBackend) {
     let world = mla_cuda::visible_gpus().clamp(1, 2);
     let g = GroupOptions {
         world,
-        dp_attention: false,
-        watchdog: Duration::from_secs(120),
-        connector: Arc::new(NcclConnector::new().unwrap()),
-    };
-    (world, local_group(config(), WeightsFrom::Checkpoint(mtp_dir()), options(drafts), g).unwrap())
-}
-
-/// A DP-attention pair over real NCCL (one GPU: a one-rank group, which runs as one GPU).
-fn dpa_group(drafts: usize) -> (usize, CudaGroupBackend) {
-    let world = mla_cuda::visible_gpus().clamp(1, 2);
-    let g = GroupOptions {
-        world,
-        dp_attention: true,
+        dp_attention,
         watchdog: Duration::from_secs(120),
         connector: Arc::new(NcclConnector::new().unwrap()),
     };
@@ -322,7 +310,7 @@ fn tensor_parallel_ranks_speculate_as_one_gpu() {
     let k = 2;
     let own = run(&mut backend(k), &prompts, Some(k), |_, _, own| own.to_vec());
     let mut drafts_one: Vec<Vec<Vec<u32>>> = vec![vec![]; prompts.len()];
-    let (world, mut group) = tp_group(k);
+    let (world, mut group) = group(k, false);
     let mut drafts_tp: Vec<Vec<Vec<u32>>> = vec![vec![]; prompts.len()];
     let tp = run(&mut group, &prompts, Some(k), |i, _, own| {
         drafts_tp[i].push(own.to_vec());
@@ -355,7 +343,7 @@ fn dp_attention_ranks_speculate_as_one_gpu_each() {
     let plain = run(&mut backend(0), &prompts, None, |_, _, _| vec![]);
     let k = 3;
     let drafts_of = |i: usize| if i.is_multiple_of(2) { k } else { 1 };
-    let (world, mut group) = dpa_group(k);
+    let (world, mut group) = group(k, true);
     let rank_of = |i: usize| i % world;
     let mtp = |i: usize, fed: usize| Some(MtpStep { drafts_fed: fed, next_token: None, draft: drafts_of(i) });
     let mut seen: Vec<Seen> = prompts.iter().map(|_| Seen::default()).collect();

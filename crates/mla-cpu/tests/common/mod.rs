@@ -153,6 +153,22 @@ pub struct MtpOracle {
     pub draft: Vec<Vec<f32>>,
 }
 
+/// A CPU backend over an MTP fixture, with its MTP layer loaded when `mtp`.
+pub fn mtp_backend(
+    cfg: &ModelConfig,
+    ckpt: &mla_core::Checkpoint,
+    block_size: usize,
+    blocks: usize,
+    mtp: bool,
+) -> CpuBackend {
+    let b = CpuBackend::new(cfg.clone(), ckpt, block_size, blocks).unwrap();
+    if mtp {
+        b.with_mtp(ckpt).unwrap()
+    } else {
+        b
+    }
+}
+
 /// An MTP fixture's config, checkpoint and oracle sequences (short, medium, long).
 pub fn mtp_oracles(variant: &str) -> (ModelConfig, mla_core::Checkpoint, Vec<MtpOracle>) {
     let dir = fixture_dir(variant);
