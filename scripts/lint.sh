@@ -31,13 +31,7 @@ cargo fmt --all --check
 echo "== clang-format (kernels/, benches/*.cu)"
 "$cf" --style=file --dry-run -Werror "${cuda_sources[@]}"
 echo "== clippy (-D warnings, every target)"
-if [[ "${MLA_CLIPPY_IN_BUILD:-0}" == 1 ]]; then
-  # scripts/test.sh compiles the workspace with clippy-driver as its compiler, so the lints run in
-  # the build the tests use; here only what that build leaves out: mla-cuda's GPU test binaries.
-  cargo clippy -p mla-cuda --all-targets --locked -- -D warnings
-else
-  cargo clippy --workspace --all-targets --locked -- -D warnings
-fi
+cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== import circles between the modules of each crate"
 python3 scripts/module_cycles.py
 echo "== the maps of the code name only what exists"

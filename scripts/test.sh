@@ -22,15 +22,6 @@ if [ -x scripts/install_nvcc.sh ]; then
   export MLA_REQUIRE_NVCC="${MLA_REQUIRE_NVCC:-1}"
 fi
 
-# Clippy lints inside the test build: clippy-driver compiles the workspace's crates (what
-# `cargo clippy` sets up itself, there to check only), with warnings as errors, so the workspace
-# compiles once to lint and test instead of once for each: 5-6 minutes of the 2-core CI machine.
-# Every cargo command below runs with it (the compiler is part of cargo's fingerprints).
-clippy_driver="$(command -v clippy-driver || true)"
-[[ -n "$clippy_driver" ]] || { echo "error: clippy-driver not found (rustup component add clippy)" >&2; exit 1; }
-export RUSTC_WORKSPACE_WRAPPER="$clippy_driver" CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
-export MLA_CLIPPY_IN_BUILD=1
-
 echo "== House rules (scripts/lint.sh: rustfmt, clang-format, clippy -D warnings, commit subjects, results index)"
 scripts/lint.sh
 
@@ -39,7 +30,7 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirem
 
 echo "== Rust tests"
 # mla-cuda's integration tests (tests/gpu_*.rs) need a GPU: every one is #[ignore] without it, and
-# scripts/lint.sh's clippy checks them (every target). Linking their twenty binaries to run nothing
+# clippy above already compiles them (every target). Linking their twenty binaries to run nothing
 # took minutes of the 2-core CI machine, so only mla-cuda's host-side unit tests run here;
 # scripts/gpu_tests.sh builds and runs the rest on a GPU machine.
 #
