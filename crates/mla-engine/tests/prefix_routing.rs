@@ -17,6 +17,15 @@ fn history(num_blocks: usize) -> HistoryBackend {
     HistoryBackend::new(CacheLayout { block_size: 4, num_blocks }, MAX_LEN)
 }
 
+/// A backend whose steps take 20 ms: two first turns submitted back to back are both routed
+/// while the first still runs, however loaded the test machine is (with instant steps, a
+/// replica could finish the first before the second was routed, and both went to replica 0).
+fn slow_history(num_blocks: usize) -> HistoryBackend {
+    let mut backend = history(num_blocks);
+    backend.delay = Duration::from_millis(20);
+    backend
+}
+
 fn config(router: RouterConfig) -> mla_engine::EngineConfig {
     mla_engine::EngineConfig { router, ..engine_config(MAX_LEN) }
 }
@@ -66,8 +75,8 @@ const HISTORY: usize = 16;
 
 #[test]
 fn dp_attention_sends_each_turn_to_the_rank_holding_its_history() {
-    let engine =
-        Engine::start(Box::new(Ranks::new(vec![history(64), history(64)])), config(RouterConfig::default())).unwrap();
+    let backends = vec![slow_history(64), slow_history(64)];
+    let engine = Engine::start(Box::new(Ranks::new(backends)), config(RouterConfig::default())).unwrap();
     assert_eq!(two_conversations(&engine), vec![HISTORY, HISTORY]);
     // First turns: nothing cached anywhere, a tie; second turns: by prefix.
     assert_eq!(engine.stats().routing, RoutingStats { prefix: 2, balance: 0, tie: 2, least_loaded: 0 });
@@ -76,7 +85,7 @@ fn dp_attention_sends_each_turn_to_the_rank_holding_its_history() {
 
 #[test]
 fn replicas_send_each_turn_to_the_replica_holding_its_history() {
-    let backends: Vec<Box<dyn Backend>> = vec![Box::new(history(64)), Box::new(history(64))];
+    let backends: Vec<Box<dyn Backend>> = vec![Box::new(slow_history(64)), Box::new(slow_history(64))];
     let engine = Engine::start_replicas(backends, config(RouterConfig::default())).unwrap();
     assert_eq!(two_conversations(&engine), vec![HISTORY, HISTORY]);
     let stats = engine.stats();
@@ -91,7 +100,8 @@ fn replicas_send_each_turn_to_the_replica_holding_its_history() {
 /// second conversation's history, on rank 1, is not found.
 #[test]
 fn least_loaded_routing_finds_only_the_first_ranks_history() {
-    let engine = Engine::start(Box::new(Ranks::new(vec![history(64), history(64)])), config(least_loaded())).unwrap();
+    let engine =
+        Engine::start(Box::new(Ranks::new(vec![slow_history(64), slow_history(64)])), config(least_loaded())).unwrap();
     assert_eq!(two_conversations(&engine), vec![HISTORY, 0]);
     assert_eq!(engine.stats().routing, RoutingStats { least_loaded: 4, ..RoutingStats::default() });
     engine.shutdown(Duration::from_secs(1));
