@@ -184,33 +184,85 @@ impl Distribution {
 
 /// `logits` (already shaped and penalised) as the sampler's distribution for non-greedy `p`.
 pub fn distribution(logits: &[f32], p: &SamplingParams) -> Distribution {
-    // Candidates sorted by descending logit; filtering only ever keeps a prefix of this order.
-    let k = p.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
-    let cand = top_k_entries(logits, k);
+    let n = logits.len();
     let inv_t = 1.0 / p.temperature as f64;
+    if p.top_k.is_none() && n > RANKED {
+        if let Some(d) = unranked_tail(logits, p, inv_t) {
+            return d;
+        }
+    }
+    // Candidates sorted by descending logit; filtering only ever keeps a prefix of this order.
+    let k = p.top_k.unwrap_or(n).clamp(1, n);
+    let cand = top_k_entries(logits, k);
     let max = cand[0].1 as f64 * inv_t;
-    let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| (l as f64 * inv_t - max).exp()).collect();
+    let probs: Vec<f64> = cand.iter().map(|&(_, l)| (l as f64 * inv_t - max).exp()).collect();
     let total: f64 = probs.iter().sum();
+    filtered(cand, probs, total, p, true).expect("the whole ranking holds every cut")
+}
+
+/// Candidates ranked exactly in a distribution without top-k over a large vocabulary; the rest
+/// follow in token order. Sorting 129k logits took milliseconds per row, which a speculative
+/// step spends per draft and per verified row on the host.
+const RANKED: usize = 1024;
+
+/// The distribution without top-k from its `RANKED` best candidates: top-p and min-p keep a
+/// prefix of the ranking, which is exact whenever that prefix lies within the ranked head (the
+/// head's mass reaches `top_p`, or its last candidate is under min-p's floor). Without either
+/// filter every candidate is kept: the head in rank, then the rest in token order, the same
+/// probabilities as a full sort gives (the order only decides which token a given uniform maps
+/// to). `None` when a filter cuts past the head: the caller ranks everything.
+fn unranked_tail(logits: &[f32], p: &SamplingParams, inv_t: f64) -> Option<Distribution> {
+    let head = top_k_entries(logits, RANKED);
+    let max = head[0].1 as f64 * inv_t;
+    let weight = |l: f32| (l as f64 * inv_t - max).exp();
+    let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+    let probs: Vec<f64> = head.iter().map(|&(_, l)| weight(l)).collect();
+    if p.top_p < 1.0 || p.min_p > 0.0 {
+        return filtered(head, probs, total, p, false);
+    }
+    let mut ranked = vec![false; logits.len()];
+    head.iter().for_each(|&(t, _)| ranked[t as usize] = true);
+    let rest = (0..logits.len() as u32).filter(|&t| !ranked[t as usize]);
+    let tokens: Vec<u32> = head.iter().map(|&(t, _)| t).chain(rest).collect();
+    let probs = tokens.iter().map(|&t| weight(logits[t as usize]) / total).collect();
+    Some(Distribution { tokens, probs })
+}
+
+/// Top-p and min-p over ranked candidates `cand` with unnormalised weights `probs` (`total`
+/// over the whole vocabulary), renormalised. `whole`: `cand` holds every candidate; otherwise
+/// `None` unless a filter cuts within `cand` (the cut may lie past it).
+fn filtered(
+    cand: Vec<(u32, f32)>,
+    mut probs: Vec<f64>,
+    total: f64,
+    p: &SamplingParams,
+    whole: bool,
+) -> Option<Distribution> {
     probs.iter_mut().for_each(|x| *x /= total);
-    let mut keep = probs.len();
+    let (mut keep, mut cut) = (probs.len(), false);
     if p.top_p < 1.0 {
         let mut acc = 0.0;
-        for (i, &q) in probs.iter().enumerate() {
+        if let Some(i) = probs.iter().position(|&q| {
             acc += q;
-            if acc >= p.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
+            acc >= p.top_p as f64
+        }) {
+            (keep, cut) = (i + 1, true);
         }
     }
     if p.min_p > 0.0 {
         let floor = probs[0] * p.min_p as f64;
-        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+        let above = probs.iter().take_while(|&&q| q >= floor).count().max(1);
+        if above < keep {
+            (keep, cut) = (above, true);
+        }
+    }
+    if !whole && !cut {
+        return None;
     }
     probs.truncate(keep);
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= total);
-    Distribution { tokens: cand[..keep].iter().map(|&(t, _)| t).collect(), probs }
+    let kept: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= kept);
+    Some(Distribution { tokens: cand[..keep].iter().map(|&(t, _)| t).collect(), probs })
 }
 
 #[cfg(test)]
@@ -232,6 +284,35 @@ mod tests {
         let z = 0.5f64.exp() + 2.0 * 2f64.exp() + (-1f64).exp();
         assert!((s.logprob as f64 - (2f64.exp() / z).ln()).abs() < 1e-6);
         assert_eq!(s.top_logprobs.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
+    }
+
+    /// Without top-k a large vocabulary is ranked only in its head: the same candidates with the
+    /// same probabilities as the full ranking (top-k = the vocabulary), in the same order as far
+    /// as it ranks, whether a filter cuts within the head or past it (then everything is ranked).
+    #[test]
+    fn a_large_vocabulary_ranks_only_the_head_and_keeps_every_probability() {
+        // Distinct logits (7919 is prime to 5,000): peaked (the head holds 98% of the mass at
+        // temperature 1) and flat (about 20%).
+        let peaked: Vec<f32> = (0..5000u32).map(|i| ((i * 7919) % 5000) as f32 / 250.0).collect();
+        let flat: Vec<f32> = (0..5000u32).map(|i| ((i * 7919) % 5000) as f32 / 5000.0).collect();
+        for logits in [&peaked, &flat] {
+            for (top_p, min_p) in [(1.0, 0.0), (0.9, 0.0), (0.999, 0.0), (1.0, 0.05), (1.0, 0.9), (0.5, 0.5)] {
+                for temperature in [0.7, 1.0, 1.5] {
+                    let p = SamplingParams { temperature, top_p, min_p, ..Default::default() };
+                    let fast = distribution(logits, &p);
+                    let full = distribution(logits, &SamplingParams { top_k: Some(logits.len()), ..p.clone() });
+                    let case = format!("top_p {top_p}, min_p {min_p}, temperature {temperature}");
+                    assert_eq!(fast.tokens.len(), full.tokens.len(), "{case}");
+                    let ranked = full.tokens.len().min(RANKED);
+                    assert_eq!(fast.tokens[..ranked], full.tokens[..ranked], "{case}");
+                    let fast_of: std::collections::HashMap<u32, f64> =
+                        fast.tokens.iter().copied().zip(fast.probs.iter().copied()).collect();
+                    for (&t, &q) in full.tokens.iter().zip(&full.probs) {
+                        assert!((fast_of[&t] - q).abs() < 1e-12, "{case}: token {t}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
