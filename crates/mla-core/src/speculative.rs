@@ -15,6 +15,11 @@
 //! speculation (that one draws by inverse CDF from `p` alone); docs/speculative-decoding.md says
 //! why, and what coupling would keep it.
 
+pub mod lossless_check;
+mod rows;
+
+pub use rows::{propose, verify, Drawn, Verified};
+
 use crate::rng::SplitMix64;
 use crate::sampling::Distribution;
 use crate::step::plan::{SeqStep, StepPlan};
@@ -60,7 +65,13 @@ pub fn verify_sampled(p: &Distribution, q: &Distribution, draft: u32, seed: u64)
 /// `max(p - q, 0)` over p's candidates, renormalised; `p` itself when it is nowhere above `q`
 /// (then `p == q` up to rounding and a rejection had probability 0).
 pub fn residual(p: &Distribution, q: &Distribution) -> Distribution {
-    let probs: Vec<f64> = p.tokens.iter().zip(&p.probs).map(|(&t, &pt)| (pt - q.prob(t)).max(0.0)).collect();
+    // q by token, dense: a lookup per candidate of p (`Distribution::prob` scans, which over two
+    // whole vocabularies is 10^10 steps).
+    let size = q.tokens.iter().max().map_or(0, |&t| t as usize + 1);
+    let mut q_of = vec![0.0; size];
+    q.tokens.iter().zip(&q.probs).for_each(|(&t, &qt)| q_of[t as usize] = qt);
+    let q_at = |t: u32| q_of.get(t as usize).copied().unwrap_or(0.0);
+    let probs: Vec<f64> = p.tokens.iter().zip(&p.probs).map(|(&t, &pt)| (pt - q_at(t)).max(0.0)).collect();
     let total: f64 = probs.iter().sum();
     if total <= 0.0 {
         return p.clone();

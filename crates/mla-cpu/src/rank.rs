@@ -19,7 +19,7 @@ pub struct CpuRank {
     /// The sampled drafts of the last step's sequences and what they were drawn from, until the
     /// next step verifies them (a sequence absent from a step loses them: its drafts are then
     /// verified against their point masses, exact but accepted less often).
-    drawn: HashMap<u64, speculative::Drawn>,
+    drawn: HashMap<u64, mla_core::speculative::Drawn>,
 }
 
 impl CpuRank {
@@ -126,7 +126,7 @@ impl CpuRank {
         let mut verified = Vec::with_capacity(plan.seqs.len());
         for (s, span) in plan.seqs.iter().zip(&spans) {
             let rows = &logits[span.start..span.start + span.len];
-            let v = speculative::verify(s, rows, self.drawn.get(&s.seq_id));
+            let v = mla_core::speculative::verify(s, rows, self.drawn.get(&s.seq_id));
             verified.push(v.map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
         }
         let proposals = match (&self.mtp, speculative) {
@@ -145,10 +145,10 @@ impl CpuRank {
             .iter()
             .zip(drafts.iter().zip(q))
             .filter(|(_, (_, q))| !q.is_empty())
-            .map(|(s, (d, q))| (s.seq_id, speculative::Drawn { drafts: d.clone(), q }))
+            .map(|(s, (d, q))| (s.seq_id, mla_core::speculative::Drawn { drafts: d.clone(), q }))
             .collect();
         let mut emitted: Vec<Vec<SampledToken>> =
-            verified.into_iter().map(speculative::Verified::into_emitted).collect();
+            verified.into_iter().map(mla_core::speculative::Verified::into_emitted).collect();
         let mut out = StepOutput::default();
         for (i, (s, span)) in plan.seqs.iter().zip(&spans).enumerate() {
             let rows = &mut logits[span.start..span.start + span.len];

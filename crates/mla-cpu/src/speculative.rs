@@ -1,7 +1,7 @@
-//! Speculative decoding on the CPU reference (docs/speculative-decoding.md): greedy verification
-//! of the drafts a decode row feeds, then the MTP layer over the step's rows
-//! (`mla_core::speculative::first_pass_rows`), then the next drafts, chaining the layer's own
-//! output.
+//! Speculative decoding on the CPU reference (docs/speculative-decoding.md): after the rank has
+//! verified the drafts a decode row feeds (`mla_core::speculative::verify`), the MTP layer over
+//! the step's rows (`mla_core::speculative::first_pass_rows`), then the next drafts, chaining the
+//! layer's own output.
 //!
 //! The MTP layer's rows live in cache layer `num_hidden_layers`. Row `i` pairs the main model's
 //! hidden state at position `i` with the token at `i + 1`; a row whose pair is not known this
@@ -14,92 +14,10 @@ use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
-use mla_core::rng::SplitMix64;
 use mla_core::runtime::collective::{Collective, CollectiveError};
-use mla_core::sampling::{argmax, distribution, report, sample, Distribution};
-use mla_core::speculative::{
-    draft_seed, drafts_from, first_pass_rows, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict,
-};
-use mla_core::step::plan::{SampleRequest, SampledToken, SeqStep, StepPlan};
-use mla_core::step::token_mask::MaskError;
-
-/// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
-/// with drafts fed every row from the last emitted token on), and how many of them it emits
-/// (the draw, and with drafts the ones that stood and the target's own choice after them).
-#[derive(Debug, Default)]
-pub struct Verified {
-    pub choices: Vec<SampledToken>,
-    pub emitted: usize,
-}
-
-impl Verified {
-    /// The tokens the sequence emits this step.
-    pub fn into_emitted(mut self) -> Vec<SampledToken> {
-        self.choices.truncate(self.emitted);
-        self.choices
-    }
-}
-
-/// A sequence's sampled drafts and the distributions they were drawn from, kept by the rank from
-/// the step that drew them to the step that verifies them.
-#[derive(Debug, Clone, Default)]
-pub struct Drawn {
-    pub drafts: Vec<u32>,
-    pub q: Vec<Distribution>,
-}
-
-/// Verifies one sequence's rows; `rows[j]` is the target's row `j`. `drawn`: what the rank kept
-/// of the sequence's last drafts. Their distributions are used where the fed drafts are the ones
-/// drawn from them; any other draft is verified against its point mass
-/// (`speculative::point_mass`), which is exact for a draft chosen any way, only accepted less.
-pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>], drawn: Option<&Drawn>) -> Result<Verified, MaskError> {
-    let Some(req) = &s.sample else { return Ok(Verified::default()) };
-    let fed = s.drafts_fed();
-    let first = rows.len() - 1 - fed;
-    let row = |j: usize| rows[first + j].as_deref().expect("verified rows have logits");
-    let drafts = &s.tokens[s.tokens.len() - fed..];
-    let q = drawn.filter(|k| k.q.len() >= fed && k.drafts.get(..fed) == Some(drafts)).map(|k| &k.q[..fed]);
-    if req.params.is_greedy() || fed == 0 {
-        let choices = (0..=fed).map(|j| sample(row(j), req)).collect::<Result<Vec<_>, _>>()?;
-        let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
-        let emitted = greedy_emitted(&tokens, drafts);
-        return Ok(Verified { choices, emitted });
-    }
-    // Rejection sampling, row by row (the plan admits no penalties, bias or masks here, so each
-    // row's distribution is its logits' under the request's parameters).
-    let mut choices = Vec::with_capacity(fed + 1);
-    for (j, &d) in drafts.iter().enumerate() {
-        let p = distribution(row(j), &req.params);
-        let own = q.map_or_else(|| point_mass(d), |q| q[j].clone());
-        let token = match verify_sampled(&p, &own, d, row_seed(req.seed, j)) {
-            Verdict::Accept => d,
-            Verdict::Replace(t) => t,
-        };
-        choices.push(report(row(j), req, token));
-        if token != d {
-            // Rows after a replaced draft emit nothing; the MTP pass still pairs each with a
-            // token (any will do: those entries are rewritten before anything reads them).
-            let emitted = choices.len();
-            choices.resize(fed + 1, choices[emitted - 1].clone());
-            return Ok(Verified { choices, emitted });
-        }
-    }
-    let bonus = SampleRequest { seed: row_seed(req.seed, fed), ..req.clone() };
-    choices.push(sample(row(fed), &bonus)?);
-    Ok(Verified { choices, emitted: fed + 1 })
-}
-
-/// The draft a drafting row proposes from the MTP layer's `logits`: the argmax for a greedy
-/// draw, else a draw from `q` (the request's parameters on the layer's logits) with the draft's
-/// own seed, `q` returned to be kept until the drafts are verified.
-fn propose(logits: &[f32], req: &SampleRequest, j: usize) -> (u32, Option<Distribution>) {
-    if req.params.is_greedy() {
-        return (argmax(logits), None);
-    }
-    let q = distribution(logits, &req.params);
-    let d = q.pick(SplitMix64::new(draft_seed(req.seed, j)).next_f64());
-    (d, Some(q))
-}
+use mla_core::sampling::Distribution;
+use mla_core::speculative::{drafts_from, first_pass_rows, propose, Verified};
+use mla_core::step::plan::StepPlan;
 
 /// One sequence's MTP rows this step, in the batch of MTP rows.
 struct MtpRows {

@@ -98,6 +98,10 @@ impl Backend for CudaBackend {
         self.step_limits
     }
 
+    fn verifies_sampled_drafts(&self) -> bool {
+        true
+    }
+
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         self.thread.start_step(plans);
     }

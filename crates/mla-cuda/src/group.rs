@@ -183,6 +183,6 @@ pub fn group_parts(
         graph_batches: local.ready.graph_batches,
         graphable: graph_expressible,
         watchdog: group.watchdog,
-        sampled_drafts: false,
+        sampled_drafts: true,
     }
 }

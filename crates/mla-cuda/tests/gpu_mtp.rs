@@ -11,7 +11,9 @@
 //!   the same GPU up to the first near-tie of HF's logits;
 //! - drafts forced from that plain output, with one wrong draft planted at each place, stand
 //!   exactly up to the wrong one (the K+1-row verify step on real acceptances, which an untrained
-//!   MTP layer rarely gives).
+//!   MTP layer rarely gives);
+//! - sampled requests with drafts keep the target's output distribution (chi-square over seeded
+//!   runs, `mla_core::speculative::lossless_check`).
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_mtp -- --ignored --test-threads 1`.
 
@@ -19,6 +21,7 @@ mod common;
 
 use common::hf::{oracle, oracle_logits, Prompt};
 use common::repo_root;
+use mla_core::speculative::lossless_check::{self, exact, likely_drafts, own_drafts, Setup};
 use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::collective::NcclConnector;
@@ -440,4 +443,21 @@ fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
         }
         assert!(checked >= 10, "K = {k}: too few verify steps checked ({checked})");
     }
+}
+
+/// Sampled requests (temperature 1, top-k 8) with drafts are lossless on the GPU: the output
+/// tokens at positions 1 and 2 of 3,000 seeded runs per case follow the GPU target's own
+/// distribution, with the backend's own sampled drafts (verified on the host against the
+/// distributions they were drawn from) and with likely drafts forced (verified against their
+/// point masses, most standing). `mla_core::speculative::lossless_check` says how, and why the
+/// check has power; the CPU reference passes the same check.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sampled_drafts_leave_the_output_distribution_unchanged() {
+    let prompt = oracle(&main_dir())[0].prompt[..5].to_vec();
+    let setup = Setup { prompt, table: table(0), runs: 3000 };
+    let exact = exact(&mut backend(0), &setup);
+    let mut b = backend(lossless_check::K);
+    own_drafts(&mut b, &setup, &exact);
+    likely_drafts(&mut b, &setup, &exact);
 }

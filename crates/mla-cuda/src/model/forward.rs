@@ -55,6 +55,9 @@ pub struct CudaModel {
     /// whatever the target chose, so that a model of dummy weights emits the tokens of a given
     /// acceptance rate. The output is then not the model's: never set by the server.
     pub forced_acceptance: Option<(f64, mla_core::SplitMix64)>,
+    /// The sampled drafts of the last step's sequences and the distributions they were drawn
+    /// from, kept until the next step verifies them (`speculative`).
+    pub(super) drawn: std::collections::HashMap<u64, mla_core::speculative::Drawn>,
     /// Which kernel runs the dense projections of small steps.
     pub linears: SmallLinear,
     pub mode: RankMode,
@@ -153,6 +156,7 @@ impl CudaModel {
             activation_bytes,
             decode_splits_override: None,
             forced_acceptance: None,
+            drawn: std::collections::HashMap::new(),
             linears,
             mode,
             step_limits,

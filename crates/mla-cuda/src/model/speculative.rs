@@ -7,13 +7,17 @@
 //!    of all its rows before any row's attention (`attention_layer`), and row `j` attends to
 //!    positions `0 ..= context_len + j` by its length alone, so the drafts are scored causally
 //!    by the ordinary decode path, from a captured graph when one fits: no kernel of its own.
-//! 2. Accept, on the host: greedy, from the rows' sampled tokens (sampled draws are refused:
-//!    `Backend::verifies_sampled_drafts` is false here, so the engine drafts for greedy ones).
+//! 2. Accept, on the host. Greedy draws from the rows' tokens, drawn on the device; sampled
+//!    draws (rejection sampling) by `mla_core::speculative::verify`, the CPU reference's own
+//!    code, from the rows' logits, read back instead of drawn on the device, and the
+//!    distributions the drafts were drawn from (`CudaModel::drawn`).
 //! 3. Draft. The MTP module runs over the rows `mla_core::speculative::first_pass_rows` names
 //!    (every verify row of a decode sequence, paired with the target's choice there; one per
 //!    prompt position with its successor), which also fills its cache layer, and the row of each
 //!    drafting sequence's last emitted token proposes the first draft; each further draft is one
-//!    more pass of one row per sequence, fed the module's own output. The rows of every pass
+//!    more pass of one row per sequence, fed the module's own output. A greedy draft is the
+//!    device's argmax; a sampled one is drawn on the host from the row's logits
+//!    (`mla_core::speculative::propose`), which keeps the distribution for the next verify. The rows of every pass
 //!    follow from the plan alone, so the ranks of a DP-attention group, each with its own plan,
 //!    size every pass's FFN collectives alike (`DpaStep`), an idle rank taking part with none.
 //!
@@ -29,7 +33,10 @@ use crate::device::Device;
 use crate::gpu::DSlice;
 use crate::ops::{Embedding, NormDelta, RmsNormF32, PAGE_SIZE};
 use half::bf16;
-use mla_core::speculative::{drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts};
+use mla_core::sampling::Distribution;
+use mla_core::speculative::{
+    self as spec, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, propose, Drawn, Verified,
+};
 use mla_core::step::plan::{
     LogitsRequest, SampleRequest, SampledToken, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
 };
@@ -56,8 +63,11 @@ impl Verify {
             if i < first_decode || s.drafts_fed() == 0 {
                 seqs.push(plain);
             } else {
+                // A sampled draw's rows return their logits, for the verdict on the host.
+                let row =
+                    if sampled(s) { SeqStep { sample: None, logits: LogitsRequest::Last, ..plain } } else { plain };
                 for (j, &t) in s.tokens.iter().enumerate() {
-                    seqs.push(SeqStep { tokens: vec![t], context_len: s.context_len + j, ..plain.clone() });
+                    seqs.push(SeqStep { tokens: vec![t], context_len: s.context_len + j, ..row.clone() });
                 }
             }
             groups.push(start..seqs.len());
@@ -110,6 +120,45 @@ fn greedy() -> Option<SampleRequest> {
     Some(SampleRequest::new(SamplingParams::greedy(), 0))
 }
 
+/// Whether `s` draws by sampling: its verdicts and drafts are decided on the host.
+fn sampled(s: &SeqStep) -> bool {
+    s.sample.as_ref().is_some_and(|r| !r.params.is_greedy())
+}
+
+/// How a drafting row of `s` asks for its draft: the device's argmax for a greedy draw, else
+/// the row's logits, from which the host draws (`proposal`).
+fn draw(s: &SeqStep) -> (Option<SampleRequest>, LogitsRequest) {
+    if sampled(s) {
+        (None, LogitsRequest::Last)
+    } else {
+        (greedy(), LogitsRequest::None)
+    }
+}
+
+/// The `j`-th draft of `s` from its drafting row's result, with the distribution it was drawn
+/// from for a sampled draw.
+fn proposal(s: &SeqStep, r: &SeqResult, j: usize) -> anyhow::Result<(u32, Option<Distribution>)> {
+    match (&r.sampled, r.logits.first(), &s.sample) {
+        (Some(t), _, _) => Ok((t.token, None)),
+        (None, Some(logits), Some(req)) => Ok(propose(logits, req, j)),
+        _ => anyhow::bail!("sequence {}: a drafting row neither sampled nor returned logits", s.seq_id),
+    }
+}
+
+/// What the MTP passes propose: per sequence of the plan, its drafts for the next step and, for
+/// a sampled draw, the distribution each was drawn from.
+struct Proposals {
+    drafts: Vec<Vec<u32>>,
+    q: Vec<Vec<Distribution>>,
+}
+
+impl Proposals {
+    fn push(&mut self, seq: usize, (d, q): (u32, Option<Distribution>)) {
+        self.drafts[seq].push(d);
+        self.q[seq].extend(q);
+    }
+}
+
 impl CudaModel {
     /// Runs a step that asks for speculative decoding (see the module doc); the verify step
     /// replays a decode graph from `graphs` when one fits. `dpa`: this rank's step in a
@@ -126,12 +175,6 @@ impl CudaModel {
             self.weights.mtp.is_some(),
             "the step asks for speculative decoding but the MTP module is not loaded"
         );
-        if let Some(s) = plan.seqs.iter().find(|s| {
-            let drafts = s.mtp.is_some_and(|m| m.drafts_fed > 0 || m.draft > 0);
-            drafts && s.sample.as_ref().is_some_and(|r| !r.params.is_greedy())
-        }) {
-            anyhow::bail!("sequence {}: the CUDA backend verifies drafts of greedy draws only", s.seq_id);
-        }
         let verify = Verify::of(plan);
         let out = match dpa {
             Some(d) => self.run_eager(dev, &verify.plan, FfnRows::Packed(d.counts))?,
@@ -140,10 +183,21 @@ impl CudaModel {
                 None => self.step(dev, &verify.plan)?,
             },
         };
+        let mut out = out;
         let mut results = Vec::with_capacity(plan.seqs.len());
+        let mut verified = Vec::with_capacity(plan.seqs.len());
         for (s, g) in plan.seqs.iter().zip(&verify.groups) {
-            let forced = self.forced_acceptance.as_mut().map(|(p, rng)| stood_at_rate(*p, rng, s.drafts_fed()));
-            results.push(accept(s, &out.seqs[g.clone()], forced)?);
+            let rows = &mut out.seqs[g.clone()];
+            let v = if s.drafts_fed() > 0 && sampled(s) {
+                let logits: Vec<Option<Vec<f32>>> = rows.iter_mut().map(|r| r.logits.pop()).collect();
+                spec::verify(s, &logits, self.drawn.get(&s.seq_id))
+                    .map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?
+            } else {
+                let forced = self.forced_acceptance.as_mut().map(|(p, rng)| stood_at_rate(*p, rng, s.drafts_fed()));
+                accept(s, rows, forced)?
+            };
+            results.push(result(s, &rows[0], v.clone()));
+            verified.push(v);
         }
         let own;
         let passes = match dpa {
@@ -153,7 +207,14 @@ impl CudaModel {
                 &own
             }
         };
-        let drafts = self.draft(dev, plan, &verify, &out, &results, passes, dpa.is_some())?;
+        let Proposals { drafts, q } = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some())?;
+        self.drawn = plan
+            .seqs
+            .iter()
+            .zip(drafts.iter().zip(q))
+            .filter(|(_, (_, q))| !q.is_empty())
+            .map(|(s, (d, q))| (s.seq_id, Drawn { drafts: d.clone(), q }))
+            .collect();
         for (r, d) in results.iter_mut().zip(drafts) {
             r.drafts = d;
         }
@@ -161,22 +222,22 @@ impl CudaModel {
     }
 
     /// The MTP passes after a verify step: per sequence of `plan`, its drafts for the next step.
-    /// `checked`: the verify rows' draws; `passes[p][r]`: rank r's rows in pass p (this rank's
-    /// alone outside DP attention, where `packed` is false).
-    #[allow(clippy::too_many_arguments)]
+    /// `verified`: each sequence's verification (the target's choice at each of its rows);
+    /// `passes[p][r]`: rank r's rows in pass p (this rank's alone outside DP attention, where
+    /// `packed` is false).
     fn draft(
         &mut self,
         dev: &Device,
         plan: &StepPlan,
         verify: &Verify,
-        checked: &StepOutput,
-        results: &[SeqResult],
+        verified: &[Verified],
         passes: &[Vec<usize>],
         packed: bool,
-    ) -> anyhow::Result<Vec<Vec<u32>>> {
+    ) -> anyhow::Result<Proposals> {
         let first_decode = plan.num_prefill();
-        let mut drafts = vec![Vec::new(); plan.seqs.len()];
-        let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(drafts) };
+        let n_seqs = plan.seqs.len();
+        let mut out = Proposals { drafts: vec![Vec::new(); n_seqs], q: vec![Vec::new(); n_seqs] };
+        let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(out) };
         let me = if packed { self.mode.comm().map_or(0, |c| c.rank()) } else { 0 };
         let ffn_rows = |counts: &[usize]| -> anyhow::Result<usize> {
             counts.get(me).copied().ok_or_else(|| anyhow::anyhow!("MTP pass counts {counts:?} name no rank {me}"))
@@ -184,7 +245,7 @@ impl CudaModel {
         let (mut chunks, mut rows) = (MtpPass::empty(), MtpPass::empty());
         // Which sequence of the original plan each MTP sequence drafts for, and whether it drafts.
         let (mut chunk_of, mut row_of) = (Vec::new(), Vec::new());
-        for (i, (s, r)) in plan.seqs.iter().zip(results).enumerate() {
+        for (i, (s, v)) in plan.seqs.iter().zip(verified).enumerate() {
             let n = first_pass_rows(s);
             if n == 0 {
                 continue;
@@ -194,24 +255,25 @@ impl CudaModel {
             let wants = drafts_from(s);
             if i < first_decode {
                 // Row j of a prompt chunk pairs position context_len + j with the token after it.
-                let after = s.mtp.and_then(|m| m.next_token).or(r.sampled.as_ref().map(|t| t.token));
+                let after = s.mtp.and_then(|m| m.next_token).or(v.choices.first().map(|t| t.token));
                 let next: Vec<u32> = s.tokens[1..].iter().copied().chain(after).collect();
                 chunks.src.extend((0..next.len()).map(|j| (first_row + j) as i32));
-                let sample = if wants { greedy() } else { None };
-                chunks.plan.seqs.push(SeqStep { tokens: next, sample, mtp: None, ..plain(s) });
+                let (sample, logits) = if wants { draw(s) } else { (None, LogitsRequest::None) };
+                chunks.plan.seqs.push(SeqStep { tokens: next, sample, logits, mtp: None, ..plain(s) });
                 chunk_of.push(i);
             } else {
                 // Every verify row j, paired with the target's choice there: the next emitted
                 // token up to the last one; the rows after it write past the sequence's end.
-                let emitted = r.sampled.iter().len() + r.extra_tokens.len();
-                for (j, v) in checked.seqs[group].iter().enumerate() {
-                    let t = v.sampled.as_ref().ok_or_else(|| anyhow::anyhow!("a verify row did not sample"))?;
+                anyhow::ensure!(v.choices.len() == group.len(), "sequence {}: a verify row did not sample", s.seq_id);
+                for (j, t) in v.choices.iter().enumerate() {
                     rows.src.push((first_row + j) as i32);
-                    let drafting = wants && j + 1 == emitted;
+                    let drafting = wants && j + 1 == v.emitted;
+                    let (sample, logits) = if drafting { draw(s) } else { (None, LogitsRequest::None) };
                     rows.plan.seqs.push(SeqStep {
                         tokens: vec![t.token],
                         context_len: s.context_len + j,
-                        sample: if drafting { greedy() } else { None },
+                        sample,
+                        logits,
                         mtp: None,
                         ..plain(s)
                     });
@@ -236,21 +298,21 @@ impl CudaModel {
             first_counts
         );
         let owners: Vec<(usize, bool)> = chunk_of.into_iter().map(|i| (i, true)).chain(row_of).collect();
-        let out = self.mtp_pass(dev, &pass, PrevRows::Target, packed.then_some(first_counts))?;
+        let first = self.mtp_pass(dev, &pass, PrevRows::Target, packed.then_some(first_counts))?;
         // Each drafting sequence's row of its last emitted token: its first draft, and where
         // the chain goes on.
         let mut chain = Vec::new();
         let mut at = 0;
-        for ((seq, drafting), (ms, r)) in owners.iter().zip(pass.plan.seqs.iter().zip(&out.seqs)) {
+        for ((seq, drafting), (ms, r)) in owners.iter().zip(pass.plan.seqs.iter().zip(&first.seqs)) {
             let row = at + ms.tokens.len() - 1;
             at += ms.tokens.len();
-            if let (true, Some(t)) = (drafting, &r.sampled) {
-                drafts[*seq].push(t.token);
+            if *drafting {
+                out.push(*seq, proposal(&plan.seqs[*seq], r, 0)?);
                 chain.push(Chain { seq: *seq, pos: ms.context_len + ms.tokens.len() - 1, row });
             }
         }
         for counts in chain_counts {
-            chain.retain(|c| drafts[c.seq].len() < plan.seqs[c.seq].mtp.map_or(0, |m| m.draft));
+            chain.retain(|c| out.drafts[c.seq].len() < plan.seqs[c.seq].mtp.map_or(0, |m| m.draft));
             anyhow::ensure!(
                 chain.len() == ffn_rows(counts)?,
                 "an MTP chain pass of {} rows, not {counts:?}",
@@ -260,22 +322,24 @@ impl CudaModel {
                 .iter()
                 .map(|c| {
                     let s = &plan.seqs[c.seq];
-                    let token = *drafts[c.seq].last().expect("a chained sequence has drafted");
-                    SeqStep { tokens: vec![token], context_len: c.pos + 1, sample: greedy(), mtp: None, ..plain(s) }
+                    let token = *out.drafts[c.seq].last().expect("a chained sequence has drafted");
+                    let (sample, logits) = draw(s);
+                    SeqStep { tokens: vec![token], context_len: c.pos + 1, sample, logits, mtp: None, ..plain(s) }
                 })
                 .collect();
             let pass = MtpPass {
                 plan: StepPlan { kind: StepKind::Decode, seqs },
                 src: chain.iter().map(|c| c.row as i32).collect(),
             };
-            let out = self.mtp_pass(dev, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
-            for (k, (c, r)) in chain.iter_mut().zip(&out.seqs).enumerate() {
-                drafts[c.seq].push(r.sampled.as_ref().expect("every chained row samples").token);
+            let res = self.mtp_pass(dev, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
+            for (k, (c, r)) in chain.iter_mut().zip(&res.seqs).enumerate() {
+                let j = out.drafts[c.seq].len();
+                out.push(c.seq, proposal(&plan.seqs[c.seq], r, j)?);
                 c.pos += 1;
                 c.row = k;
             }
         }
-        Ok(drafts)
+        Ok(out)
     }
 
     /// One MTP pass over `pass`'s rows: uploads, queues, samples, reads. `packed`: every DP-
@@ -395,28 +459,30 @@ fn stood_at_rate(p: f64, rng: &mut mla_core::SplitMix64, fed: usize) -> usize {
     (0..fed).take_while(|_| rng.next_f64() < p).count()
 }
 
-/// One sequence's result from its verify rows `rows` (one, unless it fed drafts): the draw, and
-/// with drafts, those that stood and the target's own choice after them. `forced`: how many
-/// stood, decided elsewhere (benchmarks only), in place of verification.
-fn accept(s: &SeqStep, rows: &[SeqResult], forced: Option<usize>) -> anyhow::Result<SeqResult> {
+/// One greedy sequence's verification from its verify rows `rows` (one, unless it fed drafts),
+/// drawn on the device: with drafts, those that stood and the target's own choice after them.
+/// `forced`: how many stood, decided elsewhere (benchmarks only), in place of verification.
+fn accept(s: &SeqStep, rows: &[SeqResult], forced: Option<usize>) -> anyhow::Result<Verified> {
     let fed = s.drafts_fed();
     if fed == 0 {
-        return Ok(SeqResult { drafts: vec![], ..rows[0].clone() });
+        let choices: Vec<SampledToken> = rows[0].sampled.iter().cloned().collect();
+        return Ok(Verified { emitted: choices.len(), choices });
     }
     let choices: Vec<SampledToken> = rows
         .iter()
         .map(|r| r.sampled.clone().ok_or_else(|| anyhow::anyhow!("sequence {}: a verify row did not sample", s.seq_id)))
         .collect::<anyhow::Result<_>>()?;
     let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
-    let n = forced.map_or_else(|| greedy_emitted(&tokens, &s.tokens[1..]), |stood| stood + 1);
-    let mut emitted = choices.into_iter().take(n);
-    Ok(SeqResult {
-        seq_id: s.seq_id,
-        logits: vec![],
-        sampled: emitted.next(),
-        extra_tokens: emitted.collect(),
-        drafts: vec![],
-    })
+    let emitted = forced.map_or_else(|| greedy_emitted(&tokens, &s.tokens[1..]), |stood| stood + 1);
+    Ok(Verified { choices, emitted })
+}
+
+/// A sequence's result: what it emits, and without drafts fed whatever else its one row
+/// returned (logits asked for).
+fn result(s: &SeqStep, first_row: &SeqResult, v: Verified) -> SeqResult {
+    let logits = if s.drafts_fed() == 0 { first_row.logits.clone() } else { vec![] };
+    let mut emitted = v.into_emitted().into_iter();
+    SeqResult { seq_id: s.seq_id, logits, sampled: emitted.next(), extra_tokens: emitted.collect(), drafts: vec![] }
 }
 
 #[cfg(test)]
@@ -463,7 +529,7 @@ mod tests {
             extra_tokens: vec![],
             drafts: vec![],
         };
-        let emitted = |r: SeqResult| -> Vec<u32> { r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect() };
+        let emitted = |v: Verified| -> Vec<u32> { v.into_emitted().iter().map(|t| t.token).collect() };
         // Both drafts stand: the target's three choices are emitted.
         assert_eq!(emitted(accept(&s, &[row(10), row(11), row(4)], None).unwrap()), vec![10, 11, 4]);
         // The second draft misses: its replacement ends the step.

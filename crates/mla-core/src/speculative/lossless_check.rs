@@ -1,0 +1,228 @@
+//! A statistical check any backend's tests run: sampled requests with speculative decoding are
+//! lossless. Thousands of seeded runs of one prompt with drafts give the output tokens at
+//! positions 1 and 2 with the frequencies the target model's own distribution predicts, computed
+//! exactly by enumerating every earlier token (top-k 8 keeps that small, and asks the backend
+//! itself for each distribution, so a bf16 backend is held to its own target). Pearson's
+//! chi-square against those probabilities must stay under its 0.999 quantile:
+//! - with the backend's own drafts, sampled from its MTP distribution `q` and verified against it
+//!   (the rank keeps `q` from one step to the next);
+//! - with drafts forced to the target's likeliest token, verified against their point masses, so
+//!   that most of them stand and the accepting path is what is tested.
+//!
+//! The check has power: the drafts themselves (what a rule that accepted every draft would emit)
+//! must score far above the quantile at the same sample size. It lives here, not in a test
+//! directory, so that the CPU reference and the CUDA backend are held to the same procedure.
+
+use crate::rng::SplitMix64;
+use crate::sampling::{distribution, Distribution};
+use crate::step::backend::Backend;
+use crate::step::plan::{
+    LogitsRequest, MtpStep, SampleRequest, SamplingParams, SeqResult, SeqStep, StepKind, StepPlan,
+};
+use std::collections::HashMap;
+
+/// Drafts per step.
+pub const K: usize = 2;
+
+/// What is checked: `runs` seeded runs of `prompt`, a sequence's blocks `table`.
+pub struct Setup {
+    pub prompt: Vec<u32>,
+    pub table: Vec<u32>,
+    pub runs: u64,
+}
+
+fn params() -> SamplingParams {
+    SamplingParams { temperature: 1.0, top_k: Some(8), ..Default::default() }
+}
+
+/// The seed of output position `i` of run `run`, as the engine derives one per position.
+fn seed(run: u64, i: usize) -> u64 {
+    SplitMix64::new(run.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).next_u64()
+}
+
+/// The target's distribution of the token after `tokens`.
+fn next_distribution(b: &mut dyn Backend, setup: &Setup, tokens: &[u32]) -> Distribution {
+    let s = SeqStep {
+        seq_id: 99,
+        tokens: tokens.to_vec(),
+        context_len: 0,
+        block_table: setup.table.clone(),
+        logits: LogitsRequest::Last,
+        sample: None,
+        mtp: None,
+    };
+    let r = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![s] }).unwrap();
+    distribution(&r.seqs[0].logits[0], &params())
+}
+
+/// The exact distributions of output positions 1 and 2, and of the next token given what came
+/// before (for forcing likely drafts).
+pub struct Exact {
+    at1: HashMap<u32, f64>,
+    at2: HashMap<u32, f64>,
+    given: HashMap<Vec<u32>, Distribution>,
+}
+
+/// Enumerates the target's distributions on `target` (a backend that need not draft).
+pub fn exact(target: &mut dyn Backend, setup: &Setup) -> Exact {
+    let p0 = next_distribution(target, setup, &setup.prompt);
+    let (mut at1, mut at2, mut given) = (HashMap::new(), HashMap::new(), HashMap::new());
+    for (&t0, &w0) in p0.tokens.iter().zip(&p0.probs) {
+        let ctx0: Vec<u32> = setup.prompt.iter().copied().chain([t0]).collect();
+        let p1 = next_distribution(target, setup, &ctx0);
+        for (&t1, &w1) in p1.tokens.iter().zip(&p1.probs) {
+            *at1.entry(t1).or_insert(0.0) += w0 * w1;
+            let ctx1: Vec<u32> = ctx0.iter().copied().chain([t1]).collect();
+            let p2 = next_distribution(target, setup, &ctx1);
+            for (&t2, &w2) in p2.tokens.iter().zip(&p2.probs) {
+                *at2.entry(t2).or_insert(0.0) += w0 * w1 * w2;
+            }
+            given.insert(vec![t0, t1], p2);
+        }
+        given.insert(vec![t0], p1);
+    }
+    Exact { at1, at2, given }
+}
+
+fn step(setup: &Setup, tokens: Vec<u32>, context_len: usize, seed: u64, fed: usize) -> SeqStep {
+    SeqStep {
+        seq_id: 1,
+        tokens,
+        context_len,
+        block_table: setup.table.clone(),
+        logits: LogitsRequest::None,
+        sample: Some(SampleRequest::new(params(), seed)),
+        mtp: Some(MtpStep { drafts_fed: fed, next_token: None, draft: K }),
+    }
+}
+
+fn emitted(r: &SeqResult) -> Vec<u32> {
+    r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect()
+}
+
+/// What the runs gave: per run the first three output tokens and the first draft the prefill
+/// proposed; how many drafts were fed and how many stood.
+#[derive(Default)]
+pub struct Runs {
+    outputs: Vec<[u32; 3]>,
+    first_drafts: Vec<u32>,
+    pub fed: usize,
+    pub stood: usize,
+}
+
+/// The seeded runs on `b` (a backend that drafts `K`): `feed(out, own)` picks the drafts each
+/// verify step feeds, from the output so far and the backend's own drafts.
+fn run(b: &mut dyn Backend, setup: &Setup, mut feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>) -> Runs {
+    let mut runs = Runs::default();
+    for r in 0..setup.runs {
+        let prefill = step(setup, setup.prompt.clone(), 0, seed(r, 0), 0);
+        let first = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![prefill] }).unwrap().seqs.remove(0);
+        let mut out = emitted(&first);
+        let mut own = first.drafts;
+        assert_eq!(own.len(), K, "the prefill proposes {K} drafts");
+        runs.first_drafts.push(own[0]);
+        while out.len() < 3 {
+            let drafts = feed(&out, &own);
+            let tokens: Vec<u32> = std::iter::once(*out.last().unwrap()).chain(drafts.iter().copied()).collect();
+            let context = setup.prompt.len() + out.len() - 1;
+            let s = step(setup, tokens, context, seed(r, out.len()), drafts.len());
+            let res = b.step(&StepPlan { kind: StepKind::Decode, seqs: vec![s] }).unwrap().seqs.remove(0);
+            let e = emitted(&res);
+            assert!(!e.is_empty() && e.len() <= drafts.len() + 1);
+            assert_eq!(e[..e.len() - 1], drafts[..e.len() - 1], "the tokens before the last are drafts that stood");
+            runs.fed += drafts.len();
+            runs.stood += e.len() - 1;
+            out.extend(e);
+            own = res.drafts;
+        }
+        runs.outputs.push([out[0], out[1], out[2]]);
+    }
+    runs
+}
+
+/// Pearson's chi-square of `samples` against `p`, categories with an expected count under 5
+/// pooled (with what `p` leaves out), and its degrees of freedom.
+fn chi_square(samples: impl Iterator<Item = u32>, p: &HashMap<u32, f64>) -> (f64, usize) {
+    let mut counts: HashMap<u32, u64> = HashMap::new();
+    let mut n = 0u64;
+    for t in samples {
+        *counts.entry(t).or_insert(0) += 1;
+        n += 1;
+    }
+    let big: Vec<u32> = p.iter().filter(|(_, &q)| q * n as f64 >= 5.0).map(|(&t, _)| t).collect();
+    let mut stat = 0.0;
+    let (mut rest_count, mut rest_p) = (n, 1.0);
+    for t in &big {
+        let (c, e) = (counts.get(t).copied().unwrap_or(0), p[t] * n as f64);
+        stat += (c as f64 - e).powi(2) / e;
+        rest_count -= c;
+        rest_p -= p[t];
+    }
+    let rest_e = rest_p.max(0.0) * n as f64;
+    if rest_e >= 5.0 {
+        stat += (rest_count as f64 - rest_e).powi(2) / rest_e;
+        (stat, big.len())
+    } else if rest_count as f64 <= rest_e + 10.0 {
+        // The pooled rest is too rare to test on its own, and (nearly) empty as it should be.
+        (stat, big.len().saturating_sub(1))
+    } else {
+        // Many samples where the target puts (almost) nothing: no distribution of its.
+        (f64::INFINITY, big.len().saturating_sub(1))
+    }
+}
+
+/// The chi-square distribution's 0.999 quantile (Wilson-Hilferty; within 1% from 5 degrees up).
+fn quantile_999(df: usize) -> f64 {
+    let (k, z) = (df as f64, 3.090);
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+fn check(what: &str, runs: &Runs, exact: &Exact) {
+    for (pos, p) in [(1, &exact.at1), (2, &exact.at2)] {
+        let (stat, df) = chi_square(runs.outputs.iter().map(|o| o[pos]), p);
+        eprintln!(
+            "{what}: position {pos}, chi-square {stat:.1} on {df} degrees (0.999 quantile {:.1})",
+            quantile_999(df)
+        );
+        assert!(stat < quantile_999(df), "{what}: position {pos} is not distributed as the target's");
+    }
+}
+
+/// The backend's own sampled drafts leave the output distribution unchanged, and the check can
+/// tell the drafts from the target. Returns the runs (drafts fed and stood).
+pub fn own_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs {
+    let own = run(b, setup, |_, own| own.to_vec());
+    eprintln!("own drafts: {} of {} stood", own.stood, own.fed);
+    assert!(own.fed >= setup.runs as usize, "the runs fed drafts");
+    check("own drafts", &own, exact);
+    let (stat, df) = chi_square(own.first_drafts.iter().copied(), &exact.at1);
+    eprintln!("the first drafts as position 1: chi-square {stat:.1} on {df} degrees");
+    assert!(stat > 10.0 * quantile_999(df), "the check cannot tell the drafts from the target");
+    own
+}
+
+/// Drafts forced to the target's likeliest tokens stand often (over a quarter of them) and leave
+/// the output distribution unchanged. Returns the runs.
+pub fn likely_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs {
+    // The target's likeliest next token given the output so far (and the drafts before it).
+    let likeliest = |ctx: &[u32]| exact.given.get(ctx).map(|d| d.tokens[0]);
+    let forced = run(b, setup, |out, _| {
+        let mut ctx = out.to_vec();
+        let mut drafts = vec![];
+        while drafts.len() < K {
+            match likeliest(&ctx) {
+                Some(t) => {
+                    drafts.push(t);
+                    ctx.push(t);
+                }
+                None => break,
+            }
+        }
+        drafts
+    });
+    let rate = forced.stood as f64 / forced.fed as f64;
+    eprintln!("forced likely drafts: {} of {} stood ({rate:.2})", forced.stood, forced.fed);
+    assert!(rate > 0.25, "too few forced drafts stood ({rate:.2}) to test the accepting path");
+    check("forced likely drafts", &forced, exact);
+    forced
+}

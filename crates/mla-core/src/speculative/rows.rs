@@ -1,0 +1,89 @@
+//! The verdict of a sequence's verify rows and the draw of its drafts, on the host, from the
+//! rows' logits: one implementation for every backend. The CPU reference runs it on every
+//! sequence; the CUDA backend on sampled sequences that feed drafts (greedy ones it decides from
+//! the device's own argmax, which is the same rule), reading their rows' logits back.
+
+use super::{draft_seed, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict};
+use crate::rng::SplitMix64;
+use crate::sampling::{argmax, distribution, report, sample, Distribution};
+use crate::step::plan::{SampleRequest, SampledToken, SeqStep};
+use crate::step::token_mask::MaskError;
+
+/// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
+/// with drafts fed every row from the last emitted token on), and how many of them it emits
+/// (the draw, and with drafts the ones that stood and the target's own choice after them).
+#[derive(Debug, Default, Clone)]
+pub struct Verified {
+    pub choices: Vec<SampledToken>,
+    pub emitted: usize,
+}
+
+impl Verified {
+    /// The tokens the sequence emits this step.
+    pub fn into_emitted(mut self) -> Vec<SampledToken> {
+        self.choices.truncate(self.emitted);
+        self.choices
+    }
+}
+
+/// A sequence's sampled drafts and the distributions they were drawn from, kept by the rank from
+/// the step that drew them to the step that verifies them.
+#[derive(Debug, Clone, Default)]
+pub struct Drawn {
+    pub drafts: Vec<u32>,
+    pub q: Vec<Distribution>,
+}
+
+/// Verifies one sequence's rows; `rows[j]` is the target's row `j` (`None` where no logits were
+/// computed; every row from the last emitted token on has them). `drawn`: what the rank kept of
+/// the sequence's last drafts. Their distributions are used where the fed drafts are the ones
+/// drawn from them; any other draft is verified against its point mass (`point_mass`), which is
+/// exact for a draft chosen any way, only accepted less.
+pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>], drawn: Option<&Drawn>) -> Result<Verified, MaskError> {
+    let Some(req) = &s.sample else { return Ok(Verified::default()) };
+    let fed = s.drafts_fed();
+    let first = rows.len() - 1 - fed;
+    let row = |j: usize| rows[first + j].as_deref().expect("verified rows have logits");
+    let drafts = &s.tokens[s.tokens.len() - fed..];
+    let q = drawn.filter(|k| k.q.len() >= fed && k.drafts.get(..fed) == Some(drafts)).map(|k| &k.q[..fed]);
+    if req.params.is_greedy() || fed == 0 {
+        let choices = (0..=fed).map(|j| sample(row(j), req)).collect::<Result<Vec<_>, _>>()?;
+        let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
+        let emitted = greedy_emitted(&tokens, drafts);
+        return Ok(Verified { choices, emitted });
+    }
+    // Rejection sampling, row by row (the plan admits no penalties, bias or masks here, so each
+    // row's distribution is its logits' under the request's parameters).
+    let mut choices = Vec::with_capacity(fed + 1);
+    for (j, &d) in drafts.iter().enumerate() {
+        let p = distribution(row(j), &req.params);
+        let own = q.map_or_else(|| point_mass(d), |q| q[j].clone());
+        let token = match verify_sampled(&p, &own, d, row_seed(req.seed, j)) {
+            Verdict::Accept => d,
+            Verdict::Replace(t) => t,
+        };
+        choices.push(report(row(j), req, token));
+        if token != d {
+            // Rows after a replaced draft emit nothing; the MTP pass still pairs each with a
+            // token (any will do: those entries are rewritten before anything reads them).
+            let emitted = choices.len();
+            choices.resize(fed + 1, choices[emitted - 1].clone());
+            return Ok(Verified { choices, emitted });
+        }
+    }
+    let bonus = SampleRequest { seed: row_seed(req.seed, fed), ..req.clone() };
+    choices.push(sample(row(fed), &bonus)?);
+    Ok(Verified { choices, emitted: fed + 1 })
+}
+
+/// The draft a drafting row proposes from the MTP layer's `logits`: the argmax for a greedy
+/// draw, else a draw from `q` (the request's parameters on the layer's logits) with the draft's
+/// own seed, `q` returned to be kept until the drafts are verified.
+pub fn propose(logits: &[f32], req: &SampleRequest, j: usize) -> (u32, Option<Distribution>) {
+    if req.params.is_greedy() {
+        return (argmax(logits), None);
+    }
+    let q = distribution(logits, &req.params);
+    let d = q.pick(SplitMix64::new(draft_seed(req.seed, j)).next_f64());
+    (d, Some(q))
+}
