@@ -10,7 +10,7 @@
 //! 4x, and a planted fault in the format (one scale group's exponent off by one, the group read
 //! at twice its value) drifts 11-16x in mean and must break them.
 
-mod common;
+use crate::common;
 
 use common::{fixture_dir, load_prompts, seq, Prompt};
 use mla_core::model::latent_fp8;

@@ -10,7 +10,7 @@
 //! transformers on a GPU machine): a variant whose directory is absent fails, since a test that
 //! passes without its oracle proves nothing.
 
-mod common;
+use crate::common;
 
 use common::{fixture_dir, load_prompts, max_abs_diff, seq};
 use mla_core::step::plan::{LogitsRequest, SampleRequest, StepKind, StepPlan};

@@ -8,7 +8,7 @@
 //!   (absorbed path), the way a speculative decoder calls it;
 //! - under tensor parallelism (2 ranks, in-process collective) every rank gives what one gives.
 
-mod common;
+use crate::common;
 
 use common::{max_abs_diff, mtp_oracles as oracles};
 use mla_core::runtime::collective::{Collective, Solo, ThreadGroup};

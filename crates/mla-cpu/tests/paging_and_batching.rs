@@ -3,7 +3,7 @@
 //! the normal path on the same cache contents. Runs on dummy weights of three small configs
 //! (V2-Lite-like, V3-like, grouped V2 with tied embeddings).
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::sampling::argmax;

@@ -7,7 +7,7 @@
 //!   decodes, another prefills a later chunk of a cached prompt, and the rest sit idle;
 //! - TP 8 on an 8-head model against TP 1.
 
-mod common;
+use crate::common;
 
 use common::{config, fixture_dir, load_prompts, max_abs_diff, seq, Prompt};
 use mla_core::step::plan::{StepKind, StepOutput, StepPlan};

@@ -2,7 +2,7 @@
 //! (tests/fixtures/v3_mtp) through `mla_core::speculative::lossless_check` (3,000 seeded runs
 //! per case; the module says what is checked and why the check has power).
 
-mod common;
+use crate::common;
 
 use mla_core::speculative::lossless_check::{exact, likely_drafts, own_drafts, Setup};
 use mla_cpu::CpuBackend;

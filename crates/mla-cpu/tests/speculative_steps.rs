@@ -10,7 +10,7 @@
 //!   the output still follows the oracle's sequence, so the MTP layer's cache is kept right
 //!   across prefill, verify steps and rejections.
 
-mod common;
+use crate::common;
 
 use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
 use mla_core::{Backend, Checkpoint, ModelConfig, SamplingParams};

@@ -2,7 +2,7 @@
 //! backend that computes on the engine's thread and on one with a step thread of its own (where
 //! the masks are computed while the step runs and the sampler waits for them).
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::sampling::argmax;

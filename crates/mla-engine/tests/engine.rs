@@ -1,6 +1,6 @@
 //! End to end through the engine thread: outputs checked against the cache-free reference.
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::sampling::log_softmax;

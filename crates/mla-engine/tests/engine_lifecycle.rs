@@ -1,6 +1,6 @@
 //! The engine's life: refusals at submission, clients leaving, queue limits, shutdown, errors.
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::{CacheLayout, SamplingParams};

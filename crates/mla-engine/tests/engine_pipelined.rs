@@ -3,7 +3,7 @@
 //! Outputs, preemption, `n > 1`, stops, aborts, finishes from outside and failures must behave
 //! exactly as with a synchronous backend, checked against the cache-free reference.
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::{CacheLayout, SamplingParams};

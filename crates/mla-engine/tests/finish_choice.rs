@@ -2,7 +2,7 @@
 //! stop strings): its blocks come back before the next step, the others run on unchanged
 //! (checked against the cache-free reference), and the statistics count the given reason.
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::{CacheLayout, SamplingParams};

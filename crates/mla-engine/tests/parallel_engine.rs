@@ -3,7 +3,7 @@
 //! outputs against the cache-free reference, routing by load, statistics per rank, and a
 //! backend that dies.
 
-mod common;
+use crate::common;
 
 use common::ranks::Ranks;
 use common::*;

@@ -3,7 +3,7 @@
 //! that computed it, evictions are seen, a hot prefix spills over within the balance rule, and
 //! every output equals the cache-free reference.
 
-mod common;
+use crate::common;
 
 use common::ranks::Ranks;
 use common::*;

@@ -1,7 +1,7 @@
 //! Prompt logprobs through the engine thread: every prompt token scored from the logits of the
 //! position before it, whatever chunking, sharing (`n > 1`) and prefix caching do.
 
-mod common;
+use crate::common;
 
 use common::*;
 use mla_core::sampling::{log_softmax, top_k_entries};

@@ -10,7 +10,7 @@
 //! on some steps. Verification is the target's, so what is emitted stays exact; the engine must
 //! take 1 to K+1 tokens per row, account the cache and blocks for them, and stop in the middle.
 
-mod common;
+use crate::common;
 
 use common::{collect, engine_config};
 use mla_core::step::plan::{StepOutput, StepPlan};

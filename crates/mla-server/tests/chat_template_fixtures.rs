@@ -2,7 +2,7 @@
 //! scripts/record_template_fixtures.py): every rendered prompt byte for byte, the prompt's token
 //! ids, and the same refusals.
 
-mod common;
+use crate::common;
 
 use common::{demo_tokenizer, read_json, template_fixtures_dir};
 use mla_server::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};

@@ -1,7 +1,7 @@
 //! The demo tokenizer through `TextTokenizer`, against transformers' encodings and decodings
 //! (tests/fixtures/templates/demo_tokenizer.json) and the demo model's config.
 
-mod common;
+use crate::common;
 
 use common::{demo_dir, demo_tokenizer, read_json, template_fixtures_dir};
 use mla_server::chat_template::{ChatTemplate, RenderOptions};

@@ -2,7 +2,7 @@
 //! (the independent reference is `decode` of the whole sequence), and never show a partial
 //! character.
 
-mod common;
+use crate::common;
 
 use common::demo_tokenizer;
 use mla_server::detokenizer::IncrementalDetokenizer;

@@ -15,9 +15,9 @@
 //!
 //! Each property runs `PROPTEST_CASES` cases, by default the count its `config` call names
 //! (chosen so that the whole target takes a few seconds in a debug build on a 2-core machine).
-//! Fuzz longer with e.g. `PROPTEST_CASES=100000 cargo test -p mla-server --test fuzz` (add
-//! `--release` for speed, a name such as `-- requests::` for one module); `PROPTEST_RNG_SEED=<u64>`
-//! replays one run exactly.
+//! Fuzz longer with e.g. `PROPTEST_CASES=100000 cargo test -p mla-server --test server -- fuzz::`
+//! (add `--release` for speed, a name such as `fuzz::requests::` for one module);
+//! `PROPTEST_RNG_SEED=<u64>` replays one run exactly.
 //!
 //! A failure prints the shrunk input and the seed line `cc <hex>`, which proptest also appends to
 //! `fuzz/<module>.proptest-regressions` (on CI, copy it from the log) and replays first on every
@@ -27,7 +27,7 @@
 
 #[path = "fuzz/chat_template.rs"]
 mod chat_template;
-mod common;
+use crate::common;
 #[path = "fuzz/detokenizer.rs"]
 mod detokenizer;
 #[path = "fuzz/generation.rs"]

@@ -2,7 +2,7 @@
 //! could never fit (more prompts than the queue holds, more sequences than a batch) is the
 //! request's fault, 400 naming the limit.
 
-mod common;
+use crate::common;
 
 use common::{server, Options};
 use serde_json::json;

@@ -2,7 +2,7 @@
 //! and the `param` at fault, for bad values, bodies and paths, messages the chat template cannot
 //! render, and fields the server does not support.
 
-mod common;
+use crate::common;
 
 use common::{chat, server, Options};
 use serde_json::json;

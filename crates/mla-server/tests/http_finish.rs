@@ -3,7 +3,7 @@
 //! `/metrics` counts those endings as stops, not aborts. Over the real engine with a scripted
 //! backend (see `common`).
 
-mod common;
+use crate::common;
 
 use common::{chat, demo_tokenizer, server, wait_idle, Options};
 use serde_json::json;

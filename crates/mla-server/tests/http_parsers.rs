@@ -2,7 +2,7 @@
 //! fixed DeepSeek reply token by token: the non-streamed message, the streamed deltas (which must
 //! add up to the same message and never show marker text), finish reasons and usage.
 
-mod common;
+use crate::common;
 
 use common::{demo_tokenizer, server, Options, TestServer};
 use mla_server::parsers::{ParserConfig, ReasoningParserKind, ToolParserKind};

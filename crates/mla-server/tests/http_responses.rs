@@ -3,7 +3,7 @@
 //! structured output reaching the engine. Over the real engine with a scripted backend (see
 //! `common`); expected texts are decoded from the script independently.
 
-mod common;
+use crate::common;
 
 use common::{chat, demo_tokenizer, server, Options};
 use serde_json::json;

@@ -1,6 +1,6 @@
 //! Streamed responses: SSE framing, chunk shapes and order, usage chunks, aborts.
 
-mod common;
+use crate::common;
 
 use common::{server, Options};
 use serde_json::{json, Value};

@@ -1,7 +1,7 @@
 //! `/tokenize`: it counts the prompt chat would send for the same messages, refuses prompts
 //! longer than the context as the generation endpoints do, and names the field at fault.
 
-mod common;
+use crate::common;
 
 use common::{server, Options};
 use serde_json::json;

@@ -2,7 +2,7 @@
 //! trickles past the read timeout, a body not declared JSON, a missing or wrong API key, and
 //! health while the server drains.
 
-mod common;
+use crate::common;
 
 use axum::body::Body;
 use axum::http::Request;

@@ -2,8 +2,8 @@
 //! carries vLLM's series, counts each request once by its finish reason whatever its `n`, and
 //! has every series the Grafana dashboard in `docs/grafana` queries.
 
-mod common;
-mod prometheus;
+use crate::common;
+use crate::prometheus;
 
 use common::{server, wait_idle, workspace_root, Options, TestServer};
 use prometheus::Scrape;

@@ -4,7 +4,7 @@
 //! incremental detokenizer (which keeps the tool-call markers: they are not special tokens).
 //! Every way must give the fixture's expected reasoning, content and calls.
 
-mod common;
+use crate::common;
 
 use common::{demo_tokenizer, read_json, workspace_root};
 use mla_server::detokenizer::IncrementalDetokenizer;

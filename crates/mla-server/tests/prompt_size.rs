@@ -1,7 +1,7 @@
 //! `prompt_size::clearly_exceeds` with the demo tokenizer: it refuses only prompts that really
 //! are over the limit, and decides a huge one from a bounded prefix.
 
-mod common;
+use crate::common;
 
 use common::demo_tokenizer;
 use mla_server::prompt_size::clearly_exceeds;

@@ -1,7 +1,7 @@
 //! Stop strings across delta boundaries, checked by hand and against a brute-force reference
 //! that sees the whole text at once.
 
-mod common;
+use crate::common;
 
 use common::demo_tokenizer;
 use mla_server::detokenizer::IncrementalDetokenizer;

@@ -7,8 +7,8 @@
 //! a 400.
 
 use crate::common::template_fixtures_dir;
-use crate::values::{any_json, message, text};
-use crate::{config, tokenizer};
+use crate::fuzz::values::{any_json, message, text};
+use crate::fuzz::{config, tokenizer};
 use mla_server::chat_template::{ChatTemplate, ChatTemplateError, RenderOptions};
 use mla_server::protocol::chat::MessageWire;
 use mla_server::protocol::parse_fields;

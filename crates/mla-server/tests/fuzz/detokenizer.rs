@@ -1,8 +1,8 @@
 //! Random id sequences through `IncrementalDetokenizer`, checked against the tokenizer's one-shot
 //! decode of the whole sequence (the `tokenizers` crate, not the code under test).
 
-use crate::values::token_ids;
-use crate::{config, tokenizer};
+use crate::fuzz::values::token_ids;
+use crate::fuzz::{config, tokenizer};
 use mla_server::detokenizer::IncrementalDetokenizer;
 use proptest::prelude::*;
 

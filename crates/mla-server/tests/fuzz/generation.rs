@@ -2,9 +2,9 @@
 //! forms: every choice's text is what the tokenizer decodes from the ids the scripted backend
 //! generated (an independent one-shot decode), cut at stop tokens and stop strings.
 
-use crate::http::{endpoint, parse_json, post, scripted, stream_events, Answer};
-use crate::tokenizer;
-use crate::values::token_ids;
+use crate::fuzz::http::{endpoint, parse_json, post, scripted, stream_events, Answer};
+use crate::fuzz::tokenizer;
+use crate::fuzz::values::token_ids;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -89,7 +89,7 @@ fn substring(text: &str, a: prop::sample::Index, b: prop::sample::Index) -> Opti
 }
 
 proptest! {
-    #![proptest_config(crate::config(512))]
+    #![proptest_config(crate::fuzz::config(512))]
 
     /// Both endpoints, streamed or not, n choices, with and without special tokens and EOS.
     #[test]

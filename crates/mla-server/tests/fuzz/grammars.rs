@@ -9,7 +9,7 @@
 //! Lark. Where a case is clearly within every limit it must compile, and where it is clearly past
 //! one it must be refused naming it; in between either is fine.
 
-use crate::config;
+use crate::fuzz::config;
 use mla_server::structured::limits::{MAX_LARK_BYTES, MAX_OPTIONAL_ITEMS, MAX_RECURSION};
 use mla_server::structured::{Author, CompileError, Grammars, JsonOptions, StructuredOutput};
 use mla_server::text::TextPipeline;

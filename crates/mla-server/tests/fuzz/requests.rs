@@ -5,9 +5,9 @@
 //! Not even a 503: the only one client input could cause is a full queue, which one request at a
 //! time cannot fill (a request with more prompts than the queue holds is a 400).
 
-use crate::http::{check_error_body, endpoint, parse_json, post, scripted, stream_events, Answer};
-use crate::tokenizer;
-use crate::values::{any_json, text, token_ids, well_formed_message, wild_message};
+use crate::fuzz::http::{check_error_body, endpoint, parse_json, post, scripted, stream_events, Answer};
+use crate::fuzz::tokenizer;
+use crate::fuzz::values::{any_json, text, token_ids, well_formed_message, wild_message};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
@@ -294,7 +294,7 @@ fn chat_and_body<S: Strategy>(body: impl Fn(bool) -> S) -> impl Strategy<Value =
 }
 
 proptest! {
-    #![proptest_config(crate::config(512))]
+    #![proptest_config(crate::fuzz::config(512))]
 
     #[test]
     fn structured_requests_never_get_a_server_error(

@@ -1,7 +1,7 @@
 //! Generators shared by the fuzz properties: strings that stress parsing and templates, any JSON
 //! value, chat messages of every shape, and token ids of the demo tokenizer.
 
-use crate::tokenizer;
+use crate::fuzz::tokenizer;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
