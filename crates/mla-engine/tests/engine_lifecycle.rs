@@ -35,7 +35,8 @@ fn handles_and_streams_cross_threads() {
 fn dropping_a_stream_aborts_it_within_a_step_and_frees_its_blocks() {
     let b = backend(2);
     let log = b.log.clone();
-    let engine = Engine::start(Box::new(b), engine_config(MAX_LEN)).unwrap();
+    let cfg = mla_engine::EngineConfig { mixed_steps: true, max_num_batched_tokens: 64, ..engine_config(MAX_LEN) };
+    let engine = Engine::start(Box::new(b), cfg).unwrap();
     let ps = prompts(2);
     let mut keep = engine.submit(greedy(ps[0].clone(), 60)).unwrap();
     let mut gone = engine.submit(greedy(ps[1].clone(), 400)).unwrap();
@@ -149,6 +150,40 @@ fn a_backend_error_fails_only_the_affected_request() {
     let p = prompts(3).remove(2);
     assert_eq!(collect(&mut engine.submit(greedy(p.clone(), 4)).unwrap(), 1).tokens[0], expect(&p, 4));
     wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
+    engine.shutdown(Duration::from_secs(1));
+}
+
+/// A failed mixed step (prompt chunks beside decode rows) is retried request by request, each
+/// part a step of its own kind: the decoding request and the healthy prompt finish, only the
+/// poisoned one fails. (The parts once kept the whole step's kind, `Mixed { prefill: 2 }` over
+/// one sequence, which every backend refuses: every request of the step failed.)
+#[test]
+fn a_failed_mixed_step_is_retried_as_steps_of_their_own_kinds() {
+    const POISON: u32 = 63;
+    let mut b = backend(0);
+    b.poison = Some(POISON);
+    b.delay = Duration::from_millis(30);
+    let log = b.log.clone();
+    let cfg = mla_engine::EngineConfig { mixed_steps: true, max_num_batched_tokens: 64, ..engine_config(MAX_LEN) };
+    let engine = Engine::start(Box::new(b), cfg).unwrap();
+    let ps = prompts(2);
+    let mut decoding = engine.submit(greedy(ps[0].clone(), 12)).unwrap();
+    wait_until("the first request decodes", || log.lock().unwrap().steps >= 2);
+    let mut ok = engine.submit(greedy(ps[1].clone(), 6)).unwrap();
+    let mut bad = engine.submit(greedy(vec![5, POISON, 7], 6)).unwrap();
+    let bad_c = collect(&mut bad, 1);
+    assert!(bad_c.error.as_deref().is_some_and(|m| m.contains("poison")), "{:?}", bad_c.error);
+    let d = collect(&mut decoding, 1);
+    assert_eq!((d.error, d.tokens[0].clone()), (None, expect(&ps[0], 12)));
+    let o = collect(&mut ok, 1);
+    assert_eq!((o.error, o.tokens[0].clone()), (None, expect(&ps[1], 6)));
+    let together = log
+        .lock()
+        .unwrap()
+        .seqs
+        .iter()
+        .any(|s| [decoding.id, ok.id, bad.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
+    assert!(together, "the failing step should have held the decode row and both prompts");
     engine.shutdown(Duration::from_secs(1));
 }
 

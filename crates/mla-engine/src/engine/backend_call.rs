@@ -3,7 +3,7 @@
 
 use crate::sequence::SeqKey;
 use anyhow::anyhow;
-use mla_core::step::plan::{StepOutput, StepPlan};
+use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
 use mla_core::Backend;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -20,17 +20,35 @@ pub(super) fn run_checked(backend: &mut dyn Backend, plans: &[StepPlan]) -> anyh
     Ok(outs)
 }
 
-/// The plan's sequences grouped by request, in plan order.
+/// The plan's sequences grouped by request, in plan order, each group a step of its own kind:
+/// its prompt chunks (which lead it, as they lead the plan) and its decode rows.
 pub(super) fn split_by_request(plan: &StepPlan) -> Vec<(u64, StepPlan)> {
-    let mut parts: Vec<(u64, StepPlan)> = Vec::new();
-    for s in &plan.seqs {
+    let first_decode = plan.num_prefill();
+    let mut parts: Vec<(u64, usize, StepPlan)> = Vec::new();
+    for (i, s) in plan.seqs.iter().enumerate() {
         let id = SeqKey::from_seq_id(s.seq_id).request;
-        match parts.iter_mut().find(|(r, _)| *r == id) {
-            Some((_, p)) => p.seqs.push(s.clone()),
-            None => parts.push((id, StepPlan { kind: plan.kind, seqs: vec![s.clone()] })),
-        }
+        let at = match parts.iter().position(|(r, _, _)| *r == id) {
+            Some(at) => at,
+            None => {
+                parts.push((id, 0, StepPlan { kind: StepKind::Decode, seqs: vec![] }));
+                parts.len() - 1
+            }
+        };
+        let (_, prefill, part) = &mut parts[at];
+        *prefill += usize::from(i < first_decode);
+        part.seqs.push(s.clone());
     }
     parts
+        .into_iter()
+        .map(|(id, prefill, mut part)| {
+            part.kind = match (prefill, part.seqs.len() - prefill) {
+                (0, _) => StepKind::Decode,
+                (_, 0) => StepKind::Prefill,
+                (p, _) => StepKind::Mixed { prefill: p },
+            };
+            (id, part)
+        })
+        .collect()
 }
 
 /// One output per rank, and in each the backend must answer every sequence, in order, with a
