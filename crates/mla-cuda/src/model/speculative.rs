@@ -243,7 +243,7 @@ impl CudaModel {
             counts.get(me).copied().ok_or_else(|| anyhow::anyhow!("MTP pass counts {counts:?} name no rank {me}"))
         };
         let (mut chunks, mut rows) = (MtpPass::empty(), MtpPass::empty());
-        // Which sequence of the original plan each MTP sequence drafts for, and whether it drafts.
+        // Which sequence of the original plan each MTP sequence belongs to, and whether it drafts.
         let (mut chunk_of, mut row_of) = (Vec::new(), Vec::new());
         for (i, (s, v)) in plan.seqs.iter().zip(verified).enumerate() {
             let n = first_pass_rows(s);
@@ -260,7 +260,7 @@ impl CudaModel {
                 chunks.src.extend((0..next.len()).map(|j| (first_row + j) as i32));
                 let (sample, logits) = if wants { draw(s) } else { (None, LogitsRequest::None) };
                 chunks.plan.seqs.push(SeqStep { tokens: next, sample, logits, mtp: None, ..plain(s) });
-                chunk_of.push(i);
+                chunk_of.push((i, wants));
             } else {
                 // Every verify row j, paired with the target's choice there: the next emitted
                 // token up to the last one; the rows after it write past the sequence's end.
@@ -297,7 +297,7 @@ impl CudaModel {
             pass.src.len(),
             first_counts
         );
-        let owners: Vec<(usize, bool)> = chunk_of.into_iter().map(|i| (i, true)).chain(row_of).collect();
+        let owners: Vec<(usize, bool)> = chunk_of.into_iter().chain(row_of).collect();
         let first = self.mtp_pass(dev, &pass, PrevRows::Target, packed.then_some(first_counts))?;
         // Each drafting sequence's row of its last emitted token: its first draft, and where
         // the chain goes on.
