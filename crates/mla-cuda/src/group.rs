@@ -183,6 +183,7 @@ pub fn group_parts(
         graph_batches: local.ready.graph_batches,
         graphable: graph_expressible,
         watchdog: group.watchdog,
-        sampled_drafts: true,
+        // As `CudaBackend::verifies_sampled_drafts`: the host verdict is too slow to offer.
+        sampled_drafts: false,
     }
 }

@@ -10,7 +10,10 @@
 //! 2. Accept, on the host. Greedy draws from the rows' tokens, drawn on the device; sampled
 //!    draws (rejection sampling) by `mla_core::speculative::verify`, the CPU reference's own
 //!    code, from the rows' logits, read back instead of drawn on the device, and the
-//!    distributions the drafts were drawn from (`CudaModel::drawn`).
+//!    distributions the drafts were drawn from (`CudaModel::drawn`). That path is exact (the
+//!    GPU passes the same chi-square check as the CPU reference) but reads and ranks whole
+//!    vocabulary rows on the host, far too slow under load, so the backend does not offer it
+//!    to the engine (`verifies_sampled_drafts`); it is what a device verdict must match.
 //! 3. Draft. The MTP module runs over the rows `mla_core::speculative::first_pass_rows` names
 //!    (every verify row of a decode sequence, paired with the target's choice there; one per
 //!    prompt position with its successor), which also fills its cache layer, and the row of each
