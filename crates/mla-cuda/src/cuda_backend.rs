@@ -99,7 +99,7 @@ impl Backend for CudaBackend {
     }
 
     /// No, though a plan with sampled drafts runs (`model::speculative`): the verdict and the
-    /// draft draws run on the host from whole logits rows: on an H200 (run S2, 64 streams, two
+    /// draft draws run on the host from whole logits rows: on an H200 (run S14, 64 streams, two
     /// drafts) about 80 sequence-steps a second where greedy ones drafting made 5,600, far below
     /// not drafting at all. Until the verdict runs on the device, the engine drafts for greedy
     /// requests only.
