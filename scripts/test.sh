@@ -22,27 +22,30 @@ if [ -x scripts/install_nvcc.sh ]; then
   export MLA_REQUIRE_NVCC="${MLA_REQUIRE_NVCC:-1}"
 fi
 
-echo "== House rules (scripts/lint.sh: rustfmt, clang-format, clippy -D warnings, commit subjects, results index)"
+echo "== [$((SECONDS))s] House rules (scripts/lint.sh: rustfmt, clang-format, clippy -D warnings, commit subjects, results index)"
 scripts/lint.sh
 
-echo "== Python test dependencies"
+echo "== [$((SECONDS))s] Python test dependencies"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
 
-echo "== Rust tests"
+echo "== [$((SECONDS))s] Rust tests"
 # mla-cuda's integration tests (tests/gpu_*.rs) need a GPU: every one is #[ignore] without it, and
 # clippy above already compiles them (every target). Linking their twenty binaries to run nothing
-# took minutes of the 2-core CI machine, so only mla-cuda's host-side unit tests run here;
+# took minutes of the 2-core CI machine, so here mla-cuda runs only its host-side unit tests;
 # scripts/gpu_tests.sh builds and runs the rest on a GPU machine.
 #
-# The binaries are built in the same cargo invocation shape as the tests (`--bins --tests`), so
-# dependencies resolve to the same features and one compile serves both: a separate
-# `cargo build -p mla-serve` afterwards resolves without the dev-dependencies' features (hyper's
-# client, rand's std, ...) and recompiled every workspace crate and a dozen dependencies, minutes
-# of the 2-core CI machine. The end-to-end suite runs the binary this build leaves.
+# Every command selects the whole workspace, so dependencies resolve to the same features and one
+# compile serves them all: a separate `cargo build -p mla-serve` (without the dev-dependencies'
+# features: hyper's client, rand's std, ...) or `cargo test -p mla-cuda --lib` (without
+# mla-server's serde_json features) recompiled every workspace crate and a dozen to a hundred
+# dependencies, minutes of the 2-core CI machine. The end-to-end suite runs the binary this build
+# leaves.
 cargo build --locked --workspace --exclude mla-cuda --bins --tests 2>&1
-cargo test --workspace --locked --exclude mla-cuda 2>&1
-cargo test --locked -p mla-cuda --lib 2>&1
+echo "== [$((SECONDS))s] Rust tests: binaries and integration tests"
+cargo test --workspace --locked --exclude mla-cuda --bins --test '*' 2>&1
+echo "== [$((SECONDS))s] Rust tests: every crate's unit tests (mla-cuda's host-side ones too)"
+cargo test --workspace --locked --lib 2>&1
 
-echo "== End-to-end tests (real binary, real HTTP, openai SDK)"
+echo "== [$((SECONDS))s] End-to-end tests (real binary, real HTTP, openai SDK)"
 export MLA_SERVE_BIN="${MLA_SERVE_BIN:-$PWD/target/debug/mla-serve}"
 python3 -m pytest -q tests/e2e 2>&1
