@@ -18,7 +18,7 @@
 pub mod lossless_check;
 mod rows;
 
-pub use rows::{propose, verify, Drawn, Verified};
+pub use rows::{propose, verify, Drawn, Proposals, Verified};
 
 use crate::rng::SplitMix64;
 use crate::sampling::Distribution;

@@ -134,19 +134,10 @@ impl CpuRank {
                 let cache = &mut self.cache;
                 speculative::draft(&self.model, mtp, plan, &hidden, &verified, cache, comm, mtp_passes)?
             }
-            _ => speculative::Proposals {
-                drafts: vec![Vec::new(); plan.seqs.len()],
-                q: vec![Vec::new(); plan.seqs.len()],
-            },
+            _ => mla_core::speculative::Proposals::new(plan.seqs.len()),
         };
-        let speculative::Proposals { mut drafts, q } = proposals;
-        self.drawn = plan
-            .seqs
-            .iter()
-            .zip(drafts.iter().zip(q))
-            .filter(|(_, (_, q))| !q.is_empty())
-            .map(|(s, (d, q))| (s.seq_id, mla_core::speculative::Drawn { drafts: d.clone(), q }))
-            .collect();
+        let (mut drafts, kept) = proposals.keep(plan);
+        self.drawn = kept;
         let mut emitted: Vec<Vec<SampledToken>> =
             verified.into_iter().map(mla_core::speculative::Verified::into_emitted).collect();
         let mut out = StepOutput::default();

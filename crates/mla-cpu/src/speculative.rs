@@ -15,8 +15,7 @@ use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
 use mla_core::runtime::collective::{Collective, CollectiveError};
-use mla_core::sampling::Distribution;
-use mla_core::speculative::{drafts_from, first_pass_rows, propose, Verified};
+use mla_core::speculative::{drafts_from, first_pass_rows, propose, Proposals, Verified};
 use mla_core::step::plan::StepPlan;
 
 /// One sequence's MTP rows this step, in the batch of MTP rows.
@@ -28,21 +27,6 @@ struct MtpRows {
     len: usize,
     /// Its row of the last emitted token, from `start` (the one that drafts).
     last: usize,
-}
-
-/// What the MTP passes propose: per sequence of the plan, its drafts for the next step and,
-/// for a sampled draw, the distribution each draft was drawn from.
-#[derive(Default)]
-pub struct Proposals {
-    pub drafts: Vec<Vec<u32>>,
-    pub q: Vec<Vec<Distribution>>,
-}
-
-impl Proposals {
-    fn push(&mut self, seq: usize, (d, q): (u32, Option<Distribution>)) {
-        self.drafts[seq].push(d);
-        self.q[seq].extend(q);
-    }
 }
 
 /// Runs the MTP passes of a step and returns, per sequence of `plan`, its drafts for the next
@@ -63,8 +47,7 @@ pub fn draft(
 ) -> Result<Proposals, CollectiveError> {
     let h = model.config().hidden_size;
     let first_decode = plan.num_prefill();
-    let n_seqs = plan.seqs.len();
-    let mut out = Proposals { drafts: vec![Vec::new(); n_seqs], q: vec![Vec::new(); n_seqs] };
+    let mut out = Proposals::new(plan.seqs.len());
     let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(out) };
     let (mut tokens, mut prev, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     let mut at = 0;

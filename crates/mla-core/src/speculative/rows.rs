@@ -6,8 +6,9 @@
 use super::{draft_seed, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict};
 use crate::rng::SplitMix64;
 use crate::sampling::{argmax, distribution, report, sample, Distribution};
-use crate::step::plan::{SampleRequest, SampledToken, SeqStep};
+use crate::step::plan::{SampleRequest, SampledToken, SeqStep, StepPlan};
 use crate::step::token_mask::MaskError;
+use std::collections::HashMap;
 
 /// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
 /// with drafts fed every row from the last emitted token on), and how many of them it emits
@@ -86,4 +87,38 @@ pub fn propose(logits: &[f32], req: &SampleRequest, j: usize) -> (u32, Option<Di
     let q = distribution(logits, &req.params);
     let d = q.pick(SplitMix64::new(draft_seed(req.seed, j)).next_f64());
     (d, Some(q))
+}
+
+/// What a step's MTP passes propose: per sequence of the plan, its drafts for the next step and,
+/// for a sampled draw, the distribution each was drawn from.
+#[derive(Debug, Default)]
+pub struct Proposals {
+    pub drafts: Vec<Vec<u32>>,
+    pub q: Vec<Vec<Distribution>>,
+}
+
+impl Proposals {
+    /// Nothing proposed yet for the `seqs` sequences of a plan.
+    pub fn new(seqs: usize) -> Self {
+        Proposals { drafts: vec![Vec::new(); seqs], q: vec![Vec::new(); seqs] }
+    }
+
+    /// Sequence `seq`'s next draft, as `propose` gives it.
+    pub fn push(&mut self, seq: usize, (d, q): (u32, Option<Distribution>)) {
+        self.drafts[seq].push(d);
+        self.q[seq].extend(q);
+    }
+
+    /// The drafts per sequence of `plan`, and what the rank keeps of them until the next step
+    /// verifies them: the sampled ones with their distributions, by sequence id.
+    pub fn keep(self, plan: &StepPlan) -> (Vec<Vec<u32>>, HashMap<u64, Drawn>) {
+        let kept = plan
+            .seqs
+            .iter()
+            .zip(self.drafts.iter().zip(self.q))
+            .filter(|(_, (_, q))| !q.is_empty())
+            .map(|(s, (d, q))| (s.seq_id, Drawn { drafts: d.clone(), q }))
+            .collect();
+        (self.drafts, kept)
+    }
 }

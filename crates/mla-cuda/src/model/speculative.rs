@@ -38,7 +38,7 @@ use crate::ops::{Embedding, NormDelta, RmsNormF32, PAGE_SIZE};
 use half::bf16;
 use mla_core::sampling::Distribution;
 use mla_core::speculative::{
-    self as spec, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, propose, Drawn, Verified,
+    self as spec, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, propose, Proposals, Verified,
 };
 use mla_core::step::plan::{
     LogitsRequest, SampleRequest, SampledToken, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
@@ -148,20 +148,6 @@ fn proposal(s: &SeqStep, r: &SeqResult, j: usize) -> anyhow::Result<(u32, Option
     }
 }
 
-/// What the MTP passes propose: per sequence of the plan, its drafts for the next step and, for
-/// a sampled draw, the distribution each was drawn from.
-struct Proposals {
-    drafts: Vec<Vec<u32>>,
-    q: Vec<Vec<Distribution>>,
-}
-
-impl Proposals {
-    fn push(&mut self, seq: usize, (d, q): (u32, Option<Distribution>)) {
-        self.drafts[seq].push(d);
-        self.q[seq].extend(q);
-    }
-}
-
 impl CudaModel {
     /// Runs a step that asks for speculative decoding (see the module doc); the verify step
     /// replays a decode graph from `graphs` when one fits. `dpa`: this rank's step in a
@@ -210,14 +196,9 @@ impl CudaModel {
                 &own
             }
         };
-        let Proposals { drafts, q } = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some())?;
-        self.drawn = plan
-            .seqs
-            .iter()
-            .zip(drafts.iter().zip(q))
-            .filter(|(_, (_, q))| !q.is_empty())
-            .map(|(s, (d, q))| (s.seq_id, Drawn { drafts: d.clone(), q }))
-            .collect();
+        let proposals = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some())?;
+        let (drafts, kept) = proposals.keep(plan);
+        self.drawn = kept;
         for (r, d) in results.iter_mut().zip(drafts) {
             r.drafts = d;
         }
@@ -238,8 +219,7 @@ impl CudaModel {
         packed: bool,
     ) -> anyhow::Result<Proposals> {
         let first_decode = plan.num_prefill();
-        let n_seqs = plan.seqs.len();
-        let mut out = Proposals { drafts: vec![Vec::new(); n_seqs], q: vec![Vec::new(); n_seqs] };
+        let mut out = Proposals::new(plan.seqs.len());
         let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(out) };
         let me = if packed { self.mode.comm().map_or(0, |c| c.rank()) } else { 0 };
         let ffn_rows = |counts: &[usize]| -> anyhow::Result<usize> {
