@@ -116,12 +116,26 @@ fn shutdown_lets_requests_finish_within_the_grace_period() {
     assert_eq!((c.tokens[0].clone(), c.finish[0]), (expect(&p, 8), Some(FinishReason::Length)));
 }
 
-#[test]
-fn a_backend_error_fails_only_the_affected_request() {
-    const POISON: u32 = 63;
+/// Fed by the poison-token tests: a prompt holding it fails every step it is in.
+const POISON: u32 = 63;
+
+/// A backend whose steps fail when fed `POISON`, slow enough (30 ms a step) that requests
+/// submitted together share a step.
+fn poisoned() -> HistoryBackend {
     let mut b = backend(0);
     b.poison = Some(POISON);
     b.delay = Duration::from_millis(30);
+    b
+}
+
+/// Whether one logged step held a sequence of every request in `ids`.
+fn one_step_held(log: &std::sync::Mutex<Log>, ids: &[u64]) -> bool {
+    log.lock().unwrap().seqs.iter().any(|s| ids.iter().all(|&id| s.iter().any(|&q| q >> 16 == id)))
+}
+
+#[test]
+fn a_backend_error_fails_only_the_affected_request() {
+    let b = poisoned();
     let log = b.log.clone();
     let mut cfg = engine_config(MAX_LEN);
     cfg.max_num_batched_tokens = 64;
@@ -139,13 +153,7 @@ fn a_backend_error_fails_only_the_affected_request() {
     assert!(bad_c.tokens[0].is_empty());
     assert_eq!(collect(&mut ok1, 1).tokens[0], expect(&ps[0], 6));
     assert_eq!(collect(&mut ok2, 1).tokens[0], expect(&ps[1], 6));
-    let together = log
-        .lock()
-        .unwrap()
-        .seqs
-        .iter()
-        .any(|s| [ok1.id, bad.id, ok2.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
-    assert!(together, "the failing step should have batched all three");
+    assert!(one_step_held(&log, &[ok1.id, bad.id, ok2.id]), "the failing step should have batched all three");
     // The engine is still serving and nothing leaked.
     let p = prompts(3).remove(2);
     assert_eq!(collect(&mut engine.submit(greedy(p.clone(), 4)).unwrap(), 1).tokens[0], expect(&p, 4));
@@ -159,10 +167,7 @@ fn a_backend_error_fails_only_the_affected_request() {
 /// one sequence, which every backend refuses: every request of the step failed.)
 #[test]
 fn a_failed_mixed_step_is_retried_as_steps_of_their_own_kinds() {
-    const POISON: u32 = 63;
-    let mut b = backend(0);
-    b.poison = Some(POISON);
-    b.delay = Duration::from_millis(30);
+    let b = poisoned();
     let log = b.log.clone();
     let cfg = mla_engine::EngineConfig { mixed_steps: true, max_num_batched_tokens: 64, ..engine_config(MAX_LEN) };
     let engine = Engine::start(Box::new(b), cfg).unwrap();
@@ -177,13 +182,10 @@ fn a_failed_mixed_step_is_retried_as_steps_of_their_own_kinds() {
     assert_eq!((d.error, d.tokens[0].clone()), (None, expect(&ps[0], 12)));
     let o = collect(&mut ok, 1);
     assert_eq!((o.error, o.tokens[0].clone()), (None, expect(&ps[1], 6)));
-    let together = log
-        .lock()
-        .unwrap()
-        .seqs
-        .iter()
-        .any(|s| [decoding.id, ok.id, bad.id].iter().all(|&id| s.iter().any(|&q| q >> 16 == id)));
-    assert!(together, "the failing step should have held the decode row and both prompts");
+    assert!(
+        one_step_held(&log, &[decoding.id, ok.id, bad.id]),
+        "the failing step should have held the decode row and both prompts"
+    );
     engine.shutdown(Duration::from_secs(1));
 }
 
