@@ -93,3 +93,6 @@ constexpr int MOE_GEMV_WARPS = 4;
 
 // Device sampler: most alternatives a row reports with its log-probability.
 constexpr int MAX_TOP_LOGPROBS = 20;
+
+// Speculative decoding: the most drafts a sequence feeds one verify step (mla-serve refuses more).
+constexpr int MAX_SPEC_DRAFTS = 8;

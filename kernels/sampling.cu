@@ -11,76 +11,7 @@
 // (masked, or biased by -inf) is never drawn while any token is finite: it may pass a threshold
 // (top-k asking for more tokens than are allowed), but its Gumbel score stays -inf. A row with no
 // finite logit at all takes the greedy token (the lowest index).
-#include "common.cuh"
-
-struct __align__(8) SampleParams {
-    float temperature;  // < 1e-5: greedy
-    float top_p;        // 1: off
-    float min_p;        // 0: off
-    int top_k;          // 0: off
-    float repetition_penalty, frequency_penalty, presence_penalty;
-    int n_logprobs;  // top alternatives to report (0..=20); < 0: no log-probabilities
-    unsigned long long seed;
-    int pen_begin, pen_end;    // range of this row's penalty entries
-    int bias_begin, bias_end;  // range of this row's logit-bias entries
-    int mask_row;              // row of the step's mask table; < 0: every token allowed
-    int reserved;
-};
-static_assert(sizeof(SampleParams) == 64, "SampleParams is mirrored by SampleParamsRaw (ops/sampling.rs)");
-
-struct BlockArgmax {
-    float v;
-    int i;
-};
-
-DEVICE_INLINE bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
-
-DEVICE_INLINE BlockArgmax block_argmax(float v, int i, float* sv, int* si) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
-    __syncthreads();
-    if (lane == 0) {
-        sv[warp] = v;
-        si[warp] = i;
-    }
-    __syncthreads();
-    v = lane < nwarps ? sv[lane] : -INFINITY;
-    i = lane < nwarps ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
-    return {v, i};
-}
-
-// Calls f(i, x[i]) for this thread's share of a row, eight loads in flight before their uses: a
-// plain strided loop left one dependent load per iteration and made every pass latency-bound.
-template <typename F>
-DEVICE_INLINE void for_row(const float* __restrict__ x, int n, F f) {
-    const int bd = blockDim.x;
-    int i = threadIdx.x;
-    for (; i + 7 * bd < n; i += 8 * bd) {
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = x[i + u * bd];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) f(i + u * bd, v[u]);
-    }
-    for (; i < n; i += bd) f(i, x[i]);
-}
+#include "sampling_rows.cuh"
 
 extern "C" __global__ void __launch_bounds__(512)
     sample_tokens(const float* __restrict__ logits, long long logits_stride, int vocab,
@@ -184,61 +115,22 @@ extern "C" __global__ void __launch_bounds__(512)
         return block_argmax(bv, bi, sf, si).i;
     };
     int token;
-    if (p.temperature < 1e-5f) {
+    if (p.forced_token >= 0) {
+        token = p.forced_token;
+    } else if (p.temperature < 1e-5f) {
         token = greedy();
     } else {
-        const float inv_t = 1.f / p.temperature;
-        float wm = -INFINITY;
-        for_row(w, vocab, [&](int, float v) { wm = fmaxf(wm, v); });
-        wm = block_max(wm, sf);
-        // top-k: the key of the k-th largest value, built bit by bit from the top. When fewer than
-        // k tokens are finite it is the key of -inf, which keeps every token; the -inf ones still
-        // cannot win the draw below.
-        uint32_t kkey = 0;
-        if (p.top_k > 0 && p.top_k < vocab) {
-            for (int bit = 31; bit >= 0; --bit) {
-                const uint32_t cand = kkey | (1u << bit);
-                float cnt = 0.f;
-                for_row(w, vocab, [&](int, float v) { cnt += float_key(v) >= cand ? 1.f : 0.f; });
-                if (block_sum(cnt, sf) >= (float)p.top_k) kkey = cand;
-            }
-        }
-        // top-p: the largest threshold whose kept mass (relative to the top-k set) reaches top_p.
-        // -inf tokens weigh exp(-inf) = 0.
-        uint32_t pkey = kkey;
-        if (p.top_p < 1.f && wm > -INFINITY) {
-            double z = 0.0;
-            for_row(w, vocab, [&](int, float v) {
-                if (float_key(v) >= kkey) z += exp((double)(v - wm) * inv_t);
-            });
-            z = block_sum_f64(z, sd);
-            const double target = (double)p.top_p * z;
-            uint32_t key = 0;
-            for (int bit = 31; bit >= 0; --bit) {
-                const uint32_t cand = key | (1u << bit);
-                double mass = 0.0;
-                for_row(w, vocab, [&](int, float v) {
-                    const uint32_t k = float_key(v);
-                    if (k >= cand && k >= kkey) mass += exp((double)(v - wm) * inv_t);
-                });
-                if (block_sum_f64(mass, sd) >= target) key = cand;
-            }
-            pkey = max(pkey, key);
-        }
-        const float log_min_p = p.min_p > 0.f ? logf(p.min_p) : -INFINITY;
+        const KeptSet k = kept_set(w, vocab, p, sf, sd);
         float bv = -INFINITY;
         int bi = 0x7fffffff;
-        if (wm > -INFINITY) {
+        if (k.wm > -INFINITY) {
             for_row(w, vocab, [&](int i, float v) {
                 // A -inf token is never a candidate (its score would be -inf, and -inf ties are
                 // broken by index, which could pick it over nothing).
-                if (v == -INFINITY) return;
-                const float z = (v - wm) * inv_t;
-                if (float_key(v) < pkey || z < log_min_p) return;
-                const double u = uniform_open(mix64(p.seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
-                const float gumbel = (float)(-log(-log(u)));
-                if (better(z + gumbel, i, bv, bi)) {
-                    bv = z + gumbel;
+                if (!kept(k, v)) return;
+                const float score = (v - k.wm) * k.inv_t + gumbel(p.seed, i);
+                if (better(score, i, bv, bi)) {
+                    bv = score;
                     bi = i;
                 }
             });

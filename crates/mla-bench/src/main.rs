@@ -173,6 +173,13 @@ enum Cmd {
         acceptance: Vec<f64>,
         #[arg(long, default_value_t = 1024)]
         context: usize,
+        /// Sampling temperature of every sequence (0: greedy). Above 0 the drafts are drawn and
+        /// verified by rejection sampling on the device (the acceptance is still forced).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Top-p of the sampled sequences (1: off).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
         /// As mla-serve's: `fp8` makes the linear weights block-FP8 (quantized on the device).
         #[arg(long, value_name = "METHOD")]
         quantization: Option<String>,
@@ -338,9 +345,22 @@ fn main() -> anyhow::Result<()> {
             let v = collectives::run(&collectives::CollectiveArgs { gpus, hidden, rows, iters })?;
             report::write(out.as_deref(), &v)
         }
-        Cmd::SpecStep { config, batch, drafts, acceptance, context, quantization, hf_overrides, out } => {
+        Cmd::SpecStep {
+            config,
+            batch,
+            drafts,
+            acceptance,
+            context,
+            temperature,
+            top_p,
+            quantization,
+            hf_overrides,
+            out,
+        } => {
             let cfg = dummy_model::config(&config, hf_overrides.as_deref(), quantization.as_deref())?;
-            let r = spec_step::run(&spec_step::SpecStepArgs { cfg, batches: batch, drafts, acceptance, context })?;
+            let sampling = mla_core::SamplingParams { temperature, top_p, ..mla_core::SamplingParams::greedy() };
+            let args = spec_step::SpecStepArgs { cfg, batches: batch, drafts, acceptance, context, sampling };
+            let r = spec_step::run(&args)?;
             let gpu = r["gpu"].as_str().unwrap_or("").to_string();
             let v = report::envelope(&gpu, r);
             report::write(out.as_deref(), &v)

@@ -7,11 +7,13 @@
 //! chained passes for the further drafts. Per batch size `B`, the plain decode step (graph) and,
 //! per `K` and acceptance, the speculative step: time per step, tokens emitted per second, and
 //! the speedup over plain decoding. Every step runs at the same positions (context `ctx`), so
-//! the cache never grows and each row reads the same keys.
+//! the cache never grows and each row reads the same keys. Each step feeds the drafts the one
+//! before proposed, so sampled sequences (`--temperature`) verify against the distributions
+//! their drafts were drawn from, as in serving: the device verdict's whole cost is in the step.
 
 use crate::dummy_model;
-use mla_core::step::plan::{MtpStep, SeqStep, StepPlan};
-use mla_core::{ModelConfig, SplitMix64};
+use mla_core::step::plan::{MtpStep, SampleRequest, SeqStep, StepPlan};
+use mla_core::{ModelConfig, SamplingParams, SplitMix64};
 use mla_cuda::model::{CudaModel, DecodeGraphs, ModelOptions};
 use mla_cuda::ops::PAGE_SIZE;
 use mla_cuda::Device;
@@ -27,6 +29,8 @@ pub struct SpecStepArgs {
     pub drafts: Vec<usize>,
     pub acceptance: Vec<f64>,
     pub context: usize,
+    /// Every sequence's sampling parameters (greedy, or sampled with drafts verified on the device).
+    pub sampling: SamplingParams,
 }
 
 pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
@@ -58,7 +62,8 @@ pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
     let vocab = a.cfg.vocab_size;
     let mut rows = vec![];
     for &b in &a.batches {
-        let plain = |j: usize| dummy_model::decode_plan(b, a.context, blocks_per_seq, j, vocab);
+        let plain =
+            |j: usize| with_sampling(dummy_model::decode_plan(b, a.context, blocks_per_seq, j, vocab), &a.sampling);
         let plain_ms = time_steps(&mut |j| step_graph(&mut model, &dev, &mut graphs, &plain(j)))?;
         let plain_tok_s = b as f64 / (plain_ms * 1e-3);
         println!("B={b:<3} plain decode {plain_ms:.3} ms = {plain_tok_s:.0} tok/s");
@@ -69,10 +74,18 @@ pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
             for &acc in &a.acceptance {
                 model.forced_acceptance = Some((acc, SplitMix64::new(7)));
                 let mut emitted = 0usize;
-                let spec = |j: usize| speculative_plan(b, k, a.context, blocks_per_seq, j, vocab);
+                let mut proposed: Vec<Vec<u32>> = vec![];
+                let spec =
+                    |j: usize| with_sampling(speculative_plan(b, k, a.context, blocks_per_seq, j, vocab), &a.sampling);
                 let ms = time_steps(&mut |j| {
-                    let out = model.step_speculative(&dev, Some(&mut graphs), &spec(j), None)?;
+                    let mut plan = spec(j);
+                    for (s, d) in plan.seqs.iter_mut().zip(&proposed).filter(|(_, d)| d.len() == k) {
+                        s.tokens.truncate(1);
+                        s.tokens.extend(d);
+                    }
+                    let out = model.step_speculative(&dev, Some(&mut graphs), &plan, None)?;
                     emitted += out.seqs.iter().map(|s| 1 + s.extra_tokens.len()).sum::<usize>();
+                    proposed = out.seqs.into_iter().map(|s| s.drafts).collect();
                     Ok(())
                 })?;
                 model.forced_acceptance = None;
@@ -93,6 +106,7 @@ pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
     }
     Ok(json!({
         "gpu": dev.gpu.info.name,
+        "sampling": format!("{:?}", a.sampling),
         "model": format!("{} layers + MTP, dummy weights drawn on the device, forced acceptance (benchmark only)", a.cfg.num_hidden_layers),
         "weights_GiB": model.weights.bytes() as f64 / (1u64 << 30) as f64,
         "steps": rows,
@@ -127,6 +141,15 @@ fn verify_rows(plain: &StepPlan, k: usize) -> StepPlan {
         .flat_map(|s| (0..=k).map(move |d| SeqStep { context_len: s.context_len + d, ..s.clone() }))
         .collect();
     StepPlan { kind: plain.kind, seqs }
+}
+
+/// `plan` with every sequence drawing under `params` (its seed kept).
+fn with_sampling(mut plan: StepPlan, params: &SamplingParams) -> StepPlan {
+    for s in &mut plan.seqs {
+        let seed = s.sample.as_ref().map_or(0, |r| r.seed);
+        s.sample = Some(SampleRequest::new(params.clone(), seed));
+    }
+    plan
 }
 
 /// Step `j` of `b` sequences feeding `k` drafts each at position `context`, drafting `k`.

@@ -447,7 +447,7 @@ fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
 
 /// Sampled requests (temperature 1, top-k 8) with drafts are lossless on the GPU: the output
 /// tokens at positions 1 and 2 of 3,000 seeded runs per case follow the GPU target's own
-/// distribution, with the backend's own sampled drafts (verified on the host against the
+/// distribution, with the backend's own sampled drafts (verified on the device against the
 /// distributions they were drawn from) and with likely drafts forced (verified against their
 /// point masses, most standing). `mla_core::speculative::lossless_check` says how, and why the
 /// check has power; the CPU reference passes the same check.

@@ -1,7 +1,7 @@
 //! The verdict of a sequence's verify rows and the draw of its drafts, on the host, from the
-//! rows' logits: one implementation for every backend. The CPU reference runs it on every
-//! sequence; the CUDA backend on sampled sequences that feed drafts (greedy ones it decides from
-//! the device's own argmax, which is the same rule), reading their rows' logits back.
+//! rows' logits: the CPU reference's. The CUDA backend applies the same rule on the device
+//! (kernels/speculative.cu, with the seeds `row_seed` and `draft_seed` give), under the same
+//! statistical check (`lossless_check`).
 
 use super::{draft_seed, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict};
 use crate::rng::SplitMix64;

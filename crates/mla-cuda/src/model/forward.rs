@@ -18,7 +18,7 @@ use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
     cache_row_bytes, AddRmsNorm, Embedding, LatentCacheSlice, NormDelta, RmsNormF32, RouteParams, Sample,
-    SamplerOutputs, Strided, MAX_TOP_LOGPROBS, PAGE_SIZE,
+    SamplerOutputs, Strided, Verdicts, MAX_SPEC_DRAFTS, MAX_TOP_LOGPROBS, PAGE_SIZE,
 };
 use half::bf16;
 use mla_core::step::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
@@ -55,9 +55,9 @@ pub struct CudaModel {
     /// whatever the target chose, so that a model of dummy weights emits the tokens of a given
     /// acceptance rate. The output is then not the model's: never set by the server.
     pub forced_acceptance: Option<(f64, mla_core::SplitMix64)>,
-    /// The sampled drafts of the last step's sequences and the distributions they were drawn
-    /// from, kept until the next step verifies them (`speculative`).
-    pub(super) drawn: std::collections::HashMap<u64, mla_core::speculative::Drawn>,
+    /// The verdict launch the next sampler runs first, as (distribution rows, sequences) of
+    /// `ws.mtp.drafts`: set by a speculative step around its verify step alone (`speculative`).
+    pub(super) pending_verdict: Option<(usize, usize)>,
     /// Which kernel runs the dense projections of small steps.
     pub linears: SmallLinear,
     pub mode: RankMode,
@@ -108,6 +108,11 @@ impl CudaModel {
             opts.mtp_drafts,
             if weights.mtp.is_some() { "" } else { "not " }
         );
+        anyhow::ensure!(
+            opts.mtp_drafts <= MAX_SPEC_DRAFTS,
+            "{} drafts per step; the CUDA verdict takes at most {MAX_SPEC_DRAFTS}",
+            opts.mtp_drafts
+        );
         let fp8 = weights.fp8_share();
         let inputs = PlanInputs {
             cfg: &cfg,
@@ -156,7 +161,7 @@ impl CudaModel {
             activation_bytes,
             decode_splits_override: None,
             forced_acceptance: None,
-            drawn: std::collections::HashMap::new(),
+            pending_verdict: None,
             linears,
             mode,
             step_limits,
@@ -343,11 +348,27 @@ impl CudaModel {
 
     /// Queues the sampler over the step's logits rows (after `queue_model`, and after
     /// `upload_masks` when the step has masks). One launch; none for a step that samples nothing.
+    /// A pending verdict on sampled drafts runs first and decides its rows' tokens.
     pub fn queue_sampler(&self, dev: &Device, m: &StepMeta) -> anyhow::Result<()> {
         let (s, k) = (dev.stream(), &dev.k);
         let ws = &self.ws;
         let cfg = &self.cfg;
         let words = self.meta.words_for(m.words.len());
+        if let Some((n_rows, n_verdicts)) = self.pending_verdict {
+            let store = &ws.mtp.as_ref().expect("a verdict is pending only with the MTP module").drafts;
+            let v = Verdicts {
+                rows: store.spec_rows.slice(),
+                n_rows,
+                dists: store.dists.slice(),
+                verdicts: store.verdicts.slice(),
+                n_verdicts,
+                logits: ws.logits.slice(),
+                stride: cfg.vocab_size,
+                vocab: cfg.vocab_size,
+                params: m.sampling.on(words),
+            };
+            k.speculative.verdicts(s, &v)?;
+        }
         if m.sample_rows > 0 {
             let out = SamplerOutputs {
                 token: ws.sampled_token.slice(),

@@ -274,11 +274,12 @@ impl CudaModel {
         let g = &mut set.graphs[i];
         let mut run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<(StepOutput, ReplayTimes)> {
             me.upload_meta(dev, meta)?;
-            let masked = !meta.masks.is_empty();
-            let sampled_in_graph = g.switch_sampler(!masked);
+            // Masks, and a verdict on sampled drafts, come between the logits and the sampler.
+            let after = !meta.masks.is_empty() || me.pending_verdict.is_some();
+            let sampled_in_graph = g.switch_sampler(!after);
             g.graph.launch(dev.stream())?;
             let launched = std::time::Instant::now();
-            if masked || !sampled_in_graph {
+            if after || !sampled_in_graph {
                 // While the device runs the forward pass, the engine computes the masks.
                 me.upload_masks(dev, meta)?;
                 me.queue_sampler(dev, meta)?;

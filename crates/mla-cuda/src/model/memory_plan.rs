@@ -107,7 +107,7 @@ impl Activations {
         // gathered rows under DP attention).
         let linears = SmallLinear::new(p.small_batch_gemv, p.fp8, limits.ffn_rows, p.w8a8)?;
         let w8a8_experts = p.w8a8 && p.fp8.expert_layers > 0 && dev.k.grouped_gemm.has_w8a8();
-        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, w8a8_experts, p.mtp_drafts > 0)?;
+        let ws = Workspace::new(p.cfg, limits, dev.k.sm_count, w8a8_experts, p.mtp_drafts)?;
         let meta = MetaBuffers::new(&lim)?;
         Ok(Activations { ws, linears, meta, lim, limits })
     }

@@ -446,7 +446,7 @@ fn sample_params(seq_id: u64, req: &SampleRequest, vocab: usize, at: EntryRanges
         bias_begin: at.bias.0,
         bias_end: at.bias.1,
         mask_row: at.mask_row,
-        reserved: 0,
+        forced_token: -1,
     })
 }
 
@@ -793,7 +793,7 @@ mod tests {
         let row = |r: usize| (params[r].bias_begin, params[r].bias_end, params[r].mask_row);
         assert_eq!((row(0), row(1), row(2)), ((0, 2, 0), (2, 2, -1), (2, 3, 1)));
         assert_eq!(m.masks.iter().map(|x| x.seq_id).collect::<Vec<_>>(), vec![1, 3]);
-        assert!(params.iter().all(|p| p.reserved == 0 && p.pen_begin == p.pen_end));
+        assert!(params.iter().all(|p| p.forced_token == -1 && p.pen_begin == p.pen_end));
         // The bias address word sits next to the penalty one, at offsets that depend only on
         // the batch size (a captured graph reads both).
         assert_eq!(m.bias_table.off, m.penalty_table.off + 2);

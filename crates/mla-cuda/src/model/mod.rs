@@ -2,6 +2,7 @@
 //! per-step metadata and the step itself.
 
 mod attention_layer;
+mod draft_store;
 mod ffn_layer;
 mod forward;
 pub mod graph;

@@ -7,20 +7,22 @@
 //!    of all its rows before any row's attention (`attention_layer`), and row `j` attends to
 //!    positions `0 ..= context_len + j` by its length alone, so the drafts are scored causally
 //!    by the ordinary decode path, from a captured graph when one fits: no kernel of its own.
-//! 2. Accept, on the host. Greedy draws from the rows' tokens, drawn on the device; sampled
-//!    draws (rejection sampling) by `mla_core::speculative::verify`, the CPU reference's own
-//!    code, from the rows' logits, read back instead of drawn on the device, and the
-//!    distributions the drafts were drawn from (`CudaModel::drawn`). That path is exact (the
-//!    GPU passes the same chi-square check as the CPU reference) but reads and ranks whole
-//!    vocabulary rows on the host, far too slow under load, so the backend does not offer it
-//!    to the engine (`verifies_sampled_drafts`); it is what a device verdict must match.
+//! 2. Accept. Every verify row samples on the device, row `j` with the seed
+//!    `mla_core::speculative::row_seed` gives it. A greedy sequence's drafts stand while each is
+//!    the argmax after the one before. A sampled sequence's are verified by rejection sampling
+//!    before the sampler runs (kernels/speculative.cu, the rule of `mla_core::speculative`):
+//!    each draft against the MTP distribution it was drawn from, whose logits rows the rank
+//!    kept (`DraftStore`), and each decided row's token forced into the sampler, which reports
+//!    its log-probabilities and draws the bonus row. Either way the host reads tokens alone and
+//!    counts the emitted ones by the greedy rule (a replacement never equals its draft).
 //! 3. Draft. The MTP module runs over the rows `mla_core::speculative::first_pass_rows` names
 //!    (every verify row of a decode sequence, paired with the target's choice there; one per
 //!    prompt position with its successor), which also fills its cache layer, and the row of each
 //!    drafting sequence's last emitted token proposes the first draft; each further draft is one
 //!    more pass of one row per sequence, fed the module's own output. A greedy draft is the
-//!    device's argmax; a sampled one is drawn on the host from the row's logits
-//!    (`mla_core::speculative::propose`), which keeps the distribution for the next verify. The rows of every pass
+//!    device's argmax; a sampled one the device sampler's draw under the request's parameters
+//!    with the draft's own seed (`mla_core::speculative::draft_seed`), its logits row copied
+//!    into the rank's `DraftStore` for the next verify. The rows of every pass
 //!    follow from the plan alone, so the ranks of a DP-attention group, each with its own plan,
 //!    size every pass's FFN collectives alike (`DpaStep`), an idle rank taking part with none.
 //!
@@ -28,17 +30,17 @@
 //! projections summed in f32 into the residual (`weights::MtpLayerWeights`); the decoder layer, norms,
 //! head and sampler are the main model's code on the module's weights and cache layer.
 
+use super::draft_store::DraftStore;
 use super::forward::{rows, settled, CudaModel};
 use super::graph::DecodeGraphs;
 use super::meta::StepMeta;
 use super::parallel::FfnRows;
 use crate::device::Device;
 use crate::gpu::DSlice;
-use crate::ops::{Embedding, NormDelta, RmsNormF32, PAGE_SIZE};
+use crate::ops::{Embedding, NormDelta, RmsNormF32, SpecRowRaw, SpecVerdictRaw, MAX_SPEC_DRAFTS, PAGE_SIZE};
 use half::bf16;
-use mla_core::sampling::Distribution;
 use mla_core::speculative::{
-    self as spec, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, propose, Proposals, Verified,
+    draft_seed, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, row_seed, Verified,
 };
 use mla_core::step::plan::{
     LogitsRequest, SampleRequest, SampledToken, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
@@ -66,11 +68,11 @@ impl Verify {
             if i < first_decode || s.drafts_fed() == 0 {
                 seqs.push(plain);
             } else {
-                // A sampled draw's rows return their logits, for the verdict on the host.
-                let row =
-                    if sampled(s) { SeqStep { sample: None, logits: LogitsRequest::Last, ..plain } } else { plain };
+                // Row j draws with its own seed (a sampled draw's verdict takes its uniforms from
+                // it too; the bonus row's draw is the sampler's).
                 for (j, &t) in s.tokens.iter().enumerate() {
-                    seqs.push(SeqStep { tokens: vec![t], context_len: s.context_len + j, ..row.clone() });
+                    let sample = s.sample.as_ref().map(|r| SampleRequest { seed: row_seed(r.seed, j), ..r.clone() });
+                    seqs.push(SeqStep { tokens: vec![t], context_len: s.context_len + j, sample, ..plain.clone() });
                 }
             }
             groups.push(start..seqs.len());
@@ -96,10 +98,12 @@ enum PrevRows {
     Mtp,
 }
 
-/// One MTP pass: its rows as a plan, and the source row of each of its token rows.
+/// One MTP pass: its rows as a plan, the source row of each of its token rows, and the
+/// (sampler row, `DraftStore` row) pairs of the sampled drafts whose logits rows are kept.
 struct MtpPass {
     plan: StepPlan,
     src: Vec<i32>,
+    keep: Vec<i32>,
 }
 
 /// How a DP-attention rank meets the others in a speculative step: every rank's verify rows
@@ -123,29 +127,32 @@ fn greedy() -> Option<SampleRequest> {
     Some(SampleRequest::new(SamplingParams::greedy(), 0))
 }
 
-/// Whether `s` draws by sampling: its verdicts and drafts are decided on the host.
+/// Whether `s` draws by sampling: its drafts are verified by rejection sampling.
 fn sampled(s: &SeqStep) -> bool {
     s.sample.as_ref().is_some_and(|r| !r.params.is_greedy())
 }
 
-/// How a drafting row of `s` asks for its draft: the device's argmax for a greedy draw, else
-/// the row's logits, from which the host draws (`proposal`).
-fn draw(s: &SeqStep) -> (Option<SampleRequest>, LogitsRequest) {
-    if sampled(s) {
-        (None, LogitsRequest::Last)
-    } else {
-        (greedy(), LogitsRequest::None)
+/// How the drafting row of `s`'s `j`-th draft draws it: the argmax for a greedy draw, else the
+/// request's parameters with the draft's own seed (a sampled sequence's rows carry no
+/// penalties, bias or mask: the engine drafts for none that has them).
+fn draw(s: &SeqStep, j: usize) -> Option<SampleRequest> {
+    match &s.sample {
+        Some(r) if sampled(s) => Some(SampleRequest::new(r.params.clone(), draft_seed(r.seed, j))),
+        _ => greedy(),
     }
 }
 
-/// The `j`-th draft of `s` from its drafting row's result, with the distribution it was drawn
-/// from for a sampled draw.
-fn proposal(s: &SeqStep, r: &SeqResult, j: usize) -> anyhow::Result<(u32, Option<Distribution>)> {
-    match (&r.sampled, r.logits.first(), &s.sample) {
-        (Some(t), _, _) => Ok((t.token, None)),
-        (None, Some(logits), Some(req)) => Ok(propose(logits, req, j)),
-        _ => anyhow::bail!("sequence {}: a drafting row neither sampled nor returned logits", s.seq_id),
-    }
+/// The draft a drafting row's result holds.
+fn proposal(s: &SeqStep, r: &SeqResult) -> anyhow::Result<u32> {
+    r.sampled
+        .as_ref()
+        .map(|t| t.token)
+        .ok_or_else(|| anyhow::anyhow!("sequence {}: a drafting row did not sample", s.seq_id))
+}
+
+/// The rank's draft store (the MTP buffers exist when the module is loaded).
+fn store(ws: &mut super::workspace::Workspace) -> &mut DraftStore {
+    &mut ws.mtp.as_mut().expect("the MTP buffers exist when the module is loaded").drafts
 }
 
 impl CudaModel {
@@ -164,28 +171,40 @@ impl CudaModel {
             self.weights.mtp.is_some(),
             "the step asks for speculative decoding but the MTP module is not loaded"
         );
+        let r = self.speculate(dev, graphs, plan, dpa);
+        self.pending_verdict = None;
+        if r.is_err() {
+            // What the store's rows hold now is unknown: verify the next drafts against their
+            // point masses.
+            store(&mut self.ws).slots.forget();
+        }
+        r
+    }
+
+    fn speculate(
+        &mut self,
+        dev: &Device,
+        graphs: Option<&mut DecodeGraphs>,
+        plan: &StepPlan,
+        dpa: Option<DpaStep>,
+    ) -> anyhow::Result<StepOutput> {
         let verify = Verify::of(plan);
+        store(&mut self.ws).slots.keep_only(plan);
+        self.pending_verdict = self.upload_verdicts(plan, &verify)?;
         let out = match dpa {
             Some(d) => self.run_eager(dev, &verify.plan, FfnRows::Packed(d.counts))?,
             None => match graphs.and_then(|set| self.step_with_graphs(dev, set, &verify.plan)) {
                 Some(r) => r?.0,
-                None => self.step(dev, &verify.plan)?,
+                None => self.run_eager(dev, &verify.plan, FfnRows::Padded(verify.plan.num_tokens()))?,
             },
         };
-        let mut out = out;
+        self.pending_verdict = None;
         let mut results = Vec::with_capacity(plan.seqs.len());
         let mut verified = Vec::with_capacity(plan.seqs.len());
         for (s, g) in plan.seqs.iter().zip(&verify.groups) {
-            let rows = &mut out.seqs[g.clone()];
-            let v = if s.drafts_fed() > 0 && sampled(s) {
-                let logits: Vec<Option<Vec<f32>>> = rows.iter_mut().map(|r| r.logits.pop()).collect();
-                spec::verify(s, &logits, self.drawn.get(&s.seq_id))
-                    .map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?
-            } else {
-                let forced = self.forced_acceptance.as_mut().map(|(p, rng)| stood_at_rate(*p, rng, s.drafts_fed()));
-                accept(s, rows, forced)?
-            };
-            results.push(result(s, &rows[0], v.clone()));
+            let forced = self.forced_acceptance.as_mut().map(|(p, rng)| stood_at_rate(*p, rng, s.drafts_fed()));
+            let v = accept(s, &out.seqs[g.clone()], forced)?;
+            results.push(result(s, &out.seqs[g.start], v.clone()));
             verified.push(v);
         }
         let own;
@@ -196,16 +215,82 @@ impl CudaModel {
                 &own
             }
         };
-        let proposals = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some())?;
-        let (drafts, kept) = proposals.keep(plan);
-        self.drawn = kept;
+        let drafts = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some())?;
+        let drafted: Vec<(u64, Vec<u32>)> = plan
+            .seqs
+            .iter()
+            .zip(&drafts)
+            .filter(|(s, d)| sampled(s) && !d.is_empty())
+            .map(|(s, d)| (s.seq_id, d.clone()))
+            .collect();
+        store(&mut self.ws).slots.finish(plan, &drafted);
         for (r, d) in results.iter_mut().zip(drafts) {
             r.drafts = d;
         }
         Ok(StepOutput { seqs: results })
     }
 
-    /// The MTP passes after a verify step: per sequence of `plan`, its drafts for the next step.
+    /// Uploads the verdict launch for the sampled sequences of `plan` that feed drafts: each
+    /// one's target rows (its verify rows but the last, sampler rows in `verify.plan`'s order)
+    /// and, where the store still holds them, the rows its drafts were drawn from. Returns what
+    /// `CudaModel::pending_verdict` holds, `None` for a plan with no such sequence.
+    fn upload_verdicts(&mut self, plan: &StepPlan, verify: &Verify) -> anyhow::Result<Option<(usize, usize)>> {
+        let mut sampler_row = Vec::with_capacity(verify.plan.seqs.len());
+        let mut n = 0;
+        for s in &verify.plan.seqs {
+            sampler_row.push(n);
+            n += usize::from(s.sample.is_some());
+        }
+        let vocab = self.cfg.vocab_size;
+        let logits_row = |row: usize| self.ws.logits.ptr() + (row * vocab * std::mem::size_of::<f32>()) as u64;
+        let store = &self.ws.mtp.as_ref().expect("checked by the caller").drafts;
+        let (mut rows, mut verdicts) = (Vec::new(), Vec::new());
+        for (s, g) in plan.seqs.iter().zip(&verify.groups) {
+            let fed = s.drafts_fed();
+            if fed == 0 || !sampled(s) {
+                continue;
+            }
+            anyhow::ensure!(fed <= MAX_SPEC_DRAFTS, "sequence {}: {fed} drafts fed", s.seq_id);
+            let row0 = sampler_row[g.start];
+            let fed_drafts = &s.tokens[1..];
+            let q = store.rows_of(s.seq_id, fed_drafts);
+            let dist0 = rows.len();
+            let at = |logits: u64| SpecRowRaw { logits, params_row: row0 as i32, reserved: 0 };
+            rows.extend((0..fed).map(|j| at(logits_row(row0 + j))));
+            if let Some(q) = q {
+                rows.extend((0..fed).map(|j| at(q + (j * vocab * std::mem::size_of::<f32>()) as u64)));
+            }
+            let mut drafts = [0i32; MAX_SPEC_DRAFTS];
+            for (d, &t) in drafts.iter_mut().zip(fed_drafts) {
+                *d = t as i32;
+            }
+            verdicts.push(SpecVerdictRaw {
+                q_logits: q.unwrap_or(0),
+                row0: row0 as i32,
+                fed: fed as i32,
+                dist0: dist0 as i32,
+                reserved: 0,
+                drafts,
+            });
+        }
+        if verdicts.is_empty() {
+            return Ok(None);
+        }
+        anyhow::ensure!(
+            rows.len() <= store.spec_rows.len() && verdicts.len() <= store.verdicts.len(),
+            "a verdict over {} sequences and {} rows exceeds the room for {} and {}",
+            verdicts.len(),
+            rows.len(),
+            store.verdicts.len(),
+            store.spec_rows.len()
+        );
+        store.spec_rows.upload_at(0, &rows)?;
+        store.verdicts.upload_at(0, &verdicts)?;
+        Ok(Some((rows.len(), verdicts.len())))
+    }
+
+    /// The MTP passes after a verify step: per sequence of `plan`, its drafts for the next step
+    /// (a sampled draft's logits row kept in the rank's `DraftStore`).
     /// `verified`: each sequence's verification (the target's choice at each of its rows);
     /// `passes[p][r]`: rank r's rows in pass p (this rank's alone outside DP attention, where
     /// `packed` is false).
@@ -217,9 +302,9 @@ impl CudaModel {
         verified: &[Verified],
         passes: &[Vec<usize>],
         packed: bool,
-    ) -> anyhow::Result<Proposals> {
+    ) -> anyhow::Result<Vec<Vec<u32>>> {
         let first_decode = plan.num_prefill();
-        let mut out = Proposals::new(plan.seqs.len());
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); plan.seqs.len()];
         let Some((first_counts, chain_counts)) = passes.split_first() else { return Ok(out) };
         let me = if packed { self.mode.comm().map_or(0, |c| c.rank()) } else { 0 };
         let ffn_rows = |counts: &[usize]| -> anyhow::Result<usize> {
@@ -241,8 +326,8 @@ impl CudaModel {
                 let after = s.mtp.and_then(|m| m.next_token).or(v.choices.first().map(|t| t.token));
                 let next: Vec<u32> = s.tokens[1..].iter().copied().chain(after).collect();
                 chunks.src.extend((0..next.len()).map(|j| (first_row + j) as i32));
-                let (sample, logits) = if wants { draw(s) } else { (None, LogitsRequest::None) };
-                chunks.plan.seqs.push(SeqStep { tokens: next, sample, logits, mtp: None, ..plain(s) });
+                let sample = if wants { draw(s, 0) } else { None };
+                chunks.plan.seqs.push(SeqStep { tokens: next, sample, ..plain(s) });
                 chunk_of.push((i, wants));
             } else {
                 // Every verify row j, paired with the target's choice there: the next emitted
@@ -251,13 +336,11 @@ impl CudaModel {
                 for (j, t) in v.choices.iter().enumerate() {
                     rows.src.push((first_row + j) as i32);
                     let drafting = wants && j + 1 == v.emitted;
-                    let (sample, logits) = if drafting { draw(s) } else { (None, LogitsRequest::None) };
+                    let sample = if drafting { draw(s, 0) } else { None };
                     rows.plan.seqs.push(SeqStep {
                         tokens: vec![t.token],
                         context_len: s.context_len + j,
                         sample,
-                        logits,
-                        mtp: None,
                         ..plain(s)
                     });
                     row_of.push((i, drafting));
@@ -270,9 +353,13 @@ impl CudaModel {
             (0, _) => StepKind::Decode,
             (p, _) => StepKind::Mixed { prefill: p },
         };
+        let owners: Vec<(usize, bool)> = chunk_of.into_iter().chain(row_of).collect();
+        // The drafting rows are the pass's sampler rows, in order.
+        let drafting: Vec<usize> = owners.iter().filter(|(_, d)| *d).map(|&(seq, _)| seq).collect();
         let pass = MtpPass {
             plan: StepPlan { kind, seqs: chunks.plan.seqs.into_iter().chain(rows.plan.seqs).collect() },
             src: chunks.src.into_iter().chain(rows.src).collect(),
+            keep: self.keep_pairs(plan, &drafting, &out),
         };
         anyhow::ensure!(
             pass.src.len() == ffn_rows(first_counts)?,
@@ -280,7 +367,6 @@ impl CudaModel {
             pass.src.len(),
             first_counts
         );
-        let owners: Vec<(usize, bool)> = chunk_of.into_iter().chain(row_of).collect();
         let first = self.mtp_pass(dev, &pass, PrevRows::Target, packed.then_some(first_counts))?;
         // Each drafting sequence's row of its last emitted token: its first draft, and where
         // the chain goes on.
@@ -290,12 +376,12 @@ impl CudaModel {
             let row = at + ms.tokens.len() - 1;
             at += ms.tokens.len();
             if *drafting {
-                out.push(*seq, proposal(&plan.seqs[*seq], r, 0)?);
+                out[*seq].push(proposal(&plan.seqs[*seq], r)?);
                 chain.push(Chain { seq: *seq, pos: ms.context_len + ms.tokens.len() - 1, row });
             }
         }
         for counts in chain_counts {
-            chain.retain(|c| out.drafts[c.seq].len() < plan.seqs[c.seq].mtp.map_or(0, |m| m.draft));
+            chain.retain(|c| out[c.seq].len() < plan.seqs[c.seq].mtp.map_or(0, |m| m.draft));
             anyhow::ensure!(
                 chain.len() == ffn_rows(counts)?,
                 "an MTP chain pass of {} rows, not {counts:?}",
@@ -305,24 +391,40 @@ impl CudaModel {
                 .iter()
                 .map(|c| {
                     let s = &plan.seqs[c.seq];
-                    let token = *out.drafts[c.seq].last().expect("a chained sequence has drafted");
-                    let (sample, logits) = draw(s);
-                    SeqStep { tokens: vec![token], context_len: c.pos + 1, sample, logits, mtp: None, ..plain(s) }
+                    let token = *out[c.seq].last().expect("a chained sequence has drafted");
+                    let sample = draw(s, out[c.seq].len());
+                    SeqStep { tokens: vec![token], context_len: c.pos + 1, sample, ..plain(s) }
                 })
                 .collect();
+            let seqs_now: Vec<usize> = chain.iter().map(|c| c.seq).collect();
             let pass = MtpPass {
                 plan: StepPlan { kind: StepKind::Decode, seqs },
                 src: chain.iter().map(|c| c.row as i32).collect(),
+                keep: self.keep_pairs(plan, &seqs_now, &out),
             };
             let res = self.mtp_pass(dev, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
             for (k, (c, r)) in chain.iter_mut().zip(&res.seqs).enumerate() {
-                let j = out.drafts[c.seq].len();
-                out.push(c.seq, proposal(&plan.seqs[c.seq], r, j)?);
+                out[c.seq].push(proposal(&plan.seqs[c.seq], r)?);
                 c.pos += 1;
                 c.row = k;
             }
         }
         Ok(out)
+    }
+
+    /// The (sampler row, store row) pairs of a pass whose drafting rows belong to `seqs` (the
+    /// plan's sequences, in the pass's sampler-row order): a sampled sequence's draft number
+    /// `out[seq].len()` keeps its logits row in the sequence's slot, where one is free.
+    fn keep_pairs(&mut self, plan: &StepPlan, seqs: &[usize], out: &[Vec<u32>]) -> Vec<i32> {
+        let slots = &mut store(&mut self.ws).slots;
+        let mut pairs = Vec::new();
+        for (k, &i) in seqs.iter().enumerate() {
+            let s = &plan.seqs[i];
+            if let Some(row) = sampled(s).then(|| slots.row_for(s.seq_id, out[i].len())).flatten() {
+                pairs.extend([k as i32, row as i32]);
+            }
+        }
+        pairs
     }
 
     /// One MTP pass over `pass`'s rows: uploads, queues, samples, reads. `packed`: every DP-
@@ -348,12 +450,18 @@ impl CudaModel {
         anyhow::ensure!(pass.src.len() <= bufs.src.len(), "MTP pass of {} rows", pass.src.len());
         // The previous pass (or the verify step) was read back already: nothing reads `src` now.
         bufs.src.upload_at(0, &pass.src)?;
+        bufs.drafts.pairs.upload_at(0, &pass.keep)?;
         let mut meta = StepMeta::build(&pass.plan, &self.lim)?;
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
             me.upload_meta(dev, meta)?;
             let splits = me.default_decode_splits(dev, meta);
             me.queue_mtp(dev, meta, splits, prev, ffn_rows)?;
             me.queue_sampler(dev, meta)?;
+            let (ws, vocab) = (&me.ws, me.cfg.vocab_size);
+            let store = &ws.mtp.as_ref().expect("checked above").drafts;
+            let pairs = store.pairs.slice();
+            let n = pass.keep.len() / 2;
+            dev.k.speculative.keep_rows(dev.stream(), ws.logits.slice(), pairs, n, store.rows(), vocab)?;
             me.read_outputs(dev, meta)
         };
         settled(dev, run(self, &mut meta))
@@ -428,7 +536,7 @@ impl CudaModel {
 
 impl MtpPass {
     fn empty() -> Self {
-        MtpPass { plan: StepPlan { kind: StepKind::Decode, seqs: vec![] }, src: vec![] }
+        MtpPass { plan: StepPlan { kind: StepKind::Decode, seqs: vec![] }, src: vec![], keep: vec![] }
     }
 }
 

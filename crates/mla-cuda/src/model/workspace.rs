@@ -2,6 +2,7 @@
 //! allocates (a requirement for CUDA-graph capture) and memory use is known before the KV cache
 //! is sized.
 
+use super::draft_store::DraftStore;
 use crate::gpu::DeviceBuffer;
 use crate::ops::{Fp8Act, MoeRouting, TileM, FP8_BLOCK, MAX_TOP_LOGPROBS};
 use half::bf16;
@@ -194,18 +195,22 @@ pub struct MtpBuffers {
     pub prev: DeviceBuffer<f32>,
     /// Which rows of the source each MTP row takes.
     pub src: DeviceBuffer<i32>,
+    /// The rows sampled drafts were drawn from, until they are verified.
+    pub drafts: DraftStore,
 }
 
 impl Workspace {
     /// `fp8_expert_acts`: the experts run W8A8 (allocates their quantized operands).
-    /// `mtp`: the MTP module's pass runs too (its layer is shaped as layer `num_hidden_layers`).
+    /// `mtp_drafts`: drafts per step of speculative decoding (0: off); with some, the MTP
+    /// module's pass runs too (its layer is shaped as layer `num_hidden_layers`).
     pub fn new(
         cfg: &ModelConfig,
         limits: Limits,
         sm_count: usize,
         fp8_expert_acts: bool,
-        mtp: bool,
+        mtp_drafts: usize,
     ) -> anyhow::Result<Self> {
+        let mtp = mtp_drafts > 0;
         limits.check()?;
         let (t, s, h) = (limits.max_tokens, limits.max_seqs, cfg.hidden_size);
         // The FFN's buffers hold every rank's rows under DP attention.
@@ -281,7 +286,12 @@ impl Workspace {
             split_rows,
             mtp: mtp
                 .then(|| -> anyhow::Result<MtpBuffers> {
-                    Ok(MtpBuffers { prev: DeviceBuffer::alloc(t * h)?, src: DeviceBuffer::alloc(t)? })
+                    Ok(MtpBuffers {
+                        prev: DeviceBuffer::alloc(t * h)?,
+                        src: DeviceBuffer::alloc(t)?,
+                        // Drafting sequences times their drafts stay within a verify step's rows.
+                        drafts: DraftStore::new(s, mtp_drafts, cfg.vocab_size)?,
+                    })
                 })
                 .transpose()?,
         })

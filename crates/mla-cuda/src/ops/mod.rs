@@ -22,6 +22,7 @@ mod linear;
 mod moe;
 mod moe_gemv;
 mod sampling;
+mod speculative;
 
 pub use attention::{
     choose_decode_splits, AttentionKernels, DecodeAttention, DecodeKernel, PrefillAttention, PrefillKernel,
@@ -29,7 +30,7 @@ pub use attention::{
 };
 pub use dims::{
     COMBINE_ABSORB_MAX_BATCH, DECODE_HEAD_TILE, FP8_GEMV_MAX_ROWS, GEMV_KERNEL_MAX_ROWS, LATENT, LATENT_FP8_ROW_BYTES,
-    LATENT_ROW, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
+    LATENT_ROW, MAX_SPEC_DRAFTS, MAX_TOP_LOGPROBS, NOPE, PAGE_SIZE, PREFILL_TILE_Q, ROPE, V_HEAD,
 };
 pub use elementwise::{AddRmsNorm, ElementwiseKernels, Embedding, NormDelta, Normal, RmsNormBf16, RmsNormF32};
 pub use expert_mats::ExpertMats;
@@ -43,6 +44,7 @@ pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams, TileM};
 pub use moe_gemv::{MoeGemvExperts, MoeGemvKernels, MoeGemvRouter};
 pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
+pub use speculative::{SpecRowRaw, SpecVerdictRaw, SpeculativeKernels, Verdicts, ROW_DISTRIBUTION_BYTES};
 
 use crate::gpu::{GpuInfo, Modules};
 
@@ -58,6 +60,7 @@ pub struct Kernels {
     pub fp8_convert: Fp8ConvertKernels,
     pub moe_gemv: MoeGemvKernels,
     pub sampling: SamplingKernels,
+    pub speculative: SpeculativeKernels,
     pub sm_count: usize,
 }
 
@@ -74,6 +77,7 @@ impl Kernels {
             fp8_convert: Fp8ConvertKernels::load(m, info.sm_count)?,
             moe_gemv: MoeGemvKernels::load(m, info)?,
             sampling: SamplingKernels::load(m)?,
+            speculative: SpeculativeKernels::load(m)?,
             sm_count: info.sm_count,
         })
     }

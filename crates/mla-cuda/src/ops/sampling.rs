@@ -31,11 +31,13 @@ pub struct SampleParamsRaw {
     pub bias_end: i32,
     /// This row's row of the step's mask table; negative: every token allowed.
     pub mask_row: i32,
-    /// Zero (keeps the size a multiple of 8 without padding bytes).
-    pub reserved: i32,
+    /// The row's token when it is decided already (a speculative verdict writes it on the
+    /// device); -1: the sampler draws. Either way the sampler reports its log-probabilities.
+    pub forced_token: i32,
 }
 
-/// Zero everywhere but `mask_row`, which is -1: no mask (row 0 would be a mask).
+/// Zero everywhere but `mask_row` and `forced_token`, which are -1: no mask (row 0 would be a
+/// mask), and a token to draw.
 impl Default for SampleParamsRaw {
     fn default() -> Self {
         SampleParamsRaw {
@@ -53,7 +55,7 @@ impl Default for SampleParamsRaw {
             bias_begin: 0,
             bias_end: 0,
             mask_row: -1,
-            reserved: 0,
+            forced_token: -1,
         }
     }
 }

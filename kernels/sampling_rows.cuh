@@ -1,0 +1,142 @@
+// What the sampler (sampling.cu) and the speculative verdicts (speculative.cu) share: a row's
+// parameters, block-wide passes over a vocabulary row, and the set of tokens a row keeps under
+// temperature, top-k, top-p and min-p. One definition, so that a verdict recomputes exactly the
+// distribution a draft was drawn from.
+#pragma once
+#include "common.cuh"
+
+struct __align__(8) SampleParams {
+    float temperature;  // < 1e-5: greedy
+    float top_p;        // 1: off
+    float min_p;        // 0: off
+    int top_k;          // 0: off
+    float repetition_penalty, frequency_penalty, presence_penalty;
+    int n_logprobs;  // top alternatives to report (0..=20); < 0: no log-probabilities
+    unsigned long long seed;
+    int pen_begin, pen_end;    // range of this row's penalty entries
+    int bias_begin, bias_end;  // range of this row's logit-bias entries
+    int mask_row;              // row of the step's mask table; < 0: every token allowed
+    // >= 0: the row's token is decided already (a speculative verdict, speculative.cu); the
+    // sampler only reports its log-probabilities. < 0: the sampler draws.
+    int forced_token;
+};
+static_assert(sizeof(SampleParams) == 64, "SampleParams is mirrored by SampleParamsRaw (ops/sampling.rs)");
+
+struct BlockArgmax {
+    float v;
+    int i;
+};
+
+DEVICE_INLINE bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+DEVICE_INLINE BlockArgmax block_argmax(float v, int i, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    v = lane < nwarps ? sv[lane] : -INFINITY;
+    i = lane < nwarps ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    return {v, i};
+}
+
+// Calls f(i, x[i]) for this thread's share of a row, eight loads in flight before their uses: a
+// plain strided loop left one dependent load per iteration and made every pass latency-bound.
+template <typename F>
+DEVICE_INLINE void for_row(const float* __restrict__ x, int n, F f) {
+    const int bd = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + 7 * bd < n; i += 8 * bd) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = x[i + u * bd];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) f(i + u * bd, v[u]);
+    }
+    for (; i < n; i += bd) f(i, x[i]);
+}
+
+// The tokens a sampled row keeps, as value thresholds (sampling.cu's header says why not a
+// sort): finite, at or above the top-k/top-p key `pkey`, and with a scaled logit at or above
+// log(min_p). A row's draw weighs each kept token by exp((v - wm) * inv_t).
+struct KeptSet {
+    float wm;  // the row's largest logit
+    float inv_t;
+    uint32_t pkey;
+    float log_min_p;
+};
+
+DEVICE_INLINE bool kept(const KeptSet& k, float v) {
+    return v != -INFINITY && float_key(v) >= k.pkey && (v - k.wm) * k.inv_t >= k.log_min_p;
+}
+
+// The kept set of row `w` under `p` (a sampled row: temperature above 1e-5). Block-wide: every
+// thread calls it and gets the result.
+DEVICE_INLINE KeptSet kept_set(const float* __restrict__ w, int vocab, const SampleParams& p, float* sf, double* sd) {
+    const float inv_t = 1.f / p.temperature;
+    float wm = -INFINITY;
+    for_row(w, vocab, [&](int, float v) { wm = fmaxf(wm, v); });
+    wm = block_max(wm, sf);
+    // top-k: the key of the k-th largest value, built bit by bit from the top. When fewer than
+    // k tokens are finite it is the key of -inf, which keeps every token; the -inf ones still
+    // cannot be drawn (`kept`).
+    uint32_t kkey = 0;
+    if (p.top_k > 0 && p.top_k < vocab) {
+        for (int bit = 31; bit >= 0; --bit) {
+            const uint32_t cand = kkey | (1u << bit);
+            float cnt = 0.f;
+            for_row(w, vocab, [&](int, float v) { cnt += float_key(v) >= cand ? 1.f : 0.f; });
+            if (block_sum(cnt, sf) >= (float)p.top_k) kkey = cand;
+        }
+    }
+    // top-p: the largest threshold whose kept mass (relative to the top-k set) reaches top_p.
+    // -inf tokens weigh exp(-inf) = 0.
+    uint32_t pkey = kkey;
+    if (p.top_p < 1.f && wm > -INFINITY) {
+        double z = 0.0;
+        for_row(w, vocab, [&](int, float v) {
+            if (float_key(v) >= kkey) z += exp((double)(v - wm) * inv_t);
+        });
+        z = block_sum_f64(z, sd);
+        const double target = (double)p.top_p * z;
+        uint32_t key = 0;
+        for (int bit = 31; bit >= 0; --bit) {
+            const uint32_t cand = key | (1u << bit);
+            double mass = 0.0;
+            for_row(w, vocab, [&](int, float v) {
+                const uint32_t k = float_key(v);
+                if (k >= cand && k >= kkey) mass += exp((double)(v - wm) * inv_t);
+            });
+            if (block_sum_f64(mass, sd) >= target) key = cand;
+        }
+        pkey = max(pkey, key);
+    }
+    return {wm, inv_t, pkey, p.min_p > 0.f ? logf(p.min_p) : -INFINITY};
+}
+
+// Gumbel noise of token `i` under `seed`: counter-based, so a seed draws the same token whatever
+// the batch looks like.
+DEVICE_INLINE float gumbel(uint64_t seed, int i) {
+    const double u = uniform_open(mix64(seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
+    return (float)(-log(-log(u)));
+}
