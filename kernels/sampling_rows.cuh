@@ -110,12 +110,14 @@ DEVICE_INLINE KeptSet kept_set(const float* __restrict__ w, int vocab, const Sam
         }
     }
     // top-p: the largest threshold whose kept mass (relative to the top-k set) reaches top_p.
-    // -inf tokens weigh exp(-inf) = 0.
+    // -inf tokens weigh exp(-inf) = 0. Each token's weight is a float exp summed in double: the
+    // bisection takes 33 passes, and a double exp per token made each of them cost about 55 us
+    // on one H200 SM at a 129k vocabulary (1.8 ms per sampled row at top-p 0.9, run S15).
     uint32_t pkey = kkey;
     if (p.top_p < 1.f && wm > -INFINITY) {
         double z = 0.0;
         for_row(w, vocab, [&](int, float v) {
-            if (float_key(v) >= kkey) z += exp((double)(v - wm) * inv_t);
+            if (float_key(v) >= kkey) z += (double)expf((v - wm) * inv_t);
         });
         z = block_sum_f64(z, sd);
         const double target = (double)p.top_p * z;
@@ -125,7 +127,7 @@ DEVICE_INLINE KeptSet kept_set(const float* __restrict__ w, int vocab, const Sam
             double mass = 0.0;
             for_row(w, vocab, [&](int, float v) {
                 const uint32_t k = float_key(v);
-                if (k >= cand && k >= kkey) mass += exp((double)(v - wm) * inv_t);
+                if (k >= cand && k >= kkey) mass += (double)expf((v - wm) * inv_t);
             });
             if (block_sum_f64(mass, sd) >= target) key = cand;
         }
