@@ -60,12 +60,42 @@ DEVICE_INLINE BlockArgmax block_argmax(float v, int i, float* sv, int* si) {
     return {v, i};
 }
 
-// Calls f(i, x[i]) for this thread's share of a row, eight loads in flight before their uses: a
-// plain strided loop left one dependent load per iteration and made every pass latency-bound.
+// Calls f(i, x[i]) for this thread's share of a row, with many loads in flight before their
+// uses: one block walks a whole 129k-entry row per pass, and a pass is bound by the bytes in
+// flight on its SM. A plain strided loop left one dependent load per iteration; eight scalar
+// loads per thread still made a pass about 26 us on an H200 (33 passes for top-p, run S17);
+// eight 16-byte loads per thread carry four times as many bytes. Rows not 16-byte aligned take
+// the scalar path.
 template <typename F>
 DEVICE_INLINE void for_row(const float* __restrict__ x, int n, F f) {
     const int bd = blockDim.x;
     int i = threadIdx.x;
+    if ((reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+        const float4* __restrict__ x4 = reinterpret_cast<const float4*>(x);
+        const int n4 = n >> 2;
+        for (; i + 7 * bd < n4; i += 8 * bd) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = x4[i + u * bd];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int b = 4 * (i + u * bd);
+                f(b, v[u].x);
+                f(b + 1, v[u].y);
+                f(b + 2, v[u].z);
+                f(b + 3, v[u].w);
+            }
+        }
+        for (; i < n4; i += bd) {
+            const float4 v = x4[i];
+            f(4 * i, v.x);
+            f(4 * i + 1, v.y);
+            f(4 * i + 2, v.z);
+            f(4 * i + 3, v.w);
+        }
+        for (i = 4 * n4 + threadIdx.x; i < n; i += bd) f(i, x[i]);
+        return;
+    }
     for (; i + 7 * bd < n; i += 8 * bd) {
         float v[8];
 #pragma unroll
