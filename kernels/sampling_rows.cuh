@@ -140,26 +140,27 @@ DEVICE_INLINE KeptSet kept_set(const float* __restrict__ w, int vocab, const Sam
         }
     }
     // top-p: the largest threshold whose kept mass (relative to the top-k set) reaches top_p.
-    // -inf tokens weigh exp(-inf) = 0. Each token's weight is a float exp summed in double: the
-    // bisection takes 33 passes, and a double exp per token made each of them cost about 55 us
-    // on one H200 SM at a 129k vocabulary (1.8 ms per sampled row at top-p 0.9, run S15).
+    // -inf tokens weigh exp(-inf) = 0. The bisection takes 33 passes over the row on one SM, so
+    // each pass is lean: a token's weight is a float exp, summed in float per thread (at most a
+    // few hundred terms) and in double across the block. With a double exp per token a pass took
+    // about 55 us on an H200 at a 129k vocabulary (1.8 ms per sampled row at top-p 0.9, run S15);
+    // with float exps summed in double, about 23 us (S17, S18).
     uint32_t pkey = kkey;
     if (p.top_p < 1.f && wm > -INFINITY) {
-        double z = 0.0;
+        float zt = 0.f;
         for_row(w, vocab, [&](int, float v) {
-            if (float_key(v) >= kkey) z += (double)expf((v - wm) * inv_t);
+            if (float_key(v) >= kkey) zt += expf((v - wm) * inv_t);
         });
-        z = block_sum_f64(z, sd);
-        const double target = (double)p.top_p * z;
+        const double target = (double)p.top_p * block_sum_f64((double)zt, sd);
         uint32_t key = 0;
         for (int bit = 31; bit >= 0; --bit) {
             const uint32_t cand = key | (1u << bit);
-            double mass = 0.0;
+            float mass = 0.f;
             for_row(w, vocab, [&](int, float v) {
                 const uint32_t k = float_key(v);
-                if (k >= cand && k >= kkey) mass += (double)expf((v - wm) * inv_t);
+                if (k >= cand && k >= kkey) mass += expf((v - wm) * inv_t);
             });
-            if (block_sum_f64(mass, sd) >= target) key = cand;
+            if (block_sum_f64((double)mass, sd) >= target) key = cand;
         }
         pkey = max(pkey, key);
     }
