@@ -1,4 +1,4 @@
-// Token sampling on the device, one block of 512 threads per sequence.
+// Token sampling on the device, one block of SAMPLER_THREADS threads per sequence.
 //
 // Semantics follow mla-core's reference sampler (vLLM order): logit bias and the structured-output
 // mask first (a disallowed token is -inf from then on), penalties, then temperature (0 means
@@ -13,7 +13,7 @@
 // finite logit at all takes the greedy token (the lowest index).
 #include "sampling_rows.cuh"
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
     sample_tokens(const float* __restrict__ logits, long long logits_stride, int vocab,
                   const SampleParams* __restrict__ params,
                   // A device word holding the address of the penalty entries (token, output count, seen in

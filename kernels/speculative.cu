@@ -52,7 +52,7 @@ static_assert(sizeof(SpecVerdict) == 24 + 4 * MAX_SPEC_DRAFTS, "SpecVerdict is m
 constexpr uint64_t ACCEPT_SALT = 0x6A09E667F3BCC909ull;
 constexpr uint64_t RESIDUAL_SALT = 0xBB67AE8584CAA73Bull;
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
     spec_distributions(const SpecRow* __restrict__ rows, const SampleParams* __restrict__ params, int vocab,
                        RowDistribution* __restrict__ out) {
     PDL_ENTRY();

@@ -1,6 +1,6 @@
 //! kernels/sampling.cu: device sampling, one block per sampled row.
 
-use super::dims::MAX_TOP_LOGPROBS;
+use super::dims::{MAX_TOP_LOGPROBS, SAMPLER_THREADS};
 use super::ensure_len;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::{CUfunction, CUstream};
@@ -122,7 +122,7 @@ impl SamplingKernels {
         self.sample_tokens.launch(
             s,
             (rows as u32, 1, 1),
-            512,
+            SAMPLER_THREADS as u32,
             0,
             &[
                 Arg::Ptr(p.logits.ptr),

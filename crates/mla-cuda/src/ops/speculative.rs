@@ -1,7 +1,7 @@
 //! kernels/speculative.cu: the verdict on sampled drafts, and keeping the rows they were drawn
 //! from until it.
 
-use super::dims::MAX_SPEC_DRAFTS;
+use super::dims::{MAX_SPEC_DRAFTS, SAMPLER_THREADS};
 use super::ensure_len;
 use super::sampling::SampleParamsRaw;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
@@ -85,7 +85,8 @@ impl SpeculativeKernels {
             self.distributions.launch(
                 s,
                 (v.n_rows as u32, 1, 1),
-                512,
+                // The sampler's shape: the kept set's sums depend on it.
+                SAMPLER_THREADS as u32,
                 0,
                 &[Arg::Ptr(v.rows.ptr), Arg::Ptr(v.params.ptr), Arg::I32(v.vocab as i32), Arg::Ptr(v.dists.ptr)],
             )?;
