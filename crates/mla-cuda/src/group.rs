@@ -183,7 +183,8 @@ pub fn group_parts(
         graph_batches: local.ready.graph_batches,
         graphable: graph_expressible,
         watchdog: group.watchdog,
-        // As `CudaBackend::verifies_sampled_drafts`: the host verdict is too slow to offer.
-        sampled_drafts: false,
+        // As `CudaBackend::verifies_sampled_drafts`: every rank runs the verdict on the device
+        // over the same logits (tensor parallel) or its own sequences (DP attention).
+        sampled_drafts: true,
     }
 }

@@ -13,7 +13,7 @@
 //!   exactly up to the wrong one (the K+1-row verify step on real acceptances, which an untrained
 //!   MTP layer rarely gives);
 //! - sampled requests with drafts keep the target's output distribution (chi-square over seeded
-//!   runs, `mla_core::speculative::lossless_check`).
+//!   runs, `mla_core::speculative::lossless_check`), on one GPU and on a group of ranks.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_mtp -- --ignored --test-threads 1`.
 
@@ -22,7 +22,7 @@ mod common;
 use common::hf::{oracle, oracle_logits, Prompt};
 use common::repo_root;
 use mla_core::speculative::lossless_check::{self, exact, likely_drafts, own_drafts, Setup};
-use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepPlan};
+use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::collective::NcclConnector;
 use mla_cuda::group::{local_group, CudaGroupBackend, GroupOptions};
@@ -460,4 +460,62 @@ fn sampled_drafts_leave_the_output_distribution_unchanged() {
     let mut b = backend(lossless_check::K);
     own_drafts(&mut b, &setup, &exact);
     likely_drafts(&mut b, &setup, &exact);
+}
+
+/// A group's last rank as a one-rank backend: each step's plan runs there while the other
+/// ranks idle (a DP-attention group takes a plan per rank; tensor-parallel ranks share one).
+struct LastRank<'a> {
+    group: &'a mut CudaGroupBackend,
+    plans: usize,
+}
+
+impl Backend for LastRank<'_> {
+    fn device_name(&self) -> String {
+        self.group.device_name()
+    }
+    fn model_config(&self) -> &ModelConfig {
+        self.group.model_config()
+    }
+    fn cache_layouts(&self) -> Vec<mla_core::CacheLayout> {
+        self.group.cache_layouts()
+    }
+    fn step_limits(&self) -> mla_core::StepLimits {
+        self.group.step_limits()
+    }
+    fn verifies_sampled_drafts(&self) -> bool {
+        self.group.verifies_sampled_drafts()
+    }
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        let idle = StepPlan { kind: StepKind::Decode, seqs: vec![] };
+        let mut all = vec![idle; self.plans - 1];
+        all.extend(plans.iter().cloned());
+        self.group.start_step(&Arc::new(all));
+    }
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        Ok(self.group.finish_step()?.split_off(self.plans - 1))
+    }
+}
+
+/// The same check on a group of ranks (two GPUs where there are two), tensor parallel and DP
+/// attention (the sequence on the last rank, the other idle): every rank runs the verdict on the
+/// device, the group tells the engine it verifies sampled drafts (a group once said it did not,
+/// so the server drafted for greedy requests only under `--tp`), and the output keeps the
+/// one-GPU target's distribution.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn group_ranks_verify_sampled_drafts_losslessly() {
+    let prompt = oracle(&main_dir())[0].prompt[..5].to_vec();
+    let setup = Setup { prompt, table: table(0), runs: 3000 };
+    let exact = exact(&mut backend(0), &setup);
+    for dp_attention in [false, true] {
+        let (world, mut group) = group(lossless_check::K, dp_attention);
+        let plans = if dp_attention { world } else { 1 };
+        let mut b = LastRank { group: &mut group, plans };
+        assert!(
+            b.verifies_sampled_drafts(),
+            "{world} ranks (DP attention {dp_attention}) do not verify sampled drafts"
+        );
+        eprintln!("{world} ranks, DP attention {dp_attention}:");
+        own_drafts(&mut b, &setup, &exact);
+    }
 }

@@ -81,7 +81,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
         // Drafts of sampled draws are verified by rejection sampling where the backend can.
         let draws = match backends.iter().all(|b| b.verifies_sampled_drafts()) {
             true => "greedy and sampled requests",
-            false => "greedy requests (sampled ones: the CPU reference only, so far)",
+            false => "greedy requests (sampled ones: a backend here does not verify them)",
         };
         tracing::info!(
             "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for {draws} without penalties, logit_bias or a grammar; others decode one token per step{pause}"
