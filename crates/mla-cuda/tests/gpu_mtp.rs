@@ -500,13 +500,12 @@ impl Backend for LastRank<'_> {
 /// attention (the sequence on the last rank, the other idle): every rank runs the verdict on the
 /// device, the group tells the engine it verifies sampled drafts (a group once said it did not,
 /// so the server drafted for greedy requests only under `--tp`), and the output keeps the
-/// one-GPU target's distribution.
+/// group's own target distribution (enumerated on the group).
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn group_ranks_verify_sampled_drafts_losslessly() {
     let prompt = oracle(&main_dir())[0].prompt[..5].to_vec();
     let setup = Setup { prompt, table: table(0), runs: 3000 };
-    let exact = exact(&mut backend(0), &setup);
     for dp_attention in [false, true] {
         let (world, mut group) = group(lossless_check::K, dp_attention);
         let plans = if dp_attention { world } else { 1 };
@@ -516,6 +515,9 @@ fn group_ranks_verify_sampled_drafts_losslessly() {
             "{world} ranks (DP attention {dp_attention}) do not verify sampled drafts"
         );
         eprintln!("{world} ranks, DP attention {dp_attention}:");
+        // The group's own target: its reduced sums round unlike one GPU's, which can move a
+        // near-tie at the top-k boundary (S23 failed against the one-GPU target).
+        let exact = exact(&mut b, &setup);
         own_drafts(&mut b, &setup, &exact);
     }
 }
