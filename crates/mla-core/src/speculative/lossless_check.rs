@@ -184,7 +184,32 @@ fn check(what: &str, runs: &Runs, exact: &Exact) {
             "{what}: position {pos}, chi-square {stat:.1} on {df} degrees (0.999 quantile {:.1})",
             quantile_999(df)
         );
+        if stat >= quantile_999(df) {
+            report_worst(runs.outputs.iter().map(|o| o[pos]), p);
+        }
         assert!(stat < quantile_999(df), "{what}: position {pos} is not distributed as the target's");
+    }
+}
+
+/// Prints the tokens whose counts stray furthest from what `p` expects (a failed check's why).
+fn report_worst(samples: impl Iterator<Item = u32>, p: &HashMap<u32, f64>) {
+    let mut counts: HashMap<u32, u64> = HashMap::new();
+    let mut n = 0u64;
+    for t in samples {
+        *counts.entry(t).or_insert(0) += 1;
+        n += 1;
+    }
+    let mut tokens: Vec<u32> = counts.keys().chain(p.keys()).copied().collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    let stray = |t: &u32| {
+        let e = p.get(t).copied().unwrap_or(0.0) * n as f64;
+        (counts.get(t).copied().unwrap_or(0) as f64 - e).abs() / e.max(1.0).sqrt()
+    };
+    tokens.sort_by(|a, b| stray(b).total_cmp(&stray(a)));
+    for t in tokens.iter().take(6) {
+        let e = p.get(t).copied().unwrap_or(0.0) * n as f64;
+        eprintln!("  token {t}: {} samples where the target expects {e:.1}", counts.get(t).copied().unwrap_or(0));
     }
 }
 
