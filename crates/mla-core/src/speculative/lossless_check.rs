@@ -40,8 +40,28 @@ fn seed(run: u64, i: usize) -> u64 {
     SplitMix64::new(run.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).next_u64()
 }
 
-/// The target's distribution of the token after `tokens`.
-fn next_distribution(b: &mut dyn Backend, setup: &Setup, tokens: &[u32]) -> Distribution {
+/// The best token top-k leaves out after a context, and how far its logit is below the last
+/// kept one's: where that gap is within rounding, another path to the same logits (a verify
+/// row against the prefill that enumerated the target) may keep it instead.
+#[derive(Debug, Clone)]
+struct Boundary {
+    context: Vec<u32>,
+    /// The context's probability under the target (which output position it feeds: its length).
+    weight: f64,
+    outside: u32,
+    gap: f32,
+}
+
+/// The `k+1`-th token of `logits` and its logit's distance below the `k`-th.
+fn boundary(logits: &[f32], k: usize) -> Option<(u32, f32)> {
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let (&last, &out) = (idx.get(k.checked_sub(1)?)?, idx.get(k)?);
+    Some((out as u32, logits[last] - logits[out]))
+}
+
+/// The target's distribution of the token after `tokens`, and its top-k boundary.
+fn next_distribution(b: &mut dyn Backend, setup: &Setup, tokens: &[u32]) -> (Distribution, Option<(u32, f32)>) {
     let s = SeqStep {
         seq_id: 99,
         tokens: tokens.to_vec(),
@@ -52,7 +72,8 @@ fn next_distribution(b: &mut dyn Backend, setup: &Setup, tokens: &[u32]) -> Dist
         mtp: None,
     };
     let r = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![s] }).unwrap();
-    distribution(&r.seqs[0].logits[0], &params())
+    let logits = &r.seqs[0].logits[0];
+    (distribution(logits, &params()), params().top_k.and_then(|k| boundary(logits, k)))
 }
 
 /// The exact distributions of output positions 1 and 2, and of the next token given what came
@@ -61,19 +82,29 @@ pub struct Exact {
     at1: HashMap<u32, f64>,
     at2: HashMap<u32, f64>,
     given: HashMap<Vec<u32>, Distribution>,
+    /// Every enumerated context's top-k boundary (for explaining a failed check).
+    boundaries: Vec<Boundary>,
 }
 
 /// Enumerates the target's distributions on `target` (a backend that need not draft).
 pub fn exact(target: &mut dyn Backend, setup: &Setup) -> Exact {
-    let p0 = next_distribution(target, setup, &setup.prompt);
+    let (p0, _) = next_distribution(target, setup, &setup.prompt);
     let (mut at1, mut at2, mut given) = (HashMap::new(), HashMap::new(), HashMap::new());
+    let mut boundaries = Vec::new();
+    let mut note = |context: Vec<u32>, weight: f64, b: Option<(u32, f32)>| {
+        if let Some((outside, gap)) = b {
+            boundaries.push(Boundary { context, weight, outside, gap });
+        }
+    };
     for (&t0, &w0) in p0.tokens.iter().zip(&p0.probs) {
         let ctx0: Vec<u32> = setup.prompt.iter().copied().chain([t0]).collect();
-        let p1 = next_distribution(target, setup, &ctx0);
+        let (p1, b1) = next_distribution(target, setup, &ctx0);
+        note(vec![t0], w0, b1);
         for (&t1, &w1) in p1.tokens.iter().zip(&p1.probs) {
             *at1.entry(t1).or_insert(0.0) += w0 * w1;
             let ctx1: Vec<u32> = ctx0.iter().copied().chain([t1]).collect();
-            let p2 = next_distribution(target, setup, &ctx1);
+            let (p2, b2) = next_distribution(target, setup, &ctx1);
+            note(vec![t0, t1], w0 * w1, b2);
             for (&t2, &w2) in p2.tokens.iter().zip(&p2.probs) {
                 *at2.entry(t2).or_insert(0.0) += w0 * w1 * w2;
             }
@@ -81,7 +112,7 @@ pub fn exact(target: &mut dyn Backend, setup: &Setup) -> Exact {
         }
         given.insert(vec![t0], p1);
     }
-    Exact { at1, at2, given }
+    Exact { at1, at2, given, boundaries }
 }
 
 fn step(setup: &Setup, tokens: Vec<u32>, context_len: usize, seed: u64, fed: usize) -> SeqStep {
@@ -186,6 +217,15 @@ fn check(what: &str, runs: &Runs, exact: &Exact) {
         );
         if stat >= quantile_999(df) {
             report_worst(runs.outputs.iter().map(|o| o[pos]), p);
+            // Output position `pos` follows contexts of `pos` output tokens.
+            let near: Vec<&Boundary> =
+                exact.boundaries.iter().filter(|b| b.context.len() == pos && b.gap < 0.05).collect();
+            for b in near {
+                eprintln!(
+                    "  near-tie: after output {:?} (weight {:.3}) token {} is left out by top-k {:.4} below the last kept",
+                    b.context, b.weight, b.outside, b.gap
+                );
+            }
         }
         assert!(stat < quantile_999(df), "{what}: position {pos} is not distributed as the target's");
     }
@@ -255,4 +295,19 @@ pub fn likely_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs 
     );
     check("forced likely drafts", &forced, exact);
     forced
+}
+
+#[cfg(test)]
+mod tests {
+    use super::boundary;
+
+    #[test]
+    fn the_boundary_is_the_best_token_left_out_and_its_gap() {
+        let logits = [0.5, 3.0, 1.0, 2.9, 1.0];
+        let (t, gap) = boundary(&logits, 2).unwrap();
+        assert_eq!(t, 2, "ties go to the lower index");
+        assert!((gap - 1.9).abs() < 1e-6);
+        assert_eq!(boundary(&logits, 5), None, "nothing is left out");
+        assert_eq!(boundary(&logits, 0), None);
+    }
 }
