@@ -611,6 +611,24 @@ mod tests {
     }
 
     #[test]
+    fn each_verify_row_draws_with_its_own_seed_and_drafts_with_theirs() {
+        // Row j of a sequence feeding drafts draws with row_seed(seed, j): row 0 as without
+        // speculation, the bonus row as the host reference draws it, and the device verdict
+        // takes its uniforms from the same seeds.
+        let sampled = SampleRequest::new(SamplingParams { temperature: 0.8, ..Default::default() }, 77);
+        let s = SeqStep { sample: Some(sampled.clone()), ..seq(2, vec![9, 10, 11], 40, 2) };
+        let v = Verify::of(&StepPlan { kind: StepKind::Decode, seqs: vec![s.clone()] });
+        let seeds: Vec<u64> = v.plan.seqs.iter().map(|r| r.sample.as_ref().unwrap().seed).collect();
+        assert_eq!(seeds, (0..3).map(|j| row_seed(77, j)).collect::<Vec<_>>());
+        assert!(v.plan.seqs.iter().all(|r| r.sample.as_ref().unwrap().params == sampled.params));
+        // A sampled draft is the device's draw under the request's parameters with the draft's
+        // own seed; a greedy one the argmax.
+        let d = draw(&s, 1).unwrap();
+        assert_eq!((d.seed, d.params.temperature), (draft_seed(77, 1), 0.8));
+        assert!(draw(&seq(3, vec![1], 5, 0), 0).unwrap().params.is_greedy());
+    }
+
+    #[test]
     fn drafts_stand_up_to_the_first_the_target_did_not_choose() {
         let s = seq(2, vec![9, 10, 11], 40, 2);
         let row = |t: u32| SeqResult {
