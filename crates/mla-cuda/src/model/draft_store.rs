@@ -13,7 +13,7 @@
 use crate::gpu::{DSlice, DeviceBuffer};
 use crate::ops::{SpecRowRaw, SpecVerdictRaw, ROW_DISTRIBUTION_BYTES};
 use mla_core::step::plan::StepPlan;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub struct DraftStore {
     /// `[slots * drafts, vocab]`: slot `s` holds rows `s * drafts ..`, draft `j` in row `j`.
@@ -72,9 +72,10 @@ impl Slots {
 
     /// Gives up the slots of sequences `plan` does not run: nothing verifies their drafts now.
     pub fn keep_only(&mut self, plan: &StepPlan) {
+        let running: HashSet<u64> = plan.seqs.iter().map(|s| s.seq_id).collect();
         let free = &mut self.free;
         self.held.retain(|id, (slot, _)| {
-            let stays = plan.seqs.iter().any(|s| s.seq_id == *id);
+            let stays = running.contains(id);
             if !stays {
                 free.push(*slot);
             }
@@ -106,11 +107,12 @@ impl Slots {
     /// After a step's MTP passes: `drafted` names each sampled sequence whose draws were kept
     /// (`row_for`) with its drafts; every other sequence of `plan` gives its slot up.
     pub fn finish(&mut self, plan: &StepPlan, drafted: &[(u64, Vec<u32>)]) {
+        let drafted: HashMap<u64, &Vec<u32>> = drafted.iter().map(|(id, d)| (*id, d)).collect();
         for s in &plan.seqs {
-            match drafted.iter().find(|(id, _)| *id == s.seq_id) {
-                Some((_, d)) => {
+            match drafted.get(&s.seq_id) {
+                Some(d) => {
                     if let Some((_, drafts)) = self.held.get_mut(&s.seq_id) {
-                        drafts.clone_from(d);
+                        drafts.clone_from(*d);
                     }
                 }
                 None => {
