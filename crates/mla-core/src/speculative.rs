@@ -16,13 +16,10 @@
 //! why, and what coupling would keep it.
 
 pub mod lossless_check;
-mod rows;
-
-pub use rows::{propose, verify, Drawn, Proposals, Verified};
 
 use crate::rng::SplitMix64;
 use crate::sampling::Distribution;
-use crate::step::plan::{SeqStep, StepPlan};
+use crate::step::plan::{SampledToken, SeqStep, StepPlan};
 
 /// What becomes of one drafted token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +28,23 @@ pub enum Verdict {
     Accept,
     /// The draft is rejected and this token is emitted in its place; later drafts are dropped.
     Replace(u32),
+}
+
+/// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
+/// with drafts fed every row from the last emitted token on), and how many of them it emits
+/// (the draw, and with drafts the ones that stood and the target's own choice after them).
+#[derive(Debug, Default, Clone)]
+pub struct Verified {
+    pub choices: Vec<SampledToken>,
+    pub emitted: usize,
+}
+
+impl Verified {
+    /// The tokens the sequence emits this step.
+    pub fn into_emitted(mut self) -> Vec<SampledToken> {
+        self.choices.truncate(self.emitted);
+        self.choices
+    }
 }
 
 /// Greedy verification: the draft stands when it is the target's choice.

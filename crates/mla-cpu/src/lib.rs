@@ -26,6 +26,7 @@ pub mod rank;
 pub mod rope;
 pub mod softmax;
 pub mod speculative;
+pub mod verdict;
 
 pub use attention_absorbed::absorbed_attention;
 pub use attention_normal::{causal_attention, decompress_latent, normal_attention, HeadDims};

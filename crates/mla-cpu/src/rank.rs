@@ -19,7 +19,7 @@ pub struct CpuRank {
     /// The sampled drafts of the last step's sequences and what they were drawn from, until the
     /// next step verifies them (a sequence absent from a step loses them: its drafts are then
     /// verified against their point masses, exact but accepted less often).
-    drawn: HashMap<u64, mla_core::speculative::Drawn>,
+    drawn: HashMap<u64, crate::verdict::Drawn>,
 }
 
 impl CpuRank {
@@ -126,7 +126,7 @@ impl CpuRank {
         let mut verified = Vec::with_capacity(plan.seqs.len());
         for (s, span) in plan.seqs.iter().zip(&spans) {
             let rows = &logits[span.start..span.start + span.len];
-            let v = mla_core::speculative::verify(s, rows, self.drawn.get(&s.seq_id));
+            let v = crate::verdict::verify(s, rows, self.drawn.get(&s.seq_id));
             verified.push(v.map_err(|e| anyhow::anyhow!("sequence {}: {e}", s.seq_id))?);
         }
         let proposals = match (&self.mtp, speculative) {
@@ -134,7 +134,7 @@ impl CpuRank {
                 let cache = &mut self.cache;
                 speculative::draft(&self.model, mtp, plan, &hidden, &verified, cache, comm, mtp_passes)?
             }
-            _ => mla_core::speculative::Proposals::new(plan.seqs.len()),
+            _ => crate::verdict::Proposals::new(plan.seqs.len()),
         };
         let (mut drafts, kept) = proposals.keep(plan);
         self.drawn = kept;

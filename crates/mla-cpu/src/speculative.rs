@@ -1,5 +1,5 @@
 //! Speculative decoding on the CPU reference (docs/speculative-decoding.md): after the rank has
-//! verified the drafts a decode row feeds (`mla_core::speculative::verify`), the MTP layer over
+//! verified the drafts a decode row feeds (`crate::verdict::verify`), the MTP layer over
 //! the step's rows (`mla_core::speculative::first_pass_rows`), then the next drafts, chaining the
 //! layer's own output.
 //!
@@ -14,8 +14,9 @@ use crate::kv_cache::LatentCache;
 use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, MtpInput, Peers};
 use crate::model_weights::MtpWeights;
+use crate::verdict::{propose, Proposals};
 use mla_core::runtime::collective::{Collective, CollectiveError};
-use mla_core::speculative::{drafts_from, first_pass_rows, propose, Proposals, Verified};
+use mla_core::speculative::{drafts_from, first_pass_rows, Verified};
 use mla_core::step::plan::StepPlan;
 
 /// One sequence's MTP rows this step, in the batch of MTP rows.

@@ -1,31 +1,14 @@
-//! The verdict of a sequence's verify rows and the draw of its drafts, on the host, from the
-//! rows' logits: the CPU reference's. The CUDA backend applies the same rule on the device
-//! (kernels/speculative.cu, with the seeds `row_seed` and `draft_seed` give), under the same
-//! statistical check (`lossless_check`).
+//! The CPU reference's verdict of a sequence's verify rows and the draw of its drafts, on the
+//! host, from the rows' logits (the rule and seeds of `mla_core::speculative`). The CUDA backend
+//! applies the same rule on the device (kernels/speculative.cu); both pass the same statistical
+//! check (`mla_core::speculative::lossless_check`).
 
-use super::{draft_seed, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict};
-use crate::rng::SplitMix64;
-use crate::sampling::{argmax, distribution, report, sample, Distribution};
-use crate::step::plan::{SampleRequest, SampledToken, SeqStep, StepPlan};
-use crate::step::token_mask::MaskError;
+use mla_core::rng::SplitMix64;
+use mla_core::sampling::{argmax, distribution, report, sample, Distribution};
+use mla_core::speculative::{draft_seed, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict, Verified};
+use mla_core::step::plan::{SampleRequest, SeqStep, StepPlan};
+use mla_core::step::token_mask::MaskError;
 use std::collections::HashMap;
-
-/// One sequence's verification: the target's draw at each of its sampled rows (the last row, or
-/// with drafts fed every row from the last emitted token on), and how many of them it emits
-/// (the draw, and with drafts the ones that stood and the target's own choice after them).
-#[derive(Debug, Default, Clone)]
-pub struct Verified {
-    pub choices: Vec<SampledToken>,
-    pub emitted: usize,
-}
-
-impl Verified {
-    /// The tokens the sequence emits this step.
-    pub fn into_emitted(mut self) -> Vec<SampledToken> {
-        self.choices.truncate(self.emitted);
-        self.choices
-    }
-}
 
 /// A sequence's sampled drafts and the distributions they were drawn from, kept by the rank from
 /// the step that drew them to the step that verifies them.
