@@ -183,10 +183,9 @@ pub fn group_parts(
         graph_batches: local.ready.graph_batches,
         graphable: graph_expressible,
         watchdog: group.watchdog,
-        // Every rank runs the verdict on the device, over its own sequences under DP attention
-        // (the lossless check passes on two ranks, run S25). Two tensor-parallel ranks failed
-        // it (S23-S25: at the first verified position tokens came out where the group's own
-        // target puts nothing), so until that is understood their sampled requests do not draft.
-        sampled_drafts: group.dp_attention || group.world == 1,
+        // Every rank runs the verdict on the device: over its own sequences under DP attention,
+        // over the group's (all-reduced, identical) logits under tensor parallelism. The
+        // lossless check passes on two ranks of either layout (run S28).
+        sampled_drafts: true,
     }
 }
