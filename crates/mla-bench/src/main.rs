@@ -180,6 +180,9 @@ enum Cmd {
         /// Top-p of the sampled sequences (1: off).
         #[arg(long, default_value_t = 1.0)]
         top_p: f32,
+        /// Run the MTP passes eagerly instead of replaying their CUDA graphs (A/B runs).
+        #[arg(long)]
+        eager_mtp: bool,
         /// As mla-serve's: `fp8` makes the linear weights block-FP8 (quantized on the device).
         #[arg(long, value_name = "METHOD")]
         quantization: Option<String>,
@@ -353,13 +356,15 @@ fn main() -> anyhow::Result<()> {
             context,
             temperature,
             top_p,
+            eager_mtp,
             quantization,
             hf_overrides,
             out,
         } => {
             let cfg = dummy_model::config(&config, hf_overrides.as_deref(), quantization.as_deref())?;
             let sampling = mla_core::SamplingParams { temperature, top_p, ..mla_core::SamplingParams::greedy() };
-            let args = spec_step::SpecStepArgs { cfg, batches: batch, drafts, acceptance, context, sampling };
+            let args =
+                spec_step::SpecStepArgs { cfg, batches: batch, drafts, acceptance, context, sampling, eager_mtp };
             let r = spec_step::run(&args)?;
             let gpu = r["gpu"].as_str().unwrap_or("").to_string();
             let v = report::envelope(&gpu, r);

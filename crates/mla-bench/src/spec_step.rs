@@ -31,6 +31,8 @@ pub struct SpecStepArgs {
     pub context: usize,
     /// Every sequence's sampling parameters (greedy, or sampled with drafts verified on the device).
     pub sampling: SamplingParams,
+    /// Runs the MTP passes eagerly instead of from their graphs (A/B runs).
+    pub eager_mtp: bool,
 }
 
 pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
@@ -59,6 +61,9 @@ pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
     sizes.sort_unstable();
     sizes.dedup();
     let mut graphs = model.capture_decode_buckets(&dev, &sizes, usize::MAX)?;
+    if !a.eager_mtp {
+        graphs.mtp = model.capture_mtp_passes(&dev, &a.batches, &a.drafts, usize::MAX)?;
+    }
     let vocab = a.cfg.vocab_size;
     let mut rows = vec![];
     for &b in &a.batches {

@@ -260,11 +260,12 @@ pub fn start_worker(
     let t1 = std::time::Instant::now();
     // The memory planner may have cut the batch below --max-num-seqs: graphs up to what remains.
     // Speculative decoding's verify steps run 1 + drafts rows per sequence.
-    let mut sizes = graph_sizes_within(opts.graph_sizes(), model.step_limits.rank_seqs);
-    if mtp {
-        sizes = graph_sizes_within(speculative_graph_sizes(&sizes, opts.mtp_drafts), model.lim.max_seqs);
-    }
-    let graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
+    let batches = graph_sizes_within(opts.graph_sizes(), model.step_limits.rank_seqs);
+    let sizes = match mtp {
+        true => graph_sizes_within(speculative_graph_sizes(&batches, opts.mtp_drafts), model.lim.max_seqs),
+        false => batches.clone(),
+    };
+    let mut graphs = model.capture_decode_buckets(&dev, &sizes, opts.cuda_graph_memory_budget)?;
     if !sizes.is_empty() {
         tracing::info!(
             "CUDA graphs for decode batch sizes {:?} captured in {:.2}s ({:.1} MiB); larger batches run eagerly",
@@ -272,6 +273,21 @@ pub fn start_worker(
             t1.elapsed().as_secs_f64(),
             graphs.bytes as f64 / (1u64 << 20) as f64
         );
+    }
+    if mtp && !graphs.is_empty() {
+        let t2 = std::time::Instant::now();
+        let budget = opts.cuda_graph_memory_budget.saturating_sub(graphs.bytes);
+        graphs.mtp = model.capture_mtp_passes(&dev, &batches, &[opts.mtp_drafts], budget)?;
+        let (first, chain) = graphs.mtp.shapes();
+        if !first.is_empty() {
+            tracing::info!(
+                "CUDA graphs for the MTP passes after decode batches of {:?} sequences{} captured in {:.2}s ({:.1} MiB)",
+                first.iter().map(|&(b, _)| b).collect::<Vec<_>>(),
+                if chain.is_empty() { String::new() } else { " and the chained passes".to_string() },
+                t2.elapsed().as_secs_f64(),
+                graphs.mtp.bytes as f64 / (1u64 << 20) as f64
+            );
+        }
     }
     Ok(DeviceWorker { graphs, model, dev, clock: Arc::default(), last_end: None, logged: StepClock::default() })
 }

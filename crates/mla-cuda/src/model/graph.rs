@@ -9,12 +9,14 @@
 
 use super::forward::CudaModel;
 use super::meta::{MetaLimits, StepMeta};
+use super::mtp_graph::MtpGraphs;
+use super::padding::pad_row;
+pub use super::padding::pad_rows;
 use super::parallel::{FfnRows, RankMode};
 use crate::device::Device;
 use crate::gpu::{Graph, GraphNode};
 use crate::ops::PAGE_SIZE;
-use mla_core::step::plan::{LogitsRequest, SampleRequest, SeqStep, StepKind, StepOutput, StepPlan};
-use mla_core::SamplingParams;
+use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepOutput, StepPlan};
 
 pub struct DecodeGraph {
     graph: Graph,
@@ -89,31 +91,8 @@ pub struct DecodeGraphs {
     pads: Vec<SeqStep>,
     /// The last replay's metadata words, whose allocation the next replay reuses.
     spare_words: Vec<i32>,
-}
-
-/// Padding rows `0 .. batch`: row `i` is what a graph replay pads position `i` of its batch with.
-pub fn pad_rows(batch: usize, pad_block: usize) -> Vec<SeqStep> {
-    (0..batch).map(|i| pad_row(i, pad_block)).collect()
-}
-
-/// One padding row: token 0 at position 0 of the padding block, greedy, nothing returned.
-fn pad_row(i: usize, pad_block: usize) -> SeqStep {
-    SeqStep {
-        seq_id: u64::MAX - i as u64,
-        tokens: vec![0],
-        context_len: 0,
-        block_table: vec![pad_block as u32],
-        logits: LogitsRequest::None,
-        sample: Some(SampleRequest {
-            params: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
-            seed: 0,
-            top_logprobs: None,
-            penalty: None,
-            logit_bias: Vec::new(),
-            allowed: None,
-        }),
-        mtp: None,
-    }
+    /// The MTP passes of speculative steps (`model::mtp_graph`), captured separately.
+    pub mtp: MtpGraphs,
 }
 
 impl DecodeGraphs {

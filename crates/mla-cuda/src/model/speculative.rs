@@ -34,6 +34,7 @@ use super::draft_store::DraftStore;
 use super::forward::{rows, settled, CudaModel};
 use super::graph::DecodeGraphs;
 use super::meta::StepMeta;
+use super::mtp_graph::{MtpGraph, MtpGraphs, PrevRows};
 use super::parallel::FfnRows;
 use crate::device::Device;
 use crate::gpu::DSlice;
@@ -89,21 +90,18 @@ impl Verify {
     }
 }
 
-/// Where an MTP pass takes its `prev` rows from.
-#[derive(Clone, Copy)]
-enum PrevRows {
-    /// The target's last hidden states (`ws.h` after the verify step's final norm).
-    Target,
-    /// The previous MTP pass's output before `shared_head.norm` (`ws.residual`).
-    Mtp,
-}
-
 /// One MTP pass: its rows as a plan, the source row of each of its token rows, and the
 /// (sampler row, `DraftStore` row) pairs of the sampled drafts whose logits rows are kept.
 struct MtpPass {
     plan: StepPlan,
     src: Vec<i32>,
     keep: Vec<i32>,
+}
+
+impl MtpPass {
+    fn samplers(&self) -> usize {
+        self.plan.seqs.iter().filter(|s| s.sample.is_some()).count()
+    }
 }
 
 /// How a DP-attention rank meets the others in a speculative step: every rank's verify rows
@@ -184,7 +182,7 @@ impl CudaModel {
     fn speculate(
         &mut self,
         dev: &Device,
-        graphs: Option<&mut DecodeGraphs>,
+        mut graphs: Option<&mut DecodeGraphs>,
         plan: &StepPlan,
         dpa: Option<DpaStep>,
     ) -> anyhow::Result<StepOutput> {
@@ -193,7 +191,7 @@ impl CudaModel {
         self.pending_verdict = self.upload_verdicts(plan, &verify)?;
         let out = match dpa {
             Some(d) => self.run_eager(dev, &verify.plan, FfnRows::Packed(d.counts))?,
-            None => match graphs.and_then(|set| self.step_with_graphs(dev, set, &verify.plan)) {
+            None => match graphs.as_deref_mut().and_then(|set| self.step_with_graphs(dev, set, &verify.plan)) {
                 Some(r) => r?.0,
                 None => self.run_eager(dev, &verify.plan, FfnRows::Padded(verify.plan.num_tokens()))?,
             },
@@ -215,7 +213,9 @@ impl CudaModel {
                 &own
             }
         };
-        let drafts = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some())?;
+        // DP-attention ranks size every pass by all ranks' rows: eager.
+        let mtp_graphs = graphs.as_deref().map(|g| &g.mtp).filter(|_| dpa.is_none());
+        let drafts = self.draft(dev, plan, &verify, &verified, passes, dpa.is_some(), mtp_graphs)?;
         let drafted: Vec<(u64, Vec<u32>)> = plan
             .seqs
             .iter()
@@ -293,7 +293,8 @@ impl CudaModel {
     /// (a sampled draft's logits row kept in the rank's `DraftStore`).
     /// `verified`: each sequence's verification (the target's choice at each of its rows);
     /// `passes[p][r]`: rank r's rows in pass p (this rank's alone outside DP attention, where
-    /// `packed` is false).
+    /// `packed` is false); `graphs`: the captured passes, replayed where one fits.
+    #[allow(clippy::too_many_arguments)]
     fn draft(
         &mut self,
         dev: &Device,
@@ -302,6 +303,7 @@ impl CudaModel {
         verified: &[Verified],
         passes: &[Vec<usize>],
         packed: bool,
+        graphs: Option<&MtpGraphs>,
     ) -> anyhow::Result<Vec<Vec<u32>>> {
         let first_decode = plan.num_prefill();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); plan.seqs.len()];
@@ -310,6 +312,13 @@ impl CudaModel {
         let ffn_rows = |counts: &[usize]| -> anyhow::Result<usize> {
             counts.get(me).copied().ok_or_else(|| anyhow::anyhow!("MTP pass counts {counts:?} name no rank {me}"))
         };
+        // A first pass of decode rows alone replays a graph where one fits, which samples every
+        // sequence's last emitted row (greedily where it does not draft; the token is dropped).
+        let passing = plan.seqs.iter().filter(|s| first_pass_rows(s) > 0).count();
+        let drafting_any = plan.seqs.iter().any(drafts_from);
+        let first_graph = graphs
+            .filter(|_| first_decode == 0 && drafting_any)
+            .and_then(|g| Some(g.pick(PrevRows::Target, passing, ffn_rows(first_counts).ok()?)).flatten());
         let (mut chunks, mut rows) = (MtpPass::empty(), MtpPass::empty());
         // Which sequence of the original plan each MTP sequence belongs to, and whether it drafts.
         let (mut chunk_of, mut row_of) = (Vec::new(), Vec::new());
@@ -335,8 +344,13 @@ impl CudaModel {
                 anyhow::ensure!(v.choices.len() == group.len(), "sequence {}: a verify row did not sample", s.seq_id);
                 for (j, t) in v.choices.iter().enumerate() {
                     rows.src.push((first_row + j) as i32);
-                    let drafting = wants && j + 1 == v.emitted;
-                    let sample = if drafting { draw(s, 0) } else { None };
+                    let last = j + 1 == v.emitted;
+                    let drafting = wants && last;
+                    let sample = match (drafting, last && first_graph.is_some()) {
+                        (true, _) => draw(s, 0),
+                        (false, true) => greedy(),
+                        (false, false) => None,
+                    };
                     rows.plan.seqs.push(SeqStep {
                         tokens: vec![t.token],
                         context_len: s.context_len + j,
@@ -354,10 +368,18 @@ impl CudaModel {
             (p, _) => StepKind::Mixed { prefill: p },
         };
         let owners: Vec<(usize, bool)> = chunk_of.into_iter().chain(row_of).collect();
-        // The drafting rows are the pass's sampler rows, in order.
-        let drafting: Vec<usize> = owners.iter().filter(|(_, d)| *d).map(|&(seq, _)| seq).collect();
+        let seqs: Vec<SeqStep> = chunks.plan.seqs.into_iter().chain(rows.plan.seqs).collect();
+        // The drafting rows' sampler rows (rows sample in order) and sequences.
+        let mut drafting = Vec::new();
+        let mut sampler = 0;
+        for (&(seq, d), ms) in owners.iter().zip(&seqs) {
+            if d {
+                drafting.push((sampler, seq));
+            }
+            sampler += usize::from(ms.sample.is_some());
+        }
         let pass = MtpPass {
-            plan: StepPlan { kind, seqs: chunks.plan.seqs.into_iter().chain(rows.plan.seqs).collect() },
+            plan: StepPlan { kind, seqs },
             src: chunks.src.into_iter().chain(rows.src).collect(),
             keep: self.keep_pairs(plan, &drafting, &out),
         };
@@ -367,7 +389,7 @@ impl CudaModel {
             pass.src.len(),
             first_counts
         );
-        let first = self.mtp_pass(dev, &pass, PrevRows::Target, packed.then_some(first_counts))?;
+        let first = self.mtp_pass(dev, first_graph, &pass, PrevRows::Target, packed.then_some(first_counts))?;
         // Each drafting sequence's row of its last emitted token: its first draft, and where
         // the chain goes on.
         let mut chain = Vec::new();
@@ -396,13 +418,14 @@ impl CudaModel {
                     SeqStep { tokens: vec![token], context_len: c.pos + 1, sample, ..plain(s) }
                 })
                 .collect();
-            let seqs_now: Vec<usize> = chain.iter().map(|c| c.seq).collect();
+            let drafting: Vec<(usize, usize)> = chain.iter().enumerate().map(|(k, c)| (k, c.seq)).collect();
             let pass = MtpPass {
                 plan: StepPlan { kind: StepKind::Decode, seqs },
                 src: chain.iter().map(|c| c.row as i32).collect(),
-                keep: self.keep_pairs(plan, &seqs_now, &out),
+                keep: self.keep_pairs(plan, &drafting, &out),
             };
-            let res = self.mtp_pass(dev, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
+            let graph = graphs.and_then(|g| g.pick(PrevRows::Mtp, chain.len(), chain.len()));
+            let res = self.mtp_pass(dev, graph, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
             for (k, (c, r)) in chain.iter_mut().zip(&res.seqs).enumerate() {
                 out[c.seq].push(proposal(&plan.seqs[c.seq], r)?);
                 c.pos += 1;
@@ -412,13 +435,13 @@ impl CudaModel {
         Ok(out)
     }
 
-    /// The (sampler row, store row) pairs of a pass whose drafting rows belong to `seqs` (the
-    /// plan's sequences, in the pass's sampler-row order): a sampled sequence's draft number
+    /// The (sampler row, store row) pairs of a pass whose drafting rows are `drafting` (each
+    /// its sampler row and sequence of `plan`): a sampled sequence's draft number
     /// `out[seq].len()` keeps its logits row in the sequence's slot, where one is free.
-    fn keep_pairs(&mut self, plan: &StepPlan, seqs: &[usize], out: &[Vec<u32>]) -> Vec<i32> {
+    fn keep_pairs(&mut self, plan: &StepPlan, drafting: &[(usize, usize)], out: &[Vec<u32>]) -> Vec<i32> {
         let slots = &mut store(&mut self.ws).slots;
         let mut pairs = Vec::new();
-        for (k, &i) in seqs.iter().enumerate() {
+        for &(k, i) in drafting {
             let s = &plan.seqs[i];
             if let Some(row) = sampled(s).then(|| slots.row_for(s.seq_id, out[i].len())).flatten() {
                 pairs.extend([k as i32, row as i32]);
@@ -427,12 +450,14 @@ impl CudaModel {
         pairs
     }
 
-    /// One MTP pass over `pass`'s rows: uploads, queues, samples, reads. `packed`: every DP-
-    /// attention rank's rows in this pass, which its FFN collectives carry; a rank with none
-    /// runs the module's FFN alone for them.
+    /// One MTP pass over `pass`'s rows: uploads, queues (or replays `graph`, which the caller
+    /// picked for these rows), samples, reads. `packed`: every DP-attention rank's rows in this
+    /// pass, which its FFN collectives carry; a rank with none runs the module's FFN alone for
+    /// them.
     fn mtp_pass(
         &mut self,
         dev: &Device,
+        graph: Option<&MtpGraph>,
         pass: &MtpPass,
         prev: PrevRows,
         packed: Option<&[usize]>,
@@ -446,17 +471,28 @@ impl CudaModel {
             }
             return Ok(StepOutput::default());
         }
+        let mut meta = match graph {
+            Some(g) => self.mtp_graph_meta(g, &pass.plan, pass.samplers())?,
+            None => StepMeta::build(&pass.plan, &self.lim)?,
+        };
         let bufs = self.ws.mtp.as_ref().expect("the MTP buffers exist when the module is loaded");
-        anyhow::ensure!(pass.src.len() <= bufs.src.len(), "MTP pass of {} rows", pass.src.len());
+        // A graph's padding rows read row 0.
+        let mut src = pass.src.clone();
+        src.resize(graph.map_or(src.len(), |g| g.rows), 0);
+        anyhow::ensure!(src.len() <= bufs.src.len(), "MTP pass of {} rows", src.len());
         // The previous pass (or the verify step) was read back already: nothing reads `src` now.
-        bufs.src.upload_at(0, &pass.src)?;
+        bufs.src.upload_at(0, &src)?;
         bufs.drafts.pairs.upload_at(0, &pass.keep)?;
-        let mut meta = StepMeta::build(&pass.plan, &self.lim)?;
         let run = |me: &mut Self, meta: &mut StepMeta| -> anyhow::Result<StepOutput> {
             me.upload_meta(dev, meta)?;
-            let splits = me.default_decode_splits(dev, meta);
-            me.queue_mtp(dev, meta, splits, prev, ffn_rows)?;
-            me.queue_sampler(dev, meta)?;
+            match graph {
+                Some(g) => g.launch(dev)?,
+                None => {
+                    let splits = me.default_decode_splits(dev, meta);
+                    me.queue_mtp(dev, meta, splits, prev, ffn_rows)?;
+                    me.queue_sampler(dev, meta)?;
+                }
+            }
             let (ws, vocab) = (&me.ws, me.cfg.vocab_size);
             let store = &ws.mtp.as_ref().expect("checked above").drafts;
             let pairs = store.pairs.slice();
@@ -469,7 +505,7 @@ impl CudaModel {
 
     /// Queues the MTP module over the rows of `m`, whose `prev` rows `ws.mtp.src` names, up to
     /// the logits. Its output before `shared_head.norm` stays in `ws.residual` for the next pass.
-    fn queue_mtp(
+    pub(super) fn queue_mtp(
         &self,
         dev: &Device,
         m: &StepMeta,
