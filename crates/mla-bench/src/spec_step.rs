@@ -109,11 +109,13 @@ pub fn run(a: &SpecStepArgs) -> anyhow::Result<Value> {
             }
         }
     }
+    println!("MTP passes replayed from graphs: {}", graphs.mtp.replays());
     Ok(json!({
         "gpu": dev.gpu.info.name,
         "sampling": format!("{:?}", a.sampling),
         "model": format!("{} layers + MTP, dummy weights drawn on the device, forced acceptance (benchmark only)", a.cfg.num_hidden_layers),
         "weights_GiB": model.weights.bytes() as f64 / (1u64 << 30) as f64,
+        "mtp_pass_graph_replays": graphs.mtp.replays(),
         "steps": rows,
     }))
 }

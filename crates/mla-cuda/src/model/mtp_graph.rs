@@ -52,21 +52,33 @@ pub struct MtpGraphs {
     chain: Vec<MtpGraph>,
     /// Device memory the captures took.
     pub bytes: usize,
+    /// Passes replayed so far (benchmarks report it: a graph that never fits costs memory alone).
+    replays: std::sync::atomic::AtomicU64,
 }
 
 impl MtpGraphs {
+    /// Passes replayed from these graphs so far.
+    pub fn replays(&self) -> u64 {
+        self.replays.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// (slots, rows) of the captured first passes, then the slots of the chained ones.
     pub fn shapes(&self) -> (Vec<(usize, usize)>, Vec<usize>) {
         (self.first.iter().map(|g| (g.slots, g.rows)).collect(), self.chain.iter().map(|g| g.slots).collect())
     }
 
-    /// The smallest graph of `prev`'s kind for a pass of `samplers` sampling rows among `rows`.
+    /// The smallest graph of `prev`'s kind for a pass of `samplers` sampling rows among `rows`
+    /// (counted as a replay: the caller replays what it picks).
     pub(super) fn pick(&self, prev: PrevRows, samplers: usize, rows: usize) -> Option<&MtpGraph> {
         let set = match prev {
             PrevRows::Target => &self.first,
             PrevRows::Mtp => &self.chain,
         };
-        set.iter().find(|g| g.slots >= samplers && g.rows >= rows)
+        let g = set.iter().find(|g| g.slots >= samplers && g.rows >= rows);
+        if g.is_some() {
+            self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        g
     }
 }
 

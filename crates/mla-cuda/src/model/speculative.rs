@@ -316,9 +316,10 @@ impl CudaModel {
         // sequence's last emitted row (greedily where it does not draft; the token is dropped).
         let passing = plan.seqs.iter().filter(|s| first_pass_rows(s) > 0).count();
         let drafting_any = plan.seqs.iter().any(drafts_from);
+        let first_rows = ffn_rows(first_counts)?;
         let first_graph = graphs
             .filter(|_| first_decode == 0 && drafting_any)
-            .and_then(|g| Some(g.pick(PrevRows::Target, passing, ffn_rows(first_counts).ok()?)).flatten());
+            .and_then(|g| g.pick(PrevRows::Target, passing, first_rows));
         let (mut chunks, mut rows) = (MtpPass::empty(), MtpPass::empty());
         // Which sequence of the original plan each MTP sequence belongs to, and whether it drafts.
         let (mut chunk_of, mut row_of) = (Vec::new(), Vec::new());
@@ -384,7 +385,7 @@ impl CudaModel {
             keep: self.keep_pairs(plan, &drafting, &out),
         };
         anyhow::ensure!(
-            pass.src.len() == ffn_rows(first_counts)?,
+            pass.src.len() == first_rows,
             "the first MTP pass has {} rows where the plan says {:?}",
             pass.src.len(),
             first_counts
@@ -424,7 +425,8 @@ impl CudaModel {
                 src: chain.iter().map(|c| c.row as i32).collect(),
                 keep: self.keep_pairs(plan, &drafting, &out),
             };
-            let graph = graphs.and_then(|g| g.pick(PrevRows::Mtp, chain.len(), chain.len()));
+            let graph =
+                graphs.filter(|_| !chain.is_empty()).and_then(|g| g.pick(PrevRows::Mtp, chain.len(), chain.len()));
             let res = self.mtp_pass(dev, graph, &pass, PrevRows::Mtp, packed.then_some(counts.as_slice()))?;
             for (k, (c, r)) in chain.iter_mut().zip(&res.seqs).enumerate() {
                 out[c.seq].push(proposal(&plan.seqs[c.seq], r)?);
