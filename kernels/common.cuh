@@ -125,6 +125,27 @@ DEVICE_INLINE void mma_bf16_16816(float c[4], const uint32_t a[4], uint32_t b0, 
 
 DEVICE_INLINE uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// Thread-block clusters (sm_90; elsewhere the callers never launch a cluster).
+DEVICE_INLINE void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// The f32 at `p` in the shared memory of the cluster's CTA `rank`.
+DEVICE_INLINE float ld_dsmem_f32(const float* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    __trap();
+    return 0.f;
+#endif
+}
+
 // Four 8x8 b16 matrices, transposed on the way: lanes 8i..8i+7 give the row addresses of matrix i;
 // register i of a lane receives (row 2t..2t+1, column g) of matrix i.
 DEVICE_INLINE void ldmatrix_x4_trans(uint32_t r[4], const void* row_addr) {

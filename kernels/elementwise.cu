@@ -86,6 +86,82 @@ extern "C" __global__ void __launch_bounds__(256)
     residual_rmsnorm<true, float>(residual, delta, w, out, hidden, eps);
 }
 
+// The same norms with each row spread over a cluster of NORM_SPLIT CTAs (sm_90), for steps of a
+// few rows. One CTA per row leaves a V3 row (7,168 values: about 100 KB moved) to one SM, whose
+// dependent passes took 12.4 us under ncu at batch 1 while the other SMs idled (run S31); here
+// CTA `rank` of row `blockIdx.y`'s cluster owns the rank-th slice of hidden / NORM_SPLIT
+// values, and the slices' sums of squares meet in distributed shared memory, each CTA adding
+// all of them in rank order, so every CTA gets the same bits. Needs hidden % NORM_SPLIT == 0
+// and hidden <= NORM_SPLIT * SPLIT_NORM_THREADS * SPLIT_NORM_MAX_PER_THREAD (the launcher checks).
+constexpr int NORM_SPLIT = 8, SPLIT_NORM_THREADS = 128, SPLIT_NORM_MAX_PER_THREAD = 8;
+
+template <bool ADD, typename Delta>
+DEVICE_INLINE void residual_rmsnorm_split(float* __restrict__ residual, const Delta* __restrict__ delta,
+                                          const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    __shared__ float scratch[32];
+    __shared__ float partial;
+    const int slice = hidden / NORM_SPLIT, base = blockIdx.x * slice;
+    const size_t t = blockIdx.y;
+    float* x = residual + t * hidden + base;
+    float g[SPLIT_NORM_MAX_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < SPLIT_NORM_MAX_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * SPLIT_NORM_THREADS;
+        g[k] = i < slice ? to_f32(w[base + i]) : 0.f;
+    }
+    PDL_ENTRY();
+    float v[SPLIT_NORM_MAX_PER_THREAD];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < SPLIT_NORM_MAX_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * SPLIT_NORM_THREADS;
+        v[k] = 0.f;
+        if (i < slice) {
+            float a = x[i];
+            if (ADD) a += to_f32(delta[t * hidden + base + i]);
+            v[k] = a;
+            ss += a * a;
+        }
+    }
+    if (ADD) {
+#pragma unroll
+        for (int k = 0; k < SPLIT_NORM_MAX_PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * SPLIT_NORM_THREADS;
+            if (i < slice) x[i] = v[k];
+        }
+    }
+    ss = block_sum(ss, scratch);
+    if (threadIdx.x == 0) partial = ss;
+    cluster_sync_all();
+    float total = 0.f;
+    for (int r = 0; r < NORM_SPLIT; ++r) total += ld_dsmem_f32(&partial, r);
+    cluster_sync_all();  // no CTA leaves while another still reads its partial
+    const float r = rsqrtf(total / (float)hidden + eps);
+#pragma unroll
+    for (int k = 0; k < SPLIT_NORM_MAX_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * SPLIT_NORM_THREADS;
+        if (i < slice) out[t * hidden + base + i] = to_bf16(g[k] * round_bf16(v[k] * r));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_NORM_THREADS)
+    rmsnorm_f32_split(float* __restrict__ residual, const bf16* __restrict__ w, bf16* __restrict__ out, int hidden,
+                      float eps) {
+    residual_rmsnorm_split<false, bf16>(residual, nullptr, w, out, hidden, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_NORM_THREADS)
+    add_rmsnorm_split(float* __restrict__ residual, const bf16* __restrict__ delta, const bf16* __restrict__ w,
+                      bf16* __restrict__ out, int hidden, float eps) {
+    residual_rmsnorm_split<true, bf16>(residual, delta, w, out, hidden, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_NORM_THREADS)
+    add_rmsnorm_f32_delta_split(float* __restrict__ residual, const float* __restrict__ delta,
+                                const bf16* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    residual_rmsnorm_split<true, float>(residual, delta, w, out, hidden, eps);
+}
+
 // RMSNorm of a strided bf16 input (q_a_layernorm of V2/V3 queries).
 extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, int x_stride, const bf16* __restrict__ w,
                                         bf16* __restrict__ out, int out_stride, int n, float eps) {

@@ -1,5 +1,6 @@
 //! Elementwise kernels against the CPU reference: embedding, the RMS norms (f32 residual, fused
-//! add, strided bf16 rows), SiLU·mul, and the normal fill used for dummy weights.
+//! add, strided bf16 rows; one CTA per row and a row over a cluster), SiLU·mul, and the normal
+//! fill used for dummy weights.
 //!
 //! Run on a GPU machine: `cargo test -p mla-cuda --test gpu_elementwise -- --ignored`.
 
@@ -122,6 +123,73 @@ fn norms_embedding_and_silu_match_the_cpu_reference() {
         .collect();
     let e = rel_l2(&down_bf16(act.slice()), &want);
     assert!(e < 8e-3, "silu_mul rel err {e}");
+}
+
+/// HF's RMSNorm of one row in f64: `g * bf16(x / sqrt(mean(x²) + eps))`, rounded to bf16.
+fn rms_norm_f64(x: &[f32], g: &[f32], eps: f32) -> Vec<f32> {
+    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ms + eps as f64).sqrt();
+    let bf = |v: f64| bf16::from_f64(v).to_f32();
+    x.iter().zip(g).map(|(&v, &w)| bf(w as f64 * bf(v as f64 * r) as f64)).collect()
+}
+
+/// The split norms (a row over a cluster of eight CTAs, which steps of a few rows take) compute
+/// what the one-CTA kernels do: the residual add bit for bit, the normed rows against f64 to
+/// bf16 rounding, and against the one-CTA kernel within one bf16 step where the two sums of
+/// squares round apart; at V2-Lite's, V2's and V3's hidden sizes.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn split_norms_match_the_one_cta_kernels_and_f64() {
+    let dev = device();
+    let (s, k) = (dev.stream(), &dev.k);
+    let mut rng = Rng::new(7);
+    let eps = 1e-6f32;
+    for hidden in [2048, 5120, 7168] {
+        for rows in [1, 3, 16] {
+            assert!(k.elementwise.splits_norm(rows, hidden), "{rows} rows of {hidden} take the split norm");
+            let x = rng.uniform(rows * hidden, 2.0);
+            let delta = round(&rng.uniform(rows * hidden, 1.0));
+            let w: Vec<f32> = round(&rng.uniform(hidden, 0.3).iter().map(|v| 1.0 + v).collect::<Vec<_>>());
+            let (d_delta, d_w) = (up_bf16(&delta), up_bf16(&w));
+            let mut outs = vec![];
+            for split in [true, false] {
+                let residual = up(&x);
+                let out = DeviceBuffer::<bf16>::alloc(rows * hidden).unwrap();
+                let norm = AddRmsNorm {
+                    residual: residual.slice(),
+                    delta: NormDelta::Bf16(d_delta.slice()),
+                    weight: d_w.slice(),
+                    out: out.slice(),
+                    rows,
+                    hidden,
+                    eps,
+                };
+                k.elementwise.add_rmsnorm_as(s, &norm, split).unwrap();
+                dev.gpu.sync().unwrap();
+                outs.push((down(residual.slice()), down_bf16(out.slice())));
+            }
+            let ((res_split, out_split), (res_row, out_row)) = (&outs[0], &outs[1]);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(res_split), bits(res_row), "{rows} x {hidden}: the residual add");
+            let sum: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+            let want: Vec<f32> = sum.chunks(hidden).flat_map(|r| rms_norm_f64(r, &w, eps)).collect();
+            let e = rel_l2(out_split, &want);
+            assert!(e < 4e-3, "{rows} x {hidden}: split add_rmsnorm rel err {e} against f64");
+            let apart = out_split.iter().zip(out_row).filter(|(a, b)| a != b).count();
+            for (a, b) in out_split.iter().zip(out_row) {
+                assert!((a - b).abs() <= a.abs().max(b.abs()) / 128.0, "{rows} x {hidden}: {a} against {b}");
+            }
+            assert!(apart * 100 <= rows * hidden, "{rows} x {hidden}: {apart} values differ from the one-CTA kernel");
+
+            // The first layer's norm (no add), split by the same rule.
+            let residual = up(&sum);
+            let out = DeviceBuffer::<bf16>::alloc(rows * hidden).unwrap();
+            let norm = RmsNormF32 { x: residual.slice(), weight: d_w.slice(), out: out.slice(), rows, hidden, eps };
+            k.elementwise.rmsnorm_f32(s, &norm).unwrap();
+            dev.gpu.sync().unwrap();
+            assert_eq!(bits(&down_bf16(out.slice())), bits(out_split), "{rows} x {hidden}: rmsnorm_f32 split");
+        }
+    }
 }
 
 #[test]

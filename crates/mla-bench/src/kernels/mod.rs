@@ -10,6 +10,7 @@ mod decode_attention;
 mod decode_step;
 mod fp8_gemm;
 mod moe_experts;
+mod norms;
 mod prefill_attention;
 mod timing;
 mod weight_gemv;
@@ -42,17 +43,20 @@ pub enum Bench {
     /// FP8 projections past the GEMV (W8A8 through cuBLASLt, dequantize + bf16) against bf16
     /// cuBLAS on V3's dense shapes, 64 to 4096 rows.
     Fp8Gemm,
+    /// The residual add + RMSNorm, one CTA per row against a row over a cluster, 1-256 rows.
+    Norms,
 }
 
 impl Bench {
     /// Run order, whatever order `--only` names them in.
-    const ALL: [Bench; 6] = [
+    const ALL: [Bench; 7] = [
         Bench::DecodeAttention,
         Bench::PrefillAttention,
         Bench::MoeExperts,
         Bench::DecodeStep,
         Bench::WeightGemv,
         Bench::Fp8Gemm,
+        Bench::Norms,
     ];
 
     fn key(self) -> &'static str {
@@ -63,6 +67,7 @@ impl Bench {
             Bench::DecodeStep => "decode_step",
             Bench::WeightGemv => "weight_gemv",
             Bench::Fp8Gemm => "fp8_gemm",
+            Bench::Norms => "norms",
         }
     }
 }
@@ -82,6 +87,7 @@ pub fn run(only: &[Bench], config: &Path, out: Option<&Path>) -> anyhow::Result<
             Bench::DecodeStep => decode_step::run(&dev, &ModelConfig::from_file(config)?)?,
             Bench::WeightGemv => weight_gemv::run(&dev)?,
             Bench::Fp8Gemm => fp8_gemm::run(&dev)?,
+            Bench::Norms => norms::run(&dev)?,
         };
         results.insert(bench.key().into(), r);
     }

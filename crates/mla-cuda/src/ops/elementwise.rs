@@ -9,6 +9,22 @@ use half::bf16;
 const ROW_THREADS: u32 = 256;
 /// The norm kernels keep a row in registers: 256 threads x 32 values.
 const MAX_NORM_WIDTH: usize = 256 * 32;
+/// The split norms (`*_split` in kernels/elementwise.cu): a row over a cluster of this many CTAs
+/// of `SPLIT_NORM_THREADS`, each thread keeping at most 8 values.
+const NORM_SPLIT: usize = 8;
+const SPLIT_NORM_THREADS: u32 = 128;
+const MAX_SPLIT_NORM_WIDTH: usize = NORM_SPLIT * SPLIT_NORM_THREADS as usize * 8;
+/// Steps of at most this many rows take the split norms where they are loaded (`MLA_NORM_SPLIT_MAX_ROWS`
+/// overrides it at load for A/B runs; 0 keeps one CTA per row everywhere).
+pub const NORM_SPLIT_MAX_ROWS: usize = 16;
+
+/// The split norms, loaded from the sm_90a cubin only (clusters).
+struct SplitNorms {
+    rmsnorm_f32: Kernel,
+    add_rmsnorm: Kernel,
+    add_rmsnorm_f32_delta: Kernel,
+    max_rows: usize,
+}
 
 pub struct ElementwiseKernels {
     embedding_gather: Kernel,
@@ -22,6 +38,7 @@ pub struct ElementwiseKernels {
     fill_normal_f32: Kernel,
     gather_rows: Kernel,
     sm_count: usize,
+    split: Option<SplitNorms>,
 }
 
 /// Distribution of a random fill: `mean + std * N(0, 1)`.
@@ -99,7 +116,53 @@ impl ElementwiseKernels {
             fill_normal_f32: k("fill_normal_f32")?,
             gather_rows: k("gather_rows")?,
             sm_count: info.sm_count,
+            split: match m.used_ptx {
+                true => None,
+                false => Some(SplitNorms {
+                    rmsnorm_f32: k("rmsnorm_f32_split")?,
+                    add_rmsnorm: k("add_rmsnorm_split")?,
+                    add_rmsnorm_f32_delta: k("add_rmsnorm_f32_delta_split")?,
+                    max_rows: std::env::var("MLA_NORM_SPLIT_MAX_ROWS")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(NORM_SPLIT_MAX_ROWS),
+                }),
+            },
         })
+    }
+
+    /// Whether a norm of `rows` rows of `hidden` takes the split kernels.
+    pub fn splits_norm(&self, rows: usize, hidden: usize) -> bool {
+        self.split.as_ref().is_some_and(|sp| rows <= sp.max_rows)
+            && hidden.is_multiple_of(NORM_SPLIT)
+            && hidden <= MAX_SPLIT_NORM_WIDTH
+    }
+
+    /// Launches a norm kernel over `rows` rows of `hidden`: `row` one CTA per row, or `split`'s
+    /// cluster per row where `splits_norm` says so (and `split` exists).
+    fn launch_norm(
+        &self,
+        s: CUstream,
+        row: &Kernel,
+        split: Option<&Kernel>,
+        use_split: bool,
+        rows: usize,
+        hidden: usize,
+        args: &[Arg],
+    ) -> anyhow::Result<()> {
+        match split.filter(|_| use_split) {
+            Some(k) => {
+                anyhow::ensure!(
+                    hidden.is_multiple_of(NORM_SPLIT) && hidden <= MAX_SPLIT_NORM_WIDTH,
+                    "hidden size {hidden} does not split over {NORM_SPLIT} CTAs of at most {} values",
+                    MAX_SPLIT_NORM_WIDTH / NORM_SPLIT
+                );
+                let grid = (NORM_SPLIT as u32, rows as u32, 1);
+                k.launch_cluster(s, grid, SPLIT_NORM_THREADS, 0, NORM_SPLIT as u32, args)?
+            }
+            None => row.launch(s, (rows as u32, 1, 1), ROW_THREADS, 0, args)?,
+        }
+        Ok(())
     }
 
     pub fn embedding(&self, s: CUstream, p: &Embedding) -> anyhow::Result<()> {
@@ -125,23 +188,21 @@ impl ElementwiseKernels {
         ensure_len!(p.x, p.rows * p.hidden, "rmsnorm input");
         ensure_len!(p.weight, p.hidden, "rmsnorm weight");
         ensure_len!(p.out, p.rows * p.hidden, "rmsnorm output");
-        self.rmsnorm_f32.launch(
-            s,
-            (p.rows as u32, 1, 1),
-            ROW_THREADS,
-            0,
-            &[
-                Arg::Ptr(p.x.ptr),
-                Arg::Ptr(p.weight.ptr),
-                Arg::Ptr(p.out.ptr),
-                Arg::I32(p.hidden as i32),
-                Arg::F32(p.eps),
-            ],
-        )?;
-        Ok(())
+        let split = self.split.as_ref().map(|sp| &sp.rmsnorm_f32);
+        let args =
+            [Arg::Ptr(p.x.ptr), Arg::Ptr(p.weight.ptr), Arg::Ptr(p.out.ptr), Arg::I32(p.hidden as i32), Arg::F32(p.eps)];
+        let use_split = self.splits_norm(p.rows, p.hidden);
+        self.launch_norm(s, &self.rmsnorm_f32, split, use_split, p.rows, p.hidden, &args)
     }
 
     pub fn add_rmsnorm(&self, s: CUstream, p: &AddRmsNorm) -> anyhow::Result<()> {
+        self.add_rmsnorm_as(s, p, self.splits_norm(p.rows, p.hidden))
+    }
+
+    /// `add_rmsnorm` with the kernel chosen by the caller (`split`: the cluster kernels, which
+    /// must be loaded; benchmarks compare the two).
+    pub fn add_rmsnorm_as(&self, s: CUstream, p: &AddRmsNorm, split: bool) -> anyhow::Result<()> {
+        anyhow::ensure!(!split || self.split.is_some(), "the split norm kernels need the sm_90a cubin");
         anyhow::ensure!(
             p.hidden <= MAX_NORM_WIDTH,
             "hidden size {} above the norm kernel's {MAX_NORM_WIDTH}",
@@ -150,31 +211,26 @@ impl ElementwiseKernels {
         ensure_len!(p.residual, p.rows * p.hidden, "residual");
         ensure_len!(p.weight, p.hidden, "rmsnorm weight");
         ensure_len!(p.out, p.rows * p.hidden, "rmsnorm output");
-        let (kernel, delta) = match p.delta {
+        let sp = self.split.as_ref();
+        let (kernel, split_kernel, delta) = match p.delta {
             NormDelta::Bf16(d) => {
                 ensure_len!(d, p.rows * p.hidden, "residual delta");
-                (&self.add_rmsnorm, d.ptr)
+                (&self.add_rmsnorm, sp.map(|k| &k.add_rmsnorm), d.ptr)
             }
             NormDelta::F32(d) => {
                 ensure_len!(d, p.rows * p.hidden, "residual delta");
-                (&self.add_rmsnorm_f32_delta, d.ptr)
+                (&self.add_rmsnorm_f32_delta, sp.map(|k| &k.add_rmsnorm_f32_delta), d.ptr)
             }
         };
-        kernel.launch(
-            s,
-            (p.rows as u32, 1, 1),
-            ROW_THREADS,
-            0,
-            &[
-                Arg::Ptr(p.residual.ptr),
-                Arg::Ptr(delta),
-                Arg::Ptr(p.weight.ptr),
-                Arg::Ptr(p.out.ptr),
-                Arg::I32(p.hidden as i32),
-                Arg::F32(p.eps),
-            ],
-        )?;
-        Ok(())
+        let args = [
+            Arg::Ptr(p.residual.ptr),
+            Arg::Ptr(delta),
+            Arg::Ptr(p.weight.ptr),
+            Arg::Ptr(p.out.ptr),
+            Arg::I32(p.hidden as i32),
+            Arg::F32(p.eps),
+        ];
+        self.launch_norm(s, kernel, split_kernel, split, p.rows, p.hidden, &args)
     }
 
     pub fn rmsnorm_bf16(&self, s: CUstream, p: &RmsNormBf16) -> anyhow::Result<()> {
