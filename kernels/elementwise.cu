@@ -88,11 +88,12 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The same norms with each row spread over a cluster of NORM_SPLIT CTAs (sm_90), for steps of a
 // few rows. One CTA per row leaves a V3 row (7,168 values: about 100 KB moved) to one SM, whose
-// dependent passes took 12.4 us under ncu at batch 1 while the other SMs idled (run S31); here
-// CTA `rank` of row `blockIdx.y`'s cluster owns the rank-th slice of hidden / NORM_SPLIT
-// values, and the slices' sums of squares meet in distributed shared memory, each CTA adding
-// all of them in rank order, so every CTA gets the same bits. Needs hidden % NORM_SPLIT == 0
-// and hidden <= NORM_SPLIT * SPLIT_NORM_THREADS * SPLIT_NORM_MAX_PER_THREAD (the launcher checks).
+// dependent passes took 12.4 us under ncu at batch 1 while the other SMs idled (run S31; 5.6 us
+// launched back to back against 3.8 split, S32). Here CTA `rank` of row `blockIdx.y`'s cluster
+// owns the rank-th slice of hidden / NORM_SPLIT values, and the slices' sums of squares meet in
+// distributed shared memory, each CTA adding all of them in rank order, so every CTA gets the
+// same bits. Needs hidden % NORM_SPLIT == 0 and hidden <= NORM_SPLIT * SPLIT_NORM_THREADS *
+// SPLIT_NORM_MAX_PER_THREAD (the launcher checks).
 constexpr int NORM_SPLIT = 8, SPLIT_NORM_THREADS = 128, SPLIT_NORM_MAX_PER_THREAD = 8;
 
 template <bool ADD, typename Delta>

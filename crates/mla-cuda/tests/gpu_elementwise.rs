@@ -135,8 +135,8 @@ fn rms_norm_f64(x: &[f32], g: &[f32], eps: f32) -> Vec<f32> {
 
 /// The split norms (a row over a cluster of eight CTAs, which steps of a few rows take) compute
 /// what the one-CTA kernels do: the residual add bit for bit, the normed rows against f64 to
-/// bf16 rounding, and against the one-CTA kernel within one bf16 step where the two sums of
-/// squares round apart; at V2-Lite's, V2's and V3's hidden sizes.
+/// bf16 rounding, and against the one-CTA kernel within two bf16 steps (and rarely apart at all)
+/// where the two sums of squares round apart; at V2-Lite's, V2's and V3's hidden sizes.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn split_norms_match_the_one_cta_kernels_and_f64() {
@@ -176,8 +176,10 @@ fn split_norms_match_the_one_cta_kernels_and_f64() {
             let e = rel_l2(out_split, &want);
             assert!(e < 4e-3, "{rows} x {hidden}: split add_rmsnorm rel err {e} against f64");
             let apart = out_split.iter().zip(out_row).filter(|(a, b)| a != b).count();
+            // One bf16 step of the normalised value, times a gain above one and rounded again,
+            // can move the output by two of its own steps (S32: 0.871 against 0.879 at 5120).
             for (a, b) in out_split.iter().zip(out_row) {
-                assert!((a - b).abs() <= a.abs().max(b.abs()) / 128.0, "{rows} x {hidden}: {a} against {b}");
+                assert!((a - b).abs() <= a.abs().max(b.abs()) / 64.0, "{rows} x {hidden}: {a} against {b}");
             }
             assert!(apart * 100 <= rows * hidden, "{rows} x {hidden}: {apart} values differ from the one-CTA kernel");
 

@@ -7,6 +7,7 @@
 use super::weights::MoeWeights;
 use crate::device::Device;
 use crate::gpu::DSlice;
+use crate::ops::dims::MOE_GEMV_WARPS;
 use crate::ops::{MoeGemvExperts, MoeGemvRouter, MoeRouting};
 use half::bf16;
 use mla_core::ModelConfig;
@@ -43,7 +44,7 @@ fn shared_pieces(cfg: &ModelConfig, w: &MoeWeights) -> Option<usize> {
 /// Whether this path takes a step of `tokens` tokens for this layer.
 pub fn takes(cfg: &ModelConfig, w: &MoeWeights, tokens: usize) -> bool {
     (1..=MOE_GEMV_MAX_TOKENS).contains(&tokens)
-        && cfg.hidden_size.is_multiple_of(8)
+        && cfg.hidden_size.is_multiple_of(4 * MOE_GEMV_WARPS)
         && cfg.moe_intermediate_size.is_multiple_of(8)
         && shared_pieces(cfg, w).is_some_and(|p| cfg.num_experts_per_tok + p <= 32)
 }

@@ -87,9 +87,15 @@ impl MoeGemvKernels {
             p.x.len >= t * h && p.logits.len >= t * e && p.router.len >= e * h,
             "moe router: buffers too small"
         );
+        anyhow::ensure!(
+            h.is_multiple_of(4 * MOE_GEMV_WARPS),
+            "moe router: hidden {h} is not a multiple of {}",
+            4 * MOE_GEMV_WARPS
+        );
+        // One block per (token, expert), its warps splitting the row (kernels/moe_gemv.cu).
         self.router.launch(
             s,
-            ((t * e).div_ceil(MOE_GEMV_WARPS) as u32, 1, 1),
+            ((t * e) as u32, 1, 1),
             (32 * MOE_GEMV_WARPS) as u32,
             0,
             &[
