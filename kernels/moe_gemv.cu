@@ -307,6 +307,100 @@ DEVICE_INLINE void moe_gemv_down_body(const bf16* __restrict__ act, int im, cons
     }
 }
 
+// moe_gemv_down_fp8 for narrow experts, I <= 32 * 16 (a tensor-parallel rank's share of V3's: 256
+// at --tp 8), where a row is at most one 16-byte chunk per lane. There the kernel above has each
+// warp load one chunk of two rows, reduce, and meet the block at a barrier for every row pair:
+// 512 bytes in flight per warp, and a V3 TP-8 rank's down projection (16.5 MB at batch 1) took
+// 26 us, 0.6 TB/s (run S33, ncu). Here a block takes DOWN_ROWS output rows per round, each warp
+// loading its chunk of all of them before any arithmetic, its activation chunk converted once
+// for the whole launch, and one barrier per round; each row's sum runs in the same order as
+// above (one chunk per lane, then the warp, then the combine), so the outputs are the same bits.
+// The rows of a round share one 128-row scale block (hidden % DOWN_ROWS == 0).
+constexpr int DOWN_ROWS = 8;
+
+extern "C" __global__ void moe_gemv_down_fp8_narrow(const bf16* __restrict__ act, int im,
+                                                    const uint8_t* __restrict__ w_d, const float* __restrict__ s_d,
+                                                    const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                                                    int top_k, const bf16* __restrict__ act_sh, int ims,
+                                                    const uint8_t* __restrict__ w_sh_d,
+                                                    const float* __restrict__ s_sh_d, int pieces,
+                                                    bf16* __restrict__ out, int hidden) {
+    __shared__ float part[32][DOWN_ROWS];
+    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m = blockIdx.y;
+    const bool is_shared = warp >= top_k;
+    const int p = warp - top_k;
+    const int chunks = im / 16;
+    const bool active = lane < chunks;
+    const int hb = (hidden + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+    // This warp's matrix: row n starts at base + n * stride; scales at sbase + (n / 128) * sstride.
+    const uint8_t* base;
+    const float* sbase;
+    size_t stride;
+    int sstride, coff = 0;
+    if (is_shared) {
+        base = w_sh_d + (size_t)p * im;
+        stride = ims;
+        sbase = s_sh_d;
+        sstride = (ims + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+        coff = p * im / 16;
+        if (lane == 0)
+            for (int n = blockIdx.x * DOWN_ROWS; n < hidden; n += gridDim.x * DOWN_ROWS)
+                for (int r = 0; r < DOWN_ROWS; ++r)
+                    prefetch_l2(base + (size_t)(n + r) * stride, (unsigned)im);
+    }
+    PDL_ENTRY();
+    if (!is_shared) {
+        const size_t e = (size_t)topk_ids[m * top_k + warp];
+        base = w_d + e * hidden * im;
+        stride = im;
+        sstride = (im + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+        sbase = s_d + e * hb * sstride;
+    }
+    const bf16* v = is_shared ? act_sh + (size_t)m * ims + (size_t)p * im : act + (size_t)(m * top_k + warp) * im;
+    float xf[16];
+    if (active) bf16x16_to_f32(v + (size_t)lane * 16, xf);
+    const int sb = (coff + lane) / CHUNKS_PER_BLOCK;
+    for (int n0 = blockIdx.x * DOWN_ROWS; n0 < hidden; n0 += gridDim.x * DOWN_ROWS) {
+        uint4 w[DOWN_ROWS];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS; ++r)
+            w[r] = active ? __ldg(reinterpret_cast<const uint4*>(base + (size_t)(n0 + r) * stride) + lane)
+                          : make_uint4(0, 0, 0, 0);
+        const float scale = active ? __ldg(sbase + (size_t)(n0 / FP8_SCALE_BLOCK) * sstride + sb) : 0.f;
+        float a[DOWN_ROWS];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS; ++r) {
+            float f[16];
+            fp8x16_to_f32(w[r], f);
+            float d = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) d = fmaf(f[j], xf[j], d);
+            a[r] = active ? fmaf(d, scale, 0.f) : 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS; ++r) a[r] = warp_sum(a[r]);
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS; ++r) part[warp][r] = a[r];
+        __syncthreads();
+        if (threadIdx.x < DOWN_ROWS) {
+            const int r = threadIdx.x;
+            float routed = 0.f;
+            for (int j = 0; j < top_k; ++j) routed += topk_w[m * top_k + j] * round_bf16(part[j][r]);
+            float y = round_bf16(routed);
+            if (pieces > 0) {
+                float sh = 0.f;
+                for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
+                y += round_bf16(sh);
+            }
+            out[(size_t)m * hidden + n0 + r] = to_bf16(y);
+        }
+        __syncthreads();  // part is rewritten by the next round
+    }
+}
+
 extern "C" __global__ void moe_gemv_down(const bf16* __restrict__ act, int im, const bf16* __restrict__ w_d,
                                          const int* __restrict__ topk_ids, const float* __restrict__ topk_w, int top_k,
                                          const bf16* __restrict__ act_sh, int ims, const bf16* __restrict__ w_sh_d,

@@ -365,11 +365,17 @@ fn moe_gemv_fp8_matches_an_f64_reference_and_the_bf16_kernels() {
     let (s, k) = (dev.stream(), &dev.k);
     let mut rng = Rng::new(73);
     // Hidden sizes ending in partial blocks (400 = 3.125 blocks, 1040 = 8.125), V3's 7168; one
-    // or two 128-wide blocks per routed expert; shared experts of 2, 0 and 1 pieces.
+    // to five 128-wide blocks per routed expert (up to 512: the narrow FP8 down kernel); shared
+    // experts of 2, 0 and 1 pieces.
     let cases = [
         GemvCase { hidden: 400, inter: 256, experts: 8, top: 3, pieces: 2 },
         GemvCase { hidden: 1040, inter: 128, experts: 5, top: 4, pieces: 0 },
         GemvCase { hidden: 7168, inter: 128, experts: 3, top: 2, pieces: 1 },
+        // A TP-8 rank of V3: 8 of 16 experts 256 wide and one shared (the narrow down kernel),
+        // and TP-4's 512; then 640 columns, past the narrow kernel's widest.
+        GemvCase { hidden: 7168, inter: 256, experts: 16, top: 8, pieces: 1 },
+        GemvCase { hidden: 1024, inter: 512, experts: 4, top: 2, pieces: 1 },
+        GemvCase { hidden: 1024, inter: 640, experts: 4, top: 2, pieces: 1 },
     ];
     for c in &cases {
         let (h, im, ex, top) = (c.hidden, c.inter, c.experts, c.top);

@@ -18,13 +18,49 @@ pub struct MoeGemvKernels {
     /// The same two on block-FP8 expert weights.
     gate_up_fp8: Kernel,
     down_fp8: Kernel,
+    /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`down_kernel`).
+    down_fp8_narrow: Kernel,
     /// Blocks of the gate/up kernel that fit on the GPU at once (its grid is one wave).
     gate_up_wave: usize,
     gate_up_fp8_wave: usize,
-    /// The same for the down kernels by format (FP8 or not) and block size, which depends on the
-    /// model (asked at first use).
-    down_waves: RefCell<Vec<(bool, u32, usize)>>,
+    /// The same for the down kernels by kernel (`DownKernel`) and block size, which depends on
+    /// the model (asked at first use).
+    down_waves: RefCell<Vec<(DownKernel, u32, usize)>>,
     sm_count: usize,
+}
+
+/// The widest experts (columns of the down projection) the narrow FP8 down kernel takes: one
+/// 16-byte chunk of a row per lane.
+pub const NARROW_DOWN_MAX_INTER: usize = 32 * 16;
+/// Output rows the narrow kernel takes per round (kernels/moe_gemv.cu `DOWN_ROWS`).
+const NARROW_DOWN_ROWS: usize = 8;
+
+/// Which down kernel a step takes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum DownKernel {
+    Bf16,
+    Fp8,
+    /// FP8 experts of at most `NARROW_DOWN_MAX_INTER` columns, `NARROW_DOWN_ROWS` output rows a
+    /// round (run S33: the row-pair kernel read a TP-8 rank of V3's down weights at 0.6 TB/s).
+    Fp8Narrow,
+}
+
+impl DownKernel {
+    fn choose(fp8: bool, inter: usize, hidden: usize) -> Self {
+        match fp8 {
+            false => DownKernel::Bf16,
+            true if inter <= NARROW_DOWN_MAX_INTER && hidden.is_multiple_of(NARROW_DOWN_ROWS) => DownKernel::Fp8Narrow,
+            true => DownKernel::Fp8,
+        }
+    }
+
+    /// Output rows a block takes per round.
+    fn rows(self) -> usize {
+        match self {
+            DownKernel::Fp8Narrow => NARROW_DOWN_ROWS,
+            _ => 2,
+        }
+    }
 }
 
 /// Router logits (f32, as HF): `logits[t, e] = x[t] · router[e]`.
@@ -76,6 +112,7 @@ impl MoeGemvKernels {
             down: k("moe_gemv_down")?,
             gate_up_fp8,
             down_fp8: k("moe_gemv_down_fp8")?,
+            down_fp8_narrow: k("moe_gemv_down_fp8_narrow")?,
             down_waves: RefCell::default(),
             sm_count: info.sm_count,
         })
@@ -170,15 +207,20 @@ impl MoeGemvKernels {
             0,
             &args,
         )?;
-        let kernel = if fp8 { &self.down_fp8 } else { &self.down };
+        let which = DownKernel::choose(fp8, im, h);
+        let kernel = match which {
+            DownKernel::Bf16 => &self.down,
+            DownKernel::Fp8 => &self.down_fp8,
+            DownKernel::Fp8Narrow => &self.down_fp8_narrow,
+        };
         let down_threads = (32 * (k + pieces)) as u32;
         // Same for the down kernel; its block size is fixed per model, so ask once per size.
-        let known = self.down_waves.borrow().iter().find(|&&(f, b, _)| f == fp8 && b == down_threads).map(|x| x.2);
+        let known = self.down_waves.borrow().iter().find(|&&(d, b, _)| d == which && b == down_threads).map(|x| x.2);
         let wave = match known {
             Some(w) => w,
             None => {
                 let w = self.sm_count * kernel.max_active_blocks_per_sm(down_threads, 0)?;
-                self.down_waves.borrow_mut().push((fp8, down_threads, w));
+                self.down_waves.borrow_mut().push((which, down_threads, w));
                 w
             }
         };
@@ -193,7 +235,8 @@ impl MoeGemvKernels {
         ]);
         args.extend(sh_down);
         args.extend([Arg::I32(pieces as i32), Arg::Ptr(p.out.ptr), Arg::I32(h as i32)]);
-        kernel.launch(s, ((h / 2).min(wave.div_ceil(t).max(1)) as u32, t as u32, 1), down_threads, 0, &args)?;
+        let blocks = (h / which.rows()).min(wave.div_ceil(t).max(1));
+        kernel.launch(s, (blocks as u32, t as u32, 1), down_threads, 0, &args)?;
         Ok(())
     }
 }
