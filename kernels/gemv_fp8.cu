@@ -259,7 +259,6 @@ DEVICE_INLINE void cp_async_4_ca(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 
-
 template <int WARPS, int TILES, int STAGES>
 DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows,
                                         int k_len, const __nv_bfloat16* __restrict__ x, int x_stride, int m_rows,

@@ -347,8 +347,7 @@ extern "C" __global__ void moe_gemv_down_fp8_narrow(const bf16* __restrict__ act
         coff = p * im / 16;
         if (lane == 0)
             for (int n = blockIdx.x * DOWN_ROWS; n < hidden; n += gridDim.x * DOWN_ROWS)
-                for (int r = 0; r < DOWN_ROWS; ++r)
-                    prefetch_l2(base + (size_t)(n + r) * stride, (unsigned)im);
+                for (int r = 0; r < DOWN_ROWS; ++r) prefetch_l2(base + (size_t)(n + r) * stride, (unsigned)im);
     }
     PDL_ENTRY();
     if (!is_shared) {
