@@ -141,19 +141,18 @@ impl ElementwiseKernels {
             && hidden <= MAX_SPLIT_NORM_WIDTH
     }
 
-    /// Launches a norm kernel over `rows` rows of `hidden`: `row` one CTA per row, or `split`'s
-    /// cluster per row where `splits_norm` says so (and `split` exists).
+    /// Launches a norm kernel over `rows` rows of `hidden`: `split`, a cluster per row, where the
+    /// caller chose it, else `row`, one CTA per row.
     fn launch_norm(
         &self,
         s: CUstream,
         row: &Kernel,
         split: Option<&Kernel>,
-        use_split: bool,
         rows: usize,
         hidden: usize,
         args: &[Arg],
     ) -> anyhow::Result<()> {
-        match split.filter(|_| use_split) {
+        match split {
             Some(k) => {
                 anyhow::ensure!(
                     hidden.is_multiple_of(NORM_SPLIT) && hidden <= MAX_SPLIT_NORM_WIDTH,
@@ -200,7 +199,7 @@ impl ElementwiseKernels {
             Arg::F32(p.eps),
         ];
         let use_split = self.splits_norm(p.rows, p.hidden);
-        self.launch_norm(s, &self.rmsnorm_f32, split, use_split, p.rows, p.hidden, &args)
+        self.launch_norm(s, &self.rmsnorm_f32, split.filter(|_| use_split), p.rows, p.hidden, &args)
     }
 
     pub fn add_rmsnorm(&self, s: CUstream, p: &AddRmsNorm) -> anyhow::Result<()> {
@@ -238,7 +237,7 @@ impl ElementwiseKernels {
             Arg::I32(p.hidden as i32),
             Arg::F32(p.eps),
         ];
-        self.launch_norm(s, kernel, split_kernel, split, p.rows, p.hidden, &args)
+        self.launch_norm(s, kernel, split_kernel.filter(|_| split), p.rows, p.hidden, &args)
     }
 
     pub fn rmsnorm_bf16(&self, s: CUstream, p: &RmsNormBf16) -> anyhow::Result<()> {
