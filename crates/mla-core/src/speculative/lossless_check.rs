@@ -363,7 +363,7 @@ pub fn likely_drafts(b: &mut dyn Backend, setup: &Setup, exact: &Exact) -> Runs 
 
 #[cfg(test)]
 mod tests {
-    use super::{boundary_band, pool};
+    use super::{boundary_band, pool, tested, Boundary, Exact, POOLED};
     use std::collections::{HashMap, HashSet};
 
     #[test]
@@ -387,5 +387,39 @@ mod tests {
         let q = pool(&p, &pooled);
         assert_eq!(q.len(), 2);
         assert!((q[&super::POOLED] - 0.5).abs() < 1e-12 && q[&1] == 0.5);
+    }
+
+    /// Only contexts that carry a sample's worth of their band pool it, each at the output
+    /// position it feeds; the pooled category is then tested like any other.
+    #[test]
+    fn bands_pool_where_they_carry_a_sample_at_the_position_they_feed() {
+        let b =
+            |context: Vec<u32>, weight: f64, band: Vec<u32>, band_p: f64| Boundary { context, weight, band, band_p };
+        let exact = Exact {
+            at1: [(5, 0.3), (6, 0.2), (9, 0.5)].into_iter().collect(),
+            at2: HashMap::new(),
+            given: HashMap::new(),
+            boundaries: vec![
+                b(vec![1], 0.1, vec![5, 6], 0.05),    // 15 samples' worth at 3,000 runs
+                b(vec![2], 1e-4, vec![7], 0.01),      // 0.003: left alone
+                b(vec![1, 3], 0.01, vec![8, 9], 0.1), // position 2's
+            ],
+        };
+        let sorted = |h: HashSet<u32>| {
+            let mut v: Vec<u32> = h.into_iter().collect();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(sorted(exact.pooled(1, 3000)), vec![5, 6]);
+        assert_eq!(sorted(exact.pooled(2, 3000)), vec![8, 9]);
+        assert!(exact.pooled(1, 100).is_empty(), "1.5 samples' worth at 3,000 runs is 0.05 at 100");
+        // Samples that swap 5 for 6 (a near tie breaking the other way) are not seen ...
+        let samples: Vec<u32> = (0..1000).map(|i| if i < 500 { 6 } else { 9 }).collect();
+        let t = tested(&samples, 1, &exact);
+        assert_eq!((t.band.clone(), t.df), (vec![5, 6], 1));
+        assert!(t.stat < 1e-9 && t.samples.iter().filter(|&&x| x == POOLED).count() == 500);
+        // ... but moving mass out of the band is.
+        let skewed: Vec<u32> = (0..1000).map(|i| if i < 300 { 6 } else { 9 }).collect();
+        assert!(tested(&skewed, 1, &exact).stat > 100.0);
     }
 }
