@@ -18,7 +18,7 @@ pub struct MoeGemvKernels {
     /// The same two on block-FP8 expert weights.
     gate_up_fp8: Kernel,
     down_fp8: Kernel,
-    /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`down_kernel`).
+    /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`DownKernel::choose`).
     down_fp8_narrow: Kernel,
     /// Blocks of the gate/up kernel that fit on the GPU at once (its grid is one wave).
     gate_up_wave: usize,
