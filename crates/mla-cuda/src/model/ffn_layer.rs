@@ -51,7 +51,7 @@ impl CudaModel {
         let r = mb.routing(t, cfg, tile);
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         let route = |logits: DSlice<f32>| k.moe.route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, &self.route);
-        if moe_small::takes(cfg, w, t) {
+        if moe_small::takes(cfg, w, t, k.moe_gemv.max_tokens()) {
             let io = MoeSmallIo {
                 tokens: t,
                 x,

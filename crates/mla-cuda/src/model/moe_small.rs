@@ -12,18 +12,6 @@ use crate::ops::{MoeGemvExperts, MoeGemvRouter, MoeRouting};
 use half::bf16;
 use mla_core::ModelConfig;
 
-/// Most tokens a step may have for this path. Each routed slot reads its expert's weights, so
-/// past a few tokens (experts shared between tokens) the grouped GEMMs read less.
-pub const MOE_GEMV_MAX_TOKENS: usize = 4;
-
-/// `MOE_GEMV_MAX_TOKENS`, or `MLA_MOE_GEMV_MAX_TOKENS` where set (A/B runs), read once.
-fn max_tokens() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("MLA_MOE_GEMV_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(MOE_GEMV_MAX_TOKENS)
-    })
-}
-
 /// Buffers of one layer's small-step MoE.
 pub struct MoeSmallIo<'a> {
     pub tokens: usize,
@@ -49,9 +37,10 @@ fn shared_pieces(cfg: &ModelConfig, w: &MoeWeights) -> Option<usize> {
     }
 }
 
-/// Whether this path takes a step of `tokens` tokens for this layer.
-pub fn takes(cfg: &ModelConfig, w: &MoeWeights, tokens: usize) -> bool {
-    (1..=max_tokens()).contains(&tokens)
+/// Whether this path takes a step of `tokens` tokens for this layer (at most `max_tokens`:
+/// `ops::MoeGemvKernels::max_tokens`).
+pub fn takes(cfg: &ModelConfig, w: &MoeWeights, tokens: usize, max_tokens: usize) -> bool {
+    (1..=max_tokens).contains(&tokens)
         && cfg.hidden_size.is_multiple_of(4 * MOE_GEMV_WARPS)
         && cfg.moe_intermediate_size.is_multiple_of(8)
         && shared_pieces(cfg, w).is_some_and(|p| cfg.num_experts_per_tok + p <= 32)

@@ -1,7 +1,7 @@
 //! kernels/elementwise.cu: embedding, RMSNorm variants, SiLU·mul, conversion, random fills and
 //! the row gather (latent rows for prefill, token rows for the MoE experts and the output head).
 
-use super::{ensure_len, grid_for};
+use super::{count_knob, ensure_len, grid_for};
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
 use half::bf16;
@@ -125,10 +125,7 @@ impl ElementwiseKernels {
                     rmsnorm_f32: k("rmsnorm_f32_split")?,
                     add_rmsnorm: k("add_rmsnorm_split")?,
                     add_rmsnorm_f32_delta: k("add_rmsnorm_f32_delta_split")?,
-                    max_rows: std::env::var("MLA_NORM_SPLIT_MAX_ROWS")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(NORM_SPLIT_MAX_ROWS),
+                    max_rows: count_knob("MLA_NORM_SPLIT_MAX_ROWS", NORM_SPLIT_MAX_ROWS)?,
                 }),
             },
         })

@@ -6,6 +6,7 @@
 //! shapes); exact products in all. The decode-path kernel of issue 12's FP8 weights
 //! (`model::small_linear`).
 
+use super::count_knob;
 use super::dims::{
     FP8_GEMV_MAX_ROWS, GEMV_FP8_STREAM_SMEM_W2T1S8, GEMV_FP8_STREAM_SMEM_W4T1S4, GEMV_FP8_STREAM_SMEM_W4T1S6,
     GEMV_FP8_STREAM_SMEM_W4T2S4, GEMV_FP8_STREAM_SMEM_W8T1S6, GEMV_FP8_STREAM_SMEM_W8T2S3, GEMV_KERNEL_MAX_ROWS,
@@ -196,10 +197,7 @@ impl GemvFp8Kernels {
             mma: m.kernel("gemv_fp8", "gemv_fp8_mma")?,
             stream,
             stream_slots,
-            stream_min_bytes: std::env::var("MLA_GEMV_STREAM_MIN_BYTES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(STREAM_MIN_BYTES),
+            stream_min_bytes: count_knob("MLA_GEMV_STREAM_MIN_BYTES", STREAM_MIN_BYTES)?,
         })
     }
 

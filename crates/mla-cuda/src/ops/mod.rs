@@ -84,6 +84,17 @@ impl Kernels {
 }
 
 /// Checks that a GPU offers `bytes` of dynamic shared memory per block to `what`.
+/// A count read at load from the A/B knob `name` (`MLA_GEMV_STREAM_MIN_BYTES`,
+/// `MLA_NORM_SPLIT_MAX_ROWS`, `MLA_MOE_GEMV_MAX_TOKENS`), `default` where it is unset. Anything
+/// but a non-negative integer is refused, so a mistyped override never runs the default unseen.
+fn count_knob(name: &str, default: usize) -> anyhow::Result<usize> {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => Ok(default),
+        Ok(v) => v.trim().parse().map_err(|_| anyhow::anyhow!("{name}={v}: expected a non-negative integer")),
+        Err(e) => anyhow::bail!("{name}: {e}"),
+    }
+}
+
 fn ensure_smem(info: &GpuInfo, bytes: usize, what: &str) -> anyhow::Result<()> {
     anyhow::ensure!(
         info.max_smem_per_block_optin >= bytes,
@@ -106,3 +117,24 @@ macro_rules! ensure_len {
     };
 }
 pub(crate) use ensure_len;
+
+#[cfg(test)]
+mod tests {
+    use super::count_knob;
+
+    #[test]
+    fn a_count_knob_is_its_default_unset_and_refuses_what_is_not_a_count() {
+        // A name no other test or run sets (the environment is the process's).
+        let name = "MLA_TEST_COUNT_KNOB_7F3A";
+        std::env::remove_var(name);
+        assert_eq!(count_knob(name, 16).unwrap(), 16);
+        std::env::set_var(name, " 64 ");
+        assert_eq!(count_knob(name, 16).unwrap(), 64);
+        for bad in ["sixty", "-1", "1.5", ""] {
+            std::env::set_var(name, bad);
+            let e = count_knob(name, 16).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains("non-negative integer"), "{bad:?}: {e}");
+        }
+        std::env::remove_var(name);
+    }
+}

@@ -3,6 +3,7 @@
 //! the same launches, on bf16 or block-FP8 expert weights. When the model takes this path is
 //! `model::moe_small`'s decision.
 
+use super::count_knob;
 use super::dims::MOE_GEMV_WARPS;
 use super::expert_mats::ExpertMats;
 use super::linear::FP8_BLOCK;
@@ -27,7 +28,15 @@ pub struct MoeGemvKernels {
     /// the model (asked at first use).
     down_waves: RefCell<Vec<(DownKernel, u32, usize)>>,
     sm_count: usize,
+    /// Most tokens a step may have for these kernels (`MOE_GEMV_MAX_TOKENS`, or
+    /// `MLA_MOE_GEMV_MAX_TOKENS` for A/B runs).
+    max_tokens: usize,
 }
+
+/// Most tokens a step may have for this path. Each routed slot reads its expert's weights, so
+/// past a few tokens (experts shared between tokens) the grouped GEMMs read less: at 8 tokens they
+/// won (run S35: V2-Lite FP8 decode at B = 8, 1,731 tok/s grouped against 1,270 here).
+pub const MOE_GEMV_MAX_TOKENS: usize = 4;
 
 /// The widest experts (columns of the down projection) the narrow FP8 down kernel takes: one
 /// 16-byte chunk of a row per lane.
@@ -115,7 +124,13 @@ impl MoeGemvKernels {
             down_fp8_narrow: k("moe_gemv_down_fp8_narrow")?,
             down_waves: RefCell::default(),
             sm_count: info.sm_count,
+            max_tokens: count_knob("MLA_MOE_GEMV_MAX_TOKENS", MOE_GEMV_MAX_TOKENS)?,
         })
+    }
+
+    /// Most tokens a step may have for these kernels (`model::moe_small::takes`).
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
     }
 
     pub fn router(&self, s: CUstream, p: &MoeGemvRouter) -> anyhow::Result<()> {
