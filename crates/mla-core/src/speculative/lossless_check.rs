@@ -192,15 +192,21 @@ fn run(b: &mut dyn Backend, setup: &Setup, mut feed: impl FnMut(&[u32], &[u32]) 
     runs
 }
 
-/// Pearson's chi-square of `samples` against `p`, categories with an expected count under 5
-/// pooled (with what `p` leaves out), and its degrees of freedom.
-fn chi_square(samples: impl Iterator<Item = u32>, p: &HashMap<u32, f64>) -> (f64, usize) {
+/// How often each token occurs in `samples`, and how many there are.
+fn tally(samples: impl Iterator<Item = u32>) -> (HashMap<u32, u64>, u64) {
     let mut counts: HashMap<u32, u64> = HashMap::new();
     let mut n = 0u64;
     for t in samples {
         *counts.entry(t).or_insert(0) += 1;
         n += 1;
     }
+    (counts, n)
+}
+
+/// Pearson's chi-square of `samples` against `p`, categories with an expected count under 5
+/// pooled (with what `p` leaves out), and its degrees of freedom.
+fn chi_square(samples: impl Iterator<Item = u32>, p: &HashMap<u32, f64>) -> (f64, usize) {
+    let (counts, n) = tally(samples);
     let big: Vec<u32> = p.iter().filter(|(_, &q)| q * n as f64 >= 5.0).map(|(&t, _)| t).collect();
     let mut stat = 0.0;
     let (mut rest_count, mut rest_p) = (n, 1.0);
@@ -296,12 +302,7 @@ fn check(what: &str, runs: &Runs, exact: &Exact) {
 
 /// Prints the tokens whose counts stray furthest from what `p` expects (a failed check's why).
 fn report_worst(samples: impl Iterator<Item = u32>, p: &HashMap<u32, f64>) {
-    let mut counts: HashMap<u32, u64> = HashMap::new();
-    let mut n = 0u64;
-    for t in samples {
-        *counts.entry(t).or_insert(0) += 1;
-        n += 1;
-    }
+    let (counts, n) = tally(samples);
     let mut tokens: Vec<u32> = counts.keys().chain(p.keys()).copied().collect();
     tokens.sort_unstable();
     tokens.dedup();
