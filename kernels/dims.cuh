@@ -88,6 +88,11 @@ constexpr int GEMV_FP8_STREAM_SMEM_W2T1S8 = 2 * (8 * GEMV_FP8_STREAM_STAGE_T1 + 
 constexpr int GEMV_FP8_STREAM_SMEM_W4T1S6 = 4 * (6 * GEMV_FP8_STREAM_STAGE_T1 + 4 * 32 * 4);
 constexpr int GEMV_FP8_STREAM_SMEM_W8T2S3 = 8 * (3 * GEMV_FP8_STREAM_STAGE_T2 + 2 * 4 * 32 * 4);
 
+// Router top-k (moe.cu): most experts one lane holds. A run of 32 / n_group lanes holds a group,
+// so 16 covers every n_group <= 32 dividing at most 256 experts (the worst, 255 in 17 groups,
+// needs 15).
+constexpr int MOE_ROUTE_MAX_SLOTS = 16;
+
 // Small-step MoE GEMVs: warps per block of the router and gate/up kernels.
 constexpr int MOE_GEMV_WARPS = 4;
 

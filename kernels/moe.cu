@@ -6,7 +6,6 @@
 #include "common.cuh"
 
 enum : int { ROUTE_GREEDY = 0, ROUTE_GROUP_LIMITED = 1, ROUTE_NOAUX_TC = 2 };
-constexpr int MAX_EXPERTS_PER_LANE = 8;  // 256 experts per warp
 
 // Warp-wide argmax over (value, index): larger value wins, then the lower index.
 DEVICE_INLINE void warp_argmax(float& v, int& idx) {
@@ -21,132 +20,133 @@ DEVICE_INLINE void warp_argmax(float& v, int& idx) {
     }
 }
 
-// One warp per token; expert e lives in lane e % 32, slot e / 32.
+// The two largest of a multiset of values (a group's score needs values only: which of two equal
+// experts is "second" does not change the sum).
+DEVICE_INLINE void merge_top2(float& a1, float& a2, float b1, float b2) {
+    const float hi = fmaxf(a1, b1);
+    a2 = fmaxf(fminf(a1, b1), fmaxf(a2, b2));
+    a1 = hi;
+}
+
+// One warp per token. The warp's lanes split into `groups` runs of `lanes` lanes (32 / n_group
+// for group-limited routing, else one run of 32), a run per expert group; lane l of a run holds
+// `slots` consecutive experts of its group, in ascending order. So a group's best two and a
+// lane's best candidate come from registers and a few shuffles within the run, and a scan in slot
+// order breaks ties toward the lower index as torch.topk does. The first version kept expert e in
+// lane e % 32 and ran a full warp argmax per group and per pick (28 for V3, each 5 dependent
+// shuffle pairs) with a division per register: 12.6 us a token under ncu (run S31).
 extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens,
                                      int experts, int top_k, int n_group, int topk_group, int method, int norm_topk,
                                      float routed_scale, int* __restrict__ topk_ids, float* __restrict__ topk_w) {
-    PDL_ENTRY();
+    constexpr unsigned FULL = 0xffffffffu;
     const int warps = blockDim.x >> 5;
     const int t = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
+    const bool grouped = method != ROUTE_GREEDY && n_group > 1;
+    const int groups = grouped ? n_group : 1;
+    const int lanes = 32 / groups;
+    const int per_group = experts / groups;
+    const int slots = (per_group + lanes - 1) / lanes;  // <= MOE_ROUTE_MAX_SLOTS (checked by the launcher)
+    const int group = lane / lanes;                     // == groups for the spare lanes past the last run
+    const int in_group = (lane - group * lanes) * slots;
+    const int mine = group < groups ? max(0, min(slots, per_group - in_group)) : 0;
+    const int first = group * per_group + in_group;  // this lane's experts: first .. first + mine - 1
+
+    // The correction bias is a weight: read it before waiting on the router's logits.
+    float b[MOE_ROUTE_MAX_SLOTS];
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+        b[j] = method == ROUTE_NOAUX_TC && j < mine ? __ldg(bias + first + j) : 0.f;
+    PDL_ENTRY();
     if (t >= tokens) return;
     const float* row = logits + (size_t)t * experts;
 
-    float score[MAX_EXPERTS_PER_LANE], choice[MAX_EXPERTS_PER_LANE];
-    float mx = -INFINITY;
+    float score[MOE_ROUTE_MAX_SLOTS], choice[MOE_ROUTE_MAX_SLOTS];
 #pragma unroll
-    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-        const int e = lane + 32 * j;
-        score[j] = e < experts ? row[e] : -INFINITY;
-        mx = fmaxf(mx, score[j]);
-    }
+    for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) score[j] = j < mine ? row[first + j] : -INFINITY;
     if (method == ROUTE_NOAUX_TC) {
 #pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            const int e = lane + 32 * j;
-            score[j] = e < experts ? 1.f / (1.f + expf(-score[j])) : -INFINITY;
-            choice[j] = e < experts ? score[j] + bias[e] : -INFINITY;
+        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) {
+            score[j] = j < mine ? 1.f / (1.f + expf(-score[j])) : -INFINITY;
+            choice[j] = j < mine ? score[j] + b[j] : -INFINITY;
         }
     } else {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) mx = fmaxf(mx, score[j]);
         mx = warp_max(mx);
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            const int e = lane + 32 * j;
-            score[j] = e < experts ? expf(score[j] - mx) : 0.f;
+        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) {
+            score[j] = j < mine ? expf(score[j] - mx) : 0.f;
             sum += score[j];
         }
         sum = warp_sum(sum);
 #pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            const int e = lane + 32 * j;
-            score[j] = e < experts ? score[j] / sum : -INFINITY;
+        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) {
+            score[j] = j < mine ? score[j] / sum : -INFINITY;
             choice[j] = score[j];
         }
     }
 
-    if (method != ROUTE_GREEDY && n_group > 1) {
-        const int per_group = experts / n_group;
-        // Group scores: the best score (V2) or the sum of the two best biased scores (V3).
-        float my_group_score = -INFINITY;  // lane gi holds group gi's score
-        for (int gi = 0; gi < n_group; ++gi) {
-            float v = -INFINITY;
-            int idx = 0x7fffffff;
+    if (grouped) {
+        // Group scores: the best score (V2) or the sum of the two best biased scores (V3), folded
+        // toward each run's first lane.
+        float v1 = -INFINITY, v2 = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-                const int e = lane + 32 * j;
-                if (e / per_group == gi && e < experts && (choice[j] > v || (choice[j] == v && e < idx))) {
-                    v = choice[j];
-                    idx = e;
-                }
-            }
-            warp_argmax(v, idx);
-            float gs = v;
-            if (method == ROUTE_NOAUX_TC) {
-                float v2 = -INFINITY;
-                int i2 = 0x7fffffff;
-#pragma unroll
-                for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-                    const int e = lane + 32 * j;
-                    if (e / per_group == gi && e < experts && e != idx && choice[j] > v2) {
-                        v2 = choice[j];
-                        i2 = e;
-                    }
-                }
-                warp_argmax(v2, i2);
-                gs = v + v2;
-            }
-            if (lane == gi) my_group_score = gs;
+        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) merge_top2(v1, v2, choice[j], -INFINITY);
+        const int r = lane - group * lanes;
+        for (int o = 1; o < lanes; o <<= 1) {
+            const float o1 = __shfl_down_sync(FULL, v1, o), o2 = __shfl_down_sync(FULL, v2, o);
+            if (r + o < lanes) merge_top2(v1, v2, o1, o2);
         }
-        // Keep the topk_group best groups; HF masks the others' experts with 0.0 for V2 (softmax
-        // scores, never negative) and -inf for V3, whose biased scores may be negative: a 0.0
-        // there could beat a kept expert.
-        bool keep = false;
-        float gv = lane < n_group ? my_group_score : -INFINITY;
-        for (int r = 0; r < topk_group; ++r) {
-            float v = gv;
-            int idx = lane < n_group ? lane : 0x7fffffff;
-            warp_argmax(v, idx);
-            if (lane == idx) {
-                keep = true;
-                gv = -INFINITY;
-            }
+        const float gs = method == ROUTE_NOAUX_TC ? v1 + v2 : v1;
+        // Rank this lane's group among all (a better score, or an equal one of a lower group,
+        // ranks ahead) and keep the topk_group best. HF masks the others' experts with 0.0 for V2
+        // (softmax scores, never negative) and -inf for V3, whose biased scores may be negative:
+        // a 0.0 there could beat a kept expert.
+        const float own = __shfl_sync(FULL, gs, min(group, groups - 1) * lanes);
+        int rank = 0;
+        for (int h = 0; h < groups; ++h) {
+            const float other = __shfl_sync(FULL, gs, h * lanes);
+            rank += other > own || (other == own && h < group);
         }
-        const unsigned kept = __ballot_sync(0xffffffffu, keep);
+        if (rank >= topk_group) {
 #pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            const int e = lane + 32 * j;
-            if (e < experts && !((kept >> (e / per_group)) & 1u))
-                choice[j] = method == ROUTE_NOAUX_TC ? -INFINITY : 0.f;
+            for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+                if (j < mine) choice[j] = method == ROUTE_NOAUX_TC ? -INFINITY : 0.f;
         }
     }
 
+    // top_k picks: each lane offers its best unpicked expert, the warp takes the best offer, its
+    // owner reports the unbiased score. Picked experts leave the race by a bit, not a value, so
+    // that a masked (-inf) expert can still be picked once, by index, as torch.topk would.
+    unsigned picked = 0;
     float my_w = 0.f;
     int my_id = -1;
     float wsum = 0.f;
-    for (int r = 0; r < top_k; ++r) {
+    for (int k = 0; k < top_k; ++k) {
         float v = -INFINITY;
-        int idx = 0x7fffffff;
+        int best = -1;
 #pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            const int e = lane + 32 * j;
-            if (e < experts && (choice[j] > v || (choice[j] == v && e < idx))) {
+        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+            if (j < mine && !((picked >> j) & 1u) && (best < 0 || choice[j] > v)) {
                 v = choice[j];
-                idx = e;
+                best = j;
             }
-        }
+        int idx = best >= 0 ? first + best : 0x7fffffff;
         warp_argmax(v, idx);
-        // The owner lane reports the unbiased score and removes the expert from the race.
+        const bool owner = best >= 0 && idx == first + best;
         float w = 0.f;
+        if (owner) {
+            picked |= 1u << best;
 #pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j)
-            if (lane + 32 * j == idx) {
-                w = score[j];
-                choice[j] = -INFINITY;
-            }
-        w = warp_sum(w);
+            for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+                if (j == best) w = score[j];
+        }
+        w = __shfl_sync(FULL, w, __ffs(__ballot_sync(FULL, owner)) - 1);
         wsum += w;
-        if (lane == r) {
+        if (lane == k) {
             my_w = w;
             my_id = idx;
         }

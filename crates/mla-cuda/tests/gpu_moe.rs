@@ -16,16 +16,40 @@ use mla_cuda::ops::*;
 fn moe_routing_matches_the_cpu_reference_for_every_method() {
     let dev = device();
     let (s, k) = (dev.stream(), &dev.k);
-    // The second V3 case shifts every correction bias below -1.25, so every biased score is negative:
-    // experts of dropped groups must lose to them (HF masks with -inf there, not 0.0).
-    let cases = [("deepseek-v2-lite.json", 10u64, 0.0), ("deepseek-v2.json", 11, 0.0), ("deepseek-v3.json", 12, 0.0)];
-    for (name, seed, shift) in cases.into_iter().chain([("deepseek-v3.json", 13, -1.5f32)]) {
-        let cfg = config(name);
+    // (config, seed, bias shift, (experts, n_group, topk_group, top_k) overrides, tied logits).
+    // A shift below -1.25 makes every biased V3 score negative: experts of dropped groups must lose
+    // to them (HF masks with -inf there, not 0.0). The kernel gives each group a run of 32 / n_group
+    // lanes; the overridden layouts are ones no published model has (runs that leave spare lanes,
+    // 15 experts a lane, a group per lane). Tied cases round the logits to 7 values (and V3's bias
+    // to eighths), so ties break by index everywhere.
+    type Shape = Option<(usize, usize, usize, usize)>;
+    let cases: [(&str, u64, f32, Shape, bool); 10] = [
+        ("deepseek-v2-lite.json", 10, 0.0, None, false),
+        ("deepseek-v2.json", 11, 0.0, None, false),
+        ("deepseek-v3.json", 12, 0.0, None, false),
+        ("deepseek-v3.json", 13, -1.5, None, false),
+        ("deepseek-v3.json", 14, 0.0, Some((72, 3, 2, 6)), false),
+        ("deepseek-v3.json", 15, 0.0, Some((255, 17, 5, 8)), false),
+        ("deepseek-v3.json", 16, 0.0, Some((64, 32, 6, 8)), false),
+        ("deepseek-v3.json", 17, 0.0, None, true),
+        ("deepseek-v2.json", 18, 0.0, Some((96, 6, 2, 6)), false),
+        ("deepseek-v2.json", 19, 0.0, None, true),
+    ];
+    for (name, seed, shift, shape, tied) in cases {
+        let mut cfg = config(name);
+        if let Some((experts, groups, keep, top)) = shape {
+            (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) = (experts, groups, keep, top);
+        }
+        let name = format!("{name} {shape:?} tied {tied}");
         let mut rng = Rng::new(seed);
         let (t, e, top) = (300, cfg.n_routed_experts, cfg.num_experts_per_tok);
-        let logits = rng.uniform(t * e, 3.0);
-        let bias = (cfg.topk_method == mla_core::model::config::TopkMethod::NoauxTc)
-            .then(|| rng.uniform(e, 0.25).iter().map(|b| b + shift).collect::<Vec<f32>>());
+        let mut logits = rng.uniform(t * e, 3.0);
+        if tied {
+            logits.iter_mut().for_each(|x| *x = x.round());
+        }
+        let bias: Option<Vec<f32>> = (cfg.topk_method == mla_core::model::config::TopkMethod::NoauxTc).then(|| {
+            rng.uniform(e, 0.25).iter().map(|b| if tied { (b * 8.0).round() / 8.0 } else { b + shift }).collect()
+        });
         let bufs = RoutingBufs::new(t, e, top);
         let r = bufs.routing(t, e, top);
         let d_logits = up(&logits);

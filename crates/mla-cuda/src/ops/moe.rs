@@ -2,7 +2,7 @@
 //! of (token, slot) assignments by expert with the grouped GEMM's tile map, and the weighted
 //! combine of the expert outputs. The GEMMs themselves are `grouped_gemm`'s.
 
-use super::dims::{GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL};
+use super::dims::{GROUPED_TILE_M, GROUPED_TILE_M_SM90, GROUPED_TILE_M_SMALL, MOE_ROUTE_MAX_SLOTS};
 use super::ensure_len;
 use crate::gpu::{Arg, DSlice, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
@@ -87,6 +87,13 @@ impl RouteParams {
             routed_scaling_factor: cfg.routed_scaling_factor as f32,
         }
     }
+
+    /// Experts one lane of the router kernel holds (kernels/moe.cu, `moe_route`): a run of
+    /// 32 / n_group lanes per group when routing is group-limited, else one run of 32.
+    pub fn lane_slots(&self, experts: usize) -> usize {
+        let groups = if self.method != RouteMethod::Greedy && self.n_group > 1 { self.n_group } else { 1 };
+        (experts / groups).div_ceil(32 / groups)
+    }
 }
 
 /// Device buffers of one MoE routing, for `tokens` tokens.
@@ -139,9 +146,17 @@ impl MoeKernels {
     ) -> anyhow::Result<()> {
         anyhow::ensure!(r.experts <= 256, "{} routed experts: the router kernel handles at most 256", r.experts);
         anyhow::ensure!(
-            r.top_k <= 32 && p.n_group <= 32 && r.experts.is_multiple_of(p.n_group.max(1)),
-            "router: top_k {} / n_group {} unsupported",
+            r.top_k <= 32.min(r.experts) && p.n_group <= 32 && r.experts.is_multiple_of(p.n_group.max(1)),
+            "router: top_k {} / n_group {} unsupported with {} experts",
             r.top_k,
+            p.n_group,
+            r.experts
+        );
+        let slots = p.lane_slots(r.experts);
+        anyhow::ensure!(
+            slots <= MOE_ROUTE_MAX_SLOTS,
+            "router: {} experts in {} groups put {slots} experts on a lane, more than the kernel's {MOE_ROUTE_MAX_SLOTS}",
+            r.experts,
             p.n_group
         );
         ensure_len!(logits, r.tokens * r.experts, "router logits");
@@ -255,5 +270,30 @@ impl MoeKernels {
             ],
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(method: RouteMethod, n_group: usize) -> RouteParams {
+        RouteParams { method, n_group, topk_group: 1, norm_topk_prob: true, routed_scaling_factor: 1.0 }
+    }
+
+    #[test]
+    fn router_lanes_hold_whole_groups_within_the_kernel_limit() {
+        // V2-Lite, V2 and V3 as published, then the worst layout that n_group <= 32 allows.
+        assert_eq!(params(RouteMethod::Greedy, 1).lane_slots(64), 2);
+        assert_eq!(params(RouteMethod::GroupLimited, 8).lane_slots(160), 5);
+        assert_eq!(params(RouteMethod::NoauxTc, 8).lane_slots(256), 8);
+        assert_eq!(params(RouteMethod::NoauxTc, 17).lane_slots(255), 15);
+        // Greedy routing ignores groups: one run of 32 lanes.
+        assert_eq!(params(RouteMethod::Greedy, 8).lane_slots(256), 8);
+        for n_group in 1..=32 {
+            for experts in (n_group..=256).filter(|e| e % n_group == 0) {
+                assert!(params(RouteMethod::NoauxTc, n_group).lane_slots(experts) <= MOE_ROUTE_MAX_SLOTS);
+            }
+        }
     }
 }
