@@ -95,6 +95,13 @@ constexpr int MOE_ROUTE_MAX_SLOTS = 16;
 
 // Small-step MoE GEMVs: warps per block of the router and gate/up kernels.
 constexpr int MOE_GEMV_WARPS = 4;
+// The streaming FP8 gate/up (moe_gate_up_stream.cu): warps per CTA, ring stages per warp, and
+// its dynamic shared memory (per warp: stages of 8 chunks x 32 lanes x 16 bytes and two scales
+// per lane, then 4 partial sums per lane).
+constexpr int MOE_GATE_UP_STREAM_WARPS = 4;
+constexpr int MOE_GATE_UP_STREAM_STAGES = 4;
+constexpr int MOE_GATE_UP_STREAM_SMEM =
+    MOE_GATE_UP_STREAM_WARPS * (MOE_GATE_UP_STREAM_STAGES * (8 * 32 * 16 + 2 * 32 * 4) + 4 * 32 * 4);
 
 // Device sampler: most alternatives a row reports with its log-probability.
 constexpr int MAX_TOP_LOGPROBS = 20;

@@ -5,7 +5,7 @@
 // scheme as gemv.cu's bf16 kernel with half the weight bytes: each warp owns ROWS output rows and
 // streams them with 16-byte loads (16 weights), dequantizing in registers. A 16-weight chunk never
 // crosses a 128-wide scale block, so each chunk's partial sum is scaled once.
-#include "fp8.cuh"
+#include "fp8_stream.cuh"
 
 namespace {
 constexpr int MAXM = GEMV_KERNEL_MAX_ROWS, ROWS = 2, UNROLL = 8, WARPS = 4, SCALE_BLOCK = FP8_SCALE_BLOCK;
@@ -230,34 +230,6 @@ struct StreamLayout {
     static constexpr int CHUNKS = W_CHUNKS + 4;  // and 4 of inputs (32 bytes per 64-wide half)
     static constexpr int STAGE_BYTES = CHUNKS * 32 * 16 + TILES * 32 * 4;
 };
-
-DEVICE_INLINE uint32_t prmt(uint32_t a, uint32_t sel) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(r) : "r"(a), "r"(sel));
-    return r;
-}
-
-// Bytes 0, 1 (SEL 0x9180) or 2, 3 (SEL 0xB3A2) of `word`, two e4m3 codes, as bf16x2, exactly.
-template <uint32_t SEL>
-DEVICE_INLINE uint32_t e4m3x2_to_bf16x2_int(uint32_t word) {
-    const uint32_t v = (prmt(word, SEL) << 4) & 0x87f087f0u;  // bf16 bits of w * 2^-120
-    const uint32_t k = 0x7b807b80u;                           // 2^120, twice
-    const __nv_bfloat162 r =
-        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k));
-    return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-DEVICE_INLINE void cp_async_16_l2(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(valid ? 16 : 0));
-}
-DEVICE_INLINE void cp_async_16_ca(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(valid ? 16 : 0));
-}
-DEVICE_INLINE void cp_async_4_ca(void* smem, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
-}
 
 template <int WARPS, int TILES, int STAGES>
 DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const float* __restrict__ scale_inv, int n_rows,

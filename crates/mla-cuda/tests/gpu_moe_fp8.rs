@@ -406,7 +406,7 @@ fn moe_gemv_fp8_matches_an_f64_reference_and_the_bf16_kernels() {
         let dev_bf16 = [&gu, &dn, &sgu, &sdn].map(|w| up_bf16(&w.dequant_f32()));
         let (d_x, d_ids, d_w) = (up_bf16(&x), up(&ids), up(&wts));
         for t in 1..=tmax {
-            let run = |mats: [ExpertMats; 4]| {
+            let run = |mats: [ExpertMats; 4], gate_up: GateUpKernel| {
                 let (act, act_sh, out) = (nan_bf16(t * top * im), nan_bf16((t * ims).max(1)), nan_bf16(t * h));
                 let p = MoeGemvExperts {
                     tokens: t,
@@ -424,29 +424,32 @@ fn moe_gemv_fp8_matches_an_f64_reference_and_the_bf16_kernels() {
                     act_shared: act_sh.slice(),
                     out: out.slice(),
                 };
-                k.moe_gemv.experts(s, &p).unwrap();
+                k.moe_gemv.experts_with(s, &p, gate_up).unwrap();
                 dev.gpu.sync().unwrap();
                 (down_bf16(act.slice()), down_bf16(act_sh.slice()), down_bf16(out.slice()))
             };
-            let (act, act_sh, out) = run(dev_fp8.each_ref().map(fp8_mats));
-            let (_, _, out_bf16) = run(dev_bf16.each_ref().map(|w| ExpertMats::Bf16(w.slice())));
-            let e_act = rel64(&act, &act_want[..t * top * im]);
-            let e_sh = if c.pieces > 0 { rel64(&act_sh[..t * ims], &sh_want[..t * ims]) } else { 0.0 };
-            let e_out = rel64(&out, &out_want[..t * h]);
-            let e_wrong = rel64(&out, &out_wrong[..t * h]);
-            let out_bf16_64: Vec<f64> = out_bf16.iter().map(|&v| v as f64).collect();
-            let e_bf16 = rel64(&out, &out_bf16_64);
-            println!(
-                "moe gemv fp8 H={h} I={im} E={ex} top {top} pieces {} t={t}: act {e_act:.2e} shared {e_sh:.2e} \
-                 out {e_out:.2e}; vs bf16 kernels {e_bf16:.2e}; vs shifted scales {e_wrong:.2e}",
-                c.pieces
-            );
-            // f32 sums in another order than f64 on the same operands: only rare one-ulp flips
-            // at the bf16 rounding points separate them.
-            assert!(e_act < 1e-3 && e_sh < 1e-3 && e_out < 1e-3, "H={h} t={t}: off the f64 reference");
-            // bf16-rounded weights: about 2^-9 relative per weight.
-            assert!(e_bf16 < 2e-2, "H={h} t={t}: off the bf16 kernels on dequantized weights ({e_bf16})");
-            assert!(e_wrong > 5e-2, "H={h} t={t}: a misread scale grid would pass ({e_wrong})");
+            let (_, _, out_bf16) = run(dev_bf16.each_ref().map(|w| ExpertMats::Bf16(w.slice())), GateUpKernel::Warp);
+            // Both FP8 gate/up kernels (the streaming one on sm_90a), each against the reference.
+            for gate_up in [GateUpKernel::Warp, GateUpKernel::Stream] {
+                let (act, act_sh, out) = run(dev_fp8.each_ref().map(fp8_mats), gate_up);
+                let e_act = rel64(&act, &act_want[..t * top * im]);
+                let e_sh = if c.pieces > 0 { rel64(&act_sh[..t * ims], &sh_want[..t * ims]) } else { 0.0 };
+                let e_out = rel64(&out, &out_want[..t * h]);
+                let e_wrong = rel64(&out, &out_wrong[..t * h]);
+                let out_bf16_64: Vec<f64> = out_bf16.iter().map(|&v| v as f64).collect();
+                let e_bf16 = rel64(&out, &out_bf16_64);
+                println!(
+                    "moe gemv fp8 {gate_up:?} H={h} I={im} E={ex} top {top} pieces {} t={t}: act {e_act:.2e} shared \
+                 {e_sh:.2e} out {e_out:.2e}; vs bf16 kernels {e_bf16:.2e}; vs shifted scales {e_wrong:.2e}",
+                    c.pieces
+                );
+                // f32 sums in another order than f64 on the same operands: only rare one-ulp flips
+                // at the bf16 rounding points separate them.
+                assert!(e_act < 1e-3 && e_sh < 1e-3 && e_out < 1e-3, "H={h} t={t}: off the f64 reference");
+                // bf16-rounded weights: about 2^-9 relative per weight.
+                assert!(e_bf16 < 2e-2, "H={h} t={t}: off the bf16 kernels on dequantized weights ({e_bf16})");
+                assert!(e_wrong > 5e-2, "H={h} t={t}: a misread scale grid would pass ({e_wrong})");
+            }
         }
     }
 }

@@ -4,8 +4,9 @@
 //! `model::moe_small`'s decision.
 
 use super::count_knob;
-use super::dims::MOE_GEMV_WARPS;
+use super::dims::{MOE_GATE_UP_STREAM_SMEM, MOE_GATE_UP_STREAM_WARPS, MOE_GEMV_WARPS};
 use super::expert_mats::ExpertMats;
+use super::gemv_fp8::{StreamConfig, STREAM_MAX_SPLITS};
 use super::linear::FP8_BLOCK;
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
@@ -18,6 +19,11 @@ pub struct MoeGemvKernels {
     down: Kernel,
     /// The same two on block-FP8 expert weights.
     gate_up_fp8: Kernel,
+    /// kernels/moe_gate_up_stream.cu (sm_90a cubin only) and the CTAs the GPU holds at once.
+    gate_up_fp8_stream: Option<(Kernel, usize)>,
+    /// Which FP8 gate/up kernel `experts` takes (`MLA_MOE_GATE_UP_STREAM=0` keeps the warp
+    /// kernel, for A/B runs).
+    fp8_gate_up: GateUpKernel,
     down_fp8: Kernel,
     /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`DownKernel::choose`).
     down_fp8_narrow: Kernel,
@@ -43,6 +49,20 @@ pub const MOE_GEMV_MAX_TOKENS: usize = 4;
 pub const NARROW_DOWN_MAX_INTER: usize = 32 * 16;
 /// Output rows the narrow kernel takes per round (kernels/moe_gemv.cu `DOWN_ROWS`).
 const NARROW_DOWN_ROWS: usize = 8;
+
+/// The two gate/up kernels on block-FP8 experts.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GateUpKernel {
+    /// moe_gemv_gate_up_fp8: a warp per (slot, column), every GPU.
+    Warp,
+    /// moe_gate_up_fp8_stream: MMA tiles fed by cp.async rings, K split over a cluster (sm_90a).
+    Stream,
+}
+
+/// The streaming gate/up's columns per CTA (8 a warp).
+const STREAM_CTA_COLS: usize = 8 * MOE_GATE_UP_STREAM_WARPS;
+/// Most tokens the streaming gate/up multiplies at once (the MMA's 8 columns).
+const STREAM_MAX_TOKENS: usize = 8;
 
 /// Which down kernel a step takes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -113,7 +133,25 @@ impl MoeGemvKernels {
         let gate_up = k("moe_gemv_gate_up")?;
         let gate_up_fp8 = k("moe_gemv_gate_up_fp8")?;
         let threads = (32 * MOE_GEMV_WARPS) as u32;
+        // Clusters and 70 KB of shared memory: the sm_90a cubin only.
+        let gate_up_fp8_stream = if !m.used_ptx && MOE_GATE_UP_STREAM_SMEM <= info.max_smem_per_block_optin {
+            let kernel = k("moe_gate_up_fp8_stream")?;
+            kernel.set_max_dynamic_smem(MOE_GATE_UP_STREAM_SMEM)?;
+            let threads = (32 * MOE_GATE_UP_STREAM_WARPS) as u32;
+            let slots = info.sm_count * kernel.max_active_blocks_per_sm(threads, MOE_GATE_UP_STREAM_SMEM)?;
+            Some((kernel, slots))
+        } else {
+            None
+        };
+        let stream_knob = count_knob("MLA_MOE_GATE_UP_STREAM", 1)?;
+        anyhow::ensure!(stream_knob <= 1, "MLA_MOE_GATE_UP_STREAM={stream_knob}: 0 (warp kernel) or 1 (streaming)");
+        let fp8_gate_up = match (stream_knob, &gate_up_fp8_stream) {
+            (1, Some(_)) => GateUpKernel::Stream,
+            _ => GateUpKernel::Warp,
+        };
         Ok(MoeGemvKernels {
+            gate_up_fp8_stream,
+            fp8_gate_up,
             router: k("moe_router_gemv")?,
             gate_up_wave: info.sm_count * gate_up.max_active_blocks_per_sm(threads, 0)?,
             gate_up_fp8_wave: info.sm_count * gate_up_fp8.max_active_blocks_per_sm(threads, 0)?,
@@ -166,6 +204,12 @@ impl MoeGemvKernels {
     /// top-k ids and weights. Routed and shared experts must share a format; block-FP8 needs
     /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
+        self.experts_with(s, p, self.fp8_gate_up)
+    }
+
+    /// `experts` with a chosen gate/up kernel for block-FP8 experts (bf16 experts have one);
+    /// tests and benchmarks compare the two.
+    pub fn experts_with(&self, s: CUstream, p: &MoeGemvExperts, fp8_gate_up: GateUpKernel) -> anyhow::Result<()> {
         let (t, k, h, im, pieces) = (p.tokens, p.top_k, p.hidden, p.inter, p.shared_pieces);
         let ims = pieces * im;
         anyhow::ensure!(
@@ -200,10 +244,6 @@ impl MoeGemvKernels {
             }
             None => (ExpertMats::null_args(fp8), ExpertMats::null_args(fp8)),
         };
-        let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
-        // One wave of blocks whose warps stride over the items (no ragged last wave).
-        let (kernel, wave) =
-            if fp8 { (&self.gate_up_fp8, self.gate_up_fp8_wave) } else { (&self.gate_up, self.gate_up_wave) };
         let mut args = vec![
             Arg::Ptr(p.x.ptr),
             Arg::I32(h as i32),
@@ -215,13 +255,21 @@ impl MoeGemvKernels {
         args.push(Arg::I32(im as i32));
         args.extend(sh_gate_up);
         args.extend([Arg::I32(ims as i32), Arg::Ptr(p.act.ptr), Arg::Ptr(p.act_shared.ptr)]);
-        kernel.launch(
-            s,
-            (items.div_ceil(MOE_GEMV_WARPS).min(wave) as u32, 1, 1),
-            (32 * MOE_GEMV_WARPS) as u32,
-            0,
-            &args,
-        )?;
+        if fp8 && fp8_gate_up == GateUpKernel::Stream {
+            self.gate_up_stream(s, p, &args)?;
+        } else {
+            let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
+            // One wave of blocks whose warps stride over the items (no ragged last wave).
+            let (kernel, wave) =
+                if fp8 { (&self.gate_up_fp8, self.gate_up_fp8_wave) } else { (&self.gate_up, self.gate_up_wave) };
+            kernel.launch(
+                s,
+                (items.div_ceil(MOE_GEMV_WARPS).min(wave) as u32, 1, 1),
+                (32 * MOE_GEMV_WARPS) as u32,
+                0,
+                &args,
+            )?;
+        }
         let which = DownKernel::choose(fp8, im, h);
         let kernel = match which {
             DownKernel::Bf16 => &self.down,
@@ -252,6 +300,37 @@ impl MoeGemvKernels {
         args.extend([Arg::I32(pieces as i32), Arg::Ptr(p.out.ptr), Arg::I32(h as i32)]);
         let blocks = (h / which.rows()).min(wave.div_ceil(t).max(1));
         kernel.launch(s, (blocks as u32, t as u32, 1), down_threads, 0, &args)?;
+        Ok(())
+    }
+
+    /// moe_gate_up_fp8_stream over the slots' and shared experts' column ranges, K split as far
+    /// as one wave of CTAs allows (`StreamConfig::no_empty_split`: every split gets K blocks).
+    /// `args` are the warp kernel's, which it shares.
+    fn gate_up_stream(&self, s: CUstream, p: &MoeGemvExperts, args: &[Arg]) -> anyhow::Result<()> {
+        let (tokens, hidden, inter, shared_inter) = (p.tokens, p.hidden, p.inter, p.shared_pieces * p.inter);
+        let Some((kernel, slots)) = &self.gate_up_fp8_stream else {
+            anyhow::bail!("moe gemv: the streaming gate/up needs the sm_90a cubin");
+        };
+        anyhow::ensure!(
+            tokens <= STREAM_MAX_TOKENS
+                && inter.is_multiple_of(STREAM_CTA_COLS)
+                && shared_inter.is_multiple_of(STREAM_CTA_COLS),
+            "moe gemv: the streaming gate/up takes at most {STREAM_MAX_TOKENS} tokens and widths in multiples \
+             of {STREAM_CTA_COLS}, got {tokens}, {inter} and {shared_inter}"
+        );
+        let ctas = tokens * p.top_k * inter / STREAM_CTA_COLS + shared_inter / STREAM_CTA_COLS;
+        let splits = (1..=STREAM_MAX_SPLITS)
+            .filter(|&n| StreamConfig::no_empty_split(hidden, n) == n && ctas * n <= *slots)
+            .max()
+            .unwrap_or(1);
+        kernel.launch_cluster(
+            s,
+            (splits as u32, ctas as u32, 1),
+            (32 * MOE_GATE_UP_STREAM_WARPS) as u32,
+            MOE_GATE_UP_STREAM_SMEM as u32,
+            splits as u32,
+            args,
+        )?;
         Ok(())
     }
 }
