@@ -135,7 +135,7 @@ impl MoeGemvKernels {
         let threads = (32 * MOE_GEMV_WARPS) as u32;
         // Clusters and 70 KB of shared memory: the sm_90a cubin only.
         let gate_up_fp8_stream = if !m.used_ptx && MOE_GATE_UP_STREAM_SMEM <= info.max_smem_per_block_optin {
-            let kernel = k("moe_gate_up_fp8_stream")?;
+            let kernel = m.kernel("moe_gate_up_stream", "moe_gate_up_fp8_stream")?;
             kernel.set_max_dynamic_smem(MOE_GATE_UP_STREAM_SMEM)?;
             let threads = (32 * MOE_GATE_UP_STREAM_WARPS) as u32;
             let slots = info.sm_count * kernel.max_active_blocks_per_sm(threads, MOE_GATE_UP_STREAM_SMEM)?;
