@@ -6,7 +6,7 @@
 use super::count_knob;
 use super::dims::{MOE_GATE_UP_STREAM_SMEM, MOE_GATE_UP_STREAM_WARPS, MOE_GEMV_WARPS};
 use super::expert_mats::ExpertMats;
-use super::gemv_fp8::{StreamConfig, STREAM_MAX_SPLITS};
+use super::gemv_fp8::StreamConfig;
 use super::linear::FP8_BLOCK;
 use crate::gpu::{Arg, DSlice, GpuInfo, Kernel, Modules};
 use cudarc::driver::sys::CUstream;
@@ -21,9 +21,8 @@ pub struct MoeGemvKernels {
     gate_up_fp8: Kernel,
     /// kernels/moe_gate_up_stream.cu (sm_90a cubin only) and the CTAs the GPU holds at once.
     gate_up_fp8_stream: Option<(Kernel, usize)>,
-    /// Which FP8 gate/up kernel `experts` takes (`MLA_MOE_GATE_UP_STREAM=0` keeps the warp
-    /// kernel, for A/B runs).
-    fp8_gate_up: GateUpKernel,
+    /// When `experts` takes the streaming FP8 gate/up (`MLA_MOE_GATE_UP_STREAM` for A/B runs).
+    stream_policy: StreamPolicy,
     down_fp8: Kernel,
     /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`DownKernel::choose`).
     down_fp8_narrow: Kernel,
@@ -58,6 +57,45 @@ pub enum GateUpKernel {
     /// moe_gate_up_fp8_stream: MMA tiles fed by cp.async rings, K split over a cluster (sm_90a).
     Stream,
 }
+
+/// When the streaming gate/up runs: `MLA_MOE_GATE_UP_STREAM` = 0 never, 1 where it measured
+/// faster (the default), 2 always (where the cubin has it).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum StreamPolicy {
+    Never,
+    Measured,
+    Always,
+}
+
+/// The streaming gate/up's CTAs per SM, at one K split, from which it takes a step under
+/// `StreamPolicy::Measured`. Each CTA keeps 3 stages of 8 KB in flight, and a step with fewer
+/// CTAs than SMs x 2 leaves SMs with less in flight or less work than others: on a TP-8 rank of
+/// V3 (H200, runs S42-S43) it lost at 1-3 tokens (72-200 CTAs on 132 SMs; plain decode 5.37
+/// against 5.32 ms at B = 1, 6.76 against 6.51 at 2, 7.87 against 7.52 at 3, the best K split
+/// each) and won at 4 (264 CTAs, 2 per SM: 8.42 against 8.82 ms).
+const STREAM_MIN_CTAS_PER_SM: usize = 2;
+
+impl StreamPolicy {
+    /// The FP8 gate/up kernel for a step of `tokens` whose streaming grid has `ctas` CTAs at one
+    /// split, on `sm_count` SMs.
+    fn gate_up(self, tokens: usize, ctas: usize, sm_count: usize) -> GateUpKernel {
+        let stream = tokens <= STREAM_MAX_TOKENS
+            && match self {
+                StreamPolicy::Never => false,
+                StreamPolicy::Measured => ctas >= sm_count * STREAM_MIN_CTAS_PER_SM,
+                StreamPolicy::Always => true,
+            };
+        if stream {
+            GateUpKernel::Stream
+        } else {
+            GateUpKernel::Warp
+        }
+    }
+}
+
+/// Most K splits of the streaming gate/up: at B = 1 on a TP-8 rank of V3, 3 or 4 splits took
+/// 19.7-20.0 us under ncu, 5 (the most one wave holds) 23.8 (run S42).
+const STREAM_GATE_UP_MAX_SPLITS: usize = 4;
 
 /// The streaming gate/up's columns per CTA (8 a warp).
 const STREAM_CTA_COLS: usize = 8 * MOE_GATE_UP_STREAM_WARPS;
@@ -143,15 +181,16 @@ impl MoeGemvKernels {
         } else {
             None
         };
-        let stream_knob = count_knob("MLA_MOE_GATE_UP_STREAM", 1)?;
-        anyhow::ensure!(stream_knob <= 1, "MLA_MOE_GATE_UP_STREAM={stream_knob}: 0 (warp kernel) or 1 (streaming)");
-        let fp8_gate_up = match (stream_knob, &gate_up_fp8_stream) {
-            (1, Some(_)) => GateUpKernel::Stream,
-            _ => GateUpKernel::Warp,
+        let stream_policy = match count_knob("MLA_MOE_GATE_UP_STREAM", 1)? {
+            _ if gate_up_fp8_stream.is_none() => StreamPolicy::Never,
+            0 => StreamPolicy::Never,
+            1 => StreamPolicy::Measured,
+            2 => StreamPolicy::Always,
+            n => anyhow::bail!("MLA_MOE_GATE_UP_STREAM={n}: 0 (never), 1 (where it measured faster) or 2 (always)"),
         };
         Ok(MoeGemvKernels {
             gate_up_fp8_stream,
-            fp8_gate_up,
+            stream_policy,
             router: k("moe_router_gemv")?,
             gate_up_wave: info.sm_count * gate_up.max_active_blocks_per_sm(threads, 0)?,
             gate_up_fp8_wave: info.sm_count * gate_up_fp8.max_active_blocks_per_sm(threads, 0)?,
@@ -204,7 +243,14 @@ impl MoeGemvKernels {
     /// top-k ids and weights. Routed and shared experts must share a format; block-FP8 needs
     /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
-        self.experts_with(s, p, self.fp8_gate_up)
+        let kernel = self.stream_policy.gate_up(p.tokens, Self::stream_ctas(p), self.sm_count);
+        self.experts_with(s, p, kernel)
+    }
+
+    /// CTAs of the streaming gate/up at one K split: the routed slots' and the shared experts'
+    /// column ranges.
+    fn stream_ctas(p: &MoeGemvExperts) -> usize {
+        (p.tokens * p.top_k * p.inter + p.shared_pieces * p.inter) / STREAM_CTA_COLS
     }
 
     /// `experts` with a chosen gate/up kernel for block-FP8 experts (bf16 experts have one);
@@ -304,7 +350,8 @@ impl MoeGemvKernels {
     }
 
     /// moe_gate_up_fp8_stream over the slots' and shared experts' column ranges, K split as far
-    /// as one wave of CTAs allows (`StreamConfig::no_empty_split`: every split gets K blocks).
+    /// as one wave of CTAs allows, up to `STREAM_GATE_UP_MAX_SPLITS`
+    /// (`StreamConfig::no_empty_split`: every split gets K blocks).
     /// `args` are the warp kernel's, which it shares.
     fn gate_up_stream(&self, s: CUstream, p: &MoeGemvExperts, args: &[Arg]) -> anyhow::Result<()> {
         let (tokens, hidden, inter, shared_inter) = (p.tokens, p.hidden, p.inter, p.shared_pieces * p.inter);
@@ -318,8 +365,8 @@ impl MoeGemvKernels {
             "moe gemv: the streaming gate/up takes at most {STREAM_MAX_TOKENS} tokens and widths in multiples \
              of {STREAM_CTA_COLS}, got {tokens}, {inter} and {shared_inter}"
         );
-        let ctas = tokens * p.top_k * inter / STREAM_CTA_COLS + shared_inter / STREAM_CTA_COLS;
-        let splits = (1..=STREAM_MAX_SPLITS)
+        let ctas = Self::stream_ctas(p);
+        let splits = (1..=STREAM_GATE_UP_MAX_SPLITS)
             .filter(|&n| StreamConfig::no_empty_split(hidden, n) == n && ctas * n <= *slots)
             .max()
             .unwrap_or(1);
@@ -332,5 +379,24 @@ impl MoeGemvKernels {
             args,
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_streaming_gate_up_takes_the_steps_it_measured_faster_on() {
+        // A TP-8 rank of V3 on 132 SMs: 8 slots of 256 columns a token and one shared expert,
+        // 32 columns a CTA (S42-S43: the warp kernel at 1-3 tokens, the stream at 4).
+        let ctas = |tokens: usize| (tokens * 8 * 256 + 256) / STREAM_CTA_COLS;
+        let pick = |policy: StreamPolicy, tokens| policy.gate_up(tokens, ctas(tokens), 132);
+        assert_eq!([1, 2, 3].map(|t| pick(StreamPolicy::Measured, t)), [GateUpKernel::Warp; 3]);
+        assert_eq!(pick(StreamPolicy::Measured, 4), GateUpKernel::Stream);
+        assert_eq!(pick(StreamPolicy::Always, 1), GateUpKernel::Stream);
+        assert_eq!(pick(StreamPolicy::Never, 4), GateUpKernel::Warp);
+        // Past the MMA's 8 token columns every policy keeps the warp kernel.
+        assert_eq!(pick(StreamPolicy::Always, STREAM_MAX_TOKENS + 1), GateUpKernel::Warp);
     }
 }
