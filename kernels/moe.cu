@@ -35,9 +35,10 @@ DEVICE_INLINE void merge_top2(float& a1, float& a2, float b1, float b2) {
 // order breaks ties toward the lower index as torch.topk does. The first version kept expert e in
 // lane e % 32 and ran a full warp argmax per group and per pick (28 for V3, each 5 dependent
 // shuffle pairs) with a division per register: 12.6 us a token under ncu (run S31).
-extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens,
-                                     int experts, int top_k, int n_group, int topk_group, int method, int norm_topk,
-                                     float routed_scale, int* __restrict__ topk_ids, float* __restrict__ topk_w) {
+template <int SLOTS>
+DEVICE_INLINE void moe_route_body(const float* __restrict__ logits, const float* __restrict__ bias, int tokens,
+                                  int experts, int top_k, int n_group, int topk_group, int method, int norm_topk,
+                                  float routed_scale, int* __restrict__ topk_ids, float* __restrict__ topk_w) {
     constexpr unsigned FULL = 0xffffffffu;
     const int warps = blockDim.x >> 5;
     const int t = blockIdx.x * warps + (threadIdx.x >> 5);
@@ -46,44 +47,43 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
     const int groups = grouped ? n_group : 1;
     const int lanes = 32 / groups;
     const int per_group = experts / groups;
-    const int slots = (per_group + lanes - 1) / lanes;  // <= MOE_ROUTE_MAX_SLOTS (checked by the launcher)
+    const int slots = (per_group + lanes - 1) / lanes;  // <= SLOTS (the launcher picks the instance)
     const int group = lane / lanes;                     // == groups for the spare lanes past the last run
     const int in_group = (lane - group * lanes) * slots;
     const int mine = group < groups ? max(0, min(slots, per_group - in_group)) : 0;
     const int first = group * per_group + in_group;  // this lane's experts: first .. first + mine - 1
 
     // The correction bias is a weight: read it before waiting on the router's logits.
-    float b[MOE_ROUTE_MAX_SLOTS];
+    float b[SLOTS];
 #pragma unroll
-    for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
-        b[j] = method == ROUTE_NOAUX_TC && j < mine ? __ldg(bias + first + j) : 0.f;
+    for (int j = 0; j < SLOTS; ++j) b[j] = method == ROUTE_NOAUX_TC && j < mine ? __ldg(bias + first + j) : 0.f;
     PDL_ENTRY();
     if (t >= tokens) return;
     const float* row = logits + (size_t)t * experts;
 
-    float score[MOE_ROUTE_MAX_SLOTS], choice[MOE_ROUTE_MAX_SLOTS];
+    float score[SLOTS], choice[SLOTS];
 #pragma unroll
-    for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) score[j] = j < mine ? row[first + j] : -INFINITY;
+    for (int j = 0; j < SLOTS; ++j) score[j] = j < mine ? row[first + j] : -INFINITY;
     if (method == ROUTE_NOAUX_TC) {
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) {
+        for (int j = 0; j < SLOTS; ++j) {
             score[j] = j < mine ? 1.f / (1.f + expf(-score[j])) : -INFINITY;
             choice[j] = j < mine ? score[j] + b[j] : -INFINITY;
         }
     } else {
         float mx = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) mx = fmaxf(mx, score[j]);
+        for (int j = 0; j < SLOTS; ++j) mx = fmaxf(mx, score[j]);
         mx = warp_max(mx);
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) {
+        for (int j = 0; j < SLOTS; ++j) {
             score[j] = j < mine ? expf(score[j] - mx) : 0.f;
             sum += score[j];
         }
         sum = warp_sum(sum);
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) {
+        for (int j = 0; j < SLOTS; ++j) {
             score[j] = j < mine ? score[j] / sum : -INFINITY;
             choice[j] = score[j];
         }
@@ -94,7 +94,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         // toward each run's first lane.
         float v1 = -INFINITY, v2 = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j) merge_top2(v1, v2, choice[j], -INFINITY);
+        for (int j = 0; j < SLOTS; ++j) merge_top2(v1, v2, choice[j], -INFINITY);
         const int r = lane - group * lanes;
         for (int o = 1; o < lanes; o <<= 1) {
             const float o1 = __shfl_down_sync(FULL, v1, o), o2 = __shfl_down_sync(FULL, v2, o);
@@ -113,7 +113,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         }
         if (rank >= topk_group) {
 #pragma unroll
-            for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+            for (int j = 0; j < SLOTS; ++j)
                 if (j < mine) choice[j] = method == ROUTE_NOAUX_TC ? -INFINITY : 0.f;
         }
     }
@@ -129,7 +129,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         float v = -INFINITY;
         int best = -1;
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+        for (int j = 0; j < SLOTS; ++j)
             if (j < mine && !((picked >> j) & 1u) && (best < 0 || choice[j] > v)) {
                 v = choice[j];
                 best = j;
@@ -141,7 +141,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         if (owner) {
             picked |= 1u << best;
 #pragma unroll
-            for (int j = 0; j < MOE_ROUTE_MAX_SLOTS; ++j)
+            for (int j = 0; j < SLOTS; ++j)
                 if (j == best) w = score[j];
         }
         w = __shfl_sync(FULL, w, __ffs(__ballot_sync(FULL, owner)) - 1);
@@ -158,6 +158,22 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         topk_w[(size_t)t * top_k + lane] = w * routed_scale;
     }
 }
+
+// Instances by experts a lane holds (RouteParams::lane_slots): a loop over 16 slots for V2-Lite's
+// 2 cost 0.03-0.05 ms a decode step (run S44).
+#define MOE_ROUTE(SLOTS)                                                                                            \
+    extern "C" __global__ void moe_route_s##SLOTS(const float* __restrict__ logits, const float* __restrict__ bias, \
+                                                  int tokens, int experts, int top_k, int n_group, int topk_group,  \
+                                                  int method, int norm_topk, float routed_scale,                    \
+                                                  int* __restrict__ topk_ids, float* __restrict__ topk_w) {         \
+        moe_route_body<SLOTS>(logits, bias, tokens, experts, top_k, n_group, topk_group, method, norm_topk,         \
+                              routed_scale, topk_ids, topk_w);                                                      \
+    }
+MOE_ROUTE(2)
+MOE_ROUTE(4)
+MOE_ROUTE(8)
+MOE_ROUTE(16)
+static_assert(16 == MOE_ROUTE_MAX_SLOTS, "dims.cuh's most experts a lane differs from the largest instance");
 
 // Groups the `tokens * top_k` assignments by expert. One block of 1024 threads.
 //   expert_off[E + 1]: first grouped row of each expert; perm_src[row]: the token of a grouped row;

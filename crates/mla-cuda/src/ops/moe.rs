@@ -43,8 +43,13 @@ impl TileM {
     }
 }
 
+/// The router kernel's instances (kernels/moe.cu `moe_route_s*`): the experts a lane holds.
+const ROUTE_INSTANCES: [(usize, &str); 4] =
+    [(2, "moe_route_s2"), (4, "moe_route_s4"), (8, "moe_route_s8"), (16, "moe_route_s16")];
+
 pub struct MoeKernels {
-    route: Kernel,
+    /// One per `ROUTE_INSTANCES` entry.
+    route: Vec<Kernel>,
     align: Kernel,
     combine: Kernel,
 }
@@ -129,7 +134,7 @@ impl MoeRouting<'_> {
 impl MoeKernels {
     pub fn load(m: &Modules) -> anyhow::Result<Self> {
         Ok(MoeKernels {
-            route: m.kernel("moe", "moe_route")?,
+            route: ROUTE_INSTANCES.iter().map(|&(_, name)| m.kernel("moe", name)).collect::<Result<_, _>>()?,
             align: m.kernel("moe", "moe_align")?,
             combine: m.kernel("moe", "moe_combine")?,
         })
@@ -153,12 +158,13 @@ impl MoeKernels {
             r.experts
         );
         let slots = p.lane_slots(r.experts);
-        anyhow::ensure!(
-            slots <= MOE_ROUTE_MAX_SLOTS,
-            "router: {} experts in {} groups put {slots} experts on a lane, more than the kernel's {MOE_ROUTE_MAX_SLOTS}",
-            r.experts,
-            p.n_group
-        );
+        let Some(instance) = ROUTE_INSTANCES.iter().position(|&(n, _)| n >= slots) else {
+            anyhow::bail!(
+                "router: {} experts in {} groups put {slots} experts on a lane, more than the kernel's {MOE_ROUTE_MAX_SLOTS}",
+                r.experts,
+                p.n_group
+            );
+        };
         ensure_len!(logits, r.tokens * r.experts, "router logits");
         ensure_len!(r.topk_ids, r.tokens * r.top_k, "top-k ids");
         ensure_len!(r.topk_w, r.tokens * r.top_k, "top-k weights");
@@ -173,7 +179,7 @@ impl MoeKernels {
             None => 0,
         };
         let warps_per_block = 4;
-        self.route.launch(
+        self.route[instance].launch(
             s,
             (r.tokens.div_ceil(warps_per_block) as u32, 1, 1),
             (warps_per_block * 32) as u32,
@@ -279,6 +285,12 @@ mod tests {
 
     fn params(method: RouteMethod, n_group: usize) -> RouteParams {
         RouteParams { method, n_group, topk_group: 1, norm_topk_prob: true, routed_scaling_factor: 1.0 }
+    }
+
+    #[test]
+    fn the_largest_router_instance_is_the_kernel_limit() {
+        assert_eq!(ROUTE_INSTANCES.last().map(|i| i.0), Some(MOE_ROUTE_MAX_SLOTS));
+        assert!(ROUTE_INSTANCES.windows(2).all(|w| w[0].0 < w[1].0));
     }
 
     #[test]
