@@ -67,22 +67,31 @@ enum StreamPolicy {
     Always,
 }
 
-/// The streaming gate/up's CTAs per SM, at one K split, from which it takes a step under
-/// `StreamPolicy::Measured`. Each CTA keeps 3 stages of 8 KB in flight, and a step with fewer
-/// CTAs than SMs x 2 leaves SMs with less in flight or less work than others: on a TP-8 rank of
-/// V3 (H200, runs S42-S43) it lost at 1-3 tokens (72-200 CTAs on 132 SMs; plain decode 5.37
-/// against 5.32 ms at B = 1, 6.76 against 6.51 at 2, 7.87 against 7.52 at 3, the best K split
-/// each) and won at 4 (264 CTAs, 2 per SM: 8.42 against 8.82 ms).
+/// Under `StreamPolicy::Measured` the streaming gate/up takes a step when its grid has at least
+/// this many CTAs per SM at one K split, on experts at least `STREAM_MIN_K_BLOCKS` scale blocks
+/// deep (the hidden size / 128). Each CTA keeps 3 stages of 8 KB in flight and pays a fixed
+/// start (the programmatic-launch wait, the expert id, filling its ring) and end (the split-K
+/// sums): fewer CTAs than SMs x 2 leave SMs with less in flight or less work than others, and
+/// short rows leave the fixed costs unpaid. Measured (H200, runs S42-S44), plain decode ms:
+/// - TP-8 rank of V3 (K = 56 blocks, 132 SMs): lost at 1-3 tokens (72-200 CTAs; 5.37 against
+///   5.32 at B = 1, 6.76 against 6.51 at 2, 7.87 against 7.52 at 3, the best split each), won
+///   at 4 (264 CTAs: 8.42 against 8.82).
+/// - V2-Lite (K = 16 blocks): lost at every batch although its grid is 352 CTAs at B = 1
+///   (1.94-1.96 against 1.90-1.93 at B = 1, 2.74-2.77 against 2.58-2.61 at 2, 3.85 against
+///   3.77-3.80 at 4).
 const STREAM_MIN_CTAS_PER_SM: usize = 2;
+const STREAM_MIN_K_BLOCKS: usize = 32;
 
 impl StreamPolicy {
     /// The FP8 gate/up kernel for a step of `tokens` whose streaming grid has `ctas` CTAs at one
-    /// split, on `sm_count` SMs.
-    fn gate_up(self, tokens: usize, ctas: usize, sm_count: usize) -> GateUpKernel {
+    /// split, over `hidden` columns, on `sm_count` SMs.
+    fn gate_up(self, tokens: usize, ctas: usize, hidden: usize, sm_count: usize) -> GateUpKernel {
         let stream = tokens <= STREAM_MAX_TOKENS
             && match self {
                 StreamPolicy::Never => false,
-                StreamPolicy::Measured => ctas >= sm_count * STREAM_MIN_CTAS_PER_SM,
+                StreamPolicy::Measured => {
+                    ctas >= sm_count * STREAM_MIN_CTAS_PER_SM && hidden.div_ceil(FP8_BLOCK) >= STREAM_MIN_K_BLOCKS
+                }
                 StreamPolicy::Always => true,
             };
         if stream {
@@ -243,7 +252,7 @@ impl MoeGemvKernels {
     /// top-k ids and weights. Routed and shared experts must share a format; block-FP8 needs
     /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
-        let kernel = self.stream_policy.gate_up(p.tokens, Self::stream_ctas(p), self.sm_count);
+        let kernel = self.stream_policy.gate_up(p.tokens, Self::stream_ctas(p), p.hidden, self.sm_count);
         self.experts_with(s, p, kernel)
     }
 
@@ -391,9 +400,15 @@ mod tests {
         // A TP-8 rank of V3 on 132 SMs: 8 slots of 256 columns a token and one shared expert,
         // 32 columns a CTA (S42-S43: the warp kernel at 1-3 tokens, the stream at 4).
         let ctas = |tokens: usize| (tokens * 8 * 256 + 256) / STREAM_CTA_COLS;
-        let pick = |policy: StreamPolicy, tokens| policy.gate_up(tokens, ctas(tokens), 132);
+        let pick = |policy: StreamPolicy, tokens| policy.gate_up(tokens, ctas(tokens), 7168, 132);
         assert_eq!([1, 2, 3].map(|t| pick(StreamPolicy::Measured, t)), [GateUpKernel::Warp; 3]);
         assert_eq!(pick(StreamPolicy::Measured, 4), GateUpKernel::Stream);
+        // V2-Lite (hidden 2048, 6 slots of 1,408 columns and two shared): the warp kernel at
+        // every batch (S44).
+        let v2_lite = |tokens: usize| (tokens * 6 + 2) * 1408 / STREAM_CTA_COLS;
+        for t in [1, 2, 4] {
+            assert_eq!(StreamPolicy::Measured.gate_up(t, v2_lite(t), 2048, 132), GateUpKernel::Warp);
+        }
         assert_eq!(pick(StreamPolicy::Always, 1), GateUpKernel::Stream);
         assert_eq!(pick(StreamPolicy::Never, 4), GateUpKernel::Warp);
         // Past the MMA's 8 token columns every policy keeps the warp kernel.
