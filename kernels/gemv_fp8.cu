@@ -270,30 +270,14 @@ DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const flo
         const int kbase = (kb0 + i) * SCALE_BLOCK + t * 16;
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const int k = kbase + h * 64;
-                    const bool ok = k < k_len;
-                    cp_async_16_l2(st + (((tile * 2 + h) * 2 + rr) * 32 + lane) * 16, wrow[tile][rr] + (ok ? k : 0),
-                                   ok);
-                }
+            stream_issue_w(st, tile * 4, wrow[tile], kbase, k_len, lane);
             cp_async_4_ca(st + L::CHUNKS * 512 + (tile * 32 + lane) * 4, srow[tile] + i);
         }
     };
     auto issue_x = [&](int i) {
         if (!has_x) return;
         uint8_t* st = ring + (i % STAGES) * L::STAGE_BYTES;
-        const int kbase = (kb0 + i) * SCALE_BLOCK + t * 16;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int k = kbase + h * 64;
-            const bool ok = k < k_len;
-#pragma unroll
-            for (int q = 0; q < 2; ++q)
-                cp_async_16_ca(st + ((L::W_CHUNKS + h * 2 + q) * 32 + lane) * 16, xrow + (ok ? k : 0) + q * 8, ok);
-        }
+        stream_issue_x(st, L::W_CHUNKS, xrow, (kb0 + i) * SCALE_BLOCK + t * 16, k_len, lane);
     };
 
 #pragma unroll
@@ -320,35 +304,12 @@ DEVICE_INLINE void gemv_fp8_stream_body(const uint8_t* __restrict__ w, const flo
         cp_async_wait<STAGES - 1>();
         const uint8_t* st = ring + (i % STAGES) * L::STAGE_BYTES;
         uint32_t xw[2][8];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const uint4 v = has_x
-                    ? *reinterpret_cast<const uint4*>(st + ((L::W_CHUNKS + h * 2 + q) * 32 + lane) * 16)
-                    : make_uint4(0, 0, 0, 0);
-                xw[h][4 * q] = v.x;
-                xw[h][4 * q + 1] = v.y;
-                xw[h][4 * q + 2] = v.z;
-                xw[h][4 * q + 3] = v.w;
-            }
+        stream_read_x(st, L::W_CHUNKS, lane, has_x, xw);
 #pragma unroll
         for (int tile = 0; tile < TILES; ++tile) {
             const float s = *reinterpret_cast<const float*>(st + L::CHUNKS * 512 + (tile * 32 + lane) * 4);
             float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint4 va = *reinterpret_cast<const uint4*>(st + (((tile * 2 + h) * 2 + 0) * 32 + lane) * 16);
-                const uint4 vb = *reinterpret_cast<const uint4*>(st + (((tile * 2 + h) * 2 + 1) * 32 + lane) * 16);
-                const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    // Step j: weights 4j..4j+3 of this lane's 16 (rows g, g + 8) and the same inputs.
-                    const uint32_t a[4] = {e4m3x2_to_bf16x2_int<0x9180>(wa[j]), e4m3x2_to_bf16x2_int<0x9180>(wb[j]),
-                                           e4m3x2_to_bf16x2_int<0xB3A2>(wa[j]), e4m3x2_to_bf16x2_int<0xB3A2>(wb[j])};
-                    mma_bf16_16816(c, a, xw[h][2 * j], xw[h][2 * j + 1]);
-                }
-            }
+            stream_mma_tile(st, tile * 4, lane, xw, c);
 #pragma unroll
             for (int i2 = 0; i2 < 4; ++i2) acc[tile][i2] = fmaf(c[i2], s, acc[tile][i2]);
         }

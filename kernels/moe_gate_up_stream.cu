@@ -72,15 +72,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
     };
     auto issue_w = [&](int i) {
         uint8_t* st = ring + (i % STAGES) * STAGE_BYTES;
-        const int kbase = (kb0 + i) * FP8_SCALE_BLOCK + t * 16;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const int k = kbase + h * 64;
-                const bool ok = k < hidden;
-                cp_async_16_l2(st + ((h * 2 + rr) * 32 + lane) * 16, wrow[rr] + (ok ? k : 0), ok);
-            }
+        stream_issue_w(st, 0, wrow, (kb0 + i) * FP8_SCALE_BLOCK + t * 16, hidden, lane);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) cp_async_4_ca(st + SCALES_AT + (rr * 32 + lane) * 4, srow[rr] + i);
     };
@@ -89,15 +81,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
     auto issue_x = [&](int i) {
         if (!has_x) return;
         uint8_t* st = ring + (i % STAGES) * STAGE_BYTES;
-        const int kbase = (kb0 + i) * FP8_SCALE_BLOCK + t * 16;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int k = kbase + h * 64;
-            const bool ok = k < hidden;
-#pragma unroll
-            for (int q = 0; q < 2; ++q)
-                cp_async_16_ca(st + ((W_CHUNKS + h * 2 + q) * 32 + lane) * 16, xrow + (ok ? k : 0) + q * 8, ok);
-        }
+        stream_issue_x(st, W_CHUNKS, xrow, (kb0 + i) * FP8_SCALE_BLOCK + t * 16, hidden, lane);
     };
 
     if (shared) {
@@ -134,31 +118,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
         cp_async_wait<STAGES - 1>();
         const uint8_t* st = ring + (i % STAGES) * STAGE_BYTES;
         uint32_t xw[2][8];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const uint4 v = has_x ? *reinterpret_cast<const uint4*>(st + ((W_CHUNKS + h * 2 + q) * 32 + lane) * 16)
-                                      : make_uint4(0, 0, 0, 0);
-                xw[h][4 * q] = v.x;
-                xw[h][4 * q + 1] = v.y;
-                xw[h][4 * q + 2] = v.z;
-                xw[h][4 * q + 3] = v.w;
-            }
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4 va = *reinterpret_cast<const uint4*>(st + ((h * 2 + 0) * 32 + lane) * 16);
-            const uint4 vb = *reinterpret_cast<const uint4*>(st + ((h * 2 + 1) * 32 + lane) * 16);
-            const uint32_t wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                // Step j: weights 4j..4j+3 of this lane's 16 (gate row g, up row g) and the same inputs.
-                const uint32_t a[4] = {e4m3x2_to_bf16x2_int<0x9180>(wa[j]), e4m3x2_to_bf16x2_int<0x9180>(wb[j]),
-                                       e4m3x2_to_bf16x2_int<0xB3A2>(wa[j]), e4m3x2_to_bf16x2_int<0xB3A2>(wb[j])};
-                mma_bf16_16816(c, a, xw[h][2 * j], xw[h][2 * j + 1]);
-            }
-        }
+        stream_read_x(st, W_CHUNKS, lane, has_x, xw);
+        float c[4] = {0.f, 0.f, 0.f, 0.f};  // rows g (gate) and g + 8 (up) by tokens 2t, 2t + 1
+        stream_mma_tile(st, 0, lane, xw, c);
         const float sg = *reinterpret_cast<const float*>(st + SCALES_AT + lane * 4);
         const float su = *reinterpret_cast<const float*>(st + SCALES_AT + (32 + lane) * 4);
         acc[0] = fmaf(c[0], sg, acc[0]);
