@@ -6,6 +6,9 @@
 // Why: moe_gemv_gate_up_fp8 gives a warp one (slot, column) item at a time, two rows in two
 // round trips after a dependent read of the expert id, and read a TP-8 rank of V3's 33 MB at
 // 1.8 TB/s (18.6 us under ncu, run S34) where the dense streaming kernel reaches 3.6-3.75.
+// Measured, this kernel wins only where its grid puts 2 CTAs on every SM and K is long (4 tokens
+// on a TP-8 rank of V3: 108 MB at 2.56 TB/s); at 1-3 tokens and on V2-Lite's 2048-wide rows the
+// warp kernel stays ahead (runs S40-S44), so `StreamPolicy` in ops/moe_gemv.rs chooses per step.
 //
 // A warp's MMA tile is 8 columns j0..j0+7 of one expert: its rows 0-7 are the gate rows j0 + g
 // and rows 8-15 the up rows I + j0 + g, so lane (g, t) ends with gate and up of column j0 + g for
