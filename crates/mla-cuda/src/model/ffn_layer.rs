@@ -61,12 +61,16 @@ impl CudaModel {
                 act_shared: mb.grouped_gate_up.slice(),
                 out,
             };
-            moe_small::router(dev, cfg, w, &io)?;
+            moe_small::router(dev, cfg, w, t, x, io.router_logits)?;
             route(mb.router_logits.slice())?;
             return moe_small::experts(dev, cfg, w, &io);
         }
-        k.elementwise.bf16_to_f32(s, x.sub(0, t * hidden), mb.h_f32.slice(), t * hidden)?;
-        dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
+        if k.moe_gemv.routes(t, hidden) {
+            moe_small::router(dev, cfg, w, t, x, mb.router_logits.slice())?;
+        } else {
+            k.elementwise.bf16_to_f32(s, x.sub(0, t * hidden), mb.h_f32.slice(), t * hidden)?;
+            dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
+        }
         route(mb.router_logits.slice())?;
         k.moe.align(s, &r)?;
         let rows = r.rows();

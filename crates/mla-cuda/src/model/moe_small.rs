@@ -46,15 +46,23 @@ pub fn takes(cfg: &ModelConfig, w: &MoeWeights, tokens: usize, max_tokens: usize
         && shared_pieces(cfg, w).is_some_and(|p| cfg.num_experts_per_tok + p <= 32)
 }
 
-/// Router logits (f32, as HF) for `io.tokens` rows of `io.x`.
-pub fn router(dev: &Device, cfg: &ModelConfig, w: &MoeWeights, io: &MoeSmallIo) -> anyhow::Result<()> {
+/// Router logits (f32, as HF) for the `tokens` rows of `x`, by `moe_router_gemv`: this path's
+/// router, and the grouped path's for steps of at most `ops::ROUTER_GEMV_MAX_TOKENS` tokens.
+pub fn router(
+    dev: &Device,
+    cfg: &ModelConfig,
+    w: &MoeWeights,
+    tokens: usize,
+    x: DSlice<bf16>,
+    logits: DSlice<f32>,
+) -> anyhow::Result<()> {
     let p = MoeGemvRouter {
-        tokens: io.tokens,
+        tokens,
         experts: cfg.n_routed_experts,
         hidden: cfg.hidden_size,
-        x: io.x,
+        x,
         router: w.router.slice(),
-        logits: io.router_logits,
+        logits,
     };
     dev.k.moe_gemv.router(dev.stream(), &p)
 }

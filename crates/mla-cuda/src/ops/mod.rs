@@ -42,7 +42,7 @@ pub use grouped_gemm::{GroupedGateUp, GroupedGemm, GroupedGemmKernels, GroupedIn
 pub use latent::{row_bytes as cache_row_bytes, AbsorbQ, LatentCacheSlice, LatentKernels, RopeCache};
 pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams, TileM};
-pub use moe_gemv::{GateUpKernel, MoeGemvExperts, MoeGemvKernels, MoeGemvRouter};
+pub use moe_gemv::{GateUpKernel, MoeGemvExperts, MoeGemvKernels, MoeGemvRouter, ROUTER_GEMV_MAX_TOKENS};
 pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
 pub use speculative::{SpecRowRaw, SpecVerdictRaw, SpeculativeKernels, Verdicts, ROW_DISTRIBUTION_BYTES};
 
