@@ -8,7 +8,7 @@ use super::parallel::{FfnIo, FfnRows};
 use super::weights::{FfnWeights, MlpWeights, MoeWeights};
 use crate::device::Device;
 use crate::gpu::DSlice;
-use crate::ops::{GroupedGateUp, GroupedGemm, GroupedInput, NormDelta, Strided};
+use crate::ops::{GroupedGateUp, GroupedGemm, GroupedInput, MoeGemvRouter, NormDelta, Strided};
 use half::bf16;
 
 impl CudaModel {
@@ -50,28 +50,33 @@ impl CudaModel {
             k.grouped_gemm.tile_for_mats(t, cfg.num_experts_per_tok, cfg.n_routed_experts, fp8, fp8_act.is_some());
         let r = mb.routing(t, cfg, tile);
         let (e, im) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
-        let route = |logits: DSlice<f32>| k.moe.route(s, logits, w.bias.as_ref().map(|b| b.slice()), &r, &self.route);
+        // Router logits (f32, as HF), then the top-k, on either path.
+        if k.moe_gemv.routes(t, hidden) {
+            let p = MoeGemvRouter {
+                tokens: t,
+                experts: e,
+                hidden,
+                x,
+                router: w.router.slice(),
+                logits: mb.router_logits.slice(),
+            };
+            k.moe_gemv.router(s, &p)?;
+        } else {
+            k.elementwise.bf16_to_f32(s, x.sub(0, t * hidden), mb.h_f32.slice(), t * hidden)?;
+            dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
+        }
+        k.moe.route(s, mb.router_logits.slice(), w.bias.as_ref().map(|b| b.slice()), &r, &self.route)?;
         if moe_small::takes(cfg, w, t, k.moe_gemv.max_tokens()) {
             let io = MoeSmallIo {
                 tokens: t,
                 x,
-                router_logits: mb.router_logits.slice(),
                 routing: &r,
                 act: mb.grouped_act.slice(),
                 act_shared: mb.grouped_gate_up.slice(),
                 out,
             };
-            moe_small::router(dev, cfg, w, t, x, io.router_logits)?;
-            route(mb.router_logits.slice())?;
             return moe_small::experts(dev, cfg, w, &io);
         }
-        if k.moe_gemv.routes(t, hidden) {
-            moe_small::router(dev, cfg, w, t, x, mb.router_logits.slice())?;
-        } else {
-            k.elementwise.bf16_to_f32(s, x.sub(0, t * hidden), mb.h_f32.slice(), t * hidden)?;
-            dev.blas.linear_f32(w.router.slice(), e, hidden, mb.h_f32.slice(), t, mb.router_logits.slice())?;
-        }
-        route(mb.router_logits.slice())?;
         k.moe.align(s, &r)?;
         let rows = r.rows();
         // The expert inputs, grouped by expert: gathered in bf16, or gathered and quantized in

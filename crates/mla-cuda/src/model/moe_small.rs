@@ -1,14 +1,16 @@
 //! DeepSeekMoE for steps of a few tokens as weight-streaming GEMVs (`ops::MoeGemvKernels`):
-//! router, routing, gate/up with SiLU·mul, down with the weighted combine; routed and shared
-//! experts in the same launches. Four launches per layer instead of the grouped path's twelve,
-//! which at B=1 are each a few microseconds of latency for little work. This module decides when
-//! the path applies and maps a layer's weights onto the kernels' arguments.
+//! after the router GEMV and the top-k (in `ffn_layer`, which both MoE paths share up to
+//! `ops::ROUTER_GEMV_MAX_TOKENS` tokens), gate/up with SiLU·mul and down with the weighted
+//! combine; routed and shared experts in the same launches. Four launches per layer instead of
+//! the grouped path's twelve, which at B=1 are each a few microseconds of latency for little
+//! work. This module decides when the path applies and maps a layer's weights onto the kernels'
+//! arguments.
 
 use super::weights::MoeWeights;
 use crate::device::Device;
 use crate::gpu::DSlice;
 use crate::ops::dims::MOE_GEMV_WARPS;
-use crate::ops::{MoeGemvExperts, MoeGemvRouter, MoeRouting};
+use crate::ops::{MoeGemvExperts, MoeRouting};
 use half::bf16;
 use mla_core::ModelConfig;
 
@@ -16,7 +18,6 @@ use mla_core::ModelConfig;
 pub struct MoeSmallIo<'a> {
     pub tokens: usize,
     pub x: DSlice<'a, bf16>,
-    pub router_logits: DSlice<'a, f32>,
     pub routing: &'a MoeRouting<'a>,
     /// [tokens * top_k, I]
     pub act: DSlice<'a, bf16>,
@@ -44,27 +45,6 @@ pub fn takes(cfg: &ModelConfig, w: &MoeWeights, tokens: usize, max_tokens: usize
         && cfg.hidden_size.is_multiple_of(4 * MOE_GEMV_WARPS)
         && cfg.moe_intermediate_size.is_multiple_of(8)
         && shared_pieces(cfg, w).is_some_and(|p| cfg.num_experts_per_tok + p <= 32)
-}
-
-/// Router logits (f32, as HF) for the `tokens` rows of `x`, by `moe_router_gemv`: this path's
-/// router, and the grouped path's for steps of at most `ops::ROUTER_GEMV_MAX_TOKENS` tokens.
-pub fn router(
-    dev: &Device,
-    cfg: &ModelConfig,
-    w: &MoeWeights,
-    tokens: usize,
-    x: DSlice<bf16>,
-    logits: DSlice<f32>,
-) -> anyhow::Result<()> {
-    let p = MoeGemvRouter {
-        tokens,
-        experts: cfg.n_routed_experts,
-        hidden: cfg.hidden_size,
-        x,
-        router: w.router.slice(),
-        logits,
-    };
-    dev.k.moe_gemv.router(dev.stream(), &p)
 }
 
 /// Gate/up with SiLU·mul, then down with the combine into `io.out`, after routing filled

@@ -36,7 +36,7 @@ pub struct MoeGemvKernels {
     /// Most tokens a step may have for these kernels (`MOE_GEMV_MAX_TOKENS`, or
     /// `MLA_MOE_GEMV_MAX_TOKENS` for A/B runs).
     max_tokens: usize,
-    /// Most tokens the router GEMV takes on the grouped path too (`ROUTER_GEMV_MAX_TOKENS`, or
+    /// Most tokens the router GEMV takes (`ROUTER_GEMV_MAX_TOKENS`, or
     /// `MLA_MOE_ROUTER_GEMV_MAX_TOKENS` for A/B runs).
     router_max_tokens: usize,
 }
@@ -46,8 +46,8 @@ pub struct MoeGemvKernels {
 /// won (run S35: V2-Lite FP8 decode at B = 8, 1,731 tok/s grouped against 1,270 here).
 pub const MOE_GEMV_MAX_TOKENS: usize = 4;
 
-/// Most tokens of a grouped-path step whose router logits come from `moe_router_gemv` rather
-/// than an f32 cuBLAS GEMM. At 8 tokens on a TP-8 rank of V3 cuBLAS split K in two kernels
+/// Most tokens of a step whose router logits come from `moe_router_gemv` rather than an f32
+/// cuBLAS GEMM, on either MoE path (the small-step path's steps are fewer). At 8 tokens on a TP-8 rank of V3 cuBLAS split K in two kernels
 /// (12.2 + 18.2 us under ncu, and 2.3 us to widen the inputs to f32) where the GEMV takes 12.5
 /// (run S48). The GEMV also sums in the same order at every batch size, so a verify step routes
 /// its rows with the bits a plain step would.
@@ -230,8 +230,8 @@ impl MoeGemvKernels {
         self.max_tokens
     }
 
-    /// Whether the router GEMV computes the logits of a step of `tokens` tokens whose experts
-    /// take the grouped GEMMs (hidden % (4 warps) == 0 as the kernel needs).
+    /// Whether the router GEMV computes the logits of a step of `tokens` tokens (hidden % (4
+    /// warps) == 0 as the kernel needs); else cuBLAS does.
     pub fn routes(&self, tokens: usize, hidden: usize) -> bool {
         tokens <= self.router_max_tokens && hidden.is_multiple_of(4 * MOE_GEMV_WARPS)
     }
