@@ -51,6 +51,7 @@ pub fn decode_plan(batch: usize, context_len: usize, blocks_per_seq: usize, j: u
         kind: StepKind::Decode,
         seqs: (0..batch)
             .map(|i| SeqStep {
+                fork: None,
                 seq_id: i as u64,
                 tokens: vec![((17 * i + j) % vocab) as u32],
                 context_len,

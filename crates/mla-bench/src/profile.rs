@@ -41,6 +41,7 @@ pub fn run(cfg: ModelConfig, batches: &[usize], context: usize, prefill_len: usi
     let prefill = |j: usize| StepPlan {
         kind: StepKind::Prefill,
         seqs: vec![SeqStep {
+            fork: None,
             seq_id: 0,
             tokens: (0..prefill_len).map(|t| ((31 * t + j) % vocab) as u32).collect(),
             context_len: 0,

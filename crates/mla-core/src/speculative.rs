@@ -299,6 +299,7 @@ mod tests {
     fn mtp_seq(tokens: usize, sample: bool, m: crate::step::plan::MtpStep) -> SeqStep {
         use crate::step::plan::{LogitsRequest, SampleRequest};
         SeqStep {
+            fork: None,
             seq_id: 0,
             tokens: vec![1; tokens],
             context_len: 10,

@@ -84,6 +84,10 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn forks_blocks(&self) -> bool {
+        true
+    }
+
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }

@@ -144,5 +144,6 @@ pub fn group_parts(
         graphable: |_| false,
         watchdog,
         sampled_drafts: true,
+        forks_blocks: true,
     }
 }

@@ -74,6 +74,24 @@ impl LatentCache {
         }
     }
 
+    /// Copies block `from` into block `to` in every layer, byte for byte (`BlockFork`).
+    pub fn copy_block(&mut self, from: usize, to: usize) {
+        assert!(from < self.num_blocks && to < self.num_blocks, "cache block out of range");
+        let row = match &self.storage {
+            Storage::F32(_) => self.dim,
+            Storage::Fp8(_) => latent_fp8::row_bytes(self.dim),
+        };
+        let len = self.block_size * row;
+        for layer in 0..self.num_layers {
+            let (src, dst) =
+                (self.index(layer, from * self.block_size) * row, self.index(layer, to * self.block_size) * row);
+            match &mut self.storage {
+                Storage::F32(data) => data.copy_within(src..src + len, dst),
+                Storage::Fp8(data) => data.copy_within(src..src + len, dst),
+            }
+        }
+    }
+
     /// The values stored at `slot` (dequantized from an FP8 cache) into `out`.
     fn read_into(&self, layer: usize, slot: usize, out: &mut [f32]) {
         let (i, dim) = (self.index(layer, slot), self.dim);
@@ -111,5 +129,32 @@ pub fn bytes_per_row(dtype: KvCacheDtype, dim: usize) -> usize {
     match dtype {
         KvCacheDtype::Auto => dim * std::mem::size_of::<f32>(),
         KvCacheDtype::Fp8E4m3 => latent_fp8::row_bytes(dim),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copied_block_reads_back_as_its_source_in_every_layer_and_dtype() {
+        for dtype in [KvCacheDtype::Auto, KvCacheDtype::Fp8E4m3] {
+            let (layers, bs, dim) = (3, 4, 8);
+            let mut c = LatentCache::new(layers, bs, 5, dim, dtype);
+            for layer in 0..layers {
+                for slot in 0..5 * bs {
+                    let row: Vec<f32> = (0..dim).map(|d| (layer * 100 + slot * 10 + d) as f32 * 0.01).collect();
+                    c.write(layer, slot, &row);
+                }
+            }
+            let before: Vec<Vec<f32>> = (0..layers).map(|l| c.gather(l, &[1], bs)).collect();
+            let neighbours: Vec<Vec<f32>> = (0..layers).map(|l| c.gather(l, &[2, 4], 2 * bs)).collect();
+            c.copy_block(1, 3);
+            for l in 0..layers {
+                assert_eq!(c.gather(l, &[3], bs), before[l], "{dtype:?}, layer {l}");
+                assert_eq!(c.gather(l, &[1], bs), before[l], "{dtype:?}, layer {l}: the source stays");
+                assert_eq!(c.gather(l, &[2, 4], 2 * bs), neighbours[l], "{dtype:?}, layer {l}: nothing else moves");
+            }
+        }
     }
 }

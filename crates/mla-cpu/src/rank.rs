@@ -85,6 +85,10 @@ impl CpuRank {
     /// decoding). Under DP attention a rank runs them all, with its own rows or none.
     pub fn run(&mut self, plan: &StepPlan, peers: Peers, mtp_passes: &[Vec<usize>]) -> anyhow::Result<StepOutput> {
         let Peers { comm, counts } = peers;
+        // Copies before any write, so a fork reads its block as the steps before left it.
+        for f in plan.seqs.iter().filter_map(|s| s.fork) {
+            self.cache.copy_block(f.from as usize, f.to as usize);
+        }
         let first_decode = plan.num_prefill();
         let mut tokens = Vec::with_capacity(plan.num_tokens());
         let mut spans = Vec::with_capacity(plan.seqs.len());

@@ -59,6 +59,7 @@ fn run(b: &mut dyn Backend, kind: StepKind, s: SeqStep) -> SeqResult {
 
 fn greedy_step(tokens: Vec<u32>, context_len: usize, mtp: Option<MtpStep>) -> SeqStep {
     SeqStep {
+        fork: None,
         seq_id: 1,
         tokens,
         context_len,
@@ -354,4 +355,46 @@ fn steps_asking_what_cannot_be_verified_exactly_are_refused() {
     // Without the MTP layer loaded, any speculative step is refused.
     let mut plain = backend(&f, false);
     refused(&mut plain, StepKind::Prefill, greedy_step(vec![0, 5, 6], 0, mtp(0, 1)), "MTP layer is not loaded");
+}
+
+/// `SeqStep::fork`: a sequence that shares a prompt's computed blocks copies the block the
+/// shared part ends in before computing the last prompt token there. Its token and drafts equal
+/// those of a sequence that computed the whole prompt itself, so the copy carried every layer's
+/// rows, the MTP layer's (which the drafts read) too; without the copy they do not.
+#[test]
+fn a_forked_block_carries_every_layers_rows_the_mtp_layers_too() {
+    let f = fixture("v3_mtp");
+    let (prompt, oracle_seq, _) = &f.prompts[1];
+    let n = prompt.len();
+    assert!(n > BLOCK_SIZE && n % BLOCK_SIZE != 1, "the shared part must end inside the second block");
+    let mut b = backend(&f, true);
+    let step = |seq_id, tokens: Vec<u32>, context_len, block_table: Vec<u32>, fork, samples: bool| SeqStep {
+        seq_id,
+        tokens,
+        context_len,
+        block_table,
+        logits: LogitsRequest::None,
+        sample: samples.then(|| SampleRequest::new(SamplingParams::greedy(), 0)),
+        mtp: Some(if samples {
+            MtpStep { drafts_fed: 0, next_token: None, draft: 2 }
+        } else {
+            MtpStep { drafts_fed: 0, next_token: Some(prompt[n - 1]), draft: 0 }
+        }),
+        fork,
+    };
+    // Another sequence's rows in the blocks the forks go to, so an uncopied row is stale.
+    let other: Vec<u32> = oracle_seq[..2 * BLOCK_SIZE].iter().rev().copied().collect();
+    run(&mut b, StepKind::Prefill, step(9, other, 0, vec![13, 12], None, false));
+    // The whole prompt by itself.
+    let whole = run(&mut b, StepKind::Prefill, step(1, prompt.clone(), 0, vec![11, 10], None, true));
+    // The shared part, then a fork of its second block computing the last prompt token.
+    run(&mut b, StepKind::Prefill, step(2, prompt[..n - 1].to_vec(), 0, vec![15, 14], None, false));
+    let fork = Some(mla_core::step::plan::BlockFork { from: 14, to: 13 });
+    let forked = run(&mut b, StepKind::Prefill, step(3, vec![prompt[n - 1]], n - 1, vec![15, 13], fork, true));
+    let token = |r: &SeqResult| r.sampled.as_ref().unwrap().token;
+    assert_eq!(token(&whole), plain_greedy(&f, prompt)[0]);
+    assert_eq!((token(&forked), &forked.drafts), (token(&whole), &whole.drafts));
+    // The same step into block 12 without the copy reads the other sequence's rows.
+    let stale = run(&mut b, StepKind::Prefill, step(4, vec![prompt[n - 1]], n - 1, vec![15, 12], None, true));
+    assert_ne!((token(&stale), &stale.drafts), (token(&whole), &whole.drafts), "the test cannot tell a missing copy");
 }

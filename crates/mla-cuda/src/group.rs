@@ -187,5 +187,7 @@ pub fn group_parts(
         // over the group's (all-reduced, identical) logits under tensor parallelism. The
         // lossless check passes on two ranks of either layout (run S28).
         sampled_drafts: true,
+        // Not yet: a block copy on the device has not run on a GPU (docs/architecture.md, step 5).
+        forks_blocks: false,
     }
 }

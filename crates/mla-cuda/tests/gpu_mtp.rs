@@ -92,6 +92,7 @@ fn table(i: usize) -> Vec<u32> {
 
 fn step(i: usize, tokens: Vec<u32>, context_len: usize, mtp: Option<MtpStep>) -> SeqStep {
     SeqStep {
+        fork: None,
         seq_id: i as u64,
         tokens,
         context_len,

@@ -241,6 +241,10 @@ impl BlockTable {
         self.blocks.is_empty()
     }
 
+    pub fn block_size(&self) -> usize {
+        self.manager.block_size
+    }
+
     /// Positions the table can hold.
     pub fn capacity_tokens(&self) -> usize {
         self.blocks.len() * self.manager.block_size
@@ -273,8 +277,13 @@ impl BlockTable {
     /// The caller must never write positions inside shared blocks (see the scheduler's prefix
     /// rule), because the other owners read them.
     pub fn share_prefix(&self, num_blocks: usize) -> BlockTable {
-        assert!(num_blocks <= self.blocks.len(), "cannot share {num_blocks} of {} blocks", self.blocks.len());
-        let shared = self.blocks[..num_blocks].to_vec();
+        self.share_range(0..num_blocks)
+    }
+
+    /// A new table of this table's blocks `range`, each gaining a reference (as `share_prefix`).
+    pub fn share_range(&self, range: std::ops::Range<usize>) -> BlockTable {
+        assert!(range.end <= self.blocks.len(), "cannot share blocks {range:?} of {}", self.blocks.len());
+        let shared = self.blocks[range].to_vec();
         let mut pool = self.manager.lock();
         for &b in &shared {
             pool.retain(b);

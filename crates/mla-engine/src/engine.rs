@@ -104,6 +104,7 @@ impl Engine {
         );
         let (router, caches) = Router::new(&cfg.router, cfg.prefix_caching, all().count(), layouts[0][0].block_size)?;
         let mut caches = caches.into_iter();
+        let forks_blocks = backends.iter().all(|b| b.forks_blocks());
         let mut replicas = Vec::with_capacity(backends.len());
         for ((i, backend), layouts) in backends.into_iter().enumerate().zip(layouts) {
             let (commands, inbox) = std::sync::mpsc::channel();
@@ -145,6 +146,7 @@ impl Engine {
         let shared = Shared {
             cfg,
             model,
+            forks_blocks,
             replicas,
             router,
             queued,
@@ -201,6 +203,9 @@ struct Replica {
 struct Shared {
     cfg: EngineConfig,
     model: ModelConfig,
+    /// Every backend copies cache blocks (`Backend::forks_blocks`): what an `n`-way request
+    /// reserves depends on it (`blocks_to_admit`).
+    forks_blocks: bool,
     replicas: Vec<Replica>,
     router: Router,
     /// Requests submitted and not yet scheduled, over all replicas (the `max_queued_requests`
@@ -297,7 +302,7 @@ impl EngineHandle {
             return Err(SubmitError::ShuttingDown);
         }
         let layout = s.smallest_layout();
-        validate(&req, &s.cfg, layout, s.model.vocab_size)?;
+        validate(&req, &s.cfg, layout, s.model.vocab_size, s.forks_blocks)?;
         let loads = router::live_loads(s.replicas.iter().map(|r| (&*r.loads, r.liveness.death().is_none())));
         let Some(routed) = s.router.route(&req, &loads) else {
             return Err(SubmitError::Unavailable(self.fatal_error().unwrap_or_default()));
@@ -394,7 +399,13 @@ impl EngineHandle {
 }
 
 /// Checks the engine enforces itself; the server validates the wire format before this.
-fn validate(req: &GenerateRequest, cfg: &EngineConfig, layout: CacheLayout, vocab: usize) -> Result<(), SubmitError> {
+fn validate(
+    req: &GenerateRequest,
+    cfg: &EngineConfig,
+    layout: CacheLayout,
+    vocab: usize,
+    forks: bool,
+) -> Result<(), SubmitError> {
     let invalid = |m: String| Err(SubmitError::Invalid(m));
     let prompt = req.prompt_tokens.len();
     if prompt == 0 {
@@ -426,7 +437,7 @@ fn validate(req: &GenerateRequest, cfg: &EngineConfig, layout: CacheLayout, voca
     if prompt >= cfg.max_model_len {
         return Err(SubmitError::TooLong { prompt, needed: prompt + req.max_tokens, limit: cfg.max_model_len });
     }
-    let blocks = blocks_to_admit(prompt, req.n, layout.block_size);
+    let blocks = blocks_to_admit(prompt, req.n, layout.block_size, forks);
     if blocks > layout.num_blocks {
         return Err(SubmitError::ExceedsCache { blocks, capacity: layout.num_blocks });
     }

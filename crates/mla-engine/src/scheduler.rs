@@ -26,10 +26,13 @@
 //!   free, the newest resident sequence is preempted: its blocks are freed and it is re-queued
 //!   to be recomputed (prompt + outputs so far prefilled again). Seeds depend only on
 //!   (request seed, completion, output index), so preemption never changes outputs.
-//! - `n > 1`: the prompt's full blocks before the block holding the last prompt token are
-//!   prefilled once as a shared prefix; every completion's table shares those blocks
-//!   (ref-counted) and prefills the rest of the prompt itself (1..=block_size tokens), so nobody
-//!   ever writes into a shared block and no block copy is needed.
+//! - `n > 1`: the prompt up to its last token is prefilled once as a shared prefix; every
+//!   completion's table shares its full blocks (ref-counted), takes its own copy of the block
+//!   the prefix ends in (`BlockFork`, made by the backend before the completion's first step
+//!   writes) and computes the last prompt token itself, so its first sample comes from its own
+//!   row and nobody writes into a shared block. A backend that does not copy blocks
+//!   (`fork_blocks` off) shares only the full blocks before the one holding the last prompt
+//!   token, and each completion recomputes that block (1..=block_size tokens).
 //! - Prefix caching (`prefix_caching`): full blocks are registered in the block manager under
 //!   the hash of their content once computed (prompt and generated tokens alike), and stay
 //!   cached after their sequences end until their space is needed. Admission (new or resumed
@@ -89,6 +92,9 @@ pub struct SchedulerConfig {
     /// Whether the backend verifies drafts of sampled draws (`Backend::verifies_sampled_drafts`);
     /// without it only greedy requests draft.
     pub spec_sampled: bool,
+    /// Whether the backend copies cache blocks (`Backend::forks_blocks`): then the completions of
+    /// an `n`-way request share the prompt up to its last token (`shared_prefix_len`).
+    pub fork_blocks: bool,
 }
 
 /// Prefix-cache counters since start, in prompt tokens (vLLM's `prefix_cache_queries` and
@@ -443,6 +449,10 @@ impl Scheduler {
             }
             let seq = g.seq_mut(key.slot).expect("scheduled sequence exists");
             debug_assert_eq!(seq.computed, step.context_len, "plan applied out of order");
+            if step.fork.is_some() {
+                // Copied: the block it came from may go.
+                seq.fork_from = None;
+            }
             // Speculative decoding: of the drafts fed, those that stood are in the cache now
             // (they are the step's first emitted tokens); the rows of the others are garbage
             // that later steps overwrite.

@@ -78,11 +78,24 @@ pub struct Seq {
     /// Speculative decoding: the tokens the MTP layer drafted after the last one, to be
     /// verified by the next decode step (empty without it).
     pub drafts: Vec<u32>,
+    /// A completion of an `n`-way request whose shared prompt ends inside a block: that block
+    /// (one reference on it), to copy into its own before it first writes (`BlockFork`). Let go
+    /// once the step that copies it is applied, or when the completion is evicted.
+    pub fork_from: Option<BlockTable>,
 }
 
 impl Seq {
     pub fn new(tokens: Vec<u32>, table: BlockTable, state: SeqState) -> Seq {
-        Seq { tokens, computed: 0, table, state, hashes: Vec::new(), registered: 0, drafts: Vec::new() }
+        Seq {
+            tokens,
+            computed: 0,
+            table,
+            state,
+            hashes: Vec::new(),
+            registered: 0,
+            drafts: Vec::new(),
+            fork_from: None,
+        }
     }
 
     pub fn uncomputed(&self) -> usize {
@@ -92,6 +105,7 @@ impl Seq {
     /// Gives the blocks back and forgets the cache, so the sequence is recomputed from scratch.
     pub fn evict(&mut self) {
         self.table.release();
+        self.fork_from = None;
         self.computed = 0;
         self.registered = 0;
         self.drafts.clear();

@@ -10,6 +10,7 @@ mod engine;
 mod engine_lifecycle;
 mod engine_pipelined;
 mod finish_choice;
+mod forks;
 mod parallel_engine;
 mod prefix_cache;
 mod prefix_routing;

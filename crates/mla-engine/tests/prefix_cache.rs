@@ -32,6 +32,7 @@ fn sched_with(num_blocks: usize, max_num_seqs: usize, budget: usize, mixed_steps
         mtp_drafts: 0,
         spec_disable_batch: None,
         spec_sampled: false,
+        fork_blocks: false,
     };
     Scheduler::new(cfg, CacheLayout { block_size: BS, num_blocks })
 }

@@ -23,6 +23,7 @@ fn sched_with(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget:
         mtp_drafts: 0,
         spec_disable_batch: None,
         spec_sampled: false,
+        fork_blocks: false,
     };
     Scheduler::new(cfg, CacheLayout { block_size, num_blocks })
 }
@@ -280,6 +281,7 @@ fn finishing_rules_and_removal_free_blocks() {
         mtp_drafts: 0,
         spec_disable_batch: None,
         spec_sampled: false,
+        fork_blocks: false,
     };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 32 });
     let mut stop = req(5, 1, 100);
@@ -504,6 +506,7 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
             mtp_drafts: 0,
             spec_disable_batch: None,
             spec_sampled: false,
+            fork_blocks: false,
         };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks });
         s.add(1, req(4, 1, 26), 0);
@@ -554,6 +557,7 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
         mtp_drafts: 0,
         spec_disable_batch: None,
         spec_sampled: false,
+        fork_blocks: false,
     };
     let mut s = Scheduler::new(cfg, CacheLayout { block_size: 16, num_blocks: 256 });
     for id in 0..4 {
@@ -606,6 +610,7 @@ fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
             mtp_drafts: 0,
             spec_disable_batch: None,
             spec_sampled: false,
+            fork_blocks: false,
         };
         let mut s = Scheduler::new(cfg, CacheLayout { block_size: 4, num_blocks: 64 });
         let scored = req(10, n, 2);

@@ -31,6 +31,7 @@ fn prefill_meta(seqs: usize, len: usize) -> anyhow::Result<StepMeta> {
         kind: StepKind::Prefill,
         seqs: (0..seqs)
             .map(|i| SeqStep {
+                fork: None,
                 seq_id: i as u64,
                 tokens: vec![0; len],
                 context_len: 0,

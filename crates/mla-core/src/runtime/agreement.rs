@@ -38,6 +38,7 @@ mod tests {
 
     fn plan(kind: StepKind, seqs: usize, tokens_each: usize) -> StepPlan {
         let seq = |i: usize| SeqStep {
+            fork: None,
             seq_id: i as u64,
             tokens: vec![1; tokens_each],
             context_len: 0,

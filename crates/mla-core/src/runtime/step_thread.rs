@@ -377,6 +377,7 @@ mod tests {
 
     fn plan(ctx: &[usize]) -> Arc<StepPlanOne> {
         let seq = |(i, &c): (usize, &usize)| SeqStep {
+            fork: None,
             seq_id: i as u64,
             tokens: vec![1],
             context_len: c,

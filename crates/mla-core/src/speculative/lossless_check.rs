@@ -83,6 +83,7 @@ fn boundary_band(logits: &[f32], k: usize, rounding: f32) -> Option<Vec<u32>> {
 /// The target's distribution of the token after `tokens`, and its top-k boundary band.
 fn next_distribution(b: &mut dyn Backend, setup: &Setup, tokens: &[u32]) -> (Distribution, Option<Vec<u32>>) {
     let s = SeqStep {
+        fork: None,
         seq_id: 99,
         tokens: tokens.to_vec(),
         context_len: 0,
@@ -138,6 +139,7 @@ pub fn exact(target: &mut dyn Backend, setup: &Setup) -> Exact {
 
 fn step(setup: &Setup, tokens: Vec<u32>, context_len: usize, seed: u64, fed: usize) -> SeqStep {
     SeqStep {
+        fork: None,
         seq_id: 1,
         tokens,
         context_len,

@@ -57,6 +57,13 @@ pub trait Backend: Send {
         false
     }
 
+    /// Whether the backend copies blocks as `SeqStep::fork` asks, before the step writes; without
+    /// it the engine never asks, and the completions of an `n`-way request each compute the
+    /// prompt's last block instead of its last token.
+    fn forks_blocks(&self) -> bool {
+        false
+    }
+
     /// One step of a backend with one attention rank (tests, benchmarks).
     fn step(&mut self, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         self.start_step(&Arc::new(vec![plan.clone()]));

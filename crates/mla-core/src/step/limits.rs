@@ -173,6 +173,7 @@ mod tests {
 
     fn plan(seqs: usize, tokens_each: usize, logits: LogitsRequest) -> StepPlan {
         let seq = |i: usize| SeqStep {
+            fork: None,
             seq_id: i as u64,
             tokens: vec![1; tokens_each],
             context_len: 0,

@@ -141,6 +141,18 @@ pub struct MtpStep {
     pub draft: usize,
 }
 
+/// A copy of one cache block into another, every layer's (the MTP layer's too), made before the
+/// step writes anything: a sequence that shares a computed block with others takes its own copy
+/// before writing into it (copy on write). The completions of an `n`-way request share the
+/// prompt up to its last token this way, and each computes one token instead of the prompt's
+/// last block (`Backend::forks_blocks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockFork {
+    pub from: u32,
+    /// A block of the sequence's own table, the one its first fed token lands in.
+    pub to: u32,
+}
+
 /// One sequence's share of a step.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SeqStep {
@@ -156,6 +168,9 @@ pub struct SeqStep {
     /// Speculative decoding; `None` without it.
     #[serde(default)]
     pub mtp: Option<MtpStep>,
+    /// A block to copy into this sequence's before the step (`BlockFork`); `None` almost always.
+    #[serde(default)]
+    pub fork: Option<BlockFork>,
 }
 
 impl SeqStep {
@@ -214,6 +229,8 @@ pub enum PlanError {
     TokenOutOfRange { seq_id: u64, token: u32, vocab_size: usize },
     #[error("sequence {seq_id}: position {end} exceeds the model's maximum of {max}")]
     TooLong { seq_id: u64, end: usize, max: usize },
+    #[error("sequence {seq_id}: {why}")]
+    Fork { seq_id: u64, why: &'static str },
 }
 
 impl StepPlan {
@@ -264,12 +281,36 @@ impl StepPlan {
                     s.block_table.iter().find(|&&b| b as usize >= num_blocks).expect("the maximum is out of range");
                 return Err(PlanError::BlockOutOfRange { seq_id: s.seq_id, block: b, num_blocks });
             }
+            if let Some(f) = s.fork {
+                Self::check_fork(s, f, block_size, num_blocks)?;
+            }
             if s.tokens.iter().copied().max().is_some_and(|t| t as usize >= vocab_size) {
                 let &t = s.tokens.iter().find(|&&t| t as usize >= vocab_size).expect("the maximum is out of range");
                 return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
             }
         }
         Ok(())
+    }
+
+    /// A fork copies another block of the cache into the one the sequence's first fed token
+    /// lands in.
+    fn check_fork(s: &SeqStep, f: BlockFork, block_size: usize, num_blocks: usize) -> Result<(), PlanError> {
+        let why = |why| Err(PlanError::Fork { seq_id: s.seq_id, why });
+        if f.from as usize >= num_blocks {
+            return why("the block it forks from is outside the cache");
+        }
+        if s.block_table.get(s.context_len / block_size) != Some(&f.to) {
+            return why("a fork's target must be the block its first fed token lands in");
+        }
+        if f.from == f.to {
+            return why("a block cannot be forked into itself");
+        }
+        Ok(())
+    }
+
+    /// Whether any sequence of the plan forks a block (`BlockFork`).
+    pub fn has_forks(&self) -> bool {
+        self.seqs.iter().any(|s| s.fork.is_some())
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -367,4 +408,35 @@ pub struct SeqResult {
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct StepOutput {
     pub seqs: Vec<SeqResult>,
+}
+
+#[cfg(test)]
+mod fork_checks {
+    use super::*;
+
+    fn forking(fork: BlockFork) -> StepPlan {
+        let seq = SeqStep {
+            seq_id: 7,
+            tokens: vec![1],
+            context_len: 9,
+            block_table: vec![5, 2, 6],
+            logits: LogitsRequest::None,
+            sample: None,
+            mtp: None,
+            fork: Some(fork),
+        };
+        StepPlan { kind: StepKind::Prefill, seqs: vec![seq] }
+    }
+
+    #[test]
+    fn a_fork_goes_into_the_block_the_first_fed_token_lands_in_from_another_in_the_cache() {
+        // Position 9 with blocks of 4 lands in the table's third block, 6.
+        let check = |from, to| forking(BlockFork { from, to }).validate(4, 8, 10, 100);
+        assert_eq!(check(3, 6), Ok(()));
+        let refused = |why| Err(PlanError::Fork { seq_id: 7, why });
+        assert_eq!(check(3, 2), refused("a fork's target must be the block its first fed token lands in"));
+        assert_eq!(check(8, 6), refused("the block it forks from is outside the cache"));
+        assert_eq!(check(6, 6), refused("a block cannot be forked into itself"));
+        assert!(forking(BlockFork { from: 3, to: 6 }).has_forks());
+    }
 }

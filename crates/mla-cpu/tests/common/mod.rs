@@ -54,6 +54,7 @@ pub fn tokens(n: usize, salt: u32, vocab: u32) -> Vec<u32> {
 
 pub fn seq(seq_id: u64, tokens: &[u32], context_len: usize, block_table: &[u32]) -> SeqStep {
     SeqStep {
+        fork: None,
         seq_id,
         tokens: tokens.to_vec(),
         context_len,

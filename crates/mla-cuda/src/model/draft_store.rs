@@ -137,6 +137,7 @@ mod tests {
 
     fn plan(ids: &[u64]) -> StepPlan {
         let seq = |&seq_id: &u64| SeqStep {
+            fork: None,
             seq_id,
             tokens: vec![1],
             context_len: 4,

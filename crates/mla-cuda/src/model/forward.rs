@@ -200,6 +200,14 @@ impl CudaModel {
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results. A step
     /// that asks for speculative decoding runs its verify and draft passes (`speculative`).
+    /// Checks `plan` against this rank's cache and the model. Block forks are refused: the
+    /// backend says it does not run them (`Backend::forks_blocks`), so the engine never asks.
+    pub(super) fn validate(&self, plan: &StepPlan) -> anyhow::Result<()> {
+        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        anyhow::ensure!(!plan.has_forks(), "the CUDA backend does not fork cache blocks yet (SeqStep::fork)");
+        Ok(())
+    }
+
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
         if plan.has_speculative() {
             return self.step_speculative(dev, None, plan, None);
@@ -221,7 +229,7 @@ impl CudaModel {
     }
 
     pub(super) fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        self.validate(plan)?;
         anyhow::ensure!(!plan.has_speculative(), "speculative steps run through CudaModel::step");
         if plan.seqs.is_empty() {
             if self.mode.is_dp_attention() {

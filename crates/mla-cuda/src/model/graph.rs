@@ -15,7 +15,6 @@ pub use super::padding::pad_rows;
 use super::parallel::{FfnRows, RankMode};
 use crate::device::Device;
 use crate::gpu::{Graph, GraphNode};
-use crate::ops::PAGE_SIZE;
 use mla_core::step::plan::{LogitsRequest, SeqStep, StepKind, StepOutput, StepPlan};
 
 pub struct DecodeGraph {
@@ -242,7 +241,7 @@ impl CudaModel {
         plan: &StepPlan,
         i: usize,
     ) -> anyhow::Result<(StepOutput, ReplayTimes)> {
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        self.validate(plan)?;
         anyhow::ensure!(
             !plan.has_speculative(),
             "speculative steps replay their verify rows (CudaModel::step_speculative)"

@@ -621,6 +621,7 @@ mod tests {
 
     fn seq(id: u64, ctx: usize, n: usize, table: Vec<u32>) -> SeqStep {
         SeqStep {
+            fork: None,
             seq_id: id,
             tokens: vec![3; n],
             context_len: ctx,

@@ -13,6 +13,7 @@ pub fn pad_rows(batch: usize, pad_block: usize) -> Vec<SeqStep> {
 /// One padding row: token 0 at position 0 of the padding block, greedy, nothing returned.
 pub(super) fn pad_row(i: usize, pad_block: usize) -> SeqStep {
     SeqStep {
+        fork: None,
         seq_id: u64::MAX - i as u64,
         tokens: vec![0],
         context_len: 0,

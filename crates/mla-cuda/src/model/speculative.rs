@@ -38,7 +38,7 @@ use super::mtp_graph::{MtpGraph, MtpGraphs, PrevRows};
 use super::parallel::FfnRows;
 use crate::device::Device;
 use crate::gpu::DSlice;
-use crate::ops::{Embedding, NormDelta, RmsNormF32, SpecRowRaw, SpecVerdictRaw, MAX_SPEC_DRAFTS, PAGE_SIZE};
+use crate::ops::{Embedding, NormDelta, RmsNormF32, SpecRowRaw, SpecVerdictRaw, MAX_SPEC_DRAFTS};
 use half::bf16;
 use mla_core::speculative::{
     draft_seed, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, row_seed, Verified,
@@ -164,7 +164,7 @@ impl CudaModel {
         plan: &StepPlan,
         dpa: Option<DpaStep>,
     ) -> anyhow::Result<StepOutput> {
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        self.validate(plan)?;
         anyhow::ensure!(
             self.weights.mtp.is_some(),
             "the step asks for speculative decoding but the MTP module is not loaded"
@@ -621,6 +621,7 @@ mod tests {
 
     fn seq(id: u64, tokens: Vec<u32>, context_len: usize, drafts_fed: usize) -> SeqStep {
         SeqStep {
+            fork: None,
             seq_id: id,
             tokens,
             context_len,

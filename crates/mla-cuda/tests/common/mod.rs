@@ -129,6 +129,7 @@ pub fn seq(
     sample: Option<SampleRequest>,
 ) -> SeqStep {
     SeqStep {
+        fork: None,
         seq_id: id,
         tokens: tokens.to_vec(),
         context_len: ctx,

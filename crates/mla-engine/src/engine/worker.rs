@@ -115,6 +115,7 @@ impl Worker {
             mtp_drafts: cfg.mtp_drafts,
             spec_disable_batch: cfg.spec_disable_batch,
             spec_sampled: backend.verifies_sampled_drafts(),
+            fork_blocks: backend.forks_blocks(),
         };
         let layouts = backend.cache_layouts();
         assert_eq!(layouts.len(), caches.len(), "one router view per attention rank");

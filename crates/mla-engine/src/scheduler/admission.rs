@@ -4,14 +4,22 @@ use super::fairness::Candidate;
 use super::Scheduler;
 use crate::sequence::{Seq, SeqKey, SeqState, Slot};
 
-/// Prompt tokens the completions of an `n`-way request share: the full blocks before the block
-/// that holds the last prompt token. Each completion recomputes from there, so its first sample
-/// comes from its own prefill chunk and it never writes into a shared block.
-pub fn shared_prefix_len(prompt_len: usize, n: usize, block_size: usize) -> usize {
+/// Prompt tokens the completions of an `n`-way request share, computed once for all of them; each
+/// completion computes the rest, so its first sample comes from its own row. With `forks` (the
+/// backend copies blocks, `Backend::forks_blocks`) that is all but the last prompt token: the
+/// block holding the shared part's end is copied into each completion's own (`BlockFork`)
+/// before it writes there. Without, the full blocks before the block holding the last prompt
+/// token, and each completion recomputes that block (1 ..= block_size tokens), so nobody ever
+/// writes into a shared block.
+pub fn shared_prefix_len(prompt_len: usize, n: usize, block_size: usize, forks: bool) -> usize {
     if n < 2 || prompt_len == 0 {
         return 0;
     }
-    (prompt_len - 1) / block_size * block_size
+    if forks {
+        prompt_len - 1
+    } else {
+        (prompt_len - 1) / block_size * block_size
+    }
 }
 
 /// Leading full blocks of a sequence of `len` tokens that admission may take from the prefix
@@ -22,10 +30,12 @@ pub fn reusable_blocks(len: usize, block_size: usize) -> usize {
 }
 
 /// Blocks a new request reserves when admitted: the shared prefix once, plus each completion's
-/// own blocks for the rest of the prompt.
-pub fn blocks_to_admit(prompt_len: usize, n: usize, block_size: usize) -> usize {
-    let shared = shared_prefix_len(prompt_len, n, block_size) / block_size;
-    shared + n * (prompt_len.div_ceil(block_size) - shared)
+/// own blocks for the rest of the prompt (with forks, its copy of the block the shared part ends
+/// in too).
+pub fn blocks_to_admit(prompt_len: usize, n: usize, block_size: usize, forks: bool) -> usize {
+    let shared = shared_prefix_len(prompt_len, n, block_size, forks);
+    let (whole, touched) = (shared / block_size, shared.div_ceil(block_size));
+    touched + n * (prompt_len.div_ceil(block_size) - whole)
 }
 
 impl Scheduler {
@@ -78,8 +88,8 @@ impl Scheduler {
             _ => Vec::new(),
         };
         let found = self.blocks.probe(&hashes);
-        let shared_blocks = shared_prefix_len(prompt_len, n, bs) / bs;
-        let needed = blocks_to_admit(prompt_len, n, bs) - found.blocks;
+        let shared = shared_prefix_len(prompt_len, n, bs, self.cfg.fork_blocks);
+        let needed = blocks_to_admit(prompt_len, n, bs, self.cfg.fork_blocks) - found.blocks;
         if needed > self.blocks.free_blocks() - found.evictable {
             return None;
         }
@@ -93,28 +103,31 @@ impl Scheduler {
         let mut table = self.blocks.lookup(&hashes[..found.blocks]);
         let mut keys = Vec::with_capacity(n + 1);
         // Where the completions start: after the shared prefix, or after the cached blocks.
-        let start = if found.blocks < shared_blocks {
+        let start = if cached < shared {
             // Part of the shared prefix is missing: one sequence computes it for all of them.
-            table.reserve(shared_blocks * bs).expect("free blocks checked");
-            let tokens = g.req.prompt_tokens[..shared_blocks * bs].to_vec();
+            table.reserve(shared).expect("free blocks checked");
+            let tokens = g.req.prompt_tokens[..shared].to_vec();
             let mut prefix = Seq::new(tokens, table, SeqState::Running);
             (prefix.computed, prefix.registered, prefix.hashes) = (cached, found.blocks, hashes.clone());
             g.prefix = Some(prefix);
             keys.push(SeqKey { request: id, slot: Slot::Prefix });
-            shared_blocks
+            shared
         } else {
             for &i in &live {
                 g.completions[i].table = table.share_prefix(found.blocks);
             }
-            found.blocks
+            cached
         };
         let prefix_table = g.prefix.as_ref().map(|p| &p.table);
         for &i in &live {
             let c = &mut g.completions[i];
             if let Some(t) = prefix_table {
-                c.table = t.share_prefix(start);
+                c.table = t.share_prefix(start / bs);
+                // The block the shared part ends in, when it ends inside one: kept alive for the
+                // completion's fork (`BlockFork`) until that step is applied.
+                c.fork_from = (start % bs != 0).then(|| t.share_range(start / bs..start / bs + 1));
             }
-            (c.computed, c.registered, c.hashes) = (start * bs, start, hashes.clone());
+            (c.computed, c.registered, c.hashes) = (start, start / bs, hashes.clone());
             c.table.reserve(prompt_len).expect("free blocks checked");
             c.state = SeqState::Running;
             keys.push(SeqKey { request: id, slot: Slot::Completion(i) });

@@ -3,7 +3,7 @@
 use super::Scheduler;
 use crate::prompt_logprobs::LOGITS_CHUNK;
 use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
-use mla_core::step::plan::{LogitsRequest, MtpStep, PenaltyTokens, SampleRequest, SeqStep};
+use mla_core::step::plan::{BlockFork, LogitsRequest, MtpStep, PenaltyTokens, SampleRequest, SeqStep};
 
 impl Scheduler {
     /// A completion that has sampled a token and now only has to feed it.
@@ -274,7 +274,13 @@ fn entry(
     block_table.clear();
     block_table.extend_from_slice(seq.table.blocks());
     let mtp = drafting.and_then(|d| d.step(g, key, end, sample.is_some(), 0));
-    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample, mtp })
+    // The first write of a completion whose shared prompt ends inside a block goes to its own
+    // copy of that block.
+    let fork = seq
+        .fork_from
+        .as_ref()
+        .map(|from| BlockFork { from: from.blocks()[0], to: block_table[seq.computed / seq.table.block_size()] });
+    Some(SeqStep { seq_id: key.seq_id(), tokens, context_len: seq.computed, block_table, logits, sample, mtp, fork })
 }
 
 fn sample_request(g: &Group, i: usize) -> SampleRequest {

@@ -30,6 +30,10 @@ pub struct Log {
     pub seqs: Vec<Vec<u64>>,
     /// Last block table seen per sequence id.
     pub tables: HashMap<u64, Vec<u32>>,
+    /// Tokens fed per sequence id, all steps together.
+    pub fed: HashMap<u64, usize>,
+    /// Block forks run (`SeqStep::fork`).
+    pub forks: usize,
 }
 
 pub struct HistoryBackend {
@@ -42,6 +46,8 @@ pub struct HistoryBackend {
     pub log: Arc<Mutex<Log>>,
     /// When set, every step waits for a permit, so a test can act between two known steps.
     pub gate: Option<Arc<StepGate>>,
+    /// Copies blocks as plans ask (`Backend::forks_blocks`).
+    pub forks: bool,
     pending: PendingStep,
 }
 
@@ -115,6 +121,7 @@ impl HistoryBackend {
             delay: Duration::ZERO,
             log: Arc::default(),
             gate: None,
+            forks: false,
             pending: PendingStep::default(),
         }
     }
@@ -151,6 +158,10 @@ impl Backend for HistoryBackend {
         mla_core::StepLimits::unlimited()
     }
 
+    fn forks_blocks(&self) -> bool {
+        self.forks
+    }
+
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         self.pending.set(plans);
     }
@@ -174,6 +185,7 @@ impl HistoryBackend {
             log.seqs.push(plan.seqs.iter().map(|s| s.seq_id).collect());
             for s in &plan.seqs {
                 log.tables.insert(s.seq_id, s.block_table.clone());
+                *log.fed.entry(s.seq_id).or_default() += s.tokens.len();
             }
         }
         if let Some(gate) = &self.gate {
@@ -186,6 +198,14 @@ impl HistoryBackend {
         std::thread::sleep(self.delay);
         if let Some(p) = self.poison.filter(|p| plan.seqs.iter().any(|s| s.tokens.contains(p))) {
             bail!("poison token {p} fed");
+        }
+        // Forks copy whole blocks before anything is written, as the real backends do; the
+        // slots past what the source holds carry their garbage (here: None, or stale tokens).
+        for f in plan.seqs.iter().filter_map(|s| s.fork) {
+            anyhow::ensure!(self.forks, "a fork asked of a backend that said it does not fork");
+            let (from, to) = (f.from as usize * bs, f.to as usize * bs);
+            self.cache.copy_within(from..from + bs, to);
+            self.log.lock().unwrap().forks += 1;
         }
         // Every write lands before any read, as in a real forward pass, so two sequences
         // writing one slot in the same step corrupt each other's history visibly.

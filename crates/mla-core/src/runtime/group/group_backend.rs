@@ -35,6 +35,8 @@ pub struct GroupParts<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
     pub name: String,
     /// `Backend::verifies_sampled_drafts` of the ranks.
     pub sampled_drafts: bool,
+    /// `Backend::forks_blocks` of the ranks.
+    pub forks_blocks: bool,
 }
 
 pub struct GroupBackend<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
@@ -78,6 +80,7 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> GroupBackend<W> {
         let (c, cfg) = (&self.p.cache, &self.p.cfg);
         for plan in plans {
             plan.validate(c.block_size, c.num_blocks, cfg.vocab_size, self.p.max_model_len)?;
+            anyhow::ensure!(self.p.forks_blocks || !plan.has_forks(), "these ranks do not fork cache blocks");
         }
         Ok(self.p.step_limits.check(plans)?)
     }
@@ -131,6 +134,10 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> Backend for GroupBacke
 
     fn verifies_sampled_drafts(&self) -> bool {
         self.p.sampled_drafts
+    }
+
+    fn forks_blocks(&self) -> bool {
+        self.p.forks_blocks
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
