@@ -263,6 +263,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     let h = Engine::start_replicas(
         backends,
         EngineConfig {
+            long_prefill_token_threshold: None,
             max_model_len: a.max_model_len,
             max_num_seqs: a.max_num_seqs,
             max_num_batched_tokens: a.max_num_batched_tokens,

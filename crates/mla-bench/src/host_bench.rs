@@ -269,6 +269,7 @@ pub fn run(a: &HostArgs) -> anyhow::Result<Value> {
     let h = Engine::start(
         Box::new(backend),
         EngineConfig {
+            long_prefill_token_threshold: None,
             max_model_len: a.max_model_len,
             max_num_seqs: a.max_num_seqs,
             max_num_batched_tokens: a.max_num_batched_tokens,

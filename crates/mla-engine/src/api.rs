@@ -14,6 +14,11 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Token budget of one prefill step (prompt chunks are cut to fit).
     pub max_num_batched_tokens: usize,
+    /// Most prompt tokens one sequence feeds in a step (vLLM's `long_prefill_token_threshold`);
+    /// `None`: up to the whole budget. A long prompt then leaves the rest of each step's budget
+    /// to the prompts behind it, which start (and reach their first token) without waiting for
+    /// it to finish.
+    pub long_prefill_token_threshold: Option<usize>,
     /// Requests allowed to wait for admission; the next one is refused with `QueueFull`.
     pub max_queued_requests: usize,
     /// Seeds requests that bring none, so a server started with `--seed` is reproducible.

@@ -3,11 +3,13 @@
 //! whatever can be admitted.
 //!
 //! Policy:
-//! - Prefill steps carry prompt chunks, at most `max_num_batched_tokens` tokens in all. Resident
-//!   sequences that still need prefill go first (oldest first), then the admission queue:
-//!   preempted sequences before new requests, each in FIFO order, stopping at the first that
-//!   does not fit (so a large request is never overtaken forever) — except that the owner
-//!   with the fewest resident completions goes first (see `fairness`).
+//! - Prefill steps carry prompt chunks, at most `max_num_batched_tokens` tokens in all, and at
+//!   most `long_prefill_token_threshold` of one sequence when it is set (so a long prompt leaves
+//!   room for the ones behind it). Resident sequences that still need prefill go first (oldest
+//!   first), then the admission queue: preempted sequences before new requests, each in FIFO
+//!   order, stopping at the first that does not fit (so a large request is never overtaken
+//!   forever) — except that the owner with the fewest resident completions goes first (see
+//!   `fairness`).
 //! - Fair shares: requests belong to owners (one HTTP request's prompts share one). When the
 //!   next admission does not fit and its owner holds less than its share of `max_num_seqs`
 //!   (split evenly over the owners with work), an owner holding more than its share gives up
@@ -72,6 +74,8 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// Most prompt tokens one sequence feeds in a step (`EngineConfig::long_prefill_token_threshold`).
+    pub long_prefill_token_threshold: Option<usize>,
     /// Logit rows a step may return beyond one per sampled sequence: prompt-logprob chunks
     /// share them (`mla_core::StepLimits::extra_logit_rows`).
     pub max_extra_logit_rows: usize,

@@ -13,7 +13,30 @@ fn sched(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usiz
 }
 
 fn sched_with(block_size: usize, num_blocks: usize, max_num_seqs: usize, budget: usize, mixed: bool) -> Scheduler {
+    sched_full(block_size, num_blocks, max_num_seqs, budget, mixed, None)
+}
+
+/// Steps that take turns, at most `threshold` prompt tokens of one sequence each.
+fn sched_threshold(
+    block_size: usize,
+    num_blocks: usize,
+    max_num_seqs: usize,
+    budget: usize,
+    threshold: Option<usize>,
+) -> Scheduler {
+    sched_full(block_size, num_blocks, max_num_seqs, budget, false, threshold)
+}
+
+fn sched_full(
+    block_size: usize,
+    num_blocks: usize,
+    max_num_seqs: usize,
+    budget: usize,
+    mixed: bool,
+    threshold: Option<usize>,
+) -> Scheduler {
     let cfg = SchedulerConfig {
+        long_prefill_token_threshold: threshold,
         max_model_len: 4096,
         max_num_seqs,
         max_num_batched_tokens: budget,
@@ -87,6 +110,33 @@ fn long_prompt_is_prefilled_in_chunks_under_the_budget() {
     let (p, _) = step(&mut s);
     assert_eq!(p.kind, StepKind::Decode);
     assert_eq!((p.seqs[0].context_len, p.seqs[0].tokens.clone()), (20, vec![token_at(20)]));
+}
+
+#[test]
+fn a_long_prompt_under_the_threshold_leaves_room_for_the_prompts_behind_it() {
+    // A 64-token prompt is resident when a 5-token one arrives; budget 16. Without a threshold
+    // the long prompt takes every step's budget until it is done (4 steps) and the short one
+    // waits; with a threshold of 8 the short one is prefilled in the next step beside it.
+    for (threshold, short_first_token_at) in [(None, 5), (Some(8), 2)] {
+        let mut s = sched_threshold(4, 256, 8, 16, threshold);
+        s.add(1, req(64, 1, 1), 0);
+        let (first, _) = step(&mut s);
+        assert_eq!(first.num_tokens(), threshold.unwrap_or(16));
+        s.add(2, req(5, 1, 1), 0);
+        let mut at = None;
+        for i in 2..40 {
+            let (p, a) = step(&mut s);
+            if let Some(t) = threshold {
+                assert!(p.seqs.iter().all(|q| q.tokens.len() <= t), "a chunk over the threshold");
+            }
+            if a.tokens.iter().any(|t| t.request == 2) {
+                at = Some(i);
+                break;
+            }
+        }
+        assert_eq!(at, Some(short_first_token_at), "threshold {threshold:?}");
+        run_to_end(&mut s);
+    }
 }
 
 #[test]
@@ -272,6 +322,7 @@ fn admission_waits_for_free_blocks() {
 #[test]
 fn finishing_rules_and_removal_free_blocks() {
     let cfg = SchedulerConfig {
+        long_prefill_token_threshold: None,
         max_model_len: 12,
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
@@ -497,6 +548,7 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
     // 8 blocks hold either request at its longest (30 and 26 tokens), not both.
     for num_blocks in 8..16 {
         let cfg = SchedulerConfig {
+            long_prefill_token_threshold: None,
             max_model_len: 4096,
             max_num_seqs: 8,
             max_num_batched_tokens: 4,
@@ -548,6 +600,7 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
     // room for 200 rows of logits beyond the sampled ones: one step may not return 4 x 256
     // rows (a backend sized for 200 would refuse it), so the chunks wait their turn.
     let cfg = SchedulerConfig {
+        long_prefill_token_threshold: None,
         max_model_len: 4096,
         max_num_seqs: 8,
         max_num_batched_tokens: 1024,
@@ -601,6 +654,7 @@ fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
     // completions feeds 8..10. Only one of them asks for those rows in its plan.
     for n in [1, 4, 8] {
         let cfg = SchedulerConfig {
+            long_prefill_token_threshold: None,
             max_model_len: 4096,
             max_num_seqs: 8,
             max_num_batched_tokens: 64,

@@ -146,6 +146,13 @@ pub struct Args {
     #[arg(long, value_name = "TOKENS")]
     pub max_num_batched_tokens: Option<usize>,
 
+    /// Most prompt tokens one request feeds in a step (vLLM's flag; 0, the default: as many as
+    /// --max-num-batched-tokens leaves). A long prompt then leaves the rest of every step to the
+    /// prompts behind it, which reach their first token without waiting for it to finish; the
+    /// long prompt itself takes more steps.
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    pub long_prefill_token_threshold: usize,
+
     /// JSON object merged into the model's config.json before it is validated (vLLM's flag; a
     /// JSON merge patch: objects merge, null removes), e.g. '{"num_hidden_layers": 6}' to run a
     /// V3-shaped model with dummy weights on one GPU. Overriding a field mla-serve does not read
@@ -432,6 +439,11 @@ impl Args {
         self.max_num_batched_tokens.unwrap_or(DEFAULT_MAX_NUM_BATCHED_TOKENS)
     }
 
+    /// `--long-prefill-token-threshold`, `None` when 0 (no cap below the step's budget).
+    pub fn long_prefill_token_threshold(&self) -> Option<usize> {
+        (self.long_prefill_token_threshold > 0).then_some(self.long_prefill_token_threshold)
+    }
+
     /// What the flags ask of one step of one attention rank, and the limits of `parallel`'s
     /// steps derived from it (`StepLimits::derive`), with what it adjusted.
     pub fn step_limits(&self, parallel: &Parallel) -> anyhow::Result<(StepLimits, Vec<String>)> {
@@ -546,6 +558,13 @@ mod tests {
         let a = parse(&[]);
         assert_eq!((a.port, a.block_size, a.tp), (8000, 64, 1));
         assert_eq!(a.check_supported().unwrap(), Device::Auto);
+    }
+
+    #[test]
+    fn long_prefill_token_threshold_is_off_at_zero_as_in_vllm() {
+        assert_eq!(parse(&[]).long_prefill_token_threshold(), None);
+        assert_eq!(parse(&["--long-prefill-token-threshold", "0"]).long_prefill_token_threshold(), None);
+        assert_eq!(parse(&["--long-prefill-token-threshold", "512"]).long_prefill_token_threshold(), Some(512));
     }
 
     #[test]

@@ -90,6 +90,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let engine = Engine::start_replicas(
         backends,
         EngineConfig {
+            long_prefill_token_threshold: args.long_prefill_token_threshold(),
             max_model_len: sizing.max_model_len,
             max_num_seqs: args.max_num_seqs,
             max_num_batched_tokens: args.max_num_batched_tokens(),

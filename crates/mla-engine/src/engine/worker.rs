@@ -109,6 +109,7 @@ impl Worker {
             max_model_len: cfg.max_model_len,
             max_num_seqs: cfg.max_num_seqs.min(step.rank_seqs),
             max_num_batched_tokens: cfg.max_num_batched_tokens.min(step.rank_tokens),
+            long_prefill_token_threshold: cfg.long_prefill_token_threshold,
             max_extra_logit_rows: step.extra_logit_rows(),
             prefix_caching: cfg.prefix_caching,
             mixed_steps: cfg.mixed_steps,

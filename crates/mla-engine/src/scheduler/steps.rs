@@ -31,9 +31,10 @@ impl Scheduler {
         let mut left = Left { tokens, logit_rows: self.cfg.max_extra_logit_rows };
         let mut steps = Vec::new();
         let drafting = self.drafting();
+        let per_seq = self.cfg.long_prefill_token_threshold.unwrap_or(usize::MAX);
         let mut add = |this: &mut Self, key: SeqKey, left: &mut Left| {
             if left.tokens > 0 && this.needs_prefill(key) {
-                let at_most = left.tokens;
+                let at_most = left.tokens.min(per_seq);
                 let g = &this.groups[&key.request];
                 if let Some(step) = entry(g, key, at_most, &mut left.logit_rows, &mut this.spare, drafting) {
                     left.tokens -= step.tokens.len();

@@ -386,6 +386,7 @@ pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 
 pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
     mla_engine::EngineConfig {
+        long_prefill_token_threshold: None,
         max_model_len,
         max_num_seqs: 8,
         max_num_batched_tokens: 16,

@@ -198,6 +198,7 @@ pub fn server(opts: Options) -> TestServer {
         pending: PendingStep::default(),
     };
     let cfg = EngineConfig {
+        long_prefill_token_threshold: None,
         max_model_len: MAX_MODEL_LEN,
         max_num_seqs: opts.max_num_seqs,
         max_num_batched_tokens: 512,
