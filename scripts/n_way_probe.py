@@ -13,11 +13,9 @@ binaries on one machine compare.
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT / "scripts"))
+from run_envelope import envelope  # noqa: E402
 import hostile  # noqa: E402
 
 
@@ -48,15 +48,7 @@ def main() -> int:
     from server import Server  # noqa: E402  (reads MLA_SERVE_BIN)
 
     server = Server("--max-model-len", "4096")
-    out = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "command": " ".join(sys.argv),
-        "binary": args.bin,
-        "prompt_len": args.prompt_len,
-        "requests_s": {},
-        "normal_traffic": [],
-    }
+    out = envelope(binary=args.bin, prompt_len=args.prompt_len, requests_s={}, normal_traffic=[])
     try:
         with httpx.Client(base_url=server.base, timeout=120) as c:
             for n in (1, args.n):
