@@ -360,14 +360,15 @@ fn steps_asking_what_cannot_be_verified_exactly_are_refused() {
 /// `SeqStep::fork`: a sequence that shares a prompt's computed blocks copies the block the
 /// shared part ends in before computing the last prompt token there. Its token and drafts equal
 /// those of a sequence that computed the whole prompt itself, so the copy carried every layer's
-/// rows, the MTP layer's (which the drafts read) too; without the copy they do not.
+/// rows, the MTP layer's (which the drafts read) too; without the copy they do not. On one rank,
+/// on two tensor-parallel ranks (each copies its own cache) and on the first of two DP-attention
+/// ranks (the other idle), against the one-rank run.
 #[test]
 fn a_forked_block_carries_every_layers_rows_the_mtp_layers_too() {
     let f = fixture("v3_mtp");
     let (prompt, oracle_seq, _) = &f.prompts[1];
     let n = prompt.len();
     assert!(n > BLOCK_SIZE && n % BLOCK_SIZE != 1, "the shared part must end inside the second block");
-    let mut b = backend(&f, true);
     let step = |seq_id, tokens: Vec<u32>, context_len, block_table: Vec<u32>, fork, samples: bool| SeqStep {
         seq_id,
         tokens,
@@ -382,19 +383,38 @@ fn a_forked_block_carries_every_layers_rows_the_mtp_layers_too() {
         }),
         fork,
     };
-    // Another sequence's rows in the blocks the forks go to, so an uncopied row is stale.
-    let other: Vec<u32> = oracle_seq[..2 * BLOCK_SIZE].iter().rev().copied().collect();
-    run(&mut b, StepKind::Prefill, step(9, other, 0, vec![13, 12], None, false));
-    // The whole prompt by itself.
-    let whole = run(&mut b, StepKind::Prefill, step(1, prompt.clone(), 0, vec![11, 10], None, true));
-    // The shared part, then a fork of its second block computing the last prompt token.
-    run(&mut b, StepKind::Prefill, step(2, prompt[..n - 1].to_vec(), 0, vec![15, 14], None, false));
-    let fork = Some(mla_core::step::plan::BlockFork { from: 14, to: 13 });
-    let forked = run(&mut b, StepKind::Prefill, step(3, vec![prompt[n - 1]], n - 1, vec![15, 13], fork, true));
     let token = |r: &SeqResult| r.sampled.as_ref().unwrap().token;
-    assert_eq!(token(&whole), plain_greedy(&f, prompt)[0]);
-    assert_eq!((token(&forked), &forked.drafts), (token(&whole), &whole.drafts));
-    // The same step into block 12 without the copy reads the other sequence's rows.
-    let stale = run(&mut b, StepKind::Prefill, step(4, vec![prompt[n - 1]], n - 1, vec![15, 12], None, true));
-    assert_ne!((token(&stale), &stale.drafts), (token(&whole), &whole.drafts), "the test cannot tell a missing copy");
+    let mut one_rank = None;
+    for layout in ["one rank", "tp 2", "dp attention 2"] {
+        let mut b: Box<dyn Backend> = match layout {
+            "one rank" => Box::new(backend(&f, true)),
+            "tp 2" => Box::new(pair(&f, false)),
+            _ => Box::new(pair(&f, true)),
+        };
+        let ranks = b.cache_layouts().len();
+        // Rank 0 runs `s`; any other attention rank is idle.
+        let mut on_rank0 = |kind, s: SeqStep| {
+            let mut plans = vec![StepPlan { kind, seqs: vec![s] }];
+            plans.resize(ranks, StepPlan { kind: StepKind::Decode, seqs: vec![] });
+            b.start_step(&std::sync::Arc::new(plans));
+            b.finish_step().unwrap().remove(0).seqs.remove(0)
+        };
+        // Another sequence's rows in the blocks the forks go to, so an uncopied row is stale.
+        let other: Vec<u32> = oracle_seq[..2 * BLOCK_SIZE].iter().rev().copied().collect();
+        on_rank0(StepKind::Prefill, step(9, other, 0, vec![13, 12], None, false));
+        // The whole prompt by itself.
+        let whole = on_rank0(StepKind::Prefill, step(1, prompt.clone(), 0, vec![11, 10], None, true));
+        // The shared part, then a fork of its second block computing the last prompt token.
+        on_rank0(StepKind::Prefill, step(2, prompt[..n - 1].to_vec(), 0, vec![15, 14], None, false));
+        let fork = Some(mla_core::step::plan::BlockFork { from: 14, to: 13 });
+        let forked = on_rank0(StepKind::Prefill, step(3, vec![prompt[n - 1]], n - 1, vec![15, 13], fork, true));
+        assert_eq!((token(&forked), &forked.drafts), (token(&whole), &whole.drafts), "{layout}");
+        // The same step into block 12 without the copy reads the other sequence's rows.
+        let stale = on_rank0(StepKind::Prefill, step(4, vec![prompt[n - 1]], n - 1, vec![15, 12], None, true));
+        assert_ne!((token(&stale), &stale.drafts), (token(&whole), &whole.drafts), "{layout}: a missing copy shows");
+        let got = (token(&whole), whole.drafts.clone());
+        let first = one_rank.get_or_insert_with(|| got.clone());
+        assert_eq!(&got, first, "{layout} against one rank");
+    }
+    assert_eq!(one_rank.unwrap().0, plain_greedy(&f, prompt)[0]);
 }
