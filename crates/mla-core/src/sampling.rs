@@ -120,17 +120,25 @@ pub fn sample(logits: &[f32], req: &SampleRequest) -> Result<SampledToken, MaskE
         None => (0.0, vec![], None),
     };
     let p = &req.params;
+    let work = shaped_logits(logits, req)?;
+    let token = if p.is_greedy() { argmax(&work) } else { draw(&work, p, req.seed) };
+    let logprob = raw_lp.map_or(logprob, |lp| lp[token as usize]);
+    Ok(SampledToken { token, logprob, top_logprobs })
+}
+
+/// `logits` as `req` changes them before its draw: `logit_bias`, the structured-output mask, then
+/// the penalties over its history. The distribution a draw comes from is these logits' under
+/// `req.params` (`distribution`).
+pub fn shaped_logits(logits: &[f32], req: &SampleRequest) -> Result<Vec<f32>, MaskError> {
     let mut work = logits.to_vec();
     if req.shapes_logits() {
         let words = req.allowed.as_ref().map(|m| m.wait(logits.len(), MASK_WAIT)).transpose()?;
         apply_shaping(&mut work, &req.logit_bias, words.as_deref());
     }
     if let Some(h) = &req.penalty {
-        apply_penalties(&mut work, p, h);
+        apply_penalties(&mut work, &req.params, h);
     }
-    let token = if p.is_greedy() { argmax(&work) } else { draw(&work, p, req.seed) };
-    let logprob = raw_lp.map_or(logprob, |lp| lp[token as usize]);
-    Ok(SampledToken { token, logprob, top_logprobs })
+    Ok(work)
 }
 
 /// `token` reported as `sample` would report a draw of it from `logits`: with its log-probability

@@ -19,7 +19,8 @@ pub mod lossless_check;
 
 use crate::rng::SplitMix64;
 use crate::sampling::Distribution;
-use crate::step::plan::{SampledToken, SeqStep, StepPlan};
+use crate::step::plan::{SampleRequest, SampledToken, SeqStep, StepPlan};
+use std::borrow::Cow;
 
 /// What becomes of one drafted token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +101,22 @@ pub fn row_seed(seed: u64, row: usize) -> u64 {
     match row {
         0 => seed,
         r => SplitMix64::new(seed ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64(),
+    }
+}
+
+/// The request verify row `row` draws with: the step's, whose penalties count the drafts before
+/// the row as output (row `row` follows `drafts[..row]`). `logit_bias` is the same on every row:
+/// a request drafts only past `min_tokens`, where no row bans the stop tokens.
+pub fn row_request<'a>(req: &'a SampleRequest, drafts: &[u32], row: usize) -> Cow<'a, SampleRequest> {
+    match &req.penalty {
+        Some(h) if row > 0 => {
+            let mut r = req.clone();
+            let mut history = h.clone();
+            history.output.extend_from_slice(&drafts[..row]);
+            r.penalty = Some(history);
+            Cow::Owned(r)
+        }
+        _ => Cow::Borrowed(req),
     }
 }
 

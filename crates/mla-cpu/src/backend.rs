@@ -88,6 +88,10 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn verifies_shaped_drafts(&self) -> bool {
+        true
+    }
+
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }

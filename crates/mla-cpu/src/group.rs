@@ -145,5 +145,6 @@ pub fn group_parts(
         watchdog,
         sampled_drafts: true,
         forks_blocks: true,
+        shaped_drafts: true,
     }
 }

@@ -4,8 +4,10 @@
 //! check (`mla_core::speculative::lossless_check`).
 
 use mla_core::rng::SplitMix64;
-use mla_core::sampling::{argmax, distribution, report, sample, Distribution};
-use mla_core::speculative::{draft_seed, greedy_emitted, point_mass, row_seed, verify_sampled, Verdict, Verified};
+use mla_core::sampling::{argmax, distribution, report, sample, shaped_logits, Distribution};
+use mla_core::speculative::{
+    draft_seed, greedy_emitted, point_mass, row_request, row_seed, verify_sampled, Verdict, Verified,
+};
 use mla_core::step::plan::{SampleRequest, SeqStep, StepPlan};
 use mla_core::step::token_mask::MaskError;
 use std::collections::HashMap;
@@ -31,16 +33,17 @@ pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>], drawn: Option<&Drawn>) -> 
     let drafts = &s.tokens[s.tokens.len() - fed..];
     let q = drawn.filter(|k| k.q.len() >= fed && k.drafts.get(..fed) == Some(drafts)).map(|k| &k.q[..fed]);
     if req.params.is_greedy() || fed == 0 {
-        let choices = (0..=fed).map(|j| sample(row(j), req)).collect::<Result<Vec<_>, _>>()?;
+        let choices = (0..=fed).map(|j| sample(row(j), &row_request(req, drafts, j))).collect::<Result<Vec<_>, _>>()?;
         let tokens: Vec<u32> = choices.iter().map(|c| c.token).collect();
         let emitted = greedy_emitted(&tokens, drafts);
         return Ok(Verified { choices, emitted });
     }
-    // Rejection sampling, row by row (the plan admits no penalties, bias or masks here, so each
-    // row's distribution is its logits' under the request's parameters).
+    // Rejection sampling, row by row, against each row's distribution as a draw without drafts
+    // would have it: its logits shaped by the bias and by penalties that count the drafts before
+    // it (`row_request`; the plan admits no grammar masks here).
     let mut choices = Vec::with_capacity(fed + 1);
     for (j, &d) in drafts.iter().enumerate() {
-        let p = distribution(row(j), &req.params);
+        let p = distribution(&shaped_logits(row(j), &row_request(req, drafts, j))?, &req.params);
         let own = q.map_or_else(|| point_mass(d), |q| q[j].clone());
         let token = match verify_sampled(&p, &own, d, row_seed(req.seed, j)) {
             Verdict::Accept => d,
@@ -55,15 +58,27 @@ pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>], drawn: Option<&Drawn>) -> 
             return Ok(Verified { choices, emitted });
         }
     }
-    let bonus = SampleRequest { seed: row_seed(req.seed, fed), ..req.clone() };
+    let bonus = SampleRequest { seed: row_seed(req.seed, fed), ..row_request(req, drafts, fed).into_owned() };
     choices.push(sample(row(fed), &bonus)?);
     Ok(Verified { choices, emitted: fed + 1 })
 }
 
 /// The draft a drafting row proposes from the MTP layer's `logits`: the argmax for a greedy
 /// draw, else a draw from `q` (the request's parameters on the layer's logits) with the draft's
-/// own seed, `q` returned to be kept until the drafts are verified.
+/// own seed, `q` returned to be kept until the drafts are verified. The request's `logit_bias`
+/// shapes the layer's logits as it shapes the target's, so a banned token is not proposed;
+/// penalties do not (their history at this row is not at hand, and any `q` is exact: it only
+/// decides how often drafts stand).
 pub fn propose(logits: &[f32], req: &SampleRequest, j: usize) -> (u32, Option<Distribution>) {
+    let biased;
+    let logits = if req.logit_bias.is_empty() {
+        logits
+    } else {
+        let mut l = logits.to_vec();
+        mla_core::sampling::apply_shaping(&mut l, &req.logit_bias, None);
+        biased = l;
+        &biased
+    };
     if req.params.is_greedy() {
         return (argmax(logits), None);
     }

@@ -345,10 +345,13 @@ fn steps_asking_what_cannot_be_verified_exactly_are_refused() {
     let mtp = |drafts_fed, draft| Some(MtpStep { drafts_fed, next_token: None, draft });
     refused(&mut b, StepKind::Prefill, greedy_step(vec![0, 5, 6], 0, mtp(1, 1)), "decode rows only");
     refused(&mut b, StepKind::Decode, greedy_step(vec![5, 6, 7], 0, mtp(1, 1)), "the drafts it verifies: 1), found 3");
-    let mut biased = greedy_step(vec![5, 6], 0, mtp(1, 1));
-    biased.sample =
-        Some(SampleRequest { logit_bias: vec![(5, 2.0)], ..SampleRequest::new(SamplingParams::default(), 3) });
-    refused(&mut b, StepKind::Decode, biased, "without penalties, logit_bias or a grammar");
+    let mut masked = greedy_step(vec![5, 6], 0, mtp(1, 1));
+    let words = vec![u32::MAX; mla_core::step::token_mask::mask_words(f.cfg.vocab_size)];
+    masked.sample = Some(SampleRequest {
+        allowed: Some(mla_core::step::token_mask::TokenMask::ready(words)),
+        ..SampleRequest::new(SamplingParams::default(), 3)
+    });
+    refused(&mut b, StepKind::Decode, masked, "structured output does not draft");
     let mut with_logits = greedy_step(vec![5, 6], 0, mtp(1, 1));
     with_logits.logits = LogitsRequest::All;
     refused(&mut b, StepKind::Decode, with_logits, "returns no logits");

@@ -189,5 +189,7 @@ pub fn group_parts(
         sampled_drafts: true,
         // Not yet: a block copy on the device has not run on a GPU (docs/architecture.md, step 5).
         forks_blocks: false,
+        // Not yet: the device verdict (kernels/speculative.cu) shapes no row.
+        shaped_drafts: false,
     }
 }

@@ -456,7 +456,7 @@ fn forced_drafts_stand_exactly_up_to_the_first_wrong_one() {
 #[ignore = "needs an NVIDIA GPU"]
 fn sampled_drafts_leave_the_output_distribution_unchanged() {
     let prompt = oracle(&main_dir())[0].prompt[..5].to_vec();
-    let setup = Setup { prompt, table: table(0), runs: 3000, rounding: ROUNDING_BF16 };
+    let setup = Setup { prompt, table: table(0), runs: 3000, rounding: ROUNDING_BF16, shaping: None };
     let exact = exact(&mut backend(0), &setup);
     let mut b = backend(lossless_check::K);
     own_drafts(&mut b, &setup, &exact);
@@ -507,7 +507,7 @@ impl Backend for LastRank<'_> {
 #[ignore = "needs an NVIDIA GPU"]
 fn group_ranks_verify_sampled_drafts_losslessly() {
     let prompt = oracle(&main_dir())[0].prompt[..5].to_vec();
-    let setup = Setup { prompt, table: table(0), runs: 3000, rounding: ROUNDING_BF16 };
+    let setup = Setup { prompt, table: table(0), runs: 3000, rounding: ROUNDING_BF16, shaping: None };
     for dp_attention in [true, false] {
         let (world, mut group) = group(lossless_check::K, dp_attention);
         let plans = if dp_attention { world } else { 1 };

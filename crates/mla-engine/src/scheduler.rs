@@ -96,6 +96,9 @@ pub struct SchedulerConfig {
     /// Whether the backend verifies drafts of sampled draws (`Backend::verifies_sampled_drafts`);
     /// without it only greedy requests draft.
     pub spec_sampled: bool,
+    /// Whether the backend verifies drafts of requests with penalties or logit_bias
+    /// (`Backend::verifies_shaped_drafts`); without it those requests do not draft.
+    pub spec_shaped: bool,
     /// Whether the backend copies cache blocks (`Backend::forks_blocks`): then the completions of
     /// an `n`-way request share the prompt up to its last token (`shared_prefix_len`).
     pub fork_blocks: bool,

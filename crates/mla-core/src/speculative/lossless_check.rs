@@ -16,15 +16,19 @@
 //! boundary are counted as one category (`Exact::pooled`), so rounding does not fail the check
 //! and a rule that moved probability anywhere else still does.
 //!
+//! With `Setup::shaping` the requests carry penalties and a `logit_bias`: the target enumerated
+//! is then each context's logits shaped as a draw there would shape them (the penalties count
+//! the outputs before it), and the verify rows must shape theirs by the drafts before them.
+//!
 //! The check has power: the drafts themselves (what a rule that accepted every draft would emit)
 //! must score far above the quantile at the same sample size. It lives here, not in a test
 //! directory, so that the CPU reference and the CUDA backend are held to the same procedure.
 
 use crate::rng::SplitMix64;
-use crate::sampling::{distribution, Distribution};
+use crate::sampling::{distribution, shaped_logits, Distribution};
 use crate::step::backend::Backend;
 use crate::step::plan::{
-    LogitsRequest, MtpStep, SampleRequest, SamplingParams, SeqResult, SeqStep, StepKind, StepPlan,
+    LogitsRequest, MtpStep, PenaltyTokens, SampleRequest, SamplingParams, SeqResult, SeqStep, StepKind, StepPlan,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -39,10 +43,39 @@ pub struct Setup {
     /// How far apart the backend's prefill and verify rows may round one logit, twice over
     /// (`ROUNDING_BF16`, or a small figure for an f32 backend): the width of a near tie.
     pub rounding: f32,
+    /// Penalties and a logit bias on every draw (`None`: plain draws).
+    pub shaping: Option<Shaping>,
 }
 
-fn params() -> SamplingParams {
-    SamplingParams { temperature: 1.0, top_k: Some(8), ..Default::default() }
+/// What shapes the logits of `Setup::shaping`'s draws.
+#[derive(Debug, Clone, Default)]
+pub struct Shaping {
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+fn params(setup: &Setup) -> SamplingParams {
+    let plain = SamplingParams { temperature: 1.0, top_k: Some(8), ..Default::default() };
+    match &setup.shaping {
+        Some(s) => SamplingParams {
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            ..plain
+        },
+        None => plain,
+    }
+}
+
+/// The request of a draw after `output` (the output tokens before it) with `seed`.
+fn request(setup: &Setup, output: &[u32], seed: u64) -> SampleRequest {
+    let params = params(setup);
+    let penalty =
+        params.has_penalties().then(|| PenaltyTokens { prompt: setup.prompt.clone(), output: output.to_vec() });
+    let logit_bias = setup.shaping.as_ref().map_or_else(Vec::new, |s| s.logit_bias.clone());
+    SampleRequest { penalty, logit_bias, ..SampleRequest::new(params, seed) }
 }
 
 /// The seed of output position `i` of run `run`, as the engine derives one per position.
@@ -93,8 +126,10 @@ fn next_distribution(b: &mut dyn Backend, setup: &Setup, tokens: &[u32]) -> (Dis
         mtp: None,
     };
     let r = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![s] }).unwrap();
-    let logits = &r.seqs[0].logits[0];
-    (distribution(logits, &params()), params().top_k.and_then(|k| boundary_band(logits, k, setup.rounding)))
+    let req = request(setup, &tokens[setup.prompt.len()..], 0);
+    let logits = shaped_logits(&r.seqs[0].logits[0], &req).expect("no mask");
+    let band = req.params.top_k.and_then(|k| boundary_band(&logits, k, setup.rounding));
+    (distribution(&logits, &req.params), band)
 }
 
 /// The exact distributions of output positions 1 and 2, and of the next token given what came
@@ -137,7 +172,8 @@ pub fn exact(target: &mut dyn Backend, setup: &Setup) -> Exact {
     Exact { at1, at2, given, boundaries }
 }
 
-fn step(setup: &Setup, tokens: Vec<u32>, context_len: usize, seed: u64, fed: usize) -> SeqStep {
+/// A step feeding `tokens` after `context_len` positions, the output so far being `output`.
+fn step(setup: &Setup, tokens: Vec<u32>, context_len: usize, output: &[u32], seed: u64, fed: usize) -> SeqStep {
     SeqStep {
         fork: None,
         seq_id: 1,
@@ -145,7 +181,7 @@ fn step(setup: &Setup, tokens: Vec<u32>, context_len: usize, seed: u64, fed: usi
         context_len,
         block_table: setup.table.clone(),
         logits: LogitsRequest::None,
-        sample: Some(SampleRequest::new(params(), seed)),
+        sample: Some(request(setup, output, seed)),
         mtp: Some(MtpStep { drafts_fed: fed, next_token: None, draft: K }),
     }
 }
@@ -169,7 +205,7 @@ pub struct Runs {
 fn run(b: &mut dyn Backend, setup: &Setup, mut feed: impl FnMut(&[u32], &[u32]) -> Vec<u32>) -> Runs {
     let mut runs = Runs::default();
     for r in 0..setup.runs {
-        let prefill = step(setup, setup.prompt.clone(), 0, seed(r, 0), 0);
+        let prefill = step(setup, setup.prompt.clone(), 0, &[], seed(r, 0), 0);
         let first = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![prefill] }).unwrap().seqs.remove(0);
         let mut out = emitted(&first);
         let mut own = first.drafts;
@@ -179,7 +215,7 @@ fn run(b: &mut dyn Backend, setup: &Setup, mut feed: impl FnMut(&[u32], &[u32]) 
             let drafts = feed(&out, &own);
             let tokens: Vec<u32> = std::iter::once(*out.last().unwrap()).chain(drafts.iter().copied()).collect();
             let context = setup.prompt.len() + out.len() - 1;
-            let s = step(setup, tokens, context, seed(r, out.len()), drafts.len());
+            let s = step(setup, tokens, context, &out, seed(r, out.len()), drafts.len());
             let res = b.step(&StepPlan { kind: StepKind::Decode, seqs: vec![s] }).unwrap().seqs.remove(0);
             let e = emitted(&res);
             assert!(!e.is_empty() && e.len() <= drafts.len() + 1);

@@ -57,6 +57,13 @@ pub trait Backend: Send {
         false
     }
 
+    /// Whether the backend verifies drafts of requests with penalties or `logit_bias`, each verify
+    /// row shaped by the drafts before it (`speculative::row_request`); without it the engine
+    /// does not draft for them.
+    fn verifies_shaped_drafts(&self) -> bool {
+        false
+    }
+
     /// Whether the backend copies blocks as `SeqStep::fork` asks, before the step writes; without
     /// it the engine never asks, and the completions of an `n`-way request each compute the
     /// prompt's last block instead of its last token.

@@ -318,9 +318,10 @@ impl StepPlan {
     }
 
     /// What speculative decoding asks of a sequence must be something the backend can do
-    /// exactly: drafts are verified greedily or by rejection sampling (`speculative`), with
-    /// nothing that changes logits per row. Whether a backend verifies sampled drafts is its
-    /// own (`Backend::verifies_sampled_drafts`).
+    /// exactly: drafts are verified greedily or by rejection sampling (`speculative`), each row
+    /// shaped as a draw without drafts would be, which a grammar's mask cannot be yet. Whether a
+    /// backend verifies sampled drafts, and penalised or biased ones, is its own
+    /// (`Backend::verifies_sampled_drafts`, `verifies_shaped_drafts`).
     fn check_speculative(s: &SeqStep, m: MtpStep, decode_row: bool) -> Result<(), PlanError> {
         let why = |why| Err(PlanError::Speculative { seq_id: s.seq_id, why });
         if m.drafts_fed > 0 && !decode_row {
@@ -336,11 +337,21 @@ impl StepPlan {
             return why("a row that verifies drafts returns no logits");
         }
         if let Some(r) = &s.sample {
-            if (m.drafts_fed > 0 || m.draft > 0) && (r.penalty.is_some() || r.shapes_logits()) {
-                return why("only draws without penalties, logit_bias or a grammar are verified so far");
+            if (m.drafts_fed > 0 || m.draft > 0) && r.allowed.is_some() {
+                return why("a grammar's mask is not advanced along drafts: structured output does not draft");
             }
         }
         Ok(())
+    }
+
+    /// Whether a sequence drafts or verifies with penalties or `logit_bias`, which change a
+    /// verify row's logits by the drafts before it; a backend verifies those only where it says
+    /// so (`Backend::verifies_shaped_drafts`).
+    pub fn has_shaped_drafts(&self) -> bool {
+        self.seqs.iter().any(|s| {
+            let drafting = s.mtp.is_some_and(|m| m.drafts_fed > 0 || m.draft > 0);
+            drafting && s.sample.as_ref().is_some_and(|r| r.penalty.is_some() || !r.logit_bias.is_empty())
+        })
     }
 
     /// Whether any sequence asks for speculative decoding (`SeqStep::mtp`).
@@ -411,7 +422,7 @@ pub struct StepOutput {
 }
 
 #[cfg(test)]
-mod fork_checks {
+mod checks {
     use super::*;
 
     fn forking(fork: BlockFork) -> StepPlan {
@@ -438,5 +449,38 @@ mod fork_checks {
         assert_eq!(check(8, 6), refused("the block it forks from is outside the cache"));
         assert_eq!(check(6, 6), refused("a block cannot be forked into itself"));
         assert!(forking(BlockFork { from: 3, to: 6 }).has_forks());
+    }
+
+    #[test]
+    fn shaped_drafts_are_told_apart_and_a_grammar_never_drafts() {
+        let row = |penalty: bool, bias: bool, draft: usize| {
+            let mut req = SampleRequest::new(SamplingParams { repetition_penalty: 1.2, ..Default::default() }, 1);
+            if penalty {
+                req.penalty = Some(PenaltyTokens { prompt: vec![1], output: vec![] });
+            }
+            if bias {
+                req.logit_bias = vec![(3, 1.0)];
+            }
+            let mtp = Some(MtpStep { drafts_fed: 0, next_token: None, draft });
+            let seq = SeqStep {
+                seq_id: 1,
+                tokens: vec![2],
+                context_len: 0,
+                block_table: vec![0],
+                logits: LogitsRequest::None,
+                sample: Some(req),
+                mtp,
+                fork: None,
+            };
+            StepPlan { kind: StepKind::Prefill, seqs: vec![seq] }
+        };
+        assert!(row(true, false, 1).has_shaped_drafts() && row(false, true, 2).has_shaped_drafts());
+        assert!(!row(true, true, 0).has_shaped_drafts(), "a row that drafts nothing is not shaped drafting");
+        assert!(!row(false, false, 1).has_shaped_drafts());
+        assert_eq!(row(true, true, 1).validate(4, 8, 10, 100), Ok(()));
+        let mut masked = row(false, false, 1);
+        masked.seqs[0].sample.as_mut().unwrap().allowed =
+            Some(crate::step::token_mask::TokenMask::ready(vec![u32::MAX]));
+        assert!(matches!(masked.validate(4, 8, 10, 100), Err(PlanError::Speculative { .. })));
     }
 }

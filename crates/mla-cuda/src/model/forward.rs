@@ -200,11 +200,16 @@ impl CudaModel {
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results. A step
     /// that asks for speculative decoding runs its verify and draft passes (`speculative`).
-    /// Checks `plan` against this rank's cache and the model. Block forks are refused: the
-    /// backend says it does not run them (`Backend::forks_blocks`), so the engine never asks.
+    /// Checks `plan` against this rank's cache and the model. Block forks and drafts of penalised
+    /// or biased requests are refused: the backend says it does not run them
+    /// (`Backend::forks_blocks`, `verifies_shaped_drafts`), so the engine never asks.
     pub(super) fn validate(&self, plan: &StepPlan) -> anyhow::Result<()> {
         plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
         anyhow::ensure!(!plan.has_forks(), "the CUDA backend does not fork cache blocks yet (SeqStep::fork)");
+        anyhow::ensure!(
+            !plan.has_shaped_drafts(),
+            "the CUDA backend does not verify drafts of requests with penalties or logit_bias yet"
+        );
         Ok(())
     }
 

@@ -116,6 +116,7 @@ impl Worker {
             mtp_drafts: cfg.mtp_drafts,
             spec_disable_batch: cfg.spec_disable_batch,
             spec_sampled: backend.verifies_sampled_drafts(),
+            spec_shaped: backend.verifies_shaped_drafts(),
             fork_blocks: backend.forks_blocks(),
         };
         let layouts = backend.cache_layouts();

@@ -2,7 +2,7 @@
 
 use super::Scheduler;
 use crate::prompt_logprobs::LOGITS_CHUNK;
-use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot};
+use crate::sequence::{draw_seed, Group, SeqKey, SeqState, Slot, Verifies};
 use mla_core::step::plan::{BlockFork, LogitsRequest, MtpStep, PenaltyTokens, SampleRequest, SeqStep};
 
 impl Scheduler {
@@ -115,7 +115,7 @@ impl Scheduler {
         }
         (!paused).then_some(Drafting {
             k: self.cfg.mtp_drafts,
-            sampled: self.cfg.spec_sampled,
+            verifies: Verifies { sampled: self.cfg.spec_sampled, shaped: self.cfg.spec_shaped },
             block_size: self.blocks.block_size(),
             max_model_len: self.cfg.max_model_len,
         })
@@ -144,8 +144,8 @@ impl Scheduler {
 pub(super) struct Drafting {
     /// Drafts per step.
     k: usize,
-    /// Whether sampled (non-greedy) draws draft too (`SchedulerConfig::spec_sampled`).
-    sampled: bool,
+    /// Which requests the backend verifies drafts of, beyond greedy ones without shaping.
+    verifies: Verifies,
     block_size: usize,
     max_model_len: usize,
 }
@@ -162,7 +162,7 @@ impl Drafting {
     fn fits_row(&self, g: &Group, c: usize, budget: usize) -> bool {
         let seq = &g.completions[c];
         !seq.drafts.is_empty()
-            && g.drafts_now(c, self.sampled)
+            && g.drafts_now(c, self.verifies)
             && self.row_positions(seq) <= self.max_model_len
             && seq.drafts.len() < budget
     }
@@ -170,7 +170,7 @@ impl Drafting {
     /// The `MtpStep` of an entry feeding `seq.tokens[computed..end]` (plus `fed` drafts), or
     /// `None` for a request that never drafts (its MTP rows would serve nothing).
     fn step(&self, g: &Group, key: SeqKey, end: usize, samples: bool, fed: usize) -> Option<MtpStep> {
-        if !g.may_speculate(self.sampled) {
+        if !g.may_speculate(self.verifies) {
             return None;
         }
         let seq = g.seq(key.slot).expect("resident sequence exists");
@@ -186,7 +186,7 @@ impl Drafting {
         let draft = match key.slot {
             Slot::Completion(c)
                 if samples
-                    && g.drafts_now(c, self.sampled)
+                    && g.drafts_now(c, self.verifies)
                     && last_drafting_row <= self.max_model_len
                     && last_drafting_row <= seq.table.len() * self.block_size =>
             {

@@ -37,6 +37,8 @@ pub struct GroupParts<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
     pub sampled_drafts: bool,
     /// `Backend::forks_blocks` of the ranks.
     pub forks_blocks: bool,
+    /// `Backend::verifies_shaped_drafts` of the ranks.
+    pub shaped_drafts: bool,
 }
 
 pub struct GroupBackend<W: StepRunner<Step = NodeStep, Output = StepOutput>> {
@@ -81,6 +83,10 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> GroupBackend<W> {
         for plan in plans {
             plan.validate(c.block_size, c.num_blocks, cfg.vocab_size, self.p.max_model_len)?;
             anyhow::ensure!(self.p.forks_blocks || !plan.has_forks(), "these ranks do not fork cache blocks");
+            anyhow::ensure!(
+                self.p.shaped_drafts || !plan.has_shaped_drafts(),
+                "these ranks do not verify drafts of requests with penalties or logit_bias"
+            );
         }
         Ok(self.p.step_limits.check(plans)?)
     }
@@ -138,6 +144,10 @@ impl<W: StepRunner<Step = NodeStep, Output = StepOutput>> Backend for GroupBacke
 
     fn forks_blocks(&self) -> bool {
         self.p.forks_blocks
+    }
+
+    fn verifies_shaped_drafts(&self) -> bool {
+        self.p.shaped_drafts
     }
 
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
