@@ -3,8 +3,8 @@
 The v3_mtp fixture is the v3 fixture's exact model plus an MTP layer (tests/fixtures/README.md),
 so HF transformers' greedy continuation of v3 (its oracle) judges the output: with vLLM's
 `--speculative-config` or SGLang's `--speculative-algorithm` the server must still produce it,
-prompts batched in one request, streamed one by one, and arriving while others decode. A sampled
-request (which does not draft) gives what a server without speculation gives for the same seed.
+prompts batched in one request, streamed one by one, and arriving while others decode. Greedy
+requests with penalties and logit_bias draft and give what a server without speculation gives.
 /metrics counts the drafts. Where speculative decoding cannot run, the server refuses to start
 and says why. Tensor-parallel ranks (`--tp 2` on the CPU reference) draft and verify as one;
 DP-attention ranks (`--tp 2 --enable-dp-attention`), each drafting for its own requests, give
@@ -110,8 +110,14 @@ def test_greedy_output_with_mtp_is_hfs(flags, tmp_path):
         assert server.stop() == 0
 
 
-def test_sampled_requests_match_the_server_without_speculation(tmp_path):
+def test_penalised_and_biased_requests_draft_and_match_the_server_without_speculation(tmp_path):
+    """Requests with penalties and logit_bias draft on the CPU reference, each verify row shaped
+    by the drafts before it: greedy ones give exactly what the server without speculation gives
+    (a sampled one's draws differ by design; crates/mla-cpu/tests/speculative_sampling.rs checks
+    its distribution), and a sampled one reproduces its tokens for its seed."""
     d = model_dir(tmp_path, "v3_mtp")
+    prompts = [oracle()[0]["prompt"], oracle()[2]["prompt"]]
+    shaping = {"repetition_penalty": 1.1, "presence_penalty": 0.4, "frequency_penalty": 0.2}
     outputs = []
     for flags in ([], VLLM):
         server = Server("--model", str(d), "--served-model-name", "m", "--device", "cpu", *flags)
@@ -119,17 +125,32 @@ def test_sampled_requests_match_the_server_without_speculation(tmp_path):
             client = server.client()
             r = client.completions.create(
                 model="m",
-                prompt=[oracle()[0]["prompt"], oracle()[2]["prompt"]],
+                prompt=prompts,
                 max_tokens=24,
-                temperature=0.9,
-                seed=11,
+                temperature=0.0,
                 logprobs=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, "repetition_penalty": 1.1},
+                logit_bias={"17": 3, "201": -100},
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **shaping},
             )
             outputs.append([ids(c) for c in sorted(r.choices, key=lambda c: c.index)])
             if flags:
-                # Neither request could draft (sampled, with a penalty): nothing was verified.
-                assert server.metrics()["mla:spec_decode_num_draft_tokens_total"] == 0
+                assert "for greedy and sampled requests without a grammar" in server.log_text()
+                assert server.metrics()["mla:spec_decode_num_draft_tokens_total"] > 0
+
+                def sampled():
+                    r = client.completions.create(
+                        model="m",
+                        prompt=prompts[0],
+                        max_tokens=24,
+                        temperature=0.9,
+                        seed=11,
+                        logprobs=0,
+                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **shaping},
+                    )
+                    return ids(r.choices[0])
+
+                first = sampled()
+                assert len(first) == 24 and sampled() == first
         finally:
             assert server.stop() == 0
     assert outputs[0] == outputs[1]
