@@ -205,7 +205,17 @@ def test_steps_taking_turns_under_mixed_traffic_match_one_rank(weights, layout, 
     assert metrics["mla:mixed_steps_total"] == 0
 
 
-def run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory, steps=()):
+@pytest.mark.parametrize("layout", [None, "tp", "dp-attention"])
+def test_a_prompt_chunk_cap_under_mixed_traffic_matches_one_rank(layout, tmp_path, tmp_path_factory):
+    """`--long-prefill-token-threshold 8` (a quarter of the 32-token budget): every prompt is
+    fed in chunks of at most 8 tokens, beside the others, through the same burst, preemption,
+    aborts, n = 2 (whose completions fork the block their prompt ends in), structured output
+    and prefix hits; the greedy outputs are one uncapped rank's."""
+    cap = ["--long-prefill-token-threshold", "8"]
+    run_against_one_rank("bf16", layout, 2, tmp_path, tmp_path_factory, cap, log_holds="long_prefill_token_threshold=8")
+
+
+def run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory, steps=(), log_holds=None):
     ref = reference(weights, tmp_path_factory)
     server, node1, oracle = start(weights, layout, ranks, tmp_path, steps)
     try:
@@ -226,6 +236,8 @@ def run_against_one_rank(weights, layout, ranks, tmp_path, tmp_path_factory, ste
             for i, (r, g) in enumerate(zip(choices, out[case])):
                 same_greedy(r, g, f"{weights} {layout} x{ranks} {case}[{i}]")
         assert "internal error" not in server.log_text()
+        if log_holds is not None:
+            assert log_holds in server.log_text(), f"the log does not say {log_holds!r}"
     finally:
         code = server.stop()
         if node1 is not None:

@@ -139,6 +139,7 @@ impl Engine {
                 blocks_per_rank = ?layouts.iter().map(|l| l.num_blocks).collect::<Vec<_>>(),
                 block_size = layouts[0].block_size,
                 max_num_seqs = cfg.max_num_seqs,
+                long_prefill_token_threshold = cfg.long_prefill_token_threshold.unwrap_or(0),
                 "engine started"
             );
             replicas.push(Replica { layouts, commands, metrics, loads, liveness, thread: Mutex::new(Some(thread)) });
