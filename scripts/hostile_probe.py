@@ -20,9 +20,7 @@ logprobs of 4000 ids with n 128 about 50 s of that); a phase cut off is recorded
 import argparse
 import asyncio
 import concurrent.futures
-import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import hostile  # noqa: E402
+from run_envelope import envelope  # noqa: E402  (beside this script)
 
 
 def main() -> int:
@@ -117,14 +116,7 @@ def main() -> int:
         if baseline and r.get("normal", {}).get("p50_ms"):
             r["p50_over_unloaded"] = round(r["normal"]["p50_ms"] / baseline, 2)
     print_table(results)
-    record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
-        "command": " ".join(sys.argv),
-        "server": base,
-        "model": model,
-        "phases": results,
-    }
+    record = envelope(server=base, model=model, phases=results)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
@@ -182,13 +174,6 @@ def hostile_first_model(base: str) -> str:
 
 def fmt(ms) -> str:
     return f"{ms:7.1f} ms" if ms is not None else "      -   "
-
-
-def git(*args) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

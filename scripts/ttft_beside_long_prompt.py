@@ -20,8 +20,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-sys.path.insert(0, str(ROOT / "scripts"))
-from run_envelope import envelope  # noqa: E402
+from run_envelope import envelope  # noqa: E402  (beside this script)
 
 
 async def first_token_s(client: httpx.AsyncClient, body: dict) -> float:
