@@ -65,42 +65,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
         }
     }
 
-    // Working copy (only when the row shapes its logits): masked tokens to -inf, biases added,
-    // then the penalties. Bias entries name each token once, so no two threads write one entry.
-    const float* w = raw;
-    const bool masked = p.mask_row >= 0;
-    if (masked || p.bias_end > p.bias_begin || p.pen_end > p.pen_begin) {
-        float* wr = work + (size_t)r * vocab;
-        if (masked) {
-            const unsigned* allowed = mask_table + (size_t)p.mask_row * ((vocab + 31) / 32);
-            for_row(raw, vocab, [&](int i, float v) { wr[i] = (allowed[i >> 5] >> (i & 31)) & 1u ? v : -INFINITY; });
-        } else {
-            for_row(raw, vocab, [&](int i, float v) { wr[i] = v; });
-        }
-        __syncthreads();
-        if (p.bias_end > p.bias_begin) {
-            const int* bias = *bias_table;
-            for (int e = p.bias_begin + threadIdx.x; e < p.bias_end; e += blockDim.x) {
-                // -inf stays -inf whatever the bias (-inf + -inf, or a masked token's finite bias).
-                const int tok = bias[2 * e];
-                wr[tok] += __int_as_float(bias[2 * e + 1]);
-            }
-            __syncthreads();
-        }
-        if (p.pen_end > p.pen_begin) {
-            const int* pen = *penalty_table;
-            for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
-                const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
-                float v = wr[tok];
-                if (seen && p.repetition_penalty != 1.f)
-                    v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
-                if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
-                wr[tok] = v;
-            }
-            __syncthreads();
-        }
-        w = wr;
-    }
+    // The row as it is drawn from: shaped by mask, bias and penalties in `work` when it asks.
+    const float* w = shaped_row(raw, work + (size_t)r * vocab, vocab, p, penalty_table, bias_table, mask_table);
 
     // Greedy: the largest working logit, lowest index on ties (every token -inf: token 0).
     auto greedy = [&]() {

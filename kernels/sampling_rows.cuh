@@ -173,3 +173,48 @@ DEVICE_INLINE float gumbel(uint64_t seed, int i) {
     const double u = uniform_open(mix64(seed ^ mix64(0x5851F42D4C957F2Dull + (uint64_t)i)));
     return (float)(-log(-log(u)));
 }
+
+// Whether a row shapes its logits before it is drawn from (a mask, a bias or penalties).
+DEVICE_INLINE bool shapes(const SampleParams& p) {
+    return p.mask_row >= 0 || p.bias_end > p.bias_begin || p.pen_end > p.pen_begin;
+}
+
+// The logits a row is drawn from: `raw` itself, or, when the row shapes them, its working copy
+// `wr` written here: masked tokens to -inf, biases added, then the penalties (vLLM's order).
+// Bias entries name each token once, so no two threads write one entry. `penalty_table` and
+// `bias_table` are device words holding the addresses of the step's penalty and bias entries
+// (sampling.cu says why), `mask_table` its mask rows; each is read only when the row uses it.
+// Ends with the block in step, every write visible.
+DEVICE_INLINE const float* shaped_row(const float* __restrict__ raw, float* __restrict__ wr, int vocab,
+                                      const SampleParams& p, const int* const* __restrict__ penalty_table,
+                                      const int* const* __restrict__ bias_table,
+                                      const unsigned* __restrict__ mask_table) {
+    if (!shapes(p)) return raw;
+    if (p.mask_row >= 0) {
+        const unsigned* allowed = mask_table + (size_t)p.mask_row * ((vocab + 31) / 32);
+        for_row(raw, vocab, [&](int i, float v) { wr[i] = (allowed[i >> 5] >> (i & 31)) & 1u ? v : -INFINITY; });
+    } else {
+        for_row(raw, vocab, [&](int i, float v) { wr[i] = v; });
+    }
+    __syncthreads();
+    if (p.bias_end > p.bias_begin) {
+        const int* bias = *bias_table;
+        for (int e = p.bias_begin + threadIdx.x; e < p.bias_end; e += blockDim.x) {
+            // -inf stays -inf whatever the bias (-inf + -inf, or a masked token's finite bias).
+            wr[bias[2 * e]] += __int_as_float(bias[2 * e + 1]);
+        }
+        __syncthreads();
+    }
+    if (p.pen_end > p.pen_begin) {
+        const int* pen = *penalty_table;
+        for (int e = p.pen_begin + threadIdx.x; e < p.pen_end; e += blockDim.x) {
+            const int tok = pen[3 * e], c = pen[3 * e + 1], seen = pen[3 * e + 2];
+            float v = wr[tok];
+            if (seen && p.repetition_penalty != 1.f) v = v > 0.f ? v / p.repetition_penalty : v * p.repetition_penalty;
+            if (c > 0) v -= p.frequency_penalty * (float)c + p.presence_penalty;
+            wr[tok] = v;
+        }
+        __syncthreads();
+    }
+    return wr;
+}

@@ -7,7 +7,10 @@
 //
 // Three launches, after the verify step's logits and before its sampler:
 // - `spec_distributions`, one block per row (a verified sequence's target rows, then its drafts'
-//   rows): the row's kept set and normaliser, the expensive part, in parallel over every row;
+//   rows): the row's kept set and normaliser, the expensive part, in parallel over every row. A
+//   target row whose request has a logit bias or penalties is shaped first, into the sampler's
+//   working copy of that row, as the sampler shapes it (`shaped_row`): each verify row has its
+//   own penalty entries, which count the drafts before it (mla_core::speculative::row_request);
 // - `spec_verdicts`, one block per sequence: the acceptance tests in order, each O(1), and one
 //   pass over the vocabulary at the first rejection. It writes each decided row's token into
 //   the row's `forced_token`; the sampler then reports its log-probabilities and draws the rows
@@ -21,7 +24,9 @@
 struct SpecRow {
     const float* logits;
     int params_row;  // the sampler row whose parameters shape it
-    int reserved;
+    // 1: a target row, shaped (bias, penalties) as the sampler will shape it, into that sampler
+    // row's working copy, which the verdict then reads. 0: a kept draft row, kept as drawn from.
+    int shape;
 };
 static_assert(sizeof(SpecRow) == 16, "SpecRow is mirrored by SpecRowRaw (ops/speculative.rs)");
 
@@ -54,15 +59,20 @@ constexpr uint64_t RESIDUAL_SALT = 0xBB67AE8584CAA73Bull;
 
 extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
     spec_distributions(const SpecRow* __restrict__ rows, const SampleParams* __restrict__ params, int vocab,
+                       const int* const* __restrict__ penalty_table, const int* const* __restrict__ bias_table,
+                       const unsigned* __restrict__ mask_table, float* __restrict__ work,
                        RowDistribution* __restrict__ out) {
     PDL_ENTRY();
     __shared__ float sf[32];
     __shared__ double sd[32];
     const SpecRow r = rows[blockIdx.x];
     const SampleParams p = params[r.params_row];
-    const KeptSet k = kept_set(r.logits, vocab, p, sf, sd);
+    const float* row = r.shape
+        ? shaped_row(r.logits, work + (size_t)r.params_row * vocab, vocab, p, penalty_table, bias_table, mask_table)
+        : r.logits;
+    const KeptSet k = kept_set(row, vocab, p, sf, sd);
     double z = 0.0;
-    for_row(r.logits, vocab, [&](int, float v) {
+    for_row(row, vocab, [&](int, float v) {
         if (kept(k, v)) z += exp((double)((v - k.wm) * k.inv_t));
     });
     z = block_sum_f64(z, sd);
@@ -71,14 +81,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
 
 extern "C" __global__ void __launch_bounds__(512)
     spec_verdicts(const SpecVerdict* __restrict__ seqs, const float* __restrict__ logits, long long stride, int vocab,
-                  const RowDistribution* __restrict__ dists, SampleParams* __restrict__ params) {
+                  const RowDistribution* __restrict__ dists, SampleParams* __restrict__ params,
+                  const float* __restrict__ work) {
     PDL_ENTRY();
     __shared__ float sf[32];
     __shared__ int si[32];
     const SpecVerdict s = seqs[blockIdx.x];
     for (int j = 0; j < s.fed; ++j) {
         const int r = s.row0 + j, d = s.drafts[j];
-        const float* t = logits + (long long)r * stride;
+        // The row as `spec_distributions` saw it: its working copy where it shapes.
+        const float* t = shapes(params[r]) ? work + (size_t)r * vocab : logits + (long long)r * stride;
         const float* q = s.q_logits ? s.q_logits + (long long)j * vocab : nullptr;
         const RowDistribution P = dists[s.dist0 + j];
         const RowDistribution Q = q ? dists[s.dist0 + s.fed + j] : RowDistribution{};
@@ -132,11 +144,16 @@ extern "C" __global__ void __launch_bounds__(512)
     }
 }
 
-// Copies whole logits rows: pair i copies row pairs[2i] of `src` to row pairs[2i + 1] of `dst`.
+// Copies whole logits rows as they were drawn from: pair i copies sampler row pairs[2i] (of
+// `src`, or of the sampler's working copy `work` where the row's parameters shaped it: a draft
+// drawn under the request's logit bias) to row pairs[2i + 1] of `dst`.
 extern "C" __global__ void __launch_bounds__(256)
-    spec_keep_rows(const float* __restrict__ src, const int* __restrict__ pairs, float* __restrict__ dst, int vocab) {
+    spec_keep_rows(const float* __restrict__ src, const float* __restrict__ work,
+                   const SampleParams* __restrict__ params, const int* __restrict__ pairs, float* __restrict__ dst,
+                   int vocab) {
     PDL_ENTRY();
-    const float* a = src + (long long)pairs[2 * blockIdx.x] * vocab;
+    const int row = pairs[2 * blockIdx.x];
+    const float* a = (shapes(params[row]) ? work : src) + (long long)row * vocab;
     float* b = dst + (long long)pairs[2 * blockIdx.x + 1] * vocab;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) b[i] = a[i];
 }

@@ -104,6 +104,18 @@ impl Backend for CudaBackend {
         true
     }
 
+    /// Yes: the verdict shapes each target row by its bias and penalties (the drafts before it
+    /// counted) as the sampler does, on the device.
+    fn verifies_shaped_drafts(&self) -> bool {
+        true
+    }
+
+    /// Yes: a fork's block is copied on the device, in stream order before the step
+    /// (`CudaModel::queue_forks`).
+    fn forks_blocks(&self) -> bool {
+        true
+    }
+
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         self.thread.start_step(plans);
     }

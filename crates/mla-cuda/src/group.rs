@@ -187,9 +187,9 @@ pub fn group_parts(
         // over the group's (all-reduced, identical) logits under tensor parallelism. The
         // lossless check passes on two ranks of either layout (run S28).
         sampled_drafts: true,
-        // Not yet: a block copy on the device has not run on a GPU (docs/architecture.md, step 5).
-        forks_blocks: false,
-        // Not yet: the device verdict (kernels/speculative.cu) shapes no row.
-        shaped_drafts: false,
+        // Every rank copies the forked block in its own cache (`CudaModel::queue_forks`).
+        forks_blocks: true,
+        // The device verdict shapes each target row as the sampler does (kernels/speculative.cu).
+        shaped_drafts: true,
     }
 }

@@ -21,7 +21,7 @@ mod common;
 
 use common::hf::{oracle, oracle_logits, Prompt};
 use common::repo_root;
-use mla_core::speculative::lossless_check::{self, exact, likely_drafts, own_drafts, Setup, ROUNDING_BF16};
+use mla_core::speculative::lossless_check::{self, exact, likely_drafts, own_drafts, Setup, Shaping, ROUNDING_BF16};
 use mla_core::step::plan::{LogitsRequest, MtpStep, SampleRequest, SeqResult, SeqStep, StepKind, StepOutput, StepPlan};
 use mla_core::{Backend, ModelConfig, SamplingParams};
 use mla_cuda::collective::NcclConnector;
@@ -463,6 +463,30 @@ fn sampled_drafts_leave_the_output_distribution_unchanged() {
     likely_drafts(&mut b, &setup, &exact);
 }
 
+/// The same with repetition, presence and frequency penalties and a logit bias on every draw
+/// (as the CPU reference's test): each verify row is shaped on the device by penalties that count
+/// the drafts before it as output, the drafts are drawn under the bias and verified against the
+/// rows they were drawn from as shaped. A verdict reading the unshaped rows, or penalties that
+/// miss the drafts, moves the output off the shaped target, which the check enumerates.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sampled_drafts_of_penalised_and_biased_draws_leave_the_distribution_unchanged() {
+    let setup = shaped_setup();
+    let exact = exact(&mut backend(0), &setup);
+    let mut b = backend(lossless_check::K);
+    assert!(b.verifies_shaped_drafts());
+    own_drafts(&mut b, &setup, &exact);
+    likely_drafts(&mut b, &setup, &exact);
+}
+
+/// The shaped draws of the lossless checks (the CPU reference's test's).
+fn shaped_setup() -> Setup {
+    let prompt = oracle(&main_dir())[0].prompt[..5].to_vec();
+    let logit_bias = vec![(prompt[2], 2.0), (prompt[0], -100.0), (7, 1.0)];
+    let shaping = Shaping { repetition_penalty: 1.4, presence_penalty: 0.5, frequency_penalty: 0.3, logit_bias };
+    Setup { prompt, table: table(0), runs: 3000, rounding: ROUNDING_BF16, shaping: Some(shaping) }
+}
+
 /// A group's last rank as a one-rank backend: each step's plan runs there while the other
 /// ranks idle (a DP-attention group takes a plan per rank; tensor-parallel ranks share one).
 struct LastRank<'a> {
@@ -486,6 +510,12 @@ impl Backend for LastRank<'_> {
     fn verifies_sampled_drafts(&self) -> bool {
         self.group.verifies_sampled_drafts()
     }
+    fn forks_blocks(&self) -> bool {
+        self.group.forks_blocks()
+    }
+    fn verifies_shaped_drafts(&self) -> bool {
+        self.group.verifies_shaped_drafts()
+    }
     fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
         let idle = StepPlan { kind: StepKind::Decode, seqs: vec![] };
         let mut all = vec![idle; self.plans - 1];
@@ -501,7 +531,7 @@ impl Backend for LastRank<'_> {
 /// sequence on the last rank (the other idle) and tensor parallel: every rank runs the verdict
 /// on the device, the group tells the engine it verifies sampled drafts, and the output keeps the
 /// group's own target distribution (enumerated on the group), with the backend's drafts and
-/// with forced likely ones. Two tensor-parallel ranks once failed it on a near-tie at the top-k
+/// with forced likely ones; then again with penalised and biased draws (`shaped_setup`). Two tensor-parallel ranks once failed it on a near-tie at the top-k
 /// boundary, which the check now counts as one category (S23-S27).
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
@@ -522,5 +552,74 @@ fn group_ranks_verify_sampled_drafts_losslessly() {
         let exact = exact(&mut b, &setup);
         own_drafts(&mut b, &setup, &exact);
         likely_drafts(&mut b, &setup, &exact);
+        assert!(b.verifies_shaped_drafts(), "{world} ranks (DP attention {dp_attention}) do not verify shaped drafts");
+        eprintln!("{world} ranks, DP attention {dp_attention}, penalised and biased draws:");
+        let shaped = shaped_setup();
+        let exact = lossless_check::exact(&mut b, &shaped);
+        own_drafts(&mut b, &shaped, &exact);
+        likely_drafts(&mut b, &shaped, &exact);
+    }
+}
+
+/// A fork on the device (`SeqStep::fork`, `CudaModel::queue_forks`): a sequence that copies the
+/// block another computed its prompt into, every layer, and computes the last prompt token by
+/// itself gets HF's logits there and the drafts of a sequence that computed the whole prompt,
+/// so the copy carried the MTP layer's rows (which the drafts read) too; the same step into a
+/// block holding another sequence's rows, without the copy, strays from HF. On one GPU and on a
+/// group (its last rank, the others idle), tensor parallel and DP attention.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_forked_block_carries_every_layers_rows_the_mtp_layers_too() {
+    let p = &oracle(&main_dir())[2];
+    let n = p.prompt.len();
+    let hf_row = |file: &str| oracle_logits(&main_dir(), file, &p.name)[n - 1].clone();
+    let (f32_ref, bf16_ref) = (vec![hf_row("oracle_f32.safetensors")], vec![hf_row("oracle_bf16_cuda.safetensors")]);
+    let hf_noise = common::hf::mean_abs(&bf16_ref, &f32_ref);
+    let at = |seq: u64, tokens: Vec<u32>, context_len, block: u32, fork, samples: bool| SeqStep {
+        seq_id: seq,
+        tokens,
+        context_len,
+        block_table: vec![block],
+        logits: if samples { LogitsRequest::Last } else { LogitsRequest::None },
+        sample: if samples { greedy() } else { None },
+        mtp: Some(if samples {
+            MtpStep { drafts_fed: 0, next_token: None, draft: 2 }
+        } else {
+            MtpStep { drafts_fed: 0, next_token: Some(p.prompt[n - 1]), draft: 0 }
+        }),
+        fork,
+    };
+    let check = |layout: &str, b: &mut dyn Backend| {
+        let mut prefill =
+            |s: SeqStep| b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![s] }).unwrap().seqs.remove(0);
+        // Other rows in the blocks the forked steps write, so a row not copied is a stale one.
+        let other: Vec<u32> = (0..64).map(|i| p.prompt[(7 * i + 3) % n]).collect();
+        for (seq, block) in [(8, 12), (9, 13)] {
+            prefill(at(seq, other.clone(), 0, block, None, false));
+        }
+        let whole = prefill(at(1, p.prompt.clone(), 0, 11, None, true));
+        prefill(at(2, p.prompt[..n - 1].to_vec(), 0, 15, None, false));
+        let fork = Some(mla_core::step::plan::BlockFork { from: 15, to: 13 });
+        let forked = prefill(at(3, vec![p.prompt[n - 1]], n - 1, 13, fork, true));
+        let stale = prefill(at(4, vec![p.prompt[n - 1]], n - 1, 12, None, true));
+        let (forked_hf, stale_hf) =
+            (common::max_abs(&forked.logits[0], &f32_ref[0]), common::max_abs(&stale.logits[0], &f32_ref[0]));
+        eprintln!("{layout}: max |forked - HF f32| {forked_hf:.3}, |stale - HF f32| {stale_hf:.3}, HF bf16 noise (mean) {hf_noise:.4}");
+        common::hf::check_logits(layout, &forked.logits, &f32_ref, &bf16_ref);
+        assert_eq!(forked.drafts, whole.drafts, "{layout}: the forked sequence drafts as the whole prompt's");
+        assert_eq!(forked.sampled.as_ref().unwrap().token, whole.sampled.as_ref().unwrap().token, "{layout}");
+        let stale_mean = common::hf::mean_abs(&stale.logits, &f32_ref);
+        assert!(
+            stale_mean > 2.0 * hf_noise + 0.01,
+            "{layout}: without the copy the logits still match HF ({stale_mean})"
+        );
+    };
+    check("one GPU", &mut backend(2));
+    for dp_attention in [false, true] {
+        let (world, mut group) = group(2, dp_attention);
+        let plans = if dp_attention { world } else { 1 };
+        let mut b = LastRank { group: &mut group, plans };
+        assert!(b.forks_blocks(), "a group of {world} does not fork blocks");
+        check(&format!("{world} ranks, DP attention {dp_attention}"), &mut b);
     }
 }

@@ -46,6 +46,18 @@ impl<'a, T> DSlice<'a, T> {
         self.sub(start, self.len - start)
     }
 
+    /// Queues a copy of this slice into `dst` (of the same length) on `stream`, in stream order
+    /// with the kernels around it.
+    pub fn copy_to(&self, dst: DSlice<T>, stream: sys::CUstream) -> Result<()> {
+        assert_eq!(self.len, dst.len, "device copy between slices of different lengths");
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both slices point to `len` valid elements (their constructors' contract).
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, self.ptr, self.len * std::mem::size_of::<T>(), stream).result() }
+            .ctx("queueing a device-to-device copy")
+    }
+
     /// Same memory seen as another element type of the same size (bf16 <-> u16).
     pub fn cast<U>(&self) -> DSlice<'a, U> {
         assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>());

@@ -200,17 +200,9 @@ impl CudaModel {
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results. A step
     /// that asks for speculative decoding runs its verify and draft passes (`speculative`).
-    /// Checks `plan` against this rank's cache and the model. Block forks and drafts of penalised
-    /// or biased requests are refused: the backend says it does not run them
-    /// (`Backend::forks_blocks`, `verifies_shaped_drafts`), so the engine never asks.
+    /// Checks `plan` against this rank's cache and the model.
     pub(super) fn validate(&self, plan: &StepPlan) -> anyhow::Result<()> {
-        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
-        anyhow::ensure!(!plan.has_forks(), "the CUDA backend does not fork cache blocks yet (SeqStep::fork)");
-        anyhow::ensure!(
-            !plan.has_shaped_drafts(),
-            "the CUDA backend does not verify drafts of requests with penalties or logit_bias yet"
-        );
-        Ok(())
+        Ok(plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?)
     }
 
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
@@ -236,6 +228,7 @@ impl CudaModel {
     pub(super) fn run_eager(&mut self, dev: &Device, plan: &StepPlan, rows: FfnRows) -> anyhow::Result<StepOutput> {
         self.validate(plan)?;
         anyhow::ensure!(!plan.has_speculative(), "speculative steps run through CudaModel::step");
+        settled(dev, self.queue_forks(dev, plan))?;
         if plan.seqs.is_empty() {
             if self.mode.is_dp_attention() {
                 let r = self.queue_idle(dev, rows).and_then(|()| Ok(dev.gpu.sync()?));
@@ -379,6 +372,10 @@ impl CudaModel {
                 stride: cfg.vocab_size,
                 vocab: cfg.vocab_size,
                 params: m.sampling.on(words),
+                penalty_table: m.penalty_table.on(words),
+                bias_table: m.bias_table.on(words),
+                mask_table: self.meta.mask_table(),
+                work: ws.sample_work.slice(),
             };
             k.speculative.verdicts(s, &v)?;
         }

@@ -246,6 +246,7 @@ impl CudaModel {
             !plan.has_speculative(),
             "speculative steps replay their verify rows (CudaModel::step_speculative)"
         );
+        super::forward::settled(dev, self.queue_forks(dev, plan))?;
         let words = std::mem::take(&mut set.spare_words);
         let batch = set.graphs[i].batch;
         let mut meta = graph_step_meta(plan, &set.pads, batch, &self.lim, words)?;

@@ -4,6 +4,7 @@
 mod attention_layer;
 mod draft_store;
 mod ffn_layer;
+mod forks;
 mod forward;
 pub mod graph;
 pub mod memory_plan;

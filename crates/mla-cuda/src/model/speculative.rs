@@ -38,10 +38,10 @@ use super::mtp_graph::{MtpGraph, MtpGraphs, PrevRows};
 use super::parallel::FfnRows;
 use crate::device::Device;
 use crate::gpu::DSlice;
-use crate::ops::{Embedding, NormDelta, RmsNormF32, SpecRowRaw, SpecVerdictRaw, MAX_SPEC_DRAFTS};
+use crate::ops::{Embedding, KeepRows, NormDelta, RmsNormF32, SpecRowRaw, SpecVerdictRaw, MAX_SPEC_DRAFTS};
 use half::bf16;
 use mla_core::speculative::{
-    draft_seed, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, row_seed, Verified,
+    draft_seed, drafts_from, first_pass_rows, greedy_emitted, mtp_pass_counts, row_request, row_seed, Verified,
 };
 use mla_core::step::plan::{
     LogitsRequest, SampleRequest, SampledToken, SeqResult, SeqStep, StepKind, StepOutput, StepPlan,
@@ -70,9 +70,14 @@ impl Verify {
                 seqs.push(plain);
             } else {
                 // Row j draws with its own seed (a sampled draw's verdict takes its uniforms from
-                // it too; the bonus row's draw is the sampler's).
+                // it too; the bonus row's draw is the sampler's), its penalties counting the
+                // drafts before it as output, as a draw without drafts would see them.
+                let drafts = &s.tokens[1..];
                 for (j, &t) in s.tokens.iter().enumerate() {
-                    let sample = s.sample.as_ref().map(|r| SampleRequest { seed: row_seed(r.seed, j), ..r.clone() });
+                    let sample = s
+                        .sample
+                        .as_ref()
+                        .map(|r| SampleRequest { seed: row_seed(r.seed, j), ..row_request(r, drafts, j).into_owned() });
                     seqs.push(SeqStep { tokens: vec![t], context_len: s.context_len + j, sample, ..plain.clone() });
                 }
             }
@@ -131,13 +136,18 @@ fn sampled(s: &SeqStep) -> bool {
 }
 
 /// How the drafting row of `s`'s `j`-th draft draws it: the argmax for a greedy draw, else the
-/// request's parameters with the draft's own seed (a sampled sequence's rows carry no
-/// penalties, bias or mask: the engine drafts for none that has them).
+/// request's parameters with the draft's own seed; either way under the request's logit bias,
+/// as the CPU reference's `propose`, so a banned token is not proposed (the sampler shapes the
+/// row, and `keep_rows` keeps it as shaped). Penalties do not shape drafts: their history at
+/// the row is not at hand, and any draft distribution is exact, it only decides how often
+/// drafts stand. The engine drafts for no request with a grammar.
 fn draw(s: &SeqStep, j: usize) -> Option<SampleRequest> {
-    match &s.sample {
-        Some(r) if sampled(s) => Some(SampleRequest::new(r.params.clone(), draft_seed(r.seed, j))),
-        _ => greedy(),
-    }
+    let bias = s.sample.as_ref().map_or_else(Vec::new, |r| r.logit_bias.clone());
+    let req = match &s.sample {
+        Some(r) if sampled(s) => SampleRequest::new(r.params.clone(), draft_seed(r.seed, j)),
+        _ => SampleRequest::new(SamplingParams::greedy(), 0),
+    };
+    Some(SampleRequest { logit_bias: bias, ..req })
 }
 
 /// The draft a drafting row's result holds.
@@ -255,10 +265,19 @@ impl CudaModel {
             let fed_drafts = &s.tokens[1..];
             let q = store.rows_of(s.seq_id, fed_drafts);
             let dist0 = rows.len();
-            let at = |logits: u64| SpecRowRaw { logits, params_row: row0 as i32, reserved: 0 };
-            rows.extend((0..fed).map(|j| at(logits_row(row0 + j))));
+            // Target row j is shaped by its own parameters (its penalties count the drafts
+            // before it); a draft's row by row 0's temperature and filters, kept as drawn.
+            rows.extend((0..fed).map(|j| SpecRowRaw {
+                logits: logits_row(row0 + j),
+                params_row: (row0 + j) as i32,
+                shape: 1,
+            }));
             if let Some(q) = q {
-                rows.extend((0..fed).map(|j| at(q + (j * vocab * std::mem::size_of::<f32>()) as u64)));
+                rows.extend((0..fed).map(|j| SpecRowRaw {
+                    logits: q + (j * vocab * std::mem::size_of::<f32>()) as u64,
+                    params_row: row0 as i32,
+                    shape: 0,
+                }));
             }
             let mut drafts = [0i32; MAX_SPEC_DRAFTS];
             for (d, &t) in drafts.iter_mut().zip(fed_drafts) {
@@ -497,9 +516,16 @@ impl CudaModel {
             }
             let (ws, vocab) = (&me.ws, me.cfg.vocab_size);
             let store = &ws.mtp.as_ref().expect("checked above").drafts;
-            let pairs = store.pairs.slice();
-            let n = pass.keep.len() / 2;
-            dev.k.speculative.keep_rows(dev.stream(), ws.logits.slice(), pairs, n, store.rows(), vocab)?;
+            let keep = KeepRows {
+                logits: ws.logits.slice(),
+                work: ws.sample_work.slice(),
+                params: meta.sampling.on(me.meta.words_for(meta.words.len())),
+                pairs: store.pairs.slice(),
+                n: pass.keep.len() / 2,
+                dst: store.rows(),
+                vocab,
+            };
+            dev.k.speculative.keep_rows(dev.stream(), &keep)?;
             me.read_outputs(dev, meta)
         };
         settled(dev, run(self, &mut meta))

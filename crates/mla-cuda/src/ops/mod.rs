@@ -44,7 +44,7 @@ pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams, TileM};
 pub use moe_gemv::{GateUpKernel, MoeGemvExperts, MoeGemvKernels, MoeGemvRouter, ROUTER_GEMV_MAX_TOKENS};
 pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
-pub use speculative::{SpecRowRaw, SpecVerdictRaw, SpeculativeKernels, Verdicts, ROW_DISTRIBUTION_BYTES};
+pub use speculative::{KeepRows, SpecRowRaw, SpecVerdictRaw, SpeculativeKernels, Verdicts, ROW_DISTRIBUTION_BYTES};
 
 use crate::gpu::{GpuInfo, Modules};
 

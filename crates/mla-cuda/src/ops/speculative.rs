@@ -21,7 +21,9 @@ pub struct SpecRowRaw {
     pub logits: u64,
     /// The sampler row whose parameters shape it.
     pub params_row: i32,
-    pub reserved: i32,
+    /// 1: a target row, shaped by its request's bias and penalties into that sampler row's
+    /// working copy first (as the sampler will shape it); 0: a kept draft row, taken as is.
+    pub shape: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<SpecRowRaw>() == 16);
@@ -62,6 +64,25 @@ pub struct Verdicts<'a> {
     pub stride: usize,
     pub vocab: usize,
     pub params: DSlice<'a, SampleParamsRaw>,
+    /// The sampler's tables and working rows (`Sample`'s): target rows that shape their logits
+    /// are shaped into `work` by the same code as the sampler's.
+    pub penalty_table: DSlice<'a, u64>,
+    pub bias_table: DSlice<'a, u64>,
+    pub mask_table: DSlice<'a, u32>,
+    pub work: DSlice<'a, f32>,
+}
+
+/// Kept draft rows (`SpeculativeKernels::keep_rows`): `n` (sampler row, store row) `pairs`,
+/// each sampler row taken from `logits`, or from the sampler's `work` row where its `params`
+/// shaped it, into `dst`.
+pub struct KeepRows<'a> {
+    pub logits: DSlice<'a, f32>,
+    pub work: DSlice<'a, f32>,
+    pub params: DSlice<'a, SampleParamsRaw>,
+    pub pairs: DSlice<'a, i32>,
+    pub n: usize,
+    pub dst: DSlice<'a, f32>,
+    pub vocab: usize,
 }
 
 impl SpeculativeKernels {
@@ -88,7 +109,16 @@ impl SpeculativeKernels {
                 // The sampler's shape: the kept set's sums depend on it.
                 SAMPLER_THREADS as u32,
                 0,
-                &[Arg::Ptr(v.rows.ptr), Arg::Ptr(v.params.ptr), Arg::I32(v.vocab as i32), Arg::Ptr(v.dists.ptr)],
+                &[
+                    Arg::Ptr(v.rows.ptr),
+                    Arg::Ptr(v.params.ptr),
+                    Arg::I32(v.vocab as i32),
+                    Arg::Ptr(v.penalty_table.ptr),
+                    Arg::Ptr(v.bias_table.ptr),
+                    Arg::Ptr(v.mask_table.ptr),
+                    Arg::Ptr(v.work.ptr),
+                    Arg::Ptr(v.dists.ptr),
+                ],
             )?;
         }
         self.verdicts.launch(
@@ -103,32 +133,31 @@ impl SpeculativeKernels {
                 Arg::I32(v.vocab as i32),
                 Arg::Ptr(v.dists.ptr),
                 Arg::Ptr(v.params.ptr),
+                Arg::Ptr(v.work.ptr),
             ],
         )?;
         Ok(())
     }
 
-    /// Copies `n` rows of `vocab` logits from `src` to `dst` as the (source row, destination
-    /// row) pairs of `pairs` say.
-    pub fn keep_rows(
-        &self,
-        s: CUstream,
-        src: DSlice<f32>,
-        pairs: DSlice<i32>,
-        n: usize,
-        dst: DSlice<f32>,
-        vocab: usize,
-    ) -> anyhow::Result<()> {
-        if n == 0 {
+    /// Copies the kept draft rows `k` names (`KeepRows`).
+    pub fn keep_rows(&self, s: CUstream, k: &KeepRows) -> anyhow::Result<()> {
+        if k.n == 0 {
             return Ok(());
         }
-        ensure_len!(pairs, 2 * n, "row pairs");
+        ensure_len!(k.pairs, 2 * k.n, "row pairs");
         self.keep_rows.launch(
             s,
-            (n as u32, 1, 1),
+            (k.n as u32, 1, 1),
             256,
             0,
-            &[Arg::Ptr(src.ptr), Arg::Ptr(pairs.ptr), Arg::Ptr(dst.ptr), Arg::I32(vocab as i32)],
+            &[
+                Arg::Ptr(k.logits.ptr),
+                Arg::Ptr(k.work.ptr),
+                Arg::Ptr(k.params.ptr),
+                Arg::Ptr(k.pairs.ptr),
+                Arg::Ptr(k.dst.ptr),
+                Arg::I32(k.vocab as i32),
+            ],
         )?;
         Ok(())
     }
