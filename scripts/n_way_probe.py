@@ -6,9 +6,11 @@ chats' latency while the n-way request with prompt logprobs runs, against the id
 Writes JSON (date, commit, command, binary) and prints a table.
 
     scripts/n_way_probe.py --bin target/debug/mla-serve --out n_way.json [--prompt-len 1000 --n 64]
+        [--model-name NAME -- SERVER FLAGS]
 
-The server is started here with the demo model (the e2e suite's `Server`), so runs of two
-binaries on one machine compare.
+The server is started here (the e2e suite's `Server`) with the demo model, or with the flags
+after `--` (a GPU model, whose served name `--model-name` gives), so runs of two binaries on one
+machine compare.
 """
 
 import argparse
@@ -42,26 +44,30 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model-name", default="demo", help="the served model name the requests use")
+    ap.add_argument("--max-model-len", default="4096")
+    ap.add_argument("flags", nargs="*", help="extra server flags, after --")
     args = ap.parse_args()
+    model = args.model_name
     os.environ["MLA_SERVE_BIN"] = str(Path(args.bin).resolve())
     from server import Server  # noqa: E402  (reads MLA_SERVE_BIN)
 
-    server = Server("--max-model-len", "4096")
-    out = envelope(binary=args.bin, prompt_len=args.prompt_len, requests_s={}, normal_traffic=[])
+    server = Server("--max-model-len", args.max_model_len, *args.flags)
+    out = envelope(binary=args.bin, server_flags=args.flags, prompt_len=args.prompt_len, requests_s={}, normal_traffic=[])
     try:
         with httpx.Client(base_url=server.base, timeout=120) as c:
             for n in (1, args.n):
                 for plp in (None, 20):
-                    body = {"model": "demo", "prompt": [11] * args.prompt_len, "max_tokens": 1, "n": n}
+                    body = {"model": model, "prompt": [11] * args.prompt_len, "max_tokens": 1, "n": n}
                     if plp:
                         body["prompt_logprobs"] = plp
                     # The first of each kind warms the prefix cache; prompt logprobs never use it.
                     samples = [round(timed(c, body), 3) for _ in range(args.reps + 1)]
                     out["requests_s"][f"n{n}" + ("_plp20" if plp else "")] = {"samples": samples, "median_warm": statistics.median(samples[1:])}
         for _ in range(args.reps):
-            idle, _ = asyncio.run(hostile.measure_during(server.base, "demo", None))
+            idle, _ = asyncio.run(hostile.measure_during(server.base, model, None))
             loaded, got = asyncio.run(hostile.measure_during(
-                server.base, "demo", lambda: hostile.prompt_logprobs_amplifier(server.base, "demo", args.prompt_len, args.n)))
+                server.base, model, lambda: hostile.prompt_logprobs_amplifier(server.base, model, args.prompt_len, args.n)))
             out["normal_traffic"].append({
                 "idle_p50_ms": round(idle["p50_ms"], 1),
                 "loaded_p50_ms": round(loaded["p50_ms"], 1),

@@ -4,8 +4,9 @@ back to idle with nothing leaked:
     python3 scripts/soak.py BASE_URL DURATION_S CONCURRENCY OUT_JSON [SERVER_PID] [MAX_TOKEN_ID]
 
 CONCURRENCY clients each send requests back to back until DURATION_S: streamed and plain
-completions (random token-id prompts of 1-2,000 tokens, up to 512 new tokens, some with n=2) and
-chats; a third of the streamed ones are dropped by the client after a few chunks. Every 10 s it
+completions (random token-id prompts of 1-2,000 tokens, up to 512 new tokens, some with n=2 or
+4, a quarter with penalties and a banned token) and chats; a third of the streamed ones are
+dropped by the client after a few chunks. Every 10 s it
 samples /metrics (running, waiting, KV use), the server's resident memory (SERVER_PID) and the
 GPUs' used memory (nvidia-smi, when present).
 
@@ -45,7 +46,11 @@ def one(r):
     if kind < 0.4 or kind >= 0.9:
         body = {"model": model, "prompt": [r.randrange(100, max_id) for _ in range(r.randint(1, max_prompt))],
                 "max_tokens": r.randint(1, max_new), "ignore_eos": r.random() < 0.5, "temperature": r.choice([0, 0.8]),
-                "stream": stream, "n": 2 if kind >= 0.9 else 1}
+                "stream": stream, "n": r.choice([2, 4]) if kind >= 0.9 else 1}
+        if r.random() < 0.25:
+            # Shaped draws: with speculation, their verify rows are shaped by the drafts before them.
+            body.update(presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1,
+                        logit_bias={str(r.randrange(100, max_id)): -100})
         req = post("/v1/completions", body)
     else:
         text = " ".join(r.choice(WORDS) for _ in range(r.randint(3, max(3, max_prompt // 5))))

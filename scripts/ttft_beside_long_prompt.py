@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Time to first token of short chats that arrive while one long prompt is being prefilled, and
 the long prompt's own time, against a server this script starts with the demo model and the
-given extra flags (e.g. --long-prefill-token-threshold 256). Writes JSON (date, commit,
+given extra flags (e.g. --long-prefill-token-threshold 256; a GPU model's flags with its served
+name in --model-name). Writes JSON (date, commit,
 command) and prints a line per round.
 
     scripts/ttft_beside_long_prompt.py --bin target/debug/mla-serve --out ttft.json -- [SERVER FLAGS]
@@ -37,15 +38,15 @@ async def first_token_s(client: httpx.AsyncClient, body: dict) -> float:
     raise RuntimeError("no token came")
 
 
-async def one_round(base: str, long_len: int, shorts: int) -> dict:
+async def one_round(base: str, model: str, long_len: int, shorts: int) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=300) as c:
         # Distinct ids each round, so the prefix cache holds none of the long prompt.
         salt = int(time.time() * 1000) % 400
-        long_body = {"model": "demo", "prompt": [(salt + i * 7) % 400 + 20 for i in range(long_len)], "max_tokens": 1}
+        long_body = {"model": model, "prompt": [(salt + i * 7) % 400 + 20 for i in range(long_len)], "max_tokens": 1}
         t = time.perf_counter()
         long_task = asyncio.create_task(c.post("/v1/completions", json=long_body))
         await asyncio.sleep(0.05)
-        short = {"model": "demo", "messages": [{"role": "user", "content": "Say something short."}], "max_tokens": 8}
+        short = {"model": model, "messages": [{"role": "user", "content": "Say something short."}], "max_tokens": 8}
         ttfts = await asyncio.gather(*(first_token_s(c, short) for _ in range(shorts)))
         r = await long_task
         r.raise_for_status()
@@ -59,16 +60,18 @@ def main() -> int:
     ap.add_argument("--long-len", type=int, default=3000)
     ap.add_argument("--shorts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model-name", default="demo", help="the served model name the requests use")
+    ap.add_argument("--max-model-len", default="4096")
     ap.add_argument("flags", nargs="*", help="extra server flags, after --")
     args = ap.parse_args()
     os.environ["MLA_SERVE_BIN"] = str(Path(args.bin).resolve())
     from server import Server  # noqa: E402  (reads MLA_SERVE_BIN)
 
-    server = Server("--max-model-len", "4096", *args.flags)
+    server = Server("--max-model-len", args.max_model_len, *args.flags)
     out = envelope(binary=args.bin, server_flags=args.flags, long_len=args.long_len, rounds=[])
     try:
         for _ in range(args.rounds):
-            r = asyncio.run(one_round(server.base, args.long_len, args.shorts))
+            r = asyncio.run(one_round(server.base, args.model_name, args.long_len, args.shorts))
             out["rounds"].append(r)
             print(f"flags {args.flags}: long prompt {r['long_s']} s, short TTFT ms {r['short_ttft_ms']}")
     finally:
