@@ -33,37 +33,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
     const float* raw = logits + r * logits_stride;
 
     // Log-probabilities of the unmodified distribution (skipped when none were asked for).
-    float lse = 0.f;
-    if (p.n_logprobs >= 0) {
-        float mx = -INFINITY;
-        for_row(raw, vocab, [&](int, float v) { mx = fmaxf(mx, v); });
-        mx = block_max(mx, sf);
-        float se = 0.f;
-        for_row(raw, vocab, [&](int, float v) { se += expf(v - mx); });
-        lse = mx + logf(block_sum(se, sf));
-    }
-    if (p.n_logprobs > 0) {
-        float pv = INFINITY;
-        int pi = -1;
-        for (int k = 0; k < p.n_logprobs; ++k) {
-            float bv = -INFINITY;
-            int bi = 0x7fffffff;
-            for_row(raw, vocab, [&](int i, float v) {
-                const bool after = v < pv || (v == pv && i > pi);  // strictly after the previous pick
-                if (after && better(v, i, bv, bi)) {
-                    bv = v;
-                    bi = i;
-                }
-            });
-            const BlockArgmax b = block_argmax(bv, bi, sf, si);
-            if (threadIdx.x == 0) {
-                out_top_ids[r * MAX_TOP_LOGPROBS + k] = b.i;
-                out_top_lps[r * MAX_TOP_LOGPROBS + k] = b.v - lse;
-            }
-            pv = b.v;
-            pi = b.i;
-        }
-    }
+    const float lse = p.n_logprobs >= 0 ? row_lse(raw, vocab, sf) : 0.f;
+    if (p.n_logprobs > 0)
+        top_entries(raw, vocab, p.n_logprobs, lse, out_top_ids + r * MAX_TOP_LOGPROBS,
+                    out_top_lps + r * MAX_TOP_LOGPROBS, sf, si);
 
     // The row as it is drawn from: shaped by mask, bias and penalties in `work` when it asks.
     const float* w = shaped_row(raw, work + (size_t)r * vocab, vocab, p, penalty_table, bias_table, mask_table);
@@ -109,4 +82,37 @@ extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
         out_token[r] = token;
         out_logprob[r] = p.n_logprobs >= 0 ? raw[token] - lse : 0.f;
     }
+}
+
+// One scored row (mla_core's LogitsRequest::Scored): logits row `row`, scored against `token`,
+// with its `top` most likely tokens. Mirrored by ScoreRowRaw (ops/sampling.rs).
+struct ScoreRow {
+    int row, token, top;
+};
+static_assert(sizeof(ScoreRow) == 12, "ScoreRow is mirrored by ScoreRowRaw");
+
+// Prompt logprobs on the device, one block per scored row: the token's log-probability under
+// the unmodified distribution, its rank (1 + the tokens with a larger logit, as vLLM counts
+// it) and the top alternatives, as the sampler reports a draw's (mla_core::sampling::score is
+// the reference). Only these few words per row go to the host, never the row itself.
+extern "C" __global__ void __launch_bounds__(SAMPLER_THREADS)
+    score_rows(const float* __restrict__ logits, long long logits_stride, int vocab, const ScoreRow* __restrict__ rows,
+               float* __restrict__ out_logprob, int* __restrict__ out_rank, int* __restrict__ out_top_ids,
+               float* __restrict__ out_top_lps) {
+    PDL_ENTRY();
+    __shared__ float sf[32];
+    __shared__ int si[32];
+    const ScoreRow s = rows[blockIdx.x];
+    const float* raw = logits + s.row * logits_stride;
+    const float lse = row_lse(raw, vocab, sf);
+    const float own = raw[s.token];
+    float above = 0.f;  // exact: counts stay far below 2^24
+    for_row(raw, vocab, [&](int, float v) { above += v > own ? 1.f : 0.f; });
+    above = block_sum(above, sf);
+    if (threadIdx.x == 0) {
+        out_logprob[blockIdx.x] = own - lse;
+        out_rank[blockIdx.x] = 1 + (int)above;
+    }
+    top_entries(raw, vocab, s.top, lse, out_top_ids + blockIdx.x * MAX_TOP_LOGPROBS,
+                out_top_lps + blockIdx.x * MAX_TOP_LOGPROBS, sf, si);
 }

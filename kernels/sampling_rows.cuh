@@ -218,3 +218,41 @@ DEVICE_INLINE const float* shaped_row(const float* __restrict__ raw, float* __re
     }
     return wr;
 }
+
+// The log-sum-exp of a row in f32 (its log-probabilities are `x - lse`), as the sampler has
+// always reported them. Uniform across the block.
+DEVICE_INLINE float row_lse(const float* __restrict__ raw, int vocab, float* sf) {
+    float mx = -INFINITY;
+    for_row(raw, vocab, [&](int, float v) { mx = fmaxf(mx, v); });
+    mx = block_max(mx, sf);
+    float se = 0.f;
+    for_row(raw, vocab, [&](int, float v) { se += expf(v - mx); });
+    return mx + logf(block_sum(se, sf));
+}
+
+// The `k` largest entries of a row as (id, x - lse), most likely first, ties by lower id (as
+// torch.topk and mla_core::sampling::top_k_entries): k block-wide passes, each taking the best
+// entry strictly after the previous pick. Thread 0 writes `ids[0..k]` and `lps[0..k]`.
+DEVICE_INLINE void top_entries(const float* __restrict__ raw, int vocab, int k, float lse, int* ids, float* lps,
+                               float* sf, int* si) {
+    float pv = INFINITY;
+    int pi = -1;
+    for (int j = 0; j < k; ++j) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for_row(raw, vocab, [&](int i, float v) {
+            const bool after = v < pv || (v == pv && i > pi);
+            if (after && better(v, i, bv, bi)) {
+                bv = v;
+                bi = i;
+            }
+        });
+        const BlockArgmax b = block_argmax(bv, bi, sf, si);
+        if (threadIdx.x == 0) {
+            ids[j] = b.i;
+            lps[j] = b.v - lse;
+        }
+        pv = b.v;
+        pi = b.i;
+    }
+}

@@ -108,6 +108,7 @@ impl HostStep {
             .seqs
             .iter()
             .map(|s| SeqResult {
+                scores: vec![],
                 seq_id: s.seq_id,
                 logits: vec![],
                 sampled: s.sample.as_ref().map(|_| SampledToken {
@@ -140,6 +141,7 @@ impl HostStep {
             .outputs
             .iter()
             .map(|o| SeqResult {
+                scores: vec![],
                 seq_id: o.seq_id,
                 logits: vec![],
                 sampled: o.sample_row.map(|_| SampledToken {

@@ -6,7 +6,7 @@
 //! penalties do). Log-probabilities returned to users are of the unmodified model distribution.
 
 use crate::rng::SplitMix64;
-use crate::step::plan::{PenaltyTokens, SampleRequest, SampledToken, SamplingParams};
+use crate::step::plan::{PenaltyTokens, RowScore, SampleRequest, SampledToken, SamplingParams};
 use crate::step::token_mask::{allows, MaskError, MASK_WAIT};
 
 /// Log-softmax in f64 for stability, returned as f32.
@@ -139,6 +139,28 @@ pub fn shaped_logits(logits: &[f32], req: &SampleRequest) -> Result<Vec<f32>, Ma
         apply_penalties(&mut work, &req.params, h);
     }
     Ok(work)
+}
+
+/// `token`'s score under `logits` (`LogitsRequest::Scored`): its log-probability, rank and the
+/// `k` most likely tokens. Prompt logprobs score every prompt position this way, so it makes one
+/// pass for the normaliser (as `log_softmax` computes it, in f64) and one for the rank, and
+/// normalises only the values it returns. The CUDA backend scores on the device instead
+/// (kernels/sampling.cu, `score_rows`), held to this.
+pub fn score(logits: &[f32], token: u32, k: usize) -> RowScore {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+    let logprob = |x: f32| (x as f64 - lse) as f32;
+    let own = logits[token as usize];
+    let rank = 1 + logits.iter().filter(|&&x| x > own).count() as u32;
+    let top = top_k_entries(logits, k).into_iter().map(|(id, x)| (id, logprob(x))).collect();
+    RowScore { logprob: logprob(own), rank, top }
+}
+
+/// The scores `LogitsRequest::Scored` asks of a sequence's fed `rows` of logits (one per fed
+/// token): row `i` against fed token `i + 1`, the last against `after` where there is one.
+pub fn score_rows(rows: &[Vec<f32>], tokens: &[u32], top: u32, after: Option<u32>) -> Vec<RowScore> {
+    let next = tokens.iter().skip(1).copied().chain(after);
+    rows.iter().zip(next).map(|(r, t)| score(r, t, top as usize)).collect()
 }
 
 /// `token` reported as `sample` would report a draw of it from `logits`: with its log-probability
@@ -275,6 +297,30 @@ fn filtered(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn score_matches_log_softmax() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1013) as f32 / 97.0).collect();
+        let lp = log_softmax(&logits);
+        let s = score(&logits, 5, 4);
+        assert_eq!(s.logprob, lp[5]);
+        assert_eq!(s.top, top_k_entries(&lp, 4));
+        let s = score(&[1.0, 2.0, 3.0], 0, 2);
+        let z = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        assert!((s.logprob as f64 - (1.0 - z)).abs() < 1e-6);
+        assert_eq!(s.rank, 3);
+        assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+    }
+
+    #[test]
+    fn scored_rows_take_the_next_fed_token_then_the_one_after() {
+        let rows = vec![vec![0.0, 1.0, 2.0], vec![2.0, 1.0, 0.0], vec![1.0, 2.0, 0.5]];
+        let got = score_rows(&rows, &[2, 1, 0], 1, Some(2));
+        let want: Vec<RowScore> = [(0, 1), (1, 0), (2, 2)].iter().map(|&(r, t)| score(&rows[r], t, 1)).collect();
+        assert_eq!(got, want);
+        assert_eq!(score_rows(&rows, &[2, 1, 0], 1, None).len(), 2, "no token after the last row: unscored");
+    }
+
     use super::*;
 
     fn req(params: SamplingParams, seed: u64) -> SampleRequest {

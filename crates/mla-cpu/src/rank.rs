@@ -6,6 +6,7 @@ use crate::mla::{AttentionPath, SeqSpan};
 use crate::model::{CpuModel, Peers};
 use crate::model_weights::MtpWeights;
 use crate::speculative;
+use mla_core::sampling::score_rows;
 use mla_core::step::plan::{LogitsRequest, SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{CacheLayout, KvCacheDtype, ModelConfig, MtpSpec, RankLayout, WeightSource};
 use std::collections::HashMap;
@@ -106,7 +107,7 @@ impl CpuRank {
             let last_needed = s.logits == LogitsRequest::Last || s.sample.is_some();
             let first_sampled = s.tokens.len() - 1 - s.drafts_fed();
             want.extend((0..s.tokens.len()).map(|j| {
-                s.logits == LogitsRequest::All
+                matches!(s.logits, LogitsRequest::All | LogitsRequest::Scored { .. })
                     || (last_needed && j + 1 == s.tokens.len())
                     || (s.sample.is_some() && j >= first_sampled)
             }));
@@ -147,10 +148,14 @@ impl CpuRank {
         let mut out = StepOutput::default();
         for (i, (s, span)) in plan.seqs.iter().zip(&spans).enumerate() {
             let rows = &mut logits[span.start..span.start + span.len];
-            let logits = match s.logits {
-                LogitsRequest::None => vec![],
-                LogitsRequest::Last => vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")],
-                LogitsRequest::All => rows.iter_mut().map(|r| r.take().expect("all logits")).collect(),
+            let mut all = || rows.iter_mut().map(|r| r.take().expect("all logits")).collect::<Vec<_>>();
+            let (logits, scores) = match s.logits {
+                LogitsRequest::None => (vec![], vec![]),
+                LogitsRequest::Last => {
+                    (vec![rows.last_mut().and_then(|r| r.take()).expect("last-token logits")], vec![])
+                }
+                LogitsRequest::All => (all(), vec![]),
+                LogitsRequest::Scored { top, after } => (vec![], score_rows(&all(), &s.tokens, top, after)),
             };
             let mut tokens = std::mem::take(&mut emitted[i]).into_iter();
             let sampled = tokens.next();
@@ -160,6 +165,7 @@ impl CpuRank {
                 sampled,
                 extra_tokens: tokens.collect(),
                 drafts: std::mem::take(&mut drafts[i]),
+                scores,
             });
         }
         Ok(out)

@@ -2,6 +2,7 @@
 //! - the `real_dims` fixture (published MLA dims) against HF transformers' logits in bf16 on the
 //!   H200 and in f32, and its greedy continuation up to the first near-tie;
 //! - the absorbed decode path against the normal path on the same cache;
+//! - prompt logprobs scored on the device against the host's scores of the same rows and HF's;
 //! - a decode step captured as a CUDA graph and replayed gives the eager step's tokens;
 //! - a DeepSeek-V2-Lite-shaped model with dummy weights serving a ragged batch.
 //!
@@ -160,6 +161,50 @@ fn absorbed_decode_agrees_with_the_normal_path_on_the_same_cache() {
         "a path strays from f32: {dec_f32} / {pre_f32} vs {hf}"
     );
     assert!(max_abs_rows(&dec, &pre) < 0.25);
+}
+
+/// Prompt logprobs as the engine asks for them (`LogitsRequest::Scored`, chunked, beside a
+/// sampled sequence): the device's scores are the host's `score` of the rows the same step
+/// computes with `LogitsRequest::All` (log-probabilities within 1e-3, ranks and alternatives
+/// exact), and HF's scores on its f32 logits where the scored token's rank is clear.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn scored_prompt_rows_match_the_hosts_scores_of_the_same_rows_and_hf() {
+    let (mut b, _) = fixture_backend();
+    let greedy = Some(SampleRequest::new(SamplingParams::greedy(), 0));
+    for (i, p) in oracle(&real_dims_dir()).iter().enumerate() {
+        let tokens: Vec<u32> = p.prompt.iter().chain(&p.continuation).copied().collect();
+        let f32_ref = oracle_logits(&real_dims_dir(), "oracle_f32.safetensors", &p.name);
+        let table: Vec<u32> = vec![40 - 2 * i as u32, 7 + 3 * i as u32];
+        let mut compared = 0;
+        for (c, chunk) in tokens.chunks(9).enumerate() {
+            let (ctx, next) = (9 * c, tokens.get(9 * c + chunk.len()).copied());
+            let other = seq(7, &p.prompt[..3], 0, &[63], LogitsRequest::None, greedy.clone());
+            let scored = LogitsRequest::Scored { top: 4, after: next };
+            let got = step(&mut b, StepKind::Prefill, vec![other.clone(), seq(2, chunk, ctx, &table, scored, None)]);
+            let all =
+                step(&mut b, StepKind::Prefill, vec![other, seq(3, chunk, ctx, &table, LogitsRequest::All, None)]);
+            let want = mla_core::sampling::score_rows(&all.seqs[1].logits, chunk, 4, next);
+            let got = &got.seqs[1].scores;
+            assert_eq!(got.len(), chunk.len() - usize::from(next.is_none()), "{}: chunk {c}", p.name);
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                let at = format!("{}: position {}", p.name, ctx + j);
+                assert!((g.logprob - w.logprob).abs() < 1e-3, "{at}: {} vs {}", g.logprob, w.logprob);
+                assert_eq!(g.rank, w.rank, "{at}: rank");
+                assert_eq!(
+                    g.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                    w.top.iter().map(|t| t.0).collect::<Vec<_>>()
+                );
+                let hf = mla_core::sampling::score(&f32_ref[ctx + j], tokens[ctx + j + 1], 4);
+                assert!((g.logprob - hf.logprob).abs() < 1.0, "{at}: {} vs HF {}", g.logprob, hf.logprob);
+                if hf.rank == 1 && hf.top.len() > 1 && hf.top[0].1 - hf.top[1].1 > 0.1 {
+                    assert_eq!(g.rank, 1, "{at}: HF's clear first choice");
+                    compared += 1;
+                }
+            }
+        }
+        eprintln!("{}: {compared} positions where HF's own token was its clear first choice", p.name);
+    }
 }
 
 #[test]

@@ -394,3 +394,89 @@ fn seeded_draws_pick_only_allowed_tokens_in_renormalised_proportions() {
         assert!((f - p).abs() < 0.03, "biased frequencies {biased:?}");
     }
 }
+
+/// Prompt logprobs on the device (`LogitsRequest::Scored`, `score_rows`) against the host's
+/// `mla_core::sampling::score` on DeepSeek's vocabulary: each fed row scored against the next
+/// fed token, the last against `after` (or not at all), with ties in the row (the rank counts
+/// only larger logits; the alternatives break ties by lower id). Log-probabilities within 1e-3
+/// (the device normalises in f32, the host in f64), ranks and alternative ids exact.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn scored_rows_match_the_host_scores() {
+    let dev = device();
+    let mut rng = Rng::new(21);
+    let vocab = 129_280;
+    let plan = StepPlan {
+        kind: StepKind::Prefill,
+        seqs: vec![
+            seq(0, &[5, 17, 17, 900, 3], 0, &[0], LogitsRequest::Scored { top: 5, after: Some(77) }, None),
+            seq(1, &[128_000, 2, 44], 0, &[1], LogitsRequest::Scored { top: 20, after: None }, None),
+        ],
+    };
+    let rows = 8;
+    let mut logits = rng.uniform(rows * vocab, 8.0);
+    // Row 1 ties its scored token (17) with the best logit and another id; row 6 scores a token
+    // below several equal larger ones.
+    logits[vocab + 17] = 9.0;
+    logits[vocab + 4] = 9.0;
+    logits[vocab + 100] = 9.0;
+    for t in [1, 9, 30] {
+        logits[6 * vocab + t] = 8.5;
+    }
+    logits[6 * vocab + 44] = 8.25;
+    let lim = MetaLimits {
+        max_tokens: rows,
+        max_seqs: 2,
+        max_logit_rows: rows,
+        max_kv_chunk: rows,
+        max_blocks_per_seq: 1,
+        vocab,
+    };
+    let meta = StepMeta::build(&plan, &lim).unwrap();
+    // No row samples: the logits rows are the fed rows in order.
+    assert_eq!((meta.logit_rows(), meta.scored_rows()), (8, 7));
+    let d_meta = up(&meta.words);
+    let d_logits = up(&logits);
+    let n = meta.scored_rows();
+    let (lp, rank) = (DeviceBuffer::<f32>::alloc(n).unwrap(), DeviceBuffer::<i32>::alloc(n).unwrap());
+    let tids = DeviceBuffer::<i32>::alloc(n * MAX_TOP_LOGPROBS).unwrap();
+    let tlps = DeviceBuffer::<f32>::alloc(n * MAX_TOP_LOGPROBS).unwrap();
+    let p = Scores {
+        logits: d_logits.slice(),
+        stride: vocab,
+        vocab,
+        rows: meta.scored.on(d_meta.slice()),
+        n,
+        out: ScoreOutputs { logprob: lp.slice(), rank: rank.slice(), top_ids: tids.slice(), top_lps: tlps.slice() },
+    };
+    dev.k.sampling.score_rows(dev.stream(), &p).unwrap();
+    dev.gpu.sync().unwrap();
+    let (lp, rank, tids, tlps) = (down(lp.slice()), down(rank.slice()), down(tids.slice()), down(tlps.slice()));
+    let row = |r: usize| logits[r * vocab..(r + 1) * vocab].to_vec();
+    let want: Vec<_> =
+        mla_core::sampling::score_rows(&(0..5).map(row).collect::<Vec<_>>(), &[5, 17, 17, 900, 3], 5, Some(77))
+            .into_iter()
+            .map(|s| (s, 5))
+            .chain(
+                mla_core::sampling::score_rows(&(5..8).map(row).collect::<Vec<_>>(), &[128_000, 2, 44], 20, None)
+                    .into_iter()
+                    .map(|s| (s, 20)),
+            )
+            .collect();
+    assert_eq!(want.len(), n);
+    assert_eq!((want[1].0.rank, want[6].0.rank), (1, 4), "the planted ties");
+    for (i, (w, k)) in want.iter().enumerate() {
+        assert!((lp[i] - w.logprob).abs() < 1e-3, "row {i}: logprob {} vs {}", lp[i], w.logprob);
+        assert_eq!(rank[i] as u32, w.rank, "row {i}: rank");
+        let got: Vec<(u32, f32)> =
+            (0..*k).map(|j| (tids[i * MAX_TOP_LOGPROBS + j] as u32, tlps[i * MAX_TOP_LOGPROBS + j])).collect();
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            w.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            "row {i}: top ids"
+        );
+        for (g, t) in got.iter().zip(&w.top) {
+            assert!((g.1 - t.1).abs() < 1e-3, "row {i}: top logprob {} vs {}", g.1, t.1);
+        }
+    }
+}

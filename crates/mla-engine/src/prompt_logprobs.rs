@@ -5,21 +5,20 @@
 //! The logits of position `p` score prompt token `p + 1`, so positions `0 .. prompt_len - 1`
 //! are needed (the last prompt position's logits draw the first output token instead). The
 //! first sequence of the request in a plan that computes one of them still missing claims it and
-//! asks for every fed position's logits (`LogitsRequest::All`); the others of that plan feeding
-//! the same positions (the `n` completions each compute the prompt's last block) ask for none,
-//! so a position's logits row is computed and moved once per prompt, not `n` times (at DeepSeek's
-//! 129K vocabulary, n = 128 completions' last blocks of 64 positions were 4 GB of rows). Claims
-//! last until the plan is applied. Every needed position is computed by the request itself
+//! asks for every fed position's scores (`LogitsRequest::Scored`: the backend scores the rows
+//! where it computed them, so no logits row leaves it); the others of that plan feeding the same
+//! positions ask for none, so a position is scored once per prompt, not `n` times. Claims last
+//! until the plan is applied. Every needed position is computed by the request itself
 //! because it does not take blocks from the prefix cache until its prompt logprobs are complete
 //! (see `Scheduler`), as in vLLM.
 
 use crate::api::PromptTokenLogprob;
-use mla_core::sampling::top_k_entries;
+use mla_core::step::plan::RowScore;
 use std::cell::Cell;
 
-/// Most prompt positions one step asks all logits for, per sequence: a row is `vocab_size`
-/// floats (0.5 MB for DeepSeek's 129K vocabulary), so a whole 8K-token chunk would move 4 GB
-/// to the host. Prompt chunks of such requests are cut to this length instead.
+/// Most prompt positions one step scores, per sequence: each is a logits row of `vocab_size`
+/// floats (0.5 MB for DeepSeek's 129K vocabulary) that the backend holds until it is scored.
+/// Prompt chunks of such requests are cut to this length instead.
 pub const LOGITS_CHUNK: usize = 256;
 
 /// What a request has gathered so far.
@@ -63,19 +62,25 @@ impl PromptLogprobs {
         true
     }
 
+    /// Alternatives per position (`LogitsRequest::Scored::top`).
+    pub fn top(&self) -> u32 {
+        self.k as u32
+    }
+
     /// Until complete, cached prefix blocks must not stand in for computing the prompt.
     pub fn complete(&self) -> bool {
         self.missing == 0
     }
 
-    /// Records the logits rows of positions `first ..` (one row per fed token). The plan that
+    /// Records the scores of positions `first ..` (one per scored fed token). The plan that
     /// claimed positions is being applied: the next one claims afresh.
-    pub fn record(&mut self, prompt: &[u32], first: usize, rows: &[Vec<f32>]) {
+    pub fn record(&mut self, prompt: &[u32], first: usize, scores: &[RowScore]) {
         self.claimed.set(0);
-        for (i, logits) in rows.iter().enumerate() {
+        for (i, s) in scores.iter().enumerate() {
             let p = first + i;
             if p < self.rows.len() && self.rows[p].is_none() {
-                self.rows[p] = Some(score(logits, prompt[p + 1], self.k));
+                let token = prompt[p + 1];
+                self.rows[p] = Some(PromptTokenLogprob { token, logprob: s.logprob, rank: s.rank, top: s.top.clone() });
                 self.missing -= 1;
             }
         }
@@ -91,23 +96,15 @@ impl PromptLogprobs {
     }
 }
 
-/// `token`'s log-probability under `logits`, its rank (1 + the number of tokens scored higher,
-/// as vLLM counts it) and the `k` most likely tokens. This runs on the engine thread for every
-/// prompt position, so it makes one pass for the normaliser (as `log_softmax` computes it, in
-/// f64) and one for the rank, and normalises only the values it returns.
-pub fn score(logits: &[f32], token: u32, k: usize) -> PromptTokenLogprob {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
-    let logprob = |x: f32| (x as f64 - lse) as f32;
-    let own = logits[token as usize];
-    let rank = 1 + logits.iter().filter(|&&x| x > own).count() as u32;
-    let top = top_k_entries(logits, k).into_iter().map(|(id, x)| (id, logprob(x))).collect();
-    PromptTokenLogprob { token, logprob: logprob(own), rank, top }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mla_core::sampling::score;
+
+    /// What a backend scores for rows of logits at positions `first ..` (`LogitsRequest::Scored`).
+    fn scored(prompt: &[u32], first: usize, rows: &[Vec<f32>], k: usize) -> Vec<RowScore> {
+        rows.iter().enumerate().map(|(i, r)| score(r, prompt.get(first + i + 1).copied().unwrap_or(0), k)).collect()
+    }
 
     #[test]
     fn positions_fill_once_and_complete_together() {
@@ -115,10 +112,14 @@ mod tests {
         let mut p = PromptLogprobs::new(prompt.len(), 1);
         assert!(p.wants(0, 2) && !p.complete());
         // Positions 0 and 1 score tokens 1 and 2.
-        p.record(&prompt, 0, &[vec![0.0, 3.0, 1.0, 0.0, 0.0, 0.0], vec![0.0, 0.0, 0.0, 5.0, 0.0, 0.0]]);
+        p.record(
+            &prompt,
+            0,
+            &scored(&prompt, 0, &[vec![0.0, 3.0, 1.0, 0.0, 0.0, 0.0], vec![0.0, 0.0, 0.0, 5.0, 0.0, 0.0]], 1),
+        );
         assert!(!p.wants(0, 2) && p.wants(0, 4) && p.take_complete().is_none());
         // The last prompt position's row (3) is not needed; a second answer for 1 is ignored.
-        p.record(&prompt, 1, &[vec![9.0; 6], vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0], vec![0.0; 6]]);
+        p.record(&prompt, 1, &scored(&prompt, 1, &[vec![9.0; 6], vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0], vec![0.0; 6]], 1));
         let rows = p.take_complete().unwrap();
         assert_eq!(rows.iter().map(|r| r.token).collect::<Vec<_>>(), vec![1, 2, 0]);
         assert_eq!((rows[0].rank, rows[0].top[0].0), (1, 1));
@@ -137,9 +138,9 @@ mod tests {
         assert!(!p.claim(2, 5), "claimed by the first completion");
         // The plan is applied: what the first completion computed is recorded, nothing is
         // claimed any more.
-        p.record(&prompt, 0, &[vec![0.0; 6], vec![0.0; 6]]);
+        p.record(&prompt, 0, &scored(&prompt, 0, &[vec![0.0; 6], vec![0.0; 6]], 1));
         assert!(p.claim(2, 5), "a claim lasts for its plan only");
-        p.record(&prompt, 2, &[vec![0.0; 6], vec![0.0; 6], vec![0.0; 6]]);
+        p.record(&prompt, 2, &scored(&prompt, 2, &[vec![0.0; 6], vec![0.0; 6], vec![0.0; 6]], 1));
         assert!(p.complete() && !p.claim(2, 5));
     }
 
@@ -148,19 +149,5 @@ mod tests {
         let mut p = PromptLogprobs::new(1, 3);
         assert!(p.complete() && !p.wants(0, 1));
         assert_eq!(p.take_complete(), Some(vec![]));
-    }
-
-    #[test]
-    fn score_matches_log_softmax() {
-        let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1013) as f32 / 97.0).collect();
-        let lp = mla_core::sampling::log_softmax(&logits);
-        let s = score(&logits, 5, 4);
-        assert_eq!(s.logprob, lp[5]);
-        assert_eq!(s.top, top_k_entries(&lp, 4));
-        let s = score(&[1.0, 2.0, 3.0], 0, 2);
-        let z = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
-        assert!((s.logprob as f64 - (1.0 - z)).abs() < 1e-6);
-        assert_eq!(s.rank, 3);
-        assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
     }
 }

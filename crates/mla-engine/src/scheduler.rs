@@ -448,7 +448,7 @@ impl Scheduler {
             let key = SeqKey::from_seq_id(step.seq_id);
             let Some(g) = self.groups.get_mut(&key.request) else { continue };
             if let Some(p) = g.prompt_logprobs.as_mut() {
-                p.record(&g.req.prompt_tokens, step.context_len, &res.logits);
+                p.record(&g.req.prompt_tokens, step.context_len, &res.scores);
                 // Complete at the latest in the step that samples the first token.
                 if let Some(entries) = p.take_complete() {
                     applied.prompt_logprobs.push((key.request, entries));

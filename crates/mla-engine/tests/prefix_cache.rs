@@ -119,6 +119,7 @@ impl Harness {
             .seqs
             .iter()
             .map(|q| SeqResult {
+                scores: vec![],
                 seq_id: q.seq_id,
                 logits: vec![],
                 sampled: q.sample.as_ref().map(|_| SampledToken {

@@ -69,6 +69,7 @@ fn step(s: &mut Scheduler) -> (StepPlan, Applied) {
         .seqs
         .iter()
         .map(|q| SeqResult {
+            scores: vec![],
             seq_id: q.seq_id,
             logits: vec![],
             sampled: q.sample.as_ref().map(|_| SampledToken {
@@ -519,18 +520,23 @@ fn logits_at(p: usize) -> Vec<f32> {
     (0..64).map(|v| ((p * 31 + v * 17) % 97) as f32 / 10.0).collect()
 }
 
-/// `step`, answering `LogitsRequest::All` with a row per fed position.
+/// `step`, answering `LogitsRequest::Scored` with a score per scored fed position, as a
+/// backend scores `logits_at` rows.
 fn step_with_logits(s: &mut Scheduler) -> (StepPlan, Applied) {
     let plan = s.schedule().expect("the scheduler has work");
     let seqs = plan
         .seqs
         .iter()
         .map(|q| SeqResult {
-            seq_id: q.seq_id,
-            logits: match q.logits {
-                LogitsRequest::All => (q.context_len..q.end_pos()).map(logits_at).collect(),
+            scores: match q.logits {
+                LogitsRequest::Scored { top, after } => {
+                    let rows: Vec<Vec<f32>> = (q.context_len..q.end_pos()).map(logits_at).collect();
+                    mla_core::sampling::score_rows(&rows, &q.tokens, top, after)
+                }
                 _ => vec![],
             },
+            seq_id: q.seq_id,
+            logits: vec![],
             sampled: q.sample.as_ref().map(|_| SampledToken {
                 token: token_at(q.end_pos()),
                 logprob: 0.0,
@@ -632,11 +638,9 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
             .seqs
             .iter()
             .map(|q| SeqResult {
+                scores: vec![mla_core::step::plan::RowScore::default(); q.logits.scored_rows(q.tokens.len())],
                 seq_id: q.seq_id,
-                logits: match q.logits {
-                    LogitsRequest::All => vec![vec![0.0; 64]; q.tokens.len()],
-                    _ => vec![],
-                },
+                logits: vec![],
                 sampled: q.sample.as_ref().map(|_| SampledToken {
                     token: token_at(q.end_pos()),
                     logprob: 0.0,
@@ -678,7 +682,7 @@ fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
         let (mut rows, mut got, mut tokens) = (vec![0usize; prompt.len()], None, 0);
         while s.has_work() {
             let (p, a) = step_with_logits(&mut s);
-            for q in p.seqs.iter().filter(|q| q.logits == LogitsRequest::All) {
+            for q in p.seqs.iter().filter(|q| matches!(q.logits, LogitsRequest::Scored { .. })) {
                 (q.context_len..q.end_pos()).for_each(|pos| rows[pos] += 1);
             }
             if let Some((_, entries)) = a.prompt_logprobs.into_iter().next() {

@@ -360,6 +360,7 @@ mod tests {
                         sampled: sampled(s),
                         extra_tokens: vec![],
                         drafts: vec![],
+                        scores: vec![],
                     })
                     .collect(),
             })

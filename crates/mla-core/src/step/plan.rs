@@ -81,6 +81,34 @@ pub enum LogitsRequest {
     Last,
     /// Logits of every fed token, in order.
     All,
+    /// Prompt logprobs: every fed row scored against the token after it (the next fed token;
+    /// for the last row `after`, and `None` leaves the last row unscored) with its `top` most
+    /// likely tokens (`RowScore`, in `SeqResult::scores`). The backend scores the rows where it
+    /// computed them, so no logits row leaves it (at DeepSeek's 129K vocabulary a row is 0.5 MB).
+    Scored { top: u32, after: Option<u32> },
+}
+
+/// Most alternatives a scored row reports (`LogitsRequest::Scored`; the OpenAI API's limit).
+pub const MAX_SCORED_TOP: u32 = 20;
+
+impl LogitsRequest {
+    /// Rows a sequence feeding `fed` tokens gets scored (`Scored`).
+    pub fn scored_rows(&self, fed: usize) -> usize {
+        match self {
+            LogitsRequest::Scored { after, .. } => fed - usize::from(after.is_none()),
+            _ => 0,
+        }
+    }
+}
+
+/// A scored row (`LogitsRequest::Scored`): the log-probability of the token after it, its rank
+/// (1 + the number of tokens scored higher, as vLLM counts it), and the most likely tokens with
+/// theirs, most likely first (ties: lower id first).
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct RowScore {
+    pub logprob: f32,
+    pub rank: u32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Token history a sampler needs for presence / frequency / repetition penalties.
@@ -190,14 +218,15 @@ impl SeqStep {
     }
 
     /// Rows of logits the backend computes for it: the sampled row, then the rows asked for (a
-    /// `Last` row that is also sampled is the same row; `All` rows are returned apart from it).
+    /// `Last` row that is also sampled is the same row; `All` and `Scored` rows are computed
+    /// apart from it).
     pub fn logit_rows(&self) -> usize {
         let sampled = usize::from(self.sample.is_some());
         sampled
             + match self.logits {
                 LogitsRequest::None => 0,
                 LogitsRequest::Last => 1 - sampled,
-                LogitsRequest::All => self.tokens.len(),
+                LogitsRequest::All | LogitsRequest::Scored { .. } => self.tokens.len(),
             }
     }
 }
@@ -231,6 +260,8 @@ pub enum PlanError {
     TooLong { seq_id: u64, end: usize, max: usize },
     #[error("sequence {seq_id}: {why}")]
     Fork { seq_id: u64, why: &'static str },
+    #[error("sequence {seq_id}: scored rows report at most {MAX_SCORED_TOP} alternatives, not {top}")]
+    ScoredTop { seq_id: u64, top: u32 },
 }
 
 impl StepPlan {
@@ -287,6 +318,14 @@ impl StepPlan {
             if s.tokens.iter().copied().max().is_some_and(|t| t as usize >= vocab_size) {
                 let &t = s.tokens.iter().find(|&&t| t as usize >= vocab_size).expect("the maximum is out of range");
                 return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
+            }
+            if let LogitsRequest::Scored { top, after } = s.logits {
+                if top > MAX_SCORED_TOP {
+                    return Err(PlanError::ScoredTop { seq_id: s.seq_id, top });
+                }
+                if let Some(t) = after.filter(|&t| t as usize >= vocab_size) {
+                    return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
+                }
             }
         }
         Ok(())
@@ -414,6 +453,9 @@ pub struct SeqResult {
     /// Speculative decoding: the drafts for the next step (`MtpStep::draft` of them).
     #[serde(default)]
     pub drafts: Vec<u32>,
+    /// `LogitsRequest::Scored`: one per scored row, in order.
+    #[serde(default)]
+    pub scores: Vec<RowScore>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]

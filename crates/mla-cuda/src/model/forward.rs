@@ -18,10 +18,11 @@ use crate::device::Device;
 use crate::gpu::{DSlice, DeviceBuffer, PinnedBuffer};
 use crate::ops::{
     cache_row_bytes, AddRmsNorm, Embedding, LatentCacheSlice, NormDelta, RmsNormF32, RouteParams, Sample,
-    SamplerOutputs, Strided, Verdicts, MAX_SPEC_DRAFTS, MAX_TOP_LOGPROBS, PAGE_SIZE,
+    SamplerOutputs, ScoreOutputs, Scores, Strided, Verdicts, MAX_SPEC_DRAFTS, MAX_TOP_LOGPROBS, PAGE_SIZE,
+    SCORE_ROW_WORDS,
 };
 use half::bf16;
-use mla_core::step::plan::{SampledToken, SeqResult, StepOutput, StepPlan};
+use mla_core::step::plan::{RowScore, SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{KvCacheDtype, ModelConfig, StepLimits};
 
 pub struct CudaModel {
@@ -400,6 +401,23 @@ impl CudaModel {
             };
             k.sampling.sample(s, &p)?;
         }
+        let n = m.scored_rows();
+        if n > 0 {
+            let scores = Scores {
+                logits: ws.logits.slice(),
+                stride: cfg.vocab_size,
+                vocab: cfg.vocab_size,
+                rows: m.scored.on(words),
+                n,
+                out: ScoreOutputs {
+                    logprob: ws.score_logprob.slice(),
+                    rank: ws.score_rank.slice(),
+                    top_ids: ws.score_top_ids.slice(),
+                    top_lps: ws.score_top_lps.slice(),
+                },
+            };
+            k.sampling.score_rows(s, &scores)?;
+        }
         Ok(())
     }
 
@@ -453,6 +471,7 @@ impl CudaModel {
         } else {
             vec![]
         };
+        let scores = self.read_scores(m)?;
         let (toks, lps) = (self.host_tokens.as_slice(), self.host_logprobs.as_slice());
         let (tids, tlps) = (self.host_top_ids.as_slice(), self.host_top_lps.as_slice());
         let seqs = m
@@ -461,6 +480,7 @@ impl CudaModel {
             .map(|o| SeqResult {
                 seq_id: o.seq_id,
                 logits: o.logit_rows.iter().map(|&r| logits[r * v..(r + 1) * v].to_vec()).collect(),
+                scores: scores[o.scores.clone()].to_vec(),
                 sampled: o.sample_row.map(|r| SampledToken {
                     token: toks[r] as u32,
                     logprob: if o.top_logprobs.is_some() { lps[r] } else { 0.0 },
@@ -473,5 +493,27 @@ impl CudaModel {
             })
             .collect();
         Ok(StepOutput { seqs })
+    }
+
+    /// The scores of the step's scored rows, once the step has run: a few words per row
+    /// (`ScoreOutputs`), the alternatives as many as each row asked for.
+    fn read_scores(&self, m: &StepMeta) -> anyhow::Result<Vec<RowScore>> {
+        let n = m.scored_rows();
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        let ws = &self.ws;
+        let lps = crate::gpu::download_slice(ws.score_logprob.sub(0, n))?;
+        let ranks = crate::gpu::download_slice(ws.score_rank.sub(0, n))?;
+        let ids = crate::gpu::download_slice(ws.score_top_ids.sub(0, n * MAX_TOP_LOGPROBS))?;
+        let tops = crate::gpu::download_slice(ws.score_top_lps.sub(0, n * MAX_TOP_LOGPROBS))?;
+        let asked = m.scored.read(&m.words);
+        Ok((0..n)
+            .map(|i| {
+                let k = asked[i * SCORE_ROW_WORDS + 2] as usize;
+                let at = i * MAX_TOP_LOGPROBS..i * MAX_TOP_LOGPROBS + k;
+                RowScore { logprob: lps[i], rank: ranks[i] as u32, top: at.map(|j| (ids[j] as u32, tops[j])).collect() }
+            })
+            .collect())
     }
 }

@@ -14,7 +14,7 @@
 //! positions, slots and the output rows cover every row in plan order, as in any step.
 
 use super::meta_words::{Arena, Section};
-use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE, PREFILL_TILE_Q};
+use crate::ops::{SampleParamsRaw, MAX_TOP_LOGPROBS, PAGE_SIZE, PREFILL_TILE_Q, SCORE_ROW_WORDS};
 use mla_core::step::plan::{slot_of, LogitsRequest, SampleRequest, SeqStep, StepKind, StepPlan};
 use mla_core::step::token_mask::TokenMask;
 
@@ -35,6 +35,8 @@ pub struct SeqOut {
     pub top_logprobs: Option<usize>,
     /// Logits rows to return, in order.
     pub logit_rows: Vec<usize>,
+    /// Its entries among the step's scored rows (`LogitsRequest::Scored`), in order.
+    pub scores: std::ops::Range<usize>,
 }
 
 /// The sections of the decode rows (the absorbed path over the paged cache).
@@ -118,6 +120,9 @@ pub struct StepMeta {
     /// b-th sampling sequence), then the asked-for logits.
     pub logit_src: Section<i32>,
     pub sample_rows: usize,
+    /// The scored rows (`LogitsRequest::Scored`), `SCORE_ROW_WORDS` words each: (logits row,
+    /// token scored, alternatives).
+    pub scored: Section<i32>,
     pub sampling: Section<SampleParamsRaw>,
     /// One word the model fills with the device address of `penalties` when it uploads.
     pub penalty_table: Section<u64>,
@@ -146,6 +151,11 @@ impl StepMeta {
     /// Rows of logits the output head computes.
     pub fn logit_rows(&self) -> usize {
         self.logit_src.len
+    }
+
+    /// Rows the step scores (`LogitsRequest::Scored`).
+    pub fn scored_rows(&self) -> usize {
+        self.scored.len / SCORE_ROW_WORDS
     }
 
     /// The decode rows' sections (a decode or mixed step).
@@ -187,7 +197,7 @@ impl MetaLimits {
         // bias addresses, decode lengths and block tables, prefill offsets, tiles and key windows;
         // a few words of alignment between sections.
         3 * t
-            + self.max_logit_rows
+            + (1 + SCORE_ROW_WORDS) * self.max_logit_rows
             + 16 * s
             + 4
             + s
@@ -225,6 +235,7 @@ struct Common {
     slots: Section<i32>,
     logit_src: Section<i32>,
     sample_rows: usize,
+    scored: Section<i32>,
     outputs: Vec<SeqOut>,
     sampling: Section<SampleParamsRaw>,
     side: SideTables,
@@ -273,9 +284,9 @@ impl StepMeta {
         words.reserve(8 * t + 64);
         let mut a = Arena { words };
         let (token_ids, positions, slots) = push_tokens(&mut a, rows, t, lim)?;
-        let (logit_src, sample_rows, outputs) = push_outputs(&mut a, rows, lim)?;
+        let OutputRows { logit_src, sample_rows, scored, outputs } = push_outputs(&mut a, rows, lim)?;
         let (sampling, side) = push_sampling(&mut a, rows, sample_rows, lim)?;
-        let common = Common { token_ids, positions, slots, logit_src, sample_rows, outputs, sampling, side };
+        let common = Common { token_ids, positions, slots, logit_src, sample_rows, scored, outputs, sampling, side };
         let layout = push_layout(&mut a, kind, rows, t, lim)?;
         Ok(StepMeta {
             tokens: t,
@@ -286,6 +297,7 @@ impl StepMeta {
             slots: common.slots,
             logit_src: common.logit_src,
             sample_rows: common.sample_rows,
+            scored: common.scored,
             sampling: common.sampling,
             penalty_table: common.side.penalty_table,
             penalties: common.side.penalties,
@@ -325,9 +337,18 @@ fn push_tokens(
     Ok((ids, pos, slot))
 }
 
+/// What `push_outputs` lays out (`StepMeta`'s fields of the same names).
+struct OutputRows {
+    logit_src: Section<i32>,
+    sample_rows: usize,
+    scored: Section<i32>,
+    outputs: Vec<SeqOut>,
+}
+
 /// The rows the output head reads: every sampling sequence's last row first, then the asked-for
-/// logits rows (a sampled row that also wants its logits is not repeated).
-fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<(Section<i32>, usize, Vec<SeqOut>)> {
+/// logits rows (a sampled row that also wants its logits is not repeated; scored rows are
+/// computed like `All` rows but scored on the device rather than returned); then the scored rows.
+fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<OutputRows> {
     let mut src: Vec<i32> = Vec::new();
     let mut outputs: Vec<SeqOut> = Vec::with_capacity(rows.len());
     let mut first_row = 0;
@@ -337,10 +358,11 @@ fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<(
             src.len() - 1
         });
         let top_logprobs = sq.sample.as_ref().and_then(|r| r.top_logprobs);
-        outputs.push(SeqOut { seq_id: sq.seq_id, sample_row, top_logprobs, logit_rows: vec![] });
+        outputs.push(SeqOut { seq_id: sq.seq_id, sample_row, top_logprobs, logit_rows: vec![], scores: 0..0 });
         first_row += sq.tokens.len();
     }
     let sample_rows = src.len();
+    let mut scored: Vec<i32> = Vec::new();
     first_row = 0;
     for (o, sq) in outputs.iter_mut().zip(rows.iter()) {
         let last = first_row + sq.tokens.len() - 1;
@@ -349,10 +371,18 @@ fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<(
             src.len() - 1
         };
         o.logit_rows = match sq.logits {
-            LogitsRequest::None => vec![],
+            LogitsRequest::None | LogitsRequest::Scored { .. } => vec![],
             LogitsRequest::Last => vec![o.sample_row.unwrap_or_else(|| push(last))],
-            LogitsRequest::All => (first_row..=last).map(push).collect(),
+            LogitsRequest::All => (first_row..=last).map(&mut push).collect(),
         };
+        if let LogitsRequest::Scored { top, after } = sq.logits {
+            let first = scored.len() / SCORE_ROW_WORDS;
+            let next = sq.tokens.iter().skip(1).copied().chain(after);
+            for (r, token) in (first_row..=last).zip(next) {
+                scored.extend([push(r) as i32, token as i32, top as i32]);
+            }
+            o.scores = first..scored.len() / SCORE_ROW_WORDS;
+        }
         first_row += sq.tokens.len();
     }
     anyhow::ensure!(
@@ -361,7 +391,8 @@ fn push_outputs(a: &mut Arena, rows: Rows, lim: &MetaLimits) -> anyhow::Result<(
         src.len(),
         lim.max_logit_rows
     );
-    Ok((a.push(&src), sample_rows, outputs))
+    let logit_src = a.push(&src);
+    Ok(OutputRows { logit_src, sample_rows, scored: a.push(&scored), outputs })
 }
 
 /// The sampling parameters of every sampling row, the penalty and bias address words, the

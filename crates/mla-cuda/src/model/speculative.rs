@@ -633,11 +633,19 @@ fn accept(s: &SeqStep, rows: &[SeqResult], forced: Option<usize>) -> anyhow::Res
 }
 
 /// A sequence's result: what it emits, and without drafts fed whatever else its one row
-/// returned (logits asked for).
+/// returned (logits and scores asked for).
 fn result(s: &SeqStep, first_row: &SeqResult, v: Verified) -> SeqResult {
-    let logits = if s.drafts_fed() == 0 { first_row.logits.clone() } else { vec![] };
+    let (logits, scores) =
+        if s.drafts_fed() == 0 { (first_row.logits.clone(), first_row.scores.clone()) } else { (vec![], vec![]) };
     let mut emitted = v.into_emitted().into_iter();
-    SeqResult { seq_id: s.seq_id, logits, sampled: emitted.next(), extra_tokens: emitted.collect(), drafts: vec![] }
+    SeqResult {
+        seq_id: s.seq_id,
+        logits,
+        sampled: emitted.next(),
+        extra_tokens: emitted.collect(),
+        drafts: vec![],
+        scores,
+    }
 }
 
 #[cfg(test)]
@@ -697,6 +705,7 @@ mod tests {
     fn drafts_stand_up_to_the_first_the_target_did_not_choose() {
         let s = seq(2, vec![9, 10, 11], 40, 2);
         let row = |t: u32| SeqResult {
+            scores: vec![],
             seq_id: 2,
             logits: vec![],
             sampled: Some(SampledToken { token: t, logprob: 0.0, top_logprobs: vec![] }),

@@ -182,6 +182,11 @@ pub struct Workspace {
     pub sampled_logprob: DeviceBuffer<f32>,
     pub top_ids: DeviceBuffer<i32>,
     pub top_lps: DeviceBuffer<f32>,
+    /// The scores of scored rows (prompt logprobs), an entry per logits row at most.
+    pub score_logprob: DeviceBuffer<f32>,
+    pub score_rank: DeviceBuffer<i32>,
+    pub score_top_ids: DeviceBuffer<i32>,
+    pub score_top_lps: DeviceBuffer<f32>,
     /// Rows of split-KV partial outputs the decode kernel may use (batch x splits).
     pub split_rows: usize,
     /// Speculative decoding's MTP passes, when on.
@@ -283,6 +288,10 @@ impl Workspace {
             sampled_logprob: DeviceBuffer::alloc(s)?,
             top_ids: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
             top_lps: DeviceBuffer::alloc(s * MAX_TOP_LOGPROBS)?,
+            score_logprob: DeviceBuffer::alloc(r)?,
+            score_rank: DeviceBuffer::alloc(r)?,
+            score_top_ids: DeviceBuffer::alloc(r * MAX_TOP_LOGPROBS)?,
+            score_top_lps: DeviceBuffer::alloc(r * MAX_TOP_LOGPROBS)?,
             split_rows,
             mtp: mtp
                 .then(|| -> anyhow::Result<MtpBuffers> {

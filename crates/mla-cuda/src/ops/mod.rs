@@ -43,7 +43,7 @@ pub use latent::{row_bytes as cache_row_bytes, AbsorbQ, LatentCacheSlice, Latent
 pub use linear::{fp8_lt_scale_ld, Fp8Linear, Linear, Proj, Strided, FP8_BLOCK};
 pub use moe::{MoeKernels, MoeRouting, RouteMethod, RouteParams, TileM};
 pub use moe_gemv::{GateUpKernel, MoeGemvExperts, MoeGemvKernels, MoeGemvRouter, ROUTER_GEMV_MAX_TOKENS};
-pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels};
+pub use sampling::{Sample, SampleParamsRaw, SamplerOutputs, SamplingKernels, ScoreOutputs, Scores, SCORE_ROW_WORDS};
 pub use speculative::{KeepRows, SpecRowRaw, SpecVerdictRaw, SpeculativeKernels, Verdicts, ROW_DISTRIBUTION_BYTES};
 
 use crate::gpu::{GpuInfo, Modules};

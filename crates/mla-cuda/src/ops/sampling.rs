@@ -1,4 +1,5 @@
-//! kernels/sampling.cu: device sampling, one block per sampled row.
+//! kernels/sampling.cu: device sampling, one block per sampled row, and the scoring of prompt
+//! rows (prompt logprobs) where they were computed.
 
 use super::dims::{MAX_TOP_LOGPROBS, SAMPLER_THREADS};
 use super::ensure_len;
@@ -7,6 +8,7 @@ use cudarc::driver::sys::{CUfunction, CUstream};
 
 pub struct SamplingKernels {
     sample_tokens: Kernel,
+    score_rows: Kernel,
 }
 
 /// Mirror of the kernel's `SampleParams` (same field order, sizes and alignment).
@@ -94,9 +96,36 @@ pub struct Sample<'a> {
     pub out: SamplerOutputs<'a>,
 }
 
+/// Words of one scored row in the step metadata: (logits row, token scored, alternatives), the
+/// kernel's `ScoreRow`.
+pub const SCORE_ROW_WORDS: usize = 3;
+
+/// One `score_rows` launch: the `n` rows `rows` names (`SCORE_ROW_WORDS` words each) of
+/// `logits` (`stride` apart), each scored into its own entry of the outputs.
+pub struct Scores<'a> {
+    pub logits: DSlice<'a, f32>,
+    pub stride: usize,
+    pub vocab: usize,
+    pub rows: DSlice<'a, i32>,
+    pub n: usize,
+    pub out: ScoreOutputs<'a>,
+}
+
+/// Where `score_rows` writes, an entry per scored row.
+pub struct ScoreOutputs<'a> {
+    pub logprob: DSlice<'a, f32>,
+    pub rank: DSlice<'a, i32>,
+    /// [rows, MAX_TOP_LOGPROBS]
+    pub top_ids: DSlice<'a, i32>,
+    pub top_lps: DSlice<'a, f32>,
+}
+
 impl SamplingKernels {
     pub fn load(m: &Modules) -> anyhow::Result<Self> {
-        Ok(SamplingKernels { sample_tokens: m.kernel("sampling", "sample_tokens")? })
+        Ok(SamplingKernels {
+            sample_tokens: m.kernel("sampling", "sample_tokens")?,
+            score_rows: m.kernel("sampling", "score_rows")?,
+        })
     }
 
     /// The sampler's function, to find its node in a captured graph.
@@ -135,6 +164,36 @@ impl SamplingKernels {
                 Arg::Ptr(p.work.ptr),
                 Arg::Ptr(p.out.token.ptr),
                 Arg::Ptr(p.out.logprob.ptr),
+                Arg::Ptr(p.out.top_ids.ptr),
+                Arg::Ptr(p.out.top_lps.ptr),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Scores the rows `p` names (`Scores`).
+    pub fn score_rows(&self, s: CUstream, p: &Scores) -> anyhow::Result<()> {
+        if p.n == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(p.stride >= p.vocab, "logits stride {} below vocab {}", p.stride, p.vocab);
+        ensure_len!(p.rows, p.n * SCORE_ROW_WORDS, "scored rows");
+        ensure_len!(p.out.logprob, p.n, "scored log-probabilities");
+        ensure_len!(p.out.rank, p.n, "scored ranks");
+        ensure_len!(p.out.top_ids, p.n * MAX_TOP_LOGPROBS, "scored top ids");
+        ensure_len!(p.out.top_lps, p.n * MAX_TOP_LOGPROBS, "scored top log-probabilities");
+        self.score_rows.launch(
+            s,
+            (p.n as u32, 1, 1),
+            SAMPLER_THREADS as u32,
+            0,
+            &[
+                Arg::Ptr(p.logits.ptr),
+                Arg::I64(p.stride as i64),
+                Arg::I32(p.vocab as i32),
+                Arg::Ptr(p.rows.ptr),
+                Arg::Ptr(p.out.logprob.ptr),
+                Arg::Ptr(p.out.rank.ptr),
                 Arg::Ptr(p.out.top_ids.ptr),
                 Arg::Ptr(p.out.top_lps.ptr),
             ],

@@ -258,7 +258,9 @@ fn entry(
             end = end.min(seq.computed + rows);
             p.claim(seq.computed, end);
             *logit_rows -= end - seq.computed;
-            LogitsRequest::All
+            // Scored where computed: the rows never leave the backend (`LogitsRequest::Scored`).
+            let prompt = &g.req.prompt_tokens;
+            LogitsRequest::Scored { top: p.top(), after: prompt.get(end).copied() }
         }
         _ => LogitsRequest::None,
     };

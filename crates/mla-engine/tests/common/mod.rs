@@ -223,12 +223,16 @@ impl HistoryBackend {
                 })
                 .collect::<anyhow::Result<Vec<u32>>>()?;
             let sampled = s.sample.as_ref().map(|r| sample(&logits_for(&history), r)).transpose()?;
-            let logits = match s.logits {
-                LogitsRequest::None => vec![],
-                LogitsRequest::Last => vec![logits_for(&history)],
-                LogitsRequest::All => (s.context_len..s.end_pos()).map(|p| logits_for(&history[..=p])).collect(),
+            let all = || (s.context_len..s.end_pos()).map(|p| logits_for(&history[..=p])).collect::<Vec<_>>();
+            let (logits, scores) = match s.logits {
+                LogitsRequest::None => (vec![], vec![]),
+                LogitsRequest::Last => (vec![logits_for(&history)], vec![]),
+                LogitsRequest::All => (all(), vec![]),
+                LogitsRequest::Scored { top, after } => {
+                    (vec![], mla_core::sampling::score_rows(&all(), &s.tokens, top, after))
+                }
             };
-            seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled, extra_tokens: vec![], drafts: vec![] });
+            seqs.push(SeqResult { seq_id: s.seq_id, logits, sampled, extra_tokens: vec![], drafts: vec![], scores });
         }
         Ok(StepOutput { seqs })
     }

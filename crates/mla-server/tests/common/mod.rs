@@ -121,9 +121,16 @@ impl ScriptBackend {
                     top_logprobs: top.iter().take(req.top_logprobs.unwrap_or(0)).copied().collect(),
                 }
             });
+            let (logits, scores) = match s.logits {
+                LogitsRequest::Scored { top, after } => {
+                    (vec![], mla_core::sampling::score_rows(&self.logits(s), &s.tokens, top, after))
+                }
+                _ => (self.logits(s), vec![]),
+            };
             out.seqs.push(SeqResult {
+                scores,
                 seq_id: s.seq_id,
-                logits: self.logits(s),
+                logits,
                 sampled,
                 extra_tokens: vec![],
                 drafts: vec![],
@@ -132,7 +139,7 @@ impl ScriptBackend {
         Ok(out)
     }
 
-    /// The rows `s.logits` asks for (prompt logprobs ask for every fed position): made up, but a
+    /// The rows `s.logits` asks for (prompt logprobs score every fed position): made up, but a
     /// function of the position and its token, so that every prompt scores differently and
     /// every sequence feeding the same prompt gets the same rows.
     fn logits(&self, s: &SeqStep) -> Vec<Vec<f32>> {
@@ -140,7 +147,7 @@ impl ScriptBackend {
         let rows: Vec<(usize, usize)> = match s.logits {
             LogitsRequest::None => vec![],
             LogitsRequest::Last => fed.next_back().into_iter().collect(),
-            LogitsRequest::All => fed.collect(),
+            LogitsRequest::All | LogitsRequest::Scored { .. } => fed.collect(),
         };
         let vocab = self.model.vocab_size;
         rows.iter().map(|&(p, t)| (0..vocab).map(|v| ((v * 7 + t * 13 + p * 3) % 61) as f32 / 8.0).collect()).collect()
