@@ -14,7 +14,10 @@ with two MTP drafts:
 
 A near-tie is a position where the plain run's best two candidates, shaped as the request shapes
 them, are within `--tie` nats: there a bf16 forward of another batch shape may choose either, and
-everything after may differ. Repetition penalties scale logits, which logprobs do not show, so the
+everything after may differ. Each logit may round apart between two batch shapes by up to half of
+`ROUNDING_BF16` (0.06, measured in run S27: mla_core::speculative::lossless_check), so a gap moves
+by up to 0.06 on either run, 0.12 between them: the default. (Run S52 saw four n = 4 completions
+with drafts take the other token at a gap of 0.06.) Repetition penalties scale logits, which logprobs do not show, so the
 greedy checks use additive shaping only (the sampled one uses all three; the statistical checks
 in crates/mla-cuda/tests/gpu_mtp.rs cover repetition). Writes JSON; exits 1 when a check fails.
 
@@ -135,7 +138,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tie", type=float, default=0.05)
+    ap.add_argument("--tie", type=float, default=0.12)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script on the CPU reference")
     args = ap.parse_args()
     os.environ["MLA_SERVE_BIN"] = str(Path(args.bin).resolve())
