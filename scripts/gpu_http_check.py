@@ -7,10 +7,12 @@ import json, sys, threading, time, urllib.request
 
 base = sys.argv[1]
 n = int(sys.argv[2])
+# The served model's name, whatever the server was started with.
+model = json.load(urllib.request.urlopen(base + "/v1/models", timeout=30))["data"][0]["id"]
 results = [None] * n
 
 def chat(i, stream=False):
-    body = {"model": "deepseek-v2-lite", "messages": [{"role": "user", "content": f"request {i}: say something"}],
+    body = {"model": model, "messages": [{"role": "user", "content": f"request {i}: say something"}],
             "max_tokens": 24 + i % 9, "temperature": [0.0, 0.7, 1.0][i % 3], "top_p": 0.9, "seed": i, "stream": stream}
     if i % 4 == 1:
         body["logprobs"] = True
