@@ -88,9 +88,6 @@ pub enum LogitsRequest {
     Scored { top: u32, after: Option<u32> },
 }
 
-/// Most alternatives a scored row reports (`LogitsRequest::Scored`; the OpenAI API's limit).
-pub const MAX_SCORED_TOP: u32 = 20;
-
 impl LogitsRequest {
     /// Rows a sequence feeding `fed` tokens gets scored (`Scored`).
     pub fn scored_rows(&self, fed: usize) -> usize {
@@ -260,8 +257,8 @@ pub enum PlanError {
     TooLong { seq_id: u64, end: usize, max: usize },
     #[error("sequence {seq_id}: {why}")]
     Fork { seq_id: u64, why: &'static str },
-    #[error("sequence {seq_id}: scored rows report at most {MAX_SCORED_TOP} alternatives, not {top}")]
-    ScoredTop { seq_id: u64, top: u32 },
+    #[error("sequence {seq_id}: scored rows cannot report {top} alternatives of a {vocab_size}-token vocabulary")]
+    ScoredTop { seq_id: u64, top: u32, vocab_size: usize },
 }
 
 impl StepPlan {
@@ -320,8 +317,8 @@ impl StepPlan {
                 return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
             }
             if let LogitsRequest::Scored { top, after } = s.logits {
-                if top > MAX_SCORED_TOP {
-                    return Err(PlanError::ScoredTop { seq_id: s.seq_id, top });
+                if top as usize > vocab_size {
+                    return Err(PlanError::ScoredTop { seq_id: s.seq_id, top, vocab_size });
                 }
                 if let Some(t) = after.filter(|&t| t as usize >= vocab_size) {
                     return Err(PlanError::TokenOutOfRange { seq_id: s.seq_id, token: t, vocab_size });
@@ -491,6 +488,25 @@ mod checks {
         assert_eq!(check(8, 6), refused("the block it forks from is outside the cache"));
         assert_eq!(check(6, 6), refused("a block cannot be forked into itself"));
         assert!(forking(BlockFork { from: 3, to: 6 }).has_forks());
+    }
+
+    #[test]
+    fn scored_rows_name_a_token_in_the_vocabulary_and_no_more_alternatives_than_it_has() {
+        let scored = |top, after| {
+            let mut p = forking(BlockFork { from: 3, to: 6 });
+            p.seqs[0].fork = None;
+            p.seqs[0].tokens = vec![1, 2, 3];
+            p.seqs[0].context_len = 0;
+            p.seqs[0].logits = LogitsRequest::Scored { top, after };
+            p.validate(4, 8, 10, 100)
+        };
+        assert_eq!(scored(10, Some(9)), Ok(()));
+        assert_eq!(scored(3, None), Ok(()));
+        assert_eq!(scored(3, Some(10)), Err(PlanError::TokenOutOfRange { seq_id: 7, token: 10, vocab_size: 10 }));
+        assert_eq!(scored(11, None), Err(PlanError::ScoredTop { seq_id: 7, top: 11, vocab_size: 10 }));
+        assert_eq!(LogitsRequest::Scored { top: 1, after: None }.scored_rows(3), 2);
+        assert_eq!(LogitsRequest::Scored { top: 1, after: Some(0) }.scored_rows(3), 3);
+        assert_eq!(LogitsRequest::All.scored_rows(3), 0);
     }
 
     #[test]

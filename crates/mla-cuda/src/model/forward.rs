@@ -22,7 +22,7 @@ use crate::ops::{
     SCORE_ROW_WORDS,
 };
 use half::bf16;
-use mla_core::step::plan::{RowScore, SampledToken, SeqResult, StepOutput, StepPlan};
+use mla_core::step::plan::{LogitsRequest, RowScore, SampledToken, SeqResult, StepOutput, StepPlan};
 use mla_core::{KvCacheDtype, ModelConfig, StepLimits};
 
 pub struct CudaModel {
@@ -201,9 +201,20 @@ impl CudaModel {
 
     /// Runs one step: validate, upload metadata, queue the forward pass, read results. A step
     /// that asks for speculative decoding runs its verify and draft passes (`speculative`).
-    /// Checks `plan` against this rank's cache and the model.
+    /// Checks `plan` against this rank's cache and the model, and scored rows against what
+    /// the device reports (the server caps `--max-logprobs` at that on CUDA).
     pub(super) fn validate(&self, plan: &StepPlan) -> anyhow::Result<()> {
-        Ok(plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?)
+        plan.validate(PAGE_SIZE, self.num_blocks, self.cfg.vocab_size, self.max_model_len)?;
+        for s in &plan.seqs {
+            if let LogitsRequest::Scored { top, .. } = s.logits {
+                anyhow::ensure!(
+                    top as usize <= MAX_TOP_LOGPROBS,
+                    "sequence {}: the device scores at most {MAX_TOP_LOGPROBS} alternatives, not {top}",
+                    s.seq_id
+                );
+            }
+        }
+        Ok(())
     }
 
     pub fn step(&mut self, dev: &Device, plan: &StepPlan) -> anyhow::Result<StepOutput> {
