@@ -175,6 +175,18 @@ MOE_ROUTE(8)
 MOE_ROUTE(16)
 static_assert(16 == MOE_ROUTE_MAX_SLOTS, "dims.cuh's most experts a lane differs from the largest instance");
 
+// Inclusive prefix sums of two counts across a warp's lanes (lane l gets the sums over lanes 0..l).
+DEVICE_INLINE void warp_inclusive_scan2(int& a, int& b, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int ao = __shfl_up_sync(0xffffffffu, a, o), bo = __shfl_up_sync(0xffffffffu, b, o);
+        if (lane >= o) {
+            a += ao;
+            b += bo;
+        }
+    }
+}
+
 // Groups the `tokens * top_k` assignments by expert. One block of 1024 threads (experts <= 1024).
 //   expert_off[E + 1]: first grouped row of each expert; perm_src[row]: the token of a grouped row;
 //   inv_row[t * top_k + j]: the grouped row of assignment j of token t;
@@ -201,14 +213,7 @@ extern "C" __global__ void moe_align(const int* __restrict__ topk_ids, int assig
         const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
         const int rows = e < experts ? count[e] : 0, tiles = (rows + tile_m - 1) / tile_m;
         int r = rows, t = tiles;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int ro = __shfl_up_sync(0xffffffffu, r, o), to = __shfl_up_sync(0xffffffffu, t, o);
-            if (lane >= o) {
-                r += ro;
-                t += to;
-            }
-        }
+        warp_inclusive_scan2(r, t, lane);
         if (lane == 31) {
             warp_rows[warp] = r;
             warp_tiles[warp] = t;
@@ -217,14 +222,7 @@ extern "C" __global__ void moe_align(const int* __restrict__ topk_ids, int assig
         if (warp == 0) {
             int wr = lane < (int)(blockDim.x >> 5) ? warp_rows[lane] : 0;
             int wt = lane < (int)(blockDim.x >> 5) ? warp_tiles[lane] : 0;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int ro = __shfl_up_sync(0xffffffffu, wr, o), to = __shfl_up_sync(0xffffffffu, wt, o);
-                if (lane >= o) {
-                    wr += ro;
-                    wt += to;
-                }
-            }
+            warp_inclusive_scan2(wr, wt, lane);
             warp_rows[lane] = wr;
             warp_tiles[lane] = wt;
         }

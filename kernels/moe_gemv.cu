@@ -66,34 +66,43 @@ __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const ui
     }
 }
 
+// Adds loaded FP8 chunks c0 + 32 i (i < U, those below `chunks`) of two rows, dotted with the
+// vector's chunks, into a0 / a1: each chunk's 16 products summed in f32, then scaled by its block's
+// scale (s0 / s1 point at the rows' scale-grid row, chunk c's scale is (coff + c) / 8).
+__device__ __forceinline__ void add_fp8_chunks(const uint4 (&w0)[U], const uint4 (&w1)[U], const float* __restrict__ s0,
+                                               const float* __restrict__ s1, int coff, const bf16* __restrict__ v,
+                                               int c0, int chunks, float& a0, float& a1) {
+    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+        const int c = c0 + 32 * i;
+        if (c >= chunks) break;
+        float xf[16], f0[16], f1[16];
+        bf16x16_to_f32(v + (size_t)c * 16, xf);
+        fp8x16_to_f32(w0[i], f0);
+        fp8x16_to_f32(w1[i], f1);
+        float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            p0 = fmaf(f0[j], xf[j], p0);
+            p1 = fmaf(f1[j], xf[j], p1);
+        }
+        const int b = (coff + c) / CHUNKS_PER_BLOCK;
+        a0 = fmaf(p0, __ldg(s0 + b), a0);
+        a1 = fmaf(p1, __ldg(s1 + b), a1);
+    }
+}
+
 // dot2_rows for FP8 rows of `chunks` 16-weight chunks: s0 / s1 point at the rows' scale-grid row
 // (their 128-row block's scales), and chunk c of the rows has scale (coff + c) / 8, coff being the
 // rows' first column in chunks (a slice of a wider matrix).
 __device__ __forceinline__ void dot2_rows_fp8(const uint4* __restrict__ r0, const uint4* __restrict__ r1,
                                               const float* __restrict__ s0, const float* __restrict__ s1, int coff,
                                               const bf16* __restrict__ v, int chunks, int lane, float& a0, float& a1) {
-    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
     for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
         uint4 w0[U], w1[U];
         load_chunks<false>(r0, r1, nullptr, c0, chunks, w0, w1, w1);
-#pragma unroll
-        for (int i = 0; i < U; ++i) {
-            const int c = c0 + 32 * i;
-            if (c >= chunks) break;
-            float xf[16], f0[16], f1[16];
-            bf16x16_to_f32(v + (size_t)c * 16, xf);
-            fp8x16_to_f32(w0[i], f0);
-            fp8x16_to_f32(w1[i], f1);
-            float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                p0 = fmaf(f0[j], xf[j], p0);
-                p1 = fmaf(f1[j], xf[j], p1);
-            }
-            const int b = (coff + c) / CHUNKS_PER_BLOCK;
-            a0 = fmaf(p0, __ldg(s0 + b), a0);
-            a1 = fmaf(p1, __ldg(s1 + b), a1);
-        }
+        add_fp8_chunks(w0, w1, s0, s1, coff, v, c0, chunks, a0, a1);
     }
 }
 
@@ -151,67 +160,112 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
 // aligned. FP8 (WT = uint8_t): s_gu = [E, 2I / 128, ceil(H / 128)] and s_sh = [2 Is / 128,
 // ceil(H / 128)] (I and Is multiples of 128, so gate and up rows never share a scale block),
 // hidden % 16 == 0.
+// The gate/up launch's arguments, and where its items lie: item i < routed is column
+// n = i % im of routed slot i / im, the rest the shared experts' column n of token m.
 template <typename WT>
-DEVICE_INLINE void moe_gemv_gate_up_body(const bf16* __restrict__ x, int hidden, int tokens,
-                                         const int* __restrict__ topk_ids, int top_k, const WT* __restrict__ w_gu,
-                                         const float* __restrict__ s_gu, int im, const WT* __restrict__ w_sh,
-                                         const float* __restrict__ s_sh, int ims, bf16* __restrict__ act,
-                                         bf16* __restrict__ act_sh) {
+struct GateUpArgs {
+    const bf16* x;
+    int hidden, tokens;
+    const int* topk_ids;
+    int top_k;
+    const WT* w_gu;
+    const float* s_gu;
+    int im;
+    const WT* w_sh;
+    const float* s_sh;
+    int ims;
+    bf16* act;
+    bf16* act_sh;
+
+    DEVICE_INLINE long long routed() const { return (long long)tokens * top_k * im; }
+    DEVICE_INLINE long long total() const { return routed() + (w_sh ? (long long)tokens * ims : 0); }
+};
+
+// One item's gate and up rows, their scale-grid rows (FP8), the token's activations and the
+// output element.
+template <typename WT>
+struct GateUpRows {
+    const uint4 *g, *u;
+    const float *gs, *us;
+    const bf16* x;
+    bf16* out;
+};
+
+template <typename WT>
+DEVICE_INLINE GateUpRows<WT> gate_up_rows(const GateUpArgs<WT>& a, long long item) {
+    // FP8: scales per 128-row block of the stacked [rows, H] matrices (each expert's rows a
+    // multiple of 128, so a row's block is its stacked index / 128).
+    const int kb = (a.hidden + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
+    const long long routed = a.routed();
+    const WT *g_row, *u_row;
+    GateUpRows<WT> r{};
+    int m;
+    if (item < routed) {
+        const int slot = (int)(item / a.im), n = (int)(item - (long long)slot * a.im);
+        m = slot / a.top_k;
+        const size_t e = (size_t)a.topk_ids[slot];
+        g_row = a.w_gu + (e * 2 * a.im + n) * a.hidden;
+        u_row = a.w_gu + (e * 2 * a.im + a.im + n) * a.hidden;
+        if constexpr (is_fp8<WT>) {
+            r.gs = a.s_gu + (e * 2 * a.im + n) / FP8_SCALE_BLOCK * kb;
+            r.us = a.s_gu + (e * 2 * a.im + a.im + n) / FP8_SCALE_BLOCK * kb;
+        }
+        r.out = a.act + (size_t)slot * a.im + n;
+    } else {
+        const long long i = item - routed;
+        m = (int)(i / a.ims);
+        const int n = (int)(i - (long long)m * a.ims);
+        g_row = a.w_sh + (size_t)n * a.hidden;
+        u_row = a.w_sh + (size_t)(a.ims + n) * a.hidden;
+        if constexpr (is_fp8<WT>) {
+            r.gs = a.s_sh + (size_t)(n / FP8_SCALE_BLOCK) * kb;
+            r.us = a.s_sh + (size_t)((a.ims + n) / FP8_SCALE_BLOCK) * kb;
+        }
+        r.out = a.act_sh + (size_t)m * a.ims + n;
+    }
+    r.g = reinterpret_cast<const uint4*>(g_row);
+    r.u = reinterpret_cast<const uint4*>(u_row);
+    r.x = a.x + (size_t)m * a.hidden;
+    return r;
+}
+
+// The shared experts' rows do not depend on the routing: lane 0 starts pulling this warp's
+// (items first, first + stride, ...) into L2 before the launch waits on the routing.
+template <typename WT>
+DEVICE_INLINE void prefetch_shared_rows(const GateUpArgs<WT>& a, long long first, long long stride) {
+    const long long routed = a.routed(), total = a.total();
+    if ((threadIdx.x & 31) != 0) return;
+    for (long long item = first < routed ? first + ((routed - first + stride - 1) / stride) * stride : first;
+         item < total; item += stride) {
+        const int n = (int)((item - routed) % a.ims);
+        prefetch_l2(a.w_sh + (size_t)n * a.hidden, (unsigned)(a.hidden * sizeof(WT)));
+        prefetch_l2(a.w_sh + (size_t)(a.ims + n) * a.hidden, (unsigned)(a.hidden * sizeof(WT)));
+    }
+}
+
+// An item's output from its lanes' partial gate and up sums: HF's rounding of gate, up and
+// silu(gate) to bf16.
+DEVICE_INLINE void store_silu_mul(bf16* out, float g, float u, int lane) {
+    g = round_bf16(warp_sum(g));
+    u = round_bf16(warp_sum(u));
+    if (lane == 0) *out = to_bf16(round_bf16(g / (1.f + __expf(-g))) * u);
+}
+
+template <typename WT>
+DEVICE_INLINE void moe_gemv_gate_up_body(const GateUpArgs<WT> a) {
     const int lane = threadIdx.x & 31;
     const long long first = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     const long long stride = (long long)gridDim.x * WARPS;
-    const long long routed = (long long)tokens * top_k * im;
-    const long long total = routed + (w_sh ? (long long)tokens * ims : 0);
-    // The shared experts' rows do not depend on the routing: start pulling this warp's now.
-    if (lane == 0)
-        for (long long item = first < routed ? first + ((routed - first + stride - 1) / stride) * stride : first;
-             item < total; item += stride) {
-            const int n = (int)((item - routed) % ims);
-            prefetch_l2(w_sh + (size_t)n * hidden, (unsigned)(hidden * sizeof(WT)));
-            prefetch_l2(w_sh + (size_t)(ims + n) * hidden, (unsigned)(hidden * sizeof(WT)));
-        }
+    prefetch_shared_rows(a, first, stride);
     PDL_ENTRY();
-    // FP8: scales per 128-row block of the stacked [rows, H] matrices (each expert's rows a
-    // multiple of 128, so a row's block is its stacked index / 128).
-    const int kb = (hidden + FP8_SCALE_BLOCK - 1) / FP8_SCALE_BLOCK;
-    for (long long item = first; item < total; item += stride) {
-        const WT *g_row, *u_row;
-        const float *g_sc = nullptr, *u_sc = nullptr;
-        bf16* out;
-        int m;
-        if (item < routed) {
-            const int slot = (int)(item / im), n = (int)(item - (long long)slot * im);
-            m = slot / top_k;
-            const size_t e = (size_t)topk_ids[slot];
-            g_row = w_gu + (e * 2 * im + n) * hidden;
-            u_row = w_gu + (e * 2 * im + im + n) * hidden;
-            if constexpr (is_fp8<WT>) {
-                g_sc = s_gu + (e * 2 * im + n) / FP8_SCALE_BLOCK * kb;
-                u_sc = s_gu + (e * 2 * im + im + n) / FP8_SCALE_BLOCK * kb;
-            }
-            out = act + (size_t)slot * im + n;
-        } else {
-            const long long i = item - routed;
-            m = (int)(i / ims);
-            const int n = (int)(i - (long long)m * ims);
-            g_row = w_sh + (size_t)n * hidden;
-            u_row = w_sh + (size_t)(ims + n) * hidden;
-            if constexpr (is_fp8<WT>) {
-                g_sc = s_sh + (size_t)(n / FP8_SCALE_BLOCK) * kb;
-                u_sc = s_sh + (size_t)((ims + n) / FP8_SCALE_BLOCK) * kb;
-            }
-            out = act_sh + (size_t)m * ims + n;
-        }
+    for (long long item = first; item < a.total(); item += stride) {
+        const GateUpRows<WT> r = gate_up_rows(a, item);
         float g = 0.f, u = 0.f;
         if constexpr (is_fp8<WT>)
-            dot2_rows_fp8(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row), g_sc, u_sc, 0,
-                          x + (size_t)m * hidden, hidden / 16, lane, g, u);
+            dot2_rows_fp8(r.g, r.u, r.gs, r.us, 0, r.x, a.hidden / 16, lane, g, u);
         else
-            dot2_rows(reinterpret_cast<const uint4*>(g_row), reinterpret_cast<const uint4*>(u_row),
-                      reinterpret_cast<const uint4*>(x + (size_t)m * hidden), hidden / 8, lane, g, u);
-        g = round_bf16(warp_sum(g));
-        u = round_bf16(warp_sum(u));
-        if (lane == 0) *out = to_bf16(round_bf16(g / (1.f + __expf(-g))) * u);
+            dot2_rows(r.g, r.u, reinterpret_cast<const uint4*>(r.x), a.hidden / 8, lane, g, u);
+        store_silu_mul(r.out, g, u, lane);
     }
 }
 
@@ -219,7 +273,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
     moe_gemv_gate_up(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids, int top_k,
                      const bf16* __restrict__ w_gu, int im, const bf16* __restrict__ w_sh, int ims,
                      bf16* __restrict__ act, bf16* __restrict__ act_sh) {
-    moe_gemv_gate_up_body(x, hidden, tokens, topk_ids, top_k, w_gu, nullptr, im, w_sh, nullptr, ims, act, act_sh);
+    moe_gemv_gate_up_body(
+        GateUpArgs<bf16>{x, hidden, tokens, topk_ids, top_k, w_gu, nullptr, im, w_sh, nullptr, ims, act, act_sh});
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
@@ -227,16 +282,41 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
                          int top_k, const uint8_t* __restrict__ w_gu, const float* __restrict__ s_gu, int im,
                          const uint8_t* __restrict__ w_sh, const float* __restrict__ s_sh, int ims,
                          bf16* __restrict__ act, bf16* __restrict__ act_sh) {
-    moe_gemv_gate_up_body(x, hidden, tokens, topk_ids, top_k, w_gu, s_gu, im, w_sh, s_sh, ims, act, act_sh);
+    moe_gemv_gate_up_body(
+        GateUpArgs<uint8_t>{x, hidden, tokens, topk_ids, top_k, w_gu, s_gu, im, w_sh, s_sh, ims, act, act_sh});
 }
 
-// out[m, n] = bf16( bf16(sum_j w[m, j] * bf16(act[m * top_k + j] · down_e(j)[n]))
-//                   + bf16(act_sh[m] · down_sh[n]) ) with w_d = [E, H, I], w_sh_d = [H, Is].
-// A block covers two output rows of one token at a time (grid (blocks, tokens), one wave; the
-// block strides over the row pairs); its warps are the top_k routed experts and `pieces` equal
-// slices of the shared experts' Is = pieces * I columns, so every warp streams two I-long row
-// slices. hidden even, I % 8 == 0. FP8: s_d = [E, ceil(H / 128), ceil(I / 128)], s_sh_d =
-// [ceil(H / 128), ceil(Is / 128)], I % 16 == 0 (a row pair never straddles a 128-row block).
+// moe_gemv_gate_up_fp8 held to 5 blocks an SM (at most 102 registers: 96, no spills, against
+// 122): 2,640 resident warps on an H200 where 4 blocks give 2,112, so a B = 1 step of a TP-8
+// rank of V3 (2,304 items of 14 KB) runs in one wave instead of leaving 192 items for a second.
+// Under ncu (run S56) 19.3 -> 16.2 us at one token, 29.3 -> 26.8 at two, 39.9 -> 36.0 at three;
+// on V2-Lite (rows of 2,048, many items a warp) it lost 1% at B = 1, so `MoeGemvKernels` takes
+// it for rows of at least `FIVE_BLOCKS_MIN_K_BLOCKS` scale blocks. The same body: the same bits.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 5)
+    moe_gemv_gate_up_fp8_5b(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids,
+                            int top_k, const uint8_t* __restrict__ w_gu, const float* __restrict__ s_gu, int im,
+                            const uint8_t* __restrict__ w_sh, const float* __restrict__ s_sh, int ims,
+                            bf16* __restrict__ act, bf16* __restrict__ act_sh) {
+    moe_gemv_gate_up_body(
+        GateUpArgs<uint8_t>{x, hidden, tokens, topk_ids, top_k, w_gu, s_gu, im, w_sh, s_sh, ims, act, act_sh});
+}
+
+// Output row r of a token from the warps' partial sums part[warp][r] (the top_k routed experts'
+// warps, then `pieces` warps of the shared experts): HF's rounding, each expert's output to bf16
+// before its weight `w[j]`, the routed sum to bf16, then the shared experts' sum to bf16 and added.
+template <int ROWS>
+DEVICE_INLINE float combine_row(const float (*part)[ROWS], int r, const float* __restrict__ w, int top_k, int pieces) {
+    float routed = 0.f;
+    for (int j = 0; j < top_k; ++j) routed += w[j] * round_bf16(part[j][r]);
+    float y = round_bf16(routed);
+    if (pieces > 0) {
+        float sh = 0.f;
+        for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
+        y += round_bf16(sh);
+    }
+    return y;
+}
+
 template <typename WT>
 DEVICE_INLINE void moe_gemv_down_body(const bf16* __restrict__ act, int im, const WT* __restrict__ w_d,
                                       const float* __restrict__ s_d, const int* __restrict__ topk_ids,
@@ -291,18 +371,9 @@ DEVICE_INLINE void moe_gemv_down_body(const bf16* __restrict__ act, int im, cons
             part[warp][1] = a1;
         }
         __syncthreads();
-        if (threadIdx.x < 2) {
-            const int r = threadIdx.x;
-            float routed = 0.f;
-            for (int j = 0; j < top_k; ++j) routed += topk_w[m * top_k + j] * round_bf16(part[j][r]);
-            float y = round_bf16(routed);
-            if (pieces > 0) {
-                float sh = 0.f;
-                for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
-                y += round_bf16(sh);
-            }
-            out[(size_t)m * hidden + n + r] = to_bf16(y);
-        }
+        if (threadIdx.x < 2)
+            out[(size_t)m * hidden + n + threadIdx.x] =
+                to_bf16(combine_row<2>(part, threadIdx.x, topk_w + m * top_k, top_k, pieces));
         __syncthreads();  // part is rewritten by the next row pair
     }
 }
@@ -384,18 +455,9 @@ extern "C" __global__ void moe_gemv_down_fp8_narrow(const bf16* __restrict__ act
 #pragma unroll
             for (int r = 0; r < DOWN_ROWS; ++r) part[warp][r] = a[r];
         __syncthreads();
-        if (threadIdx.x < DOWN_ROWS) {
-            const int r = threadIdx.x;
-            float routed = 0.f;
-            for (int j = 0; j < top_k; ++j) routed += topk_w[m * top_k + j] * round_bf16(part[j][r]);
-            float y = round_bf16(routed);
-            if (pieces > 0) {
-                float sh = 0.f;
-                for (int q = 0; q < pieces; ++q) sh += part[top_k + q][r];
-                y += round_bf16(sh);
-            }
-            out[(size_t)m * hidden + n0 + r] = to_bf16(y);
-        }
+        if (threadIdx.x < DOWN_ROWS)
+            out[(size_t)m * hidden + n0 + threadIdx.x] =
+                to_bf16(combine_row<DOWN_ROWS>(part, threadIdx.x, topk_w + m * top_k, top_k, pieces));
         __syncthreads();  // part is rewritten by the next round
     }
 }

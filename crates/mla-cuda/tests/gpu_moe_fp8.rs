@@ -429,8 +429,17 @@ fn moe_gemv_fp8_matches_an_f64_reference_and_the_bf16_kernels() {
                 (down_bf16(act.slice()), down_bf16(act_sh.slice()), down_bf16(out.slice()))
             };
             let (_, _, out_bf16) = run(dev_bf16.each_ref().map(|w| ExpertMats::Bf16(w.slice())), GateUpKernel::Warp);
-            // Both FP8 gate/up kernels (the streaming one on sm_90a), each against the reference.
-            for gate_up in [GateUpKernel::Warp, GateUpKernel::Stream] {
+            // Every FP8 gate/up kernel (the streaming one on sm_90a), each against the reference;
+            // the five-block warp kernel gives the warp kernel's bits.
+            let warp = run(dev_fp8.each_ref().map(fp8_mats), GateUpKernel::Warp);
+            let five = run(dev_fp8.each_ref().map(fp8_mats), GateUpKernel::WarpFiveBlocks);
+            assert!(
+                warp.0.iter().zip(&five.0).all(|(a, b)| a.to_bits() == b.to_bits())
+                    && warp.1.iter().zip(&five.1).all(|(a, b)| a.to_bits() == b.to_bits())
+                    && warp.2.iter().zip(&five.2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "H={h} t={t}: the five-block gate/up differs from the warp kernel"
+            );
+            for gate_up in [GateUpKernel::Warp, GateUpKernel::WarpFiveBlocks, GateUpKernel::Stream] {
                 let (act, act_sh, out) = run(dev_fp8.each_ref().map(fp8_mats), gate_up);
                 let e_act = rel64(&act, &act_want[..t * top * im]);
                 let e_sh = if c.pieces > 0 { rel64(&act_sh[..t * ims], &sh_want[..t * ims]) } else { 0.0 };

@@ -19,6 +19,10 @@ pub struct MoeGemvKernels {
     down: Kernel,
     /// The same two on block-FP8 expert weights.
     gate_up_fp8: Kernel,
+    /// `gate_up_fp8` held to five blocks an SM (`GateUpKernel::WarpFiveBlocks`).
+    gate_up_fp8_5b: Kernel,
+    /// Where `experts` takes it instead of the warp kernel (`MLA_MOE_GATE_UP_5B` for A/B runs).
+    five_blocks: FiveBlocksPolicy,
     /// kernels/moe_gate_up_stream.cu (sm_90a cubin only) and the CTAs the GPU holds at once.
     gate_up_fp8_stream: Option<(Kernel, usize)>,
     /// When `experts` takes the streaming FP8 gate/up (`MLA_MOE_GATE_UP_STREAM` for A/B runs).
@@ -29,6 +33,7 @@ pub struct MoeGemvKernels {
     /// Blocks of the gate/up kernel that fit on the GPU at once (its grid is one wave).
     gate_up_wave: usize,
     gate_up_fp8_wave: usize,
+    gate_up_fp8_5b_wave: usize,
     /// The same for the down kernels by kernel (`DownKernel`) and block size, which depends on
     /// the model (asked at first use).
     down_waves: RefCell<Vec<(DownKernel, u32, usize)>>,
@@ -59,11 +64,14 @@ pub const NARROW_DOWN_MAX_INTER: usize = 32 * 16;
 /// Output rows the narrow kernel takes per round (kernels/moe_gemv.cu `DOWN_ROWS`).
 const NARROW_DOWN_ROWS: usize = 8;
 
-/// The two gate/up kernels on block-FP8 experts.
+/// The gate/up kernels on block-FP8 experts.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum GateUpKernel {
     /// moe_gemv_gate_up_fp8: a warp per (slot, column), every GPU.
     Warp,
+    /// moe_gemv_gate_up_fp8_5b: the same held to five blocks an SM (96 registers), so more
+    /// warps are resident (the same bits).
+    WarpFiveBlocks,
     /// moe_gate_up_fp8_stream: MMA tiles fed by cp.async rings, K split over a cluster (sm_90a).
     Stream,
 }
@@ -106,6 +114,38 @@ impl StreamPolicy {
             };
         if stream {
             GateUpKernel::Stream
+        } else {
+            GateUpKernel::Warp
+        }
+    }
+}
+
+/// Where the FP8 warp gate/up runs held to five blocks an SM: `MLA_MOE_GATE_UP_5B` = 0 never, 1
+/// on rows of at least `FIVE_BLOCKS_MIN_K_BLOCKS` scale blocks (the default), 2 always.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum FiveBlocksPolicy {
+    Never,
+    Measured,
+    Always,
+}
+
+/// Rows this many 128-wide scale blocks deep or more take the five-block warp kernel under
+/// `FiveBlocksPolicy::Measured`. Measured on an H200 (run S56, plain decode ms, two runs each):
+/// a TP-8 rank of V3 (rows of 56 blocks) 5.267 / 5.262 -> 5.167 / 5.156 at B = 1, 6.472 / 6.482
+/// -> 6.374 / 6.355 at 2, 7.446 / 7.426 -> 7.346 / 7.330 at 3; V2-Lite (16 blocks, many short
+/// items a warp) 548 / 547 -> 541 / 543 tok/s at B = 1, even at 2 and 4.
+const FIVE_BLOCKS_MIN_K_BLOCKS: usize = 32;
+
+impl FiveBlocksPolicy {
+    /// The FP8 warp gate/up kernel for rows of `hidden` columns.
+    fn warp_kernel(self, hidden: usize) -> GateUpKernel {
+        let five = match self {
+            FiveBlocksPolicy::Never => false,
+            FiveBlocksPolicy::Measured => hidden.div_ceil(FP8_BLOCK) >= FIVE_BLOCKS_MIN_K_BLOCKS,
+            FiveBlocksPolicy::Always => true,
+        };
+        if five {
+            GateUpKernel::WarpFiveBlocks
         } else {
             GateUpKernel::Warp
         }
@@ -189,6 +229,7 @@ impl MoeGemvKernels {
         let k = |name| m.kernel("moe_gemv", name);
         let gate_up = k("moe_gemv_gate_up")?;
         let gate_up_fp8 = k("moe_gemv_gate_up_fp8")?;
+        let gate_up_fp8_5b = k("moe_gemv_gate_up_fp8_5b")?;
         let threads = (32 * MOE_GEMV_WARPS) as u32;
         // Clusters and 70 KB of shared memory: the sm_90a cubin only.
         let gate_up_fp8_stream = if !m.used_ptx && MOE_GATE_UP_STREAM_SMEM <= info.max_smem_per_block_optin {
@@ -213,6 +254,14 @@ impl MoeGemvKernels {
             router: k("moe_router_gemv")?,
             gate_up_wave: info.sm_count * gate_up.max_active_blocks_per_sm(threads, 0)?,
             gate_up_fp8_wave: info.sm_count * gate_up_fp8.max_active_blocks_per_sm(threads, 0)?,
+            gate_up_fp8_5b_wave: info.sm_count * gate_up_fp8_5b.max_active_blocks_per_sm(threads, 0)?,
+            gate_up_fp8_5b,
+            five_blocks: match count_knob("MLA_MOE_GATE_UP_5B", 1)? {
+                0 => FiveBlocksPolicy::Never,
+                1 => FiveBlocksPolicy::Measured,
+                2 => FiveBlocksPolicy::Always,
+                n => anyhow::bail!("MLA_MOE_GATE_UP_5B={n}: 0 (never), 1 (where it measured faster) or 2 (always)"),
+            },
             gate_up,
             down: k("moe_gemv_down")?,
             gate_up_fp8,
@@ -269,7 +318,10 @@ impl MoeGemvKernels {
     /// top-k ids and weights. Routed and shared experts must share a format; block-FP8 needs
     /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
-        let kernel = self.stream_policy.gate_up(p.tokens, Self::stream_ctas(p), p.hidden, self.sm_count);
+        let kernel = match self.stream_policy.gate_up(p.tokens, Self::stream_ctas(p), p.hidden, self.sm_count) {
+            GateUpKernel::Warp => self.five_blocks.warp_kernel(p.hidden),
+            k => k,
+        };
         self.experts_with(s, p, kernel)
     }
 
@@ -332,8 +384,11 @@ impl MoeGemvKernels {
         } else {
             let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
             // One wave of blocks whose warps stride over the items (no ragged last wave).
-            let (kernel, wave) =
-                if fp8 { (&self.gate_up_fp8, self.gate_up_fp8_wave) } else { (&self.gate_up, self.gate_up_wave) };
+            let (kernel, wave) = match (fp8, fp8_gate_up) {
+                (false, _) => (&self.gate_up, self.gate_up_wave),
+                (true, GateUpKernel::WarpFiveBlocks) => (&self.gate_up_fp8_5b, self.gate_up_fp8_5b_wave),
+                (true, _) => (&self.gate_up_fp8, self.gate_up_fp8_wave),
+            };
             kernel.launch(
                 s,
                 (items.div_ceil(MOE_GEMV_WARPS).min(wave) as u32, 1, 1),
@@ -430,5 +485,14 @@ mod tests {
         assert_eq!(pick(StreamPolicy::Never, 4), GateUpKernel::Warp);
         // Past the MMA's 8 token columns every policy keeps the warp kernel.
         assert_eq!(pick(StreamPolicy::Always, STREAM_MAX_TOKENS + 1), GateUpKernel::Warp);
+    }
+
+    #[test]
+    fn the_five_block_warp_kernel_takes_the_deep_rows_it_measured_faster_on() {
+        // V3's hidden 7168 (56 scale blocks): five blocks; V2-Lite's 2048 (16): four (run S56).
+        assert_eq!(FiveBlocksPolicy::Measured.warp_kernel(7168), GateUpKernel::WarpFiveBlocks);
+        assert_eq!(FiveBlocksPolicy::Measured.warp_kernel(2048), GateUpKernel::Warp);
+        assert_eq!(FiveBlocksPolicy::Always.warp_kernel(2048), GateUpKernel::WarpFiveBlocks);
+        assert_eq!(FiveBlocksPolicy::Never.warp_kernel(7168), GateUpKernel::Warp);
     }
 }
