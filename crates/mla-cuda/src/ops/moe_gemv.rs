@@ -22,11 +22,11 @@ pub struct MoeGemvKernels {
     /// `gate_up_fp8` held to five blocks an SM (`GateUpKernel::WarpFiveBlocks`).
     gate_up_fp8_5b: Kernel,
     /// Where `experts` takes it instead of the warp kernel (`MLA_MOE_GATE_UP_5B` for A/B runs).
-    five_blocks: FiveBlocksPolicy,
+    five_blocks: VariantPolicy,
     /// kernels/moe_gate_up_stream.cu (sm_90a cubin only) and the CTAs the GPU holds at once.
     gate_up_fp8_stream: Option<(Kernel, usize)>,
     /// When `experts` takes the streaming FP8 gate/up (`MLA_MOE_GATE_UP_STREAM` for A/B runs).
-    stream_policy: StreamPolicy,
+    stream_policy: VariantPolicy,
     down_fp8: Kernel,
     /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`DownKernel::choose`).
     down_fp8_narrow: Kernel,
@@ -76,16 +76,37 @@ pub enum GateUpKernel {
     Stream,
 }
 
-/// When the streaming gate/up runs: `MLA_MOE_GATE_UP_STREAM` = 0 never, 1 where it measured
-/// faster (the default), 2 always (where the cubin has it).
+/// When a gate/up variant runs, as its A/B knob says: 0 never, 1 where it measured faster (the
+/// default), 2 always. `MLA_MOE_GATE_UP_STREAM` for the streaming kernel (where the cubin has
+/// it), `MLA_MOE_GATE_UP_5B` for the five-block warp kernel.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum StreamPolicy {
+enum VariantPolicy {
     Never,
     Measured,
     Always,
 }
 
-/// Under `StreamPolicy::Measured` the streaming gate/up takes a step when its grid has at least
+impl VariantPolicy {
+    fn from_knob(name: &str) -> anyhow::Result<Self> {
+        Ok(match count_knob(name, 1)? {
+            0 => VariantPolicy::Never,
+            1 => VariantPolicy::Measured,
+            2 => VariantPolicy::Always,
+            n => anyhow::bail!("{name}={n}: 0 (never), 1 (where it measured faster) or 2 (always)"),
+        })
+    }
+
+    /// Whether the variant runs where `measured_faster` says whether it measured faster.
+    fn runs(self, measured_faster: bool) -> bool {
+        match self {
+            VariantPolicy::Never => false,
+            VariantPolicy::Measured => measured_faster,
+            VariantPolicy::Always => true,
+        }
+    }
+}
+
+/// Under `VariantPolicy::Measured` the streaming gate/up takes a step when its grid has at least
 /// this many CTAs per SM at one K split, on experts at least `STREAM_MIN_K_BLOCKS` scale blocks
 /// deep (the hidden size / 128). Each CTA keeps 3 stages of 8 KB in flight and pays a fixed
 /// start (the programmatic-launch wait, the expert id, filling its ring) and end (the split-K
@@ -100,55 +121,31 @@ enum StreamPolicy {
 const STREAM_MIN_CTAS_PER_SM: usize = 2;
 const STREAM_MIN_K_BLOCKS: usize = 32;
 
-impl StreamPolicy {
-    /// The FP8 gate/up kernel for a step of `tokens` whose streaming grid has `ctas` CTAs at one
-    /// split, over `hidden` columns, on `sm_count` SMs.
-    fn gate_up(self, tokens: usize, ctas: usize, hidden: usize, sm_count: usize) -> GateUpKernel {
-        let stream = tokens <= STREAM_MAX_TOKENS
-            && match self {
-                StreamPolicy::Never => false,
-                StreamPolicy::Measured => {
-                    ctas >= sm_count * STREAM_MIN_CTAS_PER_SM && hidden.div_ceil(FP8_BLOCK) >= STREAM_MIN_K_BLOCKS
-                }
-                StreamPolicy::Always => true,
-            };
-        if stream {
-            GateUpKernel::Stream
-        } else {
-            GateUpKernel::Warp
-        }
+/// The FP8 gate/up kernel for a step of `tokens` whose streaming grid has `ctas` CTAs at one
+/// split, over `hidden` columns, on `sm_count` SMs, the streaming kernel run as `stream` says.
+fn stream_or_warp(stream: VariantPolicy, tokens: usize, ctas: usize, hidden: usize, sm_count: usize) -> GateUpKernel {
+    let faster = ctas >= sm_count * STREAM_MIN_CTAS_PER_SM && hidden.div_ceil(FP8_BLOCK) >= STREAM_MIN_K_BLOCKS;
+    if tokens <= STREAM_MAX_TOKENS && stream.runs(faster) {
+        GateUpKernel::Stream
+    } else {
+        GateUpKernel::Warp
     }
 }
 
-/// Where the FP8 warp gate/up runs held to five blocks an SM: `MLA_MOE_GATE_UP_5B` = 0 never, 1
-/// on rows of at least `FIVE_BLOCKS_MIN_K_BLOCKS` scale blocks (the default), 2 always.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum FiveBlocksPolicy {
-    Never,
-    Measured,
-    Always,
-}
-
 /// Rows this many 128-wide scale blocks deep or more take the five-block warp kernel under
-/// `FiveBlocksPolicy::Measured`. Measured on an H200 (run S56, plain decode ms, two runs each):
+/// `VariantPolicy::Measured`. Measured on an H200 (run S56, plain decode ms, two runs each):
 /// a TP-8 rank of V3 (rows of 56 blocks) 5.267 / 5.262 -> 5.167 / 5.156 at B = 1, 6.472 / 6.482
 /// -> 6.374 / 6.355 at 2, 7.446 / 7.426 -> 7.346 / 7.330 at 3; V2-Lite (16 blocks, many short
 /// items a warp) 548 / 547 -> 541 / 543 tok/s at B = 1, even at 2 and 4.
 const FIVE_BLOCKS_MIN_K_BLOCKS: usize = 32;
 
-impl FiveBlocksPolicy {
-    /// The FP8 warp gate/up kernel for rows of `hidden` columns.
-    fn warp_kernel(self, hidden: usize) -> GateUpKernel {
-        let five = match self {
-            FiveBlocksPolicy::Never => false,
-            FiveBlocksPolicy::Measured => hidden.div_ceil(FP8_BLOCK) >= FIVE_BLOCKS_MIN_K_BLOCKS,
-            FiveBlocksPolicy::Always => true,
-        };
-        if five {
-            GateUpKernel::WarpFiveBlocks
-        } else {
-            GateUpKernel::Warp
-        }
+/// The FP8 warp gate/up kernel for rows of `hidden` columns, the five-block one run as
+/// `five_blocks` says.
+fn warp_kernel(five_blocks: VariantPolicy, hidden: usize) -> GateUpKernel {
+    if five_blocks.runs(hidden.div_ceil(FP8_BLOCK) >= FIVE_BLOCKS_MIN_K_BLOCKS) {
+        GateUpKernel::WarpFiveBlocks
+    } else {
+        GateUpKernel::Warp
     }
 }
 
@@ -241,12 +238,9 @@ impl MoeGemvKernels {
         } else {
             None
         };
-        let stream_policy = match count_knob("MLA_MOE_GATE_UP_STREAM", 1)? {
-            _ if gate_up_fp8_stream.is_none() => StreamPolicy::Never,
-            0 => StreamPolicy::Never,
-            1 => StreamPolicy::Measured,
-            2 => StreamPolicy::Always,
-            n => anyhow::bail!("MLA_MOE_GATE_UP_STREAM={n}: 0 (never), 1 (where it measured faster) or 2 (always)"),
+        let stream_policy = match VariantPolicy::from_knob("MLA_MOE_GATE_UP_STREAM")? {
+            _ if gate_up_fp8_stream.is_none() => VariantPolicy::Never,
+            p => p,
         };
         Ok(MoeGemvKernels {
             gate_up_fp8_stream,
@@ -256,12 +250,7 @@ impl MoeGemvKernels {
             gate_up_fp8_wave: info.sm_count * gate_up_fp8.max_active_blocks_per_sm(threads, 0)?,
             gate_up_fp8_5b_wave: info.sm_count * gate_up_fp8_5b.max_active_blocks_per_sm(threads, 0)?,
             gate_up_fp8_5b,
-            five_blocks: match count_knob("MLA_MOE_GATE_UP_5B", 1)? {
-                0 => FiveBlocksPolicy::Never,
-                1 => FiveBlocksPolicy::Measured,
-                2 => FiveBlocksPolicy::Always,
-                n => anyhow::bail!("MLA_MOE_GATE_UP_5B={n}: 0 (never), 1 (where it measured faster) or 2 (always)"),
-            },
+            five_blocks: VariantPolicy::from_knob("MLA_MOE_GATE_UP_5B")?,
             gate_up,
             down: k("moe_gemv_down")?,
             gate_up_fp8,
@@ -318,8 +307,8 @@ impl MoeGemvKernels {
     /// top-k ids and weights. Routed and shared experts must share a format; block-FP8 needs
     /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
-        let kernel = match self.stream_policy.gate_up(p.tokens, Self::stream_ctas(p), p.hidden, self.sm_count) {
-            GateUpKernel::Warp => self.five_blocks.warp_kernel(p.hidden),
+        let kernel = match stream_or_warp(self.stream_policy, p.tokens, Self::stream_ctas(p), p.hidden, self.sm_count) {
+            GateUpKernel::Warp => warp_kernel(self.five_blocks, p.hidden),
             k => k,
         };
         self.experts_with(s, p, kernel)
@@ -472,27 +461,27 @@ mod tests {
         // A TP-8 rank of V3 on 132 SMs: 8 slots of 256 columns a token and one shared expert,
         // 32 columns a CTA (S42-S43: the warp kernel at 1-3 tokens, the stream at 4).
         let ctas = |tokens: usize| (tokens * 8 * 256 + 256) / STREAM_CTA_COLS;
-        let pick = |policy: StreamPolicy, tokens| policy.gate_up(tokens, ctas(tokens), 7168, 132);
-        assert_eq!([1, 2, 3].map(|t| pick(StreamPolicy::Measured, t)), [GateUpKernel::Warp; 3]);
-        assert_eq!(pick(StreamPolicy::Measured, 4), GateUpKernel::Stream);
+        let pick = |policy: VariantPolicy, tokens| stream_or_warp(policy, tokens, ctas(tokens), 7168, 132);
+        assert_eq!([1, 2, 3].map(|t| pick(VariantPolicy::Measured, t)), [GateUpKernel::Warp; 3]);
+        assert_eq!(pick(VariantPolicy::Measured, 4), GateUpKernel::Stream);
         // V2-Lite (hidden 2048, 6 slots of 1,408 columns and two shared): the warp kernel at
         // every batch (S44).
         let v2_lite = |tokens: usize| (tokens * 6 + 2) * 1408 / STREAM_CTA_COLS;
         for t in [1, 2, 4] {
-            assert_eq!(StreamPolicy::Measured.gate_up(t, v2_lite(t), 2048, 132), GateUpKernel::Warp);
+            assert_eq!(stream_or_warp(VariantPolicy::Measured, t, v2_lite(t), 2048, 132), GateUpKernel::Warp);
         }
-        assert_eq!(pick(StreamPolicy::Always, 1), GateUpKernel::Stream);
-        assert_eq!(pick(StreamPolicy::Never, 4), GateUpKernel::Warp);
+        assert_eq!(pick(VariantPolicy::Always, 1), GateUpKernel::Stream);
+        assert_eq!(pick(VariantPolicy::Never, 4), GateUpKernel::Warp);
         // Past the MMA's 8 token columns every policy keeps the warp kernel.
-        assert_eq!(pick(StreamPolicy::Always, STREAM_MAX_TOKENS + 1), GateUpKernel::Warp);
+        assert_eq!(pick(VariantPolicy::Always, STREAM_MAX_TOKENS + 1), GateUpKernel::Warp);
     }
 
     #[test]
     fn the_five_block_warp_kernel_takes_the_deep_rows_it_measured_faster_on() {
         // V3's hidden 7168 (56 scale blocks): five blocks; V2-Lite's 2048 (16): four (run S56).
-        assert_eq!(FiveBlocksPolicy::Measured.warp_kernel(7168), GateUpKernel::WarpFiveBlocks);
-        assert_eq!(FiveBlocksPolicy::Measured.warp_kernel(2048), GateUpKernel::Warp);
-        assert_eq!(FiveBlocksPolicy::Always.warp_kernel(2048), GateUpKernel::WarpFiveBlocks);
-        assert_eq!(FiveBlocksPolicy::Never.warp_kernel(7168), GateUpKernel::Warp);
+        assert_eq!(warp_kernel(VariantPolicy::Measured, 7168), GateUpKernel::WarpFiveBlocks);
+        assert_eq!(warp_kernel(VariantPolicy::Measured, 2048), GateUpKernel::Warp);
+        assert_eq!(warp_kernel(VariantPolicy::Always, 2048), GateUpKernel::WarpFiveBlocks);
+        assert_eq!(warp_kernel(VariantPolicy::Never, 7168), GateUpKernel::Warp);
     }
 }
