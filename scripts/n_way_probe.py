@@ -16,7 +16,6 @@ machine compare.
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from probe_server import add_server_args, start_server  # noqa: E402  (beside this script)
 from run_envelope import envelope  # noqa: E402  (beside this script)
 import hostile  # noqa: E402
 
@@ -39,20 +39,14 @@ def timed(client: httpx.Client, body: dict) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bin", required=True, help="the mla-serve binary to start")
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--model-name", default="demo", help="the served model name the requests use")
-    ap.add_argument("--max-model-len", default="4096")
-    ap.add_argument("flags", nargs="*", help="extra server flags, after --")
+    add_server_args(ap)
     args = ap.parse_args()
     model = args.model_name
-    os.environ["MLA_SERVE_BIN"] = str(Path(args.bin).resolve())
-    from server import Server  # noqa: E402  (reads MLA_SERVE_BIN)
-
-    server = Server("--max-model-len", args.max_model_len, *args.flags)
+    server = start_server(args)
     out = envelope(binary=args.bin, server_flags=args.flags, prompt_len=args.prompt_len, requests_s={}, normal_traffic=[])
     try:
         with httpx.Client(base_url=server.base, timeout=120) as c:

@@ -11,7 +11,6 @@ command) and prints a line per round.
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -19,8 +18,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from probe_server import add_server_args, start_server  # noqa: E402  (beside this script)
 from run_envelope import envelope  # noqa: E402  (beside this script)
 
 
@@ -58,19 +56,13 @@ async def one_round(base: str, model: str, long_len: int, shorts: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bin", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--long-len", type=int, default=3000)
     ap.add_argument("--shorts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--model-name", default="demo", help="the served model name the requests use")
-    ap.add_argument("--max-model-len", default="4096")
-    ap.add_argument("flags", nargs="*", help="extra server flags, after --")
+    add_server_args(ap)
     args = ap.parse_args()
-    os.environ["MLA_SERVE_BIN"] = str(Path(args.bin).resolve())
-    from server import Server  # noqa: E402  (reads MLA_SERVE_BIN)
-
-    server = Server("--max-model-len", args.max_model_len, *args.flags)
+    server = start_server(args)
     out = envelope(binary=args.bin, server_flags=args.flags, long_len=args.long_len, rounds=[])
     try:
         for _ in range(args.rounds):
