@@ -69,8 +69,14 @@ def parse_logprobs(out, ctxlens):
     return res
 
 
+# The prompt rows are scored on each attention rank where they are computed
+# (`LogitsRequest::Scored`): tensor-parallel ranks and DP-attention ranks score alike.
+LAYOUTS = {"one-rank": [], "tensor-parallel": ["--tp", "2"], "dp-attention": ["--tp", "2", "--enable-dp-attention"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("variant", ["v2_lite", "v3"])
-def test_lm_eval_loglikelihood_matches_hf(variant, tmp_path):
+def test_lm_eval_loglikelihood_matches_hf(variant, layout, tmp_path):
     src = FIXTURES / variant
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).symlink_to(src / name)
@@ -80,7 +86,7 @@ def test_lm_eval_loglikelihood_matches_hf(variant, tmp_path):
     logits = hf_logits(variant)
     # A small step budget: the prompts are scored across several prefill chunks.
     server = Server("--model", str(tmp_path), "--device", "cpu", "--served-model-name", variant,
-                    "--max-num-batched-tokens", "24")
+                    "--max-num-batched-tokens", "24", *LAYOUTS[layout])
     try:
         prompts = oracle["prompts"]
         sequences = [p["prompt"] + p["continuation"] for p in prompts]
