@@ -105,19 +105,24 @@ pub fn row_seed(seed: u64, row: usize) -> u64 {
 }
 
 /// The request verify row `row` draws with: the step's, whose penalties count the drafts before
-/// the row as output (row `row` follows `drafts[..row]`). `logit_bias` is the same on every row:
-/// a request drafts only past `min_tokens`, where no row bans the stop tokens.
+/// the row as output (row `row` follows `drafts[..row]`), and whose structured-output mask is the
+/// row's own (the engine fills one per verify row, the grammar advanced along the drafts before
+/// it: `TokenMask::row`). `logit_bias` is the same on every row: a request drafts only past
+/// `min_tokens`, where no row bans the stop tokens.
 pub fn row_request<'a>(req: &'a SampleRequest, drafts: &[u32], row: usize) -> Cow<'a, SampleRequest> {
-    match &req.penalty {
-        Some(h) if row > 0 => {
-            let mut r = req.clone();
-            let mut history = h.clone();
-            history.output.extend_from_slice(&drafts[..row]);
-            r.penalty = Some(history);
-            Cow::Owned(r)
-        }
-        _ => Cow::Borrowed(req),
+    let penalised = req.penalty.is_some();
+    let masked = req.allowed.as_ref().is_some_and(|m| m.rows() > 1);
+    if row == 0 || !(penalised || masked) {
+        return Cow::Borrowed(req);
     }
+    let mut r = req.clone();
+    if let Some(history) = r.penalty.as_mut() {
+        history.output.extend_from_slice(&drafts[..row]);
+    }
+    if let Some(mask) = r.allowed.as_mut() {
+        *mask = mask.row(row);
+    }
+    Cow::Owned(r)
 }
 
 /// Seed of the `j`-th draft a step draws for a sequence whose step seed is `seed`: apart from

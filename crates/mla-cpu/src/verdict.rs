@@ -40,7 +40,7 @@ pub fn verify(s: &SeqStep, rows: &[Option<Vec<f32>>], drawn: Option<&Drawn>) -> 
     }
     // Rejection sampling, row by row, against each row's distribution as a draw without drafts
     // would have it: its logits shaped by the bias and by penalties that count the drafts before
-    // it (`row_request`; the plan admits no grammar masks here).
+    // it and by the grammar's mask after them (`row_request`).
     let mut choices = Vec::with_capacity(fed + 1);
     for (j, &d) in drafts.iter().enumerate() {
         let p = distribution(&shaped_logits(row(j), &row_request(req, drafts, j))?, &req.params);

@@ -351,7 +351,7 @@ fn steps_asking_what_cannot_be_verified_exactly_are_refused() {
         allowed: Some(mla_core::step::token_mask::TokenMask::ready(words)),
         ..SampleRequest::new(SamplingParams::default(), 3)
     });
-    refused(&mut b, StepKind::Decode, masked, "structured output does not draft");
+    refused(&mut b, StepKind::Decode, masked, "one row per verify row");
     let mut with_logits = greedy_step(vec![5, 6], 0, mtp(1, 1));
     with_logits.logits = LogitsRequest::All;
     refused(&mut b, StepKind::Decode, with_logits, "returns no logits");
@@ -420,4 +420,52 @@ fn a_forked_block_carries_every_layers_rows_the_mtp_layers_too() {
         assert_eq!(&got, first, "{layout} against one rank");
     }
     assert_eq!(one_rank.unwrap().0, plain_greedy(&f, prompt)[0]);
+}
+
+/// A grammar's verify rows: each row draws under its own mask (the engine's mask after the
+/// drafts before it). Two drafts that plain greedy decoding would emit are fed; the rows before
+/// row `narrow` allow their draft alone, row `narrow` one other token alone, the rows after it
+/// every token: the drafts stand up to that row, which emits its one token. Greedy, and sampled at temperature 1 (a draft its row's
+/// mask forbids has probability 0 and is replaced from the masked row, whatever the uniforms).
+#[test]
+fn each_verify_row_draws_under_its_own_mask() {
+    let f = fixture("v3_mtp");
+    let (prompt, _, _) = &f.prompts[1];
+    let reference = plain_greedy(&f, prompt);
+    let vocab = f.cfg.vocab_size;
+    let words = mla_core::step::token_mask::mask_words(vocab);
+    let only = |t: u32| {
+        let mut w = vec![0u32; words];
+        w[t as usize / 32] = 1 << (t % 32);
+        w
+    };
+    for params in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, ..Default::default() }] {
+        for narrow in 0..3 {
+            let mut b = backend(&f, true);
+            run(
+                &mut b,
+                StepKind::Prefill,
+                greedy_step(prompt.clone(), 0, Some(MtpStep { drafts_fed: 0, next_token: None, draft: 2 })),
+            );
+            // Rows before it allow their draft alone (so a sampled draw accepts it surely).
+            let other = (reference[narrow + 1] + 1) % vocab as u32;
+            let mut rows = vec![u32::MAX; 3 * words];
+            for (j, chunk) in rows.chunks_mut(words).enumerate().take(narrow + 1) {
+                chunk.copy_from_slice(&only(if j == narrow { other } else { reference[j + 1] }));
+            }
+            let (mask, writer) = mla_core::step::token_mask::TokenMask::pending_rows(3);
+            writer.fill(rows);
+            let mut s = greedy_step(
+                reference[..3].to_vec(),
+                prompt.len(),
+                Some(MtpStep { drafts_fed: 2, next_token: None, draft: 2 }),
+            );
+            s.sample = Some(SampleRequest { allowed: Some(mask), ..SampleRequest::new(params.clone(), 11) });
+            let r = run(&mut b, StepKind::Decode, s);
+            let emitted: Vec<u32> = r.sampled.iter().chain(&r.extra_tokens).map(|t| t.token).collect();
+            let mut want = reference[1..1 + narrow].to_vec();
+            want.push(other);
+            assert_eq!(emitted, want, "row {narrow} allows {other} alone, t = {}", params.temperature);
+        }
+    }
 }

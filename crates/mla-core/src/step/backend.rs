@@ -57,9 +57,10 @@ pub trait Backend: Send {
         false
     }
 
-    /// Whether the backend verifies drafts of requests with penalties or `logit_bias`, each verify
-    /// row shaped by the drafts before it (`speculative::row_request`); without it the engine
-    /// does not draft for them.
+    /// Whether the backend verifies drafts of requests with penalties, `logit_bias` or a
+    /// structured-output grammar, each verify row shaped by the drafts before it (its penalties
+    /// and its own mask, `speculative::row_request`); without it the engine does not draft for
+    /// them.
     fn verifies_shaped_drafts(&self) -> bool {
         false
     }

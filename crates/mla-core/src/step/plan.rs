@@ -355,8 +355,9 @@ impl StepPlan {
 
     /// What speculative decoding asks of a sequence must be something the backend can do
     /// exactly: drafts are verified greedily or by rejection sampling (`speculative`), each row
-    /// shaped as a draw without drafts would be, which a grammar's mask cannot be yet. Whether a
-    /// backend verifies sampled drafts, and penalised or biased ones, is its own
+    /// shaped as a draw without drafts would be: a grammar's mask holds one mask per verify row
+    /// (`TokenMask::pending_rows`, the grammar advanced along the drafts). Whether a backend
+    /// verifies sampled drafts, and penalised or biased ones, is its own
     /// (`Backend::verifies_sampled_drafts`, `verifies_shaped_drafts`).
     fn check_speculative(s: &SeqStep, m: MtpStep, decode_row: bool) -> Result<(), PlanError> {
         let why = |why| Err(PlanError::Speculative { seq_id: s.seq_id, why });
@@ -372,21 +373,24 @@ impl StepPlan {
         if m.drafts_fed > 0 && s.logits != LogitsRequest::None {
             return why("a row that verifies drafts returns no logits");
         }
-        if let Some(r) = &s.sample {
-            if (m.drafts_fed > 0 || m.draft > 0) && r.allowed.is_some() {
-                return why("a grammar's mask is not advanced along drafts: structured output does not draft");
+        if let Some(mask) = s.sample.as_ref().and_then(|r| r.allowed.as_ref()) {
+            if mask.rows() != m.drafts_fed + 1 {
+                return why("a grammar's mask needs one row per verify row: the fed token and each draft");
             }
         }
         Ok(())
     }
 
-    /// Whether a sequence drafts or verifies with penalties or `logit_bias`, which change a
-    /// verify row's logits by the drafts before it; a backend verifies those only where it says
-    /// so (`Backend::verifies_shaped_drafts`).
+    /// Whether a sequence drafts or verifies with penalties, `logit_bias` or a grammar's mask,
+    /// which change a verify row's logits by the drafts before it; a backend verifies those only
+    /// where it says so (`Backend::verifies_shaped_drafts`).
     pub fn has_shaped_drafts(&self) -> bool {
         self.seqs.iter().any(|s| {
             let drafting = s.mtp.is_some_and(|m| m.drafts_fed > 0 || m.draft > 0);
-            drafting && s.sample.as_ref().is_some_and(|r| r.penalty.is_some() || !r.logit_bias.is_empty())
+            drafting
+                && s.sample
+                    .as_ref()
+                    .is_some_and(|r| r.penalty.is_some() || !r.logit_bias.is_empty() || r.allowed.is_some())
         })
     }
 
@@ -510,7 +514,7 @@ mod checks {
     }
 
     #[test]
-    fn shaped_drafts_are_told_apart_and_a_grammar_never_drafts() {
+    fn shaped_drafts_are_told_apart_and_a_grammar_masks_every_verify_row() {
         let row = |penalty: bool, bias: bool, draft: usize| {
             let mut req = SampleRequest::new(SamplingParams { repetition_penalty: 1.2, ..Default::default() }, 1);
             if penalty {
@@ -536,9 +540,22 @@ mod checks {
         assert!(!row(true, true, 0).has_shaped_drafts(), "a row that drafts nothing is not shaped drafting");
         assert!(!row(false, false, 1).has_shaped_drafts());
         assert_eq!(row(true, true, 1).validate(4, 8, 10, 100), Ok(()));
-        let mut masked = row(false, false, 1);
-        masked.seqs[0].sample.as_mut().unwrap().allowed =
-            Some(crate::step::token_mask::TokenMask::ready(vec![u32::MAX]));
-        assert!(matches!(masked.validate(4, 8, 10, 100), Err(PlanError::Speculative { .. })));
+        // A drafting row samples one mask; a row verifying two drafts needs three.
+        let masked = |rows: usize, drafts_fed: usize| {
+            let mut p = row(false, false, 1);
+            let s = &mut p.seqs[0];
+            s.tokens = vec![2; 1 + drafts_fed];
+            s.mtp.as_mut().unwrap().drafts_fed = drafts_fed;
+            p.kind = StepKind::Decode;
+            let (mask, writer) = crate::step::token_mask::TokenMask::pending_rows(rows);
+            writer.fill(vec![u32::MAX; rows]);
+            s.sample.as_mut().unwrap().allowed = Some(mask);
+            assert!(p.has_shaped_drafts(), "a grammar's rows are shaped by the drafts before them");
+            p.validate(4, 8, 10, 100)
+        };
+        assert_eq!(masked(1, 0), Ok(()));
+        assert_eq!(masked(3, 2), Ok(()));
+        assert!(matches!(masked(1, 2), Err(PlanError::Speculative { .. })));
+        assert!(matches!(masked(3, 0), Err(PlanError::Speculative { .. })));
     }
 }
