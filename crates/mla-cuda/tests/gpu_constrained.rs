@@ -89,6 +89,14 @@ impl TokenConstraint for Cycle {
             Err(format!("drew {token}, only {want} was allowed"))
         }
     }
+
+    fn follow(&mut self, token: u32) -> Result<(), String> {
+        self.accept(token)
+    }
+
+    fn rollback(&mut self, n: usize) {
+        self.drawn -= n;
+    }
 }
 
 fn prompt(i: usize) -> Vec<u32> {

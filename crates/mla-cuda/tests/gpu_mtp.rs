@@ -623,3 +623,66 @@ fn a_forked_block_carries_every_layers_rows_the_mtp_layers_too() {
         check(&format!("{world} ranks, DP attention {dp_attention}"), &mut b);
     }
 }
+
+/// A grammar's verify rows on the device: each row draws under its own mask (the engine's mask
+/// after the drafts before it, `TokenMask::row`). Two drafts are fed; the rows before row
+/// `narrow` allow their draft alone, row `narrow` one other token alone, the rows after it every
+/// token: the drafts stand up to that row, which emits its one token, greedy (through the
+/// sampler's masked argmax) and at temperature 1 (the device verdict: a draft its row forbids has
+/// probability 0, a lone allowed one 1). On one GPU and on TP and DP-attention groups.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn each_verify_row_draws_under_its_own_mask() {
+    use mla_core::step::token_mask::{mask_words, TokenMask};
+    let p = &oracle(&main_dir())[1];
+    let vocab = config().vocab_size;
+    let words = mask_words(vocab);
+    let only = |t: u32| {
+        let mut w = vec![0u32; words];
+        w[t as usize / 32] = 1 << (t % 32);
+        w
+    };
+    let check = |layout: &str, b: &mut dyn Backend| {
+        for (case, params) in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, ..Default::default() }]
+            .into_iter()
+            .enumerate()
+        {
+            for narrow in 0..3 {
+                let i = 2 * case + narrow % 2;
+                let prefill = step(i, p.prompt.clone(), 0, Some(MtpStep { drafts_fed: 0, next_token: None, draft: 2 }));
+                let r = b.step(&StepPlan { kind: StepKind::Prefill, seqs: vec![prefill] }).unwrap().seqs.remove(0);
+                let first = r.sampled.unwrap().token;
+                let drafts = [p.prompt[3], p.prompt[4]];
+                let fed = [first, drafts[0], drafts[1]];
+                // Not the draft row `narrow` verifies, so that draft is rejected.
+                let other = (drafts.get(narrow).copied().unwrap_or(first) + 7) % vocab as u32;
+                let mut rows = vec![u32::MAX; 3 * words];
+                for (j, chunk) in rows.chunks_mut(words).enumerate().take(narrow + 1) {
+                    chunk.copy_from_slice(&only(if j == narrow { other } else { drafts[j] }));
+                }
+                let (mask, writer) = TokenMask::pending_rows(3);
+                writer.fill(rows);
+                let mut s =
+                    step(i, fed.to_vec(), p.prompt.len(), Some(MtpStep { drafts_fed: 2, next_token: None, draft: 2 }));
+                s.sample =
+                    Some(SampleRequest { allowed: Some(mask), ..SampleRequest::new(params.clone(), 5 + i as u64) });
+                let r = b.step(&StepPlan { kind: StepKind::Decode, seqs: vec![s] }).unwrap().seqs.remove(0);
+                let mut want = drafts[..narrow].to_vec();
+                want.push(other);
+                assert_eq!(
+                    emitted(&r),
+                    want,
+                    "{layout}: row {narrow} allows {other} alone, t = {}",
+                    params.temperature
+                );
+            }
+        }
+        eprintln!("{layout}: every verify row drew under its own mask");
+    };
+    check("one GPU", &mut backend(2));
+    for dp_attention in [false, true] {
+        let (world, mut group) = group(2, dp_attention);
+        let plans = if dp_attention { world } else { 1 };
+        check(&format!("{world} ranks, DP attention {dp_attention}"), &mut LastRank { group: &mut group, plans });
+    }
+}

@@ -146,6 +146,14 @@ pub trait TokenConstraint: Send {
     /// Records the token drawn. An error (the token breaks the constraint, or following it
     /// failed, e.g. past a grammar limit) rejects the request the same way.
     fn accept(&mut self, token: u32) -> Result<(), String>;
+    /// Speculative decoding: goes on as if `token`, a draft the last mask allowed, had been
+    /// drawn, so the next `fill_mask` gives the mask after it; `rollback` undoes it. The engine
+    /// follows a step's drafts to fill their verify rows' masks, then rolls them back and
+    /// `accept`s what the step emits. An error rejects the request as `accept`'s does.
+    fn follow(&mut self, token: u32) -> Result<(), String>;
+    /// Undoes the last `n` `follow`s. A failure leaves the constraint failed: its next
+    /// `fill_mask` says why.
+    fn rollback(&mut self, n: usize);
 }
 
 /// Makes one `TokenConstraint` per completion of a request (`n` completions diverge).

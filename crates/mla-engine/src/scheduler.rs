@@ -56,7 +56,6 @@ use crate::prefix_hash::{BlockHash, PrefixHasher};
 use crate::prompt_logprobs::PromptLogprobs;
 use crate::sequence::{Constraints, Group, Owner, Seq, SeqKey, SeqState, Slot};
 use mla_core::step::plan::{SampledToken, SeqStep, StepOutput};
-use mla_core::step::token_mask::MaskWriter;
 use mla_core::{CacheLayout, StepKind, StepPlan};
 use std::collections::VecDeque;
 
@@ -164,7 +163,7 @@ pub struct Scheduler {
     /// tokens the cache held for them.
     admitted: Vec<(u64, usize)>,
     /// Structured-output masks the last plan is waiting for (`fill_masks`).
-    mask_jobs: Vec<(SeqKey, MaskWriter)>,
+    mask_jobs: Vec<(SeqKey, constraints::MaskJob)>,
     /// Speculative decoding's counts since start.
     spec: SpecStats,
     /// Whether drafting is paused by `SchedulerConfig::spec_disable_batch` (logged as it turns).

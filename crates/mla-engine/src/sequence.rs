@@ -118,7 +118,8 @@ impl Seq {
 pub struct Verifies {
     /// Sampled (non-greedy) draws, by rejection sampling.
     pub sampled: bool,
-    /// Rows shaped by penalties over the drafts before them and by `logit_bias`.
+    /// Rows shaped by penalties over the drafts before them, by `logit_bias`, and by a grammar's
+    /// mask after the drafts before them.
     pub shaped: bool,
 }
 
@@ -237,13 +238,14 @@ impl Group {
         true
     }
 
-    /// Whether this request's completions may be decoded speculatively: no grammar (its mask is
-    /// not advanced along drafts), a greedy draw unless the backend verifies sampled drafts, and
-    /// no penalties or logit_bias unless it verifies rows shaped by them (`Verifies`).
+    /// Whether this request's completions may be decoded speculatively: a greedy draw unless the
+    /// backend verifies sampled drafts, and no penalties, logit_bias or grammar unless it
+    /// verifies rows shaped by them (`Verifies`; a grammar's verify rows each get the mask after
+    /// the drafts before them, `Scheduler::fill_masks`).
     pub fn may_speculate(&self, verifies: Verifies) -> bool {
         let s = &self.req.sampling;
-        let shaped = s.has_penalties() || !self.req.logit_bias.is_empty();
-        (verifies.sampled || s.is_greedy()) && (verifies.shaped || !shaped) && self.constraints.0.is_empty()
+        let shaped = s.has_penalties() || !self.req.logit_bias.is_empty() || !self.constraints.0.is_empty();
+        (verifies.sampled || s.is_greedy()) && (verifies.shaped || !shaped)
     }
 
     /// Whether completion `i` drafts now: `min_tokens`, while it holds, bans the stop tokens

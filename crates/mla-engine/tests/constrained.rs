@@ -25,11 +25,13 @@ fn backends() -> Vec<(&'static str, Box<dyn Backend>)> {
 struct Cycle {
     cycle: Vec<u32>,
     seen: Arc<Mutex<Vec<u32>>>,
+    /// Drafts followed past `seen`.
+    ahead: usize,
 }
 
 impl TokenConstraint for Cycle {
     fn fill_mask(&mut self, mask: &mut [u32], _: Instant) -> Result<(), String> {
-        let t = self.cycle[self.seen.lock().unwrap().len() % self.cycle.len()];
+        let t = self.cycle[(self.seen.lock().unwrap().len() + self.ahead) % self.cycle.len()];
         mask[t as usize / 32] |= 1 << (t % 32);
         Ok(())
     }
@@ -37,6 +39,15 @@ impl TokenConstraint for Cycle {
     fn accept(&mut self, token: u32) -> Result<(), String> {
         self.seen.lock().unwrap().push(token);
         Ok(())
+    }
+
+    fn follow(&mut self, _: u32) -> Result<(), String> {
+        self.ahead += 1;
+        Ok(())
+    }
+
+    fn rollback(&mut self, n: usize) {
+        self.ahead -= n;
     }
 }
 
@@ -50,7 +61,7 @@ fn a_constraint_decides_every_token_and_sees_each_one() {
         let mut req =
             request(prompts(1).remove(0), SamplingParams { temperature: 1.0, ..Default::default() }, Some(3), 10);
         req.constraint = Some(ConstraintFactory(Arc::new(move || {
-            Box::new(Cycle { cycle: c.clone(), seen: s.clone() }) as Box<dyn TokenConstraint>
+            Box::new(Cycle { cycle: c.clone(), seen: s.clone(), ahead: 0 }) as Box<dyn TokenConstraint>
         })));
         let got = collect(&mut engine.submit(req).unwrap(), 1);
         assert_eq!(got.error, None, "{name}");
@@ -123,6 +134,11 @@ impl TokenConstraint for Failing {
     fn accept(&mut self, _: u32) -> Result<(), String> {
         Ok(())
     }
+    // What it allows counts masks, not tokens.
+    fn follow(&mut self, _: u32) -> Result<(), String> {
+        Ok(())
+    }
+    fn rollback(&mut self, _: usize) {}
 }
 
 #[test]
@@ -202,6 +218,12 @@ impl TokenConstraint for BreaksAt {
             true => Err("too many expressions".into()),
             false => Ok(()),
         }
+    }
+    fn follow(&mut self, token: u32) -> Result<(), String> {
+        self.accept(token)
+    }
+    fn rollback(&mut self, n: usize) {
+        self.drawn -= n;
     }
 }
 

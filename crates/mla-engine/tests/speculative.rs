@@ -2,7 +2,7 @@
 //! with the MTP fixture (tests/fixtures/v3_mtp): every request's output equals the output of the
 //! same engine without speculation, token for token, under concurrency, chunked prefill, mixed
 //! steps, prefix caching, `n > 1`, `min_tokens`, stop tokens, `max_tokens` cut inside a step's
-//! emitted tokens and preemption by recompute.
+//! emitted tokens, preemption by recompute, penalties, logit_bias and structured output.
 //!
 //! The fixture's MTP layer is untrained, so its own drafts rarely stand. To exercise the engine
 //! with drafts that do, `ForcedDrafts` wraps the backend and replaces each step's drafts with
@@ -16,11 +16,11 @@ use common::{collect, engine_config, wait_until};
 use mla_core::step::plan::{StepOutput, StepPlan};
 use mla_core::{Backend, CacheLayout, Checkpoint, ModelConfig, PendingStep, SamplingParams, StepLimits};
 use mla_cpu::CpuBackend;
-use mla_engine::{Engine, EngineStats, GenerateRequest};
+use mla_engine::{ConstraintFactory, Engine, EngineStats, GenerateRequest, TokenConstraint};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const MAX_LEN: usize = 128;
 const BLOCK_SIZE: usize = 16;
@@ -475,5 +475,146 @@ fn penalised_and_biased_requests_draft_and_stay_exact() {
         None,
     );
     assert_eq!(unshaped, plain);
+    assert_eq!(none.spec.drafts, 0);
+}
+
+/// A grammar-like constraint whose next mask depends on the last token: a token whose residue
+/// mod 3 equals the last one's is not allowed, nor the tokens of `banned`. It counts the drafts
+/// it is made to follow and the tokens it accepts.
+struct NoRepeatedResidue {
+    last: Option<u32>,
+    followed: Vec<Option<u32>>,
+    banned: Vec<u32>,
+    counts: Arc<Mutex<ConstraintCounts>>,
+}
+
+#[derive(Debug, Default, Clone)]
+struct ConstraintCounts {
+    followed: usize,
+    accepted: usize,
+}
+
+impl TokenConstraint for NoRepeatedResidue {
+    fn fill_mask(&mut self, mask: &mut [u32], _: Instant) -> Result<(), String> {
+        for t in 0..mask.len() as u32 * 32 {
+            let repeats = self.last.is_some_and(|l| l % 3 == t % 3);
+            if !repeats && !self.banned.contains(&t) {
+                mask[t as usize / 32] |= 1 << (t % 32);
+            }
+        }
+        Ok(())
+    }
+
+    fn accept(&mut self, token: u32) -> Result<(), String> {
+        match self.last.is_some_and(|l| l % 3 == token % 3) || self.banned.contains(&token) {
+            true => Err(format!("token {token} breaks the rule after {:?}", self.last)),
+            false => {
+                self.last = Some(token);
+                self.counts.lock().unwrap().accepted += 1;
+                Ok(())
+            }
+        }
+    }
+
+    fn follow(&mut self, token: u32) -> Result<(), String> {
+        self.followed.push(self.last);
+        self.last = Some(token);
+        self.counts.lock().unwrap().followed += 1;
+        Ok(())
+    }
+
+    fn rollback(&mut self, n: usize) {
+        for _ in 0..n {
+            self.last = self.followed.pop().expect("rolled back no more than followed");
+        }
+    }
+}
+
+/// Greedy requests under `NoRepeatedResidue` (one with a stop token, one with banned tokens, one
+/// with `n = 2`) and a seeded sampled one.
+fn constrained_requests(counts: &Arc<Mutex<ConstraintCounts>>) -> Vec<GenerateRequest> {
+    let prompt = |len: usize, salt: u32| -> Vec<u32> {
+        std::iter::once(0).chain((1..len as u32).map(|i| (i * 43 + salt * 7) % 500 + 2)).collect()
+    };
+    let rule = |banned: Vec<u32>| {
+        let counts = counts.clone();
+        Some(ConstraintFactory(Arc::new(move || {
+            Box::new(NoRepeatedResidue { last: None, followed: vec![], banned: banned.clone(), counts: counts.clone() })
+                as Box<dyn TokenConstraint>
+        })))
+    };
+    let greedy = SamplingParams::greedy();
+    vec![
+        GenerateRequest { constraint: rule(vec![]), ..GenerateRequest::new(prompt(9, 1), greedy.clone(), 30) },
+        GenerateRequest { constraint: rule(vec![17, 344]), ..GenerateRequest::new(prompt(23, 2), greedy.clone(), 28) },
+        GenerateRequest {
+            constraint: rule(vec![]),
+            stop_token_ids: vec![201],
+            ..GenerateRequest::new(prompt(12, 3), greedy.clone(), 40)
+        },
+        GenerateRequest { n: 2, constraint: rule(vec![5]), ..GenerateRequest::new(prompt(31, 4), greedy.clone(), 22) },
+        GenerateRequest {
+            seed: Some(3),
+            constraint: rule(vec![]),
+            ..GenerateRequest::new(prompt(6, 5), SamplingParams { temperature: 0.9, ..Default::default() }, 20)
+        },
+    ]
+}
+
+/// The index in `constrained_requests()` of the sampled request (compared by length).
+const SAMPLED_CONSTRAINED: usize = 4;
+
+/// Structured output drafts: each verify row draws under the mask after the drafts before it
+/// (the engine follows the constraint along them and rolls it back). Greedy outputs equal the
+/// plain engine's with the MTP layer's own drafts and with forced drafts that mostly stand (one
+/// planted wrong every third step, often a token the rule forbids); the constraint is told
+/// exactly the emitted tokens; a backend that does not verify shaped rows never drafts for them.
+#[test]
+fn constrained_requests_draft_under_a_mask_per_verify_row_and_stay_exact() {
+    let counts = Arc::new(Mutex::new(ConstraintCounts::default()));
+    let reqs = constrained_requests(&counts);
+    let (plain, plain_stats) = run_these(reqs.clone(), Box::new(cpu_backend(64, false)), 0, true, 24, None);
+    let emitted: usize = plain.iter().flatten().map(Vec::len).sum();
+    assert_eq!(counts.lock().unwrap().accepted, emitted, "the plain engine accepts each emitted token");
+    assert_eq!(counts.lock().unwrap().followed, 0);
+    let exact = |o: &[Vec<Vec<u32>>]| {
+        let mut o = o.to_vec();
+        o[SAMPLED_CONSTRAINED] = o[SAMPLED_CONSTRAINED].iter().map(|t| vec![0; t.len()]).collect();
+        o
+    };
+    let (own, own_stats) = run_these(reqs.clone(), Box::new(cpu_backend(64, true)), 2, true, 24, None);
+    assert_eq!(exact(&own), exact(&plain));
+    assert!(own_stats.spec.drafts > 0, "the constrained requests draft");
+    let (cfg, _) = fixture();
+    for k in [1, 3] {
+        *counts.lock().unwrap() = ConstraintCounts::default();
+        let forced = ForcedDrafts {
+            inner: cpu_backend(64, true),
+            pending: PendingStep::default(),
+            references: references_of(&reqs, &plain),
+            fed: HashMap::new(),
+            steps: 0,
+            vocab: cfg.vocab_size as u32,
+        };
+        let (spec, stats) = run_these(reqs.clone(), Box::new(forced), k, true, 24, None);
+        assert_eq!(exact(&spec), exact(&plain), "K = {k}");
+        let c = counts.lock().unwrap().clone();
+        let emitted: usize = spec.iter().flatten().map(Vec::len).sum();
+        assert_eq!(c.accepted, emitted, "K = {k}: the constraint accepts the emitted tokens alone");
+        assert!(c.followed > 0, "K = {k}: masks were computed along drafts");
+        let s = &stats.spec;
+        assert!(s.accepted_tokens * 2 > s.draft_tokens, "K = {k}: forced drafts mostly stand ({s:?})");
+        assert!(s.accepted_tokens < s.draft_tokens, "K = {k}: the planted errors are rejected");
+        assert!(stats.steps.steps < plain_stats.steps.steps, "K = {k}: standing drafts save steps");
+    }
+    let (unshaped, none) = run_these(
+        reqs,
+        Box::new(Narrowed { inner: cpu_backend(64, true), forks: true, shaped: false }),
+        2,
+        true,
+        24,
+        None,
+    );
+    assert_eq!(exact(&unshaped), exact(&plain));
     assert_eq!(none.spec.drafts, 0);
 }

@@ -83,14 +83,14 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             true => "greedy and sampled requests",
             false => "greedy requests (sampled ones: a backend here does not verify them)",
         };
-        // Penalties and logit_bias shape each verify row by the drafts before it where the
-        // backend can; a grammar never drafts.
-        let without = match backends.iter().all(|b| b.verifies_shaped_drafts()) {
-            true => "without a grammar",
-            false => "without penalties, logit_bias or a grammar",
+        // Penalties, logit_bias and a grammar's mask shape each verify row by the drafts before
+        // it where the backend can.
+        let (without, others) = match backends.iter().all(|b| b.verifies_shaped_drafts()) {
+            true => ("", ""),
+            false => (" without penalties, logit_bias or a grammar", "; others decode one token per step"),
         };
         tracing::info!(
-            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for {draws} {without}; others decode one token per step{pause}"
+            "speculative decoding: the MTP layer drafts {mtp_drafts} token(s) per step for {draws}{without}{others}{pause}"
         );
     }
     let engine = Engine::start_replicas(

@@ -23,6 +23,13 @@ impl TokenConstraint for AllowedTokens {
         // The mask already kept every other token out; nothing depends on what was drawn.
         Ok(())
     }
+
+    fn follow(&mut self, _token: u32) -> Result<(), String> {
+        // Every row's mask is the same list.
+        Ok(())
+    }
+
+    fn rollback(&mut self, _n: usize) {}
 }
 
 /// A constraint factory for `ids` (non-empty, inside the vocabulary of `vocab_size`).

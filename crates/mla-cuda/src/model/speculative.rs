@@ -71,7 +71,8 @@ impl Verify {
             } else {
                 // Row j draws with its own seed (a sampled draw's verdict takes its uniforms from
                 // it too; the bonus row's draw is the sampler's), its penalties counting the
-                // drafts before it as output, as a draw without drafts would see them.
+                // drafts before it as output and its grammar mask the one after them, as a draw
+                // without drafts would see them.
                 let drafts = &s.tokens[1..];
                 for (j, &t) in s.tokens.iter().enumerate() {
                     let sample = s
@@ -140,7 +141,9 @@ fn sampled(s: &SeqStep) -> bool {
 /// as the CPU reference's `propose`, so a banned token is not proposed (the sampler shapes the
 /// row, and `keep_rows` keeps it as shaped). Penalties do not shape drafts: their history at
 /// the row is not at hand, and any draft distribution is exact, it only decides how often
-/// drafts stand. The engine drafts for no request with a grammar.
+/// drafts stand. Nor does a grammar's mask: the mask after the step's emitted tokens is not known
+/// when the step drafts, and a draft the grammar forbids is simply rejected (its row's masked
+/// probability is 0).
 fn draw(s: &SeqStep, j: usize) -> Option<SampleRequest> {
     let bias = s.sample.as_ref().map_or_else(Vec::new, |r| r.logit_bias.clone());
     let req = match &s.sample {

@@ -2,11 +2,17 @@
 //! slot when its plan is built, and the engine fills the slots (`fill_masks`) while the backend
 //! runs the step's forward pass, so grammar work overlaps device work instead of sitting between
 //! steps.
+//!
+//! A sequence verifying drafts draws once per verify row, row `j` after the drafts before it:
+//! its slot holds a mask per row, the constraint followed along the drafts and rolled back
+//! (`masks_along`), so every row is shaped as a draw without drafts would be. A draft the mask
+//! before it forbids cannot stand (its probability under the masked row is 0), so the rows past
+//! it are never read; they repeat the last mask computed.
 
 use super::Scheduler;
 use crate::api::{TokenConstraint, MASK_BUDGET};
 use crate::sequence::{SeqKey, Slot};
-use mla_core::step::token_mask::{mask_words, MaskWriter, TokenMask};
+use mla_core::step::token_mask::{allows, mask_words, MaskWriter, TokenMask};
 use mla_core::StepPlan;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -21,12 +27,13 @@ impl Scheduler {
         debug_assert!(self.mask_jobs.is_empty(), "masks of the previous plan were never filled");
         self.mask_jobs.clear();
         for s in &mut plan.seqs {
+            let drafts = s.tokens[s.tokens.len() - s.drafts_fed()..].to_vec();
             let Some(sample) = s.sample.as_mut() else { continue };
             let key = SeqKey::from_seq_id(s.seq_id);
             if self.groups.get(&key.request).is_some_and(|g| !g.constraints.0.is_empty()) {
-                let (mask, writer) = TokenMask::pending();
+                let (mask, writer) = TokenMask::pending_rows(drafts.len() + 1);
                 sample.allowed = Some(mask);
-                self.mask_jobs.push((key, writer));
+                self.mask_jobs.push((key, MaskJob { writer, drafts }));
             }
         }
     }
@@ -39,12 +46,12 @@ impl Scheduler {
         if self.mask_jobs.is_empty() {
             return FilledMasks::default();
         }
-        let mut writers: HashMap<SeqKey, MaskWriter> = self.mask_jobs.drain(..).collect();
-        let mut work: Vec<Job> = Vec::with_capacity(writers.len());
+        let mut jobs: HashMap<SeqKey, MaskJob> = self.mask_jobs.drain(..).collect();
+        let mut work: Vec<Job> = Vec::with_capacity(jobs.len());
         for (&request, g) in self.groups.iter_mut() {
             for (i, c) in g.constraints.0.iter_mut().enumerate() {
-                if let Some(w) = writers.remove(&SeqKey { request, slot: Slot::Completion(i) }) {
-                    work.push(Job { request, constraint: c, writer: w });
+                if let Some(job) = jobs.remove(&SeqKey { request, slot: Slot::Completion(i) }) {
+                    work.push(Job { request, constraint: c, job });
                 }
             }
         }
@@ -53,21 +60,16 @@ impl Scheduler {
             let mut failed = vec![];
             for job in chunk.iter_mut() {
                 // `fill` consumes the writer; a spent one takes its place (its drop does nothing).
-                let writer = std::mem::replace(&mut job.writer, MaskWriter::spent());
-                let mut mask = vec![0u32; words];
-                let deadline = Instant::now() + MASK_BUDGET;
-                let result = catch_unwind(AssertUnwindSafe(|| job.constraint.fill_mask(&mut mask, deadline)))
-                    .unwrap_or_else(
-                        |_| Err("the structured-output constraint panicked computing its token mask".into()),
-                    )
-                    .and_then(|()| match mask.iter().any(|&w| w != 0) {
-                        true => Ok(()),
-                        false => Err("the structured-output grammar allows no token here".into()),
+                let writer = std::mem::replace(&mut job.job.writer, MaskWriter::spent());
+                let (drafts, constraint) = (&job.job.drafts, &mut **job.constraint);
+                let rows =
+                    catch_unwind(AssertUnwindSafe(|| masks_along(constraint, drafts, words))).unwrap_or_else(|_| {
+                        Err("the structured-output constraint panicked computing its token mask".into())
                     });
-                match result {
-                    Ok(()) => writer.fill(mask),
+                match rows {
+                    Ok(rows) => writer.fill(rows),
                     Err(why) => {
-                        writer.fill(vec![u32::MAX; words]);
+                        writer.fill(vec![u32::MAX; words * (drafts.len() + 1)]);
                         failed.push((job.request, why));
                     }
                 }
@@ -88,11 +90,64 @@ impl Scheduler {
     }
 }
 
-/// One draw's mask to compute.
+/// The masks of one sequence's draws (a row per draft it verifies, and one).
+pub(super) struct MaskJob {
+    writer: MaskWriter,
+    /// The drafts the sequence feeds after its last token (none without speculative decoding).
+    drafts: Vec<u32>,
+}
+
+/// One sequence's masks to compute, with its constraint.
 struct Job<'a> {
     request: u64,
     constraint: &'a mut Box<dyn TokenConstraint>,
-    writer: MaskWriter,
+    job: MaskJob,
+}
+
+/// The masks of a sequence's verify rows, end to end, `words` each: row 0 for the next draw,
+/// row `j` after `drafts[..j]` (the constraint followed along them and rolled back after). Each
+/// mask has its own `MASK_BUDGET`. Past a draft the mask before it forbids, rows repeat that
+/// mask: the draft cannot stand, so they are never drawn from.
+fn masks_along(c: &mut dyn TokenConstraint, drafts: &[u32], words: usize) -> Result<Vec<u32>, String> {
+    let mut rows = vec![0u32; words * (drafts.len() + 1)];
+    fill_row(c, &mut rows[..words])?;
+    let mut followed = 0;
+    let walked = follow_drafts(c, drafts, &mut rows, words, &mut followed);
+    c.rollback(followed);
+    walked?;
+    for j in followed + 1..=drafts.len() {
+        rows.copy_within(followed * words..(followed + 1) * words, j * words);
+    }
+    Ok(rows)
+}
+
+/// Fills the rows after row 0 while the drafts are allowed, counting those followed.
+fn follow_drafts(
+    c: &mut dyn TokenConstraint,
+    drafts: &[u32],
+    rows: &mut [u32],
+    words: usize,
+    followed: &mut usize,
+) -> Result<(), String> {
+    for &draft in drafts {
+        let (done, rest) = rows.split_at_mut((*followed + 1) * words);
+        if !allows(&done[*followed * words..], draft) {
+            break;
+        }
+        c.follow(draft)?;
+        *followed += 1;
+        fill_row(c, &mut rest[..words])?;
+    }
+    Ok(())
+}
+
+/// One mask, within its own `MASK_BUDGET`; one that allows nothing is the grammar's failure.
+fn fill_row(c: &mut dyn TokenConstraint, row: &mut [u32]) -> Result<(), String> {
+    c.fill_mask(row, Instant::now() + MASK_BUDGET)?;
+    match row.iter().any(|&w| w != 0) {
+        true => Ok(()),
+        false => Err("the structured-output grammar allows no token here".into()),
+    }
 }
 
 /// What `Scheduler::fill_masks` did.

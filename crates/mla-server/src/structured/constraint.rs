@@ -30,6 +30,16 @@ pub struct GrammarConstraint {
     /// is allowed. With `ignore_eos` the engine keeps drawing, and EOS is what it gets: the text
     /// stays what the grammar produced (vLLM instead lets the model run unconstrained after it).
     finished: bool,
+    /// What each draft followed (`TokenConstraint::follow`) changed, last on top.
+    followed: Vec<Followed>,
+}
+
+/// The state one followed draft changed, to undo it.
+struct Followed {
+    drawn: usize,
+    finished: bool,
+    /// Whether the matcher consumed the draft (it does not once the grammar is finished).
+    consumed: bool,
 }
 
 impl GrammarConstraint {
@@ -52,6 +62,7 @@ impl GrammarConstraint {
             drawn: 0,
             failed: None,
             finished: false,
+            followed: Vec::new(),
         }
     }
 
@@ -78,6 +89,11 @@ impl GrammarConstraint {
     /// `reasoning_gate`): vLLM's `min_tokens` counts every generated token, from the first.
     pub(super) fn count_ungoverned(&mut self) {
         self.drawn += 1;
+    }
+
+    /// Takes back a `count_ungoverned` of a draft rolled back.
+    pub(super) fn uncount_ungoverned(&mut self) {
+        self.drawn -= 1;
     }
 
     fn allow_eos(&self, mask: &mut [u32]) {
@@ -162,5 +178,24 @@ impl TokenConstraint for GrammarConstraint {
             self.finished = true;
         }
         Ok(())
+    }
+
+    fn follow(&mut self, token: u32) -> Result<(), String> {
+        let undo = Followed { drawn: self.drawn, finished: self.finished, consumed: !self.is_finished() };
+        self.accept(token)?;
+        self.followed.push(undo);
+        Ok(())
+    }
+
+    fn rollback(&mut self, n: usize) {
+        let kept = self.followed.len().saturating_sub(n);
+        let undone: Vec<Followed> = self.followed.drain(kept..).collect();
+        let Some(first) = undone.first() else { return };
+        (self.drawn, self.finished) = (first.drawn, first.finished);
+        let consumed = undone.iter().filter(|f| f.consumed).count();
+        // llguidance takes the tokens back, an end of grammar reached by them included.
+        if let Err(e) = self.matcher.rollback(consumed) {
+            self.failed.get_or_insert_with(|| format!("taking back drafted tokens failed: {e}"));
+        }
     }
 }

@@ -45,11 +45,27 @@ pub struct AfterReasoning {
     /// The last bytes generated while thinking, enough to hold the end tag.
     tail: Vec<u8>,
     thinking: bool,
+    /// What each draft followed (`TokenConstraint::follow`) changed, last on top.
+    followed: Vec<Followed>,
+}
+
+/// The state one followed draft changed, to undo it.
+enum Followed {
+    /// A thinking token (it may have ended the thinking): the tail as it was.
+    Thinking { tail: Vec<u8> },
+    /// A token the grammar followed.
+    Grammar,
 }
 
 impl AfterReasoning {
     pub fn new(grammar: GrammarConstraint, table: Arc<ThinkingTable>) -> Self {
-        AfterReasoning { grammar, table, tail: Vec::with_capacity(2 * THINK_END.len()), thinking: true }
+        AfterReasoning {
+            grammar,
+            table,
+            tail: Vec::with_capacity(2 * THINK_END.len()),
+            thinking: true,
+            followed: Vec::new(),
+        }
     }
 }
 
@@ -81,5 +97,30 @@ impl TokenConstraint for AfterReasoning {
             self.tail.drain(..self.tail.len() - (THINK_END.len() - 1));
         }
         Ok(())
+    }
+
+    fn follow(&mut self, token: u32) -> Result<(), String> {
+        if !self.thinking {
+            self.grammar.follow(token)?;
+            self.followed.push(Followed::Grammar);
+            return Ok(());
+        }
+        let undo = Followed::Thinking { tail: self.tail.clone() };
+        self.accept(token)?;
+        self.followed.push(undo);
+        Ok(())
+    }
+
+    fn rollback(&mut self, n: usize) {
+        for _ in 0..n {
+            match self.followed.pop() {
+                Some(Followed::Grammar) => self.grammar.rollback(1),
+                Some(Followed::Thinking { tail }) => {
+                    self.grammar.uncount_ungoverned();
+                    (self.tail, self.thinking) = (tail, true);
+                }
+                None => return,
+            }
+        }
     }
 }

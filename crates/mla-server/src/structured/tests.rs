@@ -426,3 +426,42 @@ fn grammar_memory_is_charged_while_the_grammar_lives() {
     drop(c);
     assert_eq!(g.memory_used(), 0, "the last completion gives the memory back");
 }
+
+/// Speculative decoding: the masks along drafts the constraint follows are the masks of a
+/// constraint that accepted them, and rolling back restores it whole: from every point of a
+/// JSON document (its end, where only EOS follows, included), with `min_tokens` holding the stop
+/// token for the first few, and through a reasoning gate's closing tag.
+#[test]
+fn following_drafts_gives_the_masks_of_accepting_them_and_rollback_restores_the_state() {
+    let g = grammars();
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+    let so = StructuredOutput::Json { schema, options: JsonOptions { compact: true, ..JsonOptions::default() } };
+    let compiled = g.compile(&so).unwrap();
+    let encode = |s: &str| demo_text().tokenizer().encode(s, false).unwrap();
+    let ids = [encode(r#"{"n":42}"#), vec![EOS, EOS]].concat();
+    let check = |make: &dyn Fn() -> Box<dyn TokenConstraint>, ids: &[u32]| {
+        for at in 0..ids.len() {
+            for k in 1..=3.min(ids.len() - at) {
+                let mut c = make();
+                ids[..at].iter().for_each(|&t| c.accept(t).unwrap());
+                let before = allowed(c.as_mut(), 600);
+                for j in 0..k {
+                    c.follow(ids[at + j]).unwrap();
+                    let mut accepted = make();
+                    ids[..at + j + 1].iter().for_each(|&t| accepted.accept(t).unwrap());
+                    assert_eq!(allowed(c.as_mut(), 600), allowed(accepted.as_mut(), 600), "at {at}, draft {j}");
+                }
+                c.rollback(k);
+                assert_eq!(allowed(c.as_mut(), 600), before, "at {at}: rolled back {k}");
+                // And it goes on as if nothing had been followed.
+                ids[at..].iter().for_each(|&t| c.accept(t).unwrap());
+            }
+        }
+    };
+    for min_tokens in [0, 3] {
+        check(&|| Box::new(compiled.constraint(Arc::from(vec![EOS]), min_tokens)), &ids);
+    }
+    let thinking = encode("Hm: 7? </think>");
+    let gated_ids = [thinking, encode(r#"{"n":7}"#), vec![EOS]].concat();
+    check(&|| (compiled.factory_after_reasoning(vec![EOS], 2).0)(), &gated_ids);
+}
