@@ -10,7 +10,12 @@ with two MTP drafts:
 - n = 4 greedy completions of one prompt equal its n = 1 completion up to the first near-tie
   (each completion computes the prompt's last token in a copy of the block the prompt ends in);
 - a sampled, penalised and biased request with a seed gives the same tokens twice;
-- with speculation, the shaped requests drafted (the server's spec-decode counters moved).
+- greedy structured-output requests (regex, choice, JSON schema) give the plain server's tokens
+  up to where both runs' tokens are within the tie of each other (the masks hide which tokens
+  the grammar allowed, so a divergence is judged by the two tokens chosen there: both allowed,
+  and a tie if the plain run scored them within `--tie`), and a finished choice is one of them;
+- with speculation, the shaped and the structured requests drafted (the server's spec-decode
+  counters moved).
 
 A near-tie is a position where the plain run's best two candidates, shaped as the request shapes
 them, are within `--tie` nats: there a bf16 forward of another batch shape may choose either, and
@@ -42,6 +47,18 @@ MTP = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
 NEW_TOKENS = 24
 BANNED = [17, 201]
 SHAPING = {"presence_penalty": 0.4, "frequency_penalty": 0.2}
+CHOICES = ["alpha beta gamma delta", "alpha beta gamma epsilon", "zeta"]
+STRUCTURED = {
+    "regex": {"guided_regex": "[0-9]{2}(-[a-z]{2,5})+"},
+    "choice": {"guided_choice": CHOICES},
+    "json": {
+        "guided_json": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["name", "tags"],
+        }
+    },
+}
 
 
 def model_dir(path: Path) -> Path:
@@ -95,6 +112,39 @@ def agreed(ours: list, plain: list, gaps: list, tie: float) -> tuple:
     return upto, first_diff >= stop
 
 
+def diverged_at_a_tie(ours: list, plain: list, plain_top: list, tie: float) -> tuple:
+    """(positions equal, whether any divergence is at a tie): at the first position where the
+    runs differ, both chose an allowed token after the same prefix; it is a tie when the plain
+    run scored the two within `tie` (the other token among its top logprobs)."""
+    n = min(len(ours), len(plain))
+    j = next((j for j in range(n) if ours[j] != plain[j]), None)
+    if j is None:
+        return n, len(ours) == len(plain)
+    top = plain_top[j]
+    return j, ours[j] in top and top[plain[j]] - top[ours[j]] < tie
+
+
+def structured(c, ps: list) -> dict:
+    """Each structured kind's greedy completions of `ps`: tokens, plain top logprobs by id, text
+    and finish reason."""
+    out = {}
+    for kind, body in STRUCTURED.items():
+        r = c.completions.create(
+            model="m", prompt=ps, max_tokens=NEW_TOKENS, temperature=0.0, logprobs=20,
+            extra_body={"return_tokens_as_token_ids": True, **body},
+        )
+        out[kind] = [
+            {
+                "ids": ids(x),
+                "top": [{int(t.split(":")[1]): lp for t, lp in top.items()} for top in x.logprobs.top_logprobs],
+                "text": x.text,
+                "finish": x.finish_reason,
+            }
+            for x in sorted(r.choices, key=lambda x: x.index)
+        ]
+    return out
+
+
 def run(device: str, flags: list, ps: list) -> dict:
     from server import Server  # noqa: E402  (reads MLA_SERVE_BIN)
 
@@ -120,7 +170,12 @@ def run(device: str, flags: list, ps: list) -> dict:
                 return ids(r.choices[0])
 
             choices = sorted(shaped.choices, key=lambda x: x.index)
+            before = server.metrics().get("mla:spec_decode_num_draft_tokens_total", 0.0)
+            constrained = structured(c, ps)
+            drafted_structured = server.metrics().get("mla:spec_decode_num_draft_tokens_total", 0.0) - before
             return {
+                "structured": constrained,
+                "drafted_by_structured": drafted_structured,
                 "shaped": [ids(x) for x in choices],
                 "shaped_gaps": [shaped_gaps(x, p, True) for x, p in zip(choices, ps)],
                 "forked": [ids(x) for x in sorted(forked.choices, key=lambda x: x.index)],
@@ -167,7 +222,15 @@ def main() -> int:
             check(f"{mode}: n=4 completion {k} as n=1 plain", ok, f"{n} positions compared")
         a, b = r["sampled_twice"]
         check(f"{mode}: sampled shaped request reproduces", a == b and len(a) == NEW_TOKENS, f"{len(a)} tokens")
+        for kind, outs in r["structured"].items():
+            for i, (ours, ref) in enumerate(zip(outs, plain["structured"][kind])):
+                n, ok = diverged_at_a_tie(ours["ids"], ref["ids"], ref["top"], args.tie)
+                check(f"{mode}: {kind} prompt {i} as plain", ok, f"{n} positions equal of {len(ref['ids'])}")
+                if kind == "choice" and ours["finish"] == "stop":
+                    check(f"{mode}: choice prompt {i} is a choice", ours["text"] in CHOICES, repr(ours["text"]))
     check("mtp: shaped requests drafted", runs["mtp"]["drafted_by_shaped"] > 0, f"{runs['mtp']['drafted_by_shaped']:.0f} drafts")
+    drafted = runs["mtp"]["drafted_by_structured"]
+    check("mtp: structured requests drafted", drafted > 0, f"{drafted:.0f} drafts")
     out = envelope(binary=args.bin, device=args.device, tie=args.tie, checks=checks, runs=runs)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"{len(checks) - len(failures)} of {len(checks)} checks passed")

@@ -134,7 +134,8 @@ def test_penalised_and_biased_requests_draft_and_match_the_server_without_specul
             )
             outputs.append([ids(c) for c in sorted(r.choices, key=lambda c: c.index)])
             if flags:
-                assert "for greedy and sampled requests without a grammar" in server.log_text()
+                assert "drafts 2 token(s) per step for greedy and sampled requests" in server.log_text()
+                assert "without penalties, logit_bias or a grammar" not in server.log_text()
                 assert server.metrics()["mla:spec_decode_num_draft_tokens_total"] > 0
 
                 def sampled():
@@ -154,6 +155,57 @@ def test_penalised_and_biased_requests_draft_and_match_the_server_without_specul
         finally:
             assert server.stop() == 0
     assert outputs[0] == outputs[1]
+
+
+STRUCTURED = {
+    "regex": {"guided_regex": "[0-9]{2}(-[a-z]{2,5})+"},
+    "choice": {"guided_choice": ["alpha beta gamma delta", "alpha beta gamma epsilon", "zeta"]},
+    "json": {
+        "guided_json": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["name", "tags"],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("flags", [[], ["--tp", "2"], DPA2], ids=["one-rank", "tp2", "dpa2"])
+def test_structured_requests_draft_and_match_the_server_without_speculation(flags, tmp_path):
+    """Structured-output requests draft: each verify row draws under the grammar's mask after the
+    drafts before it (the grammar followed along them and rolled back), so greedy outputs equal
+    the server's without speculation token for token, whatever the layout, and every output
+    keeps to its grammar."""
+    d = model_dir(tmp_path, "v3_mtp")
+    prompts = [oracle()[0]["prompt"], oracle()[2]["prompt"]]
+    outputs = []
+    for spec in ([], VLLM):
+        server = Server("--model", str(d), "--served-model-name", "m", "--device", "cpu", *flags, *spec)
+        try:
+            client = server.client()
+            before = server.metrics().get("mla:spec_decode_num_draft_tokens_total", 0)
+            got = {}
+            for name, body in STRUCTURED.items():
+                r = client.completions.create(
+                    model="m",
+                    prompt=prompts,
+                    max_tokens=20,
+                    temperature=0.0,
+                    logprobs=0,
+                    extra_body={"return_tokens_as_token_ids": True, **body},
+                )
+                got[name] = [(ids(c), c.text) for c in sorted(r.choices, key=lambda c: c.index)]
+            outputs.append(got)
+            if spec:
+                drafted = server.metrics()["mla:spec_decode_num_draft_tokens_total"] - before
+                assert drafted > 0, "structured requests drafted"
+        finally:
+            assert server.stop() == 0
+    assert outputs[0] == outputs[1]
+    for _, text in outputs[0]["choice"]:
+        assert text in STRUCTURED["choice"]["guided_choice"]
+    for _, text in outputs[0]["regex"]:
+        assert text[:2].isdigit() and text[2] == "-", text
 
 
 def test_sampled_requests_draft_and_reproduce_on_the_cpu_reference(tmp_path):
