@@ -66,30 +66,37 @@ __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const ui
     }
 }
 
-// Adds loaded FP8 chunks c0 + 32 i (i < U, those below `chunks`) of two rows, dotted with the
-// vector's chunks, into a0 / a1: each chunk's 16 products summed in f32, then scaled by its block's
-// scale (s0 / s1 point at the rows' scale-grid row, chunk c's scale is (coff + c) / 8).
+// Adds FP8 chunk c of two rows (w0, w1), dotted with the vector's chunk c, into a0 / a1: its 16
+// products summed in f32, then scaled by its block's scale (s0 / s1 point at the rows' scale-grid
+// row, chunk c's scale is (coff + c) / 8).
+__device__ __forceinline__ void add_fp8_chunk(const uint4& w0, const uint4& w1, const float* __restrict__ s0,
+                                              const float* __restrict__ s1, int coff, const bf16* __restrict__ v, int c,
+                                              float& a0, float& a1) {
+    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+    float xf[16], f0[16], f1[16];
+    bf16x16_to_f32(v + (size_t)c * 16, xf);
+    fp8x16_to_f32(w0, f0);
+    fp8x16_to_f32(w1, f1);
+    float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        p0 = fmaf(f0[j], xf[j], p0);
+        p1 = fmaf(f1[j], xf[j], p1);
+    }
+    const int b = (coff + c) / CHUNKS_PER_BLOCK;
+    a0 = fmaf(p0, __ldg(s0 + b), a0);
+    a1 = fmaf(p1, __ldg(s1 + b), a1);
+}
+
+// add_fp8_chunk for loaded chunks c0 + 32 i (i < U, those below `chunks`), in that order.
 __device__ __forceinline__ void add_fp8_chunks(const uint4 (&w0)[U], const uint4 (&w1)[U], const float* __restrict__ s0,
                                                const float* __restrict__ s1, int coff, const bf16* __restrict__ v,
                                                int c0, int chunks, float& a0, float& a1) {
-    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
 #pragma unroll
     for (int i = 0; i < U; ++i) {
         const int c = c0 + 32 * i;
         if (c >= chunks) break;
-        float xf[16], f0[16], f1[16];
-        bf16x16_to_f32(v + (size_t)c * 16, xf);
-        fp8x16_to_f32(w0[i], f0);
-        fp8x16_to_f32(w1[i], f1);
-        float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            p0 = fmaf(f0[j], xf[j], p0);
-            p1 = fmaf(f1[j], xf[j], p1);
-        }
-        const int b = (coff + c) / CHUNKS_PER_BLOCK;
-        a0 = fmaf(p0, __ldg(s0 + b), a0);
-        a1 = fmaf(p1, __ldg(s1 + b), a1);
+        add_fp8_chunk(w0[i], w1[i], s0, s1, coff, v, c, a0, a1);
     }
 }
 
