@@ -306,8 +306,17 @@ impl Scheduler {
         let owner = req.owner.map_or(Owner::Request(id), Owner::Shared);
         let prompt_logprobs = req.prompt_logprobs.map(|k| PromptLogprobs::new(req.prompt_tokens.len(), k));
         let constraints = Constraints::for_request(&req);
-        let group =
-            Group { req, owner, seed, prefix: None, completions, cached_tokens: 0, prompt_logprobs, constraints };
+        let group = Group {
+            req,
+            owner,
+            seed,
+            prefix: None,
+            completions,
+            cached_tokens: 0,
+            prompt_logprobs,
+            constraints,
+            grammar_too_slow_to_draft: false,
+        };
         self.groups.insert(id, group);
         self.new_queue.push_back(id);
     }

@@ -149,6 +149,9 @@ pub struct Group {
     pub prompt_logprobs: Option<PromptLogprobs>,
     /// Structured output: one constraint per completion, or none at all.
     pub constraints: Constraints,
+    /// Its grammar's masks along drafts took longer than `SLOW_LOOKAHEAD` once: it decodes one
+    /// token per step from then on (`Scheduler::fill_masks`).
+    pub grammar_too_slow_to_draft: bool,
 }
 
 /// The `TokenConstraint` of each completion of a constrained request (empty otherwise).
@@ -241,11 +244,11 @@ impl Group {
     /// Whether this request's completions may be decoded speculatively: a greedy draw unless the
     /// backend verifies sampled drafts, and no penalties, logit_bias or grammar unless it
     /// verifies rows shaped by them (`Verifies`; a grammar's verify rows each get the mask after
-    /// the drafts before them, `Scheduler::fill_masks`).
+    /// the drafts before them, `Scheduler::fill_masks`), and no grammar too slow to follow them.
     pub fn may_speculate(&self, verifies: Verifies) -> bool {
         let s = &self.req.sampling;
         let shaped = s.has_penalties() || !self.req.logit_bias.is_empty() || !self.constraints.0.is_empty();
-        (verifies.sampled || s.is_greedy()) && (verifies.shaped || !shaped)
+        (verifies.sampled || s.is_greedy()) && (verifies.shaped || !shaped) && !self.grammar_too_slow_to_draft
     }
 
     /// Whether completion `i` drafts now: `min_tokens`, while it holds, bans the stop tokens

@@ -618,3 +618,69 @@ fn constrained_requests_draft_under_a_mask_per_verify_row_and_stay_exact() {
     assert_eq!(exact(&unshaped), exact(&plain));
     assert_eq!(none.spec.drafts, 0);
 }
+
+/// `NoRepeatedResidue` whose every mask takes `delay` (a grammar near its budget).
+struct Slow {
+    rule: NoRepeatedResidue,
+    delay: Duration,
+}
+
+impl TokenConstraint for Slow {
+    fn fill_mask(&mut self, mask: &mut [u32], deadline: Instant) -> Result<(), String> {
+        std::thread::sleep(self.delay);
+        self.rule.fill_mask(mask, deadline)
+    }
+    fn accept(&mut self, token: u32) -> Result<(), String> {
+        self.rule.accept(token)
+    }
+    fn follow(&mut self, token: u32) -> Result<(), String> {
+        self.rule.follow(token)
+    }
+    fn rollback(&mut self, n: usize) {
+        self.rule.rollback(n)
+    }
+}
+
+/// A request whose masks along its drafts take longer than `SLOW_LOOKAHEAD` (two rows of 6 ms)
+/// stops drafting after its first verify step, so one slow grammar does not hold every step up
+/// for K + 1 masks; a fast one beside it drafts on, and both outputs stay exact.
+#[test]
+fn a_grammar_too_slow_along_drafts_stops_drafting_and_both_stay_exact() {
+    let (slow_counts, fast_counts) =
+        (Arc::new(Mutex::new(ConstraintCounts::default())), Arc::new(Mutex::new(ConstraintCounts::default())));
+    let prompt =
+        |salt: u32| -> Vec<u32> { std::iter::once(0).chain((1..14).map(|i| (i * 43 + salt * 7) % 500 + 2)).collect() };
+    let rule = |counts: &Arc<Mutex<ConstraintCounts>>| NoRepeatedResidue {
+        last: None,
+        followed: vec![],
+        banned: vec![],
+        counts: counts.clone(),
+    };
+    let reqs = |delay: Duration| {
+        let (s, f) = (slow_counts.clone(), fast_counts.clone());
+        let slow =
+            ConstraintFactory(Arc::new(move || Box::new(Slow { rule: rule(&s), delay }) as Box<dyn TokenConstraint>));
+        let fast = ConstraintFactory(Arc::new(move || Box::new(rule(&f)) as Box<dyn TokenConstraint>));
+        vec![
+            GenerateRequest { constraint: Some(slow), ..GenerateRequest::new(prompt(1), SamplingParams::greedy(), 24) },
+            GenerateRequest { constraint: Some(fast), ..GenerateRequest::new(prompt(2), SamplingParams::greedy(), 24) },
+        ]
+    };
+    let (plain, _) = run_these(reqs(Duration::ZERO), Box::new(cpu_backend(64, false)), 0, true, 24, None);
+    let (cfg, _) = fixture();
+    *slow_counts.lock().unwrap() = ConstraintCounts::default();
+    *fast_counts.lock().unwrap() = ConstraintCounts::default();
+    let forced = ForcedDrafts {
+        inner: cpu_backend(64, true),
+        pending: PendingStep::default(),
+        references: references_of(&reqs(Duration::ZERO), &plain),
+        fed: HashMap::new(),
+        steps: 0,
+        vocab: cfg.vocab_size as u32,
+    };
+    let (spec, _) = run_these(reqs(Duration::from_millis(6)), Box::new(forced), 2, true, 24, None);
+    assert_eq!(spec, plain);
+    let (slow, fast) = (slow_counts.lock().unwrap().clone(), fast_counts.lock().unwrap().clone());
+    assert!(slow.followed <= 2, "the slow grammar followed drafts of one step only ({slow:?})");
+    assert!(fast.followed > 4, "the fast grammar drafts on ({fast:?})");
+}

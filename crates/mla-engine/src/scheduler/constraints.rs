@@ -7,7 +7,10 @@
 //! its slot holds a mask per row, the constraint followed along the drafts and rolled back
 //! (`masks_along`), so every row is shaped as a draw without drafts would be. A draft the mask
 //! before it forbids cannot stand (its probability under the masked row is 0), so the rows past
-//! it are never read; they repeat the last mask computed.
+//! it are never read; they repeat the last mask computed. The step's sampler waits for every
+//! mask, so the rows after row 0 are time the whole batch waits for one request's drafts: a
+//! request whose rows after row 0 take longer than `SLOW_LOOKAHEAD` stops drafting, and its
+//! masks cost what they cost without speculative decoding.
 
 use super::Scheduler;
 use crate::api::{TokenConstraint, MASK_BUDGET};
@@ -16,10 +19,16 @@ use mla_core::step::token_mask::{allows, mask_words, MaskWriter, TokenMask};
 use mla_core::StepPlan;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Below this many masks one thread computes them all: starting threads costs more than it saves.
 const PARALLEL_FROM: usize = 4;
+
+/// Longest a request's masks along its drafts (the rows after row 0) may take in one step before
+/// it stops drafting: a fifth of the one mask's `MASK_BUDGET`. Ordinary grammars take
+/// microseconds to a few milliseconds a mask; one near its budget would otherwise hold every
+/// step up to `K + 1` budgets.
+pub const SLOW_LOOKAHEAD: Duration = Duration::from_millis(10);
 
 impl Scheduler {
     /// Gives every draw of a constrained completion in `plan` a mask slot to be filled.
@@ -56,8 +65,8 @@ impl Scheduler {
             }
         }
         let words = mask_words(vocab_size);
-        let run = |chunk: &mut [Job]| -> Vec<(u64, String)> {
-            let mut failed = vec![];
+        let run = |chunk: &mut [Job]| -> Outcomes {
+            let mut out = Outcomes::default();
             for job in chunk.iter_mut() {
                 // `fill` consumes the writer; a spent one takes its place (its drop does nothing).
                 let writer = std::mem::replace(&mut job.job.writer, MaskWriter::spent());
@@ -67,27 +76,56 @@ impl Scheduler {
                         Err("the structured-output constraint panicked computing its token mask".into())
                     });
                 match rows {
-                    Ok(rows) => writer.fill(rows),
+                    Ok((rows, lookahead)) => {
+                        writer.fill(rows);
+                        if lookahead > SLOW_LOOKAHEAD {
+                            out.slow.push((job.request, lookahead));
+                        }
+                    }
                     Err(why) => {
                         writer.fill(vec![u32::MAX; words * (drafts.len() + 1)]);
-                        failed.push((job.request, why));
+                        out.failed.push((job.request, why));
                     }
                 }
             }
-            failed
+            out
         };
         let (count, threads) = (work.len(), threads.clamp(1, work.len()));
-        if count < PARALLEL_FROM || threads == 1 {
-            let failed = run(&mut work);
-            return FilledMasks { count, failed };
+        let out = if count < PARALLEL_FROM || threads == 1 {
+            run(&mut work)
+        } else {
+            let per = count.div_ceil(threads);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = work.chunks_mut(per).map(|chunk| scope.spawn(|| run(chunk))).collect();
+                handles.into_iter().fold(Outcomes::default(), |mut all, h| {
+                    let o = h.join().unwrap_or_default();
+                    all.failed.extend(o.failed);
+                    all.slow.extend(o.slow);
+                    all
+                })
+            })
+        };
+        for (request, took) in out.slow {
+            let Some(g) = self.groups.get_mut(&request) else { continue };
+            if !g.grammar_too_slow_to_draft {
+                g.grammar_too_slow_to_draft = true;
+                tracing::info!(
+                    "request {request}: its grammar's masks along the drafts took {} ms (more than {} ms); it decodes one token per step from now on",
+                    took.as_millis(),
+                    SLOW_LOOKAHEAD.as_millis()
+                );
+            }
         }
-        let per = count.div_ceil(threads);
-        let failed = std::thread::scope(|scope| {
-            let handles: Vec<_> = work.chunks_mut(per).map(|chunk| scope.spawn(|| run(chunk))).collect();
-            handles.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
-        });
-        FilledMasks { count, failed }
+        FilledMasks { count, failed: out.failed }
     }
+}
+
+/// What computing one chunk of the jobs gave: requests whose constraint failed, with why, and
+/// requests whose masks along drafts were slow, with how long they took.
+#[derive(Default)]
+struct Outcomes {
+    failed: Vec<(u64, String)>,
+    slow: Vec<(u64, Duration)>,
 }
 
 /// The masks of one sequence's draws (a row per draft it verifies, and one).
@@ -105,12 +143,14 @@ struct Job<'a> {
 }
 
 /// The masks of a sequence's verify rows, end to end, `words` each: row 0 for the next draw,
-/// row `j` after `drafts[..j]` (the constraint followed along them and rolled back after). Each
-/// mask has its own `MASK_BUDGET`. Past a draft the mask before it forbids, rows repeat that
-/// mask: the draft cannot stand, so they are never drawn from.
-fn masks_along(c: &mut dyn TokenConstraint, drafts: &[u32], words: usize) -> Result<Vec<u32>, String> {
+/// row `j` after `drafts[..j]` (the constraint followed along them and rolled back after), and
+/// how long the rows after row 0 took. Each mask has its own `MASK_BUDGET`. Past a draft the
+/// mask before it forbids, rows repeat that mask: the draft cannot stand, so they are never
+/// drawn from.
+fn masks_along(c: &mut dyn TokenConstraint, drafts: &[u32], words: usize) -> Result<(Vec<u32>, Duration), String> {
     let mut rows = vec![0u32; words * (drafts.len() + 1)];
     fill_row(c, &mut rows[..words])?;
+    let started = Instant::now();
     let mut followed = 0;
     let walked = follow_drafts(c, drafts, &mut rows, words, &mut followed);
     c.rollback(followed);
@@ -118,7 +158,7 @@ fn masks_along(c: &mut dyn TokenConstraint, drafts: &[u32], words: usize) -> Res
     for j in followed + 1..=drafts.len() {
         rows.copy_within(followed * words..(followed + 1) * words, j * words);
     }
-    Ok(rows)
+    Ok((rows, started.elapsed()))
 }
 
 /// Fills the rows after row 0 while the drafts are allowed, counting those followed.
