@@ -263,6 +263,7 @@ pub fn run(a: &EngineArgs) -> anyhow::Result<Value> {
     let h = Engine::start_replicas(
         backends,
         EngineConfig {
+            spec_load_rule: false,
             long_prefill_token_threshold: None,
             max_model_len: a.max_model_len,
             max_num_seqs: a.max_num_seqs,

@@ -29,6 +29,7 @@ fn engine() -> (EngineHandle, Arc<Mutex<mla_cuda::StepClock>>) {
     let backend = CudaBackend::new(cfg, WeightsFrom::Checkpoint(dir), opts).unwrap();
     let clock = backend.step_clock();
     let ecfg = EngineConfig {
+        spec_load_rule: false,
         long_prefill_token_threshold: None,
         max_model_len: 128,
         max_num_seqs: 8,

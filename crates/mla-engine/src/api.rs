@@ -35,6 +35,10 @@ pub struct EngineConfig {
     /// Speculative decoding pauses while at least this many sequences run (vLLM's
     /// `disable_by_batch_size`); `None`: never.
     pub spec_disable_batch: Option<usize>,
+    /// Draft at a batch size only while drafting measured faster there
+    /// (`--speculative-load-rule measured`; docs/speculative-decoding.md, "The measured load
+    /// rule").
+    pub spec_load_rule: bool,
     /// A step in flight longer than this means a hung device or rank: the engine is declared
     /// dead (`/health` turns 503, requests in flight get the error, the server exits).
     pub step_watchdog: std::time::Duration,

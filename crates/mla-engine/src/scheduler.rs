@@ -62,6 +62,7 @@ use std::collections::VecDeque;
 mod admission;
 mod constraints;
 mod fairness;
+mod spec_rule;
 mod steps;
 
 pub use admission::{blocks_to_admit, reusable_blocks, shared_prefix_len};
@@ -92,6 +93,9 @@ pub struct SchedulerConfig {
     /// cache misses those positions: acceptance dips for a while after drafting resumes,
     /// correctness does not change.
     pub spec_disable_batch: Option<usize>,
+    /// Draft at a batch size only while it measured faster there (`spec_rule`; the server's
+    /// `--speculative-load-rule measured`, its default).
+    pub spec_load_rule: bool,
     /// Whether the backend verifies drafts of sampled draws (`Backend::verifies_sampled_drafts`);
     /// without it only greedy requests draft.
     pub spec_sampled: bool,
@@ -168,6 +172,10 @@ pub struct Scheduler {
     spec: SpecStats,
     /// Whether drafting is paused by `SchedulerConfig::spec_disable_batch` (logged as it turns).
     spec_paused: bool,
+    /// The measured load rule (`SchedulerConfig::spec_load_rule`), and whether it rules the
+    /// steps being built out of drafting.
+    spec_rule: Option<spec_rule::SpecRule>,
+    spec_ruled_out: bool,
 }
 
 /// How speculative decoding has fared since start (vLLM's `spec_decode_*` counters).
@@ -244,6 +252,8 @@ impl Scheduler {
             mask_jobs: Vec::new(),
             spec: SpecStats::default(),
             spec_paused: false,
+            spec_rule: (cfg.spec_load_rule && cfg.mtp_drafts > 0).then(spec_rule::SpecRule::default),
+            spec_ruled_out: false,
         }
     }
 

@@ -251,6 +251,12 @@ impl Group {
         (verifies.sampled || s.is_greedy()) && (verifies.shaped || !shaped) && !self.grammar_too_slow_to_draft
     }
 
+    /// Whether the request samples with a seed of its own: its tokens must not depend on which
+    /// steps draft (the measured load rule leaves its drafting alone).
+    pub fn pins_draws(&self) -> bool {
+        self.req.seed.is_some() && !self.req.sampling.is_greedy()
+    }
+
     /// Whether completion `i` drafts now: `min_tokens`, while it holds, bans the stop tokens
     /// row by row.
     pub fn drafts_now(&self, i: usize, verifies: Verifies) -> bool {

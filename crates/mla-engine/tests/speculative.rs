@@ -684,3 +684,130 @@ fn a_grammar_too_slow_along_drafts_stops_drafting_and_both_stay_exact() {
     assert!(slow.followed <= 2, "the slow grammar followed drafts of one step only ({slow:?})");
     assert!(fast.followed > 4, "the fast grammar drafts on ({fast:?})");
 }
+
+/// A backend whose steps take at least `every`, and `verify` more when they verify drafts (a
+/// machine where a verify step costs 40% more than a plain one).
+struct Paced<B> {
+    inner: B,
+    every: Duration,
+    verify: Duration,
+    pending: Option<(Arc<Vec<StepPlan>>, Instant)>,
+}
+
+impl<B: Backend> Backend for Paced<B> {
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn model_config(&self) -> &ModelConfig {
+        self.inner.model_config()
+    }
+    fn cache_layouts(&self) -> Vec<CacheLayout> {
+        self.inner.cache_layouts()
+    }
+    fn step_limits(&self) -> StepLimits {
+        self.inner.step_limits()
+    }
+    fn verifies_sampled_drafts(&self) -> bool {
+        self.inner.verifies_sampled_drafts()
+    }
+    fn verifies_shaped_drafts(&self) -> bool {
+        self.inner.verifies_shaped_drafts()
+    }
+    fn start_step(&mut self, plans: &Arc<Vec<StepPlan>>) {
+        self.pending = Some((plans.clone(), Instant::now()));
+        self.inner.start_step(plans)
+    }
+    fn finish_step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+        let out = self.inner.finish_step();
+        let (plans, started) = self.pending.take().expect("a step was started");
+        let verifies = plans.iter().flat_map(|p| &p.seqs).any(|s| s.drafts_fed() > 0);
+        let until = started + self.every + if verifies { self.verify } else { Duration::ZERO };
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+        out
+    }
+}
+
+/// The measured load rule (`spec_load_rule`): on a machine where a verify step costs 40% more
+/// than a plain one, drafts that mostly stand keep the engine drafting (2+ tokens a row pay for
+/// it) and the untrained MTP layer's own drafts, which almost never stand, stop it after the
+/// first measurements; the outputs stay the plain engine's either way.
+#[test]
+fn the_measured_load_rule_drafts_where_drafts_stand_and_stops_where_they_do_not() {
+    let reqs: Vec<GenerateRequest> = requests().into_iter().filter(|r| r.sampling.is_greedy()).take(4).collect();
+    let (plain, _) = run_these(reqs.clone(), Box::new(cpu_backend(64, false)), 0, false, 64, None);
+    let (cfg, _) = fixture();
+    fn paced<B: Backend>(inner: B) -> Paced<B> {
+        Paced { inner, every: Duration::from_millis(5), verify: Duration::from_millis(2), pending: None }
+    }
+    let run_ruled = |backend: Box<dyn Backend>| {
+        let cfg = mla_engine::EngineConfig {
+            mtp_drafts: 2,
+            spec_load_rule: true,
+            mixed_steps: false,
+            max_num_batched_tokens: 64,
+            ..engine_config(MAX_LEN)
+        };
+        let engine = Engine::start(backend, cfg).unwrap();
+        let mut streams: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+        let outs: Vec<Vec<Vec<u32>>> = streams.iter_mut().map(|s| collect(s, 1).tokens).collect();
+        wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
+        let stats = engine.stats();
+        engine.shutdown(Duration::from_secs(1));
+        (outs, stats)
+    };
+    let forced = ForcedDrafts {
+        inner: cpu_backend(64, true),
+        pending: PendingStep::default(),
+        references: references_of(&reqs, &plain),
+        fed: HashMap::new(),
+        steps: 0,
+        vocab: cfg.vocab_size as u32,
+    };
+    let (standing, kept) = run_ruled(Box::new(paced(forced)));
+    assert_eq!(standing, plain);
+    let (own, stopped) = run_ruled(Box::new(paced(cpu_backend(64, true))));
+    assert_eq!(own, plain);
+    let (kept, stopped) = (kept.spec.drafts, stopped.spec.drafts);
+    eprintln!("verify rows: {kept} with standing drafts, {stopped} with the layer's own");
+    assert!(
+        kept > 3 * stopped.max(1),
+        "standing drafts keep drafting ({kept} verify rows) where failing ones stop ({stopped})"
+    );
+}
+
+/// A seeded sampled request drafts whatever the measured rule decides (which uniforms draw its
+/// tokens depends on whether a step drafts), so its tokens are those of a server that always
+/// drafts, beside greedy requests the rule stops drafting for.
+#[test]
+fn a_seeded_sampled_request_drafts_whatever_the_measured_rule_decides() {
+    let mut reqs: Vec<GenerateRequest> = requests().into_iter().filter(|r| r.sampling.is_greedy()).take(3).collect();
+    reqs.push(requests()[SAMPLED].clone());
+    let run = |rule: bool| {
+        let backend = Paced {
+            inner: cpu_backend(64, true),
+            every: Duration::from_millis(5),
+            verify: Duration::from_millis(2),
+            pending: None,
+        };
+        let cfg = mla_engine::EngineConfig {
+            mtp_drafts: 2,
+            spec_load_rule: rule,
+            mixed_steps: false,
+            max_num_batched_tokens: 64,
+            ..engine_config(MAX_LEN)
+        };
+        let engine = Engine::start(Box::new(backend), cfg).unwrap();
+        let mut streams: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+        let outs: Vec<Vec<Vec<u32>>> = streams.iter_mut().map(|s| collect(s, 1).tokens).collect();
+        wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
+        let stats = engine.stats();
+        engine.shutdown(Duration::from_secs(1));
+        (outs, stats.spec.drafts)
+    };
+    let ((always, all_rows), (ruled, ruled_rows)) = (run(false), run(true));
+    assert_eq!(always, ruled, "every output, the seeded sampled one's too");
+    assert!(
+        ruled_rows < all_rows,
+        "the rule stopped the greedy requests drafting ({ruled_rows} of {all_rows} verify rows)"
+    );
+}

@@ -33,20 +33,45 @@ pub struct SpeculativeArgs {
     /// SGLang: tokens per verify step, the drafts plus one (with --speculative-algorithm).
     #[arg(long, value_name = "N")]
     pub speculative_num_draft_tokens: Option<usize>,
+
+    /// How drafting follows the load (this server's own): `measured` (the default) drafts at a
+    /// batch size only while drafting has measured faster there, on this model and machine;
+    /// `off` drafts at every batch size, as vLLM and SGLang do (up to disable_by_batch_size).
+    #[arg(long, value_enum, value_name = "RULE")]
+    pub speculative_load_rule: Option<LoadRule>,
+}
+
+/// `--speculative-load-rule`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoadRule {
+    Measured,
+    Off,
 }
 
 /// What the flags ask for, once read: MTP drafting `draft_tokens` tokens per step, paused while
-/// `disable_by_batch_size` or more sequences run.
+/// `disable_by_batch_size` or more sequences run, and at batch sizes where it measured slower
+/// unless `measured_rule` is off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpeculativeRequest {
     pub draft_tokens: usize,
     pub disable_by_batch_size: Option<usize>,
+    pub measured_rule: bool,
 }
 
 impl SpeculativeArgs {
     /// Reads the flags: `None` without any, an error naming the flag for anything malformed or
     /// that is not the model's MTP layer.
     pub fn request(&self) -> anyhow::Result<Option<SpeculativeRequest>> {
+        let request = self.drafting()?;
+        if request.is_none() && self.speculative_load_rule.is_some() {
+            anyhow::bail!("--speculative-load-rule belongs with --speculative-config or --speculative-algorithm");
+        }
+        let measured_rule = self.speculative_load_rule != Some(LoadRule::Off);
+        Ok(request.map(|r| SpeculativeRequest { measured_rule, ..r }))
+    }
+
+    /// The drafting the vLLM or SGLang flags ask for.
+    fn drafting(&self) -> anyhow::Result<Option<SpeculativeRequest>> {
         match (&self.speculative_config, &self.speculative_algorithm) {
             (Some(_), Some(_)) => anyhow::bail!(
                 "--speculative-config (vLLM) and --speculative-algorithm (SGLang) say the same thing; give one"
@@ -108,7 +133,7 @@ impl SpeculativeArgs {
         if k == 0 {
             anyhow::bail!("--speculative-num-steps must be at least 1 (--speculative-num-draft-tokens at least 2)");
         }
-        Ok(SpeculativeRequest { draft_tokens: k, disable_by_batch_size: None })
+        Ok(SpeculativeRequest { draft_tokens: k, disable_by_batch_size: None, measured_rule: true })
     }
 }
 
@@ -143,7 +168,9 @@ fn vllm_config(json: &str) -> anyhow::Result<SpeculativeRequest> {
     }
     let k = obj.get("num_speculative_tokens").map(|k| k.as_u64().filter(|&k| k >= 1));
     match k {
-        Some(Some(k)) => Ok(SpeculativeRequest { draft_tokens: k as usize, disable_by_batch_size }),
+        Some(Some(k)) => {
+            Ok(SpeculativeRequest { draft_tokens: k as usize, disable_by_batch_size, measured_rule: true })
+        }
         Some(None) => {
             anyhow::bail!("--speculative-config: num_speculative_tokens must be a whole number of at least 1")
         }
@@ -167,7 +194,7 @@ mod tests {
     }
 
     fn k(n: usize) -> Option<SpeculativeRequest> {
-        Some(SpeculativeRequest { draft_tokens: n, disable_by_batch_size: None })
+        Some(SpeculativeRequest { draft_tokens: n, disable_by_batch_size: None, measured_rule: true })
     }
 
     #[test]
@@ -197,8 +224,16 @@ mod tests {
         let paused = r#"{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}"#;
         assert_eq!(
             read(&["--speculative-config", paused]).unwrap(),
-            Some(SpeculativeRequest { draft_tokens: 2, disable_by_batch_size: Some(64) })
+            Some(SpeculativeRequest { draft_tokens: 2, disable_by_batch_size: Some(64), measured_rule: true })
         );
+        let one = r#"{"method": "mtp", "num_speculative_tokens": 1}"#;
+        assert_eq!(
+            read(&["--speculative-config", one, "--speculative-load-rule", "off"]).unwrap(),
+            Some(SpeculativeRequest { draft_tokens: 1, disable_by_batch_size: None, measured_rule: false })
+        );
+        assert_eq!(read(&["--speculative-config", one, "--speculative-load-rule", "measured"]).unwrap(), k(1));
+        let alone = read(&["--speculative-load-rule", "off"]).unwrap_err().to_string();
+        assert!(alone.contains("belongs with --speculative-config"), "{alone}");
     }
 
     #[test]

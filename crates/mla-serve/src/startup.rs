@@ -76,8 +76,13 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
     let mtp_drafts = spec.map_or(0, |r| r.draft_tokens);
     let spec_disable_batch = spec.and_then(|r| r.disable_by_batch_size);
     if mtp_drafts > 0 {
-        let pause = spec_disable_batch
+        let mut pause = spec_disable_batch
             .map_or(String::new(), |n| format!("; paused while {n} or more sequences run (disable_by_batch_size)"));
+        if spec.is_some_and(|r| r.measured_rule) {
+            pause.push_str(
+                "; at each batch size only while it measures faster there (--speculative-load-rule measured)",
+            );
+        }
         // Drafts of sampled draws are verified by rejection sampling where the backend can.
         let draws = match backends.iter().all(|b| b.verifies_sampled_drafts()) {
             true => "greedy and sampled requests",
@@ -106,6 +111,7 @@ pub fn start(args: &Args) -> anyhow::Result<Started> {
             mixed_steps: !args.no_enable_mixed_chunk,
             mtp_drafts,
             spec_disable_batch,
+            spec_load_rule: spec.is_some_and(|r| r.measured_rule),
             step_watchdog: args.watchdog(),
             router: args.routing.config(!args.no_enable_prefix_caching),
         },

@@ -38,7 +38,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What the handle shares with the engine thread.
@@ -96,6 +96,8 @@ enum LastWord {
 /// A step the backend is running.
 struct InFlight {
     plans: Arc<Vec<StepPlan>>,
+    /// When it was handed to the backend (its duration feeds the measured load rule).
+    launched: Instant,
 }
 
 impl Worker {
@@ -115,6 +117,7 @@ impl Worker {
             mixed_steps: cfg.mixed_steps,
             mtp_drafts: cfg.mtp_drafts,
             spec_disable_batch: cfg.spec_disable_batch,
+            spec_load_rule: cfg.spec_load_rule,
             spec_sampled: backend.verifies_sampled_drafts(),
             spec_shaped: backend.verifies_shaped_drafts(),
             fork_blocks: backend.forks_blocks(),
@@ -319,6 +322,7 @@ impl Worker {
 
     /// Hands the step to the backend. A panic while starting is the step's failure.
     fn launch(&mut self, plans: Vec<StepPlan>) -> InFlight {
+        let launched = Instant::now();
         let plans = Arc::new(plans);
         self.links.liveness.step_started();
         let backend = &mut self.backend;
@@ -349,7 +353,7 @@ impl Worker {
         for (id, why) in failed {
             self.reject(id, why);
         }
-        InFlight { plans }
+        InFlight { plans, launched }
     }
 
     /// Waits for the step in flight and applies it; false when the engine cannot go on.
@@ -361,17 +365,20 @@ impl Worker {
             .unwrap_or_else(|p| Err(anyhow::anyhow!("backend panicked: {}", panic_text(&p))))
             .and_then(|outs| check_outputs(&f.plans, &outs).map(|()| outs));
         self.links.liveness.step_ended();
-        self.conclude(f.plans, result)
+        self.conclude(f.plans, result, f.launched.elapsed())
     }
 
     /// Applies a step's outputs, or handles its failure: a failed step is retried one request at
     /// a time, the other ranks idle, so that one bad request cannot take its batch-mates down
     /// (the backend leaves only the fed positions unspecified, and the retry rewrites them). A
     /// fatal failure ends the engine instead: false.
-    fn conclude(&mut self, plans: Arc<Vec<StepPlan>>, result: anyhow::Result<Vec<StepOutput>>) -> bool {
+    fn conclude(&mut self, plans: Arc<Vec<StepPlan>>, result: anyhow::Result<Vec<StepOutput>>, took: Duration) -> bool {
         let err = match result {
             Ok(outs) => {
                 self.apply_all(&plans, &outs);
+                for ((sched, plan), out) in self.ranks.iter_mut().zip(plans.iter()).zip(&outs) {
+                    sched.record_step_time(plan, out, took);
+                }
                 // The backend has dropped its references by now (its threads do before they
                 // answer); if not, the plans are simply freed.
                 if let Ok(plans) = Arc::try_unwrap(plans) {

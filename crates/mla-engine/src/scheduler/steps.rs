@@ -60,6 +60,7 @@ impl Scheduler {
     /// are free and the step's token budget has room; otherwise it feeds its one token.
     pub(super) fn build_decode(&mut self) -> Vec<SeqStep> {
         let mut steps = Vec::with_capacity(self.running.len());
+        self.consult_spec_rule();
         let drafting = self.drafting();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut i = 0;
@@ -93,7 +94,8 @@ impl Scheduler {
     }
 
     /// What speculative decoding asks of this step's entries, when it is on and not paused by
-    /// the batch-size rule (`SchedulerConfig::spec_disable_batch`).
+    /// the batch-size rule (`SchedulerConfig::spec_disable_batch`); where the measured rule
+    /// rules drafting out (`consult_spec_rule`), for seeded sampled requests only.
     fn drafting(&mut self) -> Option<Drafting> {
         if self.cfg.mtp_drafts == 0 {
             return None;
@@ -118,6 +120,7 @@ impl Scheduler {
             verifies: Verifies { sampled: self.cfg.spec_sampled, shaped: self.cfg.spec_shaped },
             block_size: self.blocks.block_size(),
             max_model_len: self.cfg.max_model_len,
+            seeded_only: self.spec_ruled_out,
         })
     }
 
@@ -148,9 +151,17 @@ pub(super) struct Drafting {
     verifies: Verifies,
     block_size: usize,
     max_model_len: usize,
+    /// The measured load rule ruled this step out of drafting: only requests whose draws are
+    /// pinned by a seed draft (`Group::pins_draws`), so their tokens do not depend on it.
+    seeded_only: bool,
 }
 
 impl Drafting {
+    /// Whether request `g` may draft in this step at all (`seeded_only`).
+    fn admits(&self, g: &Group) -> bool {
+        !self.seeded_only || g.pins_draws()
+    }
+
     /// Positions a decode row with its drafts needs blocks for: the last token, the drafts, and
     /// the `k - 1` rows drafting writes past them.
     fn row_positions(&self, seq: &crate::sequence::Seq) -> usize {
@@ -162,6 +173,7 @@ impl Drafting {
     fn fits_row(&self, g: &Group, c: usize, budget: usize) -> bool {
         let seq = &g.completions[c];
         !seq.drafts.is_empty()
+            && self.admits(g)
             && g.drafts_now(c, self.verifies)
             && self.row_positions(seq) <= self.max_model_len
             && seq.drafts.len() < budget
@@ -170,7 +182,7 @@ impl Drafting {
     /// The `MtpStep` of an entry feeding `seq.tokens[computed..end]` (plus `fed` drafts), or
     /// `None` for a request that never drafts (its MTP rows would serve nothing).
     fn step(&self, g: &Group, key: SeqKey, end: usize, samples: bool, fed: usize) -> Option<MtpStep> {
-        if !g.may_speculate(self.verifies) {
+        if !g.may_speculate(self.verifies) || !self.admits(g) {
             return None;
         }
         let seq = g.seq(key.slot).expect("resident sequence exists");

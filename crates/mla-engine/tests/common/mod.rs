@@ -390,6 +390,7 @@ pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 
 pub fn engine_config(max_model_len: usize) -> mla_engine::EngineConfig {
     mla_engine::EngineConfig {
+        spec_load_rule: false,
         long_prefill_token_threshold: None,
         max_model_len,
         max_num_seqs: 8,

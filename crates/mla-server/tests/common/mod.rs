@@ -205,6 +205,7 @@ pub fn server(opts: Options) -> TestServer {
         pending: PendingStep::default(),
     };
     let cfg = EngineConfig {
+        spec_load_rule: false,
         long_prefill_token_threshold: None,
         max_model_len: MAX_MODEL_LEN,
         max_num_seqs: opts.max_num_seqs,
