@@ -67,23 +67,33 @@ __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const ui
     }
 }
 
-// Adds FP8 chunk c of two rows (w0, w1), dotted with the vector's chunk c, into a0 / a1: its 16
-// products summed in f32, then scaled by its block's scale (s0 / s1 point at the rows' scale-grid
-// row, chunk c's scale is (coff + c) / 8).
-__device__ __forceinline__ void add_fp8_chunk(const uint4& w0, const uint4& w1, const float* __restrict__ s0,
-                                              const float* __restrict__ s1, int coff, const bf16* __restrict__ v, int c,
-                                              float& a0, float& a1) {
-    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+// The products of FP8 chunks w0 / w1 of two rows with the vector's chunk (16 bf16: xa then xb),
+// each row's 16 summed in f32 into p0 / p1, before the block scale.
+__device__ __forceinline__ void fp8_chunk_dots(const uint4& w0, const uint4& w1, const uint4& xa, const uint4& xb,
+                                               float& p0, float& p1) {
     float xf[16], f0[16], f1[16];
-    bf16x16_to_f32(v + (size_t)c * 16, xf);
+    bf16x16_to_f32(xa, xb, xf);
     fp8x16_to_f32(w0, f0);
     fp8x16_to_f32(w1, f1);
-    float p0 = 0.f, p1 = 0.f;
+    p0 = 0.f;
+    p1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         p0 = fmaf(f0[j], xf[j], p0);
         p1 = fmaf(f1[j], xf[j], p1);
     }
+}
+
+// Adds FP8 chunk c of two rows (w0, w1), dotted with the vector's chunk c, into a0 / a1: its 16
+// products summed in f32 (fp8_chunk_dots), then scaled by its block's scale (s0 / s1 point at the
+// rows' scale-grid row, chunk c's scale is (coff + c) / 8).
+__device__ __forceinline__ void add_fp8_chunk(const uint4& w0, const uint4& w1, const float* __restrict__ s0,
+                                              const float* __restrict__ s1, int coff, const bf16* __restrict__ v, int c,
+                                              float& a0, float& a1) {
+    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+    const uint4* vc = reinterpret_cast<const uint4*>(v + (size_t)c * 16);
+    float p0, p1;
+    fp8_chunk_dots(w0, w1, __ldg(vc), __ldg(vc + 1), p0, p1);
     const int b = (coff + c) / CHUNKS_PER_BLOCK;
     a0 = fmaf(p0, __ldg(s0 + b), a0);
     a1 = fmaf(p1, __ldg(s1 + b), a1);
@@ -339,11 +349,32 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 5)
 // places go at the front, so that the one partial round is the first: one warp summing a whole
 // 14 KB item alone (~1 us) then overlaps the other rounds' streaming instead of trailing them.
 //
+// The consumers' operands. Measured first (runs S61, S63, H200) with x and the scales loaded as
+// the warp kernel loads them: the same bits as the warp kernel, but a TP-8 rank of V3's decode step
+// (61 layers) equal at B = 1 (5.21 / 5.18 ms against 5.19 / 5.23), 0.17 ms slower at B = 2 and
+// 0.4 ms at B = 3 (~3 and ~7 us a layer). Under ncu at B = 1 the kernel took 23.4 us (37.4 at
+// B = 2) with DRAM at 30% (1.45 TB/s): the ring had taken DRAM's latency away, and the consumers
+// were the bound, 10.5 cycles per issued instruction with 16.8 warps an SM (four a scheduler), 4.9
+// of them waiting on L1TEX loads (long scoreboard), although 95.6% of those hit in L1. Those were
+// x (32 bytes a lane and chunk) and the scales: the compiled slice loaded chunk 0's, waited,
+// summed it, and only then loaded chunk 1's (the branch past the row's end kept them below), two
+// dependent L1 round trips per 1 KB slice and lane with little else to issue. Now a slice's x and
+// scales are loaded one slice ahead, before the wait on the stage before (20 registers; the next
+// round's item's first slice during an item's last), without predicates (a chunk past the row
+// loads the last one's), the slice loop unrolled twice so that the two sets alternate without
+// copies; the stage's shared loads go out together after its wait. 96 registers (64 before), no
+// spills, the same ~290 instructions a slice. Expected: the long-scoreboard share mostly gone and
+// the consumers ~1.5x faster, B = 1 under the five-block kernel's 16.2 us if DRAM keeps up, and
+// the B = 2 and 3 deficit turned around; not yet measured. Not done: x in shared memory (the same
+// eight L1 wavefronts a warp and chunk as the L1 hits, the ring to shrink for 42 KB at B = 3, and
+// the dependency, not where x lives, was the cost); more consumer warps (1,024 threads leave 64
+// registers a thread).
+//
 // The same bits as moe_gemv_gate_up_fp8: lane l of an item's warp takes the chunks c = l mod 32
 // in increasing c (a slice is whole rows of 32 lanes' chunks and slices come in order), adds each
-// with add_fp8_chunk, dot2_rows_fp8's arithmetic, from sums starting at zero, and ends with
-// store_silu_mul; only where the weight bytes come from differs. Items are independent, so their
-// order does not matter. Takes every shape the warp kernel takes (hidden % 16 == 0: rows and
+// with add_fp8_chunk's arithmetic (fp8_chunk_dots, then its scale), from sums starting at zero,
+// and ends with store_silu_mul; only where the operands come from differs. Items are independent,
+// so their order does not matter. Takes every shape the warp kernel takes (hidden % 16 == 0: rows and
 // slices are whole 16-byte copies; a short last slice is copied and summed short).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace {
@@ -423,32 +454,100 @@ DEVICE_INLINE void bulk_gate_up_produce(const GateUpArgs<uint8_t>& a, const Bulk
     while (q.r < it.rounds()) issue_next();
 }
 
+// A lane's operands of one slice besides the weights: for each of its chunks (k = lane + 32 i of
+// the slice, chunk c of the rows), the vector's 32 bytes and the gate and up rows' scales.
+constexpr int LANE_CHUNKS = SLICE_CHUNKS / 32;
+struct SliceOperands {
+    uint4 xa[LANE_CHUNKS], xb[LANE_CHUNKS];
+    float gs[LANE_CHUNKS], us[LANE_CHUNKS];
+};
+
+// Slice s's operands of an item's rows. Loaded whether or not the lane sums them: a chunk past the
+// row loads the last one's (c clamped), so that no load is predicated and no register kept.
+DEVICE_INLINE SliceOperands load_slice_operands(const GateUpRows<uint8_t>& rows, int s, int chunks, int lane) {
+    constexpr unsigned CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
+    SliceOperands o;
+#pragma unroll
+    for (int i = 0; i < LANE_CHUNKS; ++i) {
+        const unsigned c = min(s * SLICE_CHUNKS + lane + 32 * i, chunks - 1);
+        const uint4* v = reinterpret_cast<const uint4*>(rows.x) + 2 * c;
+        o.xa[i] = __ldg(v);
+        o.xb[i] = __ldg(v + 1);
+        o.gs[i] = __ldg(rows.gs + c / CHUNKS_PER_BLOCK);
+        o.us[i] = __ldg(rows.us + c / CHUNKS_PER_BLOCK);
+    }
+    return o;
+}
+
 // Consumer warp `warp`: its item's gate and up slices from each stage, summed as dot2_rows_fp8
-// sums them; each stage released once the warp's lanes have read it.
+// sums them (add_fp8_chunk's arithmetic); each stage released once the warp's lanes have read it.
+// The vector and the scales of a slice are loaded one slice ahead, before the wait on the stage
+// before it (the next round's item's first slice during an item's last), so that their L1 round
+// trip overlaps a slice's arithmetic; the stage's weights are read all at once after its wait.
 DEVICE_INLINE void bulk_gate_up_consume(const GateUpArgs<uint8_t>& a, const BulkItems& it, int slices,
                                         const uint8_t* ring, uint32_t full, uint32_t empty) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = a.hidden / 16;
-    BulkPiece q;
-    while (q.r < it.rounds()) {
-        const int j = q.r * BULK_WARPS + warp - it.pad;
-        GateUpRows<uint8_t> rows{};
-        if (j >= 0) rows = gate_up_rows(a, it.item(j));
-        float g = 0.f, u = 0.f;
-        for (int s = 0; s < slices; ++s, q.next(slices)) {
-            mbar_wait(full + 8 * q.stage, q.phase);
-            if (j >= 0) {
-                const uint4* gate = reinterpret_cast<const uint4*>(ring + q.stage * STAGE_BYTES + 2 * warp * SLICE);
-#pragma unroll
-                for (int i = 0; i < SLICE_CHUNKS / 32; ++i) {
-                    const int k = lane + 32 * i, c = s * SLICE_CHUNKS + k;
-                    if (c >= chunks) break;
-                    add_fp8_chunk(gate[k], gate[SLICE_CHUNKS + k], rows.gs, rows.us, 0, rows.x, c, g, u);
-                }
-            }
-            __syncwarp();  // every lane's reads of the stage are done
-            if (lane == 0) mbar_arrive(empty + 8 * q.stage);
+    // This warp's item of round r, if it has one; else rows whose operands can be loaded (the first
+    // token's and scale-grid row), never summed.
+    auto round_rows = [&](int r, GateUpRows<uint8_t>& rows) {
+        const int j = r * BULK_WARPS + warp - it.pad;
+        if (r >= it.rounds() || j < 0) {
+            rows.x = a.x;
+            rows.gs = rows.us = a.s_gu;
+            return false;
         }
-        if (j >= 0) store_silu_mul(rows.out, g, u, lane);
+        rows = gate_up_rows(a, it.item(j));
+        return true;
+    };
+    BulkPiece q;
+    float g, u;
+    bool mine;
+    // Slice s of the warp's item from stage q, with its operands op.
+    auto sum_slice = [&](int s, const SliceOperands& op) {
+        mbar_wait(full + 8 * q.stage, q.phase);
+        if (mine) {
+            // Within the warp's slices whatever the row's length: past it, stale bytes, unused.
+            const uint4* gate = reinterpret_cast<const uint4*>(ring + q.stage * STAGE_BYTES + 2 * warp * SLICE);
+            uint4 wg[LANE_CHUNKS], wu[LANE_CHUNKS];
+#pragma unroll
+            for (int i = 0; i < LANE_CHUNKS; ++i) {
+                wg[i] = gate[lane + 32 * i];
+                wu[i] = gate[SLICE_CHUNKS + lane + 32 * i];
+            }
+#pragma unroll
+            for (int i = 0; i < LANE_CHUNKS; ++i) {
+                // Dotted whether or not within the row, added only if so: a branch past the row's
+                // end had the compiler sink the next chunk's shared loads below this one's sums.
+                const bool in = s * SLICE_CHUNKS + lane + 32 * i < chunks;
+                float p0, p1;
+                fp8_chunk_dots(wg[i], wu[i], op.xa[i], op.xb[i], p0, p1);
+                g = in ? fmaf(p0, op.gs[i], g) : g;
+                u = in ? fmaf(p1, op.us[i], u) : u;
+            }
+        }
+        __syncwarp();  // every lane's reads of the stage are done
+        if (lane == 0) mbar_arrive(empty + 8 * q.stage);
+        q.next(slices);
+    };
+    if (it.rounds() == 0) return;  // no item: no operand to load (x may be empty)
+    GateUpRows<uint8_t> rows{}, next{};
+    mine = round_rows(0, rows);
+    SliceOperands ahead = load_slice_operands(rows, 0, chunks, lane);
+    while (q.r < it.rounds()) {
+        const bool next_mine = round_rows(q.r + 1, next);
+        g = u = 0.f;
+#pragma unroll 2
+        for (int s = 0; s + 1 < slices; ++s) {
+            const SliceOperands op = ahead;
+            ahead = load_slice_operands(rows, s + 1, chunks, lane);
+            sum_slice(s, op);
+        }
+        const SliceOperands op = ahead;
+        ahead = load_slice_operands(next, 0, chunks, lane);
+        sum_slice(slices - 1, op);
+        if (mine) store_silu_mul(rows.out, g, u, lane);
+        rows = next;
+        mine = next_mine;
     }
 }
 }  // namespace
