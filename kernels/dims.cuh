@@ -102,15 +102,6 @@ constexpr int MOE_GATE_UP_STREAM_WARPS = 4;
 constexpr int MOE_GATE_UP_STREAM_STAGES = 4;
 constexpr int MOE_GATE_UP_STREAM_SMEM =
     MOE_GATE_UP_STREAM_WARPS * (MOE_GATE_UP_STREAM_STAGES * (8 * 32 * 16 + 2 * 32 * 4) + 4 * 32 * 4);
-// The bulk-copy FP8 gate/up (moe_gemv.cu, moe_gemv_gate_up_fp8_bulk): consumer warps per block (a
-// producer warp comes on top), the bytes of a gate or an up row a stage holds for each of them,
-// the stages of the block's ring, and its dynamic shared memory: the stages, then a full and an
-// empty mbarrier (8 bytes each) per stage.
-constexpr int MOE_GATE_UP_BULK_WARPS = 16;
-constexpr int MOE_GATE_UP_BULK_SLICE = 1024;
-constexpr int MOE_GATE_UP_BULK_STAGES = 6;
-constexpr int MOE_GATE_UP_BULK_SMEM =
-    MOE_GATE_UP_BULK_STAGES * (MOE_GATE_UP_BULK_WARPS * 2 * MOE_GATE_UP_BULK_SLICE + 2 * 8);
 
 // Device sampler: most alternatives a row reports with its log-probability.
 constexpr int MAX_TOP_LOGPROBS = 20;

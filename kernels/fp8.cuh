@@ -21,8 +21,9 @@ DEVICE_INLINE void fp8x16_to_f32(const uint4& v, float* f) {
     }
 }
 
-// 16 bf16 values, a then b (8 each), to f32.
-DEVICE_INLINE void bf16x16_to_f32(const uint4& a, const uint4& b, float* f) {
+// 16 bf16 values at p (16-byte aligned) to f32.
+DEVICE_INLINE void bf16x16_to_f32(const __nv_bfloat16* p, float* f) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(p)), b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
     const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&a);
     const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&b);
 #pragma unroll
@@ -33,11 +34,6 @@ DEVICE_INLINE void bf16x16_to_f32(const uint4& a, const uint4& b, float* f) {
         f[8 + 2 * i] = p1.x;
         f[8 + 2 * i + 1] = p1.y;
     }
-}
-
-// 16 bf16 values at p (16-byte aligned) to f32.
-DEVICE_INLINE void bf16x16_to_f32(const __nv_bfloat16* p, float* f) {
-    bf16x16_to_f32(__ldg(reinterpret_cast<const uint4*>(p)), __ldg(reinterpret_cast<const uint4*>(p) + 1), f);
 }
 
 // 8 e4m3 values (one 8-byte load) dequantized with their block's scale, each rounded once to bf16:

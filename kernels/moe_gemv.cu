@@ -16,7 +16,6 @@
 // and their bf16 rounding points are the same for both formats. Routed and shared experts share
 // the format of a launch.
 #include "fp8.cuh"
-#include "wgmma.cuh"
 
 namespace {
 constexpr int WARPS = MOE_GEMV_WARPS;  // warps per block of the router and gate/up kernels
@@ -67,47 +66,30 @@ __device__ __forceinline__ void dot2_rows(const uint4* __restrict__ r0, const ui
     }
 }
 
-// The products of FP8 chunks w0 / w1 of two rows with the vector's chunk (16 bf16: xa then xb),
-// each row's 16 summed in f32 into p0 / p1, before the block scale.
-__device__ __forceinline__ void fp8_chunk_dots(const uint4& w0, const uint4& w1, const uint4& xa, const uint4& xb,
-                                               float& p0, float& p1) {
-    float xf[16], f0[16], f1[16];
-    bf16x16_to_f32(xa, xb, xf);
-    fp8x16_to_f32(w0, f0);
-    fp8x16_to_f32(w1, f1);
-    p0 = 0.f;
-    p1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        p0 = fmaf(f0[j], xf[j], p0);
-        p1 = fmaf(f1[j], xf[j], p1);
-    }
-}
-
-// Adds FP8 chunk c of two rows (w0, w1), dotted with the vector's chunk c, into a0 / a1: its 16
-// products summed in f32 (fp8_chunk_dots), then scaled by its block's scale (s0 / s1 point at the
-// rows' scale-grid row, chunk c's scale is (coff + c) / 8).
-__device__ __forceinline__ void add_fp8_chunk(const uint4& w0, const uint4& w1, const float* __restrict__ s0,
-                                              const float* __restrict__ s1, int coff, const bf16* __restrict__ v, int c,
-                                              float& a0, float& a1) {
-    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
-    const uint4* vc = reinterpret_cast<const uint4*>(v + (size_t)c * 16);
-    float p0, p1;
-    fp8_chunk_dots(w0, w1, __ldg(vc), __ldg(vc + 1), p0, p1);
-    const int b = (coff + c) / CHUNKS_PER_BLOCK;
-    a0 = fmaf(p0, __ldg(s0 + b), a0);
-    a1 = fmaf(p1, __ldg(s1 + b), a1);
-}
-
-// add_fp8_chunk for loaded chunks c0 + 32 i (i < U, those below `chunks`), in that order.
+// Adds loaded FP8 chunks c0 + 32 i (i < U, those below `chunks`) of two rows, dotted with the
+// vector's chunks, into a0 / a1: each chunk's 16 products summed in f32, then scaled by its block's
+// scale (s0 / s1 point at the rows' scale-grid row, chunk c's scale is (coff + c) / 8).
 __device__ __forceinline__ void add_fp8_chunks(const uint4 (&w0)[U], const uint4 (&w1)[U], const float* __restrict__ s0,
                                                const float* __restrict__ s1, int coff, const bf16* __restrict__ v,
                                                int c0, int chunks, float& a0, float& a1) {
+    constexpr int CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
 #pragma unroll
     for (int i = 0; i < U; ++i) {
         const int c = c0 + 32 * i;
         if (c >= chunks) break;
-        add_fp8_chunk(w0[i], w1[i], s0, s1, coff, v, c, a0, a1);
+        float xf[16], f0[16], f1[16];
+        bf16x16_to_f32(v + (size_t)c * 16, xf);
+        fp8x16_to_f32(w0[i], f0);
+        fp8x16_to_f32(w1[i], f1);
+        float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            p0 = fmaf(f0[j], xf[j], p0);
+            p1 = fmaf(f1[j], xf[j], p1);
+        }
+        const int b = (coff + c) / CHUNKS_PER_BLOCK;
+        a0 = fmaf(p0, __ldg(s0 + b), a0);
+        a1 = fmaf(p1, __ldg(s1 + b), a1);
     }
 }
 
@@ -317,277 +299,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 5)
                             bf16* __restrict__ act, bf16* __restrict__ act_sh) {
     moe_gemv_gate_up_body(
         GateUpArgs<uint8_t>{x, hidden, tokens, topk_ids, top_k, w_gu, s_gu, im, w_sh, s_sh, ims, act, act_sh});
-}
-
-// moe_gemv_gate_up_fp8 with its weight bytes in flight no longer bounded by registers (issue 29;
-// sm_90a cubin only, where ops/moe_gemv.rs finds it). The warp kernel holds at most U chunks of a
-// row pair per lane (8 KB a warp) and nothing while it converts and sums them, about 115
-// instructions per lane and 32 bytes; with 20 warps an SM it reads a TP-8 rank of V3's 2,304
-// items of 14 KB at one token in 16.2 us under ncu (run S56), about 2 TB/s, DRAM at 40% of its
-// peak and its warps waiting on loads 57% of the time (S58). Here a producer warp streams the
-// rows with the bulk-copy engine (1-D cp.async.bulk, no registers, completion counted in bytes on
-// an mbarrier) into a ring of stages in shared memory, and 16 consumer warps compute from there
-// what the warp kernel computes.
-//
-// Sizes (dims.cuh), per SM: one block of 16 consumer warps and the producer. A stage holds, for
-// each consumer warp, a 1 KB slice of its item's gate row and the same slice of its up row: 32 KB;
-// the ring has 6 stages, 192 KB (196 KB carve-out, leaving about 60 KB of L1 for x and the
-// scales). While the consumers work on one stage the other five, 160 KB, are in flight. Little's
-// law asks for about 4.8 TB/s x 1.5 us (DRAM latency under load) / 132 SMs = 55 KB an SM, so the
-// ring has three times that in hand. The arithmetic stays the warp kernel's: 115 warp
-// instructions per KB of weights, at 4.8 TB/s / 132 SMs = 36 KB/us an SM about 2.1 instructions a
-// cycle, half of the SM's issue; 16 warps (four a scheduler) are there to keep it fed.
-//
-// Rounds: the block takes the items first, first + stride, ... as the warp kernel's blocks would
-// (stride: the grid, one wave of one block an SM), BULK_WARPS at a time, one consumer warp an item;
-// a round's stages are its items' slices 0, 1, ... in turn. Every consumer warp waits on every
-// stage and releases it (an empty barrier counting BULK_WARPS arrivals), even in a round without
-// an item for it: a warp waiting on a stage's k-th fill has then seen the (k-1)-th itself and no
-// (k+1)-th can start before it releases the k-th, so the parity wait always names the right fill.
-// The shared experts' columns come first, and the rounds made only of them are filled before the
-// launch waits on the routing (PDL); the rest of their rows are prefetched into L2 meanwhile. Empty
-// places go at the front, so that the one partial round is the first: one warp summing a whole
-// 14 KB item alone (~1 us) then overlaps the other rounds' streaming instead of trailing them.
-//
-// The consumers' operands. Measured first (runs S61, S63, H200) with x and the scales loaded as
-// the warp kernel loads them: the same bits as the warp kernel, but a TP-8 rank of V3's decode step
-// (61 layers) equal at B = 1 (5.21 / 5.18 ms against 5.19 / 5.23), 0.17 ms slower at B = 2 and
-// 0.4 ms at B = 3 (~3 and ~7 us a layer). Under ncu at B = 1 the kernel took 23.4 us (37.4 at
-// B = 2) with DRAM at 30% (1.45 TB/s): the ring had taken DRAM's latency away, and the consumers
-// were the bound, 10.5 cycles per issued instruction with 16.8 warps an SM (four a scheduler), 4.9
-// of them waiting on L1TEX loads (long scoreboard), although 95.6% of those hit in L1. Those were
-// x (32 bytes a lane and chunk) and the scales: the compiled slice loaded chunk 0's, waited,
-// summed it, and only then loaded chunk 1's (the branch past the row's end kept them below), two
-// dependent L1 round trips per 1 KB slice and lane with little else to issue. Now a slice's x and
-// scales are loaded one slice ahead, before the wait on the stage before (20 registers; the next
-// round's item's first slice during an item's last), without predicates (a chunk past the row
-// loads the last one's), the slice loop unrolled twice so that the two sets alternate without
-// copies; the stage's shared loads go out together after its wait. 96 registers (64 before), no
-// spills, the same ~290 instructions a slice. Expected: the long-scoreboard share mostly gone and
-// the consumers ~1.5x faster, B = 1 under the five-block kernel's 16.2 us if DRAM keeps up, and
-// the B = 2 and 3 deficit turned around; not yet measured. Not done: x in shared memory (the same
-// eight L1 wavefronts a warp and chunk as the L1 hits, the ring to shrink for 42 KB at B = 3, and
-// the dependency, not where x lives, was the cost); more consumer warps (1,024 threads leave 64
-// registers a thread).
-//
-// The same bits as moe_gemv_gate_up_fp8: lane l of an item's warp takes the chunks c = l mod 32
-// in increasing c (a slice is whole rows of 32 lanes' chunks and slices come in order), adds each
-// with add_fp8_chunk's arithmetic (fp8_chunk_dots, then its scale), from sums starting at zero,
-// and ends with store_silu_mul; only where the operands come from differs. Items are independent,
-// so their order does not matter. Takes every shape the warp kernel takes (hidden % 16 == 0: rows and
-// slices are whole 16-byte copies; a short last slice is copied and summed short).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-namespace {
-constexpr int BULK_WARPS = MOE_GATE_UP_BULK_WARPS, BULK_STAGES = MOE_GATE_UP_BULK_STAGES;
-constexpr int SLICE = MOE_GATE_UP_BULK_SLICE, SLICE_CHUNKS = SLICE / 16;
-// Consumer warp w's gate slice at 2 w SLICE of a stage, its up slice right after.
-constexpr int STAGE_BYTES = BULK_WARPS * 2 * SLICE;
-static_assert(SLICE_CHUNKS % 32 == 0, "a slice must be whole rows of the lanes' chunks (lane l keeps chunks l mod 32)");
-static_assert(2 * BULK_WARPS <= 32, "the producer has a lane for each consumer warp's gate row and up row");
-static_assert(BULK_STAGES * (STAGE_BYTES + 2 * 8) == MOE_GATE_UP_BULK_SMEM,
-              "dims.cuh's shared memory of the bulk gate/up differs from the kernel's");
-
-// A block's items, first + stride k for k < count, in the order its rounds take them: the
-// `shared` shared-expert columns (the last k) first, then the routed ones; `pad` empty places
-// before them fill the first round up to BULK_WARPS. Consumer warp w's item in round r is
-// j = r BULK_WARPS + w - pad, none where j < 0.
-struct BulkItems {
-    long long first, stride;
-    int count, shared, pad;
-
-    DEVICE_INLINE int rounds() const { return (pad + count) / BULK_WARPS; }
-    DEVICE_INLINE long long item(int j) const { return first + stride * ((j + count - shared) % count); }
-};
-
-// The ring's stages in the order both sides take them: piece p is slice s of round r, in stage
-// p % BULK_STAGES (mbarriers at full + 8 stage and empty + 8 stage), its fill p / BULK_STAGES,
-// whose parity is `phase`. Counted along rather than divided out of p.
-struct BulkPiece {
-    int p = 0, r = 0, s = 0, stage = 0;
-    uint32_t phase = 0;
-
-    DEVICE_INLINE void next(int slices) {
-        ++p;
-        if (++s == slices) {
-            s = 0;
-            ++r;
-        }
-        if (++stage == BULK_STAGES) {
-            stage = 0;
-            phase ^= 1;
-        }
-    }
-};
-
-// The producer warp: lane 2 w + h copies consumer warp w's gate (h = 0) or up (h = 1) row slice
-// into each stage, once every consumer warp has released the stage's previous fill; lane 0 arms
-// the stage's full barrier with the bytes of all of them.
-DEVICE_INLINE void bulk_gate_up_produce(const GateUpArgs<uint8_t>& a, const BulkItems& it, int slices, uint32_t ring,
-                                        uint32_t full, uint32_t empty) {
-    const int lane = threadIdx.x & 31, w = lane >> 1, h = lane & 1;
-    const uint8_t* row = nullptr;
-    BulkPiece q;
-    auto issue_next = [&]() {
-        if (q.p >= BULK_STAGES) mbar_wait(empty + 8 * q.stage, q.phase ^ 1);
-        const int j = q.r * BULK_WARPS + w - it.pad;
-        const bool mine = w < BULK_WARPS && j >= 0;
-        if (mine && q.s == 0) {
-            const GateUpRows<uint8_t> rows = gate_up_rows(a, it.item(j));
-            row = reinterpret_cast<const uint8_t*>(h ? rows.u : rows.g);
-        }
-        const int bytes = min(SLICE, a.hidden - q.s * SLICE);
-        const uint32_t bar = full + 8 * q.stage;
-        if (lane == 0) mbar_arrive_expect_tx(bar, 2 * bytes * (BULK_WARPS - (q.r == 0 ? it.pad : 0)));
-        if (mine) bulk_copy_g2s(ring + q.stage * STAGE_BYTES + (2 * w + h) * SLICE, row + q.s * SLICE, bytes, bar);
-        q.next(slices);
-    };
-    // Before the routing is known: the stages of the leading rounds made only of shared columns,
-    // and the other shared columns' rows into L2.
-    const int early = min(BULK_STAGES, (it.shared + it.pad) / BULK_WARPS * slices);
-    while (q.p < early) issue_next();
-    for (int j = max(0, early / slices * BULK_WARPS - it.pad) + lane; j < it.shared; j += 32) {
-        const GateUpRows<uint8_t> rows = gate_up_rows(a, it.item(j));
-        prefetch_l2(rows.g, (unsigned)a.hidden);
-        prefetch_l2(rows.u, (unsigned)a.hidden);
-    }
-    PDL_ENTRY();
-    while (q.r < it.rounds()) issue_next();
-}
-
-// A lane's operands of one slice besides the weights: for each of its chunks (k = lane + 32 i of
-// the slice, chunk c of the rows), the vector's 32 bytes and the gate and up rows' scales.
-constexpr int LANE_CHUNKS = SLICE_CHUNKS / 32;
-struct SliceOperands {
-    uint4 xa[LANE_CHUNKS], xb[LANE_CHUNKS];
-    float gs[LANE_CHUNKS], us[LANE_CHUNKS];
-};
-
-// Slice s's operands of an item's rows. Loaded whether or not the lane sums them: a chunk past the
-// row loads the last one's (c clamped), so that no load is predicated and no register kept.
-DEVICE_INLINE SliceOperands load_slice_operands(const GateUpRows<uint8_t>& rows, int s, int chunks, int lane) {
-    constexpr unsigned CHUNKS_PER_BLOCK = FP8_SCALE_BLOCK / 16;
-    SliceOperands o;
-#pragma unroll
-    for (int i = 0; i < LANE_CHUNKS; ++i) {
-        const unsigned c = min(s * SLICE_CHUNKS + lane + 32 * i, chunks - 1);
-        const uint4* v = reinterpret_cast<const uint4*>(rows.x) + 2 * c;
-        o.xa[i] = __ldg(v);
-        o.xb[i] = __ldg(v + 1);
-        o.gs[i] = __ldg(rows.gs + c / CHUNKS_PER_BLOCK);
-        o.us[i] = __ldg(rows.us + c / CHUNKS_PER_BLOCK);
-    }
-    return o;
-}
-
-// Consumer warp `warp`: its item's gate and up slices from each stage, summed as dot2_rows_fp8
-// sums them (add_fp8_chunk's arithmetic); each stage released once the warp's lanes have read it.
-// The vector and the scales of a slice are loaded one slice ahead, before the wait on the stage
-// before it (the next round's item's first slice during an item's last), so that their L1 round
-// trip overlaps a slice's arithmetic; the stage's weights are read all at once after its wait.
-DEVICE_INLINE void bulk_gate_up_consume(const GateUpArgs<uint8_t>& a, const BulkItems& it, int slices,
-                                        const uint8_t* ring, uint32_t full, uint32_t empty) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = a.hidden / 16;
-    // This warp's item of round r, if it has one; else rows whose operands can be loaded (the first
-    // token's and scale-grid row), never summed.
-    auto round_rows = [&](int r, GateUpRows<uint8_t>& rows) {
-        const int j = r * BULK_WARPS + warp - it.pad;
-        if (r >= it.rounds() || j < 0) {
-            rows.x = a.x;
-            rows.gs = rows.us = a.s_gu;
-            return false;
-        }
-        rows = gate_up_rows(a, it.item(j));
-        return true;
-    };
-    BulkPiece q;
-    float g, u;
-    bool mine;
-    // Slice s of the warp's item from stage q, with its operands op.
-    auto sum_slice = [&](int s, const SliceOperands& op) {
-        mbar_wait(full + 8 * q.stage, q.phase);
-        if (mine) {
-            // Within the warp's slices whatever the row's length: past it, stale bytes, unused.
-            const uint4* gate = reinterpret_cast<const uint4*>(ring + q.stage * STAGE_BYTES + 2 * warp * SLICE);
-            uint4 wg[LANE_CHUNKS], wu[LANE_CHUNKS];
-#pragma unroll
-            for (int i = 0; i < LANE_CHUNKS; ++i) {
-                wg[i] = gate[lane + 32 * i];
-                wu[i] = gate[SLICE_CHUNKS + lane + 32 * i];
-            }
-#pragma unroll
-            for (int i = 0; i < LANE_CHUNKS; ++i) {
-                // Dotted whether or not within the row, added only if so: a branch past the row's
-                // end had the compiler sink the next chunk's shared loads below this one's sums.
-                const bool in = s * SLICE_CHUNKS + lane + 32 * i < chunks;
-                float p0, p1;
-                fp8_chunk_dots(wg[i], wu[i], op.xa[i], op.xb[i], p0, p1);
-                g = in ? fmaf(p0, op.gs[i], g) : g;
-                u = in ? fmaf(p1, op.us[i], u) : u;
-            }
-        }
-        __syncwarp();  // every lane's reads of the stage are done
-        if (lane == 0) mbar_arrive(empty + 8 * q.stage);
-        q.next(slices);
-    };
-    if (it.rounds() == 0) return;  // no item: no operand to load (x may be empty)
-    GateUpRows<uint8_t> rows{}, next{};
-    mine = round_rows(0, rows);
-    SliceOperands ahead = load_slice_operands(rows, 0, chunks, lane);
-    while (q.r < it.rounds()) {
-        const bool next_mine = round_rows(q.r + 1, next);
-        g = u = 0.f;
-#pragma unroll 2
-        for (int s = 0; s + 1 < slices; ++s) {
-            const SliceOperands op = ahead;
-            ahead = load_slice_operands(rows, s + 1, chunks, lane);
-            sum_slice(s, op);
-        }
-        const SliceOperands op = ahead;
-        ahead = load_slice_operands(next, 0, chunks, lane);
-        sum_slice(slices - 1, op);
-        if (mine) store_silu_mul(rows.out, g, u, lane);
-        rows = next;
-        mine = next_mine;
-    }
-}
-}  // namespace
-#endif
-
-// Arguments and outputs as moe_gemv_gate_up_fp8's; block of 32 (BULK_WARPS + 1) threads, dynamic
-// shared memory MOE_GATE_UP_BULK_SMEM, grid at most one block per SM (one wave).
-extern "C" __global__ void __launch_bounds__(32 * (MOE_GATE_UP_BULK_WARPS + 1), 1)
-    moe_gemv_gate_up_fp8_bulk(const bf16* __restrict__ x, int hidden, int tokens, const int* __restrict__ topk_ids,
-                              int top_k, const uint8_t* __restrict__ w_gu, const float* __restrict__ s_gu, int im,
-                              const uint8_t* __restrict__ w_sh, const float* __restrict__ s_sh, int ims,
-                              bf16* __restrict__ act, bf16* __restrict__ act_sh) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(16) uint8_t ring[];
-    const GateUpArgs<uint8_t> a{x, hidden, tokens, topk_ids, top_k, w_gu, s_gu, im, w_sh, s_sh, ims, act, act_sh};
-    const uint32_t full = smem_u32(ring + BULK_STAGES * STAGE_BYTES), empty = full + 8 * BULK_STAGES;
-    const long long routed = a.routed(), total = a.total(), first = blockIdx.x, stride = gridDim.x;
-    BulkItems it{first, stride, 0, 0, 0};
-    it.count = first < total ? (int)((total - first + stride - 1) / stride) : 0;
-    it.shared = it.count - (first < routed ? (int)((routed - first + stride - 1) / stride) : 0);
-    it.pad = (BULK_WARPS - it.count % BULK_WARPS) % BULK_WARPS;
-    const int slices = (hidden + SLICE - 1) / SLICE;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < BULK_STAGES; ++i) {
-            mbar_init(full + 8 * i, 1);
-            mbar_init(empty + 8 * i, BULK_WARPS);
-        }
-        fence_proxy_async();  // the initialised barriers, to the bulk-copy engine
-    }
-    __syncthreads();
-    if (threadIdx.x >= 32 * BULK_WARPS) {
-        bulk_gate_up_produce(a, it, slices, smem_u32(ring), full, empty);
-    } else {
-        PDL_ENTRY();
-        bulk_gate_up_consume(a, it, slices, ring, full, empty);
-    }
-#else
-    // Built only for sm_90a; the wrapper never launches this elsewhere.
-    asm volatile("trap;");
-#endif
 }
 
 // Output row r of a token from the warps' partial sums part[warp][r] (the top_k routed experts'

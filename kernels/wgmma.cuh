@@ -1,8 +1,7 @@
 // Hopper (sm_90a) building blocks shared by the wgmma kernels (attention_prefill_sm90.cu,
 // grouped_gemm_sm90.cu): wgmma issue/fence/wait, 128-byte-swizzled shared-memory descriptors and
-// offsets, cp.async into the swizzled layout, mbarriers, named barriers, setmaxnreg; and the bulk
-// copies of moe_gemv.cu's bulk gate/up. Everything is inside the sm_90a feature guard: the
-// compute_80 PTX pass of the same files sees none of it.
+// offsets, cp.async into the swizzled layout, mbarriers, named barriers, setmaxnreg. Everything is
+// inside the sm_90a feature guard: the compute_80 PTX pass of the same files sees none of it.
 #pragma once
 
 #include "common.cuh"
@@ -54,18 +53,6 @@ DEVICE_INLINE void mbar_wait(uint32_t bar, uint32_t parity) {
 // barrier's expected count includes these arrivals).
 DEVICE_INLINE void cp_async_arrive_noinc(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Arrives on the mbarrier and adds `bytes` of bulk copies that its current phase must also see land.
-DEVICE_INLINE void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this CTA's shared
-// memory on the bulk-copy engine (1-D, no tensor map), completing them as transactions on `bar`.
-DEVICE_INLINE void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
 }
 // Named barriers 1 and 2 order the two consumer warpgroups' MMA issue (ping-pong).
 DEVICE_INLINE void named_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }

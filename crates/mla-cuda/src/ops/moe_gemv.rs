@@ -4,9 +4,7 @@
 //! `model::moe_small`'s decision.
 
 use super::count_knob;
-use super::dims::{
-    MOE_GATE_UP_BULK_SMEM, MOE_GATE_UP_BULK_WARPS, MOE_GATE_UP_STREAM_SMEM, MOE_GATE_UP_STREAM_WARPS, MOE_GEMV_WARPS,
-};
+use super::dims::{MOE_GATE_UP_STREAM_SMEM, MOE_GATE_UP_STREAM_WARPS, MOE_GEMV_WARPS};
 use super::expert_mats::ExpertMats;
 use super::gemv_fp8::StreamConfig;
 use super::linear::FP8_BLOCK;
@@ -29,10 +27,6 @@ pub struct MoeGemvKernels {
     gate_up_fp8_stream: Option<(Kernel, usize)>,
     /// When `experts` takes the streaming FP8 gate/up (`MLA_MOE_GATE_UP_STREAM` for A/B runs).
     stream_policy: VariantPolicy,
-    /// moe_gemv_gate_up_fp8_bulk (sm_90a cubin only) and the blocks the GPU holds at once.
-    gate_up_fp8_bulk: Option<(Kernel, usize)>,
-    /// When `experts` takes the bulk-copy FP8 gate/up (`MLA_MOE_GATE_UP_BULK`).
-    bulk_policy: VariantPolicy,
     down_fp8: Kernel,
     /// `down_fp8` for experts of at most `NARROW_DOWN_MAX_INTER` columns (`DownKernel::choose`).
     down_fp8_narrow: Kernel,
@@ -80,15 +74,11 @@ pub enum GateUpKernel {
     WarpFiveBlocks,
     /// moe_gate_up_fp8_stream: MMA tiles fed by cp.async rings, K split over a cluster (sm_90a).
     Stream,
-    /// moe_gemv_gate_up_fp8_bulk: the warp kernel's arithmetic (the same bits) on rows that a
-    /// producer warp streams into a shared-memory ring with bulk copies (sm_90a).
-    Bulk,
 }
 
 /// When a gate/up variant runs, as its A/B knob says: 0 never, 1 where it measured faster (the
-/// default), 2 always. `MLA_MOE_GATE_UP_STREAM` for the streaming kernel and
-/// `MLA_MOE_GATE_UP_BULK` for the bulk-copy one (where the cubin has them),
-/// `MLA_MOE_GATE_UP_5B` for the five-block warp kernel.
+/// default), 2 always. `MLA_MOE_GATE_UP_STREAM` for the streaming kernel (where the cubin has
+/// it), `MLA_MOE_GATE_UP_5B` for the five-block warp kernel.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum VariantPolicy {
     Never,
@@ -158,25 +148,6 @@ fn warp_kernel(five_blocks: VariantPolicy, hidden: usize) -> GateUpKernel {
         GateUpKernel::Warp
     }
 }
-
-/// Where the bulk-copy gate/up measured faster than the warp kernels: nowhere yet (issue 29; it
-/// was written without a GPU), so under `VariantPolicy::Measured`, the default, it never runs and
-/// only `MLA_MOE_GATE_UP_BULK=2` takes it, in place of the warp kernels (at 1-3 tokens on a TP-8
-/// rank of V3; at 4 the streaming kernel keeps its steps unless `MLA_MOE_GATE_UP_STREAM=0`).
-const BULK_MEASURED_FASTER: bool = false;
-
-/// The FP8 gate/up kernel where the streaming one does not run: the bulk-copy one as `bulk`
-/// says, else `warp_kernel`'s.
-fn bulk_or_warp(bulk: VariantPolicy, five_blocks: VariantPolicy, hidden: usize) -> GateUpKernel {
-    if bulk.runs(BULK_MEASURED_FASTER) {
-        GateUpKernel::Bulk
-    } else {
-        warp_kernel(five_blocks, hidden)
-    }
-}
-
-/// Threads of a bulk-copy gate/up block: its consumer warps and the producer warp.
-const BULK_THREADS: usize = 32 * (MOE_GATE_UP_BULK_WARPS + 1);
 
 /// Most K splits of the streaming gate/up: at B = 1 on a TP-8 rank of V3, 3 or 4 splits took
 /// 19.7-20.0 us under ncu, 5 (the most one wave holds) 23.8 (run S42).
@@ -271,24 +242,9 @@ impl MoeGemvKernels {
             _ if gate_up_fp8_stream.is_none() => VariantPolicy::Never,
             p => p,
         };
-        // Bulk copies and 192 KB of shared memory: the sm_90a cubin only.
-        let gate_up_fp8_bulk = if !m.used_ptx && MOE_GATE_UP_BULK_SMEM <= info.max_smem_per_block_optin {
-            let kernel = k("moe_gemv_gate_up_fp8_bulk")?;
-            kernel.set_max_dynamic_smem(MOE_GATE_UP_BULK_SMEM)?;
-            let slots = info.sm_count * kernel.max_active_blocks_per_sm(BULK_THREADS as u32, MOE_GATE_UP_BULK_SMEM)?;
-            Some((kernel, slots))
-        } else {
-            None
-        };
-        let bulk_policy = match VariantPolicy::from_knob("MLA_MOE_GATE_UP_BULK")? {
-            _ if gate_up_fp8_bulk.is_none() => VariantPolicy::Never,
-            p => p,
-        };
         Ok(MoeGemvKernels {
             gate_up_fp8_stream,
             stream_policy,
-            gate_up_fp8_bulk,
-            bulk_policy,
             router: k("moe_router_gemv")?,
             gate_up_wave: info.sm_count * gate_up.max_active_blocks_per_sm(threads, 0)?,
             gate_up_fp8_wave: info.sm_count * gate_up_fp8.max_active_blocks_per_sm(threads, 0)?,
@@ -352,18 +308,10 @@ impl MoeGemvKernels {
     /// `hidden % 16 == 0` and `inter % 128 == 0` (the fused gate/up grids then stack exactly).
     pub fn experts(&self, s: CUstream, p: &MoeGemvExperts) -> anyhow::Result<()> {
         let kernel = match stream_or_warp(self.stream_policy, p.tokens, Self::stream_ctas(p), p.hidden, self.sm_count) {
-            GateUpKernel::Warp => bulk_or_warp(self.bulk_policy, self.five_blocks, p.hidden),
+            GateUpKernel::Warp => warp_kernel(self.five_blocks, p.hidden),
             k => k,
         };
         self.experts_with(s, p, kernel)
-    }
-
-    /// The FP8 gate/up kernels this GPU has, for tests and benchmarks to run each.
-    pub fn fp8_gate_up_kernels(&self) -> Vec<GateUpKernel> {
-        let mut all = vec![GateUpKernel::Warp, GateUpKernel::WarpFiveBlocks];
-        all.extend(self.gate_up_fp8_stream.is_some().then_some(GateUpKernel::Stream));
-        all.extend(self.gate_up_fp8_bulk.is_some().then_some(GateUpKernel::Bulk));
-        all
     }
 
     /// CTAs of the streaming gate/up at one K split: the routed slots' and the shared experts'
@@ -420,12 +368,10 @@ impl MoeGemvKernels {
         args.push(Arg::I32(im as i32));
         args.extend(sh_gate_up);
         args.extend([Arg::I32(ims as i32), Arg::Ptr(p.act.ptr), Arg::Ptr(p.act_shared.ptr)]);
-        let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
         if fp8 && fp8_gate_up == GateUpKernel::Stream {
             self.gate_up_stream(s, p, &args)?;
-        } else if fp8 && fp8_gate_up == GateUpKernel::Bulk {
-            self.gate_up_bulk(s, items, &args)?;
         } else {
+            let items = t * k * im + if pieces > 0 { t * ims } else { 0 };
             // One wave of blocks whose warps stride over the items (no ragged last wave).
             let (kernel, wave) = match (fp8, fp8_gate_up) {
                 (false, _) => (&self.gate_up, self.gate_up_wave),
@@ -470,17 +416,6 @@ impl MoeGemvKernels {
         args.extend([Arg::I32(pieces as i32), Arg::Ptr(p.out.ptr), Arg::I32(h as i32)]);
         let blocks = (h / which.rows()).min(wave.div_ceil(t).max(1));
         kernel.launch(s, (blocks as u32, t as u32, 1), down_threads, 0, &args)?;
-        Ok(())
-    }
-
-    /// moe_gemv_gate_up_fp8_bulk over `items` (slot, column) items: one wave of blocks (its ring
-    /// takes most of an SM's shared memory: one block an SM), but no more blocks than items, each
-    /// striding over them. `args` are the warp kernel's, which it shares.
-    fn gate_up_bulk(&self, s: CUstream, items: usize, args: &[Arg]) -> anyhow::Result<()> {
-        let Some((kernel, wave)) = &self.gate_up_fp8_bulk else {
-            anyhow::bail!("moe gemv: the bulk-copy gate/up needs the sm_90a cubin");
-        };
-        kernel.launch(s, (items.min(*wave) as u32, 1, 1), BULK_THREADS as u32, MOE_GATE_UP_BULK_SMEM as u32, args)?;
         Ok(())
     }
 
@@ -548,16 +483,5 @@ mod tests {
         assert_eq!(warp_kernel(VariantPolicy::Measured, 2048), GateUpKernel::Warp);
         assert_eq!(warp_kernel(VariantPolicy::Always, 2048), GateUpKernel::WarpFiveBlocks);
         assert_eq!(warp_kernel(VariantPolicy::Never, 7168), GateUpKernel::Warp);
-    }
-
-    #[test]
-    fn the_bulk_gate_up_runs_only_when_its_knob_asks() {
-        // Unmeasured: the default leaves the warp kernels in place, on V3's rows and V2-Lite's.
-        assert_eq!(bulk_or_warp(VariantPolicy::Measured, VariantPolicy::Measured, 7168), GateUpKernel::WarpFiveBlocks);
-        assert_eq!(bulk_or_warp(VariantPolicy::Measured, VariantPolicy::Measured, 2048), GateUpKernel::Warp);
-        assert_eq!(bulk_or_warp(VariantPolicy::Never, VariantPolicy::Never, 7168), GateUpKernel::Warp);
-        for hidden in [2048, 7168] {
-            assert_eq!(bulk_or_warp(VariantPolicy::Always, VariantPolicy::Measured, hidden), GateUpKernel::Bulk);
-        }
     }
 }
