@@ -56,6 +56,13 @@ struct ForcedDrafts {
 }
 
 impl ForcedDrafts {
+    /// `inner` with its drafts replaced from `references` (whole token sequences, prompt and
+    /// output, of a run without speculation).
+    fn over(inner: CpuBackend, references: Vec<Vec<u32>>) -> Self {
+        let vocab = inner.model_config().vocab_size as u32;
+        ForcedDrafts { inner, pending: PendingStep::default(), references, fed: HashMap::new(), steps: 0, vocab }
+    }
+
     fn true_drafts(&mut self, plan: &StepPlan, out: &mut StepOutput) {
         self.steps += 1;
         for (s, r) in plan.seqs.iter().zip(&mut out.seqs) {
@@ -275,15 +282,7 @@ fn drafts_that_stand_give_the_same_outputs_with_fewer_steps() {
     let (plain, plain_stats) = run(Box::new(cpu_backend(64, false)), 0, true, 24);
     let refs = references(&plain);
     for k in [1, 2, 4] {
-        let (cfg, _) = fixture();
-        let forced = ForcedDrafts {
-            inner: cpu_backend(64, true),
-            pending: PendingStep::default(),
-            references: refs.clone(),
-            fed: HashMap::new(),
-            steps: 0,
-            vocab: cfg.vocab_size as u32,
-        };
+        let forced = ForcedDrafts::over(cpu_backend(64, true), refs.clone());
         let (spec, stats) = run(Box::new(forced), k, true, 24);
         assert_eq!(spec, plain, "K = {k}");
         let s = &stats.spec;
@@ -304,15 +303,7 @@ fn preemption_with_drafts_in_flight_keeps_outputs_exact() {
     // recomputed, their drafts dropped and drafted again.
     let (plain, _) = run(Box::new(cpu_backend(64, false)), 0, true, 24);
     let refs = references(&plain);
-    let (cfg, _) = fixture();
-    let forced = ForcedDrafts {
-        inner: cpu_backend(12, true),
-        pending: PendingStep::default(),
-        references: refs,
-        fed: HashMap::new(),
-        steps: 0,
-        vocab: cfg.vocab_size as u32,
-    };
+    let forced = ForcedDrafts::over(cpu_backend(12, true), refs);
     let (spec, stats) = run(Box::new(forced), 3, true, 24);
     assert!(stats.preemptions_total > 0, "the small cache was meant to preempt");
     assert_eq!(spec, plain);
@@ -448,16 +439,8 @@ fn penalised_and_biased_requests_draft_and_stay_exact() {
     let (own, own_stats) = run_these(reqs.clone(), Box::new(cpu_backend(64, true)), 2, true, 24, None);
     assert_eq!(own, plain);
     assert!(own_stats.spec.drafts > 0, "the shaped requests draft");
-    let (cfg, _) = fixture();
     for k in [1, 3] {
-        let forced = ForcedDrafts {
-            inner: cpu_backend(64, true),
-            pending: PendingStep::default(),
-            references: references_of(&reqs, &plain),
-            fed: HashMap::new(),
-            steps: 0,
-            vocab: cfg.vocab_size as u32,
-        };
+        let forced = ForcedDrafts::over(cpu_backend(64, true), references_of(&reqs, &plain));
         let (spec, stats) = run_these(reqs.clone(), Box::new(forced), k, true, 24, None);
         assert_eq!(spec, plain, "K = {k}");
         let s = &stats.spec;
@@ -585,17 +568,9 @@ fn constrained_requests_draft_under_a_mask_per_verify_row_and_stay_exact() {
     let (own, own_stats) = run_these(reqs.clone(), Box::new(cpu_backend(64, true)), 2, true, 24, None);
     assert_eq!(exact(&own), exact(&plain));
     assert!(own_stats.spec.drafts > 0, "the constrained requests draft");
-    let (cfg, _) = fixture();
     for k in [1, 3] {
         *counts.lock().unwrap() = ConstraintCounts::default();
-        let forced = ForcedDrafts {
-            inner: cpu_backend(64, true),
-            pending: PendingStep::default(),
-            references: references_of(&reqs, &plain),
-            fed: HashMap::new(),
-            steps: 0,
-            vocab: cfg.vocab_size as u32,
-        };
+        let forced = ForcedDrafts::over(cpu_backend(64, true), references_of(&reqs, &plain));
         let (spec, stats) = run_these(reqs.clone(), Box::new(forced), k, true, 24, None);
         assert_eq!(exact(&spec), exact(&plain), "K = {k}");
         let c = counts.lock().unwrap().clone();
@@ -667,17 +642,9 @@ fn a_grammar_too_slow_along_drafts_stops_drafting_and_both_stay_exact() {
         ]
     };
     let (plain, _) = run_these(reqs(Duration::ZERO), Box::new(cpu_backend(64, false)), 0, true, 24, None);
-    let (cfg, _) = fixture();
     *slow_counts.lock().unwrap() = ConstraintCounts::default();
     *fast_counts.lock().unwrap() = ConstraintCounts::default();
-    let forced = ForcedDrafts {
-        inner: cpu_backend(64, true),
-        pending: PendingStep::default(),
-        references: references_of(&reqs(Duration::ZERO), &plain),
-        fed: HashMap::new(),
-        steps: 0,
-        vocab: cfg.vocab_size as u32,
-    };
+    let forced = ForcedDrafts::over(cpu_backend(64, true), references_of(&reqs(Duration::ZERO), &plain));
     let (spec, _) = run_these(reqs(Duration::from_millis(6)), Box::new(forced), 2, true, 24, None);
     assert_eq!(spec, plain);
     let (slow, fast) = (slow_counts.lock().unwrap().clone(), fast_counts.lock().unwrap().clone());
@@ -735,37 +702,10 @@ impl<B: Backend> Backend for Paced<B> {
 fn the_measured_load_rule_drafts_where_drafts_stand_and_stops_where_they_do_not() {
     let reqs: Vec<GenerateRequest> = requests().into_iter().filter(|r| r.sampling.is_greedy()).take(4).collect();
     let (plain, _) = run_these(reqs.clone(), Box::new(cpu_backend(64, false)), 0, false, 64, None);
-    let (cfg, _) = fixture();
-    fn paced<B: Backend>(inner: B) -> Paced<B> {
-        Paced { inner, every: Duration::from_millis(5), verify: Duration::from_millis(2), pending: None }
-    }
-    let run_ruled = |backend: Box<dyn Backend>| {
-        let cfg = mla_engine::EngineConfig {
-            mtp_drafts: 2,
-            spec_load_rule: true,
-            mixed_steps: false,
-            max_num_batched_tokens: 64,
-            ..engine_config(MAX_LEN)
-        };
-        let engine = Engine::start(backend, cfg).unwrap();
-        let mut streams: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
-        let outs: Vec<Vec<Vec<u32>>> = streams.iter_mut().map(|s| collect(s, 1).tokens).collect();
-        wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
-        let stats = engine.stats();
-        engine.shutdown(Duration::from_secs(1));
-        (outs, stats)
-    };
-    let forced = ForcedDrafts {
-        inner: cpu_backend(64, true),
-        pending: PendingStep::default(),
-        references: references_of(&reqs, &plain),
-        fed: HashMap::new(),
-        steps: 0,
-        vocab: cfg.vocab_size as u32,
-    };
-    let (standing, kept) = run_ruled(Box::new(paced(forced)));
+    let forced = ForcedDrafts::over(cpu_backend(64, true), references_of(&reqs, &plain));
+    let (standing, kept) = run_ruled(&reqs, Box::new(paced(forced)), true);
     assert_eq!(standing, plain);
-    let (own, stopped) = run_ruled(Box::new(paced(cpu_backend(64, true))));
+    let (own, stopped) = run_ruled(&reqs, Box::new(paced(cpu_backend(64, true))), true);
     assert_eq!(own, plain);
     let (kept, stopped) = (kept.spec.drafts, stopped.spec.drafts);
     eprintln!("verify rows: {kept} with standing drafts, {stopped} with the layer's own");
@@ -782,32 +722,32 @@ fn the_measured_load_rule_drafts_where_drafts_stand_and_stops_where_they_do_not(
 fn a_seeded_sampled_request_drafts_whatever_the_measured_rule_decides() {
     let mut reqs: Vec<GenerateRequest> = requests().into_iter().filter(|r| r.sampling.is_greedy()).take(3).collect();
     reqs.push(requests()[SAMPLED].clone());
-    let run = |rule: bool| {
-        let backend = Paced {
-            inner: cpu_backend(64, true),
-            every: Duration::from_millis(5),
-            verify: Duration::from_millis(2),
-            pending: None,
-        };
-        let cfg = mla_engine::EngineConfig {
-            mtp_drafts: 2,
-            spec_load_rule: rule,
-            mixed_steps: false,
-            max_num_batched_tokens: 64,
-            ..engine_config(MAX_LEN)
-        };
-        let engine = Engine::start(Box::new(backend), cfg).unwrap();
-        let mut streams: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
-        let outs: Vec<Vec<Vec<u32>>> = streams.iter_mut().map(|s| collect(s, 1).tokens).collect();
-        wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
-        let stats = engine.stats();
-        engine.shutdown(Duration::from_secs(1));
-        (outs, stats.spec.drafts)
-    };
-    let ((always, all_rows), (ruled, ruled_rows)) = (run(false), run(true));
+    let (always, all) = run_ruled(&reqs, Box::new(paced(cpu_backend(64, true))), false);
+    let (ruled, some) = run_ruled(&reqs, Box::new(paced(cpu_backend(64, true))), true);
     assert_eq!(always, ruled, "every output, the seeded sampled one's too");
-    assert!(
-        ruled_rows < all_rows,
-        "the rule stopped the greedy requests drafting ({ruled_rows} of {all_rows} verify rows)"
-    );
+    let (all, some) = (all.spec.drafts, some.spec.drafts);
+    assert!(some < all, "the rule stopped the greedy requests drafting ({some} of {all} verify rows)");
+}
+
+/// `inner` on a machine where a plain step takes 5 ms and a verify step 7.
+fn paced<B: Backend>(inner: B) -> Paced<B> {
+    Paced { inner, every: Duration::from_millis(5), verify: Duration::from_millis(2), pending: None }
+}
+
+/// `reqs` at once, two drafts a step, without mixed steps, the measured load rule on or off.
+fn run_ruled(reqs: &[GenerateRequest], backend: Box<dyn Backend>, rule: bool) -> (Vec<Vec<Vec<u32>>>, EngineStats) {
+    let cfg = mla_engine::EngineConfig {
+        mtp_drafts: 2,
+        spec_load_rule: rule,
+        mixed_steps: false,
+        max_num_batched_tokens: 64,
+        ..engine_config(MAX_LEN)
+    };
+    let engine = Engine::start(backend, cfg).unwrap();
+    let mut streams: Vec<_> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    let outs = streams.iter_mut().map(|s| collect(s, 1).tokens).collect();
+    wait_until("blocks freed", || engine.stats().kv_usage == 0.0);
+    let stats = engine.stats();
+    engine.shutdown(Duration::from_secs(1));
+    (outs, stats)
 }
