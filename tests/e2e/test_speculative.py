@@ -25,6 +25,10 @@ FIXTURES = ROOT / "tests" / "fixtures"
 DEMO = ROOT / "assets" / "demo"
 NEAR_TIE = 1e-3
 VLLM = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+# Every step drafts: the measured load rule (on by default) stops drafting on the CPU, where the
+# untrained layer's drafts do not stand and a verify step costs several plain ones, and these
+# tests are about what drafting does. The default rule has its own case below.
+ALWAYS = ["--speculative-load-rule", "off"]
 SGLANG = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
 # Drafting pauses while 2 or more sequences run: the batched request drafts only in its tail.
 VLLM_PAUSED = [
@@ -74,7 +78,8 @@ DPA2 = ["--tp", "2", "--enable-dp-attention"]
 
 @pytest.mark.parametrize(
     "flags",
-    [VLLM, SGLANG, VLLM_PAUSED, VLLM + ["--tp", "2"], VLLM + DPA2, VLLM_PAUSED + DPA2],
+    [VLLM, SGLANG + ALWAYS, VLLM_PAUSED + ALWAYS, VLLM + ALWAYS + ["--tp", "2"], VLLM + ALWAYS + DPA2,
+     VLLM_PAUSED + ALWAYS + DPA2],
     ids=["vllm", "sglang", "vllm-paused", "vllm-tp2", "vllm-dpa2", "vllm-paused-dpa2"],
 )
 def test_greedy_output_with_mtp_is_hfs(flags, tmp_path):
@@ -126,7 +131,7 @@ def test_penalised_and_biased_requests_draft_and_match_the_server_without_specul
     prompts = [oracle()[0]["prompt"], oracle()[2]["prompt"]]
     shaping = {"repetition_penalty": 1.1, "presence_penalty": 0.4, "frequency_penalty": 0.2}
     outputs = []
-    for flags in ([], VLLM):
+    for flags in ([], VLLM + ALWAYS):
         server = Server("--model", str(d), "--served-model-name", "m", "--device", "cpu", *flags)
         try:
             client = server.client()
@@ -186,7 +191,7 @@ def test_structured_requests_draft_and_match_the_server_without_speculation(flag
     d = model_dir(tmp_path, "v3_mtp")
     prompts = [oracle()[0]["prompt"], oracle()[2]["prompt"]]
     outputs = []
-    for spec in ([], VLLM):
+    for spec in ([], VLLM + ALWAYS):
         server = Server("--model", str(d), "--served-model-name", "m", "--device", "cpu", *flags, *spec)
         try:
             client = server.client()
@@ -219,7 +224,7 @@ def test_sampled_requests_draft_and_reproduce_on_the_cpu_reference(tmp_path):
     """Sampled requests without penalties draft (rejection sampling keeps the target's
     distribution: crates/mla-cpu/tests/speculative_sampling.rs tests that statistically); the
     same seed gives the same tokens again, with n = 2, streamed or not, with logprobs."""
-    server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *VLLM)
+    server = Server("--model", str(model_dir(tmp_path, "v3_mtp")), "--served-model-name", "m", "--device", "cpu", *VLLM, *ALWAYS)
     try:
         assert "for greedy and sampled requests" in server.log_text()
         client = server.client()
@@ -269,7 +274,7 @@ def test_two_nodes_with_dp_attention_draft_and_give_hfs_output(tmp_path):
     """Node 1 holds rank 1 of a DP-attention pair; both load the MTP layer and make every MTP
     pass together. A node started without the speculative flags is refused at the rendezvous."""
     d = model_dir(tmp_path, "v3_mtp")
-    common = ["--model", str(d), "--device", "cpu", *DPA2, *VLLM]
+    common = ["--model", str(d), "--device", "cpu", *DPA2, *VLLM, *ALWAYS]
     addr = free_addr()
     node1, _ = start_node(1, addr, common)
     server = Server(*common, "--served-model-name", "m", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
