@@ -26,6 +26,7 @@ mod gauges;
 mod liveness;
 mod rank_loads;
 mod router;
+mod spec_rule;
 mod turns;
 mod worker;
 

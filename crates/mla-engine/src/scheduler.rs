@@ -62,7 +62,6 @@ use std::collections::VecDeque;
 mod admission;
 mod constraints;
 mod fairness;
-mod spec_rule;
 mod steps;
 
 pub use admission::{blocks_to_admit, reusable_blocks, shared_prefix_len};
@@ -93,9 +92,6 @@ pub struct SchedulerConfig {
     /// cache misses those positions: acceptance dips for a while after drafting resumes,
     /// correctness does not change.
     pub spec_disable_batch: Option<usize>,
-    /// Draft at a batch size only while it measured faster there (`spec_rule`; the server's
-    /// `--speculative-load-rule measured`, its default).
-    pub spec_load_rule: bool,
     /// Whether the backend verifies drafts of sampled draws (`Backend::verifies_sampled_drafts`);
     /// without it only greedy requests draft.
     pub spec_sampled: bool,
@@ -172,9 +168,8 @@ pub struct Scheduler {
     spec: SpecStats,
     /// Whether drafting is paused by `SchedulerConfig::spec_disable_batch` (logged as it turns).
     spec_paused: bool,
-    /// The measured load rule (`SchedulerConfig::spec_load_rule`), and whether it rules the
-    /// steps being built out of drafting.
-    spec_rule: Option<spec_rule::SpecRule>,
+    /// The engine's measured load rule ruled the steps being built out of drafting
+    /// (`rule_out_drafting`).
     spec_ruled_out: bool,
 }
 
@@ -252,9 +247,14 @@ impl Scheduler {
             mask_jobs: Vec::new(),
             spec: SpecStats::default(),
             spec_paused: false,
-            spec_rule: (cfg.spec_load_rule && cfg.mtp_drafts > 0).then(spec_rule::SpecRule::default),
             spec_ruled_out: false,
         }
+    }
+
+    /// Whether the engine's measured load rule rules the next steps out of drafting (but for
+    /// seeded sampled requests, `Group::pins_draws`).
+    pub fn rule_out_drafting(&mut self, ruled_out: bool) {
+        self.spec_ruled_out = ruled_out;
     }
 
     /// Speculative decoding's counts since start.

@@ -23,7 +23,6 @@ fn sched_turns(num_blocks: usize, max_num_seqs: usize, budget: usize) -> Schedul
 
 fn sched_with(num_blocks: usize, max_num_seqs: usize, budget: usize, mixed_steps: bool) -> Scheduler {
     let cfg = SchedulerConfig {
-        spec_load_rule: false,
         spec_shaped: false,
         long_prefill_token_threshold: None,
         max_model_len: 4096,

@@ -36,7 +36,6 @@ fn sched_full(
     threshold: Option<usize>,
 ) -> Scheduler {
     let cfg = SchedulerConfig {
-        spec_load_rule: false,
         spec_shaped: false,
         long_prefill_token_threshold: threshold,
         max_model_len: 4096,
@@ -325,7 +324,6 @@ fn admission_waits_for_free_blocks() {
 #[test]
 fn finishing_rules_and_removal_free_blocks() {
     let cfg = SchedulerConfig {
-        spec_load_rule: false,
         spec_shaped: false,
         long_prefill_token_threshold: None,
         max_model_len: 12,
@@ -558,7 +556,6 @@ fn prompt_logprobs_are_complete_and_exact_when_preempted_mid_prefill() {
     // 8 blocks hold either request at its longest (30 and 26 tokens), not both.
     for num_blocks in 8..16 {
         let cfg = SchedulerConfig {
-            spec_load_rule: false,
             spec_shaped: false,
             long_prefill_token_threshold: None,
             max_model_len: 4096,
@@ -612,7 +609,6 @@ fn prompt_logprob_chunks_share_the_steps_logit_rows() {
     // room for 200 rows of logits beyond the sampled ones: one step may not return 4 x 256
     // rows (a backend sized for 200 would refuse it), so the chunks wait their turn.
     let cfg = SchedulerConfig {
-        spec_load_rule: false,
         spec_shaped: false,
         long_prefill_token_threshold: None,
         max_model_len: 4096,
@@ -666,7 +662,6 @@ fn each_prompt_position_s_logits_are_asked_for_once_whatever_n() {
     // completions feeds 8..10. Only one of them asks for those rows in its plan.
     for n in [1, 4, 8] {
         let cfg = SchedulerConfig {
-            spec_load_rule: false,
             spec_shaped: false,
             long_prefill_token_threshold: None,
             max_model_len: 4096,

@@ -751,3 +751,37 @@ fn run_ruled(reqs: &[GenerateRequest], backend: Box<dyn Backend>, rule: bool) ->
     engine.shutdown(Duration::from_secs(1));
     (outs, stats)
 }
+
+/// Two DP-attention ranks of the CPU reference in one process, each with the MTP layer.
+fn dp_attention_pair() -> mla_cpu::group::CpuGroupBackend {
+    let (cfg, _) = fixture();
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/v3_mtp");
+    let weights: Arc<dyn mla_core::WeightSource + Send + Sync> = Arc::new(Checkpoint::open(&dir, &cfg).unwrap());
+    mla_cpu::group::local_group(
+        cfg,
+        weights,
+        mla_core::Parallel::from_flags(2, None, true).unwrap(),
+        CacheLayout { block_size: BLOCK_SIZE, num_blocks: 32 },
+        mla_core::KvCacheDtype::Auto,
+        StepLimits::unlimited(),
+        Duration::from_secs(600),
+        true,
+    )
+    .unwrap()
+}
+
+/// DP-attention ranks step together, so one measured rule decides for both from their rows
+/// together: on the paced machine the untrained layer's drafts stop drafting on both ranks, and
+/// the outputs are one rank's without speculation either way.
+#[test]
+fn one_measured_rule_decides_for_every_dp_attention_rank() {
+    let reqs: Vec<GenerateRequest> = requests().into_iter().filter(|r| r.sampling.is_greedy()).take(4).collect();
+    let (plain, _) = run_these(reqs.clone(), Box::new(cpu_backend(64, false)), 0, false, 64, None);
+    let (ruled, on) = run_ruled(&reqs, Box::new(paced(dp_attention_pair())), true);
+    let (always, off) = run_ruled(&reqs, Box::new(paced(dp_attention_pair())), false);
+    assert_eq!(ruled, plain);
+    assert_eq!(always, plain);
+    let (on, off) = (on.spec.drafts, off.spec.drafts);
+    eprintln!("verify rows over both ranks: {on} with the rule, {off} without");
+    assert!(3 * on < off, "the rule stopped drafting on both ranks ({on} verify rows against {off})");
+}

@@ -25,6 +25,7 @@ use super::delivery::{announce_admissions, Outbox};
 use super::gauges;
 use super::rank_loads::{request_cost, RankLoads};
 use super::router::RankCache;
+use super::spec_rule::SpecRule;
 use super::turns::{idle, Turns};
 use super::{Command, Liveness};
 use crate::api::{EngineConfig, EngineEvent, FinishReason, GenerateRequest};
@@ -71,6 +72,9 @@ pub(super) struct Worker {
     /// Threads that compute structured-output masks together (the host's cores).
     mask_threads: usize,
     masks: MaskStats,
+    /// The measured load rule of speculative decoding (`EngineConfig::spec_load_rule`): one for
+    /// all ranks, which step together.
+    spec_rule: Option<SpecRule>,
 }
 
 /// A request the handle routed to one of this engine's ranks.
@@ -117,7 +121,6 @@ impl Worker {
             mixed_steps: cfg.mixed_steps,
             mtp_drafts: cfg.mtp_drafts,
             spec_disable_batch: cfg.spec_disable_batch,
-            spec_load_rule: cfg.spec_load_rule,
             spec_sampled: backend.verifies_sampled_drafts(),
             spec_shaped: backend.verifies_shaped_drafts(),
             fork_blocks: backend.forks_blocks(),
@@ -144,6 +147,7 @@ impl Worker {
             steps: 0,
             mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             masks: MaskStats::default(),
+            spec_rule: (cfg.spec_load_rule && cfg.mtp_drafts > 0).then(SpecRule::default),
         }
     }
 
@@ -165,6 +169,11 @@ impl Worker {
             self.drop_departed_clients();
             if self.deadline.is_some_and(|d| !self.has_work() || Instant::now() >= d) {
                 break;
+            }
+            if let Some(rule) = self.spec_rule.as_mut() {
+                let batch = self.ranks.iter().map(Scheduler::num_running).sum();
+                let drafts = rule.consult(batch);
+                self.ranks.iter_mut().for_each(|r| r.rule_out_drafting(!drafts));
             }
             let plans = self.turns.schedule(&mut self.ranks);
             if plans.iter().any(|p| !p.seqs.is_empty()) {
@@ -376,8 +385,8 @@ impl Worker {
         let err = match result {
             Ok(outs) => {
                 self.apply_all(&plans, &outs);
-                for ((sched, plan), out) in self.ranks.iter_mut().zip(plans.iter()).zip(&outs) {
-                    sched.record_step_time(plan, out, took);
+                if let Some(rule) = self.spec_rule.as_mut() {
+                    rule.observe(&plans, &outs, took);
                 }
                 // The backend has dropped its references by now (its threads do before they
                 // answer); if not, the plans are simply freed.

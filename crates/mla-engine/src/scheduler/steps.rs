@@ -60,7 +60,6 @@ impl Scheduler {
     /// are free and the step's token budget has room; otherwise it feeds its one token.
     pub(super) fn build_decode(&mut self) -> Vec<SeqStep> {
         let mut steps = Vec::with_capacity(self.running.len());
-        self.consult_spec_rule();
         let drafting = self.drafting();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut i = 0;
@@ -94,8 +93,8 @@ impl Scheduler {
     }
 
     /// What speculative decoding asks of this step's entries, when it is on and not paused by
-    /// the batch-size rule (`SchedulerConfig::spec_disable_batch`); where the measured rule
-    /// rules drafting out (`consult_spec_rule`), for seeded sampled requests only.
+    /// the batch-size rule (`SchedulerConfig::spec_disable_batch`); where the engine's measured
+    /// rule rules drafting out (`rule_out_drafting`), for seeded sampled requests only.
     fn drafting(&mut self) -> Option<Drafting> {
         if self.cfg.mtp_drafts == 0 {
             return None;

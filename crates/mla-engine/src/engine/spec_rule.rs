@@ -14,13 +14,15 @@
 //! every 64 steps after a turn, up to every 1,024 while the decision stands), so the estimates
 //! follow the context lengths and the acceptance as they drift. A switch needs a `MARGIN` lead, so noise does not flip it.
 //!
+//! One rule serves every rank of an engine, with every rank's rows: the ranks of a DP-attention
+//! group step together, so their steps' time is one, and one rank drafting slows them all.
+//!
 //! Only decode steps count: a mixed step's time is mostly its prompt chunk's. A step that drafts
 //! without verifying (the first after drafting resumes) is neither kind and is not counted, nor
 //! is a step the rule ruled out of drafting in which rows verified all the same: requests with a
 //! seed and sampling draft whatever the rule says, so that their tokens reproduce (whether a
 //! step drafts decides which uniforms draw them), and such a step measures neither mode.
 
-use super::Scheduler;
 use mla_core::step::plan::{StepKind, StepOutput, StepPlan};
 use std::time::Duration;
 
@@ -84,14 +86,12 @@ pub struct Decision {
     pub turned: Option<(f64, f64)>,
 }
 
-impl Scheduler {
-    /// Asks the measured rule whether the decode step being built drafts (once per step, before
-    /// its entries); the log says when a batch size's answer turns.
-    pub(super) fn consult_spec_rule(&mut self) {
-        let Some(rule) = self.spec_rule.as_mut() else { return };
-        let batch = self.running.len();
-        let d = rule.decide(batch);
-        self.spec_ruled_out = !d.drafts;
+impl SpecRule {
+    /// Whether the decode step being built drafts, for `batch` sequences over every rank (once
+    /// a step); the log says when a batch size's answer turns.
+    pub fn consult(&mut self, batch: usize) -> bool {
+        let d = self.decide(batch);
+        self.ruled_out = !d.drafts;
         if let Some((drafting, plain)) = d.turned {
             let (now, was) = if d.drafts { ("resumes", "stopped") } else { ("stops", "drafted") };
             tracing::info!(
@@ -100,22 +100,24 @@ impl Scheduler {
                 plain
             );
         }
+        d.drafts
     }
 
-    /// Counts a finished step for the measured rule: a decode step's sequences, its verifying
-    /// rows and what they emitted, and how long it took.
-    pub fn record_step_time(&mut self, plan: &StepPlan, out: &StepOutput, took: Duration) {
-        let Some(rule) = self.spec_rule.as_mut() else { return };
-        if plan.kind != StepKind::Decode || plan.seqs.is_empty() {
-            return;
-        }
-        let mut sample = StepSample { batch: plan.seqs.len(), verify_rows: 0, emitted: 0, drafted: false, took };
-        for (s, r) in plan.seqs.iter().zip(&out.seqs) {
+    /// Counts a finished step: every rank's decode rows together (DP-attention ranks step
+    /// together, so a rank that drafts slows the others' step too), its verifying rows and what
+    /// they emitted, and how long it took. A step with a prompt chunk on any rank is not counted.
+    pub fn observe(&mut self, plans: &[StepPlan], outs: &[StepOutput], took: Duration) {
+        let decodes = plans.iter().all(|p| p.kind == StepKind::Decode || p.seqs.is_empty());
+        let mut sample = StepSample { batch: 0, verify_rows: 0, emitted: 0, drafted: false, took };
+        for (s, r) in plans.iter().zip(outs).flat_map(|(p, o)| p.seqs.iter().zip(&o.seqs)) {
+            sample.batch += 1;
             sample.drafted |= s.mtp.is_some_and(|m| m.draft > 0);
             sample.verify_rows += usize::from(s.drafts_fed() > 0);
             sample.emitted += usize::from(r.sampled.is_some()) + r.extra_tokens.len();
         }
-        rule.record(sample, self.spec_ruled_out);
+        if decodes && sample.batch > 0 {
+            self.record(sample, self.ruled_out);
+        }
     }
 }
 
@@ -125,12 +127,14 @@ pub struct SpecRule {
     buckets: [Bucket; BUCKETS],
     /// Tokens a sequence emits in a verify step.
     per_seq: Ema,
+    /// The last decision ruled the step out of drafting.
+    ruled_out: bool,
 }
 
 impl Default for SpecRule {
     fn default() -> Self {
         let bucket = Bucket { drafting: true, probe_every: PROBE_EVERY, ..Bucket::default() };
-        SpecRule { buckets: [bucket; BUCKETS], per_seq: Ema::default() }
+        SpecRule { buckets: [bucket; BUCKETS], per_seq: Ema::default(), ruled_out: false }
     }
 }
 
