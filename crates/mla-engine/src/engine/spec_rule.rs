@@ -12,7 +12,8 @@
 //! both ways is measured (first with drafts, then a plain step), and now and then a bucket runs
 //! the other way (one plain step, or two drafting ones: the first drafts, the second verifies;
 //! every 64 steps after a turn, up to every 1,024 while the decision stands), so the estimates
-//! follow the context lengths and the acceptance as they drift. A switch needs a `MARGIN` lead, so noise does not flip it.
+//! follow the context lengths and the acceptance as they drift. A switch needs a `MARGIN` lead,
+//! so noise does not flip it.
 //!
 //! One rule serves every rank of an engine, with every rank's rows: the ranks of a DP-attention
 //! group step together, so their steps' time is one, and one rank drafting slows them all.
@@ -86,6 +87,23 @@ pub struct Decision {
     pub turned: Option<(f64, f64)>,
 }
 
+/// See the module doc.
+#[derive(Debug, Clone)]
+pub struct SpecRule {
+    buckets: [Bucket; BUCKETS],
+    /// Tokens a sequence emits in a verify step.
+    per_seq: Ema,
+    /// The last decision ruled the step out of drafting.
+    ruled_out: bool,
+}
+
+impl Default for SpecRule {
+    fn default() -> Self {
+        let bucket = Bucket { drafting: true, probe_every: PROBE_EVERY, ..Bucket::default() };
+        SpecRule { buckets: [bucket; BUCKETS], per_seq: Ema::default(), ruled_out: false }
+    }
+}
+
 impl SpecRule {
     /// Whether the decode step being built drafts, for `batch` sequences over every rank (once
     /// a step); the log says when a batch size's answer turns.
@@ -118,23 +136,6 @@ impl SpecRule {
         if decodes && sample.batch > 0 {
             self.record(sample, self.ruled_out);
         }
-    }
-}
-
-/// See the module doc.
-#[derive(Debug, Clone)]
-pub struct SpecRule {
-    buckets: [Bucket; BUCKETS],
-    /// Tokens a sequence emits in a verify step.
-    per_seq: Ema,
-    /// The last decision ruled the step out of drafting.
-    ruled_out: bool,
-}
-
-impl Default for SpecRule {
-    fn default() -> Self {
-        let bucket = Bucket { drafting: true, probe_every: PROBE_EVERY, ..Bucket::default() };
-        SpecRule { buckets: [bucket; BUCKETS], per_seq: Ema::default(), ruled_out: false }
     }
 }
 
